@@ -1,0 +1,87 @@
+-- Token bucket, one key per (identity, endpoint, policy version).
+--
+-- KEYS[1]  bucket hash: t = micro-tokens, f = refill remainder (< 10^6), ts = last admit (us)
+-- ARGV[1]  capacity in micro-tokens      (10^6 .. 10^15)
+-- ARGV[2]  refill in micro-tokens/second (0 .. 10^12)
+-- ARGV[3]  cost of this request          (1 .. capacity)
+--
+-- Returns {allowed (0/1), micro-tokens left, retry-after seconds (0 when allowed),
+--          seconds until full, now in microseconds}.
+--
+-- Redis TIME is the only clock. All arithmetic stays on integers below 2^53, where Lua's
+-- doubles are exact: the refill of a partial second is split so that no product exceeds
+-- 10^12 x 10^6 / 10^6, and the remainder of every refill is carried in `f` so that no
+-- micro-token is ever lost to rounding. A denied request writes nothing.
+
+local MICRO = 1000000
+
+-- floor(a / b) for non-negative integers below 2^53, corrected for the rounding of '/'.
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  while q * b > a do q = q - 1 end
+  while (q + 1) * b <= a do q = q + 1 end
+  return q
+end
+
+local function ceil_div(a, b)
+  local q = idiv(a, b)
+  if q * b < a then q = q + 1 end
+  return q
+end
+
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * MICRO + tonumber(t[2])
+
+local state = redis.call('HMGET', KEYS[1], 't', 'f', 'ts')
+local tokens = capacity
+local frac = 0
+if state[1] then
+  tokens = tonumber(state[1])
+  frac = tonumber(state[2])
+  local elapsed = now - tonumber(state[3])
+  if elapsed > 0 and rate > 0 then
+    local secs = idiv(elapsed, MICRO)
+    if secs > idiv(capacity, rate) then
+      tokens = capacity
+      frac = 0
+    else
+      local us = elapsed - secs * MICRO
+      local rate_hi = idiv(rate, MICRO)
+      local rate_lo = rate - rate_hi * MICRO
+      local part = us * rate_lo + frac
+      local gained = secs * rate + us * rate_hi + idiv(part, MICRO)
+      frac = part - idiv(part, MICRO) * MICRO
+      tokens = tokens + gained
+      if tokens >= capacity then
+        tokens = capacity
+        frac = 0
+      end
+    end
+  end
+end
+
+local function until_full(left)
+  if left >= capacity then return 0 end
+  if rate == 0 then return -1 end
+  return ceil_div(capacity - left, rate)
+end
+
+if tokens < cost then
+  local retry = -1
+  if rate > 0 then retry = ceil_div(cost - tokens, rate) end
+  return {0, tokens, retry, until_full(tokens), now}
+end
+
+tokens = tokens - cost
+redis.call('HSET', KEYS[1], 't', tokens, 'f', frac, 'ts', now)
+local full = until_full(tokens)
+if full > 0 then
+  redis.call('EXPIRE', KEYS[1], full + 1)
+elseif full < 0 then
+  redis.call('PERSIST', KEYS[1])
+end
+return {1, tokens, 0, full, now}

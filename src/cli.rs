@@ -1,0 +1,111 @@
+//! The command line: run the gateway, or check a config file.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{Algorithm, Config, IdentitySource, PathMatch, RouteConfig};
+
+/// Exit code for an invalid config.
+pub const EXIT_INVALID_CONFIG: i32 = 2;
+
+#[derive(Debug, Parser)]
+#[command(name = "sentinel-gateway", version, about = "A rate-limiting reverse proxy with explicit failure semantics")]
+struct Cli {
+    /// The config file.
+    #[arg(long, global = true, default_value = "gateway.toml", value_name = "PATH")]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate the config file and print one line per route; exit 0 when valid, 2 when not.
+    Check,
+}
+
+/// Runs the command line; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let loaded = Config::load(&cli.config);
+    match (cli.command, loaded) {
+        (_, Err(errors)) => {
+            eprintln!("{errors}");
+            eprintln!("{}: {} error(s); the config was not loaded", cli.config.display(), errors.0.len());
+            EXIT_INVALID_CONFIG
+        }
+        (Some(Command::Check), Ok(config)) => {
+            for route in &config.routes {
+                println!("{}", describe(route));
+            }
+            println!("{}: ok, {} route(s)", cli.config.display(), config.routes.len());
+            0
+        }
+        (None, Ok(config)) => {
+            crate::telemetry::init();
+            match crate::server::run(config) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start");
+                    1
+                }
+            }
+        }
+    }
+}
+
+fn requests(micro: u64) -> String {
+    let whole = micro / 1_000_000;
+    let frac = micro % 1_000_000;
+    if frac == 0 {
+        whole.to_string()
+    } else {
+        let s = format!("{whole}.{frac:06}");
+        s.trim_end_matches('0').to_owned()
+    }
+}
+
+/// One plain-words line per route, as `check` prints it.
+pub fn describe(route: &RouteConfig) -> String {
+    let p = &route.policy;
+    let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
+        m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
+    });
+    let path = match &route.path {
+        PathMatch::Exact(p) => p.clone(),
+        PathMatch::Prefix(p) if p == "/" => "/**".to_owned(),
+        PathMatch::Prefix(p) => format!("{p}/**"),
+    };
+    let host = route.host.as_deref().map_or(String::new(), |h| format!(" on {h}"));
+    let identity = match &route.identity {
+        IdentitySource::Jwt => "per JWT subject".to_owned(),
+        IdentitySource::ClientIp => "per client IP".to_owned(),
+        IdentitySource::Global => "shared by all clients".to_owned(),
+        IdentitySource::Header(h) => format!("per {h} header"),
+    };
+    let limit = match p.algorithm {
+        Algorithm::None => "not limited".to_owned(),
+        Algorithm::TokenBucket { capacity_micro, refill_micro_per_sec } => {
+            let refill = if refill_micro_per_sec == 0 {
+                "never refilled".to_owned()
+            } else {
+                format!("refilled at {} requests per second", requests(refill_micro_per_sec))
+            };
+            let cost = if p.cost_micro == 1_000_000 { String::new() } else { format!(", {} tokens per request", requests(p.cost_micro)) };
+            format!("token bucket of {} requests, {refill}{cost}, {identity}", requests(capacity_micro))
+        }
+    };
+    let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
+        (Algorithm::None, ..) => String::new(),
+        (_, Some(rate), crate::config::FailMode::FailOpen) => {
+            format!("; fail_open (emergency cap {} requests per second per process)", requests(rate))
+        }
+        (_, _, mode) => format!("; {}", mode.as_str()),
+    };
+    let shadow = if p.mode == crate::config::Mode::Shadow { "; shadow mode" } else { "" };
+    format!(
+        "{}: {methods} {path}{host} -> {}; {limit}{fail}{shadow}; policy v{}",
+        p.endpoint_id, route.upstream.name, p.policy_version
+    )
+}

@@ -1,0 +1,207 @@
+//! Loading `gateway.toml`: read, parse into the raw mirror, validate into domain types.
+//!
+//! A `Config` can only be built through validation, so the rest of the gateway never sees an
+//! invalid value.
+
+mod error;
+pub mod raw;
+mod validate;
+
+pub use error::{line_col, ConfigError, ConfigErrors};
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+
+/// The environment variable that overrides `[redis] url`.
+pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
+
+/// One micro-token: the cost of one request.
+pub const ONE_TOKEN_MICRO: u64 = 1_000_000;
+
+/// Largest accepted `capacity_micro` (10^9 requests); see docs/configuration.md for why the
+/// Lua arithmetic stays exact below it.
+pub const MAX_CAPACITY_MICRO: u64 = 1_000_000_000_000_000;
+
+/// Largest accepted `refill_rate_micro_per_sec` and fallback rates (10^6 requests per second).
+pub const MAX_RATE_MICRO_PER_SEC: u64 = 1_000_000_000_000;
+
+/// A validated gateway configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub source: PathBuf,
+    pub server: ServerConfig,
+    pub redis: RedisConfig,
+    pub breaker: BreakerConfig,
+    pub jwt: Option<JwtConfig>,
+    pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: Vec<SocketAddr>,
+    pub threads: usize,
+    pub admin_listen: SocketAddr,
+    pub trusted_proxies: Vec<IpNet>,
+    pub grace_period: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    pub url: String,
+    pub timeout: Duration,
+    pub key_prefix: String,
+    pub require_noeviction: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    pub failure_threshold: NonZeroU32,
+    pub open_for: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtConfig {
+    pub secret_env: String,
+    pub algorithms: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamConfig {
+    pub name: String,
+    pub addrs: Vec<SocketAddr>,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+}
+
+/// An endpoint id as written in the config: `^[a-z0-9._-]+$`, never derived from a URL.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EndpointId(Arc<str>);
+
+impl EndpointId {
+    pub fn parse(s: &str) -> Option<Self> {
+        let valid = !s.is_empty()
+            && s.len() <= 128
+            && s.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            });
+        valid.then(|| Self(Arc::from(s)))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EndpointId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    /// `path`: this normalized path only.
+    Exact(String),
+    /// `path_prefix`: this path and everything below it, by whole segments.
+    Prefix(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdentitySource {
+    Jwt,
+    ClientIp,
+    Global,
+    /// A request header, stored lower-case.
+    Header(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    None,
+    TokenBucket {
+        capacity_micro: u64,
+        refill_micro_per_sec: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailMode {
+    FailOpen,
+    FailClosed,
+}
+
+impl FailMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailMode::FailOpen => "fail_open",
+            FailMode::FailClosed => "fail_closed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    /// Decide and count as usual, but forward every request.
+    Shadow,
+}
+
+/// Everything that decides one endpoint's limit. Routes sharing an endpoint id share one
+/// policy, and so one bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub endpoint_id: EndpointId,
+    pub algorithm: Algorithm,
+    pub cost_micro: u64,
+    pub fail_mode: FailMode,
+    /// The emergency limiter's capacity and refill per second, when fail-open.
+    pub fallback_rate_micro: Option<u64>,
+    pub policy_version: u64,
+    pub mode: Mode,
+}
+
+#[derive(Debug, Clone)]
+pub struct RouteConfig {
+    /// Position in the file, for messages.
+    pub index: usize,
+    pub path: PathMatch,
+    pub methods: Option<Vec<http::Method>>,
+    /// Lower-case host name without port.
+    pub host: Option<String>,
+    pub upstream: Arc<UpstreamConfig>,
+    pub identity: IdentitySource,
+    pub policy: Arc<Policy>,
+}
+
+impl Config {
+    /// Reads, parses and validates `path`; `SENTINEL_REDIS_URL` overrides `[redis] url`.
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let source = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: path.to_path_buf(),
+                position: None,
+                route: None,
+                message: format!("cannot read the config file: {e}"),
+            }])
+        })?;
+        let redis_url = std::env::var(REDIS_URL_ENV).ok();
+        Self::from_source(path, &source, redis_url.as_deref())
+    }
+
+    /// Validates a config held in memory; `path` is only used in messages.
+    pub fn from_source(
+        path: &Path,
+        source: &str,
+        redis_url_override: Option<&str>,
+    ) -> Result<Config, ConfigErrors> {
+        validate::validate(path, source, redis_url_override)
+    }
+}

@@ -1,0 +1,136 @@
+//! The serde mirror of `gateway.toml`: every field exactly as written, with its position.
+//!
+//! Nothing here is validated beyond TOML types; `validate.rs` turns this into the domain
+//! config. Unknown fields are rejected so a misspelt field never silently falls back to a
+//! default.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use toml::Spanned;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub server: Option<Spanned<RawServer>>,
+    pub redis: Option<Spanned<RawRedis>>,
+    pub breaker: Option<Spanned<RawBreaker>>,
+    pub auth: Option<Spanned<RawAuth>>,
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, Spanned<RawUpstream>>,
+    #[serde(default)]
+    pub routes: Vec<Spanned<RawRoute>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub listen: Option<Spanned<OneOrMany>>,
+    pub threads: Option<Spanned<i64>>,
+    pub admin_listen: Option<Spanned<String>>,
+    pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
+    pub grace_period_seconds: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRedis {
+    pub url: Option<Spanned<String>>,
+    pub cluster_urls: Option<Spanned<Vec<String>>>,
+    pub timeout_ms: Option<Spanned<i64>>,
+    pub key_prefix: Option<Spanned<String>>,
+    pub require_noeviction: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBreaker {
+    pub failure_threshold: Option<Spanned<i64>>,
+    pub open_seconds: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAuth {
+    pub jwt: Option<Spanned<RawJwt>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJwt {
+    pub secret_env: Option<Spanned<String>>,
+    pub algorithms: Option<Spanned<Vec<String>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub addrs: Spanned<Vec<Spanned<String>>>,
+    pub connect_timeout_ms: Option<Spanned<i64>>,
+    pub read_timeout_ms: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawIdentity {
+    Named(String),
+    Header {
+        header: String,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub endpoint_id: Spanned<String>,
+    pub path: Option<Spanned<String>>,
+    pub path_prefix: Option<Spanned<String>>,
+    pub methods: Option<Spanned<Vec<String>>>,
+    pub host: Option<Spanned<String>>,
+    pub upstream: Spanned<String>,
+    pub identity: Option<Spanned<RawIdentity>>,
+    pub algorithm: Spanned<String>,
+    pub limit: Option<Spanned<i64>>,
+    pub window_size_micro: Option<Spanned<i64>>,
+    pub capacity_micro: Option<Spanned<i64>>,
+    pub refill_rate_micro_per_sec: Option<Spanned<i64>>,
+    pub fail_mode: Option<Spanned<String>>,
+    pub fallback_rate_per_process_micro: Option<Spanned<i64>>,
+    pub fallback_rate_fleet_micro: Option<Spanned<i64>>,
+    pub emergency_scope: Option<Spanned<String>>,
+    pub policy_version: Option<Spanned<i64>>,
+    pub ratelimit_headers: Option<bool>,
+    pub cost_micro: Option<Spanned<i64>>,
+    pub mode: Option<Spanned<String>>,
+}
+
+/// The field names of a route, in the order the documentation lists them; a test keeps
+/// `docs/configuration.md` in step with this list.
+pub const ROUTE_FIELDS: &[&str] = &[
+    "endpoint_id",
+    "path",
+    "path_prefix",
+    "methods",
+    "host",
+    "upstream",
+    "identity",
+    "algorithm",
+    "limit",
+    "window_size_micro",
+    "capacity_micro",
+    "refill_rate_micro_per_sec",
+    "cost_micro",
+    "fail_mode",
+    "fallback_rate_per_process_micro",
+    "fallback_rate_fleet_micro",
+    "emergency_scope",
+    "policy_version",
+    "ratelimit_headers",
+    "mode",
+];

@@ -1,0 +1,551 @@
+//! Raw config -> domain config. Every problem is collected, never just the first.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::num::NonZeroU32;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use toml::Spanned;
+
+use super::error::{Collector, ConfigErrors};
+use super::raw::{OneOrMany, RawConfig, RawIdentity, RawRoute, RawUpstream};
+use super::*;
+use crate::routing;
+
+pub fn validate(
+    path: &Path,
+    source: &str,
+    redis_url_override: Option<&str>,
+) -> Result<Config, ConfigErrors> {
+    let mut c = Collector::new(path, source);
+    let raw: RawConfig = match toml::from_str(source) {
+        Ok(raw) => raw,
+        Err(e) => {
+            let route = e.span().and_then(|s| route_at(source, s.start));
+            let message = e.message().trim().to_owned();
+            c.push(e.span().as_ref(), route.as_deref(), message);
+            return Err(ConfigErrors(c.errors));
+        }
+    };
+
+    let server = server(&mut c, &raw);
+    let redis = redis(&mut c, &raw, redis_url_override);
+    let breaker = breaker(&mut c, &raw);
+    let jwt = jwt(&mut c, &raw);
+    let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
+        .upstreams
+        .iter()
+        .filter_map(|(name, up)| upstream(&mut c, name, up).map(|u| (name.clone(), Arc::new(u))))
+        .collect();
+    let mut routes = Vec::new();
+    for (index, r) in raw.routes.iter().enumerate() {
+        if let Some(route) = route(&mut c, index, r, &raw, &upstreams) {
+            routes.push((r.span(), route));
+        }
+    }
+    shared_endpoints(&mut c, &routes);
+    for conflict in routing::ambiguities(routes.iter().map(|(_, r)| r)) {
+        let (a, b) = conflict;
+        let span = routes.iter().find(|(_, r)| r.index == b.index).map(|(s, _)| s);
+        c.push(
+            span,
+            Some(&route_label(b.index, b.policy.endpoint_id.as_str())),
+            format!(
+                "matches the same requests as {} with equal specificity: give one of them a \
+                 host, methods or a more specific path",
+                route_label(a.index, a.policy.endpoint_id.as_str())
+            ),
+        );
+    }
+
+    if !c.errors.is_empty() {
+        return Err(ConfigErrors(c.errors));
+    }
+    Ok(Config {
+        source: path.to_path_buf(),
+        server: server.expect("no errors means a server section"),
+        redis: redis.expect("no errors means a redis section"),
+        breaker: breaker.expect("no errors means a breaker section"),
+        jwt,
+        upstreams,
+        routes: routes.into_iter().map(|(_, r)| r).collect(),
+    })
+}
+
+fn route_label(index: usize, endpoint_id: &str) -> String {
+    format!("routes[{index}] ({endpoint_id})")
+}
+
+/// Names the route whose table holds byte `offset`, for parse errors inside a route.
+fn route_at(source: &str, offset: usize) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Loose {
+        #[serde(default)]
+        routes: Vec<Spanned<toml::Table>>,
+    }
+    let loose: Loose = toml::from_str(source).ok()?;
+    let header_starts: Vec<usize> = source
+        .match_indices("[[routes]]")
+        .map(|(i, _)| i)
+        .filter(|&i| i == 0 || source.as_bytes()[i - 1] == b'\n')
+        .collect();
+    let index = header_starts.iter().rposition(|&start| start <= offset)?;
+    let id = loose
+        .routes
+        .get(index)
+        .and_then(|t| t.get_ref().get("endpoint_id")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "?".to_owned());
+    Some(route_label(index, &id))
+}
+
+/// Reads an optional integer within `lo..=hi`, naming the field and the valid range.
+fn int_in(
+    c: &mut Collector,
+    route: Option<&str>,
+    field: &str,
+    value: Option<&Spanned<i64>>,
+    default: i64,
+    (lo, hi): (i64, i64),
+    unit: &str,
+) -> Option<u64> {
+    let Some(v) = value else {
+        return Some(default as u64);
+    };
+    let n = *v.get_ref();
+    if n < lo || n > hi {
+        c.push(
+            Some(&v.span()),
+            route,
+            format!("{field} = {n} is out of range: it must be between {lo} and {hi}{unit}"),
+        );
+        return None;
+    }
+    Some(n as u64)
+}
+
+fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
+    let s = raw.server.as_ref().map(|s| s.get_ref());
+    let mut ok = true;
+    let listen = match s.and_then(|s| s.listen.as_ref()) {
+        None => vec!["0.0.0.0:8080".parse().expect("valid default")],
+        Some(l) => {
+            let list = match l.get_ref() {
+                OneOrMany::One(a) => vec![a.clone()],
+                OneOrMany::Many(v) => v.clone(),
+            };
+            if list.is_empty() {
+                c.push(Some(&l.span()), None, "server.listen is empty: give at least one address such as \"0.0.0.0:8080\"".into());
+                ok = false;
+            }
+            list.iter()
+                .filter_map(|a| match a.parse::<SocketAddr>() {
+                    Ok(addr) => Some(addr),
+                    Err(_) => {
+                        c.push(Some(&l.span()), None, format!("server.listen = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
+                        ok = false;
+                        None
+                    }
+                })
+                .collect()
+        }
+    };
+    let threads = int_in(c, None, "server.threads", s.and_then(|s| s.threads.as_ref()), 2, (1, 256), "");
+    let admin_listen = match s.and_then(|s| s.admin_listen.as_ref()) {
+        None => Some("127.0.0.1:9090".parse().expect("valid default")),
+        Some(a) => match a.get_ref().parse::<SocketAddr>() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                c.push(Some(&a.span()), None, format!("server.admin_listen = \"{}\" is not an address: write IP:port, such as \"127.0.0.1:9090\"", a.get_ref()));
+                None
+            }
+        },
+    };
+    let mut trusted_proxies = Vec::new();
+    for p in s.and_then(|s| s.trusted_proxies.as_ref()).map(|p| p.get_ref().as_slice()).unwrap_or_default() {
+        let text = p.get_ref();
+        let parsed = text.parse::<IpNet>().or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
+        match parsed {
+            Ok(net) => trusted_proxies.push(net.trunc()),
+            Err(_) => {
+                c.push(Some(&p.span()), None, format!("server.trusted_proxies entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
+                ok = false;
+            }
+        }
+    }
+    let grace = int_in(c, None, "server.grace_period_seconds", s.and_then(|s| s.grace_period_seconds.as_ref()), 10, (0, 3600), " seconds");
+    Some(ServerConfig {
+        listen,
+        threads: threads? as usize,
+        admin_listen: admin_listen?,
+        trusted_proxies,
+        grace_period: Duration::from_secs(grace?),
+    })
+    .filter(|_| ok)
+}
+
+fn redis(c: &mut Collector, raw: &RawConfig, url_override: Option<&str>) -> Option<RedisConfig> {
+    let r = raw.redis.as_ref().map(|r| r.get_ref());
+    let mut ok = true;
+    if let Some(cluster) = r.and_then(|r| r.cluster_urls.as_ref()) {
+        c.push(Some(&cluster.span()), None, "redis.cluster_urls: Redis Cluster is not available in this version: use redis.url".into());
+        ok = false;
+    }
+    let url = match (url_override, r.and_then(|r| r.url.as_ref())) {
+        (Some(env), _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\"")),
+        (None, Some(u)) => check_redis_url(c, Some(&u.span()), u.get_ref(), &format!("redis.url = \"{}\"", u.get_ref())),
+        (None, None) => Some("redis://127.0.0.1:6379/0".to_owned()),
+    };
+    let timeout = int_in(c, None, "redis.timeout_ms", r.and_then(|r| r.timeout_ms.as_ref()), 20, (1, 10_000), " ms");
+    let key_prefix = match r.and_then(|r| r.key_prefix.as_ref()) {
+        None => Some("sentinel".to_owned()),
+        Some(p) => {
+            let v = p.get_ref();
+            let valid = !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            if !valid {
+                c.push(Some(&p.span()), None, format!("redis.key_prefix = \"{v}\" is not usable: use 1 to 64 of a-z, A-Z, 0-9, '.', '_', '-'"));
+            }
+            valid.then(|| v.clone())
+        }
+    };
+    let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
+    Some(RedisConfig {
+        url: url?,
+        timeout: Duration::from_millis(timeout?),
+        key_prefix: key_prefix?,
+        require_noeviction,
+    })
+    .filter(|_| ok)
+}
+
+fn check_redis_url(c: &mut Collector, span: Option<&Range<usize>>, url: &str, what: &str) -> Option<String> {
+    match redis::Client::open(url) {
+        Ok(_) if url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("unix://") => Some(url.to_owned()),
+        Ok(_) => {
+            c.push(span, None, format!("{what} is not supported: use a redis:// or unix:// URL"));
+            None
+        }
+        Err(e) => {
+            c.push(span, None, format!("{what} is not a Redis URL ({e}): write redis://host:port/db"));
+            None
+        }
+    }
+}
+
+fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfig> {
+    let b = raw.breaker.as_ref().map(|b| b.get_ref());
+    let threshold = int_in(c, None, "breaker.failure_threshold", b.and_then(|b| b.failure_threshold.as_ref()), 5, (1, 1000), "");
+    let open = int_in(c, None, "breaker.open_seconds", b.and_then(|b| b.open_seconds.as_ref()), 30, (1, 3600), " seconds");
+    Some(BreakerConfig {
+        failure_threshold: NonZeroU32::new(threshold? as u32)?,
+        open_for: Duration::from_secs(open?),
+    })
+}
+
+fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
+    let j = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
+    let secret_env = j.get_ref().secret_env.as_ref().map_or("SENTINEL_JWT_SECRET".to_owned(), |s| s.get_ref().clone());
+    let mut algorithms = vec!["HS256".to_owned()];
+    if let Some(a) = j.get_ref().algorithms.as_ref() {
+        for alg in a.get_ref() {
+            if !matches!(alg.as_str(), "HS256" | "HS384" | "HS512") {
+                c.push(Some(&a.span()), None, format!("auth.jwt.algorithms: \"{alg}\" is not accepted: use a subset of HS256, HS384, HS512"));
+            }
+        }
+        if a.get_ref().is_empty() {
+            c.push(Some(&a.span()), None, "auth.jwt.algorithms is empty: use a subset of HS256, HS384, HS512".into());
+        }
+        algorithms = a.get_ref().clone();
+    }
+    Some(JwtConfig { secret_env, algorithms })
+}
+
+fn upstream(c: &mut Collector, name: &str, up: &Spanned<RawUpstream>) -> Option<UpstreamConfig> {
+    let u = up.get_ref();
+    let field = |f: &str| format!("upstreams.{name}.{f}");
+    let mut addrs = Vec::new();
+    if u.addrs.get_ref().is_empty() {
+        c.push(Some(&u.addrs.span()), None, format!("{} is empty: give at least one \"host:port\"", field("addrs")));
+    }
+    for a in u.addrs.get_ref() {
+        match a.get_ref().to_socket_addrs().ok().and_then(|mut it| it.next()) {
+            Some(addr) => addrs.push(addr),
+            None => c.push(Some(&a.span()), None, format!("{} entry \"{}\" does not resolve to an address: write \"host:port\"", field("addrs"), a.get_ref())),
+        }
+    }
+    let connect = int_in(c, None, &field("connect_timeout_ms"), u.connect_timeout_ms.as_ref(), 1000, (1, 3_600_000), " ms");
+    let read = int_in(c, None, &field("read_timeout_ms"), u.read_timeout_ms.as_ref(), 60_000, (1, 3_600_000), " ms");
+    (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
+    Some(UpstreamConfig {
+        name: name.to_owned(),
+        addrs,
+        connect_timeout: Duration::from_millis(connect?),
+        read_timeout: Duration::from_millis(read?),
+    })
+}
+
+fn route(
+    c: &mut Collector,
+    index: usize,
+    spanned: &Spanned<RawRoute>,
+    raw: &RawConfig,
+    upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
+) -> Option<RouteConfig> {
+    let r = spanned.get_ref();
+    let id_text = r.endpoint_id.get_ref();
+    let label = route_label(index, id_text);
+    let label = Some(label.as_str());
+    let before = c.errors.len();
+
+    let endpoint_id = EndpointId::parse(id_text);
+    if endpoint_id.is_none() {
+        c.push(Some(&r.endpoint_id.span()), label, format!("endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"));
+    }
+    let path = route_path(c, label, spanned);
+    let methods = r.methods.as_ref().map(|m| {
+        if m.get_ref().is_empty() {
+            c.push(Some(&m.span()), label, "methods = [] matches nothing: leave methods out to match any method".into());
+        }
+        m.get_ref()
+            .iter()
+            .filter_map(|name| match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => Some(method),
+                Err(_) => {
+                    c.push(Some(&m.span()), label, format!("methods: \"{name}\" is not an HTTP method"));
+                    None
+                }
+            })
+            .collect::<Vec<_>>()
+    });
+    let host = r.host.as_ref().and_then(|h| {
+        let v = h.get_ref().to_ascii_lowercase();
+        let valid = !v.is_empty() && v.len() <= 253 && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
+        if !valid {
+            c.push(Some(&h.span()), label, format!("host = \"{}\" is not a host name: write it without scheme or port, such as \"api.example.com\"", h.get_ref()));
+        }
+        valid.then_some(v)
+    });
+    let upstream = upstreams.get(r.upstream.get_ref()).cloned();
+    if upstream.is_none() && !raw.upstreams.contains_key(r.upstream.get_ref()) {
+        let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
+        c.push(Some(&r.upstream.span()), label, format!("upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]", r.upstream.get_ref(), r.upstream.get_ref(), known.join(", ")));
+    }
+    let algorithm = algorithm(c, label, r);
+    let limited = !matches!(algorithm, Some(Algorithm::None));
+    let identity = identity(c, label, r, limited, raw);
+    let policy = policy(c, label, r, endpoint_id, algorithm);
+
+    if c.errors.len() > before {
+        return None;
+    }
+    Some(RouteConfig {
+        index,
+        path: path?,
+        methods,
+        host,
+        upstream: upstream?,
+        identity: identity?,
+        policy: Arc::new(policy?),
+    })
+}
+
+fn route_path(c: &mut Collector, label: Option<&str>, spanned: &Spanned<RawRoute>) -> Option<PathMatch> {
+    let r = spanned.get_ref();
+    let (field, value, exact) = match (&r.path, &r.path_prefix) {
+        (Some(p), None) => ("path", p, true),
+        (None, Some(p)) => ("path_prefix", p, false),
+        (Some(p), Some(_)) => {
+            c.push(Some(&p.span()), label, "path and path_prefix are both set: keep exactly one".into());
+            return None;
+        }
+        (None, None) => {
+            c.push(Some(&spanned.span()), label, "neither path nor path_prefix is set: give exactly one".into());
+            return None;
+        }
+    };
+    let text = value.get_ref();
+    match routing::normalize_path(text) {
+        Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => Some(if exact {
+            PathMatch::Exact(n)
+        } else {
+            PathMatch::Prefix(n)
+        }),
+        Ok(n) => {
+            let suggestion = if n.len() > 1 { n.trim_end_matches('/') } else { n.as_str() };
+            c.push(Some(&value.span()), label, format!("{field} = \"{text}\" is not in normal form: write \"{suggestion}\""));
+            None
+        }
+        Err(e) => {
+            c.push(Some(&value.span()), label, format!("{field} = \"{text}\" is not usable: {e}; it must start with '/'"));
+            None
+        }
+    }
+}
+
+fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Algorithm> {
+    let misplaced = |c: &mut Collector, field: &str, v: &Option<Spanned<i64>>, alg: &str| {
+        if let Some(v) = v {
+            c.push(Some(&v.span()), label, format!("{field} does not apply to algorithm = \"{alg}\": remove it"));
+        }
+    };
+    match r.algorithm.get_ref().as_str() {
+        "none" => {
+            for (f, v) in [("limit", &r.limit), ("window_size_micro", &r.window_size_micro), ("capacity_micro", &r.capacity_micro), ("refill_rate_micro_per_sec", &r.refill_rate_micro_per_sec), ("cost_micro", &r.cost_micro)] {
+                misplaced(c, f, v, "none");
+            }
+            Some(Algorithm::None)
+        }
+        "token_bucket" => {
+            misplaced(c, "limit", &r.limit, "token_bucket");
+            misplaced(c, "window_size_micro", &r.window_size_micro, "token_bucket");
+            let capacity = match &r.capacity_micro {
+                None => {
+                    c.push(Some(&r.algorithm.span()), label, "capacity_micro is required for algorithm = \"token_bucket\": the burst in micro-tokens (1 request = 1000000)".into());
+                    None
+                }
+                Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
+                    c.push(Some(&v.span()), label, format!("capacity_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
+                    None
+                }
+                Some(v) => int_in(c, label, "capacity_micro", Some(v), 0, (1_000_000, MAX_CAPACITY_MICRO as i64), " (10^9 requests)"),
+            };
+            let refill = match &r.refill_rate_micro_per_sec {
+                None => {
+                    c.push(Some(&r.algorithm.span()), label, "refill_rate_micro_per_sec is required for algorithm = \"token_bucket\": micro-tokens added per second (0 = never refills)".into());
+                    None
+                }
+                v => int_in(c, label, "refill_rate_micro_per_sec", v.as_ref(), 0, (0, MAX_RATE_MICRO_PER_SEC as i64), " (10^6 requests per second)"),
+            };
+            Some(Algorithm::TokenBucket { capacity_micro: capacity?, refill_micro_per_sec: refill? })
+        }
+        "sliding_window" => {
+            c.push(Some(&r.algorithm.span()), label, "algorithm = \"sliding_window\" is not available in this version: use \"token_bucket\" or \"none\"".into());
+            None
+        }
+        other => {
+            c.push(Some(&r.algorithm.span()), label, format!("algorithm = \"{other}\" is unknown: use \"token_bucket\", \"sliding_window\" or \"none\""));
+            None
+        }
+    }
+}
+
+fn identity(c: &mut Collector, label: Option<&str>, r: &RawRoute, limited: bool, raw: &RawConfig) -> Option<IdentitySource> {
+    let Some(spanned) = &r.identity else {
+        if limited {
+            c.push(Some(&r.endpoint_id.span()), label, "identity is required for a limited route: use \"jwt\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
+            return None;
+        }
+        return Some(IdentitySource::Global);
+    };
+    let span = spanned.span();
+    match spanned.get_ref() {
+        RawIdentity::Named(n) if n == "global" => Some(IdentitySource::Global),
+        RawIdentity::Named(n) if n == "client_ip" => Some(IdentitySource::ClientIp),
+        RawIdentity::Named(n) if n == "jwt" => {
+            if raw.auth.as_ref().and_then(|a| a.get_ref().jwt.as_ref()).is_none() {
+                c.push(Some(&span), label, "identity = \"jwt\" needs an [auth.jwt] section".into());
+                return None;
+            }
+            c.push(Some(&span), label, "identity = \"jwt\" is not available in this version: use \"client_ip\", \"global\" or { header = \"...\" }".into());
+            None
+        }
+        RawIdentity::Named(n) => {
+            c.push(Some(&span), label, format!("identity = \"{n}\" is unknown: use \"jwt\", \"client_ip\", \"global\" or {{ header = \"X-API-Key\" }}"));
+            None
+        }
+        RawIdentity::Header { header } => match http::HeaderName::from_bytes(header.as_bytes()) {
+            Ok(name) => Some(IdentitySource::Header(name.as_str().to_owned())),
+            Err(_) => {
+                c.push(Some(&span), label, format!("identity = {{ header = \"{header}\" }} is not a valid header name"));
+                None
+            }
+        },
+    }
+}
+
+fn policy(c: &mut Collector, label: Option<&str>, r: &RawRoute, endpoint_id: Option<EndpointId>, algorithm: Option<Algorithm>) -> Option<Policy> {
+    let fail_mode = match r.fail_mode.as_ref().map(|f| (f, f.get_ref().as_str())) {
+        None | Some((_, "fail_closed")) => Some(FailMode::FailClosed),
+        Some((_, "fail_open")) => Some(FailMode::FailOpen),
+        Some((f, other)) => {
+            c.push(Some(&f.span()), label, format!("fail_mode = \"{other}\" is unknown: use \"fail_open\" or \"fail_closed\""));
+            None
+        }
+    };
+    if let Some(f) = &r.fallback_rate_fleet_micro {
+        c.push(Some(&f.span()), label, "fallback_rate_fleet_micro is not available in this version: use fallback_rate_per_process_micro".into());
+    }
+    if let Some(s) = &r.emergency_scope {
+        if s.get_ref() != "endpoint" {
+            c.push(Some(&s.span()), label, format!("emergency_scope = \"{}\" is not available in this version: use \"endpoint\"", s.get_ref()));
+        }
+    }
+    if r.ratelimit_headers == Some(true) {
+        c.push(Some(&r.endpoint_id.span()), label, "ratelimit_headers = true is not available in this version: remove it".into());
+    }
+    let fallback = match &r.fallback_rate_per_process_micro {
+        Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
+            c.push(Some(&v.span()), label, format!("fallback_rate_per_process_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
+            None
+        }
+        Some(v) => int_in(c, label, "fallback_rate_per_process_micro", Some(v), 0, (1_000_000, MAX_RATE_MICRO_PER_SEC as i64), " (10^6 requests per second)"),
+        None => None,
+    };
+    let limited = !matches!(algorithm, Some(Algorithm::None));
+    if limited && fail_mode == Some(FailMode::FailOpen) && r.fallback_rate_per_process_micro.is_none() {
+        let span = r.fail_mode.as_ref().map(|f| f.span());
+        c.push(span.as_ref(), label, "fail_mode = \"fail_open\" needs fallback_rate_per_process_micro: fail-open is limited, never unlimited (1000000 = one request per second per process)".into());
+    }
+    let cost = int_in(c, label, "cost_micro", r.cost_micro.as_ref(), ONE_TOKEN_MICRO as i64, (1, MAX_CAPACITY_MICRO as i64), "");
+    if let (Some(cost), Some(Algorithm::TokenBucket { capacity_micro, .. })) = (cost, algorithm) {
+        if cost > capacity_micro {
+            let span = r.cost_micro.as_ref().map(|v| v.span());
+            c.push(span.as_ref(), label, format!("cost_micro = {cost} can never be admitted: it must be <= capacity_micro ({capacity_micro})"));
+        }
+    }
+    let version = int_in(c, label, "policy_version", r.policy_version.as_ref(), 1, (0, i64::from(u32::MAX)), "");
+    let mode = match r.mode.as_ref().map(|m| (m, m.get_ref().as_str())) {
+        None | Some((_, "enforce")) => Some(Mode::Enforce),
+        Some((_, "shadow")) => Some(Mode::Shadow),
+        Some((m, other)) => {
+            c.push(Some(&m.span()), label, format!("mode = \"{other}\" is unknown: use \"enforce\" or \"shadow\""));
+            None
+        }
+    };
+    Some(Policy {
+        endpoint_id: endpoint_id?,
+        algorithm: algorithm?,
+        cost_micro: cost?,
+        fail_mode: fail_mode?,
+        fallback_rate_micro: fallback,
+        policy_version: version?,
+        mode: mode?,
+    })
+}
+
+/// Routes may share an endpoint id, and so a bucket, only with identical limits.
+fn shared_endpoints(c: &mut Collector, routes: &[(Range<usize>, RouteConfig)]) {
+    let mut first: BTreeMap<&EndpointId, &RouteConfig> = BTreeMap::new();
+    for (span, route) in routes {
+        let id = &route.policy.endpoint_id;
+        match first.get(id) {
+            Some(prev) if prev.policy != route.policy => c.push(
+                Some(span),
+                Some(&route_label(route.index, id.as_str())),
+                format!(
+                    "shares endpoint_id with routes[{}] but not its limit fields: routes of one \
+                     endpoint share one bucket, so algorithm, limits, cost, fail mode, fallback, \
+                     mode and policy_version must be identical",
+                    prev.index
+                ),
+            ),
+            Some(_) => {}
+            None => {
+                first.insert(id, route);
+            }
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! sentinel-gateway: a Pingora reverse proxy that enforces distributed rate limits kept in
+//! Redis, and decides per route what happens when Redis cannot answer.
+
+pub mod admin;
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod identity;
+pub mod lifecycle;
+pub mod limiter;
+pub mod metrics;
+pub mod proxy;
+pub mod reload;
+pub mod routing;
+pub mod server;
+pub mod snapshot;
+pub mod telemetry;

@@ -1,0 +1,319 @@
+//! The circuit breaker: one per process, shared by every worker thread, lock-free.
+//!
+//! CLOSED counts consecutive store failures; `failure_threshold` of them trip OPEN. OPEN
+//! short-circuits every decision without touching Redis for `open_for` on the monotonic
+//! clock. Then HALF_OPEN lets exactly one request probe Redis while all others keep
+//! short-circuiting: a real answer closes the breaker, a failure (or a probe abandoned
+//! midway) opens it afresh. Only a real answer of the script resets the failure count.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::time::Duration;
+
+use crate::clock::SharedClock;
+use crate::config::BreakerConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed = 0,
+    Open = 1,
+    HalfOpen = 2,
+}
+
+impl BreakerState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => BreakerState::Open,
+            2 => BreakerState::HalfOpen,
+            _ => BreakerState::Closed,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// Called once per transition with (from, to).
+pub type TransitionHook = Box<dyn Fn(BreakerState, BreakerState) + Send + Sync>;
+
+pub struct Breaker {
+    state: AtomicU8,
+    failures: AtomicU32,
+    opened_at_us: AtomicU64,
+    probe_taken: AtomicBool,
+    threshold: AtomicU32,
+    open_for_us: AtomicU64,
+    clock: SharedClock,
+    on_transition: TransitionHook,
+}
+
+/// Permission to call Redis. Report the outcome with `success` or `failure`; a permit
+/// dropped without an outcome counts as a failure, so an abandoned probe cannot wedge the
+/// breaker in HALF_OPEN.
+#[must_use]
+pub struct Permit<'a> {
+    breaker: &'a Breaker,
+    probe: bool,
+    settled: bool,
+}
+
+/// The breaker refused the call; `retry_in` is what is left of the quarantine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShortCircuit {
+    pub retry_in: Duration,
+}
+
+impl Breaker {
+    pub fn new(config: BreakerConfig, clock: SharedClock, on_transition: TransitionHook) -> Self {
+        Self {
+            state: AtomicU8::new(BreakerState::Closed as u8),
+            failures: AtomicU32::new(0),
+            opened_at_us: AtomicU64::new(0),
+            probe_taken: AtomicBool::new(false),
+            threshold: AtomicU32::new(config.failure_threshold.get()),
+            open_for_us: AtomicU64::new(config.open_for.as_micros() as u64),
+            clock,
+            on_transition,
+        }
+    }
+
+    /// A reload changes the thresholds; the state carries on.
+    pub fn reconfigure(&self, config: BreakerConfig) {
+        self.threshold
+            .store(config.failure_threshold.get(), Ordering::Relaxed);
+        self.open_for_us
+            .store(config.open_for.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn state(&self) -> BreakerState {
+        BreakerState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// Asks to call Redis now.
+    pub fn acquire(&self) -> Result<Permit<'_>, ShortCircuit> {
+        match self.state() {
+            BreakerState::Closed => Ok(self.permit(false)),
+            BreakerState::Open => {
+                let remaining = self.quarantine_left_us();
+                if remaining > 0 {
+                    return Err(ShortCircuit {
+                        retry_in: Duration::from_micros(remaining),
+                    });
+                }
+                if self.transition(BreakerState::Open, BreakerState::HalfOpen) {
+                    self.probe_taken.store(true, Ordering::Release);
+                    return Ok(self.permit(true));
+                }
+                self.half_open_probe()
+            }
+            BreakerState::HalfOpen => self.half_open_probe(),
+        }
+    }
+
+    fn half_open_probe(&self) -> Result<Permit<'_>, ShortCircuit> {
+        if self.state() == BreakerState::HalfOpen
+            && self
+                .probe_taken
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            return Ok(self.permit(true));
+        }
+        Err(ShortCircuit {
+            retry_in: Duration::from_micros(self.quarantine_left_us()),
+        })
+    }
+
+    fn permit(&self, probe: bool) -> Permit<'_> {
+        Permit {
+            breaker: self,
+            probe,
+            settled: false,
+        }
+    }
+
+    fn quarantine_left_us(&self) -> u64 {
+        let opened = self.opened_at_us.load(Ordering::Acquire);
+        let open_for = self.open_for_us.load(Ordering::Relaxed);
+        (opened + open_for).saturating_sub(self.clock.now_us())
+    }
+
+    fn transition(&self, from: BreakerState, to: BreakerState) -> bool {
+        let done = self
+            .state
+            .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if done {
+            (self.on_transition)(from, to);
+        }
+        done
+    }
+
+    fn trip(&self, from: BreakerState) {
+        self.opened_at_us
+            .store(self.clock.now_us(), Ordering::Release);
+        if self.transition(from, BreakerState::Open) {
+            self.failures.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn record_success(&self, probe: bool) {
+        self.failures.store(0, Ordering::Relaxed);
+        if probe {
+            self.transition(BreakerState::HalfOpen, BreakerState::Closed);
+            self.probe_taken.store(false, Ordering::Release);
+        }
+    }
+
+    fn record_failure(&self, probe: bool) {
+        if probe {
+            self.trip(BreakerState::HalfOpen);
+            self.probe_taken.store(false, Ordering::Release);
+            return;
+        }
+        let failures = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if failures >= self.threshold.load(Ordering::Relaxed)
+            && self.state() == BreakerState::Closed
+        {
+            self.trip(BreakerState::Closed);
+        }
+    }
+}
+
+impl Permit<'_> {
+    /// Redis answered (allowed or rate limited).
+    pub fn success(mut self) {
+        self.settled = true;
+        self.breaker.record_success(self.probe);
+    }
+
+    /// The store failed (timeout, connection error, NOSCRIPT after the reload).
+    pub fn failure(mut self) {
+        self.settled = true;
+        self.breaker.record_failure(self.probe);
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.breaker.record_failure(self.probe);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use std::num::NonZeroU32;
+    use std::sync::{Arc, Mutex};
+
+    fn breaker(clock: &ManualClock) -> (Breaker, Arc<Mutex<Vec<BreakerState>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let b = Breaker::new(
+            BreakerConfig {
+                failure_threshold: NonZeroU32::new(5).unwrap(),
+                open_for: Duration::from_secs(30),
+            },
+            Arc::new(clock.clone()),
+            Box::new(move |_, to| log.lock().unwrap().push(to)),
+        );
+        (b, seen)
+    }
+
+    fn fail(b: &Breaker, n: usize) {
+        for _ in 0..n {
+            b.acquire().expect("closed").failure();
+        }
+    }
+
+    #[test]
+    fn trips_after_threshold_consecutive_failures_only() {
+        let clock = ManualClock::default();
+        let (b, _) = breaker(&clock);
+        fail(&b, 4);
+        b.acquire().unwrap().success();
+        fail(&b, 4);
+        assert_eq!(b.state(), BreakerState::Closed, "a success resets the count");
+        fail(&b, 1);
+        assert_eq!(b.state(), BreakerState::Open);
+        let refused = b.acquire().err().expect("open short-circuits");
+        assert_eq!(refused.retry_in, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn half_open_lets_exactly_one_probe_through() {
+        let clock = ManualClock::default();
+        let (b, seen) = breaker(&clock);
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(29));
+        assert!(b.acquire().is_err(), "still in quarantine");
+        clock.advance(Duration::from_secs(1));
+        let probe = b.acquire().expect("one probe");
+        for _ in 0..50 {
+            assert!(b.acquire().is_err(), "others keep short-circuiting");
+        }
+        probe.success();
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Closed
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failed_or_abandoned_probe_reopens_for_a_full_quarantine() {
+        let clock = ManualClock::default();
+        let (b, _) = breaker(&clock);
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(30));
+        b.acquire().expect("probe").failure();
+        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(b.acquire().err().unwrap().retry_in, Duration::from_secs(30));
+        clock.advance(Duration::from_secs(30));
+        drop(b.acquire().expect("probe"));
+        assert_eq!(b.state(), BreakerState::Open, "abandoned probe counts as failure");
+        clock.advance(Duration::from_secs(30));
+        b.acquire().expect("probe").success();
+        assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn concurrent_callers_see_one_probe() {
+        let clock = ManualClock::default();
+        let (b, _) = breaker(&clock);
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(30));
+        let b = Arc::new(b);
+        let granted: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    let b = Arc::clone(&b);
+                    s.spawn(move || {
+                        let mut held = Vec::new();
+                        for _ in 0..100 {
+                            if let Ok(p) = b.acquire() {
+                                held.push(p);
+                            }
+                        }
+                        let n = held.len();
+                        std::mem::forget(held);
+                        n
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(granted, 1);
+    }
+}

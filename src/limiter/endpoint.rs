@@ -1,0 +1,66 @@
+//! An endpoint at run time: its policy, the fixed part of its bucket keys, its emergency
+//! bucket and its metric handles.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use super::emergency::EmergencyBucket;
+use crate::config::{FailMode, Policy};
+use crate::metrics::EndpointMetrics;
+
+pub struct Endpoint {
+    pub policy: Arc<Policy>,
+    /// `{key_prefix}:v1:`
+    key_head: String,
+    /// `:{endpoint_id}:{policy_version}`
+    key_tail: String,
+    pub emergency: Option<Arc<EmergencyBucket>>,
+    pub metrics: EndpointMetrics,
+}
+
+impl Endpoint {
+    pub fn new(
+        policy: Arc<Policy>,
+        key_prefix: &str,
+        emergency: Option<Arc<EmergencyBucket>>,
+        metrics: EndpointMetrics,
+    ) -> Self {
+        let emergency = emergency.filter(|_| policy.fail_mode == FailMode::FailOpen);
+        Self {
+            key_head: format!("{key_prefix}:v1:"),
+            key_tail: format!(":{}:{}", policy.endpoint_id, policy.policy_version),
+            policy,
+            emergency,
+            metrics,
+        }
+    }
+
+    /// `{key_prefix}:v1:{sha256_hex(identity)}:{endpoint_id}:{policy_version}`
+    pub fn bucket_key(&self, identity_hash: &str) -> String {
+        let mut key =
+            String::with_capacity(self.key_head.len() + identity_hash.len() + self.key_tail.len());
+        key.push_str(&self.key_head);
+        key.push_str(identity_hash);
+        key.push_str(&self.key_tail);
+        key
+    }
+}
+
+/// Lower-case hex SHA-256 of an identity string such as `header:x-api-key:abc`.
+pub fn identity_hash(identity: &str) -> String {
+    hex::encode(Sha256::digest(identity.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_hash_is_sha256_hex() {
+        assert_eq!(
+            identity_hash(""),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+}

@@ -1,0 +1,306 @@
+//! The Redis store: one shared multiplexed connection, EVALSHA within the budget, and the
+//! classification of every failure as timeout, connection error or NOSCRIPT.
+//!
+//! The connection lives on a runtime the store owns. While it is down, an evaluation fails at
+//! once as a connection error (there is no offline queue) and a background task reconnects
+//! with capped, jittered backoff, so a Redis that comes back is not hit by every worker at
+//! once. A slow but connected Redis is a timeout. `NOSCRIPT` costs one `SCRIPT LOAD` and one
+//! retry, inside the same budget.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwapOption;
+use rand::Rng;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind};
+use tokio::sync::Notify;
+
+use crate::config::RedisConfig;
+use crate::metrics::{Metrics, StoreErrorCounters};
+
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+
+/// How a store call failed; the three causes of the decision table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFailure {
+    Timeout,
+    ConnectionError,
+    Noscript,
+}
+
+impl StoreFailure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreFailure::Timeout => "timeout",
+            StoreFailure::ConnectionError => "connection_error",
+            StoreFailure::Noscript => "noscript",
+        }
+    }
+}
+
+/// The token bucket script's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketReply {
+    pub allowed: bool,
+    pub remaining_micro: u64,
+    /// Seconds until the cost is available; `None` when the bucket never refills.
+    pub retry_after: Option<u64>,
+    /// Seconds until the bucket is full; `None` when it never refills.
+    pub full_in: Option<u64>,
+    /// Redis `TIME` of the decision, in microseconds.
+    pub now_us: u64,
+}
+
+impl BucketReply {
+    fn parse(v: &[i64]) -> Option<Self> {
+        let [allowed, remaining, retry, full, now] = *v else {
+            return None;
+        };
+        let opt = |x: i64| u64::try_from(x).ok();
+        Some(Self {
+            allowed: allowed == 1,
+            remaining_micro: opt(remaining)?,
+            retry_after: opt(retry),
+            full_in: opt(full),
+            now_us: opt(now)?,
+        })
+    }
+
+    /// Whole seconds for `Retry-After` on a denial: at least 1, at most a day.
+    pub fn retry_after_secs(&self) -> u64 {
+        if self.allowed {
+            return 0;
+        }
+        self.retry_after
+            .unwrap_or(super::MAX_RETRY_AFTER_SECS)
+            .clamp(1, super::MAX_RETRY_AFTER_SECS)
+    }
+}
+
+struct Script {
+    sha: String,
+    body: &'static str,
+}
+
+impl Script {
+    fn new(body: &'static str) -> Self {
+        Self {
+            sha: redis::Script::new(body).get_hash().to_owned(),
+            body,
+        }
+    }
+}
+
+struct Shared {
+    conn: ArcSwapOption<MultiplexedConnection>,
+    wake: Notify,
+    budget_us: AtomicU64,
+    token_bucket: Script,
+    errors: StoreErrorCounters,
+    redis_duration: prometheus::Histogram,
+    /// Whether the last connection attempt failed; logs once per outage, not per retry.
+    outage_logged: AtomicBool,
+}
+
+/// The process's Redis store. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    shared: Arc<Shared>,
+    runtime: Arc<tokio::runtime::Runtime>,
+}
+
+/// Backoff between reconnection attempts: 50 ms doubling to 2 s, with full jitter on top of
+/// half the step so a fleet does not reconnect in lockstep.
+fn backoff(attempt: u32) -> Duration {
+    let step_ms = (50u64 << attempt.min(6)).min(2_000);
+    let jitter = rand::rng().random_range(0..=step_ms / 2);
+    Duration::from_millis(step_ms / 2 + jitter)
+}
+
+impl Store {
+    /// Starts the store's runtime and its connector; returns at once, connected or not.
+    pub fn start(config: &RedisConfig, metrics: &Metrics) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("sentinel-store")
+            .enable_all()
+            .build()?;
+        let shared = Arc::new(Shared {
+            conn: ArcSwapOption::empty(),
+            wake: Notify::new(),
+            budget_us: AtomicU64::new(config.timeout.as_micros() as u64),
+            token_bucket: Script::new(TOKEN_BUCKET_LUA),
+            errors: metrics.store_errors(),
+            redis_duration: metrics.redis_duration.clone(),
+            outage_logged: AtomicBool::new(false),
+        });
+        let client = redis::Client::open(config.url.as_str())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        runtime.spawn(connector(Arc::clone(&shared), client));
+        Ok(Self {
+            shared,
+            runtime: Arc::new(runtime),
+        })
+    }
+
+    /// The runtime the store's connection runs on; also hosts the gateway's control tasks.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        self.runtime.handle()
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.shared.conn.load().is_some()
+    }
+
+    pub fn set_budget(&self, budget: Duration) {
+        self.shared
+            .budget_us
+            .store(budget.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn budget(&self) -> Duration {
+        Duration::from_micros(self.shared.budget_us.load(Ordering::Relaxed))
+    }
+
+    /// Runs the token bucket script for `key` with `[capacity, refill, cost]`, within budget.
+    pub async fn token_bucket(&self, key: &str, args: [u64; 3]) -> Result<BucketReply, StoreFailure> {
+        let started = Instant::now();
+        let result = self.eval(&self.shared.token_bucket, key, &args).await;
+        self.shared
+            .redis_duration
+            .observe(started.elapsed().as_secs_f64());
+        let reply = result.and_then(|v| {
+            BucketReply::parse(&v).ok_or_else(|| {
+                tracing::error!(reply = ?v, "token bucket script answered an unexpected shape");
+                StoreFailure::ConnectionError
+            })
+        });
+        if let Err(failure) = reply {
+            self.count(failure);
+        }
+        reply
+    }
+
+    fn count(&self, failure: StoreFailure) {
+        let e = &self.shared.errors;
+        match failure {
+            StoreFailure::Timeout => e.timeout.inc(),
+            StoreFailure::ConnectionError => e.connection_error.inc(),
+            StoreFailure::Noscript => e.noscript.inc(),
+        }
+    }
+
+    async fn eval(&self, script: &Script, key: &str, args: &[u64]) -> Result<Vec<i64>, StoreFailure> {
+        let Some(conn) = self.shared.conn.load_full() else {
+            return Err(StoreFailure::ConnectionError);
+        };
+        let budget = self.budget();
+        let attempt = async {
+            let mut c = (*conn).clone();
+            match evalsha(&mut c, script, key, args).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    redis::cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(script.body)
+                        .query_async::<String>(&mut c)
+                        .await?;
+                    evalsha(&mut c, script, key, args).await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(budget, attempt).await {
+            Err(_) => Err(StoreFailure::Timeout),
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(self.classify(&conn, &e)),
+        }
+    }
+
+    /// One cause per error. Anything that is not a timeout or NOSCRIPT means this connection
+    /// cannot answer now; errors that hint at a bug on our side are logged as such.
+    fn classify(&self, conn: &Arc<MultiplexedConnection>, e: &RedisError) -> StoreFailure {
+        if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) {
+            return StoreFailure::Noscript;
+        }
+        if e.is_timeout() {
+            return StoreFailure::Timeout;
+        }
+        if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_unrecoverable_error() {
+            self.drop_connection(conn, e);
+        } else if matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client)
+            || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        {
+            tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
+        } else {
+            tracing::debug!(error = %e, "redis could not run the limiter script");
+        }
+        StoreFailure::ConnectionError
+    }
+
+    /// Forgets a broken connection (once, however many requests saw it break) and wakes the
+    /// connector.
+    fn drop_connection(&self, conn: &Arc<MultiplexedConnection>, e: &RedisError) {
+        let prev = self.shared.conn.compare_and_swap(conn, None);
+        if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
+            tracing::warn!(error = %e, "redis connection lost; reconnecting in the background");
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+async fn evalsha(
+    c: &mut MultiplexedConnection,
+    script: &Script,
+    key: &str,
+    args: &[u64],
+) -> redis::RedisResult<Vec<i64>> {
+    redis::cmd("EVALSHA")
+        .arg(&script.sha)
+        .arg(1)
+        .arg(key)
+        .arg(args)
+        .query_async(c)
+        .await
+}
+
+async fn connect(shared: &Shared, client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(Duration::from_secs(2)));
+    let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(shared.token_bucket.body)
+        .query_async::<String>(&mut conn)
+        .await?;
+    Ok(conn)
+}
+
+/// Keeps one connection up: connects, loads the scripts, then sleeps until the connection
+/// is dropped.
+async fn connector(shared: Arc<Shared>, client: redis::Client) {
+    let mut attempt = 0u32;
+    loop {
+        if shared.conn.load().is_some() {
+            shared.wake.notified().await;
+            continue;
+        }
+        match connect(&shared, &client).await {
+            Ok(conn) => {
+                shared.conn.store(Some(Arc::new(conn)));
+                shared.outage_logged.store(false, Ordering::Relaxed);
+                tracing::info!(attempts = attempt + 1, "redis connected");
+                attempt = 0;
+            }
+            Err(e) => {
+                if !shared.outage_logged.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "redis unavailable; reconnecting in the background");
+                }
+                tokio::time::sleep(backoff(attempt)).await;
+                attempt = attempt.saturating_add(1);
+            }
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! Every metric of the gateway, defined once. Per-endpoint handles are resolved when a config
+//! is loaded, so the request path never formats a label.
+
+use std::collections::HashMap;
+
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, Opts, Registry,
+};
+
+use crate::config::FailMode;
+use crate::limiter::DecisionReason;
+
+/// Histogram buckets from 10 us to about 1.3 s.
+fn latency_buckets() -> Vec<f64> {
+    exponential_buckets(0.000_01, 2.0, 18).expect("valid buckets")
+}
+
+/// Statuses whose request counters are resolved ahead of time.
+const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 429, 500, 502, 503, 504];
+
+pub const UNMATCHED: &str = "_unmatched";
+
+pub struct Metrics {
+    pub registry: Registry,
+    decisions: IntCounterVec,
+    decision_duration: HistogramVec,
+    degraded: IntCounterVec,
+    store_errors: IntCounterVec,
+    pub redis_duration: Histogram,
+    pub breaker_state: IntGauge,
+    breaker_transitions: IntCounterVec,
+    requests: IntCounterVec,
+    config_reloads: IntCounterVec,
+    pub config_generation: IntGauge,
+    shadow_denials: IntCounterVec,
+    overlimit_hits: IntCounterVec,
+}
+
+/// Store error counters by cause.
+#[derive(Clone)]
+pub struct StoreErrorCounters {
+    pub timeout: IntCounter,
+    pub connection_error: IntCounter,
+    pub noscript: IntCounter,
+}
+
+/// One endpoint's handles.
+#[derive(Clone)]
+pub struct EndpointMetrics {
+    /// Indexed by `DecisionReason as usize`, then by allowed.
+    decisions: Vec<[IntCounter; 2]>,
+    pub decision_duration: Histogram,
+    pub degraded: IntCounter,
+    pub shadow_denials: IntCounter,
+    pub overlimit_hits: IntCounter,
+    pub requests: RequestCounters,
+}
+
+impl EndpointMetrics {
+    pub fn decision(&self, reason: DecisionReason, allowed: bool) -> &IntCounter {
+        &self.decisions[reason as usize][usize::from(allowed)]
+    }
+}
+
+/// `sentinel_requests_total` for one endpoint label, common statuses resolved ahead.
+#[derive(Clone)]
+pub struct RequestCounters {
+    label: String,
+    common: HashMap<u16, IntCounter>,
+    vec: IntCounterVec,
+}
+
+impl RequestCounters {
+    pub fn inc(&self, status: u16) {
+        match self.common.get(&status) {
+            Some(c) => c.inc(),
+            None => self
+                .vec
+                .with_label_values(&[self.label.as_str(), &status.to_string()])
+                .inc(),
+        }
+    }
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
+    registry
+        .register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            register(&r, IntCounterVec::new(Opts::new(name, help), labels).expect("valid"))
+        };
+        let decisions = counter(
+            "sentinel_decisions_total",
+            "Limiter decisions by endpoint, reason and outcome.",
+            &["endpoint_id", "decision_reason", "allowed"],
+        );
+        let degraded = counter(
+            "sentinel_degraded_decisions_total",
+            "Decisions not made by Redis, by endpoint and fail mode.",
+            &["endpoint_id", "fail_mode"],
+        );
+        let store_errors = counter(
+            "sentinel_store_errors_total",
+            "Redis store failures by cause.",
+            &["cause"],
+        );
+        let breaker_transitions = counter(
+            "sentinel_breaker_transitions_total",
+            "Circuit breaker transitions by target state.",
+            &["to"],
+        );
+        let requests = counter(
+            "sentinel_requests_total",
+            "Requests answered, by endpoint and status.",
+            &["endpoint_id", "status"],
+        );
+        let config_reloads = counter(
+            "sentinel_config_reloads_total",
+            "Config reloads by result.",
+            &["result"],
+        );
+        let shadow_denials = counter(
+            "sentinel_shadow_denials_total",
+            "Requests a shadow-mode route forwarded although the decision denied them.",
+            &["endpoint_id"],
+        );
+        let overlimit_hits = counter(
+            "sentinel_overlimit_cache_hits_total",
+            "Denials answered from the local over-limit cache.",
+            &["endpoint_id"],
+        );
+        let decision_duration = register(
+            &r,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "sentinel_decision_duration_seconds",
+                    "Time spent deciding one limited request.",
+                )
+                .buckets(latency_buckets()),
+                &["endpoint_id"],
+            )
+            .expect("valid"),
+        );
+        let redis_duration = register(
+            &r,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "sentinel_redis_duration_seconds",
+                    "Time of one Redis script evaluation, NOSCRIPT reload included.",
+                )
+                .buckets(latency_buckets()),
+            )
+            .expect("valid"),
+        );
+        let breaker_state = register(
+            &r,
+            IntGauge::new(
+                "sentinel_breaker_state",
+                "Circuit breaker state: 0 closed, 1 open, 2 half_open.",
+            )
+            .expect("valid"),
+        );
+        let config_generation = register(
+            &r,
+            IntGauge::new(
+                "sentinel_config_generation",
+                "Generation of the config serving requests; +1 per successful reload.",
+            )
+            .expect("valid"),
+        );
+        for cause in ["timeout", "connection_error", "noscript"] {
+            store_errors.with_label_values(&[cause]);
+        }
+        for to in ["closed", "open", "half_open"] {
+            breaker_transitions.with_label_values(&[to]);
+        }
+        for result in ["success", "failure"] {
+            config_reloads.with_label_values(&[result]);
+        }
+        Self {
+            registry: r,
+            decisions,
+            decision_duration,
+            degraded,
+            store_errors,
+            redis_duration,
+            breaker_state,
+            breaker_transitions,
+            requests,
+            config_reloads,
+            config_generation,
+            shadow_denials,
+            overlimit_hits,
+        }
+    }
+
+    pub fn endpoint(&self, endpoint_id: &str, fail_mode: FailMode) -> EndpointMetrics {
+        let decisions = DecisionReason::ALL
+            .iter()
+            .map(|reason| {
+                [false, true].map(|allowed| {
+                    self.decisions.with_label_values(&[
+                        endpoint_id,
+                        reason.as_str(),
+                        if allowed { "true" } else { "false" },
+                    ])
+                })
+            })
+            .collect();
+        EndpointMetrics {
+            decisions,
+            decision_duration: self.decision_duration.with_label_values(&[endpoint_id]),
+            degraded: self
+                .degraded
+                .with_label_values(&[endpoint_id, fail_mode.as_str()]),
+            shadow_denials: self.shadow_denials.with_label_values(&[endpoint_id]),
+            overlimit_hits: self.overlimit_hits.with_label_values(&[endpoint_id]),
+            requests: self.requests(endpoint_id),
+        }
+    }
+
+    pub fn requests(&self, endpoint_label: &str) -> RequestCounters {
+        RequestCounters {
+            label: endpoint_label.to_owned(),
+            common: COMMON_STATUSES
+                .iter()
+                .map(|&s| {
+                    let c = self
+                        .requests
+                        .with_label_values(&[endpoint_label, &s.to_string()]);
+                    (s, c)
+                })
+                .collect(),
+            vec: self.requests.clone(),
+        }
+    }
+
+    pub fn store_errors(&self) -> StoreErrorCounters {
+        let c = |cause| self.store_errors.with_label_values(&[cause]);
+        StoreErrorCounters {
+            timeout: c("timeout"),
+            connection_error: c("connection_error"),
+            noscript: c("noscript"),
+        }
+    }
+
+    pub fn breaker_transition(&self, to: &str, state_value: i64) {
+        self.breaker_transitions.with_label_values(&[to]).inc();
+        self.breaker_state.set(state_value);
+    }
+
+    pub fn config_reload(&self, ok: bool) {
+        let result = if ok { "success" } else { "failure" };
+        self.config_reloads.with_label_values(&[result]).inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus::TextEncoder::new()
+            .encode_utf8(&self.registry.gather(), &mut out)
+            .unwrap_or_else(|e| tracing::error!(error = %e, "cannot encode metrics"));
+        out
+    }
+}

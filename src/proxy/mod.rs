@@ -1,0 +1,241 @@
+//! The gateway's request path, top to bottom: route -> identity -> decide -> answer or
+//! forward. Each hook below says when Pingora calls it and what its result means.
+
+pub mod respond;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::prelude::*;
+use pingora::upstreams::peer::HttpPeer;
+use pingora_core::{Error, ErrorSource, ErrorType};
+use pingora_http::RequestHeader;
+use pingora_proxy::FailToProxy;
+
+use crate::identity::{self, IdentityError};
+use crate::config::{IdentitySource, Mode};
+use crate::lifecycle::{InFlight, Lifecycle};
+use crate::limiter::{identity_hash, Decision, Limiter};
+use crate::routing::{normalize_path, request_host};
+use crate::snapshot::{Route, Snapshot};
+use respond::Answer;
+
+/// The proxy: shared by every worker thread.
+pub struct Gateway {
+    pub live: Arc<ArcSwap<Snapshot>>,
+    pub limiter: Arc<Limiter>,
+    pub lifecycle: Arc<Lifecycle>,
+}
+
+/// One request's state across the hooks. The snapshot loaded first is the one the whole
+/// request runs under, whatever reloads happen meanwhile.
+#[derive(Default)]
+pub struct RequestCtx {
+    snapshot: Option<Arc<Snapshot>>,
+    route: Option<Arc<Route>>,
+    /// Normalized path and query, as the upstream receives them.
+    upstream_uri: Option<String>,
+    decision: Option<Decision>,
+    decision_time: Duration,
+    /// Status of an answer the gateway wrote itself.
+    answered: Option<u16>,
+    connect_attempts: usize,
+    _in_flight: Option<InFlight>,
+}
+
+impl Gateway {
+    async fn answer(&self, session: &mut Session, ctx: &mut RequestCtx, answer: Answer) -> Result<bool> {
+        ctx.answered = Some(answer.status());
+        respond::write(session, answer).await?;
+        Ok(true)
+    }
+
+    /// Decides one limited request and returns the answer that denies it, if any.
+    async fn limit(&self, session: &Session, ctx: &mut RequestCtx, snapshot: &Snapshot, route: &Route) -> Option<Answer> {
+        let peer = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        let trusted = &snapshot.config.server.trusted_proxies;
+        let identity = match identity::identify(&route.identity, session.req_header(), peer, trusted) {
+            Ok(identity) => identity,
+            Err(IdentityError::MissingHeader | IdentityError::NoPeerAddress | IdentityError::Unsupported) => {
+                return Some(Answer::Unauthenticated {
+                    bearer: route.identity == IdentitySource::Jwt,
+                })
+            }
+        };
+        let hash = identity_hash(&identity);
+        let started = Instant::now();
+        let decision = self.limiter.decide(&route.endpoint, &hash).await;
+        ctx.decision_time = started.elapsed();
+        ctx.decision = Some(decision);
+        if decision.allowed {
+            return None;
+        }
+        let answer = match decision.deny_status() {
+            429 => Answer::RateLimited {
+                retry_after_secs: decision.retry_after_secs,
+            },
+            _ => Answer::LimiterUnavailable {
+                retry_after_base_secs: decision.retry_after_secs,
+            },
+        };
+        let shadow = route.endpoint.policy.mode == Mode::Shadow;
+        tracing::warn!(
+            endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
+            decision_reason = decision.reason.as_str(),
+            identity_hash = hash.as_str(),
+            latency_us = ctx.decision_time.as_micros() as u64,
+            breaker_state = decision.breaker.as_str(),
+            status = answer.status(),
+            shadow,
+            "request denied"
+        );
+        (!shadow).then_some(answer)
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            _in_flight: Some(self.lifecycle.track()),
+            ..RequestCtx::default()
+        }
+    }
+
+    /// Runs first for every request. Answers 400, 404, 401, 429 and 503 itself and returns
+    /// `Ok(true)`; returns `Ok(false)` to forward. Nothing here touches Redis unless a limited
+    /// route matched and the identity is valid.
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let snapshot = self.live.load_full();
+        ctx.snapshot = Some(Arc::clone(&snapshot));
+        let req = session.req_header();
+        let Ok(path) = normalize_path(req.uri.path()) else {
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        };
+        let host_header = req.headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
+        let host = request_host(req.uri.host(), host_header);
+        let Some(route) = snapshot.routes.find(host.as_deref(), &req.method, &path).cloned() else {
+            return self.answer(session, ctx, Answer::NoRoute).await;
+        };
+        ctx.upstream_uri = Some(match req.uri.query() {
+            Some(q) => format!("{path}?{q}"),
+            None => path,
+        });
+        ctx.route = Some(Arc::clone(&route));
+        if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
+            return Ok(false);
+        }
+        match self.limit(session, ctx, &snapshot, &route).await {
+            Some(answer) => self.answer(session, ctx, answer).await,
+            None => Ok(false),
+        }
+    }
+
+    /// Picks the upstream address by round robin, with the upstream's timeouts.
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+        let route = ctx.route.as_ref().ok_or_else(|| Error::new(ErrorType::InternalError))?;
+        let pool = &route.upstream;
+        let backend = pool
+            .balancer
+            .select(b"", 256)
+            .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
+        ctx.connect_attempts += 1;
+        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        let up = &pool.config;
+        peer.options.connection_timeout = Some(up.connect_timeout);
+        peer.options.total_connection_timeout = Some(up.connect_timeout);
+        peer.options.read_timeout = Some(up.read_timeout);
+        peer.options.write_timeout = Some(up.read_timeout);
+        Ok(Box::new(peer))
+    }
+
+    /// The upstream receives the normalized path with the original query.
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if let Some(uri) = ctx.upstream_uri.as_deref() {
+            let uri = uri.parse::<http::Uri>().map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
+            upstream_request.set_uri(uri);
+        }
+        Ok(())
+    }
+
+    /// A failed connect is retried on the next address while untried addresses remain.
+    fn fail_to_connect(&self, _session: &mut Session, _peer: &HttpPeer, ctx: &mut RequestCtx, mut e: Box<Error>) -> Box<Error> {
+        let addrs = ctx.route.as_ref().map_or(0, |r| r.upstream.config.addrs.len());
+        if ctx.connect_attempts < addrs {
+            e.set_retry(true);
+        }
+        e
+    }
+
+    /// A request that failed while proxying: upstream trouble is 502 or 504 JSON, a client
+    /// that sent garbage gets 400, anything else 500.
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+        let answer = match (e.esource(), e.etype()) {
+            (_, ErrorType::HTTPStatus(code)) => {
+                let code = *code;
+                if code > 0 {
+                    session.respond_error(code).await.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+                }
+                return FailToProxy { error_code: code, can_reuse_downstream: false };
+            }
+            (ErrorSource::Upstream, ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout) => Some(Answer::UpstreamTimeout),
+            (ErrorSource::Upstream, _) => Some(Answer::UpstreamUnavailable),
+            (ErrorSource::Downstream, ErrorType::ReadError | ErrorType::WriteError | ErrorType::ConnectionClosed) => None,
+            (ErrorSource::Downstream, _) => Some(Answer::BadRequest),
+            (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectTimedout) => Some(Answer::UpstreamTimeout),
+            (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectRefused | ErrorType::ConnectNoRoute | ErrorType::ConnectError) => Some(Answer::UpstreamUnavailable),
+            _ => None,
+        };
+        let code = match answer {
+            Some(answer) if session.response_written().is_none() => {
+                ctx.answered = Some(answer.status());
+                respond::write(session, answer).await.unwrap_or_else(|err| {
+                    tracing::debug!(error = %err, "cannot write the error answer");
+                    answer.status()
+                })
+            }
+            Some(answer) => answer.status(),
+            None if session.response_written().is_none() && !matches!(e.esource(), ErrorSource::Downstream) => {
+                session.respond_error(500).await.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+                500
+            }
+            None => 0,
+        };
+        FailToProxy { error_code: code, can_reuse_downstream: false }
+    }
+
+    /// Called once per request at its end: the one place metrics are recorded.
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+        let status = ctx
+            .answered
+            .or_else(|| session.response_written().map(|r| r.status.as_u16()))
+            .unwrap_or(0);
+        let Some(route) = &ctx.route else {
+            if let Some(s) = &ctx.snapshot {
+                s.unmatched.inc(status);
+            }
+            return;
+        };
+        let m = &route.endpoint.metrics;
+        m.requests.inc(status);
+        if let Some(d) = ctx.decision {
+            m.decision(d.reason, d.allowed).inc();
+            m.decision_duration.observe(ctx.decision_time.as_secs_f64());
+            if !d.reason.by_redis() {
+                m.degraded.inc();
+            }
+            if !d.allowed && route.endpoint.policy.mode == Mode::Shadow {
+                m.shadow_denials.inc();
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! The answers the gateway writes itself: JSON bodies, their statuses and headers.
+//!
+//! Written from `request_filter` (or `fail_to_proxy`), header with Content-Length first,
+//! then the body; these answers skip `response_filter`.
+
+use bytes::Bytes;
+use pingora::prelude::*;
+use pingora_http::ResponseHeader;
+use rand::Rng;
+
+/// Every answer that does not come from an upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    BadRequest,
+    NoRoute,
+    /// `bearer`: the route reads a JWT, so the answer names the scheme.
+    Unauthenticated { bearer: bool },
+    /// 429 from Redis or the emergency limiter.
+    RateLimited { retry_after_secs: u64 },
+    /// 503: the limiter could not decide and the route fails closed (or the breaker is open).
+    LimiterUnavailable { retry_after_base_secs: u64 },
+    UpstreamUnavailable,
+    UpstreamTimeout,
+}
+
+impl Answer {
+    pub fn status(self) -> u16 {
+        match self {
+            Answer::BadRequest => 400,
+            Answer::NoRoute => 404,
+            Answer::Unauthenticated { .. } => 401,
+            Answer::RateLimited { .. } => 429,
+            Answer::LimiterUnavailable { .. } => 503,
+            Answer::UpstreamUnavailable => 502,
+            Answer::UpstreamTimeout => 504,
+        }
+    }
+
+    pub fn body(self) -> &'static str {
+        match self {
+            Answer::BadRequest => r#"{"detail":"bad request"}"#,
+            Answer::NoRoute => r#"{"detail":"no route"}"#,
+            Answer::Unauthenticated { .. } => r#"{"detail":"authentication required"}"#,
+            Answer::RateLimited { .. } => r#"{"detail":"rate limit exceeded"}"#,
+            Answer::LimiterUnavailable { .. } => r#"{"detail":"rate limiter unavailable"}"#,
+            Answer::UpstreamUnavailable => r#"{"detail":"upstream unavailable"}"#,
+            Answer::UpstreamTimeout => r#"{"detail":"upstream timeout"}"#,
+        }
+    }
+
+    /// The `Retry-After` value, if the answer carries one. A 503's is jittered between the
+    /// base and one and a half times it, so clients do not come back in lockstep.
+    pub fn retry_after(self) -> Option<u64> {
+        match self {
+            Answer::RateLimited { retry_after_secs } => Some(retry_after_secs.max(1)),
+            Answer::LimiterUnavailable {
+                retry_after_base_secs,
+            } => {
+                let base = retry_after_base_secs.max(1);
+                Some(base + rand::rng().random_range(0..=(base / 2).max(1)))
+            }
+            _ => None,
+        }
+    }
+
+    /// The complete response header.
+    pub fn header(self) -> Result<ResponseHeader> {
+        let body = self.body();
+        let mut h = ResponseHeader::build(self.status(), Some(4))?;
+        h.insert_header("content-type", "application/json")?;
+        h.insert_header("content-length", body.len().to_string())?;
+        if let Some(secs) = self.retry_after() {
+            h.insert_header("retry-after", secs.to_string())?;
+        }
+        if self == (Answer::Unauthenticated { bearer: true }) {
+            h.insert_header("www-authenticate", "Bearer")?;
+        }
+        Ok(h)
+    }
+}
+
+/// Writes `answer` to the client; returns its status.
+pub async fn write(session: &mut Session, answer: Answer) -> Result<u16> {
+    let header = answer.header()?;
+    session.write_response_header(Box::new(header), false).await?;
+    session
+        .write_response_body(Some(Bytes::from_static(answer.body().as_bytes())), true)
+        .await?;
+    Ok(answer.status())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unavailable_retry_after_is_jittered_around_the_base() {
+        let seen: std::collections::BTreeSet<u64> = (0..200)
+            .filter_map(|_| Answer::LimiterUnavailable { retry_after_base_secs: 10 }.retry_after())
+            .collect();
+        assert!(seen.iter().all(|s| (10..=15).contains(s)), "{seen:?}");
+        assert!(seen.len() > 1, "no jitter: {seen:?}");
+    }
+
+    #[test]
+    fn rate_limited_header_carries_json_and_retry_after() {
+        let h = Answer::RateLimited { retry_after_secs: 0 }.header().unwrap();
+        assert_eq!(h.status.as_u16(), 429);
+        assert_eq!(h.headers["content-type"], "application/json");
+        assert_eq!(h.headers["retry-after"], "1");
+        assert_eq!(h.headers["content-length"], "32");
+    }
+}

@@ -1,0 +1,154 @@
+//! Builds the whole gateway from a validated config and runs it under Pingora: the proxy
+//! service, the admin service, reload on SIGHUP and the drain on SIGTERM.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora_core::server::configuration::ServerConf;
+use pingora_core::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use pingora_core::services::listening::Service;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::admin::Admin;
+use crate::clock::{MonotonicClock, SharedClock};
+use crate::config::Config;
+use crate::lifecycle::Lifecycle;
+use crate::limiter::{Breaker, BreakerState, Limiter, Store};
+use crate::metrics::Metrics;
+use crate::proxy::Gateway;
+use crate::reload::Reloader;
+use crate::snapshot::Snapshot;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot start the Redis store: {0}")]
+    Store(std::io::Error),
+    #[error("cannot build upstream pools: {0}")]
+    Upstreams(std::io::Error),
+}
+
+fn breaker_hook(metrics: &Arc<Metrics>) -> crate::limiter::breaker::TransitionHook {
+    let metrics = Arc::clone(metrics);
+    Box::new(move |from: BreakerState, to: BreakerState| {
+        metrics.breaker_transition(to.as_str(), to as i64);
+        tracing::warn!(from = from.as_str(), to = to.as_str(), "circuit breaker transition");
+    })
+}
+
+/// Runs the gateway until SIGTERM or SIGINT.
+pub fn run(config: Config) -> Result<(), StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let clock: SharedClock = Arc::new(MonotonicClock::default());
+    let store = Store::start(&config.redis, &metrics).map_err(StartError::Store)?;
+    let breaker = Breaker::new(config.breaker, Arc::clone(&clock), breaker_hook(&metrics));
+    let limiter = Arc::new(Limiter { store, breaker });
+    let server_cfg = config.server.clone();
+    let path = config.source.clone();
+    let snapshot = Snapshot::build(config, 1, &metrics, &clock, None).map_err(StartError::Upstreams)?;
+    metrics.config_generation.set(1);
+    let live = Arc::new(ArcSwap::from_pointee(snapshot));
+    let lifecycle = Arc::new(Lifecycle::default());
+    let reloader = Arc::new(Reloader::new(path, Arc::clone(&live), Arc::clone(&limiter), Arc::clone(&metrics), clock));
+
+    let conf = ServerConf {
+        threads: server_cfg.threads,
+        grace_period_seconds: Some(server_cfg.grace_period.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(1),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+
+    let gateway = Gateway {
+        live: Arc::clone(&live),
+        limiter: Arc::clone(&limiter),
+        lifecycle: Arc::clone(&lifecycle),
+    };
+    let mut proxy = pingora_proxy::http_proxy_service_with_name(&server.configuration, gateway, "sentinel-proxy");
+    for addr in &server_cfg.listen {
+        proxy.add_tcp(&addr.to_string());
+    }
+    let admin = Admin {
+        metrics: Arc::clone(&metrics),
+        lifecycle: Arc::clone(&lifecycle),
+        limiter: Arc::clone(&limiter),
+        reloader: Arc::clone(&reloader),
+    };
+    let mut admin = Service::new("sentinel-admin".to_owned(), admin);
+    admin.add_tcp(&server_cfg.admin_listen.to_string());
+
+    let control = limiter.store.runtime().clone();
+    control.spawn(reload_on_sighup(Arc::clone(&reloader)));
+    let mut phases = server.watch_execution_phase();
+    let ready = Arc::clone(&lifecycle);
+    control.spawn(async move {
+        while let Ok(phase) = phases.recv().await {
+            if matches!(phase, ExecutionPhase::Running) {
+                ready.set_ready();
+                tracing::info!("gateway ready");
+            }
+        }
+    });
+
+    server.add_service(proxy);
+    server.add_service(admin);
+    tracing::info!(listen = ?server_cfg.listen, admin = %server_cfg.admin_listen, "gateway starting");
+    server.run(RunArgs {
+        shutdown_signal: Box::new(Drain {
+            lifecycle,
+            grace: server_cfg.grace_period,
+        }),
+    });
+    Ok(())
+}
+
+async fn reload_on_sighup(reloader: Arc<Reloader>) {
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::error!("cannot listen for SIGHUP; reload with POST /reload");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        let r = Arc::clone(&reloader);
+        let _ = tokio::task::spawn_blocking(move || r.reload()).await;
+    }
+}
+
+/// SIGTERM: turn unready at once, let Pingora stop accepting, and exit 0 as soon as the
+/// requests in flight have finished, or when the grace period ends.
+struct Drain {
+    lifecycle: Arc<Lifecycle>,
+    grace: Duration,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for Drain {
+    async fn recv(&self) -> ShutdownSignal {
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            tracing::error!("cannot listen for SIGTERM");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {
+                tracing::info!("SIGINT: stopping now");
+                return ShutdownSignal::FastShutdown;
+            }
+        }
+        tracing::info!(grace_period_seconds = self.grace.as_secs(), "SIGTERM: draining");
+        self.lifecycle.start_draining();
+        let lifecycle = Arc::clone(&self.lifecycle);
+        let deadline = Instant::now() + self.grace;
+        std::thread::spawn(move || {
+            // Give the listeners a moment to close before counting what is left.
+            std::thread::sleep(Duration::from_millis(50));
+            while lifecycle.in_flight() > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            tracing::info!(in_flight = lifecycle.in_flight(), "drained; exiting");
+            std::process::exit(0);
+        });
+        ShutdownSignal::GracefulTerminate
+    }
+}

@@ -1,0 +1,101 @@
+//! The live configuration as the request path uses it: the route table, each endpoint's
+//! runtime state and each upstream's pool. One request loads one snapshot and keeps it.
+//!
+//! A reload builds a new snapshot from the previous one so that state survives where the
+//! config allows: an endpoint's emergency bucket carries over unless its fallback rate
+//! changed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use pingora_load_balancing::selection::RoundRobin;
+use pingora_load_balancing::LoadBalancer;
+
+use crate::clock::SharedClock;
+use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
+use crate::limiter::emergency::EmergencyBucket;
+use crate::limiter::Endpoint;
+use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
+use crate::routing::{Matcher, RouteTable};
+
+/// An upstream's addresses behind round robin, with its timeouts.
+pub struct UpstreamPool {
+    pub config: Arc<UpstreamConfig>,
+    pub balancer: LoadBalancer<RoundRobin>,
+}
+
+/// A matched route: whose bucket, keyed by what, forwarded where.
+pub struct Route {
+    pub endpoint: Arc<Endpoint>,
+    pub identity: IdentitySource,
+    pub upstream: Arc<UpstreamPool>,
+}
+
+pub struct Snapshot {
+    pub generation: u64,
+    pub config: Arc<Config>,
+    pub routes: RouteTable<Arc<Route>>,
+    pub endpoints: HashMap<EndpointId, Arc<Endpoint>>,
+    /// `sentinel_requests_total{endpoint_id="_unmatched"}`.
+    pub unmatched: RequestCounters,
+}
+
+impl Snapshot {
+    pub fn build(
+        config: Config,
+        generation: u64,
+        metrics: &Metrics,
+        clock: &SharedClock,
+        previous: Option<&Snapshot>,
+    ) -> std::io::Result<Snapshot> {
+        let mut pools = HashMap::new();
+        for (name, up) in &config.upstreams {
+            let balancer = LoadBalancer::try_from_iter(up.addrs.iter().copied())?;
+            pools.insert(
+                name.clone(),
+                Arc::new(UpstreamPool {
+                    config: Arc::clone(up),
+                    balancer,
+                }),
+            );
+        }
+        let mut endpoints: HashMap<EndpointId, Arc<Endpoint>> = HashMap::new();
+        let mut entries = Vec::new();
+        for rc in &config.routes {
+            let policy = &rc.policy;
+            let endpoint = endpoints
+                .entry(policy.endpoint_id.clone())
+                .or_insert_with(|| {
+                    let kept = previous
+                        .and_then(|p| p.endpoints.get(&policy.endpoint_id))
+                        .and_then(|e| e.emergency.clone())
+                        .filter(|b| Some(b.rate_micro()) == policy.fallback_rate_micro);
+                    let emergency = kept.or_else(|| {
+                        policy
+                            .fallback_rate_micro
+                            .map(|rate| Arc::new(EmergencyBucket::new(rate, Arc::clone(clock))))
+                    });
+                    Arc::new(Endpoint::new(
+                        Arc::clone(policy),
+                        &config.redis.key_prefix,
+                        emergency,
+                        metrics.endpoint(policy.endpoint_id.as_str(), policy.fail_mode),
+                    ))
+                })
+                .clone();
+            let route = Route {
+                endpoint,
+                identity: rc.identity.clone(),
+                upstream: Arc::clone(&pools[&rc.upstream.name]),
+            };
+            entries.push((Matcher::of(rc), Arc::new(route)));
+        }
+        Ok(Snapshot {
+            generation,
+            routes: RouteTable::new(entries),
+            endpoints,
+            unmatched: metrics.requests(UNMATCHED),
+            config: Arc::new(config),
+        })
+    }
+}
