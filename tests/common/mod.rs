@@ -1,0 +1,300 @@
+//! Real processes for integration tests: redis-server, the demo upstream and the gateway
+//! binary, each on a free loopback port and each stopped by its PID when dropped.
+
+#![allow(dead_code)]
+
+pub mod fault;
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+/// Polls `f` until it returns true or `within` passes.
+pub fn wait_until(within: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out after {within:?} waiting for {what}");
+}
+
+fn port_open(port: u16) -> bool {
+    TcpStream::connect(("127.0.0.1", port)).is_ok()
+}
+
+/// A child process killed (SIGKILL) by its PID when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: &'static str,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{sig} {} failed", self.name);
+    }
+
+    /// Waits for the process to exit; its exit code, or None if it outlives `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<i32> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Redis {
+    pub port: u16,
+    pub proc: Proc,
+    dir: tempfile::TempDir,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Self::start_on(free_port())
+    }
+
+    pub fn start_on(port: u16) -> Redis {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start redis-server ({e}): install it with `apt-get install -y redis-server`")
+            });
+        let redis = Redis { port, proc: Proc { child, name: "redis-server" }, dir };
+        wait_until(Duration::from_secs(10), "redis-server to answer", || {
+            redis.client().get_connection().is_ok()
+        });
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).expect("valid url")
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        self.client().get_connection().expect("redis connection")
+    }
+
+    /// Calls of one command so far, from `INFO commandstats` (0 if never called).
+    pub fn command_calls(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut self.conn()).expect("INFO");
+        let prefix = format!("cmdstat_{}:calls=", command.to_ascii_lowercase());
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Calls of every command except INFO itself, CONFIG RESETSTAT and the connection setup.
+    pub fn limiter_calls(&self) -> u64 {
+        ["evalsha", "eval", "script|load", "hmget", "hset"].iter().map(|c| self.command_calls(c)).sum()
+    }
+
+    pub fn reset_stats(&self) {
+        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut self.conn()).expect("RESETSTAT");
+    }
+
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut self.conn()).expect("KEYS");
+        keys.sort();
+        keys
+    }
+}
+
+pub struct Upstream {
+    pub port: u16,
+    pub proc: Proc,
+}
+
+impl Upstream {
+    pub fn start(name: &str) -> Upstream {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_demo-upstream"))
+            .args([format!("127.0.0.1:{port}"), name.to_owned()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("demo-upstream starts");
+        let up = Upstream { port, proc: Proc { child, name: "demo-upstream" } };
+        wait_until(Duration::from_secs(10), "the demo upstream to listen", || port_open(port));
+        up
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// The gateway binary with a config written to a temp file.
+pub struct Gateway {
+    pub port: u16,
+    pub admin_port: u16,
+    pub proc: Proc,
+    pub config_path: PathBuf,
+    pub log_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// The `[server]` and `[redis]` sections for a test gateway; routes and upstreams follow.
+pub fn base_config(port: u16, admin_port: u16, redis_url: &str) -> String {
+    format!(
+        r#"[server]
+listen = "127.0.0.1:{port}"
+admin_listen = "127.0.0.1:{admin_port}"
+threads = 2
+grace_period_seconds = 5
+
+[redis]
+url = "{redis_url}"
+timeout_ms = 20
+"#
+    )
+}
+
+impl Gateway {
+    /// Starts the gateway with `rest` (upstreams, routes, breaker...) after the base sections.
+    pub fn start(redis_url: &str, rest: &str) -> Gateway {
+        let port = free_port();
+        let admin_port = free_port();
+        Self::start_with(port, admin_port, &format!("{}\n{rest}", base_config(port, admin_port, redis_url)))
+    }
+
+    pub fn start_with(port: u16, admin_port: u16, config: &str) -> Gateway {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config_path = dir.path().join("gateway.toml");
+        std::fs::write(&config_path, config).expect("write config");
+        let log_path = dir.path().join("gateway.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+            .arg("--config")
+            .arg(&config_path)
+            .env_remove("SENTINEL_REDIS_URL")
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .expect("gateway starts");
+        let mut gw = Gateway { port, admin_port, proc: Proc { child, name: "sentinel-gateway" }, config_path, log_path, _dir: dir };
+        let ready = |gw: &mut Gateway| {
+            if let Ok(Some(status)) = gw.proc.child.try_wait() {
+                panic!("gateway exited with {status}: {}", gw.logs());
+            }
+            blocking_get(&format!("http://127.0.0.1:{}/readyz", gw.admin_port)).is_some_and(|(s, _)| s == 200)
+                && port_open(gw.port)
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready(&mut gw) {
+            assert!(Instant::now() < deadline, "gateway not ready in 20 s: {}", gw.logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        gw
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn admin(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn rewrite_config(&self, config: &str) {
+        let mut f = std::fs::File::create(&self.config_path).expect("config file");
+        f.write_all(config.as_bytes()).expect("write config");
+    }
+
+    /// The value of one metric series from /metrics (0 when absent).
+    pub fn metric(&self, series: &str) -> f64 {
+        let (_, body) = blocking_get(&self.admin("/metrics")).expect("metrics answer");
+        metric_value(&body, series)
+    }
+}
+
+/// The value of `series` (name with its labels in the exposition's order) in a text body.
+pub fn metric_value(body: &str, series: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A minimal blocking HTTP/1.1 GET over loopback, for readiness polls and metrics.
+pub fn blocking_get(url: &str) -> Option<(u16, String)> {
+    use std::io::Read;
+    let rest = url.strip_prefix("http://")?;
+    let (authority, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(a, p)| (a, format!("/{p}")));
+    let mut stream = TcpStream::connect(authority).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).ok()?;
+    let status = raw.split_whitespace().nth(1)?.parse().ok()?;
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Some((status, body))
+}
+
+/// Sends raw bytes and returns the status line's code, for requests a client library would
+/// refuse to build.
+pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
+    use std::io::Read;
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream.write_all(request).ok()?;
+    let mut buf = vec![0u8; 4096];
+    let n = stream.read(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf[..n]);
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("http client")
+}
