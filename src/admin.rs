@@ -36,7 +36,11 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<Vec<u8>> {
 impl Admin {
     fn readyz(&self) -> Response<Vec<u8>> {
         let ready = self.lifecycle.is_ready();
-        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        let status = if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
         json(
             status,
             serde_json::json!({
@@ -54,8 +58,14 @@ impl Admin {
             .await
             .unwrap_or_else(|e| Err(format!("reload task failed: {e}")));
         match result {
-            Ok(generation) => json(StatusCode::OK, serde_json::json!({"reloaded": true, "config_generation": generation})),
-            Err(error) => json(StatusCode::BAD_REQUEST, serde_json::json!({"reloaded": false, "error": error})),
+            Ok(generation) => json(
+                StatusCode::OK,
+                serde_json::json!({"reloaded": true, "config_generation": generation}),
+            ),
+            Err(error) => json(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"reloaded": false, "error": error}),
+            ),
         }
     }
 }
@@ -67,12 +77,22 @@ impl ServeHttp for Admin {
         let method = req.method.clone();
         let path = req.uri.path().to_owned();
         match (method, path.as_str()) {
-            (Method::GET, "/metrics") => reply(StatusCode::OK, "text/plain; version=0.0.4", self.metrics.render()),
+            (Method::GET, "/metrics") => reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                self.metrics.render(),
+            ),
             (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
             (Method::GET, "/readyz") => self.readyz(),
             (Method::POST, "/reload") => self.reload().await,
-            (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(StatusCode::METHOD_NOT_ALLOWED, serde_json::json!({"detail": "method not allowed"})),
-            _ => json(StatusCode::NOT_FOUND, serde_json::json!({"detail": "not found"})),
+            (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                serde_json::json!({"detail": "method not allowed"}),
+            ),
+            _ => json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"detail": "not found"}),
+            ),
         }
     }
 }

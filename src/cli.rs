@@ -10,10 +10,19 @@ use crate::config::{Algorithm, Config, IdentitySource, PathMatch, RouteConfig};
 pub const EXIT_INVALID_CONFIG: i32 = 2;
 
 #[derive(Debug, Parser)]
-#[command(name = "sentinel-gateway", version, about = "A rate-limiting reverse proxy with explicit failure semantics")]
+#[command(
+    name = "sentinel-gateway",
+    version,
+    about = "A rate-limiting reverse proxy with explicit failure semantics"
+)]
 struct Cli {
     /// The config file.
-    #[arg(long, global = true, default_value = "gateway.toml", value_name = "PATH")]
+    #[arg(
+        long,
+        global = true,
+        default_value = "gateway.toml",
+        value_name = "PATH"
+    )]
     config: PathBuf,
     #[command(subcommand)]
     command: Option<Command>,
@@ -32,14 +41,22 @@ pub fn main() -> i32 {
     match (cli.command, loaded) {
         (_, Err(errors)) => {
             eprintln!("{errors}");
-            eprintln!("{}: {} error(s); the config was not loaded", cli.config.display(), errors.0.len());
+            eprintln!(
+                "{}: {} error(s); the config was not loaded",
+                cli.config.display(),
+                errors.0.len()
+            );
             EXIT_INVALID_CONFIG
         }
         (Some(Command::Check), Ok(config)) => {
             for route in &config.routes {
                 println!("{}", describe(route));
             }
-            println!("{}: ok, {} route(s)", cli.config.display(), config.routes.len());
+            println!(
+                "{}: ok, {} route(s)",
+                cli.config.display(),
+                config.routes.len()
+            );
             0
         }
         (None, Ok(config)) => {
@@ -77,7 +94,10 @@ pub fn describe(route: &RouteConfig) -> String {
         PathMatch::Prefix(p) if p == "/" => "/**".to_owned(),
         PathMatch::Prefix(p) => format!("{p}/**"),
     };
-    let host = route.host.as_deref().map_or(String::new(), |h| format!(" on {h}"));
+    let host = route
+        .host
+        .as_deref()
+        .map_or(String::new(), |h| format!(" on {h}"));
     let identity = match &route.identity {
         IdentitySource::Jwt => "per JWT subject".to_owned(),
         IdentitySource::ClientIp => "per client IP".to_owned(),
@@ -86,24 +106,44 @@ pub fn describe(route: &RouteConfig) -> String {
     };
     let limit = match p.algorithm {
         Algorithm::None => "not limited".to_owned(),
-        Algorithm::TokenBucket { capacity_micro, refill_micro_per_sec } => {
+        Algorithm::TokenBucket {
+            capacity_micro,
+            refill_micro_per_sec,
+        } => {
             let refill = if refill_micro_per_sec == 0 {
                 "never refilled".to_owned()
             } else {
-                format!("refilled at {} requests per second", requests(refill_micro_per_sec))
+                format!(
+                    "refilled at {} requests per second",
+                    requests(refill_micro_per_sec)
+                )
             };
-            let cost = if p.cost_micro == 1_000_000 { String::new() } else { format!(", {} tokens per request", requests(p.cost_micro)) };
-            format!("token bucket of {} requests, {refill}{cost}, {identity}", requests(capacity_micro))
+            let cost = if p.cost_micro == 1_000_000 {
+                String::new()
+            } else {
+                format!(", {} tokens per request", requests(p.cost_micro))
+            };
+            format!(
+                "token bucket of {} requests, {refill}{cost}, {identity}",
+                requests(capacity_micro)
+            )
         }
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
         (Algorithm::None, ..) => String::new(),
         (_, Some(rate), crate::config::FailMode::FailOpen) => {
-            format!("; fail_open (emergency cap {} requests per second per process)", requests(rate))
+            format!(
+                "; fail_open (emergency cap {} requests per second per process)",
+                requests(rate)
+            )
         }
         (_, _, mode) => format!("; {}", mode.as_str()),
     };
-    let shadow = if p.mode == crate::config::Mode::Shadow { "; shadow mode" } else { "" };
+    let shadow = if p.mode == crate::config::Mode::Shadow {
+        "; shadow mode"
+    } else {
+        ""
+    };
     format!(
         "{}: {methods} {path}{host} -> {}; {limit}{fail}{shadow}; policy v{}",
         p.endpoint_id, route.upstream.name, p.policy_version

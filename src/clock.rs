@@ -38,8 +38,7 @@ pub struct ManualClock {
 
 impl ManualClock {
     pub fn advance(&self, by: Duration) {
-        self.now
-            .fetch_add(by.as_micros() as u64, Ordering::SeqCst);
+        self.now.fetch_add(by.as_micros() as u64, Ordering::SeqCst);
     }
 }
 

@@ -113,7 +113,10 @@ mod tests {
     #[test]
     fn untrusted_peer_ignores_forwarded_for() {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
-        assert_eq!(client_ip(&req(&["1.2.3.4"], &[]), ip("8.8.8.8"), &trusted), ip("8.8.8.8"));
+        assert_eq!(
+            client_ip(&req(&["1.2.3.4"], &[]), ip("8.8.8.8"), &trusted),
+            ip("8.8.8.8")
+        );
     }
 
     #[test]
@@ -129,13 +132,27 @@ mod tests {
     fn header_identity_needs_a_non_empty_value_and_keeps_kinds_apart() {
         let src = IdentitySource::Header("x-api-key".into());
         let r = req(&[], &[("X-API-Key", "abc")]);
-        assert_eq!(identify(&src, &r, None, &[]).unwrap(), "header:x-api-key:abc");
+        assert_eq!(
+            identify(&src, &r, None, &[]).unwrap(),
+            "header:x-api-key:abc"
+        );
         let empty = req(&[], &[("X-API-Key", "")]);
-        assert_eq!(identify(&src, &empty, None, &[]), Err(IdentityError::MissingHeader));
+        assert_eq!(
+            identify(&src, &empty, None, &[]),
+            Err(IdentityError::MissingHeader)
+        );
         let long = "k".repeat(MAX_HEADER_IDENTITY_BYTES + 1);
         let r = req(&[], &[("X-API-Key", long.as_str())]);
-        assert_eq!(identify(&src, &r, None, &[]), Err(IdentityError::MissingHeader));
-        let ipid = identify(&IdentitySource::ClientIp, &req(&[], &[]), Some(ip("::ffff:1.2.3.4")), &[]);
+        assert_eq!(
+            identify(&src, &r, None, &[]),
+            Err(IdentityError::MissingHeader)
+        );
+        let ipid = identify(
+            &IdentitySource::ClientIp,
+            &req(&[], &[]),
+            Some(ip("::ffff:1.2.3.4")),
+            &[],
+        );
         assert_eq!(ipid.unwrap(), "ip:1.2.3.4");
     }
 }

@@ -100,7 +100,10 @@ impl Metrics {
     pub fn new() -> Self {
         let r = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            register(&r, IntCounterVec::new(Opts::new(name, help), labels).expect("valid"))
+            register(
+                &r,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid"),
+            )
         };
         let decisions = counter(
             "sentinel_decisions_total",

@@ -47,7 +47,9 @@ impl Reloader {
         self.metrics.config_reload(result.is_ok());
         match &result {
             Ok(generation) => tracing::info!(config_generation = generation, "config reloaded"),
-            Err(e) => tracing::error!(error = %e, "config reload failed; the previous config keeps serving"),
+            Err(e) => {
+                tracing::error!(error = %e, "config reload failed; the previous config keeps serving")
+            }
         }
         result
     }
@@ -56,17 +58,28 @@ impl Reloader {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
         let old = &current.config;
-        if config.server.listen != old.server.listen || config.server.admin_listen != old.server.admin_listen || config.server.threads != old.server.threads {
+        if config.server.listen != old.server.listen
+            || config.server.admin_listen != old.server.admin_listen
+            || config.server.threads != old.server.threads
+        {
             tracing::warn!("server.listen, server.admin_listen and server.threads take effect only after a restart");
         }
         if config.redis.url != old.redis.url || config.redis.key_prefix != old.redis.key_prefix {
-            tracing::warn!("redis.url and redis.key_prefix changes take effect only after a restart");
+            tracing::warn!(
+                "redis.url and redis.key_prefix changes take effect only after a restart"
+            );
         }
         self.limiter.store.set_budget(config.redis.timeout);
         self.limiter.breaker.reconfigure(config.breaker);
         let generation = current.generation + 1;
-        let snapshot = Snapshot::build(config, generation, &self.metrics, &self.clock, Some(&current))
-            .map_err(|e| format!("cannot build upstream pools: {e}"))?;
+        let snapshot = Snapshot::build(
+            config,
+            generation,
+            &self.metrics,
+            &self.clock,
+            Some(&current),
+        )
+        .map_err(|e| format!("cannot build upstream pools: {e}"))?;
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
         Ok(generation)

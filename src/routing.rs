@@ -258,3 +258,129 @@ pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>)
     };
     Some(without_port.trim_end_matches('.').to_ascii_lowercase())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn normalization_cases() {
+        let ok = [
+            ("/", "/"),
+            ("//a///b", "/a/b"),
+            ("/a/./b/.", "/a/b/"),
+            ("/a/b/../c", "/a/c"),
+            ("/a/%2e%2E/c", "/c"),
+            ("/%61%62%63", "/abc"),
+            ("/a%7e%5f", "/a~_"),
+            ("/caf%c3%a9", "/caf%C3%A9"),
+            ("/a/b/", "/a/b/"),
+            ("/A/B", "/A/B"),
+            ("/a%20b", "/a%20b"),
+        ];
+        for (raw, want) in ok {
+            assert_eq!(normalize_path(raw).as_deref(), Ok(want), "{raw}");
+        }
+        let bad = [
+            ("a/b", PathError::NotAbsolute),
+            ("", PathError::NotAbsolute),
+            ("/..", PathError::EscapesRoot),
+            ("/a/../..", PathError::EscapesRoot),
+            ("/%2e%2e/x", PathError::EscapesRoot),
+            ("/a%2fb", PathError::EncodedSeparator),
+            ("/a%2Fb", PathError::EncodedSeparator),
+            ("/a%5cb", PathError::EncodedSeparator),
+            ("/a%00", PathError::EncodedSeparator),
+            ("/a\\b", PathError::Backslash),
+            ("/a%0a", PathError::ControlCharacter),
+            ("/%ff", PathError::NotUtf8),
+            ("/%c3", PathError::NotUtf8),
+            ("/%zz", PathError::BadEscape),
+            ("/%4", PathError::BadEscape),
+        ];
+        for (raw, want) in bad {
+            assert_eq!(normalize_path(raw), Err(want), "{raw}");
+        }
+        assert_eq!(
+            normalize_path(&format!("/{}", "a".repeat(MAX_PATH_BYTES))),
+            Err(PathError::TooLong)
+        );
+    }
+
+    fn m(path: PathMatch, host: Option<&str>, methods: Option<&[&str]>) -> Matcher {
+        Matcher {
+            path,
+            host: host.map(str::to_owned),
+            methods: methods.map(|ms| ms.iter().map(|s| s.parse().unwrap()).collect()),
+        }
+    }
+
+    fn prefix(p: &str) -> PathMatch {
+        PathMatch::Prefix(p.to_owned())
+    }
+
+    #[test]
+    fn specificity_rules() {
+        let table = RouteTable::new([
+            (m(prefix("/"), None, None), "root"),
+            (m(prefix("/a"), None, None), "a"),
+            (m(prefix("/a/b"), None, None), "ab"),
+            (m(PathMatch::Exact("/a/b".into()), None, None), "exact"),
+            (m(prefix("/a"), Some("h.example"), None), "host"),
+            (m(prefix("/a"), None, Some(&["POST"])), "post"),
+        ]);
+        let get = Method::GET;
+        let post = Method::POST;
+        assert_eq!(table.find(None, &get, "/a/b"), Some(&"exact"));
+        assert_eq!(
+            table.find(None, &get, "/a/b/"),
+            Some(&"exact"),
+            "trailing slash"
+        );
+        assert_eq!(table.find(None, &get, "/a/b/c"), Some(&"ab"));
+        assert_eq!(
+            table.find(None, &get, "/a/bc"),
+            Some(&"a"),
+            "whole segments only"
+        );
+        assert_eq!(
+            table.find(Some("h.example"), &post, "/a/x"),
+            Some(&"host"),
+            "host beats methods"
+        );
+        assert_eq!(table.find(None, &post, "/a/x"), Some(&"post"));
+        assert_eq!(table.find(None, &get, "/b"), Some(&"root"));
+        let empty: RouteTable<()> = RouteTable::new([]);
+        assert_eq!(empty.find(None, &get, "/"), None);
+    }
+
+    #[test]
+    fn host_is_lowercased_and_port_stripped() {
+        assert_eq!(
+            request_host(None, Some("API.Example.com:8080")).as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(
+            request_host(Some("h.example"), Some("other")).as_deref(),
+            Some("h.example")
+        );
+        assert_eq!(request_host(None, Some("[::1]:80")).as_deref(), Some("::1"));
+        assert_eq!(request_host(None, None), None);
+    }
+
+    proptest! {
+        // Normal form is a fixed point, never climbs above the root, and never holds dot
+        // segments or empty segments.
+        #[test]
+        fn normal_form_is_stable(raw in "/[a-zA-Z0-9%./_~-]{0,40}") {
+            if let Ok(n) = normalize_path(&raw) {
+                prop_assert_eq!(normalize_path(&n), Ok(n.clone()));
+                prop_assert!(n.starts_with('/'));
+                prop_assert!(!n.contains("//"));
+                let segs: Vec<&str> = n.trim_end_matches('/').split('/').skip(1).collect();
+                prop_assert!(segs.iter().all(|s| *s != "." && *s != ".."), "{}", n);
+            }
+        }
+    }
+}

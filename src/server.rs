@@ -33,7 +33,11 @@ fn breaker_hook(metrics: &Arc<Metrics>) -> crate::limiter::breaker::TransitionHo
     let metrics = Arc::clone(metrics);
     Box::new(move |from: BreakerState, to: BreakerState| {
         metrics.breaker_transition(to.as_str(), to as i64);
-        tracing::warn!(from = from.as_str(), to = to.as_str(), "circuit breaker transition");
+        tracing::warn!(
+            from = from.as_str(),
+            to = to.as_str(),
+            "circuit breaker transition"
+        );
     })
 }
 
@@ -46,11 +50,18 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let limiter = Arc::new(Limiter { store, breaker });
     let server_cfg = config.server.clone();
     let path = config.source.clone();
-    let snapshot = Snapshot::build(config, 1, &metrics, &clock, None).map_err(StartError::Upstreams)?;
+    let snapshot =
+        Snapshot::build(config, 1, &metrics, &clock, None).map_err(StartError::Upstreams)?;
     metrics.config_generation.set(1);
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
     let lifecycle = Arc::new(Lifecycle::default());
-    let reloader = Arc::new(Reloader::new(path, Arc::clone(&live), Arc::clone(&limiter), Arc::clone(&metrics), clock));
+    let reloader = Arc::new(Reloader::new(
+        path,
+        Arc::clone(&live),
+        Arc::clone(&limiter),
+        Arc::clone(&metrics),
+        clock,
+    ));
 
     let conf = ServerConf {
         threads: server_cfg.threads,
@@ -66,7 +77,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
         limiter: Arc::clone(&limiter),
         lifecycle: Arc::clone(&lifecycle),
     };
-    let mut proxy = pingora_proxy::http_proxy_service_with_name(&server.configuration, gateway, "sentinel-proxy");
+    let mut proxy = pingora_proxy::http_proxy_service_with_name(
+        &server.configuration,
+        gateway,
+        "sentinel-proxy",
+    );
     for addr in &server_cfg.listen {
         proxy.add_tcp(&addr.to_string());
     }
@@ -125,7 +140,10 @@ struct Drain {
 #[async_trait]
 impl ShutdownSignalWatch for Drain {
     async fn recv(&self) -> ShutdownSignal {
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot listen for SIGTERM");
             return std::future::pending().await;
         };
@@ -136,7 +154,10 @@ impl ShutdownSignalWatch for Drain {
                 return ShutdownSignal::FastShutdown;
             }
         }
-        tracing::info!(grace_period_seconds = self.grace.as_secs(), "SIGTERM: draining");
+        tracing::info!(
+            grace_period_seconds = self.grace.as_secs(),
+            "SIGTERM: draining"
+        );
         self.lifecycle.start_draining();
         let lifecycle = Arc::clone(&self.lifecycle);
         let deadline = Instant::now() + self.grace;

@@ -12,7 +12,14 @@ fn upstream_section(name: &str, addrs: &[String], read_timeout_ms: u64) -> Strin
     format!("[upstreams.{name}]\naddrs = [{}]\nconnect_timeout_ms = 500\nread_timeout_ms = {read_timeout_ms}\n", list.join(", "))
 }
 
-fn bucket_route(id: &str, prefix: &str, identity: &str, capacity: u64, refill: u64, version: u64) -> String {
+fn bucket_route(
+    id: &str,
+    prefix: &str,
+    identity: &str,
+    capacity: u64,
+    refill: u64,
+    version: u64,
+) -> String {
     format!(
         r#"
 [[routes]]
@@ -43,36 +50,90 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.bucket", "/api", r#"{ header = "X-API-Key" }"#, 3, 1_000_000, 1);
+        + &bucket_route(
+            "t.bucket",
+            "/api",
+            r#"{ header = "X-API-Key" }"#,
+            3,
+            1_000_000,
+            1,
+        );
     let gw = Gateway::start(&redis.url(), &config);
     let http = client();
     for i in 0..3 {
-        let r = http.get(gw.url("/api/x")).header("x-api-key", "alice").send().await.unwrap();
+        let r = http
+            .get(gw.url("/api/x"))
+            .header("x-api-key", "alice")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200, "request {i} within capacity");
         assert_eq!(r.headers()["x-upstream"], "app");
     }
-    let denied = http.get(gw.url("/api/x")).header("x-api-key", "alice").send().await.unwrap();
+    let denied = http
+        .get(gw.url("/api/x"))
+        .header("x-api-key", "alice")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(denied.status(), 429);
     assert_eq!(denied.headers()["content-type"], "application/json");
-    assert_eq!(denied.headers()["retry-after"], "1", "one token refills in 1 s");
-    assert_eq!(denied.text().await.unwrap(), r#"{"detail":"rate limit exceeded"}"#);
+    assert_eq!(
+        denied.headers()["retry-after"],
+        "1",
+        "one token refills in 1 s"
+    );
+    assert_eq!(
+        denied.text().await.unwrap(),
+        r#"{"detail":"rate limit exceeded"}"#
+    );
 
     // One token per second: after a little over a second exactly one more is admitted.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let again = http.get(gw.url("/api/x")).header("x-api-key", "alice").send().await.unwrap();
+    let again = http
+        .get(gw.url("/api/x"))
+        .header("x-api-key", "alice")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(again.status(), 200);
-    let next = http.get(gw.url("/api/x")).header("x-api-key", "alice").send().await.unwrap();
+    let next = http
+        .get(gw.url("/api/x"))
+        .header("x-api-key", "alice")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(next.status(), 429);
 
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.bucket"}"#), 4.0);
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="t.bucket"}"#), 2.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.bucket",status="200"}"#), 4.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.bucket",status="429"}"#), 2.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.bucket",status="200"}"#),
+        4.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.bucket",status="429"}"#),
+        2.0
+    );
     let logs = gw.logs();
-    let deny_lines: Vec<&str> = logs.lines().filter(|l| l.contains("\"request denied\"")).collect();
+    let deny_lines: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("\"request denied\""))
+        .collect();
     assert_eq!(deny_lines.len(), 2, "one WARN line per denial");
-    for field in ["\"endpoint_id\":\"t.bucket\"", "\"decision_reason\":\"rate_limited\"", "\"latency_us\":", "\"breaker_state\":\"closed\"", "\"status\":429", &format!("\"identity_hash\":\"{}\"", sha("header:x-api-key:alice"))] {
-        assert!(deny_lines[0].contains(field), "deny line lacks {field}: {}", deny_lines[0]);
+    for field in [
+        "\"endpoint_id\":\"t.bucket\"",
+        "\"decision_reason\":\"rate_limited\"",
+        "\"latency_us\":",
+        "\"breaker_state\":\"closed\"",
+        "\"status\":429",
+        &format!("\"identity_hash\":\"{}\"", sha("header:x-api-key:alice")),
+    ] {
+        assert!(
+            deny_lines[0].contains(field),
+            "deny line lacks {field}: {}",
+            deny_lines[0]
+        );
     }
     assert!(!logs.contains("alice"), "a raw identity reached the logs");
 }
@@ -81,7 +142,8 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
 async fn concurrent_clients_on_one_bucket_admit_exactly_its_capacity() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000) + &bucket_route("t.shared", "/api", "\"global\"", 50, 0, 1);
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + &bucket_route("t.shared", "/api", "\"global\"", 50, 0, 1);
     let gw = Gateway::start(&redis.url(), &config);
     let url = gw.url("/api/doc");
     // 30 connections, 10 requests each.
@@ -104,14 +166,28 @@ async fn concurrent_clients_on_one_bucket_admit_exactly_its_capacity() {
     }
     let admitted = statuses.iter().filter(|&&s| s == 200).count();
     let denied = statuses.iter().filter(|&&s| s == 429).count();
-    assert_eq!((admitted, denied), (50, 250), "every answer is 200 or 429 and exactly 50 pass");
+    assert_eq!(
+        (admitted, denied),
+        (50, 250),
+        "every answer is 200 or 429 and exactly 50 pass"
+    );
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.shared"}"#), 50.0);
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="t.shared"}"#), 250.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.shared",status="429"}"#), 250.0);
-    assert_eq!(redis.command_calls("evalsha"), 300, "one EVALSHA per limited request");
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.shared",status="429"}"#),
+        250.0
+    );
+    assert_eq!(
+        redis.command_calls("evalsha"),
+        300,
+        "one EVALSHA per limited request"
+    );
     // Refill 0: the bucket never expires and never refills.
     let key = format!("sentinel:v1:{}:t.shared:1", sha("global"));
-    let ttl: i64 = redis::cmd("TTL").arg(&key).query(&mut redis.conn()).unwrap();
+    let ttl: i64 = redis::cmd("TTL")
+        .arg(&key)
+        .query(&mut redis.conn())
+        .unwrap();
     assert_eq!(ttl, -1);
 }
 
@@ -121,7 +197,14 @@ async fn identities_keys_and_policy_versions() {
     let up = Upstream::start("app");
     let routes = |version| {
         upstream_section("app", &[up.addr()], 5000)
-            + &bucket_route("t.keyed", "/keyed", r#"{ header = "X-API-Key" }"#, 2, 0, version)
+            + &bucket_route(
+                "t.keyed",
+                "/keyed",
+                r#"{ header = "X-API-Key" }"#,
+                2,
+                0,
+                version,
+            )
             + &bucket_route("t.global", "/global", "\"global\"", 2, 0, 1)
             + &bucket_route("t.ip", "/ip", "\"client_ip\"", 2, 0, 1)
     };
@@ -135,11 +218,38 @@ async fn identities_keys_and_policy_versions() {
         async move { r.send().await.unwrap().status().as_u16() }
     };
     // Header identities: distinct buckets.
-    assert_eq!([get("/keyed", Some("a")).await, get("/keyed", Some("a")).await, get("/keyed", Some("a")).await], [200, 200, 429]);
-    assert_eq!([get("/keyed", Some("b")).await, get("/keyed", Some("b")).await], [200, 200]);
+    assert_eq!(
+        [
+            get("/keyed", Some("a")).await,
+            get("/keyed", Some("a")).await,
+            get("/keyed", Some("a")).await
+        ],
+        [200, 200, 429]
+    );
+    assert_eq!(
+        [
+            get("/keyed", Some("b")).await,
+            get("/keyed", Some("b")).await
+        ],
+        [200, 200]
+    );
     // Global: one bucket whoever asks.
-    assert_eq!([get("/global", Some("a")).await, get("/global", Some("b")).await, get("/global", None).await], [200, 200, 429]);
-    assert_eq!([get("/ip", None).await, get("/ip", Some("z")).await, get("/ip", None).await], [200, 200, 429]);
+    assert_eq!(
+        [
+            get("/global", Some("a")).await,
+            get("/global", Some("b")).await,
+            get("/global", None).await
+        ],
+        [200, 200, 429]
+    );
+    assert_eq!(
+        [
+            get("/ip", None).await,
+            get("/ip", Some("z")).await,
+            get("/ip", None).await
+        ],
+        [200, 200, 429]
+    );
     let mut expected = vec![
         format!("sentinel:v1:{}:t.keyed:1", sha("header:x-api-key:a")),
         format!("sentinel:v1:{}:t.keyed:1", sha("header:x-api-key:b")),
@@ -150,12 +260,29 @@ async fn identities_keys_and_policy_versions() {
     assert_eq!(redis.keys("sentinel:*"), expected);
 
     // A new policy version starts every bucket of the endpoint afresh.
-    gw.rewrite_config(&format!("{}\n{}", common::base_config(gw.port, gw.admin_port, &redis.url()), routes(2)));
+    gw.rewrite_config(&format!(
+        "{}\n{}",
+        common::base_config(gw.port, gw.admin_port, &redis.url()),
+        routes(2)
+    ));
     let reload = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(reload.status(), 200);
-    assert_eq!(reload.text().await.unwrap(), r#"{"config_generation":2,"reloaded":true}"#);
-    assert_eq!([get("/keyed", Some("a")).await, get("/keyed", Some("a")).await, get("/keyed", Some("a")).await], [200, 200, 429]);
-    assert!(redis.keys("sentinel:*").contains(&format!("sentinel:v1:{}:t.keyed:2", sha("header:x-api-key:a"))));
+    assert_eq!(
+        reload.text().await.unwrap(),
+        r#"{"config_generation":2,"reloaded":true}"#
+    );
+    assert_eq!(
+        [
+            get("/keyed", Some("a")).await,
+            get("/keyed", Some("a")).await,
+            get("/keyed", Some("a")).await
+        ],
+        [200, 200, 429]
+    );
+    assert!(redis.keys("sentinel:*").contains(&format!(
+        "sentinel:v1:{}:t.keyed:2",
+        sha("header:x-api-key:a")
+    )));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -176,26 +303,73 @@ async fn answers_before_the_limiter_never_reach_redis() {
 
     let r = http.get(gw.url("/limited")).send().await.unwrap();
     assert_eq!(r.status(), 401, "missing identity header");
-    assert_eq!(r.text().await.unwrap(), r#"{"detail":"authentication required"}"#);
-    let r = http.get(gw.url("/limited")).header("X-API-Key", "").send().await.unwrap();
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"detail":"authentication required"}"#
+    );
+    let r = http
+        .get(gw.url("/limited"))
+        .header("X-API-Key", "")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401, "empty identity header");
 
-    for bad in ["/limited/a%2fb", "/limited/%00", "/limited/%ff", "/limited/a%5Cb", "/limited/%zz"] {
-        let r = http.get(gw.url(bad)).header("X-API-Key", "k").send().await.unwrap();
+    for bad in [
+        "/limited/a%2fb",
+        "/limited/%00",
+        "/limited/%ff",
+        "/limited/a%5Cb",
+        "/limited/%zz",
+    ] {
+        let r = http
+            .get(gw.url(bad))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 400, "{bad}");
         assert_eq!(r.text().await.unwrap(), r#"{"detail":"bad request"}"#);
     }
     // Sent raw: a URL library would resolve the dots before sending.
-    assert_eq!(raw_request(gw.port, b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n"), Some(400));
-    assert_eq!(raw_request(gw.port, b"GET /limited/%2e%2e/%2E%2e/x HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n"), Some(400));
+    assert_eq!(
+        raw_request(
+            gw.port,
+            b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n"
+        ),
+        Some(400)
+    );
+    assert_eq!(
+        raw_request(
+            gw.port,
+            b"GET /limited/%2e%2e/%2E%2e/x HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n"
+        ),
+        Some(400)
+    );
 
     for _ in 0..5 {
-        assert_eq!(http.get(gw.url("/open")).send().await.unwrap().status(), 200);
+        assert_eq!(
+            http.get(gw.url("/open")).send().await.unwrap().status(),
+            200
+        );
     }
-    assert_eq!(redis.limiter_calls(), 0, "no limiter command for 404, 401, 400 or algorithm none");
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="404"}"#), 1.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.limited",status="401"}"#), 2.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.open",status="200"}"#), 5.0);
+    assert_eq!(
+        redis.limiter_calls(),
+        0,
+        "no limiter command for 404, 401, 400 or algorithm none"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="404"}"#),
+        1.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.limited",status="401"}"#),
+        2.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.open",status="200"}"#),
+        5.0
+    );
     let decisions: f64 = ["allowed", "rate_limited"].iter().map(|r| gw.metric(&format!(r#"sentinel_decisions_total{{allowed="{}",decision_reason="{r}",endpoint_id="t.limited"}}"#, r == &"allowed"))).sum();
     assert_eq!(decisions, 0.0, "a 401 produces no decision");
 }
@@ -226,9 +400,14 @@ async fn forwards_the_normalized_request_and_round_robins() {
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..10 {
         let r = http.get(gw.url("/docs")).send().await.unwrap();
-        *seen.entry(r.headers()["x-upstream"].to_str().unwrap().to_owned()).or_insert(0) += 1;
+        *seen
+            .entry(r.headers()["x-upstream"].to_str().unwrap().to_owned())
+            .or_insert(0) += 1;
     }
-    assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![("a".to_owned(), 5), ("b".to_owned(), 5)]);
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        vec![("a".to_owned(), 5), ("b".to_owned(), 5)]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -245,19 +424,30 @@ async fn upstream_down_is_502_and_slow_is_504() {
     let r = http.get(gw.url("/dead")).send().await.unwrap();
     assert_eq!(r.status(), 502);
     assert_eq!(r.headers()["content-type"], "application/json");
-    assert_eq!(r.text().await.unwrap(), r#"{"detail":"upstream unavailable"}"#);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"detail":"upstream unavailable"}"#
+    );
     let r = http.get(gw.url("/slow?ms=3000")).send().await.unwrap();
     assert_eq!(r.status(), 504);
     assert_eq!(r.text().await.unwrap(), r#"{"detail":"upstream timeout"}"#);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.dead",status="502"}"#), 1.0);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="t.slow",status="504"}"#), 1.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.dead",status="502"}"#),
+        1.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.slow",status="504"}"#),
+        1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_specificity_not_file_order() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let route = |id: &str, extra: &str| format!("\n[[routes]]\nendpoint_id = \"{id}\"\nupstream = \"app\"\nalgorithm = \"none\"\n{extra}\n");
+    let route = |id: &str, extra: &str| {
+        format!("\n[[routes]]\nendpoint_id = \"{id}\"\nupstream = \"app\"\nalgorithm = \"none\"\n{extra}\n")
+    };
     let config = upstream_section("app", &[up.addr()], 5000)
         + &route("r.root", "path_prefix = \"/\"")
         + &route("r.short", "path_prefix = \"/a\"")
@@ -284,34 +474,55 @@ async fn routes_by_specificity_not_file_order() {
         }
         assert_eq!(req.send().await.unwrap().status(), 200);
         let series = format!(r#"sentinel_requests_total{{endpoint_id="{want}",status="200"}}"#);
-        assert!(gw.metric(&series) >= 1.0, "{method} {path} host {host:?} should go to {want}");
+        assert!(
+            gw.metric(&series) >= 1.0,
+            "{method} {path} host {host:?} should go to {want}"
+        );
     }
     let total: f64 = ["r.root", "r.short", "r.long", "r.exact", "r.host", "r.post"]
         .iter()
-        .map(|id| gw.metric(&format!(r#"sentinel_requests_total{{endpoint_id="{id}",status="200"}}"#)))
+        .map(|id| {
+            gw.metric(&format!(
+                r#"sentinel_requests_total{{endpoint_id="{id}",status="200"}}"#
+            ))
+        })
         .sum();
     assert_eq!(total, cases.len() as f64);
-    assert_eq!(gw.metric(r#"sentinel_requests_total{endpoint_id="r.exact",status="200"}"#), 2.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="r.exact",status="200"}"#),
+        2.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_unreachable_is_a_503_never_a_500_or_a_hang() {
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let config = upstream_section("app", &[up.addr()], 5000) + &bucket_route("t.closed", "/c", "\"global\"", 5, 0, 1);
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + &bucket_route("t.closed", "/c", "\"global\"", 5, 0, 1);
     let gw = Gateway::start(&nowhere, &config);
     let http = client();
     for _ in 0..3 {
         let started = std::time::Instant::now();
         let r = http.get(gw.url("/c")).send().await.unwrap();
         assert_eq!(r.status(), 503);
-        let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        let retry: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
         assert!(retry >= 1);
-        assert_eq!(r.text().await.unwrap(), r#"{"detail":"rate limiter unavailable"}"#);
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"rate limiter unavailable"}"#
+        );
         // Generous bound for a loaded 2-core machine; the budget itself is 20 ms.
         assert!(started.elapsed() < Duration::from_millis(500));
     }
     let (status, body) = common::blocking_get(&gw.admin("/readyz")).unwrap();
-    assert_eq!(status, 200, "a Redis outage does not make the gateway unready");
+    assert_eq!(
+        status, 200,
+        "a Redis outage does not make the gateway unready"
+    );
     assert!(body.contains(r#""redis":"down""#), "{body}");
 }

@@ -17,9 +17,16 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-async fn handle(name: &'static str, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(
+    name: &'static str,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let (parts, body) = req.into_parts();
-    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     if parts.uri.path() == "/slow" || parts.uri.path().ends_with("/slow") {
         let ms = parts
             .uri
@@ -32,7 +39,12 @@ async fn handle(name: &'static str, req: Request<Incoming>) -> Result<Response<F
     let headers: serde_json::Map<String, serde_json::Value> = parts
         .headers
         .iter()
-        .map(|(k, v)| (k.as_str().to_owned(), String::from_utf8_lossy(v.as_bytes()).into()))
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into(),
+            )
+        })
         .collect();
     let answer = serde_json::json!({
         "upstream": name,
@@ -44,8 +56,12 @@ async fn handle(name: &'static str, req: Request<Incoming>) -> Result<Response<F
         "body": String::from_utf8_lossy(&body),
     });
     let mut resp = Response::new(Full::new(Bytes::from(answer.to_string())));
-    resp.headers_mut().insert("content-type", "application/json".parse().expect("valid"));
-    resp.headers_mut().insert("x-upstream", name.parse().expect("name is a valid header value"));
+    resp.headers_mut()
+        .insert("content-type", "application/json".parse().expect("valid"));
+    resp.headers_mut().insert(
+        "x-upstream",
+        name.parse().expect("name is a valid header value"),
+    );
     Ok(resp)
 }
 
@@ -57,14 +73,23 @@ async fn main() -> std::io::Result<()> {
         .unwrap_or_else(|| "127.0.0.1:9001".to_owned())
         .parse()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let name: &'static str = Box::leak(args.next().unwrap_or_else(|| "demo".to_owned()).into_boxed_str());
+    let name: &'static str = Box::leak(
+        args.next()
+            .unwrap_or_else(|| "demo".to_owned())
+            .into_boxed_str(),
+    );
     let listener = TcpListener::bind(addr).await?;
-    println!("demo-upstream {name} listening on {}", listener.local_addr()?);
+    println!(
+        "demo-upstream {name} listening on {}",
+        listener.local_addr()?
+    );
     loop {
         let (stream, _) = listener.accept().await?;
         tokio::spawn(async move {
             let service = service_fn(move |req| handle(name, req));
-            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         });
     }
 }

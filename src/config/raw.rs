@@ -80,9 +80,7 @@ pub struct RawUpstream {
 #[serde(untagged)]
 pub enum RawIdentity {
     Named(String),
-    Header {
-        header: String,
-    },
+    Header { header: String },
 }
 
 #[derive(Debug, Deserialize)]

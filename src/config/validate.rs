@@ -50,7 +50,10 @@ pub fn validate(
     shared_endpoints(&mut c, &routes);
     for conflict in routing::ambiguities(routes.iter().map(|(_, r)| r)) {
         let (a, b) = conflict;
-        let span = routes.iter().find(|(_, r)| r.index == b.index).map(|(s, _)| s);
+        let span = routes
+            .iter()
+            .find(|(_, r)| r.index == b.index)
+            .map(|(s, _)| s);
         c.push(
             span,
             Some(&route_label(b.index, b.policy.endpoint_id.as_str())),
@@ -138,7 +141,12 @@ fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
                 OneOrMany::Many(v) => v.clone(),
             };
             if list.is_empty() {
-                c.push(Some(&l.span()), None, "server.listen is empty: give at least one address such as \"0.0.0.0:8080\"".into());
+                c.push(
+                    Some(&l.span()),
+                    None,
+                    "server.listen is empty: give at least one address such as \"0.0.0.0:8080\""
+                        .into(),
+                );
                 ok = false;
             }
             list.iter()
@@ -153,7 +161,15 @@ fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
                 .collect()
         }
     };
-    let threads = int_in(c, None, "server.threads", s.and_then(|s| s.threads.as_ref()), 2, (1, 256), "");
+    let threads = int_in(
+        c,
+        None,
+        "server.threads",
+        s.and_then(|s| s.threads.as_ref()),
+        2,
+        (1, 256),
+        "",
+    );
     let admin_listen = match s.and_then(|s| s.admin_listen.as_ref()) {
         None => Some("127.0.0.1:9090".parse().expect("valid default")),
         Some(a) => match a.get_ref().parse::<SocketAddr>() {
@@ -165,9 +181,15 @@ fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
         },
     };
     let mut trusted_proxies = Vec::new();
-    for p in s.and_then(|s| s.trusted_proxies.as_ref()).map(|p| p.get_ref().as_slice()).unwrap_or_default() {
+    for p in s
+        .and_then(|s| s.trusted_proxies.as_ref())
+        .map(|p| p.get_ref().as_slice())
+        .unwrap_or_default()
+    {
         let text = p.get_ref();
-        let parsed = text.parse::<IpNet>().or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
+        let parsed = text
+            .parse::<IpNet>()
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
         match parsed {
             Ok(net) => trusted_proxies.push(net.trunc()),
             Err(_) => {
@@ -176,7 +198,15 @@ fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
             }
         }
     }
-    let grace = int_in(c, None, "server.grace_period_seconds", s.and_then(|s| s.grace_period_seconds.as_ref()), 10, (0, 3600), " seconds");
+    let grace = int_in(
+        c,
+        None,
+        "server.grace_period_seconds",
+        s.and_then(|s| s.grace_period_seconds.as_ref()),
+        10,
+        (0, 3600),
+        " seconds",
+    );
     Some(ServerConfig {
         listen,
         threads: threads? as usize,
@@ -191,20 +221,41 @@ fn redis(c: &mut Collector, raw: &RawConfig, url_override: Option<&str>) -> Opti
     let r = raw.redis.as_ref().map(|r| r.get_ref());
     let mut ok = true;
     if let Some(cluster) = r.and_then(|r| r.cluster_urls.as_ref()) {
-        c.push(Some(&cluster.span()), None, "redis.cluster_urls: Redis Cluster is not available in this version: use redis.url".into());
+        c.push(
+            Some(&cluster.span()),
+            None,
+            "redis.cluster_urls: Redis Cluster is not available in this version: use redis.url"
+                .into(),
+        );
         ok = false;
     }
     let url = match (url_override, r.and_then(|r| r.url.as_ref())) {
         (Some(env), _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\"")),
-        (None, Some(u)) => check_redis_url(c, Some(&u.span()), u.get_ref(), &format!("redis.url = \"{}\"", u.get_ref())),
+        (None, Some(u)) => check_redis_url(
+            c,
+            Some(&u.span()),
+            u.get_ref(),
+            &format!("redis.url = \"{}\"", u.get_ref()),
+        ),
         (None, None) => Some("redis://127.0.0.1:6379/0".to_owned()),
     };
-    let timeout = int_in(c, None, "redis.timeout_ms", r.and_then(|r| r.timeout_ms.as_ref()), 20, (1, 10_000), " ms");
+    let timeout = int_in(
+        c,
+        None,
+        "redis.timeout_ms",
+        r.and_then(|r| r.timeout_ms.as_ref()),
+        20,
+        (1, 10_000),
+        " ms",
+    );
     let key_prefix = match r.and_then(|r| r.key_prefix.as_ref()) {
         None => Some("sentinel".to_owned()),
         Some(p) => {
             let v = p.get_ref();
-            let valid = !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            let valid = !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
             if !valid {
                 c.push(Some(&p.span()), None, format!("redis.key_prefix = \"{v}\" is not usable: use 1 to 64 of a-z, A-Z, 0-9, '.', '_', '-'"));
             }
@@ -221,15 +272,34 @@ fn redis(c: &mut Collector, raw: &RawConfig, url_override: Option<&str>) -> Opti
     .filter(|_| ok)
 }
 
-fn check_redis_url(c: &mut Collector, span: Option<&Range<usize>>, url: &str, what: &str) -> Option<String> {
+fn check_redis_url(
+    c: &mut Collector,
+    span: Option<&Range<usize>>,
+    url: &str,
+    what: &str,
+) -> Option<String> {
     match redis::Client::open(url) {
-        Ok(_) if url.starts_with("redis://") || url.starts_with("redis+unix://") || url.starts_with("unix://") => Some(url.to_owned()),
+        Ok(_)
+            if url.starts_with("redis://")
+                || url.starts_with("redis+unix://")
+                || url.starts_with("unix://") =>
+        {
+            Some(url.to_owned())
+        }
         Ok(_) => {
-            c.push(span, None, format!("{what} is not supported: use a redis:// or unix:// URL"));
+            c.push(
+                span,
+                None,
+                format!("{what} is not supported: use a redis:// or unix:// URL"),
+            );
             None
         }
         Err(e) => {
-            c.push(span, None, format!("{what} is not a Redis URL ({e}): write redis://host:port/db"));
+            c.push(
+                span,
+                None,
+                format!("{what} is not a Redis URL ({e}): write redis://host:port/db"),
+            );
             None
         }
     }
@@ -237,8 +307,24 @@ fn check_redis_url(c: &mut Collector, span: Option<&Range<usize>>, url: &str, wh
 
 fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfig> {
     let b = raw.breaker.as_ref().map(|b| b.get_ref());
-    let threshold = int_in(c, None, "breaker.failure_threshold", b.and_then(|b| b.failure_threshold.as_ref()), 5, (1, 1000), "");
-    let open = int_in(c, None, "breaker.open_seconds", b.and_then(|b| b.open_seconds.as_ref()), 30, (1, 3600), " seconds");
+    let threshold = int_in(
+        c,
+        None,
+        "breaker.failure_threshold",
+        b.and_then(|b| b.failure_threshold.as_ref()),
+        5,
+        (1, 1000),
+        "",
+    );
+    let open = int_in(
+        c,
+        None,
+        "breaker.open_seconds",
+        b.and_then(|b| b.open_seconds.as_ref()),
+        30,
+        (1, 3600),
+        " seconds",
+    );
     Some(BreakerConfig {
         failure_threshold: NonZeroU32::new(threshold? as u32)?,
         open_for: Duration::from_secs(open?),
@@ -247,7 +333,11 @@ fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfig> {
 
 fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
     let j = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
-    let secret_env = j.get_ref().secret_env.as_ref().map_or("SENTINEL_JWT_SECRET".to_owned(), |s| s.get_ref().clone());
+    let secret_env = j
+        .get_ref()
+        .secret_env
+        .as_ref()
+        .map_or("SENTINEL_JWT_SECRET".to_owned(), |s| s.get_ref().clone());
     let mut algorithms = vec!["HS256".to_owned()];
     if let Some(a) = j.get_ref().algorithms.as_ref() {
         for alg in a.get_ref() {
@@ -256,11 +346,18 @@ fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
             }
         }
         if a.get_ref().is_empty() {
-            c.push(Some(&a.span()), None, "auth.jwt.algorithms is empty: use a subset of HS256, HS384, HS512".into());
+            c.push(
+                Some(&a.span()),
+                None,
+                "auth.jwt.algorithms is empty: use a subset of HS256, HS384, HS512".into(),
+            );
         }
         algorithms = a.get_ref().clone();
     }
-    Some(JwtConfig { secret_env, algorithms })
+    Some(JwtConfig {
+        secret_env,
+        algorithms,
+    })
 }
 
 fn upstream(c: &mut Collector, name: &str, up: &Spanned<RawUpstream>) -> Option<UpstreamConfig> {
@@ -268,16 +365,52 @@ fn upstream(c: &mut Collector, name: &str, up: &Spanned<RawUpstream>) -> Option<
     let field = |f: &str| format!("upstreams.{name}.{f}");
     let mut addrs = Vec::new();
     if u.addrs.get_ref().is_empty() {
-        c.push(Some(&u.addrs.span()), None, format!("{} is empty: give at least one \"host:port\"", field("addrs")));
+        c.push(
+            Some(&u.addrs.span()),
+            None,
+            format!(
+                "{} is empty: give at least one \"host:port\"",
+                field("addrs")
+            ),
+        );
     }
     for a in u.addrs.get_ref() {
-        match a.get_ref().to_socket_addrs().ok().and_then(|mut it| it.next()) {
+        match a
+            .get_ref()
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut it| it.next())
+        {
             Some(addr) => addrs.push(addr),
-            None => c.push(Some(&a.span()), None, format!("{} entry \"{}\" does not resolve to an address: write \"host:port\"", field("addrs"), a.get_ref())),
+            None => c.push(
+                Some(&a.span()),
+                None,
+                format!(
+                    "{} entry \"{}\" does not resolve to an address: write \"host:port\"",
+                    field("addrs"),
+                    a.get_ref()
+                ),
+            ),
         }
     }
-    let connect = int_in(c, None, &field("connect_timeout_ms"), u.connect_timeout_ms.as_ref(), 1000, (1, 3_600_000), " ms");
-    let read = int_in(c, None, &field("read_timeout_ms"), u.read_timeout_ms.as_ref(), 60_000, (1, 3_600_000), " ms");
+    let connect = int_in(
+        c,
+        None,
+        &field("connect_timeout_ms"),
+        u.connect_timeout_ms.as_ref(),
+        1000,
+        (1, 3_600_000),
+        " ms",
+    );
+    let read = int_in(
+        c,
+        None,
+        &field("read_timeout_ms"),
+        u.read_timeout_ms.as_ref(),
+        60_000,
+        (1, 3_600_000),
+        " ms",
+    );
     (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
     Some(UpstreamConfig {
         name: name.to_owned(),
@@ -302,20 +435,36 @@ fn route(
 
     let endpoint_id = EndpointId::parse(id_text);
     if endpoint_id.is_none() {
-        c.push(Some(&r.endpoint_id.span()), label, format!("endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"));
+        c.push(
+            Some(&r.endpoint_id.span()),
+            label,
+            format!(
+                "endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"
+            ),
+        );
     }
     let path = route_path(c, label, spanned);
     let methods = r.methods.as_ref().map(|m| {
         if m.get_ref().is_empty() {
-            c.push(Some(&m.span()), label, "methods = [] matches nothing: leave methods out to match any method".into());
+            c.push(
+                Some(&m.span()),
+                label,
+                "methods = [] matches nothing: leave methods out to match any method".into(),
+            );
         }
         m.get_ref()
             .iter()
-            .filter_map(|name| match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
-                Ok(method) => Some(method),
-                Err(_) => {
-                    c.push(Some(&m.span()), label, format!("methods: \"{name}\" is not an HTTP method"));
-                    None
+            .filter_map(|name| {
+                match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
+                    Ok(method) => Some(method),
+                    Err(_) => {
+                        c.push(
+                            Some(&m.span()),
+                            label,
+                            format!("methods: \"{name}\" is not an HTTP method"),
+                        );
+                        None
+                    }
                 }
             })
             .collect::<Vec<_>>()
@@ -331,10 +480,20 @@ fn route(
     let upstream = upstreams.get(r.upstream.get_ref()).cloned();
     if upstream.is_none() && !raw.upstreams.contains_key(r.upstream.get_ref()) {
         let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
-        c.push(Some(&r.upstream.span()), label, format!("upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]", r.upstream.get_ref(), r.upstream.get_ref(), known.join(", ")));
+        c.push(
+            Some(&r.upstream.span()),
+            label,
+            format!(
+                "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
+                r.upstream.get_ref(),
+                r.upstream.get_ref(),
+                known.join(", ")
+            ),
+        );
     }
     let algorithm = algorithm(c, label, r);
-    let limited = !matches!(algorithm, Some(Algorithm::None));
+    // An unknown algorithm is already an error; do not pile an identity error on it.
+    let limited = algorithm.is_some_and(|a| a != Algorithm::None);
     let identity = identity(c, label, r, limited, raw);
     let policy = policy(c, label, r, endpoint_id, algorithm);
 
@@ -352,34 +511,60 @@ fn route(
     })
 }
 
-fn route_path(c: &mut Collector, label: Option<&str>, spanned: &Spanned<RawRoute>) -> Option<PathMatch> {
+fn route_path(
+    c: &mut Collector,
+    label: Option<&str>,
+    spanned: &Spanned<RawRoute>,
+) -> Option<PathMatch> {
     let r = spanned.get_ref();
     let (field, value, exact) = match (&r.path, &r.path_prefix) {
         (Some(p), None) => ("path", p, true),
         (None, Some(p)) => ("path_prefix", p, false),
         (Some(p), Some(_)) => {
-            c.push(Some(&p.span()), label, "path and path_prefix are both set: keep exactly one".into());
+            c.push(
+                Some(&p.span()),
+                label,
+                "path and path_prefix are both set: keep exactly one".into(),
+            );
             return None;
         }
         (None, None) => {
-            c.push(Some(&spanned.span()), label, "neither path nor path_prefix is set: give exactly one".into());
+            c.push(
+                Some(&spanned.span()),
+                label,
+                "neither path nor path_prefix is set: give exactly one".into(),
+            );
             return None;
         }
     };
     let text = value.get_ref();
     match routing::normalize_path(text) {
-        Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => Some(if exact {
-            PathMatch::Exact(n)
-        } else {
-            PathMatch::Prefix(n)
-        }),
+        Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => {
+            Some(if exact {
+                PathMatch::Exact(n)
+            } else {
+                PathMatch::Prefix(n)
+            })
+        }
         Ok(n) => {
-            let suggestion = if n.len() > 1 { n.trim_end_matches('/') } else { n.as_str() };
-            c.push(Some(&value.span()), label, format!("{field} = \"{text}\" is not in normal form: write \"{suggestion}\""));
+            let suggestion = if n.len() > 1 {
+                n.trim_end_matches('/')
+            } else {
+                n.as_str()
+            };
+            c.push(
+                Some(&value.span()),
+                label,
+                format!("{field} = \"{text}\" is not in normal form: write \"{suggestion}\""),
+            );
             None
         }
         Err(e) => {
-            c.push(Some(&value.span()), label, format!("{field} = \"{text}\" is not usable: {e}; it must start with '/'"));
+            c.push(
+                Some(&value.span()),
+                label,
+                format!("{field} = \"{text}\" is not usable: {e}; it must start with '/'"),
+            );
             None
         }
     }
@@ -388,12 +573,22 @@ fn route_path(c: &mut Collector, label: Option<&str>, spanned: &Spanned<RawRoute
 fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Algorithm> {
     let misplaced = |c: &mut Collector, field: &str, v: &Option<Spanned<i64>>, alg: &str| {
         if let Some(v) = v {
-            c.push(Some(&v.span()), label, format!("{field} does not apply to algorithm = \"{alg}\": remove it"));
+            c.push(
+                Some(&v.span()),
+                label,
+                format!("{field} does not apply to algorithm = \"{alg}\": remove it"),
+            );
         }
     };
     match r.algorithm.get_ref().as_str() {
         "none" => {
-            for (f, v) in [("limit", &r.limit), ("window_size_micro", &r.window_size_micro), ("capacity_micro", &r.capacity_micro), ("refill_rate_micro_per_sec", &r.refill_rate_micro_per_sec), ("cost_micro", &r.cost_micro)] {
+            for (f, v) in [
+                ("limit", &r.limit),
+                ("window_size_micro", &r.window_size_micro),
+                ("capacity_micro", &r.capacity_micro),
+                ("refill_rate_micro_per_sec", &r.refill_rate_micro_per_sec),
+                ("cost_micro", &r.cost_micro),
+            ] {
                 misplaced(c, f, v, "none");
             }
             Some(Algorithm::None)
@@ -410,16 +605,35 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
                     c.push(Some(&v.span()), label, format!("capacity_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
                     None
                 }
-                Some(v) => int_in(c, label, "capacity_micro", Some(v), 0, (1_000_000, MAX_CAPACITY_MICRO as i64), " (10^9 requests)"),
+                Some(v) => int_in(
+                    c,
+                    label,
+                    "capacity_micro",
+                    Some(v),
+                    0,
+                    (1_000_000, MAX_CAPACITY_MICRO as i64),
+                    " (10^9 requests)",
+                ),
             };
             let refill = match &r.refill_rate_micro_per_sec {
                 None => {
                     c.push(Some(&r.algorithm.span()), label, "refill_rate_micro_per_sec is required for algorithm = \"token_bucket\": micro-tokens added per second (0 = never refills)".into());
                     None
                 }
-                v => int_in(c, label, "refill_rate_micro_per_sec", v.as_ref(), 0, (0, MAX_RATE_MICRO_PER_SEC as i64), " (10^6 requests per second)"),
+                v => int_in(
+                    c,
+                    label,
+                    "refill_rate_micro_per_sec",
+                    v.as_ref(),
+                    0,
+                    (0, MAX_RATE_MICRO_PER_SEC as i64),
+                    " (10^6 requests per second)",
+                ),
             };
-            Some(Algorithm::TokenBucket { capacity_micro: capacity?, refill_micro_per_sec: refill? })
+            Some(Algorithm::TokenBucket {
+                capacity_micro: capacity?,
+                refill_micro_per_sec: refill?,
+            })
         }
         "sliding_window" => {
             c.push(Some(&r.algorithm.span()), label, "algorithm = \"sliding_window\" is not available in this version: use \"token_bucket\" or \"none\"".into());
@@ -432,7 +646,13 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
     }
 }
 
-fn identity(c: &mut Collector, label: Option<&str>, r: &RawRoute, limited: bool, raw: &RawConfig) -> Option<IdentitySource> {
+fn identity(
+    c: &mut Collector,
+    label: Option<&str>,
+    r: &RawRoute,
+    limited: bool,
+    raw: &RawConfig,
+) -> Option<IdentitySource> {
     let Some(spanned) = &r.identity else {
         if limited {
             c.push(Some(&r.endpoint_id.span()), label, "identity is required for a limited route: use \"jwt\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
@@ -445,8 +665,17 @@ fn identity(c: &mut Collector, label: Option<&str>, r: &RawRoute, limited: bool,
         RawIdentity::Named(n) if n == "global" => Some(IdentitySource::Global),
         RawIdentity::Named(n) if n == "client_ip" => Some(IdentitySource::ClientIp),
         RawIdentity::Named(n) if n == "jwt" => {
-            if raw.auth.as_ref().and_then(|a| a.get_ref().jwt.as_ref()).is_none() {
-                c.push(Some(&span), label, "identity = \"jwt\" needs an [auth.jwt] section".into());
+            if raw
+                .auth
+                .as_ref()
+                .and_then(|a| a.get_ref().jwt.as_ref())
+                .is_none()
+            {
+                c.push(
+                    Some(&span),
+                    label,
+                    "identity = \"jwt\" needs an [auth.jwt] section".into(),
+                );
                 return None;
             }
             c.push(Some(&span), label, "identity = \"jwt\" is not available in this version: use \"client_ip\", \"global\" or { header = \"...\" }".into());
@@ -459,19 +688,33 @@ fn identity(c: &mut Collector, label: Option<&str>, r: &RawRoute, limited: bool,
         RawIdentity::Header { header } => match http::HeaderName::from_bytes(header.as_bytes()) {
             Ok(name) => Some(IdentitySource::Header(name.as_str().to_owned())),
             Err(_) => {
-                c.push(Some(&span), label, format!("identity = {{ header = \"{header}\" }} is not a valid header name"));
+                c.push(
+                    Some(&span),
+                    label,
+                    format!("identity = {{ header = \"{header}\" }} is not a valid header name"),
+                );
                 None
             }
         },
     }
 }
 
-fn policy(c: &mut Collector, label: Option<&str>, r: &RawRoute, endpoint_id: Option<EndpointId>, algorithm: Option<Algorithm>) -> Option<Policy> {
+fn policy(
+    c: &mut Collector,
+    label: Option<&str>,
+    r: &RawRoute,
+    endpoint_id: Option<EndpointId>,
+    algorithm: Option<Algorithm>,
+) -> Option<Policy> {
     let fail_mode = match r.fail_mode.as_ref().map(|f| (f, f.get_ref().as_str())) {
         None | Some((_, "fail_closed")) => Some(FailMode::FailClosed),
         Some((_, "fail_open")) => Some(FailMode::FailOpen),
         Some((f, other)) => {
-            c.push(Some(&f.span()), label, format!("fail_mode = \"{other}\" is unknown: use \"fail_open\" or \"fail_closed\""));
+            c.push(
+                Some(&f.span()),
+                label,
+                format!("fail_mode = \"{other}\" is unknown: use \"fail_open\" or \"fail_closed\""),
+            );
             None
         }
     };
@@ -480,38 +723,80 @@ fn policy(c: &mut Collector, label: Option<&str>, r: &RawRoute, endpoint_id: Opt
     }
     if let Some(s) = &r.emergency_scope {
         if s.get_ref() != "endpoint" {
-            c.push(Some(&s.span()), label, format!("emergency_scope = \"{}\" is not available in this version: use \"endpoint\"", s.get_ref()));
+            c.push(
+                Some(&s.span()),
+                label,
+                format!(
+                    "emergency_scope = \"{}\" is not available in this version: use \"endpoint\"",
+                    s.get_ref()
+                ),
+            );
         }
     }
     if r.ratelimit_headers == Some(true) {
-        c.push(Some(&r.endpoint_id.span()), label, "ratelimit_headers = true is not available in this version: remove it".into());
+        c.push(
+            Some(&r.endpoint_id.span()),
+            label,
+            "ratelimit_headers = true is not available in this version: remove it".into(),
+        );
     }
     let fallback = match &r.fallback_rate_per_process_micro {
         Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
             c.push(Some(&v.span()), label, format!("fallback_rate_per_process_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
             None
         }
-        Some(v) => int_in(c, label, "fallback_rate_per_process_micro", Some(v), 0, (1_000_000, MAX_RATE_MICRO_PER_SEC as i64), " (10^6 requests per second)"),
+        Some(v) => int_in(
+            c,
+            label,
+            "fallback_rate_per_process_micro",
+            Some(v),
+            0,
+            (1_000_000, MAX_RATE_MICRO_PER_SEC as i64),
+            " (10^6 requests per second)",
+        ),
         None => None,
     };
     let limited = !matches!(algorithm, Some(Algorithm::None));
-    if limited && fail_mode == Some(FailMode::FailOpen) && r.fallback_rate_per_process_micro.is_none() {
+    if limited
+        && fail_mode == Some(FailMode::FailOpen)
+        && r.fallback_rate_per_process_micro.is_none()
+    {
         let span = r.fail_mode.as_ref().map(|f| f.span());
         c.push(span.as_ref(), label, "fail_mode = \"fail_open\" needs fallback_rate_per_process_micro: fail-open is limited, never unlimited (1000000 = one request per second per process)".into());
     }
-    let cost = int_in(c, label, "cost_micro", r.cost_micro.as_ref(), ONE_TOKEN_MICRO as i64, (1, MAX_CAPACITY_MICRO as i64), "");
+    let cost = int_in(
+        c,
+        label,
+        "cost_micro",
+        r.cost_micro.as_ref(),
+        ONE_TOKEN_MICRO as i64,
+        (1, MAX_CAPACITY_MICRO as i64),
+        "",
+    );
     if let (Some(cost), Some(Algorithm::TokenBucket { capacity_micro, .. })) = (cost, algorithm) {
         if cost > capacity_micro {
             let span = r.cost_micro.as_ref().map(|v| v.span());
             c.push(span.as_ref(), label, format!("cost_micro = {cost} can never be admitted: it must be <= capacity_micro ({capacity_micro})"));
         }
     }
-    let version = int_in(c, label, "policy_version", r.policy_version.as_ref(), 1, (0, i64::from(u32::MAX)), "");
+    let version = int_in(
+        c,
+        label,
+        "policy_version",
+        r.policy_version.as_ref(),
+        1,
+        (0, i64::from(u32::MAX)),
+        "",
+    );
     let mode = match r.mode.as_ref().map(|m| (m, m.get_ref().as_str())) {
         None | Some((_, "enforce")) => Some(Mode::Enforce),
         Some((_, "shadow")) => Some(Mode::Shadow),
         Some((m, other)) => {
-            c.push(Some(&m.span()), label, format!("mode = \"{other}\" is unknown: use \"enforce\" or \"shadow\""));
+            c.push(
+                Some(&m.span()),
+                label,
+                format!("mode = \"{other}\" is unknown: use \"enforce\" or \"shadow\""),
+            );
             None
         }
     };

@@ -240,7 +240,11 @@ mod tests {
         fail(&b, 4);
         b.acquire().unwrap().success();
         fail(&b, 4);
-        assert_eq!(b.state(), BreakerState::Closed, "a success resets the count");
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "a success resets the count"
+        );
         fail(&b, 1);
         assert_eq!(b.state(), BreakerState::Open);
         let refused = b.acquire().err().expect("open short-circuits");
@@ -282,7 +286,11 @@ mod tests {
         assert_eq!(b.acquire().err().unwrap().retry_in, Duration::from_secs(30));
         clock.advance(Duration::from_secs(30));
         drop(b.acquire().expect("probe"));
-        assert_eq!(b.state(), BreakerState::Open, "abandoned probe counts as failure");
+        assert_eq!(
+            b.state(),
+            BreakerState::Open,
+            "abandoned probe counts as failure"
+        );
         clock.advance(Duration::from_secs(30));
         b.acquire().expect("probe").success();
         assert_eq!(b.state(), BreakerState::Closed);

@@ -65,7 +65,12 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    fn admitted_over(bucket: &EmergencyBucket, clock: &ManualClock, step: Duration, steps: u32) -> u64 {
+    fn admitted_over(
+        bucket: &EmergencyBucket,
+        clock: &ManualClock,
+        step: Duration,
+        steps: u32,
+    ) -> u64 {
         let mut n = 0;
         for _ in 0..steps {
             if bucket.try_admit() == EmergencyOutcome::Admitted {

@@ -182,7 +182,11 @@ impl Limiter {
             }
         };
         let key = endpoint.bucket_key(identity_hash);
-        let args = [capacity_micro, refill_micro_per_sec, endpoint.policy.cost_micro];
+        let args = [
+            capacity_micro,
+            refill_micro_per_sec,
+            endpoint.policy.cost_micro,
+        ];
         match self.store.token_bucket(&key, args).await {
             Ok(reply) => {
                 permit.success();
@@ -235,26 +239,62 @@ mod tests {
             None,
             BreakerState::Closed,
         );
-        assert_eq!((d.reason, d.allowed, d.deny_status()), (DecisionReason::FailClosed, false, 503));
+        assert_eq!(
+            (d.reason, d.allowed, d.deny_status()),
+            (DecisionReason::FailClosed, false, 503)
+        );
         let d = degrade(open(12), FailMode::FailClosed, None, BreakerState::Open);
-        assert_eq!((d.reason, d.allowed, d.retry_after_secs), (DecisionReason::CircuitOpen, false, 12));
+        assert_eq!(
+            (d.reason, d.allowed, d.retry_after_secs),
+            (DecisionReason::CircuitOpen, false, 12)
+        );
     }
 
     #[test]
     fn fail_open_admits_through_the_emergency_bucket_with_the_cause() {
         let bucket = EmergencyBucket::new(1_000_000, Arc::new(ManualClock::default()));
         for (cause, reason) in [
-            (Degradation::Store(StoreFailure::ConnectionError), DecisionReason::RedisConnectionError),
-            (Degradation::Store(StoreFailure::Noscript), DecisionReason::RedisNoscriptRetry),
-            (Degradation::Store(StoreFailure::Timeout), DecisionReason::RedisTimeout),
+            (
+                Degradation::Store(StoreFailure::ConnectionError),
+                DecisionReason::RedisConnectionError,
+            ),
+            (
+                Degradation::Store(StoreFailure::Noscript),
+                DecisionReason::RedisNoscriptRetry,
+            ),
+            (
+                Degradation::Store(StoreFailure::Timeout),
+                DecisionReason::RedisTimeout,
+            ),
             (open(3), DecisionReason::CircuitOpen),
         ] {
             let fresh = EmergencyBucket::new(1_000_000, Arc::new(ManualClock::default()));
-            let d = degrade(cause, FailMode::FailOpen, Some(&fresh), BreakerState::Closed);
+            let d = degrade(
+                cause,
+                FailMode::FailOpen,
+                Some(&fresh),
+                BreakerState::Closed,
+            );
             assert_eq!((d.reason, d.allowed), (reason, true));
         }
-        assert!(degrade(open(3), FailMode::FailOpen, Some(&bucket), BreakerState::Open).allowed);
-        let d = degrade(open(3), FailMode::FailOpen, Some(&bucket), BreakerState::Open);
-        assert_eq!((d.reason, d.deny_status()), (DecisionReason::EmergencyLocalLimit, 429));
+        assert!(
+            degrade(
+                open(3),
+                FailMode::FailOpen,
+                Some(&bucket),
+                BreakerState::Open
+            )
+            .allowed
+        );
+        let d = degrade(
+            open(3),
+            FailMode::FailOpen,
+            Some(&bucket),
+            BreakerState::Open,
+        );
+        assert_eq!(
+            (d.reason, d.deny_status()),
+            (DecisionReason::EmergencyLocalLimit, 429)
+        );
     }
 }

@@ -165,7 +165,11 @@ impl Store {
     }
 
     /// Runs the token bucket script for `key` with `[capacity, refill, cost]`, within budget.
-    pub async fn token_bucket(&self, key: &str, args: [u64; 3]) -> Result<BucketReply, StoreFailure> {
+    pub async fn token_bucket(
+        &self,
+        key: &str,
+        args: [u64; 3],
+    ) -> Result<BucketReply, StoreFailure> {
         let started = Instant::now();
         let result = self.eval(&self.shared.token_bucket, key, &args).await;
         self.shared
@@ -192,7 +196,12 @@ impl Store {
         }
     }
 
-    async fn eval(&self, script: &Script, key: &str, args: &[u64]) -> Result<Vec<i64>, StoreFailure> {
+    async fn eval(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreFailure> {
         let Some(conn) = self.shared.conn.load_full() else {
             return Err(StoreFailure::ConnectionError);
         };
@@ -227,10 +236,16 @@ impl Store {
         if e.is_timeout() {
             return StoreFailure::Timeout;
         }
-        if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_unrecoverable_error() {
+        if e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_unrecoverable_error()
+        {
             self.drop_connection(conn, e);
-        } else if matches!(e.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client)
-            || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        } else if matches!(
+            e.kind(),
+            ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client
+        ) || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
         {
             tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
         } else {
@@ -265,11 +280,16 @@ async fn evalsha(
         .await
 }
 
-async fn connect(shared: &Shared, client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
+async fn connect(
+    shared: &Shared,
+    client: &redis::Client,
+) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(2)));
-    let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
     redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(shared.token_bucket.body)

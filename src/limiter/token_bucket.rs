@@ -26,9 +26,7 @@ pub struct BucketState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Take {
     /// Admitted; the state to store.
-    Admitted {
-        state: BucketState,
-    },
+    Admitted { state: BucketState },
     /// Denied; nothing is to be stored. `retry_after_secs` is `None` when the bucket never
     /// refills.
     Denied {

@@ -14,8 +14,8 @@ use pingora_core::{Error, ErrorSource, ErrorType};
 use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
-use crate::identity::{self, IdentityError};
 use crate::config::{IdentitySource, Mode};
+use crate::identity::{self, IdentityError};
 use crate::lifecycle::{InFlight, Lifecycle};
 use crate::limiter::{identity_hash, Decision, Limiter};
 use crate::routing::{normalize_path, request_host};
@@ -46,24 +46,43 @@ pub struct RequestCtx {
 }
 
 impl Gateway {
-    async fn answer(&self, session: &mut Session, ctx: &mut RequestCtx, answer: Answer) -> Result<bool> {
+    async fn answer(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        answer: Answer,
+    ) -> Result<bool> {
         ctx.answered = Some(answer.status());
         respond::write(session, answer).await?;
         Ok(true)
     }
 
     /// Decides one limited request and returns the answer that denies it, if any.
-    async fn limit(&self, session: &Session, ctx: &mut RequestCtx, snapshot: &Snapshot, route: &Route) -> Option<Answer> {
-        let peer = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+    async fn limit(
+        &self,
+        session: &Session,
+        ctx: &mut RequestCtx,
+        snapshot: &Snapshot,
+        route: &Route,
+    ) -> Option<Answer> {
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
         let trusted = &snapshot.config.server.trusted_proxies;
-        let identity = match identity::identify(&route.identity, session.req_header(), peer, trusted) {
-            Ok(identity) => identity,
-            Err(IdentityError::MissingHeader | IdentityError::NoPeerAddress | IdentityError::Unsupported) => {
-                return Some(Answer::Unauthenticated {
-                    bearer: route.identity == IdentitySource::Jwt,
-                })
-            }
-        };
+        let identity =
+            match identity::identify(&route.identity, session.req_header(), peer, trusted) {
+                Ok(identity) => identity,
+                Err(
+                    IdentityError::MissingHeader
+                    | IdentityError::NoPeerAddress
+                    | IdentityError::Unsupported,
+                ) => {
+                    return Some(Answer::Unauthenticated {
+                        bearer: route.identity == IdentitySource::Jwt,
+                    })
+                }
+            };
         let hash = identity_hash(&identity);
         let started = Instant::now();
         let decision = self.limiter.decide(&route.endpoint, &hash).await;
@@ -116,9 +135,16 @@ impl ProxyHttp for Gateway {
         let Ok(path) = normalize_path(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
-        let host_header = req.headers.get(http::header::HOST).and_then(|h| h.to_str().ok());
+        let host_header = req
+            .headers
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok());
         let host = request_host(req.uri.host(), host_header);
-        let Some(route) = snapshot.routes.find(host.as_deref(), &req.method, &path).cloned() else {
+        let Some(route) = snapshot
+            .routes
+            .find(host.as_deref(), &req.method, &path)
+            .cloned()
+        else {
             return self.answer(session, ctx, Answer::NoRoute).await;
         };
         ctx.upstream_uri = Some(match req.uri.query() {
@@ -136,8 +162,15 @@ impl ProxyHttp for Gateway {
     }
 
     /// Picks the upstream address by round robin, with the upstream's timeouts.
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
-        let route = ctx.route.as_ref().ok_or_else(|| Error::new(ErrorType::InternalError))?;
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
+        let route = ctx
+            .route
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorType::InternalError))?;
         let pool = &route.upstream;
         let backend = pool
             .balancer
@@ -161,15 +194,26 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         if let Some(uri) = ctx.upstream_uri.as_deref() {
-            let uri = uri.parse::<http::Uri>().map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
+            let uri = uri
+                .parse::<http::Uri>()
+                .map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
             upstream_request.set_uri(uri);
         }
         Ok(())
     }
 
     /// A failed connect is retried on the next address while untried addresses remain.
-    fn fail_to_connect(&self, _session: &mut Session, _peer: &HttpPeer, ctx: &mut RequestCtx, mut e: Box<Error>) -> Box<Error> {
-        let addrs = ctx.route.as_ref().map_or(0, |r| r.upstream.config.addrs.len());
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        let addrs = ctx
+            .route
+            .as_ref()
+            .map_or(0, |r| r.upstream.config.addrs.len());
         if ctx.connect_attempts < addrs {
             e.set_retry(true);
         }
@@ -178,21 +222,43 @@ impl ProxyHttp for Gateway {
 
     /// A request that failed while proxying: upstream trouble is 502 or 504 JSON, a client
     /// that sent garbage gets 400, anything else 500.
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
         let answer = match (e.esource(), e.etype()) {
             (_, ErrorType::HTTPStatus(code)) => {
                 let code = *code;
                 if code > 0 {
-                    session.respond_error(code).await.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+                    session
+                        .respond_error(code)
+                        .await
+                        .unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
                 }
-                return FailToProxy { error_code: code, can_reuse_downstream: false };
+                return FailToProxy {
+                    error_code: code,
+                    can_reuse_downstream: false,
+                };
             }
-            (ErrorSource::Upstream, ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout) => Some(Answer::UpstreamTimeout),
+            (
+                ErrorSource::Upstream,
+                ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout,
+            ) => Some(Answer::UpstreamTimeout),
             (ErrorSource::Upstream, _) => Some(Answer::UpstreamUnavailable),
-            (ErrorSource::Downstream, ErrorType::ReadError | ErrorType::WriteError | ErrorType::ConnectionClosed) => None,
+            (
+                ErrorSource::Downstream,
+                ErrorType::ReadError | ErrorType::WriteError | ErrorType::ConnectionClosed,
+            ) => None,
             (ErrorSource::Downstream, _) => Some(Answer::BadRequest),
-            (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectTimedout) => Some(Answer::UpstreamTimeout),
-            (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectRefused | ErrorType::ConnectNoRoute | ErrorType::ConnectError) => Some(Answer::UpstreamUnavailable),
+            (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectTimedout) => {
+                Some(Answer::UpstreamTimeout)
+            }
+            (
+                ErrorSource::Internal | ErrorSource::Unset,
+                ErrorType::ConnectRefused | ErrorType::ConnectNoRoute | ErrorType::ConnectError,
+            ) => Some(Answer::UpstreamUnavailable),
             _ => None,
         };
         let code = match answer {
@@ -204,13 +270,21 @@ impl ProxyHttp for Gateway {
                 })
             }
             Some(answer) => answer.status(),
-            None if session.response_written().is_none() && !matches!(e.esource(), ErrorSource::Downstream) => {
-                session.respond_error(500).await.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+            None if session.response_written().is_none()
+                && !matches!(e.esource(), ErrorSource::Downstream) =>
+            {
+                session
+                    .respond_error(500)
+                    .await
+                    .unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
                 500
             }
             None => 0,
         };
-        FailToProxy { error_code: code, can_reuse_downstream: false }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
     }
 
     /// Called once per request at its end: the one place metrics are recorded.

@@ -14,11 +14,17 @@ pub enum Answer {
     BadRequest,
     NoRoute,
     /// `bearer`: the route reads a JWT, so the answer names the scheme.
-    Unauthenticated { bearer: bool },
+    Unauthenticated {
+        bearer: bool,
+    },
     /// 429 from Redis or the emergency limiter.
-    RateLimited { retry_after_secs: u64 },
+    RateLimited {
+        retry_after_secs: u64,
+    },
     /// 503: the limiter could not decide and the route fails closed (or the breaker is open).
-    LimiterUnavailable { retry_after_base_secs: u64 },
+    LimiterUnavailable {
+        retry_after_base_secs: u64,
+    },
     UpstreamUnavailable,
     UpstreamTimeout,
 }
@@ -82,7 +88,9 @@ impl Answer {
 /// Writes `answer` to the client; returns its status.
 pub async fn write(session: &mut Session, answer: Answer) -> Result<u16> {
     let header = answer.header()?;
-    session.write_response_header(Box::new(header), false).await?;
+    session
+        .write_response_header(Box::new(header), false)
+        .await?;
     session
         .write_response_body(Some(Bytes::from_static(answer.body().as_bytes())), true)
         .await?;
@@ -96,7 +104,12 @@ mod tests {
     #[test]
     fn unavailable_retry_after_is_jittered_around_the_base() {
         let seen: std::collections::BTreeSet<u64> = (0..200)
-            .filter_map(|_| Answer::LimiterUnavailable { retry_after_base_secs: 10 }.retry_after())
+            .filter_map(|_| {
+                Answer::LimiterUnavailable {
+                    retry_after_base_secs: 10,
+                }
+                .retry_after()
+            })
             .collect();
         assert!(seen.iter().all(|s| (10..=15).contains(s)), "{seen:?}");
         assert!(seen.len() > 1, "no jitter: {seen:?}");
@@ -104,7 +117,11 @@ mod tests {
 
     #[test]
     fn rate_limited_header_carries_json_and_retry_after() {
-        let h = Answer::RateLimited { retry_after_secs: 0 }.header().unwrap();
+        let h = Answer::RateLimited {
+            retry_after_secs: 0,
+        }
+        .header()
+        .unwrap();
         assert_eq!(h.status.as_u16(), 429);
         assert_eq!(h.headers["content-type"], "application/json");
         assert_eq!(h.headers["retry-after"], "1");

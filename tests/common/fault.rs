@@ -48,7 +48,11 @@ impl FaultProxy {
         super::wait_until(Duration::from_secs(5), "the fault proxy to listen", || {
             TcpStream::connect(("127.0.0.1", port)).is_ok()
         });
-        FaultProxy { port, state, acceptor: Some(acceptor) }
+        FaultProxy {
+            port,
+            state,
+            acceptor: Some(acceptor),
+        }
     }
 
     pub fn url(&self) -> String {
@@ -161,7 +165,9 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
             let _ = s.shutdown(Shutdown::Both);
         }
     });
-    let Some(mut from_server) = server else { return };
+    let Some(mut from_server) = server else {
+        return;
+    };
     let down_state = Arc::clone(st);
     let mut to_client = client;
     thread::spawn(move || {

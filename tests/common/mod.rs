@@ -96,7 +96,14 @@ impl Redis {
             .unwrap_or_else(|e| {
                 panic!("cannot start redis-server ({e}): install it with `apt-get install -y redis-server`")
             });
-        let redis = Redis { port, proc: Proc { child, name: "redis-server" }, dir };
+        let redis = Redis {
+            port,
+            proc: Proc {
+                child,
+                name: "redis-server",
+            },
+            dir,
+        };
         wait_until(Duration::from_secs(10), "redis-server to answer", || {
             redis.client().get_connection().is_ok()
         });
@@ -117,7 +124,10 @@ impl Redis {
 
     /// Calls of one command so far, from `INFO commandstats` (0 if never called).
     pub fn command_calls(&self, command: &str) -> u64 {
-        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut self.conn()).expect("INFO");
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .expect("INFO");
         let prefix = format!("cmdstat_{}:calls=", command.to_ascii_lowercase());
         info.lines()
             .find_map(|l| l.strip_prefix(&prefix))
@@ -128,15 +138,24 @@ impl Redis {
 
     /// Calls of every command except INFO itself, CONFIG RESETSTAT and the connection setup.
     pub fn limiter_calls(&self) -> u64 {
-        ["evalsha", "eval", "script|load", "hmget", "hset"].iter().map(|c| self.command_calls(c)).sum()
+        ["evalsha", "eval", "script|load", "hmget", "hset"]
+            .iter()
+            .map(|c| self.command_calls(c))
+            .sum()
     }
 
     pub fn reset_stats(&self) {
-        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut self.conn()).expect("RESETSTAT");
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut self.conn())
+            .expect("RESETSTAT");
     }
 
     pub fn keys(&self, pattern: &str) -> Vec<String> {
-        let mut keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut self.conn()).expect("KEYS");
+        let mut keys: Vec<String> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut self.conn())
+            .expect("KEYS");
         keys.sort();
         keys
     }
@@ -156,8 +175,18 @@ impl Upstream {
             .stderr(Stdio::null())
             .spawn()
             .expect("demo-upstream starts");
-        let up = Upstream { port, proc: Proc { child, name: "demo-upstream" } };
-        wait_until(Duration::from_secs(10), "the demo upstream to listen", || port_open(port));
+        let up = Upstream {
+            port,
+            proc: Proc {
+                child,
+                name: "demo-upstream",
+            },
+        };
+        wait_until(
+            Duration::from_secs(10),
+            "the demo upstream to listen",
+            || port_open(port),
+        );
         up
     }
 
@@ -197,7 +226,11 @@ impl Gateway {
     pub fn start(redis_url: &str, rest: &str) -> Gateway {
         let port = free_port();
         let admin_port = free_port();
-        Self::start_with(port, admin_port, &format!("{}\n{rest}", base_config(port, admin_port, redis_url)))
+        Self::start_with(
+            port,
+            admin_port,
+            &format!("{}\n{rest}", base_config(port, admin_port, redis_url)),
+        )
     }
 
     pub fn start_with(port: u16, admin_port: u16, config: &str) -> Gateway {
@@ -215,17 +248,32 @@ impl Gateway {
             .stderr(log)
             .spawn()
             .expect("gateway starts");
-        let mut gw = Gateway { port, admin_port, proc: Proc { child, name: "sentinel-gateway" }, config_path, log_path, _dir: dir };
+        let mut gw = Gateway {
+            port,
+            admin_port,
+            proc: Proc {
+                child,
+                name: "sentinel-gateway",
+            },
+            config_path,
+            log_path,
+            _dir: dir,
+        };
         let ready = |gw: &mut Gateway| {
             if let Ok(Some(status)) = gw.proc.child.try_wait() {
                 panic!("gateway exited with {status}: {}", gw.logs());
             }
-            blocking_get(&format!("http://127.0.0.1:{}/readyz", gw.admin_port)).is_some_and(|(s, _)| s == 200)
+            blocking_get(&format!("http://127.0.0.1:{}/readyz", gw.admin_port))
+                .is_some_and(|(s, _)| s == 200)
                 && port_open(gw.port)
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while !ready(&mut gw) {
-            assert!(Instant::now() < deadline, "gateway not ready in 20 s: {}", gw.logs());
+            assert!(
+                Instant::now() < deadline,
+                "gateway not ready in 20 s: {}",
+                gw.logs()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         gw
@@ -258,7 +306,10 @@ impl Gateway {
 /// The value of `series` (name with its labels in the exposition's order) in a text body.
 pub fn metric_value(body: &str, series: &str) -> f64 {
     body.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0)
 }
@@ -267,14 +318,23 @@ pub fn metric_value(body: &str, series: &str) -> f64 {
 pub fn blocking_get(url: &str) -> Option<(u16, String)> {
     use std::io::Read;
     let rest = url.strip_prefix("http://")?;
-    let (authority, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(a, p)| (a, format!("/{p}")));
+    let (authority, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_owned()), |(a, p)| (a, format!("/{p}")));
     let mut stream = TcpStream::connect(authority).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut raw = String::new();
     stream.read_to_string(&mut raw).ok()?;
     let status = raw.split_whitespace().nth(1)?.parse().ok()?;
-    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     Some((status, body))
 }
 

@@ -1,0 +1,139 @@
+//! `sentinel-gateway check`: one fixture per config error, each asserting the exact message,
+//! and the shipped configs pass.
+
+use std::path::Path;
+use std::process::Command;
+
+fn check(path: &Path) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .arg("check")
+        .arg("--config")
+        .arg(path)
+        .env_remove("SENTINEL_REDIS_URL")
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_invalid_fixture_fails_with_its_exact_messages() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/invalid");
+    let mut fixtures: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    fixtures.sort();
+    assert!(fixtures.len() >= 20, "fixtures missing");
+    for path in fixtures {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expected: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# expect: "))
+            .map(|e| format!("{}:{e}", path.display()))
+            .collect();
+        assert!(
+            !expected.is_empty(),
+            "{} has no '# expect:' line",
+            path.display()
+        );
+        let (code, stdout, stderr) = check(&path);
+        assert_eq!(code, 2, "{}: exit code", path.display());
+        assert_eq!(stdout, "", "{}: nothing on stdout", path.display());
+        let mut lines: Vec<&str> = stderr.lines().collect();
+        let summary = lines.pop().unwrap_or_default();
+        assert_eq!(
+            summary,
+            format!(
+                "{}: {} error(s); the config was not loaded",
+                path.display(),
+                expected.len()
+            )
+        );
+        assert_eq!(lines, expected, "{}", path.display());
+    }
+}
+
+#[test]
+fn shipped_configs_are_valid_and_described_in_plain_words() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (code, stdout, stderr) = check(&root.join("gateway.toml"));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("pdftalk.ingest: POST /pdftalk/ingest/** -> pdftalk; token bucket of 5 requests, refilled at 0.1 requests per second, per x-api-key header; fail_closed; policy v1"), "{stdout}");
+    assert!(
+        stdout.contains("resumint.tailor: any method /resumint/tailor/** -> resumint;"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("fail_open (emergency cap 5 requests per second per process)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("health: GET,HEAD /healthz -> pdftalk; not limited"),
+        "{stdout}"
+    );
+    for entry in std::fs::read_dir(root.join("examples")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let (code, _, stderr) = check(&path);
+            assert_eq!(code, 0, "{}: {stderr}", path.display());
+        }
+    }
+}
+
+#[test]
+fn bounds_at_the_limit_are_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        r#"
+[upstreams.app]
+addrs = ["127.0.0.1:9001"]
+
+[[routes]]
+endpoint_id = "big"
+path = "/big"
+upstream = "app"
+identity = "global"
+algorithm = "token_bucket"
+capacity_micro = 1_000_000_000_000_000
+refill_rate_micro_per_sec = 1_000_000_000_000
+cost_micro = 1_000_000_000_000_000
+"#,
+    )
+    .unwrap();
+    let (code, stdout, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("token bucket of 1000000000 requests, refilled at 1000000 requests per second, 1000000000 tokens per request"), "{stdout}");
+}
+
+#[test]
+fn the_redis_url_variable_is_validated_too() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .args(["check", "--config"])
+        .arg(root.join("gateway.toml"))
+        .env("SENTINEL_REDIS_URL", "http://nope")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("SENTINEL_REDIS_URL = \"http://nope\" is not a Redis URL"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_missing_file_is_an_invalid_config() {
+    let (code, _, stderr) = check(Path::new("/nonexistent/gateway.toml"));
+    assert_eq!(code, 2);
+    assert!(
+        stderr.starts_with("/nonexistent/gateway.toml: cannot read the config file:"),
+        "{stderr}"
+    );
+}
