@@ -209,38 +209,43 @@ impl Store {
         let attempt = async {
             let mut c = (*conn).clone();
             match evalsha(&mut c, script, key, args).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    redis::cmd("SCRIPT")
-                        .arg("LOAD")
-                        .arg(script.body)
-                        .query_async::<String>(&mut c)
-                        .await?;
-                    evalsha(&mut c, script, key, args).await
-                }
-                other => other,
+                Err(e) if is_noscript(&e) => {}
+                other => return other.map_err(|e| self.classify(&conn, &e)),
             }
+            // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
+            // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
+            let load = redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(script.body)
+                .query_async::<String>(&mut c)
+                .await;
+            match load {
+                Ok(_) => {}
+                Err(e) if is_transport(&e) => return Err(self.classify(&conn, &e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
+                    return Err(StoreFailure::Noscript);
+                }
+            }
+            evalsha(&mut c, script, key, args)
+                .await
+                .map_err(|e| self.classify(&conn, &e))
         };
-        match tokio::time::timeout(budget, attempt).await {
-            Err(_) => Err(StoreFailure::Timeout),
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(self.classify(&conn, &e)),
-        }
+        tokio::time::timeout(budget, attempt)
+            .await
+            .unwrap_or(Err(StoreFailure::Timeout))
     }
 
     /// One cause per error. Anything that is not a timeout or NOSCRIPT means this connection
     /// cannot answer now; errors that hint at a bug on our side are logged as such.
     fn classify(&self, conn: &Arc<MultiplexedConnection>, e: &RedisError) -> StoreFailure {
-        if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) {
+        if is_noscript(e) {
             return StoreFailure::Noscript;
         }
         if e.is_timeout() {
             return StoreFailure::Timeout;
         }
-        if e.is_io_error()
-            || e.is_connection_dropped()
-            || e.is_connection_refusal()
-            || e.is_unrecoverable_error()
-        {
+        if is_transport(e) {
             self.drop_connection(conn, e);
         } else if matches!(
             e.kind(),
@@ -263,6 +268,18 @@ impl Store {
             self.shared.wake.notify_one();
         }
     }
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+/// The connection itself is broken (as opposed to Redis answering with an error).
+fn is_transport(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
 }
 
 async fn evalsha(
@@ -290,11 +307,19 @@ async fn connect(
     let mut conn = client
         .get_multiplexed_async_connection_with_config(&config)
         .await?;
-    redis::cmd("SCRIPT")
+    let loaded = redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(shared.token_bucket.body)
         .query_async::<String>(&mut conn)
-        .await?;
+        .await;
+    match loaded {
+        Ok(_) => {}
+        Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+        // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
+        Err(e) => {
+            tracing::error!(error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT")
+        }
+    }
     Ok(conn)
 }
 

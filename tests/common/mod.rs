@@ -287,6 +287,10 @@ impl Gateway {
         format!("http://127.0.0.1:{}{path}", self.admin_port)
     }
 
+    pub fn proc_alive(&mut self) -> bool {
+        matches!(self.proc.child.try_wait(), Ok(None))
+    }
+
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }

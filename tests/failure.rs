@@ -1,0 +1,492 @@
+//! Every row of the decision table against real faults: a TCP fault proxy in front of a real
+//! redis-server, kill -9 and restart, SCRIPT FLUSH, and a Redis that refuses SCRIPT LOAD.
+//!
+//! Latency bounds are client-side over loopback on a noisy 2-core machine: the budget is
+//! 20 ms, and the tests allow p99 <= budget + 25 ms and max <= 100 ms, the slack being
+//! scheduling and HTTP, not waiting on Redis.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::fault::{FaultProxy, Mode};
+use common::{client, wait_until, Gateway, Redis, Upstream};
+
+const BUDGET_MS: u64 = 20;
+
+fn config(upstream: &str, open_seconds: u64) -> String {
+    format!(
+        r#"
+[breaker]
+failure_threshold = 5
+open_seconds = {open_seconds}
+
+[upstreams.app]
+addrs = ["{upstream}"]
+
+[[routes]]
+endpoint_id = "t.closed"
+path_prefix = "/closed"
+upstream = "app"
+identity = {{ header = "X-API-Key" }}
+algorithm = "token_bucket"
+capacity_micro = 3_000_000
+refill_rate_micro_per_sec = 0
+fail_mode = "fail_closed"
+
+[[routes]]
+endpoint_id = "t.open"
+path_prefix = "/open"
+upstream = "app"
+identity = {{ header = "X-API-Key" }}
+algorithm = "token_bucket"
+capacity_micro = 3_000_000
+refill_rate_micro_per_sec = 0
+fail_mode = "fail_open"
+fallback_rate_per_process_micro = 1_000_000_000
+"#
+    )
+}
+
+struct Answer {
+    status: u16,
+    retry_after: Option<u64>,
+    body: String,
+    elapsed: Duration,
+}
+
+async fn send(http: &reqwest::Client, url: &str, key: &str) -> Answer {
+    let started = Instant::now();
+    let r = http
+        .get(url)
+        .header("X-API-Key", key)
+        .send()
+        .await
+        .expect("gateway answers");
+    let elapsed = started.elapsed();
+    let status = r.status().as_u16();
+    let retry_after = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().parse().unwrap());
+    Answer {
+        status,
+        retry_after,
+        body: r.text().await.unwrap(),
+        elapsed,
+    }
+}
+
+fn series(endpoint: &str, reason: &str, allowed: bool) -> String {
+    format!(
+        r#"sentinel_decisions_total{{allowed="{allowed}",decision_reason="{reason}",endpoint_id="{endpoint}"}}"#
+    )
+}
+
+fn p99(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+struct Rig {
+    redis: Redis,
+    proxy: FaultProxy,
+    _up: Upstream,
+    gw: Gateway,
+    http: reqwest::Client,
+}
+
+fn rig(open_seconds: u64) -> Rig {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&proxy.url(), &config(&up.addr(), open_seconds));
+    Rig {
+        redis,
+        proxy,
+        _up: up,
+        gw,
+        http: client(),
+    }
+}
+
+impl Rig {
+    /// Five failures: the breaker is open after them.
+    async fn fail_five(
+        &self,
+        path: &str,
+        want_status: u16,
+        want_reason: &str,
+        allowed: bool,
+    ) -> Vec<Duration> {
+        let mut times = Vec::new();
+        for i in 0..5 {
+            let a = send(&self.http, &self.gw.url(path), &format!("k{i}")).await;
+            assert_eq!(a.status, want_status, "failure {i} on {path}: {}", a.body);
+            times.push(a.elapsed);
+        }
+        let endpoint = if path.starts_with("/open") {
+            "t.open"
+        } else {
+            "t.closed"
+        };
+        assert_eq!(
+            self.gw.metric(&series(endpoint, want_reason, allowed)),
+            5.0,
+            "{want_reason}"
+        );
+        times
+    }
+}
+
+fn assert_unavailable(a: &Answer) {
+    assert_eq!(a.status, 503);
+    assert_eq!(a.body, r#"{"detail":"rate limiter unavailable"}"#);
+    assert!(
+        a.retry_after.is_some_and(|s| s >= 1),
+        "503 carries Retry-After"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connections_fail_closed_and_open_as_the_table_says() {
+    let r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.set(Mode::Refuse);
+    let times = r.fail_five("/closed", 503, "fail_closed", false).await;
+    assert!(
+        times.iter().all(|t| *t < Duration::from_millis(100)),
+        "connection errors fail at once: {times:?}"
+    );
+    assert_eq!(
+        r.gw.metric(
+            r#"sentinel_degraded_decisions_total{endpoint_id="t.closed",fail_mode="fail_closed"}"#
+        ),
+        5.0
+    );
+    assert_eq!(
+        r.gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
+        5.0
+    );
+    assert_eq!(
+        r.gw.metric("sentinel_breaker_state"),
+        1.0,
+        "five failures open the breaker"
+    );
+
+    let a = send(&r.http, &r.gw.url("/closed"), "x").await;
+    assert_unavailable(&a);
+    let retry = a.retry_after.unwrap();
+    assert!(
+        (30..=45).contains(&retry),
+        "Retry-After around the quarantine left: {retry}"
+    );
+    assert_eq!(r.gw.metric(&series("t.closed", "circuit_open", false)), 1.0);
+
+    let a = send(&r.http, &r.gw.url("/open"), "x").await;
+    assert_eq!(
+        a.status, 200,
+        "fail_open forwards through the emergency limiter"
+    );
+    assert_eq!(r.gw.metric(&series("t.open", "circuit_open", true)), 1.0);
+    assert_eq!(
+        r.gw.metric(
+            r#"sentinel_degraded_decisions_total{endpoint_id="t.open",fail_mode="fail_open"}"#
+        ),
+        1.0
+    );
+    let logs = r.gw.logs();
+    assert_eq!(
+        logs.matches("\"to\":\"open\"").count(),
+        1,
+        "one log line per transition"
+    );
+    assert!(
+        logs.contains("\"decision_reason\":\"circuit_open\"")
+            && logs.contains("\"breaker_state\":\"open\"")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_admits_with_the_cause_while_the_breaker_is_closed() {
+    let r = rig(30);
+    assert_eq!(send(&r.http, &r.gw.url("/open"), "warm").await.status, 200);
+    r.proxy.set(Mode::Refuse);
+    r.fail_five("/open", 200, "redis_connection_error", true)
+        .await;
+    assert_eq!(
+        r.gw.metric(
+            r#"sentinel_degraded_decisions_total{endpoint_id="t.open",fail_mode="fail_open"}"#
+        ),
+        5.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
+    let r = rig(1);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.set(Mode::Blackhole);
+    let mut times = r.fail_five("/closed", 503, "fail_closed", false).await;
+    assert_eq!(
+        r.gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        5.0
+    );
+    for t in &times {
+        assert!(
+            *t >= Duration::from_millis(BUDGET_MS - 2),
+            "a timeout waits the budget: {t:?}"
+        );
+    }
+    // Open: nothing reaches the proxy and answers are fast.
+    let before = r.proxy.client_writes();
+    for i in 0..20 {
+        let a = send(&r.http, &r.gw.url("/closed"), &format!("o{i}")).await;
+        assert_unavailable(&a);
+        times.push(a.elapsed);
+    }
+    assert_eq!(
+        r.proxy.client_writes(),
+        before,
+        "an open breaker touches no socket"
+    );
+    assert!(
+        p99(times.clone()) <= Duration::from_millis(BUDGET_MS + 25),
+        "p99 {:?}",
+        p99(times.clone())
+    );
+    assert!(
+        times.iter().max().unwrap() <= &Duration::from_millis(100),
+        "max {:?}",
+        times.iter().max()
+    );
+
+    // After the quarantine, 50 concurrent requests let exactly one probe through.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let before = r.proxy.client_writes();
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let (http, url) = (r.http.clone(), r.gw.url("/closed"));
+            tokio::spawn(async move { send(&http, &url, &format!("p{i}")).await.status })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 503);
+    }
+    assert_eq!(
+        r.proxy.client_writes() - before,
+        1,
+        "exactly one probe reached Redis"
+    );
+    assert_eq!(
+        r.gw.metric(r#"sentinel_breaker_transitions_total{to="half_open"}"#),
+        1.0
+    );
+    assert_eq!(
+        r.gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
+        2.0,
+        "the failed probe re-opened it"
+    );
+
+    // Redis comes back: the next probe closes the breaker and enforcement resumes exactly.
+    r.proxy.set(Mode::Pass);
+    wait_until(Duration::from_secs(10), "the breaker to close", || {
+        std::thread::sleep(Duration::from_millis(200));
+        let rt = tokio::runtime::Handle::current();
+        let status = tokio::task::block_in_place(|| {
+            rt.block_on(send(&r.http, &r.gw.url("/closed"), "probe"))
+        })
+        .status;
+        status == 200
+    });
+    assert_eq!(r.gw.metric("sentinel_breaker_state"), 0.0);
+    let statuses: Vec<u16> = futures_statuses(&r, "/closed", "fresh", 4).await;
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 429],
+        "a fresh bucket admits its capacity again"
+    );
+}
+
+async fn futures_statuses(r: &Rig, path: &str, key: &str, n: usize) -> Vec<u16> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(send(&r.http, &r.gw.url(path), key).await.status);
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_redis_is_a_timeout_within_budget() {
+    let r = rig(30);
+    assert_eq!(send(&r.http, &r.gw.url("/open"), "warm").await.status, 200);
+    r.proxy.set(Mode::Stall(Duration::from_millis(200)));
+    let times = r.fail_five("/open", 200, "redis_timeout", true).await;
+    assert!(
+        times.iter().all(|t| *t <= Duration::from_millis(100)),
+        "{times:?}"
+    );
+    assert!(p99(times) <= Duration::from_millis(BUDGET_MS + 25));
+    assert_eq!(
+        r.gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        5.0
+    );
+    let a = send(&r.http, &r.gw.url("/closed"), "c").await;
+    assert_unavailable(&a);
+    assert_eq!(r.gw.metric(&series("t.closed", "circuit_open", false)), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_costs_one_reload_and_the_answer_still_comes_from_redis() {
+    let r = rig(30);
+    assert_eq!(send(&r.http, &r.gw.url("/closed"), "a").await.status, 200);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut r.redis.conn())
+        .unwrap();
+    r.redis.reset_stats();
+    assert_eq!(send(&r.http, &r.gw.url("/closed"), "a").await.status, 200);
+    assert_eq!(r.redis.command_calls("script|load"), 1);
+    assert_eq!(
+        r.redis.command_calls("evalsha"),
+        2,
+        "the failed EVALSHA and its retry"
+    );
+    assert_eq!(r.gw.metric(&series("t.closed", "allowed", true)), 2.0);
+    assert_eq!(
+        r.gw.metric(r#"sentinel_store_errors_total{cause="noscript"}"#),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noscript_that_cannot_be_reloaded_follows_the_fail_mode() {
+    let redis = Redis::start();
+    let mut admin = redis.conn();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "limiter", "on", ">secret", "~*", "&*", "+@all", "-script",
+        ])
+        .query(&mut admin)
+        .unwrap();
+    let up = Upstream::start("app");
+    let url = format!("redis://limiter:secret@127.0.0.1:{}/0", redis.port);
+    let gw = Gateway::start(&url, &config(&up.addr(), 30));
+    let http = client();
+    let a = send(&http, &gw.url("/closed"), "k").await;
+    assert_unavailable(&a);
+    assert_eq!(gw.metric(&series("t.closed", "fail_closed", false)), 1.0);
+    let a = send(&http, &gw.url("/open"), "k").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(
+        gw.metric(&series("t.open", "redis_noscript_retry", true)),
+        1.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="noscript"}"#),
+        2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let cfg = config(&up.addr(), 30).replace(
+        "fallback_rate_per_process_micro = 1_000_000_000",
+        "fallback_rate_per_process_micro = 5_000_000",
+    );
+    let gw = Gateway::start(&proxy.url(), &cfg);
+    proxy.set(Mode::Refuse);
+    let http = client();
+    let started = Instant::now();
+    let (mut admitted, mut denied) = (0u64, 0u64);
+    while started.elapsed() < Duration::from_secs(3) {
+        let a = send(&http, &gw.url("/open"), "load").await;
+        match a.status {
+            200 => admitted += 1,
+            429 => {
+                assert_eq!(a.body, r#"{"detail":"rate limit exceeded"}"#);
+                assert!(a.retry_after.is_some_and(|s| s >= 1));
+                denied += 1;
+            }
+            s => panic!("unexpected status {s}"),
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    // Burst of 5 plus 5 per second; +/-1 for where the last refill falls, +1 more for the
+    // loop's last request starting just before the deadline.
+    let expected = 5.0 + 5.0 * elapsed;
+    assert!(
+        (admitted as f64 - expected).abs() <= 2.0,
+        "admitted {admitted}, expected ~{expected:.1}"
+    );
+    assert!(
+        denied > 10 * admitted,
+        "the load was sustained: {denied} denied"
+    );
+    assert_eq!(
+        gw.metric(&series("t.open", "emergency_local_limit", false)),
+        denied as f64
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_with_data_loss_recovers() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start("app");
+    let mut gw = Gateway::start(&redis.url(), &config(&up.addr(), 1));
+    let http = client();
+    let statuses = [
+        send(&http, &gw.url("/closed"), "k").await.status,
+        send(&http, &gw.url("/closed"), "k").await.status,
+        send(&http, &gw.url("/closed"), "k").await.status,
+        send(&http, &gw.url("/closed"), "k").await.status,
+    ];
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    redis.proc.signal("KILL");
+    redis
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("redis died");
+    for i in 0..10 {
+        let a = send(&http, &gw.url("/closed"), "k").await;
+        assert_eq!(a.status, 503, "request {i} while Redis is dead");
+    }
+    drop(redis);
+    let _redis = Redis::start_on(port);
+    wait_until(Duration::from_secs(15), "enforcement to resume", || {
+        std::thread::sleep(Duration::from_millis(200));
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::block_in_place(|| rt.block_on(send(&http, &gw.url("/closed"), "other"))).status
+            == 200
+    });
+    // The data is gone: the exhausted bucket starts fresh, and is enforced again.
+    assert_eq!(
+        futures_statuses_gw(&http, &gw, "/closed", "k", 4).await,
+        vec![200, 200, 200, 429]
+    );
+    assert!(gw.proc_alive());
+}
+
+async fn futures_statuses_gw(
+    http: &reqwest::Client,
+    gw: &Gateway,
+    path: &str,
+    key: &str,
+    n: usize,
+) -> Vec<u16> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(send(http, &gw.url(path), key).await.status);
+    }
+    v
+}
