@@ -83,10 +83,12 @@ fn failure_path(c: &mut Criterion) {
 
 fn answers(c: &mut Criterion) {
     c.bench_function("answer_429_header", |b| {
-        b.iter(|| Answer::RateLimited {
-            retry_after_secs: black_box(3),
-        }
-        .header())
+        b.iter(|| {
+            Answer::RateLimited {
+                retry_after_secs: black_box(3),
+            }
+            .header()
+        })
     });
 }
 

@@ -1,11 +1,18 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz` and `/reload`, apart from the proxy.
+//!
+//! It runs on the gateway's control runtime, not as a Pingora service, so that it keeps
+//! answering (`/readyz` 503) while Pingora's listeners drain on SIGTERM.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use http::{Method, Response, StatusCode};
-use pingora_core::apps::http_app::ServeHttp;
-use pingora_core::protocols::http::ServerSession;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
 
 use crate::lifecycle::Lifecycle;
 use crate::limiter::Limiter;
@@ -19,22 +26,77 @@ pub struct Admin {
     pub reloader: Arc<Reloader>,
 }
 
-fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Vec<u8>> {
-    let body = body.into_bytes();
+type Answer = Response<Full<Bytes>>;
+
+fn reply(status: StatusCode, content_type: &str, body: String) -> Answer {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
-        .header("content-length", body.len())
-        .body(body)
+        .body(Full::new(Bytes::from(body)))
         .expect("static response parts are valid")
 }
 
-fn json(status: StatusCode, value: serde_json::Value) -> Response<Vec<u8>> {
+fn json(status: StatusCode, value: serde_json::Value) -> Answer {
     reply(status, "application/json", value.to_string())
 }
 
 impl Admin {
-    fn readyz(&self) -> Response<Vec<u8>> {
+    /// Serves admin requests on `listener` until the process exits.
+    pub async fn serve(self: Arc<Self>, listener: std::net::TcpListener) {
+        let listener = match listener
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpListener::from_std(listener))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serve the admin listener");
+                return;
+            }
+        };
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let admin = Arc::clone(&self);
+            tokio::spawn(async move {
+                let service = service_fn(move |req| {
+                    let admin = Arc::clone(&admin);
+                    async move { Ok::<_, Infallible>(admin.route(req).await) }
+                });
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Answer {
+        match (req.method().clone(), req.uri().path()) {
+            (Method::GET, "/metrics") => {
+                self.metrics
+                    .in_flight
+                    .set(self.lifecycle.in_flight() as i64);
+                reply(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render(),
+                )
+            }
+            (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
+            (Method::GET, "/readyz") => self.readyz(),
+            (Method::POST, "/reload") => self.reload().await,
+            (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                serde_json::json!({"detail": "method not allowed"}),
+            ),
+            _ => json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"detail": "not found"}),
+            ),
+        }
+    }
+
+    fn readyz(&self) -> Answer {
         let ready = self.lifecycle.is_ready();
         let status = if ready {
             StatusCode::OK
@@ -52,7 +114,7 @@ impl Admin {
         )
     }
 
-    async fn reload(&self) -> Response<Vec<u8>> {
+    async fn reload(&self) -> Answer {
         let reloader = Arc::clone(&self.reloader);
         let result = tokio::task::spawn_blocking(move || reloader.reload())
             .await
@@ -65,33 +127,6 @@ impl Admin {
             Err(error) => json(
                 StatusCode::BAD_REQUEST,
                 serde_json::json!({"reloaded": false, "error": error}),
-            ),
-        }
-    }
-}
-
-#[async_trait]
-impl ServeHttp for Admin {
-    async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
-        let req = session.req_header();
-        let method = req.method.clone();
-        let path = req.uri.path().to_owned();
-        match (method, path.as_str()) {
-            (Method::GET, "/metrics") => reply(
-                StatusCode::OK,
-                "text/plain; version=0.0.4",
-                self.metrics.render(),
-            ),
-            (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
-            (Method::GET, "/readyz") => self.readyz(),
-            (Method::POST, "/reload") => self.reload().await,
-            (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(
-                StatusCode::METHOD_NOT_ALLOWED,
-                serde_json::json!({"detail": "method not allowed"}),
-            ),
-            _ => json(
-                StatusCode::NOT_FOUND,
-                serde_json::json!({"detail": "not found"}),
             ),
         }
     }

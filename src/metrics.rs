@@ -35,6 +35,8 @@ pub struct Metrics {
     pub config_generation: IntGauge,
     shadow_denials: IntCounterVec,
     overlimit_hits: IntCounterVec,
+    /// Requests between their start and the end of their `logging()`; set at scrape time.
+    pub in_flight: IntGauge,
 }
 
 /// Store error counters by cause.
@@ -184,6 +186,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let in_flight = register(
+            &r,
+            IntGauge::new(
+                "sentinel_requests_in_flight",
+                "Proxy requests in progress, their metrics not yet recorded.",
+            )
+            .expect("valid"),
+        );
         for cause in ["timeout", "connection_error", "noscript"] {
             store_errors.with_label_values(&[cause]);
         }
@@ -207,6 +217,7 @@ impl Metrics {
             config_generation,
             shadow_denials,
             overlimit_hits,
+            in_flight,
         }
     }
 

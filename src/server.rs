@@ -8,7 +8,6 @@ use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
-use pingora_core::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::Admin;
@@ -27,6 +26,11 @@ pub enum StartError {
     Store(std::io::Error),
     #[error("cannot build upstream pools: {0}")]
     Upstreams(std::io::Error),
+    #[error("cannot listen on admin_listen {addr}: {source}")]
+    Admin {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 fn breaker_hook(metrics: &Arc<Metrics>) -> crate::limiter::breaker::TransitionHook {
@@ -91,10 +95,14 @@ pub fn run(config: Config) -> Result<(), StartError> {
         limiter: Arc::clone(&limiter),
         reloader: Arc::clone(&reloader),
     };
-    let mut admin = Service::new("sentinel-admin".to_owned(), admin);
-    admin.add_tcp(&server_cfg.admin_listen.to_string());
-
+    let admin_socket = std::net::TcpListener::bind(server_cfg.admin_listen).map_err(|source| {
+        StartError::Admin {
+            addr: server_cfg.admin_listen,
+            source,
+        }
+    })?;
     let control = limiter.store.runtime().clone();
+    control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
     let mut phases = server.watch_execution_phase();
     let ready = Arc::clone(&lifecycle);
@@ -108,7 +116,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
     });
 
     server.add_service(proxy);
-    server.add_service(admin);
     tracing::info!(listen = ?server_cfg.listen, admin = %server_cfg.admin_listen, "gateway starting");
     server.run(RunArgs {
         shutdown_signal: Box::new(Drain {

@@ -140,8 +140,14 @@ fn a_missing_file_is_an_invalid_config() {
 
 #[test]
 fn every_route_field_is_documented() {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md")).unwrap();
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md"),
+    )
+    .unwrap();
     for field in sentinel_gateway::config::raw::ROUTE_FIELDS {
-        assert!(doc.contains(&format!("| `{field}` |")), "docs/configuration.md lacks a row for `{field}`");
+        assert!(
+            doc.contains(&format!("| `{field}` |")),
+            "docs/configuration.md lacks a row for `{field}`"
+        );
     }
 }

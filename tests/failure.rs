@@ -155,7 +155,7 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
         send(&r.http, &r.gw.url("/closed"), "warm").await.status,
         200
     );
-    r.proxy.set(Mode::Refuse);
+    r.proxy.refuse_and_cut();
     let times = r.fail_five("/closed", 503, "fail_closed", false).await;
     assert!(
         times.iter().all(|t| *t < Duration::from_millis(100)),
@@ -214,7 +214,7 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
 async fn fail_open_admits_with_the_cause_while_the_breaker_is_closed() {
     let r = rig(30);
     assert_eq!(send(&r.http, &r.gw.url("/open"), "warm").await.status, 200);
-    r.proxy.set(Mode::Refuse);
+    r.proxy.refuse_and_cut();
     r.fail_five("/open", 200, "redis_connection_error", true)
         .await;
     assert_eq!(
@@ -404,7 +404,7 @@ async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
         "fallback_rate_per_process_micro = 5_000_000",
     );
     let gw = Gateway::start(&proxy.url(), &cfg);
-    proxy.set(Mode::Refuse);
+    proxy.refuse_and_cut();
     let http = client();
     let started = Instant::now();
     let (mut admitted, mut denied) = (0u64, 0u64);
@@ -452,6 +452,20 @@ async fn redis_killed_and_restarted_with_data_loss_recovers() {
         send(&http, &gw.url("/closed"), "k").await.status,
     ];
     assert_eq!(statuses, [200, 200, 200, 429]);
+    // Traffic keeps flowing through the kill and the restart.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (http, url, stop) = (http.clone(), gw.url("/open"), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let a = send(&http, &url, "background").await;
+                seen.push((a.status, a.elapsed));
+            }
+            seen
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
     redis.proc.signal("KILL");
     redis
         .proc
@@ -474,6 +488,18 @@ async fn redis_killed_and_restarted_with_data_loss_recovers() {
         futures_statuses_gw(&http, &gw, "/closed", "k", 4).await,
         vec![200, 200, 200, 429]
     );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = traffic.await.unwrap();
+    assert!(seen.len() > 20, "background traffic ran: {}", seen.len());
+    // The fail_open route answered throughout: by Redis or by the emergency limiter (whose
+    // cap is far above this rate); never a 5xx, never a wait beyond the tolerance.
+    let odd: Vec<_> = seen
+        .iter()
+        .filter(|(s, _)| *s != 200 && *s != 429)
+        .collect();
+    assert!(odd.is_empty(), "{odd:?}");
+    let slowest = seen.iter().map(|(_, t)| *t).max().unwrap();
+    assert!(slowest <= Duration::from_millis(100), "slowest {slowest:?}");
     assert!(gw.proc_alive());
 }
 

@@ -215,12 +215,9 @@ mod tests {
         let src = "[upstreams.a]\naddrs = [\"127.0.0.1:1\"]\n[[routes]]\nendpoint_id = \"x\"\nnot_a_field = 1\n";
         let err = Config::from_source(Path::new("t.toml"), src, None).unwrap_err();
         let msg = &err.0[0].message;
-        let listed: std::collections::BTreeSet<&str> = msg
-            .split('`')
-            .skip(3)
-            .step_by(2)
-            .collect();
-        let documented: std::collections::BTreeSet<&str> = raw::ROUTE_FIELDS.iter().copied().collect();
+        let listed: std::collections::BTreeSet<&str> = msg.split('`').skip(3).step_by(2).collect();
+        let documented: std::collections::BTreeSet<&str> =
+            raw::ROUTE_FIELDS.iter().copied().collect();
         assert_eq!(listed, documented, "{msg}");
     }
 }

@@ -59,13 +59,19 @@ impl FaultProxy {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
-    /// Switches mode. Live connections are cut when entering Refuse and when leaving
-    /// Blackhole (whose swallowed commands would otherwise leave replies out of step).
+    /// Switches mode. Live connections are cut when leaving Blackhole (its swallowed
+    /// commands would otherwise leave replies out of step); `cut` does it on demand.
     pub fn set(&self, mode: Mode) {
         let prev = std::mem::replace(&mut *self.state.mode.lock().unwrap(), mode);
-        if prev == Mode::Blackhole || mode == Mode::Refuse {
+        if prev == Mode::Blackhole {
             self.cut();
         }
+    }
+
+    /// Redis goes away: new connections are refused and live ones are cut.
+    pub fn refuse_and_cut(&self) {
+        self.set(Mode::Refuse);
+        self.cut();
     }
 
     /// Closes every live connection, in both directions.

@@ -300,10 +300,20 @@ impl Gateway {
         f.write_all(config.as_bytes()).expect("write config");
     }
 
-    /// The value of one metric series from /metrics (0 when absent).
+    /// The value of one metric series from /metrics (0 when absent). Metrics are recorded
+    /// when a request ends, just after its answer was sent, so this first waits (up to 2 s)
+    /// for the requests in flight to finish.
     pub fn metric(&self, series: &str) -> f64 {
-        let (_, body) = blocking_get(&self.admin("/metrics")).expect("metrics answer");
-        metric_value(&body, series)
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let (_, body) = blocking_get(&self.admin("/metrics")).expect("metrics answer");
+            if metric_value(&body, "sentinel_requests_in_flight") == 0.0
+                || Instant::now() > deadline
+            {
+                return metric_value(&body, series);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
