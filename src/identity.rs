@@ -1,7 +1,7 @@
 //! Who a request counts against: the identity string hashed into its bucket key.
 //!
-//! Identities are `global`, `ip:<address>`, `header:<lower-case name>:<value>` (and, later,
-//! `jwt:<sub>`). The kind is part of the string, so two kinds never share a bucket. Raw
+//! Identities are `global`, `ip:<address>`, `header:<lower-case name>:<value>` and
+//! `jwt:<sub>`. The kind is part of the string, so two kinds never share a bucket. Raw
 //! identities never leave this module except hashed.
 
 use std::net::IpAddr;
@@ -9,17 +9,86 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use pingora_http::RequestHeader;
 
-use crate::config::IdentitySource;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use crate::config::{IdentitySource, JwtConfig};
 
 /// Longest header value accepted as an identity, in bytes.
 pub const MAX_HEADER_IDENTITY_BYTES: usize = 1024;
+
+/// Longest `Authorization` header accepted, in bytes; larger tokens are refused unparsed.
+pub const MAX_AUTHORIZATION_BYTES: usize = 8192;
+
+/// Clock skew tolerated on `exp` and `nbf`, in seconds.
+pub const JWT_LEEWAY_SECS: u64 = 30;
+
+/// Longest `sub` accepted, in bytes.
+pub const MAX_SUBJECT_BYTES: usize = 256;
+
+/// Verifies HS* bearer tokens: signature, `exp` (required), `nbf` (when present) and `sub`
+/// (required, non-empty). `alg: none` and every algorithm not configured are refused.
+pub struct JwtVerifier {
+    key: DecodingKey,
+    validation: Validation,
+}
+
+#[derive(Deserialize)]
+struct Claims {
+    sub: String,
+}
+
+impl JwtVerifier {
+    /// `None` when the config holds no secret (no route uses jwt).
+    pub fn new(config: &JwtConfig) -> Option<Self> {
+        let secret = config.secret.as_ref()?;
+        let key = DecodingKey::from_secret(&secret.0).ok()?;
+        let algorithms: Vec<Algorithm> = config
+            .algorithms
+            .iter()
+            .filter_map(|a| match a.as_str() {
+                "HS256" => Some(Algorithm::HS256),
+                "HS384" => Some(Algorithm::HS384),
+                "HS512" => Some(Algorithm::HS512),
+                _ => None,
+            })
+            .collect();
+        let mut validation = Validation::new(*algorithms.first()?);
+        validation.algorithms = algorithms;
+        validation.leeway = JWT_LEEWAY_SECS;
+        validation.validate_exp = true;
+        validation.validate_nbf = true;
+        validation.validate_aud = false;
+        validation.set_required_spec_claims(&["exp", "sub"]);
+        Some(Self { key, validation })
+    }
+
+    /// The verified subject of a bearer token.
+    pub fn subject(&self, token: &str) -> Option<String> {
+        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).ok()?;
+        let sub = data.claims.sub;
+        (!sub.is_empty() && sub.len() <= MAX_SUBJECT_BYTES).then_some(sub)
+    }
+}
+
+/// The token of `Authorization: Bearer <token>`.
+fn bearer(req: &RequestHeader) -> Option<&str> {
+    let value = req.headers.get(http::header::AUTHORIZATION)?;
+    if value.len() > MAX_AUTHORIZATION_BYTES {
+        return None;
+    }
+    let text = value.to_str().ok()?;
+    let (scheme, token) = text.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdentityError {
     /// The header is absent, empty, too long or not visible ASCII.
     MissingHeader,
-    /// The route needs an identity this build cannot verify.
-    Unsupported,
+    /// No valid bearer token (absent, malformed, forged, expired, oversized).
+    InvalidToken,
     /// The peer is not an IP socket.
     NoPeerAddress,
 }
@@ -30,6 +99,7 @@ pub fn identify(
     req: &RequestHeader,
     peer: Option<IpAddr>,
     trusted_proxies: &[IpNet],
+    jwt: Option<&JwtVerifier>,
 ) -> Result<String, IdentityError> {
     match source {
         IdentitySource::Global => Ok("global".to_owned()),
@@ -48,7 +118,12 @@ pub fn identify(
             let peer = peer.ok_or(IdentityError::NoPeerAddress)?;
             Ok(format!("ip:{}", client_ip(req, peer, trusted_proxies)))
         }
-        IdentitySource::Jwt => Err(IdentityError::Unsupported),
+        IdentitySource::Jwt => {
+            let verifier = jwt.ok_or(IdentityError::InvalidToken)?;
+            let token = bearer(req).ok_or(IdentityError::InvalidToken)?;
+            let sub = verifier.subject(token).ok_or(IdentityError::InvalidToken)?;
+            Ok(format!("jwt:{sub}"))
+        }
     }
 }
 
@@ -133,18 +208,18 @@ mod tests {
         let src = IdentitySource::Header("x-api-key".into());
         let r = req(&[], &[("X-API-Key", "abc")]);
         assert_eq!(
-            identify(&src, &r, None, &[]).unwrap(),
+            identify(&src, &r, None, &[], None).unwrap(),
             "header:x-api-key:abc"
         );
         let empty = req(&[], &[("X-API-Key", "")]);
         assert_eq!(
-            identify(&src, &empty, None, &[]),
+            identify(&src, &empty, None, &[], None),
             Err(IdentityError::MissingHeader)
         );
         let long = "k".repeat(MAX_HEADER_IDENTITY_BYTES + 1);
         let r = req(&[], &[("X-API-Key", long.as_str())]);
         assert_eq!(
-            identify(&src, &r, None, &[]),
+            identify(&src, &r, None, &[], None),
             Err(IdentityError::MissingHeader)
         );
         let ipid = identify(
@@ -152,7 +227,178 @@ mod tests {
             &req(&[], &[]),
             Some(ip("::ffff:1.2.3.4")),
             &[],
+            None,
         );
         assert_eq!(ipid.unwrap(), "ip:1.2.3.4");
+    }
+
+    mod jwt {
+        use super::*;
+        use crate::config::Secret;
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        use base64::Engine;
+        use jsonwebtoken::{encode, EncodingKey, Header};
+        use std::sync::Arc;
+
+        const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+        fn verifier(algs: &[&str]) -> JwtVerifier {
+            JwtVerifier::new(&JwtConfig {
+                secret_env: "X".into(),
+                algorithms: algs.iter().map(|a| a.to_string()).collect(),
+                secret: Some(Secret(Arc::from(SECRET))),
+            })
+            .unwrap()
+        }
+
+        fn now() -> u64 {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+        }
+
+        fn token(alg: Algorithm, key: &[u8], claims: serde_json::Value) -> String {
+            encode(
+                &Header::new(alg),
+                &claims,
+                &EncodingKey::from_secret(key).unwrap(),
+            )
+            .unwrap()
+        }
+
+        fn bearer_req(value: &str) -> RequestHeader {
+            req(&[], &[("Authorization", value)])
+        }
+
+        fn subject_of(v: &JwtVerifier, authorization: &str) -> Result<String, IdentityError> {
+            identify(
+                &IdentitySource::Jwt,
+                &bearer_req(authorization),
+                None,
+                &[],
+                Some(v),
+            )
+        }
+
+        #[test]
+        fn a_valid_token_yields_its_subject() {
+            let v = verifier(&["HS256", "HS512"]);
+            let t = token(
+                Algorithm::HS256,
+                SECRET,
+                serde_json::json!({"sub": "tenant-7", "exp": now() + 60}),
+            );
+            assert_eq!(
+                subject_of(&v, &format!("Bearer {t}")).unwrap(),
+                "jwt:tenant-7"
+            );
+            assert_eq!(
+                subject_of(&v, &format!("bearer  {t}")).unwrap(),
+                "jwt:tenant-7"
+            );
+            let t = token(
+                Algorithm::HS512,
+                SECRET,
+                serde_json::json!({"sub": "t", "exp": now() + 60}),
+            );
+            assert_eq!(subject_of(&v, &format!("Bearer {t}")).unwrap(), "jwt:t");
+        }
+
+        #[test]
+        fn forged_and_malformed_tokens_are_refused() {
+            let v = verifier(&["HS256"]);
+            let exp = now() + 60;
+            let none_header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none","typ":"JWT"}"#);
+            let payload = URL_SAFE_NO_PAD.encode(format!(r#"{{"sub":"x","exp":{exp}}}"#));
+            let cases = [
+                (
+                    "bad signature",
+                    token(
+                        Algorithm::HS256,
+                        b"another-secret-another-secret-xx",
+                        serde_json::json!({"sub": "x", "exp": exp}),
+                    ),
+                ),
+                ("alg none", format!("{none_header}.{payload}.")),
+                (
+                    "unlisted HS384",
+                    token(
+                        Algorithm::HS384,
+                        SECRET,
+                        serde_json::json!({"sub": "x", "exp": exp}),
+                    ),
+                ),
+                (
+                    "expired",
+                    token(
+                        Algorithm::HS256,
+                        SECRET,
+                        serde_json::json!({"sub": "x", "exp": now() - 3600}),
+                    ),
+                ),
+                (
+                    "not yet valid",
+                    token(
+                        Algorithm::HS256,
+                        SECRET,
+                        serde_json::json!({"sub": "x", "exp": exp, "nbf": now() + 3600}),
+                    ),
+                ),
+                (
+                    "no sub",
+                    token(Algorithm::HS256, SECRET, serde_json::json!({"exp": exp})),
+                ),
+                (
+                    "empty sub",
+                    token(
+                        Algorithm::HS256,
+                        SECRET,
+                        serde_json::json!({"sub": "", "exp": exp}),
+                    ),
+                ),
+                (
+                    "no exp",
+                    token(Algorithm::HS256, SECRET, serde_json::json!({"sub": "x"})),
+                ),
+                ("garbage", "not.a.token".to_owned()),
+                ("huge", "a".repeat(100 * 1024)),
+            ];
+            for (what, t) in cases {
+                assert_eq!(
+                    subject_of(&v, &format!("Bearer {t}")),
+                    Err(IdentityError::InvalidToken),
+                    "{what}"
+                );
+            }
+            let good = token(
+                Algorithm::HS256,
+                SECRET,
+                serde_json::json!({"sub": "x", "exp": exp}),
+            );
+            assert_eq!(
+                subject_of(&v, &format!("Basic {good}")),
+                Err(IdentityError::InvalidToken),
+                "wrong scheme"
+            );
+            assert_eq!(
+                subject_of(&v, "Bearer"),
+                Err(IdentityError::InvalidToken),
+                "no token"
+            );
+            let none = identify(&IdentitySource::Jwt, &req(&[], &[]), None, &[], Some(&v));
+            assert_eq!(none, Err(IdentityError::InvalidToken), "no header");
+        }
+
+        #[test]
+        fn leeway_covers_small_clock_skew() {
+            let v = verifier(&["HS256"]);
+            let t = token(
+                Algorithm::HS256,
+                SECRET,
+                serde_json::json!({"sub": "x", "exp": now() - 5}),
+            );
+            assert!(subject_of(&v, &format!("Bearer {t}")).is_ok());
+        }
     }
 }

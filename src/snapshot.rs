@@ -13,6 +13,7 @@ use pingora_load_balancing::LoadBalancer;
 
 use crate::clock::SharedClock;
 use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
+use crate::identity::JwtVerifier;
 use crate::limiter::emergency::EmergencyBucket;
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
@@ -38,6 +39,7 @@ pub struct Snapshot {
     pub endpoints: HashMap<EndpointId, Arc<Endpoint>>,
     /// `sentinel_requests_total{endpoint_id="_unmatched"}`.
     pub unmatched: RequestCounters,
+    pub jwt: Option<JwtVerifier>,
 }
 
 impl Snapshot {
@@ -91,6 +93,7 @@ impl Snapshot {
             entries.push((Matcher::of(rc), Arc::new(route)));
         }
         Ok(Snapshot {
+            jwt: config.jwt.as_ref().and_then(JwtVerifier::new),
             generation,
             routes: RouteTable::new(entries),
             endpoints,

@@ -10,6 +10,7 @@ fn check(path: &Path) -> (i32, String, String) {
         .arg("--config")
         .arg(path)
         .env_remove("SENTINEL_REDIS_URL")
+        .env_remove("SENTINEL_JWT_SECRET")
         .output()
         .expect("the binary runs");
     (
@@ -78,7 +79,18 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
     for entry in std::fs::read_dir(root.join("examples")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            let (code, _, stderr) = check(&path);
+            let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+                .arg("check")
+                .arg("--config")
+                .arg(&path)
+                .env_remove("SENTINEL_REDIS_URL")
+                .env("SENTINEL_JWT_SECRET", "example-secret-example-secret-0123")
+                .output()
+                .unwrap();
+            let (code, stderr) = (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stderr),
+            );
             assert_eq!(code, 0, "{}: {stderr}", path.display());
         }
     }
@@ -150,4 +162,34 @@ fn every_route_field_is_documented() {
             "docs/configuration.md lacks a row for `{field}`"
         );
     }
+}
+
+#[test]
+fn a_short_jwt_secret_is_named_and_refused() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/invalid/jwt_secret_missing.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .env("SENTINEL_JWT_SECRET", "too-short")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("auth.jwt.secret_env: the environment variable SENTINEL_JWT_SECRET holds 9 bytes: the secret must be at least 32 bytes"),
+        "{stderr}"
+    );
+    let ok = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .env("SENTINEL_JWT_SECRET", "0123456789abcdef0123456789abcdef")
+        .output()
+        .unwrap();
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 }

@@ -70,7 +70,23 @@ pub struct BreakerConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JwtConfig {
     pub secret_env: String,
+    /// A subset of HS256, HS384, HS512.
     pub algorithms: Vec<String>,
+    /// Read from `secret_env` when a route uses `identity = "jwt"`.
+    pub secret: Option<Secret>,
+}
+
+/// Shortest accepted HS* shared secret, in bytes.
+pub const MIN_JWT_SECRET_BYTES: usize = 32;
+
+/// A shared secret; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub Arc<[u8]>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secret(<{} bytes>)", self.0.len())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

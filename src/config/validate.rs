@@ -354,9 +354,33 @@ fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
         }
         algorithms = a.get_ref().clone();
     }
+    let used = raw.routes.iter().any(|r| {
+        matches!(r.get_ref().identity.as_ref().map(|i| i.get_ref()), Some(RawIdentity::Named(n)) if n == "jwt")
+    });
+    let secret = if used {
+        let span = j
+            .get_ref()
+            .secret_env
+            .as_ref()
+            .map_or(j.span(), |s| s.span());
+        match std::env::var_os(&secret_env) {
+            None => {
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes"));
+                None
+            }
+            Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", v.len()));
+                None
+            }
+            Some(v) => Some(Secret(Arc::from(v.as_encoded_bytes()))),
+        }
+    } else {
+        None
+    };
     Some(JwtConfig {
         secret_env,
         algorithms,
+        secret,
     })
 }
 
@@ -678,8 +702,7 @@ fn identity(
                 );
                 return None;
             }
-            c.push(Some(&span), label, "identity = \"jwt\" is not available in this version: use \"client_ip\", \"global\" or { header = \"...\" }".into());
-            None
+            Some(IdentitySource::Jwt)
         }
         RawIdentity::Named(n) => {
             c.push(Some(&span), label, format!("identity = \"{n}\" is unknown: use \"jwt\", \"client_ip\", \"global\" or {{ header = \"X-API-Key\" }}"));

@@ -15,7 +15,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
 use crate::config::{IdentitySource, Mode};
-use crate::identity::{self, IdentityError};
+use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
 use crate::limiter::{identity_hash, Decision, Limiter};
 use crate::routing::{normalize_path, request_host};
@@ -70,19 +70,20 @@ impl Gateway {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         let trusted = &snapshot.config.server.trusted_proxies;
-        let identity =
-            match identity::identify(&route.identity, session.req_header(), peer, trusted) {
-                Ok(identity) => identity,
-                Err(
-                    IdentityError::MissingHeader
-                    | IdentityError::NoPeerAddress
-                    | IdentityError::Unsupported,
-                ) => {
-                    return Some(Answer::Unauthenticated {
-                        bearer: route.identity == IdentitySource::Jwt,
-                    })
-                }
-            };
+        let identity = match identity::identify(
+            &route.identity,
+            session.req_header(),
+            peer,
+            trusted,
+            snapshot.jwt.as_ref(),
+        ) {
+            Ok(identity) => identity,
+            Err(_) => {
+                return Some(Answer::Unauthenticated {
+                    bearer: route.identity == IdentitySource::Jwt,
+                })
+            }
+        };
         let hash = identity_hash(&identity);
         let started = Instant::now();
         let decision = self.limiter.decide(&route.endpoint, &hash).await;
@@ -132,6 +133,14 @@ impl ProxyHttp for Gateway {
         let snapshot = self.live.load_full();
         ctx.snapshot = Some(Arc::clone(&snapshot));
         let req = session.req_header();
+        let header_bytes: usize = req
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        if header_bytes > respond::MAX_HEADER_BYTES {
+            return self.answer(session, ctx, Answer::HeadersTooLarge).await;
+        }
         let Ok(path) = normalize_path(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
@@ -263,6 +272,9 @@ impl ProxyHttp for Gateway {
         };
         let code = match answer {
             Some(answer) if session.response_written().is_none() => {
+                // The connection is not reused after a failed proxy attempt: say so, so the
+                // client does not send its next request into a closing socket.
+                session.set_keepalive(None);
                 ctx.answered = Some(answer.status());
                 respond::write(session, answer).await.unwrap_or_else(|err| {
                     tracing::debug!(error = %err, "cannot write the error answer");

@@ -8,10 +8,15 @@ use pingora::prelude::*;
 use pingora_http::ResponseHeader;
 use rand::Rng;
 
+/// Largest total size of a request's header names and values accepted, in bytes.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
 /// Every answer that does not come from an upstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Answer {
     BadRequest,
+    /// The request's headers together exceed [`MAX_HEADER_BYTES`].
+    HeadersTooLarge,
     NoRoute,
     /// `bearer`: the route reads a JWT, so the answer names the scheme.
     Unauthenticated {
@@ -33,6 +38,7 @@ impl Answer {
     pub fn status(self) -> u16 {
         match self {
             Answer::BadRequest => 400,
+            Answer::HeadersTooLarge => 431,
             Answer::NoRoute => 404,
             Answer::Unauthenticated { .. } => 401,
             Answer::RateLimited { .. } => 429,
@@ -45,6 +51,7 @@ impl Answer {
     pub fn body(self) -> &'static str {
         match self {
             Answer::BadRequest => r#"{"detail":"bad request"}"#,
+            Answer::HeadersTooLarge => r#"{"detail":"request header fields too large"}"#,
             Answer::NoRoute => r#"{"detail":"no route"}"#,
             Answer::Unauthenticated { .. } => r#"{"detail":"authentication required"}"#,
             Answer::RateLimited { .. } => r#"{"detail":"rate limit exceeded"}"#,

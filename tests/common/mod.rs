@@ -234,6 +234,15 @@ impl Gateway {
     }
 
     pub fn start_with(port: u16, admin_port: u16, config: &str) -> Gateway {
+        Self::start_with_env(port, admin_port, config, &[])
+    }
+
+    pub fn start_with_env(
+        port: u16,
+        admin_port: u16,
+        config: &str,
+        env: &[(&str, &str)],
+    ) -> Gateway {
         let dir = tempfile::tempdir().expect("temp dir");
         let config_path = dir.path().join("gateway.toml");
         std::fs::write(&config_path, config).expect("write config");
@@ -243,6 +252,8 @@ impl Gateway {
             .arg("--config")
             .arg(&config_path)
             .env_remove("SENTINEL_REDIS_URL")
+            .env_remove("SENTINEL_JWT_SECRET")
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(log.try_clone().expect("log handle"))
             .stderr(log)
@@ -285,6 +296,17 @@ impl Gateway {
 
     pub fn admin(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    /// Resident memory of the gateway process, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.proc.pid()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
     }
 
     pub fn proc_alive(&mut self) -> bool {
@@ -361,6 +383,9 @@ pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
     stream.write_all(request).ok()?;
     let mut buf = vec![0u8; 4096];
     let n = stream.read(&mut buf).ok()?;
+    if n == 0 {
+        return None;
+    }
     let text = String::from_utf8_lossy(&buf[..n]);
     text.split_whitespace().nth(1)?.parse().ok()
 }

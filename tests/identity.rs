@@ -1,0 +1,288 @@
+//! Identity and hostile input: forged tokens, spoofed X-Forwarded-For and path tricks get
+//! 401, 400 or the same bucket as the honest request, never an unlimited pass.
+
+mod common;
+
+use common::{client, free_port, raw_request, Gateway, Redis, Upstream};
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use sha2::{Digest, Sha256};
+
+const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
+fn sha(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn jwt(sub: &str, key: &str) -> String {
+    let claims = serde_json::json!({"sub": sub, "exp": now() + 300});
+    encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(key.as_bytes()).unwrap(),
+    )
+    .unwrap()
+}
+
+fn start(redis: &Redis, up: &Upstream, server_extra: &str, routes: &str) -> Gateway {
+    let (port, admin) = (free_port(), free_port());
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{server_extra}\n\n[redis]\nurl = \"{}\"\n\n[auth.jwt]\nsecret_env = \"SENTINEL_JWT_SECRET\"\nalgorithms = [\"HS256\"]\n\n[upstreams.app]\naddrs = [\"{}\"]\n{routes}",
+        redis.url(),
+        up.addr()
+    );
+    Gateway::start_with_env(port, admin, &config, &[("SENTINEL_JWT_SECRET", SECRET)])
+}
+
+fn limited(id: &str, prefix: &str, identity: &str) -> String {
+    format!("\n[[routes]]\nendpoint_id = \"{id}\"\npath_prefix = \"{prefix}\"\nupstream = \"app\"\nidentity = {identity}\nalgorithm = \"token_bucket\"\ncapacity_micro = 100_000_000\nrefill_rate_micro_per_sec = 0\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = start(&redis, &up, "", &limited("t.jwt", "/api", "\"jwt\""));
+    let http = client();
+    for sub in ["tenant-a", "tenant-b"] {
+        let r = http
+            .get(gw.url("/api/x"))
+            .bearer_auth(jwt(sub, SECRET))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let mut keys = vec![
+        format!("sentinel:v1:{}:t.jwt:1", sha("jwt:tenant-a")),
+        format!("sentinel:v1:{}:t.jwt:1", sha("jwt:tenant-b")),
+    ];
+    keys.sort();
+    assert_eq!(redis.keys("sentinel:*"), keys);
+
+    redis.reset_stats();
+    let forged = [
+        format!(
+            "Bearer {}",
+            jwt("tenant-a", "wrong-secret-wrong-secret-wrong-secret")
+        ),
+        "Bearer eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4IiwiZXhwIjo5OTk5OTk5OTk5fQ.".to_owned(),
+        "Bearer garbage".to_owned(),
+        format!("Basic {}", jwt("tenant-a", SECRET)),
+        format!("Bearer {}", "a".repeat(20_000)),
+    ];
+    for auth in &forged {
+        let r = http
+            .get(gw.url("/api/x"))
+            .header("authorization", auth.as_str())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{}", &auth[..auth.len().min(40)]);
+        assert_eq!(r.headers()["www-authenticate"], "Bearer");
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"authentication required"}"#
+        );
+    }
+    let r = http.get(gw.url("/api/x")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(
+        redis.limiter_calls(),
+        0,
+        "no Redis call for a refused token"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.jwt",status="401"}"#),
+        forged.len() as f64 + 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_for_counts_only_from_trusted_proxies() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let untrusted = start(&redis, &up, "", &limited("t.ip", "/ip", "\"client_ip\""));
+    let http = client();
+    for xff in ["1.1.1.1", "2.2.2.2", "3.3.3.3, 4.4.4.4"] {
+        let r = http
+            .get(untrusted.url("/ip"))
+            .header("x-forwarded-for", xff)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        vec![format!("sentinel:v1:{}:t.ip:1", sha("ip:127.0.0.1"))],
+        "spoofing changed nothing"
+    );
+    drop(untrusted);
+
+    let redis = Redis::start();
+    let trusted = start(
+        &redis,
+        &up,
+        "trusted_proxies = [\"127.0.0.0/8\", \"10.0.0.0/8\"]",
+        &limited("t.ip", "/ip", "\"client_ip\""),
+    );
+    for xff in ["9.9.9.9, 1.1.1.1, 10.0.0.5", "not-an-ip"] {
+        let r = http
+            .get(trusted.url("/ip"))
+            .header("x-forwarded-for", xff)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let mut want = vec![
+        format!("sentinel:v1:{}:t.ip:1", sha("ip:1.1.1.1")),
+        format!("sentinel:v1:{}:t.ip:1", sha("ip:127.0.0.1")),
+    ];
+    want.sort();
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        want,
+        "right-most untrusted hop; malformed header falls back to the peer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_tricks_hit_the_same_bucket_or_get_400() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let routes = limited("t.api", "/api/v1", "{ header = \"X-API-Key\" }")
+        + "\n[[routes]]\nendpoint_id = \"t.rest\"\npath_prefix = \"/\"\nupstream = \"app\"\nalgorithm = \"none\"\n";
+    let gw = start(&redis, &up, "", &routes);
+    let tricks: &[&[u8]] = &[
+        b"/api/v1/doc",
+        b"//api/v1/doc",
+        b"/api//v1///doc",
+        b"/./api/./v1/doc",
+        b"/x/../api/v1/doc",
+        b"/x/%2e%2e/api/v1/doc",
+        b"/%61pi/v1/%64oc",
+        b"/api/v1/doc/",
+        b"/api/v1/doc/.",
+        b"http://x/api/v1/doc",
+    ];
+    for path in tricks {
+        let mut req = b"GET ".to_vec();
+        req.extend_from_slice(path);
+        req.extend_from_slice(b" HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nConnection: close\r\n\r\n");
+        assert_eq!(
+            raw_request(gw.port, &req),
+            Some(200),
+            "{}",
+            String::from_utf8_lossy(path)
+        );
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.api"}"#),
+        tricks.len() as f64,
+        "every variant was decided on the limited route's bucket"
+    );
+    assert_eq!(redis.keys("sentinel:*").len(), 1);
+    let bad: &[&[u8]] = &[
+        b"http://evil.example/api/v1/doc",
+        b"/api/v1/..%2f..%2fdoc",
+        b"/api%2fv1/doc",
+        b"/api/v1/%5c",
+        b"/api/v1/%00",
+        b"/api/v1/%c0%af",
+        b"/../api/v1",
+    ];
+    for path in bad {
+        let mut req = b"GET ".to_vec();
+        req.extend_from_slice(path);
+        req.extend_from_slice(b" HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nConnection: close\r\n\r\n");
+        assert_eq!(
+            raw_request(gw.port, &req),
+            Some(400),
+            "{}",
+            String::from_utf8_lossy(path)
+        );
+    }
+    let long = format!(
+        "GET /api/v1/{} HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n",
+        "a".repeat(9000)
+    );
+    assert_eq!(raw_request(gw.port, long.as_bytes()), Some(400));
+    let huge_header = format!(
+        "GET /api/v1/doc HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nX-Big: {}\r\n\r\n",
+        "b".repeat(200_000)
+    );
+    assert_eq!(raw_request(gw.port, huge_header.as_bytes()), Some(431));
+    let giant_header = format!(
+        "GET /api/v1/doc HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "b".repeat(2_000_000)
+    );
+    let status = raw_request(gw.port, giant_header.as_bytes());
+    assert!(
+        status.is_none_or(|s| (400..500).contains(&s)),
+        "2 MB header: {status:?}"
+    );
+    // Still alive and still limiting.
+    assert_eq!(
+        raw_request(
+            gw.port,
+            b"GET /api/v1/doc HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nConnection: close\r\n\r\n"
+        ),
+        Some(200)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_identities_keep_process_memory_flat() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = start(
+        &redis,
+        &up,
+        "",
+        &limited("t.many", "/m", "{ header = \"X-API-Key\" }"),
+    );
+    let http = client();
+    let send_batch = |from: usize, n: usize| {
+        let (http, url) = (http.clone(), gw.url("/m"));
+        async move {
+            let tasks: Vec<_> = (0..8)
+                .map(|w| {
+                    let (http, url) = (http.clone(), url.clone());
+                    tokio::spawn(async move {
+                        for i in (from + w..from + n).step_by(8) {
+                            let r = http
+                                .get(&url)
+                                .header("X-API-Key", format!("key-{i}"))
+                                .send()
+                                .await
+                                .unwrap();
+                            assert_eq!(r.status(), 200);
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        }
+    };
+    send_batch(0, 2_000).await;
+    let before = gw.rss_kib();
+    send_batch(2_000, 20_000).await;
+    let after = gw.rss_kib();
+    assert_eq!(redis.keys("sentinel:*").len(), 22_000);
+    // No per-identity state in the process: 20 000 new identities may not grow it by 8 MiB
+    // (allocator noise is well under that; per-identity state would be far over it).
+    assert!(
+        after < before + 8 * 1024,
+        "RSS grew from {before} KiB to {after} KiB"
+    );
+}
