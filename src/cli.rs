@@ -128,6 +128,20 @@ pub fn describe(route: &RouteConfig) -> String {
                 requests(capacity_micro)
             )
         }
+        Algorithm::SlidingWindow {
+            limit,
+            window_micro,
+        } => {
+            let cost = if p.cost_micro == 1_000_000 {
+                String::new()
+            } else {
+                format!(", {} requests per call", requests(p.cost_micro))
+            };
+            format!(
+                "sliding window of {limit} requests per {} seconds{cost}, {identity}",
+                requests(window_micro)
+            )
+        }
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
         (Algorithm::None, ..) => String::new(),

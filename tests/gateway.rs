@@ -526,3 +526,138 @@ async fn redis_unreachable_is_a_503_never_a_500_or_a_hang() {
     );
     assert!(body.contains(r#""redis":"down""#), "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_cost_and_ratelimit_headers() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + r#"
+[[routes]]
+endpoint_id = "t.window"
+path = "/window"
+upstream = "app"
+identity = "global"
+algorithm = "sliding_window"
+limit = 3
+window_size_micro = 2_000_000
+ratelimit_headers = true
+
+[[routes]]
+endpoint_id = "t.costly"
+path = "/costly"
+upstream = "app"
+identity = "global"
+algorithm = "token_bucket"
+capacity_micro = 5_000_000
+refill_rate_micro_per_sec = 1_000_000
+cost_micro = 2_000_000
+ratelimit_headers = true
+"#;
+    let gw = Gateway::start(&redis.url(), &config);
+    let http = client();
+    let mut remaining = Vec::new();
+    for _ in 0..3 {
+        let r = http.get(gw.url("/window")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["ratelimit-policy"], r#""t.window";q=3;w=2"#);
+        remaining.push(r.headers()["ratelimit"].to_str().unwrap().to_owned());
+    }
+    for (i, v) in remaining.iter().enumerate() {
+        assert!(
+            v.starts_with(&format!(r#""t.window";r={};t="#, 2 - i)),
+            "{v}"
+        );
+    }
+    let denied = http.get(gw.url("/window")).send().await.unwrap();
+    assert_eq!(denied.status(), 429);
+    let retry: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1..=4).contains(&retry),
+        "the estimate admits again within two windows: {retry}"
+    );
+    assert!(denied.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with(r#""t.window";r=0"#));
+
+    // A request costing two tokens: a burst of 5 tokens admits two such requests.
+    let statuses = [
+        http.get(gw.url("/costly")).send().await.unwrap(),
+        http.get(gw.url("/costly")).send().await.unwrap(),
+        http.get(gw.url("/costly")).send().await.unwrap(),
+    ];
+    assert_eq!(
+        statuses
+            .iter()
+            .map(|r| r.status().as_u16())
+            .collect::<Vec<_>>(),
+        vec![200, 200, 429]
+    );
+    assert_eq!(
+        statuses[0].headers()["ratelimit-policy"],
+        r#""t.costly";q=2;w=5"#
+    );
+    assert!(statuses[1].headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with(r#""t.costly";r=0;t="#));
+    assert_eq!(
+        statuses[2].headers()["retry-after"],
+        "1",
+        "one more token refills in a second"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratelimit_headers_are_absent_when_redis_did_not_decide() {
+    let up = Upstream::start("app");
+    let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + "\n[[routes]]\nendpoint_id = \"t.fo\"\npath = \"/fo\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 5_000_000\nrefill_rate_micro_per_sec = 0\nfail_mode = \"fail_open\"\nfallback_rate_per_process_micro = 100_000_000\nratelimit_headers = true\n";
+    let gw = Gateway::start(&nowhere, &config);
+    let r = client().get(gw.url("/fo")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers().get("ratelimit").is_none() && r.headers().get("ratelimit-policy").is_none()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + &bucket_route("t.fleet", "/api", "\"global\"", 50, 0, 1);
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start(&redis.url(), &config))
+        .collect();
+    let urls: Vec<String> = gateways.iter().map(|g| g.url("/api")).collect();
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let url = urls[i % 3].clone();
+            tokio::spawn(async move {
+                let http = client();
+                let mut admitted = 0;
+                for _ in 0..10 {
+                    if status_of(http.get(&url).send().await).await == 200 {
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(
+        admitted, 50,
+        "300 requests over three gateways admit exactly the bucket"
+    );
+}

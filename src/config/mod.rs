@@ -146,7 +146,15 @@ pub enum Algorithm {
         capacity_micro: u64,
         refill_micro_per_sec: u64,
     },
+    SlidingWindow {
+        limit: u64,
+        window_micro: u64,
+    },
 }
+
+/// Largest `limit x window_size_micro` of a sliding window; keeps the Lua arithmetic below
+/// 2^53 (see docs/configuration.md).
+pub const MAX_WINDOW_PRODUCT: u64 = 4_000_000_000_000_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FailMode {
@@ -182,6 +190,8 @@ pub struct Policy {
     pub fallback_rate_micro: Option<u64>,
     pub policy_version: u64,
     pub mode: Mode,
+    /// Send `RateLimit-Policy` and `RateLimit` on answers Redis decided.
+    pub ratelimit_headers: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -660,8 +660,58 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
             })
         }
         "sliding_window" => {
-            c.push(Some(&r.algorithm.span()), label, "algorithm = \"sliding_window\" is not available in this version: use \"token_bucket\" or \"none\"".into());
-            None
+            misplaced(c, "capacity_micro", &r.capacity_micro, "sliding_window");
+            misplaced(
+                c,
+                "refill_rate_micro_per_sec",
+                &r.refill_rate_micro_per_sec,
+                "sliding_window",
+            );
+            let limit = match &r.limit {
+                None => {
+                    c.push(
+                        Some(&r.algorithm.span()),
+                        label,
+                        "limit is required for algorithm = \"sliding_window\": requests per window"
+                            .into(),
+                    );
+                    None
+                }
+                v => int_in(
+                    c,
+                    label,
+                    "limit",
+                    v.as_ref(),
+                    0,
+                    (1, 1_000_000_000),
+                    " requests",
+                ),
+            };
+            let window = match &r.window_size_micro {
+                None => {
+                    c.push(Some(&r.algorithm.span()), label, "window_size_micro is required for algorithm = \"sliding_window\": the window in microseconds (60_000_000 = one minute)".into());
+                    None
+                }
+                v => int_in(
+                    c,
+                    label,
+                    "window_size_micro",
+                    v.as_ref(),
+                    0,
+                    (1_000, 86_400_000_000),
+                    " (1 ms to 1 day)",
+                ),
+            };
+            let (limit, window) = (limit?, window?);
+            if limit.saturating_mul(window) > MAX_WINDOW_PRODUCT {
+                let span = r.limit.as_ref().map(|v| v.span());
+                c.push(span.as_ref(), label, format!("limit x window_size_micro = {limit} x {window} is too large to count exactly: it must be <= 4000000000000000 (for example 1000000 requests per 4000 s)"));
+                return None;
+            }
+            Some(Algorithm::SlidingWindow {
+                limit,
+                window_micro: window,
+            })
         }
         other => {
             c.push(Some(&r.algorithm.span()), label, format!("algorithm = \"{other}\" is unknown: use \"token_bucket\", \"sliding_window\" or \"none\""));
@@ -756,13 +806,6 @@ fn policy(
             );
         }
     }
-    if r.ratelimit_headers == Some(true) {
-        c.push(
-            Some(&r.endpoint_id.span()),
-            label,
-            "ratelimit_headers = true is not available in this version: remove it".into(),
-        );
-    }
     let fallback = match &r.fallback_rate_per_process_micro {
         Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
             c.push(Some(&v.span()), label, format!("fallback_rate_per_process_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
@@ -796,6 +839,21 @@ fn policy(
         (1, MAX_CAPACITY_MICRO as i64),
         "",
     );
+    if let (Some(cost), Some(Algorithm::SlidingWindow { limit, .. })) = (cost, algorithm) {
+        let span = r.cost_micro.as_ref().map(|v| v.span());
+        if cost % ONE_TOKEN_MICRO != 0 {
+            c.push(span.as_ref(), label, format!("cost_micro = {cost} is not a whole number of requests: a sliding window counts requests, so use a multiple of 1000000"));
+        } else if cost / ONE_TOKEN_MICRO > limit {
+            c.push(
+                span.as_ref(),
+                label,
+                format!(
+                    "cost_micro = {cost} can never be admitted: it must be <= limit x 1000000 ({})",
+                    limit * ONE_TOKEN_MICRO
+                ),
+            );
+        }
+    }
     if let (Some(cost), Some(Algorithm::TokenBucket { capacity_micro, .. })) = (cost, algorithm) {
         if cost > capacity_micro {
             let span = r.cost_micro.as_ref().map(|v| v.span());
@@ -831,6 +889,7 @@ fn policy(
         fallback_rate_micro: fallback,
         policy_version: version?,
         mode: mode?,
+        ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
     })
 }
 

@@ -15,6 +15,7 @@
 pub mod breaker;
 pub mod emergency;
 mod endpoint;
+pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;
 
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 pub use breaker::{Breaker, BreakerState};
 pub use endpoint::{identity_hash, Endpoint};
-pub use store::{BucketReply, Store, StoreFailure};
+pub use store::{ScriptKind, ScriptReply, Store, StoreFailure};
 
 use crate::config::{Algorithm, FailMode};
 use emergency::EmergencyOutcome;
@@ -81,6 +82,8 @@ pub struct Decision {
     pub retry_after_secs: u64,
     /// The breaker's state when the decision was made, for the deny log.
     pub breaker: BreakerState,
+    /// The script's answer, when Redis decided.
+    pub reply: Option<ScriptReply>,
 }
 
 /// Retry-After is capped at a day: a bucket that never refills still gets an answer.
@@ -126,6 +129,7 @@ pub fn degrade(
         allowed: false,
         retry_after_secs,
         breaker,
+        reply: None,
     };
     match (fail_mode, emergency) {
         (FailMode::FailOpen, Some(bucket)) => match bucket.try_admit() {
@@ -134,6 +138,7 @@ pub fn degrade(
                 allowed: true,
                 retry_after_secs: 0,
                 breaker,
+                reply: None,
             },
             EmergencyOutcome::Denied { retry_after_secs } => {
                 deny(DecisionReason::EmergencyLocalLimit, retry_after_secs)
@@ -158,17 +163,35 @@ impl Limiter {
     /// Decides one request for a limited endpoint. Never waits longer than the store's
     /// budget; never fails.
     pub async fn decide(&self, endpoint: &Endpoint, identity_hash: &str) -> Decision {
-        let Algorithm::TokenBucket {
-            capacity_micro,
-            refill_micro_per_sec,
-        } = endpoint.policy.algorithm
-        else {
-            return Decision {
-                reason: DecisionReason::Allowed,
-                allowed: true,
-                retry_after_secs: 0,
-                breaker: self.breaker.state(),
-            };
+        let policy = &endpoint.policy;
+        let (kind, args) = match policy.algorithm {
+            Algorithm::TokenBucket {
+                capacity_micro,
+                refill_micro_per_sec,
+            } => (
+                ScriptKind::TokenBucket,
+                [capacity_micro, refill_micro_per_sec, policy.cost_micro],
+            ),
+            Algorithm::SlidingWindow {
+                limit,
+                window_micro,
+            } => (
+                ScriptKind::SlidingWindow,
+                [
+                    limit,
+                    window_micro,
+                    policy.cost_micro / crate::config::ONE_TOKEN_MICRO,
+                ],
+            ),
+            Algorithm::None => {
+                return Decision {
+                    reason: DecisionReason::Allowed,
+                    allowed: true,
+                    retry_after_secs: 0,
+                    breaker: self.breaker.state(),
+                    reply: None,
+                }
+            }
         };
         let permit = match self.breaker.acquire() {
             Ok(p) => p,
@@ -182,12 +205,7 @@ impl Limiter {
             }
         };
         let key = endpoint.bucket_key(identity_hash);
-        let args = [
-            capacity_micro,
-            refill_micro_per_sec,
-            endpoint.policy.cost_micro,
-        ];
-        match self.store.token_bucket(&key, args).await {
+        match self.store.run(kind, &key, args).await {
             Ok(reply) => {
                 permit.success();
                 Decision {
@@ -199,6 +217,7 @@ impl Limiter {
                     allowed: reply.allowed,
                     retry_after_secs: reply.retry_after_secs(),
                     breaker: self.breaker.state(),
+                    reply: Some(reply),
                 }
             }
             Err(failure) => {

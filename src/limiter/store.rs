@@ -21,6 +21,16 @@ use crate::config::RedisConfig;
 use crate::metrics::{Metrics, StoreErrorCounters};
 
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+pub const SLIDING_WINDOW_LUA: &str = include_str!("../../lua/sliding_window.lua");
+
+/// The limiter scripts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptKind {
+    /// Args: capacity, refill per second, cost (micro-tokens).
+    TokenBucket,
+    /// Args: limit, window in microseconds, cost (requests).
+    SlidingWindow,
+}
 
 /// How a store call failed; the three causes of the decision table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,20 +50,21 @@ impl StoreFailure {
     }
 }
 
-/// The token bucket script's answer.
+/// A limiter script's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BucketReply {
+pub struct ScriptReply {
     pub allowed: bool,
-    pub remaining_micro: u64,
+    /// What is left after this request: micro-tokens (token bucket) or requests (window).
+    pub remaining: u64,
     /// Seconds until the cost is available; `None` when the bucket never refills.
     pub retry_after: Option<u64>,
-    /// Seconds until the bucket is full; `None` when it never refills.
-    pub full_in: Option<u64>,
+    /// Seconds until the bucket is full or the window ends; `None` when never.
+    pub reset: Option<u64>,
     /// Redis `TIME` of the decision, in microseconds.
     pub now_us: u64,
 }
 
-impl BucketReply {
+impl ScriptReply {
     fn parse(v: &[i64]) -> Option<Self> {
         let [allowed, remaining, retry, full, now] = *v else {
             return None;
@@ -61,9 +72,9 @@ impl BucketReply {
         let opt = |x: i64| u64::try_from(x).ok();
         Some(Self {
             allowed: allowed == 1,
-            remaining_micro: opt(remaining)?,
+            remaining: opt(remaining)?,
             retry_after: opt(retry),
-            full_in: opt(full),
+            reset: opt(full),
             now_us: opt(now)?,
         })
     }
@@ -98,6 +109,7 @@ struct Shared {
     wake: Notify,
     budget_us: AtomicU64,
     token_bucket: Script,
+    sliding_window: Script,
     errors: StoreErrorCounters,
     redis_duration: prometheus::Histogram,
     /// Whether the last connection attempt failed; logs once per outage, not per retry.
@@ -132,6 +144,7 @@ impl Store {
             wake: Notify::new(),
             budget_us: AtomicU64::new(config.timeout.as_micros() as u64),
             token_bucket: Script::new(TOKEN_BUCKET_LUA),
+            sliding_window: Script::new(SLIDING_WINDOW_LUA),
             errors: metrics.store_errors(),
             redis_duration: metrics.redis_duration.clone(),
             outage_logged: AtomicBool::new(false),
@@ -164,20 +177,25 @@ impl Store {
         Duration::from_micros(self.shared.budget_us.load(Ordering::Relaxed))
     }
 
-    /// Runs the token bucket script for `key` with `[capacity, refill, cost]`, within budget.
-    pub async fn token_bucket(
+    /// Runs a limiter script for `key` within the budget.
+    pub async fn run(
         &self,
+        kind: ScriptKind,
         key: &str,
         args: [u64; 3],
-    ) -> Result<BucketReply, StoreFailure> {
+    ) -> Result<ScriptReply, StoreFailure> {
+        let script = match kind {
+            ScriptKind::TokenBucket => &self.shared.token_bucket,
+            ScriptKind::SlidingWindow => &self.shared.sliding_window,
+        };
         let started = Instant::now();
-        let result = self.eval(&self.shared.token_bucket, key, &args).await;
+        let result = self.eval(script, key, &args).await;
         self.shared
             .redis_duration
             .observe(started.elapsed().as_secs_f64());
         let reply = result.and_then(|v| {
-            BucketReply::parse(&v).ok_or_else(|| {
-                tracing::error!(reply = ?v, "token bucket script answered an unexpected shape");
+            ScriptReply::parse(&v).ok_or_else(|| {
+                tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
                 StoreFailure::ConnectionError
             })
         });
@@ -307,17 +325,20 @@ async fn connect(
     let mut conn = client
         .get_multiplexed_async_connection_with_config(&config)
         .await?;
-    let loaded = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(shared.token_bucket.body)
-        .query_async::<String>(&mut conn)
-        .await;
-    match loaded {
-        Ok(_) => {}
-        Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
-        // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
-        Err(e) => {
-            tracing::error!(error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT")
+    for script in [&shared.token_bucket, &shared.sliding_window] {
+        let loaded = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(script.body)
+            .query_async::<String>(&mut conn)
+            .await;
+        match loaded {
+            Ok(_) => {}
+            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+            // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
+            Err(e) => {
+                tracing::error!(error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
+                break;
+            }
         }
     }
     Ok(conn)

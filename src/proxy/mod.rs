@@ -1,6 +1,7 @@
 //! The gateway's request path, top to bottom: route -> identity -> decide -> answer or
 //! forward. Each hook below says when Pingora calls it and what its result means.
 
+mod headers;
 pub mod respond;
 
 use std::sync::Arc;
@@ -39,6 +40,8 @@ pub struct RequestCtx {
     upstream_uri: Option<String>,
     decision: Option<Decision>,
     decision_time: Duration,
+    /// `RateLimit-Policy` and `RateLimit`, when the route sends them and Redis decided.
+    ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
     connect_attempts: usize,
@@ -53,7 +56,12 @@ impl Gateway {
         answer: Answer,
     ) -> Result<bool> {
         ctx.answered = Some(answer.status());
-        respond::write(session, answer).await?;
+        let mut header = answer.header()?;
+        if let Some(f) = &ctx.ratelimit {
+            header.insert_header("ratelimit-policy", f.policy.as_str())?;
+            header.insert_header("ratelimit", f.state.as_str())?;
+        }
+        respond::write_with(session, answer, header).await?;
         Ok(true)
     }
 
@@ -89,6 +97,11 @@ impl Gateway {
         let decision = self.limiter.decide(&route.endpoint, &hash).await;
         ctx.decision_time = started.elapsed();
         ctx.decision = Some(decision);
+        if route.endpoint.policy.ratelimit_headers {
+            ctx.ratelimit = decision
+                .reply
+                .and_then(|r| headers::fields(&route.endpoint.policy, &r));
+        }
         if decision.allowed {
             return None;
         }
@@ -207,6 +220,20 @@ impl ProxyHttp for Gateway {
                 .parse::<http::Uri>()
                 .map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
             upstream_request.set_uri(uri);
+        }
+        Ok(())
+    }
+
+    /// Adds the RateLimit fields to an upstream's answer to an admitted request.
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut pingora_http::ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if let Some(f) = &ctx.ratelimit {
+            upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
+            upstream_response.insert_header("ratelimit", f.state.as_str())?;
         }
         Ok(())
     }

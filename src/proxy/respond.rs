@@ -95,6 +95,15 @@ impl Answer {
 /// Writes `answer` to the client; returns its status.
 pub async fn write(session: &mut Session, answer: Answer) -> Result<u16> {
     let header = answer.header()?;
+    write_with(session, answer, header).await
+}
+
+/// Writes `answer` with a header built, and perhaps extended, by the caller.
+pub async fn write_with(
+    session: &mut Session,
+    answer: Answer,
+    header: ResponseHeader,
+) -> Result<u16> {
     session
         .write_response_header(Box::new(header), false)
         .await?;

@@ -1,0 +1,136 @@
+//! The sliding window's arithmetic, exactly as `lua/sliding_window.lua` computes it.
+//!
+//! Fixed windows aligned on Redis `TIME`; the estimate is the current window's count plus
+//! the previous window's count weighted by the part of it still inside the sliding window.
+//! Counts are whole requests. The approximation: requests are assumed evenly spread over the
+//! previous window, so a burst at its very end is forgiven faster than a log would; the
+//! window never admits more than `limit` within one fixed window.
+
+/// Window parameters: `limit` requests per `window_us` microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub limit: u64,
+    pub window_us: u64,
+}
+
+/// What is stored after an admitted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowState {
+    pub index: u64,
+    pub current: u64,
+    pub previous: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted { state: WindowState, left: u64 },
+    Denied { retry_after_secs: u64 },
+}
+
+impl Window {
+    /// Decides `cost` requests at `now_us` from the stored state.
+    pub fn take(&self, state: Option<WindowState>, cost: u64, now_us: u64) -> Outcome {
+        let w = self.window_us;
+        let index = now_us / w;
+        let elapsed = now_us - index * w;
+        let (c, p) = match state {
+            Some(s) if s.index == index => (s.current, s.previous),
+            Some(s) if s.index + 1 == index => (0, s.current),
+            _ => (0, 0),
+        };
+        let limit = self.limit;
+        if c + cost <= limit && p * (w - elapsed) + (c + cost) * w <= limit * w {
+            let c = c + cost;
+            let left = (limit * w - p * (w - elapsed) - c * w) / w;
+            return Outcome::Admitted {
+                state: WindowState {
+                    index,
+                    current: c,
+                    previous: p,
+                },
+                left,
+            };
+        }
+        let wait = if c + cost <= limit {
+            let at = w - (limit - c - cost) * w / p;
+            at - elapsed
+        } else {
+            let at = ((limit - cost) * w)
+                .checked_div(c)
+                .map_or(0, |free| w.saturating_sub(free));
+            w - elapsed + at
+        };
+        Outcome::Denied {
+            retry_after_secs: wait.div_ceil(1_000_000).max(1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000;
+
+    #[test]
+    fn admits_the_limit_in_a_window_then_weights_the_previous_one() {
+        let win = Window {
+            limit: 10,
+            window_us: 10 * SEC,
+        };
+        let mut state = None;
+        for i in 0..10 {
+            match win.take(state, 1, i) {
+                Outcome::Admitted { state: s, left } => {
+                    assert_eq!(left, 9 - i);
+                    state = Some(s);
+                }
+                d => panic!("denied at {i}: {d:?}"),
+            }
+        }
+        // Full: the next request waits for the next window, where 10 previous requests
+        // weigh 10 x (1 - e/W); one fits once e >= W/10, i.e. 1 s into it.
+        assert_eq!(
+            win.take(state, 1, 5 * SEC),
+            Outcome::Denied {
+                retry_after_secs: 6
+            }
+        );
+        assert!(matches!(
+            win.take(state, 1, 10 * SEC),
+            Outcome::Denied { .. }
+        ));
+        assert!(matches!(
+            win.take(state, 1, 11 * SEC),
+            Outcome::Admitted { left: 0, .. }
+        ));
+    }
+
+    #[test]
+    fn the_estimate_never_exceeds_the_limit() {
+        let win = Window {
+            limit: 7,
+            window_us: 3 * SEC,
+        };
+        let mut state = None;
+        let mut admitted_at = Vec::new();
+        for now in (0..30 * SEC).step_by(37_000) {
+            if let Outcome::Admitted { state: s, .. } = win.take(state, 1, now) {
+                state = Some(s);
+                admitted_at.push(now);
+            }
+        }
+        for (i, &t) in admitted_at.iter().enumerate() {
+            let in_window = admitted_at[..=i]
+                .iter()
+                .filter(|&&a| a + 3 * SEC > t)
+                .count();
+            assert!(
+                in_window <= 14,
+                "a sliding window of 3 s never holds more than 2 x limit"
+            );
+        }
+        let per_fixed = |k: u64| admitted_at.iter().filter(|&&a| a / (3 * SEC) == k).count();
+        assert!((0..10).all(|k| per_fixed(k) <= 7));
+    }
+}

@@ -1,0 +1,126 @@
+//! The IETF `RateLimit-Policy` and `RateLimit` header fields
+//! (draft-ietf-httpapi-ratelimit-headers-09), computed from the script's answer: never from
+//! a second Redis call, and never for a decision Redis did not make.
+//!
+//! Values are in requests of this route's cost:
+//! - token bucket: `q` = capacity / cost, `w` = seconds to refill the whole capacity,
+//!   `r` = tokens left / cost, `t` = seconds until the bucket is full again;
+//! - sliding window: `q` = limit / cost, `w` = the window in seconds, `r` = requests the
+//!   estimate still admits / cost, `t` = seconds until the current window ends.
+//!
+//! `w` and `t` are left out when the bucket never refills.
+
+use crate::config::{Algorithm, Policy, ONE_TOKEN_MICRO};
+use crate::limiter::ScriptReply;
+
+/// The two header values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateLimitFields {
+    pub policy: String,
+    pub state: String,
+}
+
+pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
+    let name = policy.endpoint_id.as_str();
+    let (quota, window, remaining) = match policy.algorithm {
+        Algorithm::None => return None,
+        Algorithm::TokenBucket {
+            capacity_micro,
+            refill_micro_per_sec,
+        } => {
+            let cost = policy.cost_micro;
+            let window =
+                (refill_micro_per_sec > 0).then(|| capacity_micro.div_ceil(refill_micro_per_sec));
+            (capacity_micro / cost, window, reply.remaining / cost)
+        }
+        Algorithm::SlidingWindow {
+            limit,
+            window_micro,
+        } => {
+            let cost = (policy.cost_micro / ONE_TOKEN_MICRO).max(1);
+            let window = Some(window_micro.div_ceil(ONE_TOKEN_MICRO));
+            (limit / cost, window, reply.remaining / cost)
+        }
+    };
+    let mut policy_field = format!("\"{name}\";q={quota}");
+    if let Some(w) = window {
+        policy_field.push_str(&format!(";w={w}"));
+    }
+    let mut state = format!("\"{name}\";r={remaining}");
+    if let Some(t) = reply.reset {
+        state.push_str(&format!(";t={t}"));
+    }
+    Some(RateLimitFields {
+        policy: policy_field,
+        state,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{EndpointId, FailMode, Mode};
+
+    fn policy(algorithm: Algorithm, cost_micro: u64) -> Policy {
+        Policy {
+            endpoint_id: EndpointId::parse("resumint.tailor").unwrap(),
+            algorithm,
+            cost_micro,
+            fail_mode: FailMode::FailOpen,
+            fallback_rate_micro: Some(1_000_000),
+            policy_version: 1,
+            mode: Mode::Enforce,
+            ratelimit_headers: true,
+        }
+    }
+
+    fn reply(remaining: u64, reset: Option<u64>) -> ScriptReply {
+        ScriptReply {
+            allowed: true,
+            remaining,
+            retry_after: None,
+            reset,
+            now_us: 0,
+        }
+    }
+
+    #[test]
+    fn token_bucket_fields_count_requests_of_the_route_cost() {
+        let p = policy(
+            Algorithm::TokenBucket {
+                capacity_micro: 20_000_000,
+                refill_micro_per_sec: 2_000_000,
+            },
+            2_000_000,
+        );
+        let f = fields(&p, &reply(7_500_000, Some(7))).unwrap();
+        assert_eq!(f.policy, r#""resumint.tailor";q=10;w=10"#);
+        assert_eq!(f.state, r#""resumint.tailor";r=3;t=7"#);
+        let never = policy(
+            Algorithm::TokenBucket {
+                capacity_micro: 5_000_000,
+                refill_micro_per_sec: 0,
+            },
+            1_000_000,
+        );
+        let f = fields(&never, &reply(0, None)).unwrap();
+        assert_eq!(
+            (f.policy.as_str(), f.state.as_str()),
+            (r#""resumint.tailor";q=5"#, r#""resumint.tailor";r=0"#)
+        );
+    }
+
+    #[test]
+    fn sliding_window_fields() {
+        let p = policy(
+            Algorithm::SlidingWindow {
+                limit: 100,
+                window_micro: 60_000_000,
+            },
+            1_000_000,
+        );
+        let f = fields(&p, &reply(42, Some(13))).unwrap();
+        assert_eq!(f.policy, r#""resumint.tailor";q=100;w=60"#);
+        assert_eq!(f.state, r#""resumint.tailor";r=42;t=13"#);
+    }
+}

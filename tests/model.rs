@@ -1,0 +1,200 @@
+//! The Lua scripts against the Rust reference model, on a real redis-server: the same
+//! generated request sequences must give the same decisions, Retry-After, remaining counts
+//! and stored state. The model is fed the Redis `TIME` each script reports, so nothing in
+//! the production scripts is faked.
+
+mod common;
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use sentinel_gateway::limiter::sliding_window::{Outcome, Window, WindowState};
+use sentinel_gateway::limiter::store::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use sentinel_gateway::limiter::token_bucket::{Bucket, BucketState, Take};
+
+fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {
+    redis::cmd("EVAL")
+        .arg(script)
+        .arg(1)
+        .arg(key)
+        .arg(&args[..])
+        .query(conn)
+        .expect("script runs")
+}
+
+#[derive(Debug, Clone)]
+struct Step {
+    pause_us: u64,
+    cost: u64,
+}
+
+fn steps(max_cost: u64) -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        (prop_oneof![Just(0u64), 0u64..3_000], 1..=max_cost)
+            .prop_map(|(pause_us, cost)| Step { pause_us, cost }),
+        1..25,
+    )
+}
+
+#[test]
+fn token_bucket_script_equals_the_model() {
+    let redis = common::Redis::start();
+    let conn = std::cell::RefCell::new(redis.conn());
+    let mut runner = TestRunner::new(Config {
+        cases: 96,
+        ..Config::default()
+    });
+    let strategy = (
+        1_000_000u64..50_000_000,
+        prop_oneof![Just(0u64), 1u64..5_000_000, 1_000_000u64..1_000_000_000_000],
+        steps(1),
+    )
+        .prop_flat_map(|(capacity, rate, _)| (Just(capacity), Just(rate), steps(capacity)));
+    let case = std::cell::Cell::new(0u64);
+    runner
+        .run(&strategy, |(capacity, rate, steps)| {
+            case.set(case.get() + 1);
+            let mut conn = conn.borrow_mut();
+            let key = format!("model:tb:{}", case.get());
+            let bucket = Bucket {
+                capacity,
+                rate_per_sec: rate,
+            };
+            let mut state: Option<BucketState> = None;
+            for step in &steps {
+                std::thread::sleep(Duration::from_micros(step.pause_us));
+                let reply = eval(
+                    &mut conn,
+                    TOKEN_BUCKET_LUA,
+                    &key,
+                    [capacity, rate, step.cost],
+                );
+                let now = reply[4] as u64;
+                match bucket.take(state, step.cost, now) {
+                    Take::Admitted { state: next } => {
+                        prop_assert_eq!(reply[0], 1, "model admits at {}", now);
+                        prop_assert_eq!(reply[1] as u64, next.tokens);
+                        state = Some(next);
+                        let stored: (u64, u64, u64) = redis::cmd("HMGET")
+                            .arg(&key)
+                            .arg(&["t", "f", "ts"])
+                            .query(&mut conn)
+                            .unwrap();
+                        prop_assert_eq!(stored, (next.tokens, next.frac, next.at_us));
+                    }
+                    Take::Denied {
+                        tokens,
+                        retry_after_secs,
+                    } => {
+                        prop_assert_eq!(reply[0], 0, "model denies at {}", now);
+                        prop_assert_eq!(reply[1] as u64, tokens);
+                        prop_assert_eq!(reply[2], retry_after_secs.map_or(-1, |s| s as i64));
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn sliding_window_script_equals_the_model() {
+    let redis = common::Redis::start();
+    let conn = std::cell::RefCell::new(redis.conn());
+    let mut runner = TestRunner::new(Config {
+        cases: 96,
+        ..Config::default()
+    });
+    let strategy = (1u64..20, 1_000u64..40_000)
+        .prop_flat_map(|(limit, window)| (Just(limit), Just(window), steps(limit)));
+    let case = std::cell::Cell::new(0u64);
+    runner
+        .run(&strategy, |(limit, window_us, steps)| {
+            case.set(case.get() + 1);
+            let mut conn = conn.borrow_mut();
+            let key = format!("model:sw:{}", case.get());
+            let window = Window { limit, window_us };
+            let mut state: Option<WindowState> = None;
+            for step in &steps {
+                std::thread::sleep(Duration::from_micros(step.pause_us));
+                let reply = eval(
+                    &mut conn,
+                    SLIDING_WINDOW_LUA,
+                    &key,
+                    [limit, window_us, step.cost],
+                );
+                let now = reply[4] as u64;
+                match window.take(state, step.cost, now) {
+                    Outcome::Admitted { state: next, left } => {
+                        prop_assert_eq!(reply[0], 1, "model admits at {}", now);
+                        prop_assert_eq!(reply[1] as u64, left);
+                        state = Some(next);
+                        let stored: (u64, u64, u64) = redis::cmd("HMGET")
+                            .arg(&key)
+                            .arg(&["w", "c", "p"])
+                            .query(&mut conn)
+                            .unwrap();
+                        prop_assert_eq!(stored, (next.index, next.current, next.previous));
+                    }
+                    Outcome::Denied { retry_after_secs } => {
+                        prop_assert_eq!(reply[0], 0, "model denies at {}", now);
+                        prop_assert_eq!(reply[2] as u64, retry_after_secs);
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn scripts_stay_exact_at_the_configured_bounds() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    // Token bucket at its bounds: capacity 10^15, refill 10^12 per second.
+    let (cap, rate) = (1_000_000_000_000_000u64, 1_000_000_000_000u64);
+    let bucket = Bucket {
+        capacity: cap,
+        rate_per_sec: rate,
+    };
+    let first = eval(
+        &mut conn,
+        TOKEN_BUCKET_LUA,
+        "bound:tb",
+        [cap, rate, cap - 7],
+    );
+    let Take::Admitted { state } = bucket.take(None, cap - 7, first[4] as u64) else {
+        panic!("admits")
+    };
+    assert_eq!(first[1] as u64, state.tokens);
+    std::thread::sleep(Duration::from_millis(3));
+    let second = eval(&mut conn, TOKEN_BUCKET_LUA, "bound:tb", [cap, rate, 1]);
+    let Take::Admitted { state: s2 } = bucket.take(Some(state), 1, second[4] as u64) else {
+        panic!("admits")
+    };
+    assert_eq!(second[1] as u64, s2.tokens);
+    // Sliding window at its bound: limit x window = 4 x 10^15.
+    let (limit, window) = (1_000_000u64, 4_000_000_000u64);
+    let w = Window {
+        limit,
+        window_us: window,
+    };
+    let r = eval(
+        &mut conn,
+        SLIDING_WINDOW_LUA,
+        "bound:sw",
+        [limit, window, limit],
+    );
+    let Outcome::Admitted { left, .. } = w.take(None, limit, r[4] as u64) else {
+        panic!("admits")
+    };
+    assert_eq!((r[0], r[1] as u64), (1, left));
+    let r = eval(
+        &mut conn,
+        SLIDING_WINDOW_LUA,
+        "bound:sw",
+        [limit, window, 1],
+    );
+    assert_eq!(r[0], 0);
+}
