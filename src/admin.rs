@@ -110,6 +110,7 @@ impl Admin {
                 "redis": if self.limiter.store.is_connected() { "up" } else { "down" },
                 "breaker": self.limiter.breaker.state().as_str(),
                 "config_generation": self.reloader.live.load().generation,
+                "redis_maxmemory_policy": self.limiter.store.eviction_policy(),
             }),
         )
     }
@@ -120,10 +121,14 @@ impl Admin {
             .await
             .unwrap_or_else(|e| Err(format!("reload task failed: {e}")));
         match result {
-            Ok(generation) => json(
-                StatusCode::OK,
-                serde_json::json!({"reloaded": true, "config_generation": generation}),
-            ),
+            Ok(r) => {
+                let mut body =
+                    serde_json::json!({"reloaded": true, "config_generation": r.generation});
+                if !r.restart_required.is_empty() {
+                    body["restart_required"] = serde_json::json!(r.restart_required);
+                }
+                json(StatusCode::OK, body)
+            }
             Err(error) => json(
                 StatusCode::BAD_REQUEST,
                 serde_json::json!({"reloaded": false, "error": error}),

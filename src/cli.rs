@@ -65,7 +65,11 @@ pub fn main() -> i32 {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!(error = %e, "cannot start");
-                    1
+                    eprintln!("cannot start: {e}");
+                    match e {
+                        crate::server::StartError::Evicting(_) => EXIT_INVALID_CONFIG,
+                        _ => 1,
+                    }
                 }
             }
         }

@@ -41,12 +41,16 @@ impl Reloader {
     }
 
     /// Reloads; returns the new generation, or every problem found.
-    pub fn reload(&self) -> Result<u64, String> {
+    pub fn reload(&self) -> Result<Reloaded, String> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let result = self.try_reload();
         self.metrics.config_reload(result.is_ok());
         match &result {
-            Ok(generation) => tracing::info!(config_generation = generation, "config reloaded"),
+            Ok(r) => tracing::info!(
+                config_generation = r.generation,
+                restart_required = ?r.restart_required,
+                "config reloaded"
+            ),
             Err(e) => {
                 tracing::error!(error = %e, "config reload failed; the previous config keeps serving")
             }
@@ -54,23 +58,24 @@ impl Reloader {
         result
     }
 
-    fn try_reload(&self) -> Result<u64, String> {
+    fn try_reload(&self) -> Result<Reloaded, String> {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
-        let old = &current.config;
-        if config.server.listen != old.server.listen
-            || config.server.admin_listen != old.server.admin_listen
-            || config.server.threads != old.server.threads
-        {
-            tracing::warn!("server.listen, server.admin_listen and server.threads take effect only after a restart");
-        }
-        if config.redis.url != old.redis.url || config.redis.key_prefix != old.redis.key_prefix {
-            tracing::warn!(
-                "redis.url and redis.key_prefix changes take effect only after a restart"
-            );
-        }
-        self.limiter.store.set_budget(config.redis.timeout);
-        self.limiter.breaker.reconfigure(config.breaker);
+        let (old, new) = (&current.config.server, &config.server);
+        let restart_required: Vec<&'static str> = [
+            ("server.listen", old.listen != new.listen),
+            ("server.admin_listen", old.admin_listen != new.admin_listen),
+            ("server.threads", old.threads != new.threads),
+            (
+                "server.grace_period_seconds",
+                old.grace_period != new.grace_period,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(field, changed)| changed.then_some(field))
+        .collect();
+        let redis = config.redis.clone();
+        let breaker = config.breaker;
         let generation = current.generation + 1;
         let snapshot = Snapshot::build(
             config,
@@ -80,8 +85,24 @@ impl Reloader {
             Some(&current),
         )
         .map_err(|e| format!("cannot build upstream pools: {e}"))?;
+        self.limiter
+            .store
+            .retarget(&redis)
+            .map_err(|e| format!("redis.url: {e}"))?;
+        self.limiter.breaker.reconfigure(breaker);
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
-        Ok(generation)
+        Ok(Reloaded {
+            generation,
+            restart_required,
+        })
     }
+}
+
+/// A successful reload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    pub generation: u64,
+    /// Changed fields that only take effect after a restart.
+    pub restart_required: Vec<&'static str>,
 }

@@ -14,6 +14,7 @@ use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
 use crate::lifecycle::Lifecycle;
+use crate::limiter::connector::preflight;
 use crate::limiter::{Breaker, BreakerState, Limiter, Store};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
@@ -24,6 +25,8 @@ use crate::snapshot::Snapshot;
 pub enum StartError {
     #[error("cannot start the Redis store: {0}")]
     Store(std::io::Error),
+    #[error("redis maxmemory-policy is {0}: keys can be evicted and rate limit quotas silently reset; set it to noeviction, or set [redis] require_noeviction = false")]
+    Evicting(String),
     #[error("cannot build upstream pools: {0}")]
     Upstreams(std::io::Error),
     #[error("cannot listen on admin_listen {addr}: {source}")]
@@ -50,6 +53,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
     let store = Store::start(&config.redis, &metrics).map_err(StartError::Store)?;
+    if config.redis.require_noeviction {
+        if let Some(policy) = store.runtime().block_on(preflight(&config.redis)) {
+            return Err(StartError::Evicting(policy));
+        }
+    }
     let breaker = Breaker::new(config.breaker, Arc::clone(&clock), breaker_hook(&metrics));
     let limiter = Arc::new(Limiter { store, breaker });
     let server_cfg = config.server.clone();

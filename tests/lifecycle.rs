@@ -137,3 +137,193 @@ async fn sighup_reloads_and_a_new_route_serves() {
     assert_eq!(status, 200);
     assert!(body.contains(r#""config_generation":2"#), "{body}");
 }
+
+fn config_file(port: u16, admin: u16, redis_url: &str, extra_redis: &str, rest: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\ngrace_period_seconds = 5\n\n[redis]\nurl = \"{redis_url}\"\n{extra_redis}\n{rest}"
+    )
+}
+
+#[test]
+fn an_evicting_redis_refuses_start_unless_allowed() {
+    let redis = Redis::start_with(common::free_port(), &["--maxmemory-policy", "allkeys-lru"]);
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let (port, admin) = (common::free_port(), common::free_port());
+    std::fs::write(
+        &path,
+        config_file(port, admin, &redis.url(), "", &routes(&up.addr(), 5)),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .arg("--config")
+        .arg(&path)
+        .env_remove("SENTINEL_REDIS_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("redis maxmemory-policy is allkeys-lru"),
+        "{stderr}"
+    );
+
+    let gw = Gateway::start_with(
+        port,
+        admin,
+        &config_file(
+            port,
+            admin,
+            &redis.url(),
+            "require_noeviction = false",
+            &routes(&up.addr(), 5),
+        ),
+    );
+    assert_eq!(blocking_get(&gw.admin("/readyz")).unwrap().0, 200);
+    wait_until(Duration::from_secs(5), "the policy in /readyz", || {
+        blocking_get(&gw.admin("/readyz"))
+            .is_some_and(|(_, b)| b.contains(r#""redis_maxmemory_policy":"allkeys-lru""#))
+    });
+}
+
+#[test]
+fn a_redis_that_starts_evicting_later_is_reported() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 5));
+    assert!(blocking_get(&gw.admin("/readyz"))
+        .unwrap()
+        .1
+        .contains(r#""redis_maxmemory_policy":"noeviction""#));
+    let mut conn = redis.conn();
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "maxmemory-policy", "volatile-lru"])
+        .query(&mut conn)
+        .unwrap();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"])
+        .query(&mut conn)
+        .unwrap();
+    // The next limited request sees the dropped connection; the reconnect reads the policy.
+    let _ = blocking_get(&gw.url("/api"));
+    wait_until(Duration::from_secs(5), "the new policy in /readyz", || {
+        let _ = blocking_get(&gw.url("/api"));
+        blocking_get(&gw.admin("/readyz")).is_some_and(|(s, b)| {
+            s == 200 && b.contains(r#""redis_maxmemory_policy":"volatile-lru""#)
+        })
+    });
+    assert!(gw.logs().contains("redis may evict keys"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_can_move_the_gateway_to_another_redis() {
+    let (a, b) = (Redis::start(), Redis::start());
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&a.url(), &routes(&up.addr(), 5));
+    let http = client();
+    assert_eq!(http.get(gw.url("/api")).send().await.unwrap().status(), 200);
+    assert_eq!(a.keys("sentinel:*").len(), 1);
+    gw.rewrite_config(&config_file(
+        gw.port,
+        gw.admin_port,
+        &b.url(),
+        "",
+        &routes(&up.addr(), 5),
+    ));
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    wait_until(
+        Duration::from_secs(5),
+        "a decision on the new redis",
+        || {
+            let _ = blocking_get(&gw.url("/api"));
+            !b.keys("sentinel:*").is_empty()
+        },
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_under_load_drop_nothing() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 1_000_000));
+    let good = std::fs::read_to_string(&gw.config_path).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, stop) = (gw.url("/api"), std::sync::Arc::clone(&stop));
+            tokio::spawn(async move {
+                let http = client();
+                let mut statuses = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match http.get(&url).send().await {
+                        Ok(r) => statuses.push(r.status().as_u16()),
+                        Err(e) => panic!("request failed during reloads: {e}"),
+                    }
+                }
+                statuses
+            })
+        })
+        .collect();
+    let http = client();
+    for i in 0..10 {
+        // Alternate between two valid configs so every reload really changes something.
+        let text = if i % 2 == 0 {
+            good.replace("[[routes]]", "# reloaded\n[[routes]]")
+        } else {
+            good.clone()
+        };
+        gw.rewrite_config(&text);
+        let r = http.post(gw.admin("/reload")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    assert!(all.len() > 100, "load ran: {}", all.len());
+    assert!(
+        all.iter().all(|s| *s == 200),
+        "non-200 during reloads: {:?}",
+        all.iter().filter(|s| **s != 200).count()
+    );
+    assert_eq!(gw.metric("sentinel_config_generation"), 11.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_config_reloads_total{result="success"}"#),
+        10.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_decides_and_counts_but_forwards() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = Gateway::start(
+        &redis.url(),
+        &(routes(&up.addr(), 1) + "mode = \"shadow\"\n"),
+    );
+    let http = client();
+    for _ in 0..3 {
+        assert_eq!(http.get(gw.url("/api")).send().await.unwrap().status(), 200);
+    }
+    assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="l.api"}"#), 1.0);
+    assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="l.api"}"#), 2.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_shadow_denials_total{endpoint_id="l.api"}"#),
+        2.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="l.api",status="200"}"#),
+        3.0
+    );
+    let logs = gw.logs();
+    assert_eq!(
+        logs.lines()
+            .filter(|l| l.contains("request denied") && l.contains("\"shadow\":true"))
+            .count(),
+        2
+    );
+}

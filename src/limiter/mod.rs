@@ -13,6 +13,7 @@
 //! An emergency denial is `emergency_local_limit`.
 
 pub mod breaker;
+pub mod connector;
 pub mod emergency;
 mod endpoint;
 pub mod sliding_window;

@@ -11,11 +11,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
-use rand::Rng;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio::sync::Notify;
+
+use super::connector::{connector, Target};
 
 use crate::config::RedisConfig;
 use crate::metrics::{Metrics, StoreErrorCounters};
@@ -90,9 +91,9 @@ impl ScriptReply {
     }
 }
 
-struct Script {
-    sha: String,
-    body: &'static str,
+pub(super) struct Script {
+    pub(super) sha: String,
+    pub(super) body: &'static str,
 }
 
 impl Script {
@@ -104,16 +105,20 @@ impl Script {
     }
 }
 
-struct Shared {
-    conn: ArcSwapOption<MultiplexedConnection>,
-    wake: Notify,
+pub(super) struct Shared {
+    pub(super) conn: ArcSwapOption<MultiplexedConnection>,
+    pub(super) wake: Notify,
     budget_us: AtomicU64,
-    token_bucket: Script,
-    sliding_window: Script,
+    pub(super) token_bucket: Script,
+    pub(super) sliding_window: Script,
     errors: StoreErrorCounters,
     redis_duration: prometheus::Histogram,
+    /// Where to connect; replaced when a reload changes `[redis] url`.
+    pub(super) target: ArcSwap<Target>,
     /// Whether the last connection attempt failed; logs once per outage, not per retry.
-    outage_logged: AtomicBool,
+    pub(super) outage_logged: AtomicBool,
+    /// Redis's `maxmemory-policy` as last read, when it could be read.
+    pub(super) eviction_policy: ArcSwapOption<String>,
 }
 
 /// The process's Redis store. Cheap to clone.
@@ -121,14 +126,6 @@ struct Shared {
 pub struct Store {
     shared: Arc<Shared>,
     runtime: Arc<tokio::runtime::Runtime>,
-}
-
-/// Backoff between reconnection attempts: 50 ms doubling to 2 s, with full jitter on top of
-/// half the step so a fleet does not reconnect in lockstep.
-fn backoff(attempt: u32) -> Duration {
-    let step_ms = (50u64 << attempt.min(6)).min(2_000);
-    let jitter = rand::rng().random_range(0..=step_ms / 2);
-    Duration::from_millis(step_ms / 2 + jitter)
 }
 
 impl Store {
@@ -147,11 +144,11 @@ impl Store {
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
             errors: metrics.store_errors(),
             redis_duration: metrics.redis_duration.clone(),
+            target: ArcSwap::from_pointee(Target::new(config)?),
             outage_logged: AtomicBool::new(false),
+            eviction_policy: ArcSwapOption::empty(),
         });
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        runtime.spawn(connector(Arc::clone(&shared), client));
+        runtime.spawn(connector(Arc::clone(&shared)));
         Ok(Self {
             shared,
             runtime: Arc::new(runtime),
@@ -161,6 +158,31 @@ impl Store {
     /// The runtime the store's connection runs on; also hosts the gateway's control tasks.
     pub fn runtime(&self) -> &tokio::runtime::Handle {
         self.runtime.handle()
+    }
+
+    /// Follows a reloaded `[redis]` section: a new URL drops the connection and reconnects.
+    pub fn retarget(&self, config: &RedisConfig) -> std::io::Result<()> {
+        self.set_budget(config.timeout);
+        let current = self.shared.target.load();
+        if current.url == config.url && current.require_noeviction == config.require_noeviction {
+            return Ok(());
+        }
+        let url_changed = current.url != config.url;
+        self.shared.target.store(Arc::new(Target::new(config)?));
+        if url_changed {
+            tracing::info!("redis.url changed; reconnecting");
+            self.shared.conn.store(None);
+            self.shared.wake.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Redis's `maxmemory-policy` when last read; `None` until read or when not permitted.
+    pub fn eviction_policy(&self) -> Option<String> {
+        self.shared
+            .eviction_policy
+            .load_full()
+            .map(|p| (*p).clone())
     }
 
     pub fn is_connected(&self) -> bool {
@@ -288,12 +310,12 @@ impl Store {
     }
 }
 
-fn is_noscript(e: &RedisError) -> bool {
+pub(super) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
 }
 
 /// The connection itself is broken (as opposed to Redis answering with an error).
-fn is_transport(e: &RedisError) -> bool {
+pub(super) fn is_transport(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -313,60 +335,4 @@ async fn evalsha(
         .arg(args)
         .query_async(c)
         .await
-}
-
-async fn connect(
-    shared: &Shared,
-    client: &redis::Client,
-) -> redis::RedisResult<MultiplexedConnection> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(Some(Duration::from_secs(2)));
-    let mut conn = client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await?;
-    for script in [&shared.token_bucket, &shared.sliding_window] {
-        let loaded = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(script.body)
-            .query_async::<String>(&mut conn)
-            .await;
-        match loaded {
-            Ok(_) => {}
-            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
-            // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
-            Err(e) => {
-                tracing::error!(error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
-                break;
-            }
-        }
-    }
-    Ok(conn)
-}
-
-/// Keeps one connection up: connects, loads the scripts, then sleeps until the connection
-/// is dropped.
-async fn connector(shared: Arc<Shared>, client: redis::Client) {
-    let mut attempt = 0u32;
-    loop {
-        if shared.conn.load().is_some() {
-            shared.wake.notified().await;
-            continue;
-        }
-        match connect(&shared, &client).await {
-            Ok(conn) => {
-                shared.conn.store(Some(Arc::new(conn)));
-                shared.outage_logged.store(false, Ordering::Relaxed);
-                tracing::info!(attempts = attempt + 1, "redis connected");
-                attempt = 0;
-            }
-            Err(e) => {
-                if !shared.outage_logged.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, "redis unavailable; reconnecting in the background");
-                }
-                tokio::time::sleep(backoff(attempt)).await;
-                attempt = attempt.saturating_add(1);
-            }
-        }
-    }
 }

@@ -85,9 +85,14 @@ impl Redis {
     }
 
     pub fn start_on(port: u16) -> Redis {
+        Self::start_with(port, &[])
+    }
+
+    pub fn start_with(port: u16, extra: &[&str]) -> Redis {
         let dir = tempfile::tempdir().expect("temp dir");
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
             .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
