@@ -12,7 +12,8 @@
 -- everything stays an integer below 2^53 (each product is at most limit x window).
 --
 -- Returns {allowed (0/1), requests left, retry-after seconds (0 when allowed),
---          seconds until the current window ends, now in microseconds}.
+--          seconds until the current window ends, now in microseconds,
+--          microseconds until the request would be admitted (0 when allowed)}.
 -- Redis TIME is the only clock. A denied request writes nothing; the key lives two windows.
 
 local MICRO = 1000000
@@ -58,7 +59,7 @@ if c + cost <= limit and p * (window - elapsed) + (c + cost) * window <= limit *
   redis.call('HSET', KEYS[1], 'w', index, 'c', c, 'p', p)
   redis.call('PEXPIRE', KEYS[1], ceil_div(2 * window - elapsed, 1000))
   local left = idiv(limit * window - p * (window - elapsed) - c * window, window)
-  return {1, left, 0, window_end, now}
+  return {1, left, 0, window_end, now, 0}
 end
 
 -- Denied: the first moment the estimate admits `cost`.
@@ -78,4 +79,4 @@ else
 end
 local retry = ceil_div(wait, MICRO)
 if retry < 1 then retry = 1 end
-return {0, 0, retry, window_end, now}
+return {0, 0, retry, window_end, now, wait}

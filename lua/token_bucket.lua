@@ -6,7 +6,8 @@
 -- ARGV[3]  cost of this request          (1 .. capacity)
 --
 -- Returns {allowed (0/1), micro-tokens left, retry-after seconds (0 when allowed),
---          seconds until full, now in microseconds}.
+--          seconds until full, now in microseconds[, on a denial: microseconds until the
+--          cost is available, or -1]}.
 --
 -- Redis TIME is the only clock. All arithmetic stays on integers below 2^53, where Lua's
 -- doubles are exact: the refill of a partial second is split so that no product exceeds
@@ -72,8 +73,16 @@ end
 
 if tokens < cost then
   local retry = -1
-  if rate > 0 then retry = ceil_div(cost - tokens, rate) end
-  return {0, tokens, retry, until_full(tokens), now}
+  -- Microseconds until `cost` is there, when exact in doubles (the deficit times 10^6 must
+  -- stay below 2^53, about 9000 requests); the gateway's over-limit cache uses it.
+  local wait = -1
+  if rate > 0 then
+    retry = ceil_div(cost - tokens, rate)
+    if cost - tokens < 9000000000 then
+      wait = ceil_div((cost - tokens) * MICRO - frac, rate)
+    end
+  end
+  return {0, tokens, retry, until_full(tokens), now, wait}
 end
 
 tokens = tokens - cost
@@ -84,4 +93,4 @@ if full > 0 then
 elseif full < 0 then
   redis.call('PERSIST', KEYS[1])
 end
-return {1, tokens, 0, full, now}
+return {1, tokens, 0, full, now, 0}

@@ -82,6 +82,7 @@ impl Snapshot {
                         &config.redis.key_prefix,
                         emergency,
                         metrics.endpoint(policy.endpoint_id.as_str(), policy.fail_mode),
+                        Arc::clone(clock),
                     ))
                 })
                 .clone();

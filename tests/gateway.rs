@@ -661,3 +661,36 @@ async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
         "300 requests over three gateways admit exactly the bucket"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + &bucket_route("t.hot", "/hot", "\"global\"", 2, 1_000_000, 1);
+    let gw = Gateway::start(&redis.url(), &config);
+    let http = client();
+    assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
+    assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
+    redis.reset_stats();
+    for _ in 0..50 {
+        let r = http.get(gw.url("/hot")).send().await.unwrap();
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()["retry-after"], "1");
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"rate limit exceeded"}"#
+        );
+    }
+    // One Redis denial told the gateway when the next token is due; the rest were local.
+    assert_eq!(redis.command_calls("evalsha"), 1);
+    assert_eq!(
+        gw.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="t.hot"}"#),
+        49.0
+    );
+    assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="t.hot"}"#), 50.0);
+    // Once the token is due, Redis decides again and admits exactly one.
+    tokio::time::sleep(Duration::from_millis(1050)).await;
+    assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
+    assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 429);
+}

@@ -90,6 +90,11 @@ fn token_bucket_script_equals_the_model() {
                         prop_assert_eq!(reply[0], 0, "model denies at {}", now);
                         prop_assert_eq!(reply[1] as u64, tokens);
                         prop_assert_eq!(reply[2], retry_after_secs.map_or(-1, |s| s as i64));
+                        // The exact wait the over-limit cache relies on.
+                        let (_, frac) = bucket.refill(state, now);
+                        let wait = (rate > 0)
+                            .then(|| ((step.cost - tokens) * 1_000_000 - frac).div_ceil(rate));
+                        prop_assert_eq!(reply[5], wait.map_or(-1, |w| w as i64));
                     }
                 }
             }
@@ -137,9 +142,13 @@ fn sliding_window_script_equals_the_model() {
                             .unwrap();
                         prop_assert_eq!(stored, (next.index, next.current, next.previous));
                     }
-                    Outcome::Denied { retry_after_secs } => {
+                    Outcome::Denied {
+                        retry_after_secs,
+                        wait_us,
+                    } => {
                         prop_assert_eq!(reply[0], 0, "model denies at {}", now);
                         prop_assert_eq!(reply[2] as u64, retry_after_secs);
+                        prop_assert_eq!(reply[5] as u64, wait_us);
                     }
                 }
             }

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 
 use super::emergency::EmergencyBucket;
+use super::overlimit::OverlimitCache;
+use crate::clock::SharedClock;
 use crate::config::{FailMode, Policy};
 use crate::metrics::EndpointMetrics;
 
@@ -16,6 +18,7 @@ pub struct Endpoint {
     /// `:{endpoint_id}:{policy_version}`
     key_tail: String,
     pub emergency: Option<Arc<EmergencyBucket>>,
+    pub overlimit: OverlimitCache,
     pub metrics: EndpointMetrics,
 }
 
@@ -25,6 +28,7 @@ impl Endpoint {
         key_prefix: &str,
         emergency: Option<Arc<EmergencyBucket>>,
         metrics: EndpointMetrics,
+        clock: SharedClock,
     ) -> Self {
         let emergency = emergency.filter(|_| policy.fail_mode == FailMode::FailOpen);
         Self {
@@ -32,6 +36,7 @@ impl Endpoint {
             key_tail: format!(":{}:{}", policy.endpoint_id, policy.policy_version),
             policy,
             emergency,
+            overlimit: OverlimitCache::new(clock),
             metrics,
         }
     }

@@ -16,6 +16,7 @@ pub mod breaker;
 pub mod connector;
 pub mod emergency;
 mod endpoint;
+pub mod overlimit;
 pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;
@@ -85,6 +86,8 @@ pub struct Decision {
     pub breaker: BreakerState,
     /// The script's answer, when Redis decided.
     pub reply: Option<ScriptReply>,
+    /// A denial repeated from the over-limit cache (reason `rate_limited`, no Redis call).
+    pub cached: bool,
 }
 
 /// Retry-After is capped at a day: a bucket that never refills still gets an answer.
@@ -131,6 +134,7 @@ pub fn degrade(
         retry_after_secs,
         breaker,
         reply: None,
+        cached: false,
     };
     match (fail_mode, emergency) {
         (FailMode::FailOpen, Some(bucket)) => match bucket.try_admit() {
@@ -140,6 +144,7 @@ pub fn degrade(
                 retry_after_secs: 0,
                 breaker,
                 reply: None,
+                cached: false,
             },
             EmergencyOutcome::Denied { retry_after_secs } => {
                 deny(DecisionReason::EmergencyLocalLimit, retry_after_secs)
@@ -191,9 +196,21 @@ impl Limiter {
                     retry_after_secs: 0,
                     breaker: self.breaker.state(),
                     reply: None,
+                    cached: false,
                 }
             }
         };
+        let key = endpoint.bucket_key(identity_hash);
+        if let Some(left_us) = endpoint.overlimit.denied_for(&key) {
+            return Decision {
+                reason: DecisionReason::RateLimited,
+                allowed: false,
+                retry_after_secs: left_us.div_ceil(1_000_000).clamp(1, MAX_RETRY_AFTER_SECS),
+                breaker: self.breaker.state(),
+                reply: None,
+                cached: true,
+            };
+        }
         let permit = match self.breaker.acquire() {
             Ok(p) => p,
             Err(short) => {
@@ -205,10 +222,12 @@ impl Limiter {
                 )
             }
         };
-        let key = endpoint.bucket_key(identity_hash);
         match self.store.run(kind, &key, args).await {
             Ok(reply) => {
                 permit.success();
+                if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {
+                    endpoint.overlimit.remember(&key, wait);
+                }
                 Decision {
                     reason: if reply.allowed {
                         DecisionReason::Allowed
@@ -219,6 +238,7 @@ impl Limiter {
                     retry_after_secs: reply.retry_after_secs(),
                     breaker: self.breaker.state(),
                     reply: Some(reply),
+                    cached: false,
                 }
             }
             Err(failure) => {

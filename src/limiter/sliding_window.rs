@@ -23,8 +23,15 @@ pub struct WindowState {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
-    Admitted { state: WindowState, left: u64 },
-    Denied { retry_after_secs: u64 },
+    Admitted {
+        state: WindowState,
+        left: u64,
+    },
+    /// `wait_us`: microseconds until the estimate admits the request.
+    Denied {
+        retry_after_secs: u64,
+        wait_us: u64,
+    },
 }
 
 impl Window {
@@ -62,6 +69,7 @@ impl Window {
         };
         Outcome::Denied {
             retry_after_secs: wait.div_ceil(1_000_000).max(1),
+            wait_us: wait,
         }
     }
 }
@@ -93,7 +101,8 @@ mod tests {
         assert_eq!(
             win.take(state, 1, 5 * SEC),
             Outcome::Denied {
-                retry_after_secs: 6
+                retry_after_secs: 6,
+                wait_us: 6 * SEC
             }
         );
         assert!(matches!(

@@ -63,11 +63,13 @@ pub struct ScriptReply {
     pub reset: Option<u64>,
     /// Redis `TIME` of the decision, in microseconds.
     pub now_us: u64,
+    /// On a denial, microseconds until the request would be admitted, when known exactly.
+    pub wait_us: Option<u64>,
 }
 
 impl ScriptReply {
     fn parse(v: &[i64]) -> Option<Self> {
-        let [allowed, remaining, retry, full, now] = *v else {
+        let [allowed, remaining, retry, reset, now, wait] = *v else {
             return None;
         };
         let opt = |x: i64| u64::try_from(x).ok();
@@ -75,8 +77,9 @@ impl ScriptReply {
             allowed: allowed == 1,
             remaining: opt(remaining)?,
             retry_after: opt(retry),
-            reset: opt(full),
+            reset: opt(reset),
             now_us: opt(now)?,
+            wait_us: opt(wait).filter(|w| *w > 0),
         })
     }
 

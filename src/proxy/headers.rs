@@ -81,6 +81,7 @@ mod tests {
             retry_after: None,
             reset,
             now_us: 0,
+            wait_us: None,
         }
     }
 

@@ -346,6 +346,9 @@ impl ProxyHttp for Gateway {
             if !d.reason.by_redis() {
                 m.degraded.inc();
             }
+            if d.cached {
+                m.overlimit_hits.inc();
+            }
             if !d.allowed && route.endpoint.policy.mode == Mode::Shadow {
                 m.shadow_denials.inc();
             }
