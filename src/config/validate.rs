@@ -313,7 +313,7 @@ fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfig> {
         "breaker.failure_threshold",
         b.and_then(|b| b.failure_threshold.as_ref()),
         5,
-        (1, 1000),
+        (1, 1_000_000),
         "",
     );
     let open = int_in(

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Load-test sentinel-gateway with oha, side by side with nginx, on loopback only.
+#
+#   bench/run.sh [SECONDS_PER_CELL]      (default 10)
+#
+# Installs what it lacks (oha through cargo, nginx and redis-server through apt), builds in
+# release, starts every process on 127.0.0.1, runs each cell for a fixed time at 64 and 256
+# connections, stops everything by PID, and prints one table. Throughput ratios are against
+# cell 2 (the gateway without a limiter) of the same run and connection count.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-10}
+work=$(mktemp -d /tmp/sentinel-bench.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+command -v oha >/dev/null || cargo install --locked oha
+need=()
+command -v nginx >/dev/null || need+=(nginx)
+command -v redis-server >/dev/null || need+=(redis-server redis-tools)
+if ((${#need[@]})); then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; fi
+cargo build --release --locked --bins
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+bg() { "$@" >"$work/$(basename "$1").$RANDOM.log" 2>&1 & pids+=($!); }
+wait_port() { for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+
+redis_port=$(free_port); up_port=$(free_port); hole_port=$(free_port); dead_port=$(free_port)
+bg redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no
+bg target/release/demo-upstream "127.0.0.1:$up_port" bench
+# A black hole: accepts connections and never answers.
+bg python3 -c "
+import socket, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('127.0.0.1', $hole_port)); s.listen(128)
+held = []
+while True:
+    c, _ = s.accept(); held.append(c)
+"
+wait_port "$redis_port"; wait_port "$up_port"; wait_port "$hole_port"
+
+gateway() { # name redis_port failure_threshold -> prints the proxy port
+  local name=$1 rport=$2 threshold=$3 port admin
+  port=$(free_port); admin=$(free_port)
+  cat >"$work/$name.toml" <<TOML
+[server]
+listen = "127.0.0.1:$port"
+admin_listen = "127.0.0.1:$admin"
+threads = 2
+[redis]
+url = "redis://127.0.0.1:$rport/0"
+require_noeviction = false
+[breaker]
+failure_threshold = $threshold
+open_seconds = 3600
+[upstreams.app]
+addrs = ["127.0.0.1:$up_port"]
+[[routes]]
+endpoint_id = "bench.none"
+path = "/none"
+upstream = "app"
+algorithm = "none"
+[[routes]]
+endpoint_id = "bench.allowed"
+path = "/allowed"
+upstream = "app"
+identity = { header = "X-API-Key" }
+algorithm = "token_bucket"
+capacity_micro = 1_000_000_000_000_000
+refill_rate_micro_per_sec = 1_000_000_000_000
+[[routes]]
+endpoint_id = "bench.hot"
+path = "/hot"
+upstream = "app"
+identity = { header = "X-API-Key" }
+algorithm = "token_bucket"
+capacity_micro = 1_000_000
+refill_rate_micro_per_sec = 1_000_000
+[[routes]]
+endpoint_id = "bench.open"
+path = "/fail-open"
+upstream = "app"
+identity = { header = "X-API-Key" }
+algorithm = "token_bucket"
+capacity_micro = 1_000_000_000_000_000
+refill_rate_micro_per_sec = 1_000_000_000_000
+fail_mode = "fail_open"
+fallback_rate_per_process_micro = 1_000_000_000_000
+[[routes]]
+endpoint_id = "bench.closed"
+path = "/fail-closed"
+upstream = "app"
+identity = { header = "X-API-Key" }
+algorithm = "token_bucket"
+capacity_micro = 1_000_000_000_000_000
+refill_rate_micro_per_sec = 1_000_000_000_000
+fail_mode = "fail_closed"
+TOML
+  RUST_LOG=error bg target/release/sentinel-gateway --config "$work/$name.toml"
+  wait_port "$port"
+  echo "$port"
+}
+gw=$(gateway healthy "$redis_port" 5)
+gw_dead=$(gateway dead "$dead_port" 5)
+gw_hole=$(gateway hole "$hole_port" 1000000)
+
+nginx_port=$(free_port)
+mkdir -p "$work/nginx"
+cat >"$work/nginx/nginx.conf" <<NGINX
+worker_processes 2;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log crit;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  limit_req_zone \$http_x_api_key zone=keys:10m rate=1000000r/s;
+  limit_req_status 429;
+  upstream app { server 127.0.0.1:$up_port; keepalive 64; }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      limit_req zone=keys burst=1000000 nodelay;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_pass http://app;
+    }
+  }
+}
+NGINX
+bg nginx -c "$work/nginx/nginx.conf" -g 'daemon off;'
+wait_port "$nginx_port"
+
+# Open the breaker of the gateway whose Redis is dead (5 failures).
+for _ in 1 2 3 4 5 6; do curl -s -o /dev/null -H 'X-API-Key: bench' "http://127.0.0.1:$gw_dead/fail-closed"; done
+
+evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
+
+run() { # cell label url conns
+  local cell=$1 label=$2 url=$3 conns=$4 before after
+  before=$(evalsha)
+  oha -z "${secs}s" -c "$conns" --no-tui --output-format json -H 'X-API-Key: bench' "$url" >"$work/cell-$cell-$conns.json"
+  after=$(evalsha)
+  echo "$cell|$label|$conns|$((after - before))" >>"$work/cells"
+}
+for conns in 64 256; do
+  run 1 "demo upstream directly" "http://127.0.0.1:$up_port/none" "$conns"
+  run 2 "gateway, algorithm none" "http://127.0.0.1:$gw/none" "$conns"
+  run 3 "gateway, token bucket, all allowed" "http://127.0.0.1:$gw/allowed" "$conns"
+  run 4 "gateway, hot identity over limit" "http://127.0.0.1:$gw/hot" "$conns"
+  run 5a "gateway, breaker open, fail_open" "http://127.0.0.1:$gw_dead/fail-open" "$conns"
+  run 5b "gateway, breaker open, fail_closed" "http://127.0.0.1:$gw_dead/fail-closed" "$conns"
+  run 6 "gateway, Redis black-holed (budget)" "http://127.0.0.1:$gw_hole/fail-open" "$conns"
+  run 7 "nginx proxy_pass + limit_req" "http://127.0.0.1:$nginx_port/none" "$conns"
+done
+
+python3 - "$work" <<'PY'
+import json, sys, os
+work = sys.argv[1]
+rows = [l.strip().split("|") for l in open(os.path.join(work, "cells"))]
+data = {}
+for cell, label, conns, calls in rows:
+    d = json.load(open(os.path.join(work, f"cell-{cell}-{conns}.json")))
+    p = d["latencyPercentiles"]
+    codes = d.get("statusCodeDistribution", {})
+    n = sum(codes.values())
+    data[(cell, conns)] = (label, d["summary"]["requestsPerSec"], p, codes, int(calls), n)
+print(f"{'cell':<5}{'conns':>6}  {'what':<38}{'req/s':>10}{'ratio':>7}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}  {'statuses':<28}{'redis/req':>9}")
+for (cell, conns), (label, rps, p, codes, calls, n) in data.items():
+    base = data.get(("2", conns), (None, rps))[1] or 1
+    ms = lambda k: (p.get(k) or 0) * 1000
+    st = " ".join(f"{k}:{v}" for k, v in sorted(codes.items()))
+    per = f"{calls / n:.3f}" if n else "-"
+    print(f"{cell:<5}{conns:>6}  {label:<38}{rps:>10.0f}{rps / base:>7.2f}{ms('p50'):>9.2f}{ms('p99'):>9.2f}{ms('p99.9'):>10.2f}  {st:<28}{per:>9}")
+PY
