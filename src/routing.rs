@@ -82,11 +82,7 @@ pub fn normalize_path(raw: &str) -> Result<String, PathError> {
                 b'/' | b'\\' | 0 => return Err(PathError::EncodedSeparator),
                 v if v < 0x20 || v == 0x7f => return Err(PathError::ControlCharacter),
                 v if is_unreserved(v) => text.push(v as char),
-                v => {
-                    text.push('%');
-                    text.push(char::from(b"0123456789ABCDEF"[usize::from(v >> 4)]));
-                    text.push(char::from(b"0123456789ABCDEF"[usize::from(v & 15)]));
-                }
+                v => push_escape(&mut text, v),
             }
             decoded.push(v);
             i += 3;
@@ -100,17 +96,24 @@ pub fn normalize_path(raw: &str) -> Result<String, PathError> {
         decoded.push(b);
         if b.is_ascii() {
             text.push(char::from(b));
+        } else {
+            // Only a config file can hold raw non-ASCII (request targets cannot): encode it
+            // as a client would, so both meet in one normal form.
+            push_escape(&mut text, b);
         }
         i += 1;
     }
     if std::str::from_utf8(&decoded).is_err() {
         return Err(PathError::NotUtf8);
     }
-    if !raw.is_ascii() {
-        // Literal non-ASCII can only come from a config file: keep it, as written, valid.
-        return resolve_segments(raw);
-    }
     resolve_segments(&text)
+}
+
+fn push_escape(text: &mut String, byte: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    text.push('%');
+    text.push(char::from(HEX[usize::from(byte >> 4)]));
+    text.push(char::from(HEX[usize::from(byte & 15)]));
 }
 
 fn resolve_segments(text: &str) -> Result<String, PathError> {
@@ -275,6 +278,8 @@ mod tests {
             ("/%61%62%63", "/abc"),
             ("/a%7e%5f", "/a~_"),
             ("/caf%c3%a9", "/caf%C3%A9"),
+            ("/café", "/caf%C3%A9"),
+            ("//ap/%5f/\u{15a}../..", "/ap/_/"),
             ("/a/b/", "/a/b/"),
             ("/A/B", "/A/B"),
             ("/a%20b", "/a%20b"),
