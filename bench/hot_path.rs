@@ -11,7 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use http::Method;
 use sentinel_gateway::clock::{MonotonicClock, SharedClock};
 use sentinel_gateway::config::{BreakerConfig, FailMode, PathMatch};
-use sentinel_gateway::limiter::emergency::EmergencyBucket;
+use sentinel_gateway::limiter::emergency::{Emergency, EmergencyBucket};
 use sentinel_gateway::limiter::{degrade, identity_hash, Breaker, Degradation};
 use sentinel_gateway::proxy::respond::Answer;
 use sentinel_gateway::routing::{normalize_path, Matcher, RouteTable};
@@ -51,7 +51,7 @@ fn failure_path(c: &mut Criterion) {
         Box::new(|_, _| {}),
     );
     breaker.acquire().expect("closed").failure();
-    let bucket = EmergencyBucket::new(1_000_000_000_000, Arc::clone(&clock));
+    let bucket = Emergency::Endpoint(EmergencyBucket::new(1_000_000_000_000, Arc::clone(&clock)));
     c.bench_function("decision_breaker_open_fail_closed", |b| {
         b.iter(|| {
             let short = breaker.acquire().err().expect("open");
@@ -61,6 +61,7 @@ fn failure_path(c: &mut Criterion) {
                 },
                 FailMode::FailClosed,
                 None,
+                "identity-hash",
                 breaker.state(),
             )
         })
@@ -74,11 +75,14 @@ fn failure_path(c: &mut Criterion) {
                 },
                 FailMode::FailOpen,
                 Some(&bucket),
+                "identity-hash",
                 breaker.state(),
             )
         })
     });
-    c.bench_function("emergency_try_admit", |b| b.iter(|| bucket.try_admit()));
+    c.bench_function("emergency_try_admit", |b| {
+        b.iter(|| bucket.try_admit(black_box("identity-hash")))
+    });
 }
 
 fn answers(c: &mut Criterion) {

@@ -14,7 +14,7 @@ use pingora_load_balancing::LoadBalancer;
 use crate::clock::SharedClock;
 use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
 use crate::identity::JwtVerifier;
-use crate::limiter::emergency::EmergencyBucket;
+use crate::limiter::emergency::{Emergency, EmergencyBucket, IdentityBuckets, IDENTITY_CAPACITY};
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
 use crate::routing::{Matcher, RouteTable};
@@ -71,11 +71,23 @@ impl Snapshot {
                     let kept = previous
                         .and_then(|p| p.endpoints.get(&policy.endpoint_id))
                         .and_then(|e| e.emergency.clone())
-                        .filter(|b| Some(b.rate_micro()) == policy.fallback_rate_micro);
+                        .filter(|b| {
+                            Some(b.rate_micro()) == policy.fallback_rate_micro
+                                && b.per_identity() == policy.emergency_per_identity
+                        });
                     let emergency = kept.or_else(|| {
-                        policy
-                            .fallback_rate_micro
-                            .map(|rate| Arc::new(EmergencyBucket::new(rate, Arc::clone(clock))))
+                        policy.fallback_rate_micro.map(|rate| {
+                            let clock = Arc::clone(clock);
+                            Arc::new(if policy.emergency_per_identity {
+                                Emergency::Identity(IdentityBuckets::new(
+                                    rate,
+                                    IDENTITY_CAPACITY,
+                                    clock,
+                                ))
+                            } else {
+                                Emergency::Endpoint(EmergencyBucket::new(rate, clock))
+                            })
+                        })
                     });
                     Arc::new(Endpoint::new(
                         Arc::clone(policy),

@@ -192,6 +192,8 @@ pub struct Policy {
     pub mode: Mode,
     /// Send `RateLimit-Policy` and `RateLimit` on answers Redis decided.
     pub ratelimit_headers: bool,
+    /// One emergency bucket for the endpoint, or one per identity.
+    pub emergency_per_identity: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -794,18 +794,24 @@ fn policy(
     if let Some(f) = &r.fallback_rate_fleet_micro {
         c.push(Some(&f.span()), label, "fallback_rate_fleet_micro is not available in this version: use fallback_rate_per_process_micro".into());
     }
-    if let Some(s) = &r.emergency_scope {
-        if s.get_ref() != "endpoint" {
+    let per_identity = match r
+        .emergency_scope
+        .as_ref()
+        .map(|s| (s, s.get_ref().as_str()))
+    {
+        None | Some((_, "endpoint")) => Some(false),
+        Some((_, "identity")) => Some(true),
+        Some((s, other)) => {
             c.push(
                 Some(&s.span()),
                 label,
                 format!(
-                    "emergency_scope = \"{}\" is not available in this version: use \"endpoint\"",
-                    s.get_ref()
+                    "emergency_scope = \"{other}\" is unknown: use \"endpoint\" or \"identity\""
                 ),
             );
+            None
         }
-    }
+    };
     let fallback = match &r.fallback_rate_per_process_micro {
         Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
             c.push(Some(&v.span()), label, format!("fallback_rate_per_process_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
@@ -890,6 +896,7 @@ fn policy(
         policy_version: version?,
         mode: mode?,
         ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
+        emergency_per_identity: per_identity?,
     })
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use super::emergency::EmergencyBucket;
+use super::emergency::Emergency;
 use super::overlimit::OverlimitCache;
 use crate::clock::SharedClock;
 use crate::config::{FailMode, Policy};
@@ -17,7 +17,7 @@ pub struct Endpoint {
     key_head: String,
     /// `:{endpoint_id}:{policy_version}`
     key_tail: String,
-    pub emergency: Option<Arc<EmergencyBucket>>,
+    pub emergency: Option<Arc<Emergency>>,
     pub overlimit: OverlimitCache,
     pub metrics: EndpointMetrics,
 }
@@ -26,7 +26,7 @@ impl Endpoint {
     pub fn new(
         policy: Arc<Policy>,
         key_prefix: &str,
-        emergency: Option<Arc<EmergencyBucket>>,
+        emergency: Option<Arc<Emergency>>,
         metrics: EndpointMetrics,
         clock: SharedClock,
     ) -> Self {

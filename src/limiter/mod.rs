@@ -114,7 +114,8 @@ pub enum Degradation {
 pub fn degrade(
     cause: Degradation,
     fail_mode: FailMode,
-    emergency: Option<&emergency::EmergencyBucket>,
+    emergency: Option<&emergency::Emergency>,
+    identity_hash: &str,
     breaker: BreakerState,
 ) -> Decision {
     let (cause_reason, base_retry) = match cause {
@@ -137,7 +138,7 @@ pub fn degrade(
         cached: false,
     };
     match (fail_mode, emergency) {
-        (FailMode::FailOpen, Some(bucket)) => match bucket.try_admit() {
+        (FailMode::FailOpen, Some(bucket)) => match bucket.try_admit(identity_hash) {
             EmergencyOutcome::Admitted => Decision {
                 reason: cause_reason,
                 allowed: true,
@@ -216,6 +217,7 @@ impl Limiter {
             Err(short) => {
                 return self.degraded(
                     endpoint,
+                    identity_hash,
                     Degradation::BreakerOpen {
                         retry_in: short.retry_in,
                     },
@@ -243,16 +245,17 @@ impl Limiter {
             }
             Err(failure) => {
                 permit.failure();
-                self.degraded(endpoint, Degradation::Store(failure))
+                self.degraded(endpoint, identity_hash, Degradation::Store(failure))
             }
         }
     }
 
-    fn degraded(&self, endpoint: &Endpoint, cause: Degradation) -> Decision {
+    fn degraded(&self, endpoint: &Endpoint, identity_hash: &str, cause: Degradation) -> Decision {
         degrade(
             cause,
             endpoint.policy.fail_mode,
             endpoint.emergency.as_deref(),
+            identity_hash,
             self.breaker.state(),
         )
     }
@@ -260,7 +263,7 @@ impl Limiter {
 
 #[cfg(test)]
 mod tests {
-    use super::emergency::EmergencyBucket;
+    use super::emergency::{Emergency, EmergencyBucket};
     use super::*;
     use crate::clock::ManualClock;
     use std::sync::Arc;
@@ -277,13 +280,20 @@ mod tests {
             Degradation::Store(StoreFailure::Timeout),
             FailMode::FailClosed,
             None,
+            "id",
             BreakerState::Closed,
         );
         assert_eq!(
             (d.reason, d.allowed, d.deny_status()),
             (DecisionReason::FailClosed, false, 503)
         );
-        let d = degrade(open(12), FailMode::FailClosed, None, BreakerState::Open);
+        let d = degrade(
+            open(12),
+            FailMode::FailClosed,
+            None,
+            "id",
+            BreakerState::Open,
+        );
         assert_eq!(
             (d.reason, d.allowed, d.retry_after_secs),
             (DecisionReason::CircuitOpen, false, 12)
@@ -292,7 +302,10 @@ mod tests {
 
     #[test]
     fn fail_open_admits_through_the_emergency_bucket_with_the_cause() {
-        let bucket = EmergencyBucket::new(1_000_000, Arc::new(ManualClock::default()));
+        let bucket = Emergency::Endpoint(EmergencyBucket::new(
+            1_000_000,
+            Arc::new(ManualClock::default()),
+        ));
         for (cause, reason) in [
             (
                 Degradation::Store(StoreFailure::ConnectionError),
@@ -308,11 +321,15 @@ mod tests {
             ),
             (open(3), DecisionReason::CircuitOpen),
         ] {
-            let fresh = EmergencyBucket::new(1_000_000, Arc::new(ManualClock::default()));
+            let fresh = Emergency::Endpoint(EmergencyBucket::new(
+                1_000_000,
+                Arc::new(ManualClock::default()),
+            ));
             let d = degrade(
                 cause,
                 FailMode::FailOpen,
                 Some(&fresh),
+                "id",
                 BreakerState::Closed,
             );
             assert_eq!((d.reason, d.allowed), (reason, true));
@@ -322,6 +339,7 @@ mod tests {
                 open(3),
                 FailMode::FailOpen,
                 Some(&bucket),
+                "id",
                 BreakerState::Open
             )
             .allowed
@@ -330,6 +348,7 @@ mod tests {
             open(3),
             FailMode::FailOpen,
             Some(&bucket),
+            "id",
             BreakerState::Open,
         );
         assert_eq!(

@@ -71,6 +71,7 @@ mod tests {
             policy_version: 1,
             mode: Mode::Enforce,
             ratelimit_headers: true,
+            emergency_per_identity: false,
         }
     }
 
