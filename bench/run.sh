@@ -31,16 +31,9 @@ wait_port() { for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev
 
 redis_port=$(free_port); up_port=$(free_port); hole_port=$(free_port); dead_port=$(free_port)
 bg redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no
+# A second Redis, black-holed during cell 6 with CLIENT PAUSE: connected, answering nothing.
+bg redis-server --port "$hole_port" --bind 127.0.0.1 --save "" --appendonly no
 bg target/release/demo-upstream "127.0.0.1:$up_port" bench
-# A black hole: accepts connections and never answers.
-bg python3 -c "
-import socket, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('127.0.0.1', $hole_port)); s.listen(128)
-held = []
-while True:
-    c, _ = s.accept(); held.append(c)
-"
 wait_port "$redis_port"; wait_port "$up_port"; wait_port "$hole_port"
 
 gateway() { # name redis_port failure_threshold -> prints the proxy port
@@ -141,6 +134,11 @@ evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_ev
 
 run() { # cell label url conns
   local cell=$1 label=$2 url=$3 conns=$4 before after
+  if [[ $cell == 6 ]]; then
+    # Let the gateway connect, then black-hole its Redis for the whole cell.
+    curl -s -o /dev/null -H 'X-API-Key: warm' "$url"
+    redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null
+  fi
   before=$(evalsha)
   oha -z "${secs}s" -c "$conns" --no-tui --output-format json -H 'X-API-Key: bench' "$url" >"$work/cell-$cell-$conns.json"
   after=$(evalsha)

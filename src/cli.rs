@@ -149,6 +149,12 @@ pub fn describe(route: &RouteConfig) -> String {
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
         (Algorithm::None, ..) => String::new(),
+        (_, Some(rate), crate::config::FailMode::FailOpen) if p.fallback_fleet => {
+            format!(
+                "; fail_open (emergency cap {} requests per second for the whole fleet)",
+                requests(rate)
+            )
+        }
         (_, Some(rate), crate::config::FailMode::FailOpen) => {
             format!(
                 "; fail_open (emergency cap {} requests per second per process)",

@@ -37,6 +37,7 @@ pub struct Metrics {
     overlimit_hits: IntCounterVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
+    pub fleet_instances: IntGauge,
 }
 
 /// Store error counters by cause.
@@ -194,6 +195,15 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let fleet_instances = register(
+            &r,
+            IntGauge::new(
+                "sentinel_fleet_instances",
+                "Live gateway instances last counted by the fleet heartbeat (1 until counted).",
+            )
+            .expect("valid"),
+        );
+        fleet_instances.set(1);
         for cause in ["timeout", "connection_error", "noscript"] {
             store_errors.with_label_values(&[cause]);
         }
@@ -218,6 +228,7 @@ impl Metrics {
             shadow_denials,
             overlimit_hits,
             in_flight,
+            fleet_instances,
         }
     }
 

@@ -8,6 +8,7 @@ use arc_swap::ArcSwap;
 
 use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::limiter::fleet::Fleet;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
@@ -18,6 +19,7 @@ pub struct Reloader {
     pub limiter: Arc<Limiter>,
     pub metrics: Arc<Metrics>,
     pub clock: SharedClock,
+    pub fleet: Arc<Fleet>,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
 }
@@ -29,6 +31,7 @@ impl Reloader {
         limiter: Arc<Limiter>,
         metrics: Arc<Metrics>,
         clock: SharedClock,
+        fleet: Arc<Fleet>,
     ) -> Self {
         Self {
             path,
@@ -36,6 +39,7 @@ impl Reloader {
             limiter,
             metrics,
             clock,
+            fleet,
             lock: Mutex::new(()),
         }
     }
@@ -82,6 +86,7 @@ impl Reloader {
             generation,
             &self.metrics,
             &self.clock,
+            &self.fleet,
             Some(&current),
         )
         .map_err(|e| format!("cannot build upstream pools: {e}"))?;

@@ -15,6 +15,7 @@ use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
 use crate::lifecycle::Lifecycle;
 use crate::limiter::connector::preflight;
+use crate::limiter::fleet::{heartbeat, Fleet};
 use crate::limiter::{Breaker, BreakerState, Limiter, Store};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
@@ -62,8 +63,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let limiter = Arc::new(Limiter { store, breaker });
     let server_cfg = config.server.clone();
     let path = config.source.clone();
-    let snapshot =
-        Snapshot::build(config, 1, &metrics, &clock, None).map_err(StartError::Upstreams)?;
+    let fleet = Arc::new(Fleet::default());
+    let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)
+        .map_err(StartError::Upstreams)?;
     metrics.config_generation.set(1);
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
     let lifecycle = Arc::new(Lifecycle::default());
@@ -73,6 +75,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         Arc::clone(&limiter),
         Arc::clone(&metrics),
         clock,
+        Arc::clone(&fleet),
     ));
 
     let conf = ServerConf {
@@ -112,6 +115,12 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let control = limiter.store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
+    control.spawn(heartbeat(
+        fleet,
+        limiter.store.clone(),
+        Arc::clone(&live),
+        metrics.fleet_instances.clone(),
+    ));
     let mut phases = server.watch_execution_phase();
     let ready = Arc::clone(&lifecycle);
     control.spawn(async move {

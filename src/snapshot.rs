@@ -14,7 +14,10 @@ use pingora_load_balancing::LoadBalancer;
 use crate::clock::SharedClock;
 use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
 use crate::identity::JwtVerifier;
-use crate::limiter::emergency::{Emergency, EmergencyBucket, IdentityBuckets, IDENTITY_CAPACITY};
+use crate::limiter::emergency::{
+    Emergency, EmergencyBucket, IdentityBuckets, Rate, IDENTITY_CAPACITY,
+};
+use crate::limiter::fleet::Fleet;
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
 use crate::routing::{Matcher, RouteTable};
@@ -40,6 +43,8 @@ pub struct Snapshot {
     /// `sentinel_requests_total{endpoint_id="_unmatched"}`.
     pub unmatched: RequestCounters,
     pub jwt: Option<JwtVerifier>,
+    /// Some route has a fleet-wide emergency rate: the heartbeat runs.
+    pub uses_fleet: bool,
 }
 
 impl Snapshot {
@@ -48,6 +53,7 @@ impl Snapshot {
         generation: u64,
         metrics: &Metrics,
         clock: &SharedClock,
+        fleet: &Arc<Fleet>,
         previous: Option<&Snapshot>,
     ) -> std::io::Result<Snapshot> {
         let mut pools = HashMap::new();
@@ -68,15 +74,25 @@ impl Snapshot {
             let endpoint = endpoints
                 .entry(policy.endpoint_id.clone())
                 .or_insert_with(|| {
+                    let rate = policy.fallback_rate_micro.map(|r| {
+                        if policy.fallback_fleet {
+                            Rate::Fleet {
+                                total: r,
+                                fleet: Arc::clone(fleet),
+                            }
+                        } else {
+                            Rate::PerProcess(r)
+                        }
+                    });
                     let kept = previous
                         .and_then(|p| p.endpoints.get(&policy.endpoint_id))
                         .and_then(|e| e.emergency.clone())
                         .filter(|b| {
-                            Some(b.rate_micro()) == policy.fallback_rate_micro
+                            Some(b.configured()) == rate.as_ref().map(Rate::configured)
                                 && b.per_identity() == policy.emergency_per_identity
                         });
                     let emergency = kept.or_else(|| {
-                        policy.fallback_rate_micro.map(|rate| {
+                        rate.map(|rate| {
                             let clock = Arc::clone(clock);
                             Arc::new(if policy.emergency_per_identity {
                                 Emergency::Identity(IdentityBuckets::new(
@@ -85,7 +101,7 @@ impl Snapshot {
                                     clock,
                                 ))
                             } else {
-                                Emergency::Endpoint(EmergencyBucket::new(rate, clock))
+                                Emergency::Endpoint(EmergencyBucket::with_rate(rate, clock))
                             })
                         })
                     });
@@ -106,6 +122,7 @@ impl Snapshot {
             entries.push((Matcher::of(rc), Arc::new(route)));
         }
         Ok(Snapshot {
+            uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),
             jwt: config.jwt.as_ref().and_then(JwtVerifier::new),
             generation,
             routes: RouteTable::new(entries),

@@ -521,8 +521,10 @@ async fn futures_statuses_gw(
 async fn per_identity_emergency_buckets_keep_a_quiet_tenant_served() {
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let cfg = config(&up.addr(), 30)
-        .replace("fallback_rate_per_process_micro = 1_000_000_000", "fallback_rate_per_process_micro = 2_000_000\nemergency_scope = \"identity\"");
+    let cfg = config(&up.addr(), 30).replace(
+        "fallback_rate_per_process_micro = 1_000_000_000",
+        "fallback_rate_per_process_micro = 2_000_000\nemergency_scope = \"identity\"",
+    );
     let gw = Gateway::start(&nowhere, &cfg);
     let http = client();
     let mut noisy = Vec::new();
@@ -530,8 +532,14 @@ async fn per_identity_emergency_buckets_keep_a_quiet_tenant_served() {
         noisy.push(send(&http, &gw.url("/open"), "noisy").await.status);
     }
     let admitted = noisy.iter().filter(|s| **s == 200).count();
-    assert!((2..=3).contains(&admitted), "the noisy tenant is capped at its own burst: {noisy:?}");
+    assert!(
+        (2..=3).contains(&admitted),
+        "the noisy tenant is capped at its own burst: {noisy:?}"
+    );
     assert!(noisy.iter().all(|s| *s == 200 || *s == 429));
-    let quiet = [send(&http, &gw.url("/open"), "quiet").await.status, send(&http, &gw.url("/open"), "quiet").await.status];
+    let quiet = [
+        send(&http, &gw.url("/open"), "quiet").await.status,
+        send(&http, &gw.url("/open"), "quiet").await.status,
+    ];
     assert_eq!(quiet, [200, 200], "a quiet tenant still gets through");
 }

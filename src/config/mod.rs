@@ -186,8 +186,10 @@ pub struct Policy {
     pub algorithm: Algorithm,
     pub cost_micro: u64,
     pub fail_mode: FailMode,
-    /// The emergency limiter's capacity and refill per second, when fail-open.
+    /// The emergency limiter's capacity and refill per second, when fail-open: per process,
+    /// or (with `fallback_fleet`) for the whole fleet, divided by the live instances.
     pub fallback_rate_micro: Option<u64>,
+    pub fallback_fleet: bool,
     pub policy_version: u64,
     pub mode: Mode,
     /// Send `RateLimit-Policy` and `RateLimit` on answers Redis decided.

@@ -791,9 +791,6 @@ fn policy(
             None
         }
     };
-    if let Some(f) = &r.fallback_rate_fleet_micro {
-        c.push(Some(&f.span()), label, "fallback_rate_fleet_micro is not available in this version: use fallback_rate_per_process_micro".into());
-    }
     let per_identity = match r
         .emergency_scope
         .as_ref()
@@ -812,29 +809,49 @@ fn policy(
             None
         }
     };
-    let fallback = match &r.fallback_rate_per_process_micro {
-        Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
-            c.push(Some(&v.span()), label, format!("fallback_rate_per_process_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
-            None
+    let rate_field = |c: &mut Collector, field: &str, v: &Spanned<i64>| {
+        if *v.get_ref() < ONE_TOKEN_MICRO as i64 {
+            c.push(
+                Some(&v.span()),
+                label,
+                format!(
+                    "{field} = {} can never admit a request: it must be >= 1000000 (one token)",
+                    v.get_ref()
+                ),
+            );
+            return None;
         }
-        Some(v) => int_in(
+        int_in(
             c,
             label,
-            "fallback_rate_per_process_micro",
+            field,
             Some(v),
             0,
             (1_000_000, MAX_RATE_MICRO_PER_SEC as i64),
             " (10^6 requests per second)",
-        ),
-        None => None,
+        )
+    };
+    let (fallback, fallback_fleet) = match (
+        &r.fallback_rate_per_process_micro,
+        &r.fallback_rate_fleet_micro,
+    ) {
+        (Some(p), Some(f)) => {
+            c.push(Some(&f.span()), label, "fallback_rate_per_process_micro and fallback_rate_fleet_micro are both set: keep one".into());
+            let _ = (p, f);
+            (None, false)
+        }
+        (Some(v), None) => (rate_field(c, "fallback_rate_per_process_micro", v), false),
+        (None, Some(v)) => (rate_field(c, "fallback_rate_fleet_micro", v), true),
+        (None, None) => (None, false),
     };
     let limited = !matches!(algorithm, Some(Algorithm::None));
     if limited
         && fail_mode == Some(FailMode::FailOpen)
         && r.fallback_rate_per_process_micro.is_none()
+        && r.fallback_rate_fleet_micro.is_none()
     {
         let span = r.fail_mode.as_ref().map(|f| f.span());
-        c.push(span.as_ref(), label, "fail_mode = \"fail_open\" needs fallback_rate_per_process_micro: fail-open is limited, never unlimited (1000000 = one request per second per process)".into());
+        c.push(span.as_ref(), label, "fail_mode = \"fail_open\" needs fallback_rate_per_process_micro (or fallback_rate_fleet_micro): fail-open is limited, never unlimited (1000000 = one request per second per process)".into());
     }
     let cost = int_in(
         c,
@@ -893,6 +910,7 @@ fn policy(
         cost_micro: cost?,
         fail_mode: fail_mode?,
         fallback_rate_micro: fallback,
+        fallback_fleet,
         policy_version: version?,
         mode: mode?,
         ratelimit_headers: r.ratelimit_headers.unwrap_or(false),

@@ -8,16 +8,59 @@
 //! partial refills. Being per process, N gateway instances admit up to N times the rate.
 
 use std::num::NonZeroUsize;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
 
+use super::fleet::Fleet;
 use super::token_bucket::{Bucket, BucketState, Take};
 use crate::clock::SharedClock;
 use crate::config::ONE_TOKEN_MICRO;
 
+/// An emergency rate in micro-tokens per second: fixed per process, or this process's share
+/// of a fleet-wide rate.
+#[derive(Clone)]
+pub enum Rate {
+    PerProcess(u64),
+    Fleet { total: u64, fleet: Arc<Fleet> },
+}
+
+impl Rate {
+    pub fn current(&self) -> u64 {
+        match self {
+            Rate::PerProcess(r) => *r,
+            Rate::Fleet { total, fleet } => fleet.share(*total),
+        }
+    }
+
+    /// What the config said: (rate, fleet-wide).
+    pub fn configured(&self) -> (u64, bool) {
+        match self {
+            Rate::PerProcess(r) => (*r, false),
+            Rate::Fleet { total, .. } => (*total, true),
+        }
+    }
+
+    /// A bucket of capacity = refill = the current rate. A stored state above a capacity
+    /// that shrank (the fleet grew) is cut to it.
+    fn bucket(&self, state: Option<BucketState>) -> (Bucket, Option<BucketState>) {
+        let r = self.current();
+        let state = state.map(|s| BucketState {
+            tokens: s.tokens.min(r),
+            ..s
+        });
+        (
+            Bucket {
+                capacity: r,
+                rate_per_sec: r,
+            },
+            state,
+        )
+    }
+}
+
 pub struct EmergencyBucket {
-    bucket: Bucket,
+    rate: Rate,
     state: Mutex<Option<BucketState>>,
     clock: SharedClock,
 }
@@ -31,24 +74,22 @@ pub enum EmergencyOutcome {
 
 impl EmergencyBucket {
     pub fn new(rate_micro: u64, clock: SharedClock) -> Self {
+        Self::with_rate(Rate::PerProcess(rate_micro), clock)
+    }
+
+    pub fn with_rate(rate: Rate, clock: SharedClock) -> Self {
         Self {
-            bucket: Bucket {
-                capacity: rate_micro,
-                rate_per_sec: rate_micro,
-            },
+            rate,
             state: Mutex::new(None),
             clock,
         }
     }
 
-    pub fn rate_micro(&self) -> u64 {
-        self.bucket.rate_per_sec
-    }
-
     pub fn try_admit(&self) -> EmergencyOutcome {
         let now = self.clock.now_us();
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match self.bucket.take(*state, ONE_TOKEN_MICRO, now) {
+        let (bucket, current) = self.rate.bucket(*state);
+        match bucket.take(current, ONE_TOKEN_MICRO, now) {
             Take::Admitted { state: next } => {
                 *state = Some(next);
                 EmergencyOutcome::Admitted
@@ -68,18 +109,15 @@ pub const IDENTITY_CAPACITY: usize = 10_000;
 
 /// One emergency bucket per identity, bounded.
 pub struct IdentityBuckets {
-    bucket: Bucket,
+    rate: Rate,
     states: Mutex<LruCache<String, BucketState>>,
     clock: SharedClock,
 }
 
 impl IdentityBuckets {
-    pub fn new(rate_micro: u64, capacity: usize, clock: SharedClock) -> Self {
+    pub fn new(rate: Rate, capacity: usize, clock: SharedClock) -> Self {
         Self {
-            bucket: Bucket {
-                capacity: rate_micro,
-                rate_per_sec: rate_micro,
-            },
+            rate,
             states: Mutex::new(LruCache::new(
                 NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN),
             )),
@@ -90,8 +128,8 @@ impl IdentityBuckets {
     pub fn try_admit(&self, identity_hash: &str) -> EmergencyOutcome {
         let now = self.clock.now_us();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let state = states.get(identity_hash).copied();
-        match self.bucket.take(state, ONE_TOKEN_MICRO, now) {
+        let (bucket, state) = self.rate.bucket(states.get(identity_hash).copied());
+        match bucket.take(state, ONE_TOKEN_MICRO, now) {
             Take::Admitted { state: next } => {
                 states.put(identity_hash.to_owned(), next);
                 EmergencyOutcome::Admitted
@@ -120,10 +158,11 @@ pub enum Emergency {
 }
 
 impl Emergency {
-    pub fn rate_micro(&self) -> u64 {
+    /// What the config said: (rate, fleet-wide).
+    pub fn configured(&self) -> (u64, bool) {
         match self {
-            Emergency::Endpoint(b) => b.bucket.rate_per_sec,
-            Emergency::Identity(b) => b.bucket.rate_per_sec,
+            Emergency::Endpoint(b) => b.rate.configured(),
+            Emergency::Identity(b) => b.rate.configured(),
         }
     }
 
@@ -198,7 +237,11 @@ mod tests {
     #[test]
     fn per_identity_buckets_keep_a_noisy_tenant_from_starving_a_quiet_one() {
         let clock = ManualClock::default();
-        let b = IdentityBuckets::new(2 * ONE_TOKEN_MICRO, 100, Arc::new(clock.clone()));
+        let b = IdentityBuckets::new(
+            Rate::PerProcess(2 * ONE_TOKEN_MICRO),
+            100,
+            Arc::new(clock.clone()),
+        );
         let noisy = (0..100)
             .filter(|_| b.try_admit("noisy") == EmergencyOutcome::Admitted)
             .count();
@@ -209,7 +252,11 @@ mod tests {
     #[test]
     fn the_least_recently_seen_identity_is_forgotten_first() {
         let clock = ManualClock::default();
-        let b = IdentityBuckets::new(ONE_TOKEN_MICRO, 2, Arc::new(clock.clone()));
+        let b = IdentityBuckets::new(
+            Rate::PerProcess(ONE_TOKEN_MICRO),
+            2,
+            Arc::new(clock.clone()),
+        );
         assert_eq!(b.try_admit("a"), EmergencyOutcome::Admitted);
         assert_eq!(b.try_admit("b"), EmergencyOutcome::Admitted);
         assert_eq!(b.try_admit("c"), EmergencyOutcome::Admitted);
@@ -223,5 +270,26 @@ mod tests {
             matches!(b.try_admit("c"), EmergencyOutcome::Denied { .. }),
             "still remembered"
         );
+    }
+
+    #[test]
+    fn a_fleet_rate_is_split_among_the_live_instances() {
+        let clock = ManualClock::default();
+        let fleet = Arc::new(Fleet::default());
+        fleet.set_live(3);
+        let rate = Rate::Fleet {
+            total: 6 * ONE_TOKEN_MICRO,
+            fleet: Arc::clone(&fleet),
+        };
+        let b = EmergencyBucket::with_rate(rate, Arc::new(clock.clone()));
+        // 10 s at a request per millisecond: 2 of burst + 2 per second.
+        let n = admitted_over(&b, &clock, Duration::from_millis(1), 10_000);
+        assert!((21..=23).contains(&n), "admitted {n}");
+        fleet.set_live(1);
+        clock.advance(Duration::from_secs(5));
+        let burst = (0..100)
+            .filter(|_| b.try_admit() == EmergencyOutcome::Admitted)
+            .count();
+        assert_eq!(burst, 6, "alone, the process gets the whole fleet rate");
     }
 }

@@ -16,6 +16,7 @@ pub mod breaker;
 pub mod connector;
 pub mod emergency;
 mod endpoint;
+pub mod fleet;
 pub mod overlimit;
 pub mod sliding_window;
 pub mod store;

@@ -23,6 +23,7 @@ use crate::metrics::{Metrics, StoreErrorCounters};
 
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 pub const SLIDING_WINDOW_LUA: &str = include_str!("../../lua/sliding_window.lua");
+pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
 
 /// The limiter scripts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +115,7 @@ pub(super) struct Shared {
     budget_us: AtomicU64,
     pub(super) token_bucket: Script,
     pub(super) sliding_window: Script,
+    heartbeat: redis::Script,
     errors: StoreErrorCounters,
     redis_duration: prometheus::Histogram,
     /// Where to connect; replaced when a reload changes `[redis] url`.
@@ -145,6 +147,7 @@ impl Store {
             budget_us: AtomicU64::new(config.timeout.as_micros() as u64),
             token_bucket: Script::new(TOKEN_BUCKET_LUA),
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
+            heartbeat: redis::Script::new(HEARTBEAT_LUA),
             errors: metrics.store_errors(),
             redis_duration: metrics.redis_duration.clone(),
             target: ArcSwap::from_pointee(Target::new(config)?),
@@ -228,6 +231,27 @@ impl Store {
             self.count(failure);
         }
         reply
+    }
+
+    /// Runs the fleet heartbeat (off the request path); returns the live instance count.
+    pub async fn heartbeat(
+        &self,
+        key: &str,
+        instance: &str,
+        ttl_ms: u64,
+    ) -> Result<u64, StoreFailure> {
+        let Some(conn) = self.shared.conn.load_full() else {
+            return Err(StoreFailure::ConnectionError);
+        };
+        let mut c = (*conn).clone();
+        let mut invocation = self.shared.heartbeat.key(key);
+        invocation.arg(instance).arg(ttl_ms);
+        let call = invocation.invoke_async::<u64>(&mut c);
+        match tokio::time::timeout(Duration::from_millis(500), call).await {
+            Err(_) => Err(StoreFailure::Timeout),
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(self.classify(&conn, &e)),
+        }
     }
 
     fn count(&self, failure: StoreFailure) {

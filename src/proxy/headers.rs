@@ -68,6 +68,7 @@ mod tests {
             cost_micro,
             fail_mode: FailMode::FailOpen,
             fallback_rate_micro: Some(1_000_000),
+            fallback_fleet: false,
             policy_version: 1,
             mode: Mode::Enforce,
             ratelimit_headers: true,

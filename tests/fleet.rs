@@ -1,0 +1,107 @@
+//! A fleet of gateways on one Redis: the fleet-wide emergency rate is split among the live
+//! instances, so an outage admits the fleet rate, not N times it.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{client, wait_until, Gateway, Redis, Upstream};
+
+fn config(upstream: &str, fallback: &str) -> String {
+    format!(
+        r#"
+[upstreams.app]
+addrs = ["{upstream}"]
+
+[[routes]]
+endpoint_id = "f.open"
+path = "/open"
+upstream = "app"
+identity = "global"
+algorithm = "token_bucket"
+capacity_micro = 1_000_000_000
+refill_rate_micro_per_sec = 1_000_000_000
+fail_mode = "fail_open"
+{fallback}
+"#
+    )
+}
+
+/// Admissions by three gateways hammered for `secs` while their Redis is dead.
+async fn outage_admissions(fallback: &str, secs: u64) -> (u64, f64) {
+    let mut redis = Redis::start();
+    let up = Upstream::start("app");
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start(&redis.url(), &config(&up.addr(), fallback)))
+        .collect();
+    if fallback.contains("fleet") {
+        for gw in &gateways {
+            wait_until(
+                Duration::from_secs(10),
+                "every gateway to count the fleet",
+                || gw.metric("sentinel_fleet_instances") == 3.0,
+            );
+        }
+    }
+    redis.proc.signal("KILL");
+    redis
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("redis died");
+    let started = Instant::now();
+    let tasks: Vec<_> = gateways
+        .iter()
+        .map(|gw| {
+            let url = gw.url("/open");
+            tokio::spawn(async move {
+                let http = client();
+                let mut admitted = 0u64;
+                while started.elapsed() < Duration::from_secs(secs) {
+                    let status = http
+                        .get(&url)
+                        .send()
+                        .await
+                        .expect("gateway answers")
+                        .status()
+                        .as_u16();
+                    assert!(status == 200 || status == 429, "status {status}");
+                    admitted += u64::from(status == 200);
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    (total, started.elapsed().as_secs_f64())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_rate_holds_for_the_whole_fleet_during_an_outage() {
+    // Fleet rate 6/s over 3 instances: each runs at 2/s with a burst of 2.
+    let (fleet, elapsed) = outage_admissions("fallback_rate_fleet_micro = 6_000_000", 3).await;
+    let allowance = 6.0 + 6.0 * elapsed;
+    assert!(
+        fleet as f64 <= allowance + 3.0,
+        "fleet admitted {fleet}, allowance {allowance:.1}"
+    );
+    assert!(
+        fleet as f64 >= allowance - 6.0,
+        "fleet admitted {fleet}, allowance {allowance:.1}"
+    );
+
+    // The same rate per process: three times as much.
+    let (per_process, elapsed) =
+        outage_admissions("fallback_rate_per_process_micro = 6_000_000", 3).await;
+    let allowance = 3.0 * (6.0 + 6.0 * elapsed);
+    assert!(
+        (per_process as f64 - allowance).abs() <= 9.0,
+        "per-process admitted {per_process}, expected ~{allowance:.1}"
+    );
+    assert!(
+        per_process >= 2 * fleet,
+        "per-process {per_process} vs fleet {fleet}"
+    );
+}
