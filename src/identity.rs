@@ -390,6 +390,34 @@ mod tests {
             assert_eq!(none, Err(IdentityError::InvalidToken), "no header");
         }
 
+        /// HS256 by hand, so a token can be signed with an empty key (the JWT crate refuses
+        /// to build such a key, which is the point of the test).
+        fn hs256_with_empty_key(header: &str, payload: &str) -> String {
+            use sha2::{Digest, Sha256};
+            let signing_input = format!("{header}.{payload}");
+            let (mut inner, mut outer) = (Sha256::new(), Sha256::new());
+            inner.update([0x36u8; 64]);
+            inner.update(signing_input.as_bytes());
+            outer.update([0x5cu8; 64]);
+            outer.update(inner.finalize());
+            format!(
+                "{signing_input}.{}",
+                URL_SAFE_NO_PAD.encode(outer.finalize())
+            )
+        }
+
+        #[test]
+        fn a_token_signed_with_an_empty_key_is_refused() {
+            let v = verifier(&["HS256"]);
+            let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"HS256","typ":"JWT"}"#);
+            let payload = URL_SAFE_NO_PAD.encode(format!(r#"{{"sub":"x","exp":{}}}"#, now() + 60));
+            let forged = hs256_with_empty_key(&header, &payload);
+            assert_eq!(
+                subject_of(&v, &format!("Bearer {forged}")),
+                Err(IdentityError::InvalidToken)
+            );
+        }
+
         #[test]
         fn leeway_covers_small_clock_skew() {
             let v = verifier(&["HS256"]);

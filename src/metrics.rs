@@ -5,10 +5,10 @@ use std::collections::HashMap;
 
 use prometheus::{
     exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, Opts, Registry,
+    IntGauge, IntGaugeVec, Opts, Registry,
 };
 
-use crate::config::FailMode;
+use crate::config::{FailMode, Mode};
 use crate::limiter::DecisionReason;
 
 /// Histogram buckets from 10 us to about 1.3 s.
@@ -38,6 +38,7 @@ pub struct Metrics {
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
+    endpoint_mode: IntGaugeVec,
 }
 
 /// Store error counters by cause.
@@ -204,6 +205,17 @@ impl Metrics {
             .expect("valid"),
         );
         fleet_instances.set(1);
+        let endpoint_mode = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_endpoint_mode",
+                    "1 for each endpoint's current mode (enforce or shadow), 0 for the other.",
+                ),
+                &["endpoint_id", "mode"],
+            )
+            .expect("valid"),
+        );
         for cause in ["timeout", "connection_error", "noscript"] {
             store_errors.with_label_values(&[cause]);
         }
@@ -229,10 +241,19 @@ impl Metrics {
             overlimit_hits,
             in_flight,
             fleet_instances,
+            endpoint_mode,
         }
     }
 
-    pub fn endpoint(&self, endpoint_id: &str, fail_mode: FailMode) -> EndpointMetrics {
+    pub fn endpoint(&self, endpoint_id: &str, fail_mode: FailMode, mode: Mode) -> EndpointMetrics {
+        for (name, current) in [
+            ("enforce", mode == Mode::Enforce),
+            ("shadow", mode == Mode::Shadow),
+        ] {
+            self.endpoint_mode
+                .with_label_values(&[endpoint_id, name])
+                .set(i64::from(current));
+        }
         let decisions = DecisionReason::ALL
             .iter()
             .map(|reason| {

@@ -109,7 +109,11 @@ impl Snapshot {
                         Arc::clone(policy),
                         &config.redis.key_prefix,
                         emergency,
-                        metrics.endpoint(policy.endpoint_id.as_str(), policy.fail_mode),
+                        metrics.endpoint(
+                            policy.endpoint_id.as_str(),
+                            policy.fail_mode,
+                            policy.mode,
+                        ),
                         Arc::clone(clock),
                     ))
                 })

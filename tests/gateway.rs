@@ -694,3 +694,36 @@ async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due(
     assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
     assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 429);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_window_shared_by_gateways_never_admits_more_than_its_bound() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = upstream_section("app", &[up.addr()], 5000)
+        + "\n[[routes]]\nendpoint_id = \"t.sw\"\npath = \"/sw\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"sliding_window\"\nlimit = 20\nwindow_size_micro = 1_000_000\n";
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start(&redis.url(), &config))
+        .collect();
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let url = gateways[i % 3].url("/sw");
+            tokio::spawn(async move {
+                let http = client();
+                let mut admitted = 0u64;
+                while started.elapsed() < Duration::from_millis(2_500) {
+                    admitted += u64::from(status_of(http.get(&url).send().await).await == 200);
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    // 2.5 s touch at most 4 fixed windows of 1 s, and the window never admits more than its
+    // limit within one fixed window: at most 80. The estimate also lets at least one full
+    // limit through.
+    assert!((20..=80).contains(&admitted), "admitted {admitted}");
+}

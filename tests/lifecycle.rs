@@ -316,6 +316,14 @@ async fn shadow_mode_decides_and_counts_but_forwards() {
         2.0
     );
     assert_eq!(
+        gw.metric(r#"sentinel_endpoint_mode{endpoint_id="l.api",mode="shadow"}"#),
+        1.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_endpoint_mode{endpoint_id="l.api",mode="enforce"}"#),
+        0.0
+    );
+    assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="l.api",status="200"}"#),
         3.0
     );
@@ -325,5 +333,90 @@ async fn shadow_mode_decides_and_counts_but_forwards() {
             .filter(|l| l.contains("request denied") && l.contains("\"shadow\":true"))
             .count(),
         2
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() {
+    let up = Upstream::start("app");
+    let rest = |fallback: u64| {
+        format!(
+            "[breaker]\nfailure_threshold = 2\nopen_seconds = 60\n\n[upstreams.app]\naddrs = [\"{}\"]\n\n[[routes]]\nendpoint_id = \"l.fo\"\npath = \"/fo\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 100_000_000\nrefill_rate_micro_per_sec = 0\nfail_mode = \"fail_open\"\nfallback_rate_per_process_micro = {fallback}\n",
+            up.addr()
+        )
+    };
+    let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
+    let gw = Gateway::start(&nowhere, &rest(3_000_000));
+    let http = client();
+    let statuses = |n: usize| {
+        let (http, url) = (http.clone(), gw.url("/fo"));
+        async move {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                v.push(http.get(&url).send().await.unwrap().status().as_u16());
+            }
+            v
+        }
+    };
+    // Redis is unreachable: the breaker opens; the emergency bucket (3) is spent.
+    assert_eq!(statuses(4).await, vec![200, 200, 200, 429]);
+    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
+
+    let base = std::fs::read_to_string(&gw.config_path).unwrap();
+    let head = &base[..base.find("[breaker]").unwrap()];
+    gw.rewrite_config(&format!(
+        "{head}{}",
+        rest(3_000_000).replace("[[routes]]", "# same limits\n[[routes]]")
+    ));
+    assert_eq!(
+        http.post(gw.admin("/reload"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        gw.metric("sentinel_breaker_state"),
+        1.0,
+        "the breaker stays open across a reload"
+    );
+    assert_eq!(
+        statuses(1).await,
+        vec![429],
+        "the spent emergency bucket carried over"
+    );
+
+    gw.rewrite_config(&format!("{head}{}", rest(5_000_000)));
+    assert_eq!(
+        http.post(gw.admin("/reload"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        statuses(6).await,
+        vec![200, 200, 200, 200, 200, 429],
+        "a new rate starts a fresh bucket"
+    );
+
+    // A listener change is accepted but reported as needing a restart.
+    let moved = std::fs::read_to_string(&gw.config_path)
+        .unwrap()
+        .replace("threads = 2", "threads = 3");
+    let moved = if moved.contains("threads = 3") {
+        moved
+    } else {
+        moved.replace("[server]\n", "[server]\nthreads = 3\n")
+    };
+    gw.rewrite_config(&moved);
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(
+        body["restart_required"],
+        serde_json::json!(["server.threads"])
     );
 }

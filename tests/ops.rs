@@ -12,7 +12,11 @@ fn root() -> &'static Path {
 fn exported() -> Vec<String> {
     let metrics = sentinel_gateway::metrics::Metrics::new();
     // Labelled families appear once they have a series, as they do for each endpoint.
-    let _endpoint = metrics.endpoint("any", sentinel_gateway::config::FailMode::FailOpen);
+    let _endpoint = metrics.endpoint(
+        "any",
+        sentinel_gateway::config::FailMode::FailOpen,
+        sentinel_gateway::config::Mode::Enforce,
+    );
     metrics
         .registry
         .gather()

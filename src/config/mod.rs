@@ -25,7 +25,7 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// One micro-token: the cost of one request.
 pub const ONE_TOKEN_MICRO: u64 = 1_000_000;
 
-/// Largest accepted `capacity_micro` (10^9 requests); see docs/configuration.md for why the
+/// Largest accepted `capacity_micro` (10^9 requests); see docs/algorithms.md for why the
 /// Lua arithmetic stays exact below it.
 pub const MAX_CAPACITY_MICRO: u64 = 1_000_000_000_000_000;
 
@@ -153,7 +153,7 @@ pub enum Algorithm {
 }
 
 /// Largest `limit x window_size_micro` of a sliding window; keeps the Lua arithmetic below
-/// 2^53 (see docs/configuration.md).
+/// 2^53 (see docs/algorithms.md).
 pub const MAX_WINDOW_PRODUCT: u64 = 4_000_000_000_000_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
