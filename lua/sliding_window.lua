@@ -16,20 +16,7 @@
 --          microseconds until the request would be admitted (0 when allowed)}.
 -- Redis TIME is the only clock. A denied request writes nothing; the key lives two windows.
 
-local MICRO = 1000000
-
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  while q * b > a do q = q - 1 end
-  while (q + 1) * b <= a do q = q + 1 end
-  return q
-end
-
-local function ceil_div(a, b)
-  local q = idiv(a, b)
-  if q * b < a then q = q + 1 end
-  return q
-end
+-- MICRO, idiv and ceil_div come from lua/int.lua, prepended by the gateway.
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])

@@ -14,21 +14,7 @@
 -- 10^12 x 10^6 / 10^6, and the remainder of every refill is carried in `f` so that no
 -- micro-token is ever lost to rounding. A denied request writes nothing.
 
-local MICRO = 1000000
-
--- floor(a / b) for non-negative integers below 2^53, corrected for the rounding of '/'.
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  while q * b > a do q = q - 1 end
-  while (q + 1) * b <= a do q = q + 1 end
-  return q
-end
-
-local function ceil_div(a, b)
-  local q = idiv(a, b)
-  if q * b < a then q = q + 1 end
-  return q
-end
+-- MICRO, idiv and ceil_div come from lua/int.lua, prepended by the gateway.
 
 local capacity = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])

@@ -21,8 +21,14 @@ fn table() -> RouteTable<&'static str> {
     RouteTable::new([
         (m(prefix("/"), None, None), "root"),
         (m(prefix("/api"), None, None), "api"),
-        (m(prefix("/api/v1"), None, Some(vec![Method::POST])), "api-post"),
-        (m(PathMatch::Exact("/api/v1/login".into()), None, None), "login"),
+        (
+            m(prefix("/api/v1"), None, Some(vec![Method::POST])),
+            "api-post",
+        ),
+        (
+            m(PathMatch::Exact("/api/v1/login".into()), None, None),
+            "login",
+        ),
         (m(prefix("/api"), Some("h.example"), None), "host"),
     ])
 }
@@ -35,18 +41,28 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     assert!(normal.starts_with('/'), "{raw:?} -> {normal:?}");
-    assert_eq!(normalize_path(&normal).as_deref(), Ok(normal.as_str()), "{raw:?}");
+    assert_eq!(
+        normalize_path(&normal).as_deref(),
+        Ok(normal.as_str()),
+        "{raw:?}"
+    );
     let lower = normal.to_ascii_lowercase();
     assert!(!lower.contains("%2f") && !lower.contains("%5c") && !lower.contains("%00"));
     for seg in normal.trim_end_matches('/').split('/').skip(1) {
-        assert!(!seg.is_empty() && seg != "." && seg != "..", "{raw:?} -> {normal:?}");
+        assert!(
+            !seg.is_empty() && seg != "." && seg != "..",
+            "{raw:?} -> {normal:?}"
+        );
     }
     let table = table();
     for method in [Method::GET, Method::POST] {
         for host in [None, Some("h.example")] {
             let first = table.find(host, &method, &normal);
             assert!(first.is_some(), "the root prefix matches everything");
-            assert_eq!(first, table.find(host, &method, &normalize_path(&normal).unwrap()));
+            assert_eq!(
+                first,
+                table.find(host, &method, &normalize_path(&normal).unwrap())
+            );
         }
     }
 });

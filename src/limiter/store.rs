@@ -21,8 +21,14 @@ use super::connector::{connector, Target};
 use crate::config::RedisConfig;
 use crate::metrics::{Metrics, StoreErrorCounters};
 
-pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
-pub const SLIDING_WINDOW_LUA: &str = include_str!("../../lua/sliding_window.lua");
+pub const TOKEN_BUCKET_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/token_bucket.lua")
+);
+pub const SLIDING_WINDOW_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/sliding_window.lua")
+);
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
 
 /// The limiter scripts.
