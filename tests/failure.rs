@@ -346,6 +346,7 @@ async fn a_stalled_redis_is_a_timeout_within_budget() {
 async fn script_flush_costs_one_reload_and_the_answer_still_comes_from_redis() {
     let r = rig(30);
     assert_eq!(send(&r.http, &r.gw.url("/closed"), "a").await.status, 200);
+    r.gw.wait_connection_moved();
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query(&mut r.redis.conn())

@@ -97,7 +97,17 @@ pub async fn preflight(config: &RedisConfig) -> Option<String> {
 }
 
 async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<MultiplexedConnection> {
-    let mut conn = open(&target.client).await?;
+    let mut conn = match shared.proxy_runtime.get() {
+        // Spawned there, the connection's driver task runs on the proxy's workers.
+        Some(proxy) => {
+            let client = target.client.clone();
+            proxy
+                .spawn(async move { open(&client).await })
+                .await
+                .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
+        }
+        None => open(&target.client).await?,
+    };
     let policy = eviction_policy(&mut conn).await?;
     match &policy {
         EvictionPolicy::Evicting(p) if target.require_noeviction => {
@@ -137,7 +147,10 @@ async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<Multipl
 pub(super) async fn connector(shared: Arc<Shared>) {
     let mut attempt = 0u32;
     loop {
-        if shared.conn.load().is_some() {
+        let connected = shared.conn.load().is_some();
+        let movable = shared.proxy_runtime.get().is_some()
+            && !shared.on_proxy_runtime.load(Ordering::Relaxed);
+        if connected && !movable {
             shared.wake.notified().await;
             continue;
         }
@@ -146,10 +159,23 @@ pub(super) async fn connector(shared: Arc<Shared>) {
             // A reload may have changed the target while this one was connecting.
             Ok(_) if !Arc::ptr_eq(&target, &shared.target.load_full()) => continue,
             Ok(conn) => {
+                // Swapping is seamless: requests on the old connection finish on it.
                 shared.conn.store(Some(Arc::new(conn)));
+                shared
+                    .on_proxy_runtime
+                    .store(shared.proxy_runtime.get().is_some(), Ordering::Relaxed);
+                if connected {
+                    tracing::info!("redis connection now driven by the proxy workers");
+                    continue;
+                }
                 shared.outage_logged.store(false, Ordering::Relaxed);
                 tracing::info!(attempts = attempt + 1, "redis connected");
                 attempt = 0;
+            }
+            Err(e) if connected => {
+                tracing::debug!(error = %e, "cannot open a connection on the proxy runtime yet");
+                tokio::time::sleep(backoff(attempt)).await;
+                attempt = attempt.saturating_add(1);
             }
             Err(e) => {
                 if !shared.outage_logged.swap(true, Ordering::Relaxed) {

@@ -1,7 +1,9 @@
 //! The Redis store: one shared multiplexed connection, EVALSHA within the budget, and the
 //! classification of every failure as timeout, connection error or NOSCRIPT.
 //!
-//! The connection lives on a runtime the store owns. While it is down, an evaluation fails at
+//! The connection is first driven on a runtime the store owns; once the first request shows
+//! the proxy's runtime, a new one is opened there and swapped in (a decision then needs no
+//! hop to another thread). While it is down, an evaluation fails at
 //! once as a connection error (there is no offline queue) and a background task reconnects
 //! with capped, jittered backoff, so a Redis that comes back is not hit by every worker at
 //! once. A slow but connected Redis is a timeout. `NOSCRIPT` costs one `SCRIPT LOAD` and one
@@ -130,6 +132,11 @@ pub(super) struct Shared {
     pub(super) outage_logged: AtomicBool,
     /// Redis's `maxmemory-policy` as last read, when it could be read.
     pub(super) eviction_policy: ArcSwapOption<String>,
+    /// The proxy's runtime, learnt from the first request: the connection's driver task is
+    /// moved there so a decision does not hop to another thread and back.
+    pub(super) proxy_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// Whether the current connection is driven on the proxy's runtime.
+    pub(super) on_proxy_runtime: AtomicBool,
 }
 
 /// The process's Redis store. Cheap to clone.
@@ -159,6 +166,8 @@ impl Store {
             target: ArcSwap::from_pointee(Target::new(config)?),
             outage_logged: AtomicBool::new(false),
             eviction_policy: ArcSwapOption::empty(),
+            proxy_runtime: std::sync::OnceLock::new(),
+            on_proxy_runtime: AtomicBool::new(false),
         });
         runtime.spawn(connector(Arc::clone(&shared)));
         Ok(Self {
@@ -218,6 +227,13 @@ impl Store {
         key: &str,
         args: [u64; 3],
     ) -> Result<ScriptReply, StoreFailure> {
+        if self.shared.proxy_runtime.get().is_none() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                if self.shared.proxy_runtime.set(handle).is_ok() {
+                    self.shared.wake.notify_one();
+                }
+            }
+        }
         let script = match kind {
             ScriptKind::TokenBucket => &self.shared.token_bucket,
             ScriptKind::SlidingWindow => &self.shared.sliding_window,
