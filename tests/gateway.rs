@@ -439,6 +439,15 @@ async fn upstream_down_is_502_and_slow_is_504() {
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.slow",status="504"}"#),
         1.0
     );
+    let logs = gw.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("\"upstream failed\"") && l.contains("\"endpoint_id\":\"t.dead\""))
+        .expect("one structured WARN line per upstream failure");
+    assert!(
+        line.contains("\"status\":502") && line.contains("\"upstream\":\"dead\""),
+        "{line}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

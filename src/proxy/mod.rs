@@ -297,6 +297,17 @@ impl ProxyHttp for Gateway {
             ) => Some(Answer::UpstreamUnavailable),
             _ => None,
         };
+        if matches!(e.esource(), ErrorSource::Upstream) {
+            if let Some(route) = &ctx.route {
+                tracing::warn!(
+                    endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
+                    upstream = route.upstream.config.name.as_str(),
+                    status = answer.map_or(0, Answer::status),
+                    error = %e,
+                    "upstream failed"
+                );
+            }
+        }
         let code = match answer {
             Some(answer) if session.response_written().is_none() => {
                 // The connection is not reused after a failed proxy attempt: say so, so the
@@ -324,6 +335,12 @@ impl ProxyHttp for Gateway {
             error_code: code,
             can_reuse_downstream: false,
         }
+    }
+
+    /// Upstream failures are logged by `fail_to_proxy` as one structured WARN line with the
+    /// endpoint; Pingora's own free-text ERROR line for them is suppressed.
+    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, error: &Error) -> bool {
+        matches!(error.esource(), ErrorSource::Upstream)
     }
 
     /// Called once per request at its end: the one place metrics are recorded.
