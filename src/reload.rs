@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
@@ -101,6 +102,43 @@ impl Reloader {
             generation,
             restart_required,
         })
+    }
+}
+
+/// How often the watcher looks at the file, and how long a change must stay unchanged
+/// before it is loaded (an editor writing in several steps is read once, complete).
+pub const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// With `server.watch_config = true`: reloads when the file's modification time or size
+/// changes, once it has been stable for one more look. Failed reloads are counted and logged
+/// as any reload; the next change is tried again.
+pub async fn watch(reloader: Arc<Reloader>) {
+    let stamp = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .ok()
+            .map(|m| (m.modified().ok(), m.len()))
+    };
+    let mut loaded = stamp(&reloader.path);
+    let mut pending = None;
+    loop {
+        tokio::time::sleep(WATCH_EVERY).await;
+        if !reloader.live.load().config.server.watch_config {
+            loaded = stamp(&reloader.path);
+            continue;
+        }
+        let now = stamp(&reloader.path);
+        if now == loaded {
+            pending = None;
+            continue;
+        }
+        if pending != Some(now) {
+            pending = Some(now);
+            continue;
+        }
+        loaded = now;
+        pending = None;
+        let r = Arc::clone(&reloader);
+        let _ = tokio::task::spawn_blocking(move || r.reload()).await;
     }
 }
 

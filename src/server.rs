@@ -115,6 +115,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let control = limiter.store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
+    control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     control.spawn(heartbeat(
         fleet,
         limiter.store.clone(),

@@ -411,3 +411,34 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
         serde_json::json!(["server.threads"])
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_file_reloads_itself_when_it_changes() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let (port, admin) = (common::free_port(), common::free_port());
+    let base = common::base_config(port, admin, &redis.url())
+        .replace("[server]\n", "[server]\nwatch_config = true\n");
+    let gw = Gateway::start_with(port, admin, &format!("{base}\n{}", routes(&up.addr(), 5)));
+    let http = client();
+    assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 404);
+    let mut text = std::fs::read_to_string(&gw.config_path).unwrap();
+    text.push_str("\n[[routes]]\nendpoint_id = \"l.new\"\npath = \"/new\"\nupstream = \"app\"\nalgorithm = \"none\"\n");
+    gw.rewrite_config(&text);
+    wait_until(Duration::from_secs(5), "the watcher to reload", || {
+        gw.metric("sentinel_config_generation") == 2.0
+    });
+    assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 200);
+    // A broken edit keeps the old config serving and is counted once.
+    gw.rewrite_config(&text.replace("algorithm = \"none\"", "algorithm = \"nope\""));
+    wait_until(Duration::from_secs(5), "the failed reload", || {
+        gw.metric(r#"sentinel_config_reloads_total{result="failure"}"#) == 1.0
+    });
+    assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 200);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        gw.metric(r#"sentinel_config_reloads_total{result="failure"}"#),
+        1.0,
+        "not retried until it changes again"
+    );
+}

@@ -51,6 +51,8 @@ pub struct ServerConfig {
     pub admin_listen: SocketAddr,
     pub trusted_proxies: Vec<IpNet>,
     pub grace_period: Duration,
+    /// Reload when the file changes (polled, debounced).
+    pub watch_config: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

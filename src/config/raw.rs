@@ -36,6 +36,7 @@ pub struct RawServer {
     pub admin_listen: Option<Spanned<String>>,
     pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
     pub grace_period_seconds: Option<Spanned<i64>>,
+    pub watch_config: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -213,6 +213,7 @@ fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
         admin_listen: admin_listen?,
         trusted_proxies,
         grace_period: Duration::from_secs(grace?),
+        watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
     })
     .filter(|_| ok)
 }
