@@ -1,0 +1,338 @@
+//! `[server]`, `[redis]`, `[breaker]`, `[auth.jwt]` and `[upstreams]`.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::num::NonZeroU32;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use toml::Spanned;
+
+use super::int_in;
+use crate::config::error::Collector;
+use crate::config::raw::{OneOrMany, RawConfig, RawIdentity, RawUpstream};
+use crate::config::*;
+
+pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
+    let s = raw.server.as_ref().map(|s| s.get_ref());
+    let mut ok = true;
+    let listen = match s.and_then(|s| s.listen.as_ref()) {
+        None => vec!["0.0.0.0:8080".parse().expect("valid default")],
+        Some(l) => {
+            let list = match l.get_ref() {
+                OneOrMany::One(a) => vec![a.clone()],
+                OneOrMany::Many(v) => v.clone(),
+            };
+            if list.is_empty() {
+                c.push(
+                    Some(&l.span()),
+                    None,
+                    "server.listen is empty: give at least one address such as \"0.0.0.0:8080\""
+                        .into(),
+                );
+                ok = false;
+            }
+            list.iter()
+                .filter_map(|a| match a.parse::<SocketAddr>() {
+                    Ok(addr) => Some(addr),
+                    Err(_) => {
+                        c.push(Some(&l.span()), None, format!("server.listen = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
+                        ok = false;
+                        None
+                    }
+                })
+                .collect()
+        }
+    };
+    let threads = int_in(
+        c,
+        None,
+        "server.threads",
+        s.and_then(|s| s.threads.as_ref()),
+        2,
+        (1, 256),
+        "",
+    );
+    let admin_listen = match s.and_then(|s| s.admin_listen.as_ref()) {
+        None => Some("127.0.0.1:9090".parse().expect("valid default")),
+        Some(a) => match a.get_ref().parse::<SocketAddr>() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                c.push(Some(&a.span()), None, format!("server.admin_listen = \"{}\" is not an address: write IP:port, such as \"127.0.0.1:9090\"", a.get_ref()));
+                None
+            }
+        },
+    };
+    let mut trusted_proxies = Vec::new();
+    for p in s
+        .and_then(|s| s.trusted_proxies.as_ref())
+        .map(|p| p.get_ref().as_slice())
+        .unwrap_or_default()
+    {
+        let text = p.get_ref();
+        let parsed = text
+            .parse::<IpNet>()
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
+        match parsed {
+            Ok(net) => trusted_proxies.push(net.trunc()),
+            Err(_) => {
+                c.push(Some(&p.span()), None, format!("server.trusted_proxies entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
+                ok = false;
+            }
+        }
+    }
+    let grace = int_in(
+        c,
+        None,
+        "server.grace_period_seconds",
+        s.and_then(|s| s.grace_period_seconds.as_ref()),
+        10,
+        (0, 3600),
+        " seconds",
+    );
+    Some(ServerConfig {
+        listen,
+        threads: threads? as usize,
+        admin_listen: admin_listen?,
+        trusted_proxies,
+        grace_period: Duration::from_secs(grace?),
+        watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
+    })
+    .filter(|_| ok)
+}
+
+pub(super) fn redis(
+    c: &mut Collector,
+    raw: &RawConfig,
+    url_override: Option<&str>,
+) -> Option<RedisConfig> {
+    let r = raw.redis.as_ref().map(|r| r.get_ref());
+    let mut ok = true;
+    if let Some(cluster) = r.and_then(|r| r.cluster_urls.as_ref()) {
+        c.push(
+            Some(&cluster.span()),
+            None,
+            "redis.cluster_urls: Redis Cluster is not available in this version: use redis.url"
+                .into(),
+        );
+        ok = false;
+    }
+    let url = match (url_override, r.and_then(|r| r.url.as_ref())) {
+        (Some(env), _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\"")),
+        (None, Some(u)) => check_redis_url(
+            c,
+            Some(&u.span()),
+            u.get_ref(),
+            &format!("redis.url = \"{}\"", u.get_ref()),
+        ),
+        (None, None) => Some("redis://127.0.0.1:6379/0".to_owned()),
+    };
+    let timeout = int_in(
+        c,
+        None,
+        "redis.timeout_ms",
+        r.and_then(|r| r.timeout_ms.as_ref()),
+        20,
+        (1, 10_000),
+        " ms",
+    );
+    let key_prefix = match r.and_then(|r| r.key_prefix.as_ref()) {
+        None => Some("sentinel".to_owned()),
+        Some(p) => {
+            let v = p.get_ref();
+            let valid = !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            if !valid {
+                c.push(Some(&p.span()), None, format!("redis.key_prefix = \"{v}\" is not usable: use 1 to 64 of a-z, A-Z, 0-9, '.', '_', '-'"));
+            }
+            valid.then(|| v.clone())
+        }
+    };
+    let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
+    Some(RedisConfig {
+        url: url?,
+        timeout: Duration::from_millis(timeout?),
+        key_prefix: key_prefix?,
+        require_noeviction,
+    })
+    .filter(|_| ok)
+}
+
+fn check_redis_url(
+    c: &mut Collector,
+    span: Option<&Range<usize>>,
+    url: &str,
+    what: &str,
+) -> Option<String> {
+    match redis::Client::open(url) {
+        Ok(_)
+            if url.starts_with("redis://")
+                || url.starts_with("redis+unix://")
+                || url.starts_with("unix://") =>
+        {
+            Some(url.to_owned())
+        }
+        Ok(_) => {
+            c.push(
+                span,
+                None,
+                format!("{what} is not supported: use a redis:// or unix:// URL"),
+            );
+            None
+        }
+        Err(e) => {
+            c.push(
+                span,
+                None,
+                format!("{what} is not a Redis URL ({e}): write redis://host:port/db"),
+            );
+            None
+        }
+    }
+}
+
+pub(super) fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfig> {
+    let b = raw.breaker.as_ref().map(|b| b.get_ref());
+    let threshold = int_in(
+        c,
+        None,
+        "breaker.failure_threshold",
+        b.and_then(|b| b.failure_threshold.as_ref()),
+        5,
+        (1, 1_000_000),
+        "",
+    );
+    let open = int_in(
+        c,
+        None,
+        "breaker.open_seconds",
+        b.and_then(|b| b.open_seconds.as_ref()),
+        30,
+        (1, 3600),
+        " seconds",
+    );
+    Some(BreakerConfig {
+        failure_threshold: NonZeroU32::new(threshold? as u32)?,
+        open_for: Duration::from_secs(open?),
+    })
+}
+
+pub(super) fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
+    let j = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
+    let secret_env = j
+        .get_ref()
+        .secret_env
+        .as_ref()
+        .map_or("SENTINEL_JWT_SECRET".to_owned(), |s| s.get_ref().clone());
+    let mut algorithms = vec!["HS256".to_owned()];
+    if let Some(a) = j.get_ref().algorithms.as_ref() {
+        for alg in a.get_ref() {
+            if !matches!(alg.as_str(), "HS256" | "HS384" | "HS512") {
+                c.push(Some(&a.span()), None, format!("auth.jwt.algorithms: \"{alg}\" is not accepted: use a subset of HS256, HS384, HS512"));
+            }
+        }
+        if a.get_ref().is_empty() {
+            c.push(
+                Some(&a.span()),
+                None,
+                "auth.jwt.algorithms is empty: use a subset of HS256, HS384, HS512".into(),
+            );
+        }
+        algorithms = a.get_ref().clone();
+    }
+    let used = raw.routes.iter().any(|r| {
+        matches!(r.get_ref().identity.as_ref().map(|i| i.get_ref()), Some(RawIdentity::Named(n)) if n == "jwt")
+    });
+    let secret = if used {
+        let span = j
+            .get_ref()
+            .secret_env
+            .as_ref()
+            .map_or(j.span(), |s| s.span());
+        match std::env::var_os(&secret_env) {
+            None => {
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes"));
+                None
+            }
+            Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", v.len()));
+                None
+            }
+            Some(v) => Some(Secret(Arc::from(v.as_encoded_bytes()))),
+        }
+    } else {
+        None
+    };
+    Some(JwtConfig {
+        secret_env,
+        algorithms,
+        secret,
+    })
+}
+
+pub(super) fn upstream(
+    c: &mut Collector,
+    name: &str,
+    up: &Spanned<RawUpstream>,
+) -> Option<UpstreamConfig> {
+    let u = up.get_ref();
+    let field = |f: &str| format!("upstreams.{name}.{f}");
+    let mut addrs = Vec::new();
+    if u.addrs.get_ref().is_empty() {
+        c.push(
+            Some(&u.addrs.span()),
+            None,
+            format!(
+                "{} is empty: give at least one \"host:port\"",
+                field("addrs")
+            ),
+        );
+    }
+    for a in u.addrs.get_ref() {
+        match a
+            .get_ref()
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut it| it.next())
+        {
+            Some(addr) => addrs.push(addr),
+            None => c.push(
+                Some(&a.span()),
+                None,
+                format!(
+                    "{} entry \"{}\" does not resolve to an address: write \"host:port\"",
+                    field("addrs"),
+                    a.get_ref()
+                ),
+            ),
+        }
+    }
+    let connect = int_in(
+        c,
+        None,
+        &field("connect_timeout_ms"),
+        u.connect_timeout_ms.as_ref(),
+        1000,
+        (1, 3_600_000),
+        " ms",
+    );
+    let read = int_in(
+        c,
+        None,
+        &field("read_timeout_ms"),
+        u.read_timeout_ms.as_ref(),
+        60_000,
+        (1, 3_600_000),
+        " ms",
+    );
+    (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
+    Some(UpstreamConfig {
+        name: name.to_owned(),
+        addrs,
+        connect_timeout: Duration::from_millis(connect?),
+        read_timeout: Duration::from_millis(read?),
+    })
+}
