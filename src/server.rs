@@ -30,6 +30,11 @@ pub enum StartError {
     Evicting(String),
     #[error("cannot build upstream pools: {0}")]
     Upstreams(std::io::Error),
+    #[error("cannot listen on server.listen {addr}: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot listen on admin_listen {addr}: {source}")]
     Admin {
         addr: std::net::SocketAddr,
@@ -51,6 +56,13 @@ fn breaker_hook(metrics: &Arc<Metrics>) -> crate::limiter::breaker::TransitionHo
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
+    // Pingora retries a busy listen address forever; fail fast and say which one instead.
+    for addr in &config.server.listen {
+        std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
+            addr: *addr,
+            source,
+        })?;
+    }
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
     let store = Store::start(&config.redis, &metrics).map_err(StartError::Store)?;

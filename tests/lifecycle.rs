@@ -442,3 +442,33 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
         "not retried until it changes again"
     );
 }
+
+#[test]
+fn a_busy_listen_address_fails_fast_and_names_it() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 5));
+    let clash = std::fs::read_to_string(&gw.config_path).unwrap().replace(
+        &format!("admin_listen = \"127.0.0.1:{}\"", gw.admin_port),
+        &format!("admin_listen = \"127.0.0.1:{}\"", common::free_port()),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, clash).unwrap();
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "cannot listen on server.listen 127.0.0.1:{}",
+            gw.port
+        )),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
