@@ -3,5 +3,5 @@
 # processes, the demo upstream and the gateway binary, all on loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+scripts/deps.sh test
 cargo test --all-targets --locked "$@"
