@@ -130,11 +130,12 @@ impl Rig {
         } else {
             "t.closed"
         };
-        assert_eq!(
-            self.gw.metric(&series(endpoint, want_reason, allowed)),
-            5.0,
-            "{want_reason}"
-        );
+        let got = self.gw.metric(&series(endpoint, want_reason, allowed));
+        if got != 5.0 {
+            let (_, body) = common::blocking_get(&self.gw.admin("/metrics")).unwrap();
+            let decisions: Vec<&str> = body.lines().filter(|l| l.starts_with("sentinel_decisions_total") && !l.ends_with(" 0")).collect();
+            panic!("{want_reason}: {got} of 5; decisions: {decisions:#?}\n{}", self.gw.logs());
+        }
         times
     }
 }
@@ -267,9 +268,15 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
         times.iter().max()
     );
 
-    // After the quarantine, 50 concurrent requests let exactly one probe through.
+    // After the quarantine, 50 concurrent requests let exactly one probe through. The probe
+    // follows a timeout, so it opens a fresh connection first (inside its budget): at most one
+    // new connection and one EVALSHA, and nothing from the other 49.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let before = r.proxy.client_writes();
+    let (writes, evalsha, accepted) = (
+        r.proxy.client_writes(),
+        r.proxy.evalsha_sent(),
+        r.proxy.accepted(),
+    );
     let tasks: Vec<_> = (0..50)
         .map(|i| {
             let (http, url) = (r.http.clone(), r.gw.url("/closed"));
@@ -279,10 +286,11 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
     for t in tasks {
         assert_eq!(t.await.unwrap(), 503);
     }
-    assert_eq!(
-        r.proxy.client_writes() - before,
-        1,
-        "exactly one probe reached Redis"
+    assert!(r.proxy.client_writes() > writes, "the probe reached Redis");
+    assert!(r.proxy.evalsha_sent() - evalsha <= 1, "at most one EVALSHA");
+    assert!(
+        r.proxy.accepted() - accepted <= 1,
+        "at most one new connection"
     );
     assert_eq!(
         r.gw.metric(r#"sentinel_breaker_transitions_total{to="half_open"}"#),
@@ -543,4 +551,42 @@ async fn per_identity_emergency_buckets_keep_a_quiet_tenant_served() {
         send(&http, &gw.url("/open"), "quiet").await.status,
     ];
     assert_eq!(quiet, [200, 200], "a quiet tenant still gets through");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_leaves_a_silently_dead_connection_behind() {
+    let r = rig(1);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.gw.wait_connection_moved();
+    r.proxy.set(Mode::Blackhole);
+    r.fail_five("/closed", 503, "fail_closed", false).await;
+    // Redis is back, but the gateway's live connection stays silent forever (no reset).
+    r.proxy.pass_new_only();
+    wait_until(
+        Duration::from_secs(10),
+        "a probe on a fresh connection to close the breaker",
+        || {
+            std::thread::sleep(Duration::from_millis(200));
+            let rt = tokio::runtime::Handle::current();
+            tokio::task::block_in_place(|| {
+                rt.block_on(send(&r.http, &r.gw.url("/closed"), "after"))
+            })
+            .status
+                == 200
+        },
+    );
+    assert_eq!(r.gw.metric("sentinel_breaker_state"), 0.0);
+    assert!(r
+        .gw
+        .logs()
+        .contains("the breaker probe replaced a redis connection that had timed out"));
+    let statuses = futures_statuses(&r, "/closed", "fresh", 4).await;
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 429],
+        "enforced again on the new connection"
+    );
 }

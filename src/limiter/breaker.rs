@@ -185,6 +185,11 @@ impl Breaker {
 }
 
 impl Permit<'_> {
+    /// Whether this is the half-open probe.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
+
     /// Redis answered (allowed or rate limited).
     pub fn success(mut self) {
         self.settled = true;

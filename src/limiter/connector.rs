@@ -49,7 +49,7 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(step_ms / 2 + jitter)
 }
 
-async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
+pub(super) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(2)));

@@ -225,7 +225,7 @@ impl Limiter {
                 )
             }
         };
-        match self.store.run(kind, &key, args).await {
+        match self.store.run(kind, &key, args, permit.is_probe()).await {
             Ok(reply) => {
                 permit.success();
                 if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {

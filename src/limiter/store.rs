@@ -137,6 +137,9 @@ pub(super) struct Shared {
     pub(super) proxy_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Whether the current connection is driven on the proxy's runtime.
     pub(super) on_proxy_runtime: AtomicBool,
+    /// The last evaluation timed out: the connection may be talking to a peer that is gone
+    /// without a word (no RST), so the next breaker probe opens a fresh one.
+    suspect: AtomicBool,
 }
 
 /// The process's Redis store. Cheap to clone.
@@ -168,6 +171,7 @@ impl Store {
             eviction_policy: ArcSwapOption::empty(),
             proxy_runtime: std::sync::OnceLock::new(),
             on_proxy_runtime: AtomicBool::new(false),
+            suspect: AtomicBool::new(false),
         });
         runtime.spawn(connector(Arc::clone(&shared)));
         Ok(Self {
@@ -221,11 +225,16 @@ impl Store {
     }
 
     /// Runs a limiter script for `key` within the budget.
+    ///
+    /// `probe`: this is the breaker's half-open probe; after a timeout it opens a fresh
+    /// connection first, inside the same budget, so a peer that vanished silently (or moved
+    /// behind its DNS name) is left behind.
     pub async fn run(
         &self,
         kind: ScriptKind,
         key: &str,
         args: [u64; 3],
+        probe: bool,
     ) -> Result<ScriptReply, StoreFailure> {
         if self.shared.proxy_runtime.get().is_none() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -239,7 +248,10 @@ impl Store {
             ScriptKind::SlidingWindow => &self.shared.sliding_window,
         };
         let started = Instant::now();
-        let result = self.eval(script, key, &args).await;
+        let result = self.eval(script, key, &args, probe).await;
+        self.shared
+            .suspect
+            .store(result == Err(StoreFailure::Timeout), Ordering::Relaxed);
         self.shared
             .redis_duration
             .observe(started.elapsed().as_secs_f64());
@@ -285,17 +297,39 @@ impl Store {
         }
     }
 
+    /// The connection to use: the shared one, or, for a probe after a timeout, a new one.
+    async fn connection(&self, probe: bool) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
+        if !(probe && self.shared.suspect.load(Ordering::Relaxed)) {
+            return self
+                .shared
+                .conn
+                .load_full()
+                .ok_or(StoreFailure::ConnectionError);
+        }
+        let target = self.shared.target.load_full();
+        let fresh = super::connector::open(&target.client).await.map_err(|e| {
+            tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
+            StoreFailure::ConnectionError
+        })?;
+        let fresh = Arc::new(fresh);
+        self.shared.conn.store(Some(Arc::clone(&fresh)));
+        self.shared
+            .on_proxy_runtime
+            .store(self.shared.proxy_runtime.get().is_some(), Ordering::Relaxed);
+        tracing::info!("the breaker probe replaced a redis connection that had timed out");
+        Ok(fresh)
+    }
+
     async fn eval(
         &self,
         script: &Script,
         key: &str,
         args: &[u64],
+        probe: bool,
     ) -> Result<Vec<i64>, StoreFailure> {
-        let Some(conn) = self.shared.conn.load_full() else {
-            return Err(StoreFailure::ConnectionError);
-        };
         let budget = self.budget();
         let attempt = async {
+            let conn = self.connection(probe).await?;
             let mut c = (*conn).clone();
             match evalsha(&mut c, script, key, args).await {
                 Err(e) if is_noscript(&e) => {}

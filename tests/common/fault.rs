@@ -25,7 +25,13 @@ struct State {
     conns: Mutex<Vec<TcpStream>>,
     /// Reads from clients, in any mode: what the gateway tried to send to Redis.
     client_writes: AtomicU64,
+    /// EVALSHA commands sent by clients, in any mode.
+    evalsha: AtomicU64,
+    accepted: AtomicU64,
     stop: AtomicBool,
+    /// Connections accepted before this generation stay silent whatever the mode.
+    silent_before: AtomicU64,
+    generation: AtomicU64,
 }
 
 pub struct FaultProxy {
@@ -41,7 +47,11 @@ impl FaultProxy {
             mode: Mutex::new(Mode::Pass),
             conns: Mutex::new(Vec::new()),
             client_writes: AtomicU64::new(0),
+            evalsha: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            silent_before: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         });
         let st = Arc::clone(&state);
         let acceptor = thread::spawn(move || accept_loop(port, redis_port, st));
@@ -68,6 +78,14 @@ impl FaultProxy {
         }
     }
 
+    /// Redis answers again on new connections, while the live ones stay silent and open: a
+    /// peer that vanished without a reset (a host gone, a failover to another address).
+    pub fn pass_new_only(&self) {
+        let next = self.state.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        self.state.silent_before.store(next, Ordering::SeqCst);
+        *self.state.mode.lock().unwrap() = Mode::Pass;
+    }
+
     /// Redis goes away: new connections are refused and live ones are cut.
     pub fn refuse_and_cut(&self) {
         self.set(Mode::Refuse);
@@ -83,6 +101,16 @@ impl FaultProxy {
 
     pub fn client_writes(&self) -> u64 {
         self.state.client_writes.load(Ordering::SeqCst)
+    }
+
+    /// EVALSHA commands that reached the proxy (forwarded or not).
+    pub fn evalsha_sent(&self) -> u64 {
+        self.state.evalsha.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.state.accepted.load(Ordering::SeqCst)
     }
 }
 
@@ -129,6 +157,8 @@ fn accept_loop(port: u16, redis_port: u16, st: Arc<State>) {
 
 fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
     let mode = *st.mode.lock().unwrap();
+    let born = st.generation.load(Ordering::SeqCst);
+    st.accepted.fetch_add(1, Ordering::SeqCst);
     let server = match mode {
         Mode::Blackhole => None,
         _ => match TcpStream::connect(("127.0.0.1", redis_port)) {
@@ -157,8 +187,15 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
                 Ok(n) => n,
             };
             up_state.client_writes.fetch_add(1, Ordering::SeqCst);
+            let evalshas = buf[..n]
+                .windows(7)
+                .filter(|w| w.eq_ignore_ascii_case(b"EVALSHA"))
+                .count();
+            up_state
+                .evalsha
+                .fetch_add(evalshas as u64, Ordering::SeqCst);
             let mode = *up_state.mode.lock().unwrap();
-            if mode == Mode::Blackhole {
+            if mode == Mode::Blackhole || born < up_state.silent_before.load(Ordering::SeqCst) {
                 continue;
             }
             if let Some(s) = to_server.as_mut() {
@@ -184,6 +221,9 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
                 Ok(n) => n,
             };
             let mode = *down_state.mode.lock().unwrap();
+            if born < down_state.silent_before.load(Ordering::SeqCst) {
+                continue;
+            }
             match mode {
                 Mode::Blackhole => continue,
                 Mode::Stall(d) => thread::sleep(d),
