@@ -133,8 +133,14 @@ impl Rig {
         let got = self.gw.metric(&series(endpoint, want_reason, allowed));
         if got != 5.0 {
             let (_, body) = common::blocking_get(&self.gw.admin("/metrics")).unwrap();
-            let decisions: Vec<&str> = body.lines().filter(|l| l.starts_with("sentinel_decisions_total") && !l.ends_with(" 0")).collect();
-            panic!("{want_reason}: {got} of 5; decisions: {decisions:#?}\n{}", self.gw.logs());
+            let decisions: Vec<&str> = body
+                .lines()
+                .filter(|l| l.starts_with("sentinel_decisions_total") && !l.ends_with(" 0"))
+                .collect();
+            panic!(
+                "{want_reason}: {got} of 5; decisions: {decisions:#?}\n{}",
+                self.gw.logs()
+            );
         }
         times
     }
@@ -156,6 +162,7 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
         send(&r.http, &r.gw.url("/closed"), "warm").await.status,
         200
     );
+    r.gw.wait_connection_moved();
     r.proxy.refuse_and_cut();
     let times = r.fail_five("/closed", 503, "fail_closed", false).await;
     assert!(
@@ -215,6 +222,7 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
 async fn fail_open_admits_with_the_cause_while_the_breaker_is_closed() {
     let r = rig(30);
     assert_eq!(send(&r.http, &r.gw.url("/open"), "warm").await.status, 200);
+    r.gw.wait_connection_moved();
     r.proxy.refuse_and_cut();
     r.fail_five("/open", 200, "redis_connection_error", true)
         .await;
@@ -233,6 +241,7 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
         send(&r.http, &r.gw.url("/closed"), "warm").await.status,
         200
     );
+    r.gw.wait_connection_moved();
     r.proxy.set(Mode::Blackhole);
     let mut times = r.fail_five("/closed", 503, "fail_closed", false).await;
     assert_eq!(
@@ -334,6 +343,7 @@ async fn futures_statuses(r: &Rig, path: &str, key: &str, n: usize) -> Vec<u16> 
 async fn a_stalled_redis_is_a_timeout_within_budget() {
     let r = rig(30);
     assert_eq!(send(&r.http, &r.gw.url("/open"), "warm").await.status, 200);
+    r.gw.wait_connection_moved();
     r.proxy.set(Mode::Stall(Duration::from_millis(200)));
     let times = r.fail_five("/open", 200, "redis_timeout", true).await;
     assert!(
@@ -560,6 +570,7 @@ async fn a_probe_leaves_a_silently_dead_connection_behind() {
         send(&r.http, &r.gw.url("/closed"), "warm").await.status,
         200
     );
+    r.gw.wait_connection_moved();
     r.gw.wait_connection_moved();
     r.proxy.set(Mode::Blackhole);
     r.fail_five("/closed", 503, "fail_closed", false).await;
