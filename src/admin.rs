@@ -116,11 +116,7 @@ impl Admin {
     }
 
     async fn reload(&self) -> Answer {
-        let reloader = Arc::clone(&self.reloader);
-        let result = tokio::task::spawn_blocking(move || reloader.reload())
-            .await
-            .unwrap_or_else(|e| Err(format!("reload task failed: {e}")));
-        match result {
+        match self.reloader.reload_off_thread().await {
             Ok(r) => {
                 let mut body =
                     serde_json::json!({"reloaded": true, "config_generation": r.generation});

@@ -63,6 +63,14 @@ impl Reloader {
         result
     }
 
+    /// `reload` from async code: file reading and validation run on a blocking thread.
+    pub async fn reload_off_thread(self: &Arc<Self>) -> Result<Reloaded, String> {
+        let reloader = Arc::clone(self);
+        tokio::task::spawn_blocking(move || reloader.reload())
+            .await
+            .unwrap_or_else(|e| Err(format!("reload task failed: {e}")))
+    }
+
     fn try_reload(&self) -> Result<Reloaded, String> {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
@@ -137,8 +145,7 @@ pub async fn watch(reloader: Arc<Reloader>) {
         }
         loaded = now;
         pending = None;
-        let r = Arc::clone(&reloader);
-        let _ = tokio::task::spawn_blocking(move || r.reload()).await;
+        let _ = reloader.reload_off_thread().await;
     }
 }
 

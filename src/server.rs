@@ -162,8 +162,7 @@ async fn reload_on_sighup(reloader: Arc<Reloader>) {
         return;
     };
     while hup.recv().await.is_some() {
-        let r = Arc::clone(&reloader);
-        let _ = tokio::task::spawn_blocking(move || r.reload()).await;
+        let _ = reloader.reload_off_thread().await;
     }
 }
 

@@ -41,6 +41,27 @@ impl Rate {
         }
     }
 
+    /// One request against `state` at `now_us`: the state to store (only when admitted, so
+    /// denials never bank partial refills) and the outcome.
+    fn take(
+        &self,
+        state: Option<BucketState>,
+        now_us: u64,
+    ) -> (Option<BucketState>, EmergencyOutcome) {
+        let (bucket, state) = self.bucket(state);
+        match bucket.take(state, ONE_TOKEN_MICRO, now_us) {
+            Take::Admitted { state } => (Some(state), EmergencyOutcome::Admitted),
+            Take::Denied {
+                retry_after_secs, ..
+            } => (
+                None,
+                EmergencyOutcome::Denied {
+                    retry_after_secs: retry_after_secs.unwrap_or(1).max(1),
+                },
+            ),
+        }
+    }
+
     /// A bucket of capacity = refill = the current rate. A stored state above a capacity
     /// that shrank (the fleet grew) is cut to it.
     fn bucket(&self, state: Option<BucketState>) -> (Bucket, Option<BucketState>) {
@@ -86,20 +107,12 @@ impl EmergencyBucket {
     }
 
     pub fn try_admit(&self) -> EmergencyOutcome {
-        let now = self.clock.now_us();
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (bucket, current) = self.rate.bucket(*state);
-        match bucket.take(current, ONE_TOKEN_MICRO, now) {
-            Take::Admitted { state: next } => {
-                *state = Some(next);
-                EmergencyOutcome::Admitted
-            }
-            Take::Denied {
-                retry_after_secs, ..
-            } => EmergencyOutcome::Denied {
-                retry_after_secs: retry_after_secs.unwrap_or(1).max(1),
-            },
+        let (next, outcome) = self.rate.take(*state, self.clock.now_us());
+        if next.is_some() {
+            *state = next;
         }
+        outcome
     }
 }
 
@@ -126,20 +139,14 @@ impl IdentityBuckets {
     }
 
     pub fn try_admit(&self, identity_hash: &str) -> EmergencyOutcome {
-        let now = self.clock.now_us();
         let mut states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        let (bucket, state) = self.rate.bucket(states.get(identity_hash).copied());
-        match bucket.take(state, ONE_TOKEN_MICRO, now) {
-            Take::Admitted { state: next } => {
-                states.put(identity_hash.to_owned(), next);
-                EmergencyOutcome::Admitted
-            }
-            Take::Denied {
-                retry_after_secs, ..
-            } => EmergencyOutcome::Denied {
-                retry_after_secs: retry_after_secs.unwrap_or(1).max(1),
-            },
+        let (next, outcome) = self
+            .rate
+            .take(states.get(identity_hash).copied(), self.clock.now_us());
+        if let Some(next) = next {
+            states.put(identity_hash.to_owned(), next);
         }
+        outcome
     }
 
     pub fn len(&self) -> usize {

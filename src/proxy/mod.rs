@@ -36,7 +36,7 @@ pub struct Gateway {
 pub struct RequestCtx {
     snapshot: Option<Arc<Snapshot>>,
     route: Option<Arc<Route>>,
-    /// Normalized path and query, as the upstream receives them.
+    /// Normalized path and query, when normalization changed the path.
     upstream_uri: Option<String>,
     decision: Option<Decision>,
     decision_time: Duration,
@@ -169,10 +169,14 @@ impl ProxyHttp for Gateway {
         else {
             return self.answer(session, ctx, Answer::NoRoute).await;
         };
-        ctx.upstream_uri = Some(match req.uri.query() {
-            Some(q) => format!("{path}?{q}"),
-            None => path,
-        });
+        // The upstream gets the normalized path; rewrite the URI only when it differs
+        // (or carries an absolute-form authority).
+        if path != req.uri.path() || req.uri.authority().is_some() {
+            ctx.upstream_uri = Some(match req.uri.query() {
+                Some(q) => format!("{path}?{q}"),
+                None => path,
+            });
+        }
         ctx.route = Some(Arc::clone(&route));
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
