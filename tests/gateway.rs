@@ -136,6 +136,27 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
         );
     }
     assert!(!logs.contains("alice"), "a raw identity reached the logs");
+    assert_eq!(
+        logs.matches("\"endpoint_id\":\"t.bucket\"").count(),
+        2,
+        "admissions are not logged: only the two denials name the endpoint"
+    );
+    // Every decision is timed; every Redis evaluation too (no over-limit cache hit here).
+    assert_eq!(
+        gw.metric(r#"sentinel_decision_duration_seconds_count{endpoint_id="t.bucket"}"#),
+        6.0
+    );
+    assert_eq!(gw.metric("sentinel_redis_duration_seconds_count"), 6.0);
+    let (status, metrics) = common::blocking_get(&gw.admin("/metrics")).unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        !metrics.contains("alice") && !metrics.contains(&sha("header:x-api-key:alice")),
+        "no identity in metrics"
+    );
+    assert_eq!(
+        common::blocking_get(&gw.admin("/healthz")),
+        Some((200, r#"{"status":"ok"}"#.to_owned()))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,6 +324,10 @@ async fn answers_before_the_limiter_never_reach_redis() {
 
     let r = http.get(gw.url("/limited")).send().await.unwrap();
     assert_eq!(r.status(), 401, "missing identity header");
+    assert!(
+        r.headers().get("www-authenticate").is_none(),
+        "only jwt routes name the Bearer scheme"
+    );
     assert_eq!(
         r.text().await.unwrap(),
         r#"{"detail":"authentication required"}"#

@@ -90,6 +90,20 @@ fn token_bucket_script_equals_the_model() {
                         prop_assert_eq!(reply[0], 0, "model denies at {}", now);
                         prop_assert_eq!(reply[1] as u64, tokens);
                         prop_assert_eq!(reply[2], retry_after_secs.map_or(-1, |s| s as i64));
+                        let stored: (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
+                            .arg(&key)
+                            .arg(&["t", "f", "ts"])
+                            .query(&mut *conn)
+                            .unwrap();
+                        prop_assert_eq!(
+                            stored,
+                            (
+                                state.map(|s| s.tokens),
+                                state.map(|s| s.frac),
+                                state.map(|s| s.at_us)
+                            ),
+                            "a denial writes nothing"
+                        );
                         // The exact wait the over-limit cache relies on.
                         let (_, frac) = bucket.refill(state, now);
                         let wait = (rate > 0)
@@ -149,6 +163,20 @@ fn sliding_window_script_equals_the_model() {
                         prop_assert_eq!(reply[0], 0, "model denies at {}", now);
                         prop_assert_eq!(reply[2] as u64, retry_after_secs);
                         prop_assert_eq!(reply[5] as u64, wait_us);
+                        let stored: (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
+                            .arg(&key)
+                            .arg(&["w", "c", "p"])
+                            .query(&mut *conn)
+                            .unwrap();
+                        prop_assert_eq!(
+                            stored,
+                            (
+                                state.map(|s| s.index),
+                                state.map(|s| s.current),
+                                state.map(|s| s.previous)
+                            ),
+                            "a denial writes nothing"
+                        );
                     }
                 }
             }
