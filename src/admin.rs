@@ -76,6 +76,8 @@ impl Admin {
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
+                // Sets sentinel_redis_node_up for each cluster primary.
+                let _ = self.limiter.store.nodes();
                 reply(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",
@@ -103,16 +105,28 @@ impl Admin {
         } else {
             StatusCode::SERVICE_UNAVAILABLE
         };
-        json(
-            status,
-            serde_json::json!({
-                "ready": ready,
-                "redis": if self.limiter.store.is_connected() { "up" } else { "down" },
-                "breaker": self.limiter.breaker.state().as_str(),
-                "config_generation": self.reloader.live.load().generation,
-                "redis_maxmemory_policy": self.limiter.store.eviction_policy(),
-            }),
-        )
+        let store = &self.limiter.store;
+        let mut body = serde_json::json!({
+            "ready": ready,
+            "redis": if store.is_connected() { "up" } else { "down" },
+            "breaker": store.breaker_state().as_str(),
+            "config_generation": self.reloader.live.load().generation,
+            "redis_maxmemory_policy": store.eviction_policy(),
+        });
+        let nodes = store.nodes();
+        if !nodes.is_empty() {
+            body["redis_nodes"] = nodes
+                .iter()
+                .map(|n| {
+                    serde_json::json!({
+                        "node": n.node,
+                        "redis": if n.connected { "up" } else { "down" },
+                        "breaker": n.breaker.as_str(),
+                    })
+                })
+                .collect();
+        }
+        json(status, body)
     }
 
     async fn reload(&self) -> Answer {

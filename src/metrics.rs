@@ -39,6 +39,10 @@ pub struct Metrics {
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
     endpoint_mode: IntGaugeVec,
+    /// Redis Cluster only: each primary's breaker state, labelled by `node` (`host:port`).
+    redis_node_breaker_state: IntGaugeVec,
+    /// Redis Cluster only: 1 while the gateway holds a connection to the primary, else 0.
+    redis_node_up: IntGaugeVec,
 }
 
 /// Store error counters by cause.
@@ -216,6 +220,28 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let redis_node_breaker_state = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_redis_node_breaker_state",
+                    "Redis Cluster: each primary's circuit breaker, 0 closed, 1 open, 2 half_open.",
+                ),
+                &["node"],
+            )
+            .expect("valid"),
+        );
+        let redis_node_up = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_redis_node_up",
+                    "Redis Cluster: 1 while connected to the primary, 0 while not.",
+                ),
+                &["node"],
+            )
+            .expect("valid"),
+        );
         for cause in ["timeout", "connection_error", "noscript"] {
             store_errors.with_label_values(&[cause]);
         }
@@ -234,6 +260,8 @@ impl Metrics {
             redis_duration,
             breaker_state,
             breaker_transitions,
+            redis_node_breaker_state,
+            redis_node_up,
             requests,
             config_reloads,
             config_generation,
@@ -303,9 +331,31 @@ impl Metrics {
         }
     }
 
-    pub fn breaker_transition(&self, to: &str, state_value: i64) {
+    /// One breaker changed state. `process_state` is the value of `sentinel_breaker_state`
+    /// after it: the breaker's own with one Redis, the most severe of all primaries' in a
+    /// cluster, where `node` names the one that changed.
+    pub fn breaker_transition(&self, to: &str, process_state: i64, node: Option<(&str, i64)>) {
         self.breaker_transitions.with_label_values(&[to]).inc();
-        self.breaker_state.set(state_value);
+        self.breaker_state.set(process_state);
+        if let Some((node, value)) = node {
+            self.redis_node_breaker_state
+                .with_label_values(&[node])
+                .set(value);
+        }
+    }
+
+    /// A cluster primary joined (`Some(up)`) or left (`None`) the gateway's view.
+    pub fn redis_node(&self, node: &str, up: Option<bool>) {
+        match up {
+            Some(up) => {
+                self.redis_node_up.with_label_values(&[node]).set(up as i64);
+                self.redis_node_breaker_state.with_label_values(&[node]);
+            }
+            None => {
+                let _ = self.redis_node_up.remove_label_values(&[node]);
+                let _ = self.redis_node_breaker_state.remove_label_values(&[node]);
+            }
+        }
     }
 
     pub fn config_reload(&self, ok: bool) {

@@ -75,7 +75,7 @@ impl Reloader {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
         let (old, new) = (&current.config.server, &config.server);
-        let restart_required: Vec<&'static str> = [
+        let mut restart_required: Vec<&'static str> = [
             ("server.listen", old.listen != new.listen),
             ("server.admin_listen", old.admin_listen != new.admin_listen),
             ("server.threads", old.threads != new.threads),
@@ -99,11 +99,14 @@ impl Reloader {
             Some(&current),
         )
         .map_err(|e| format!("cannot build upstream pools: {e}"))?;
-        self.limiter
-            .store
+        let store = &self.limiter.store;
+        if let Some(field) = store
             .retarget(&redis)
-            .map_err(|e| format!("redis.url: {e}"))?;
-        self.limiter.breaker.reconfigure(breaker);
+            .map_err(|e| format!("redis.url: {e}"))?
+        {
+            restart_required.push(field);
+        }
+        store.reconfigure_breakers(breaker);
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
         Ok(Reloaded {

@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::lifecycle::Lifecycle;
 use crate::limiter::connector::preflight;
 use crate::limiter::fleet::{heartbeat, Fleet};
-use crate::limiter::{Breaker, BreakerState, Limiter, Store};
+use crate::limiter::{Limiter, Store};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::reload::Reloader;
@@ -42,18 +42,6 @@ pub enum StartError {
     },
 }
 
-fn breaker_hook(metrics: &Arc<Metrics>) -> crate::limiter::breaker::TransitionHook {
-    let metrics = Arc::clone(metrics);
-    Box::new(move |from: BreakerState, to: BreakerState| {
-        metrics.breaker_transition(to.as_str(), to as i64);
-        tracing::warn!(
-            from = from.as_str(),
-            to = to.as_str(),
-            "circuit breaker transition"
-        );
-    })
-}
-
 /// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
@@ -65,14 +53,14 @@ pub fn run(config: Config) -> Result<(), StartError> {
     }
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
-    let store = Store::start(&config.redis, &metrics).map_err(StartError::Store)?;
+    let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics)
+        .map_err(StartError::Store)?;
     if config.redis.require_noeviction {
         if let Some(policy) = store.runtime().block_on(preflight(&config.redis)) {
             return Err(StartError::Evicting(policy));
         }
     }
-    let breaker = Breaker::new(config.breaker, Arc::clone(&clock), breaker_hook(&metrics));
-    let limiter = Arc::new(Limiter { store, breaker });
+    let limiter = Arc::new(Limiter { store });
     let server_cfg = config.server.clone();
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());

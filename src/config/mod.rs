@@ -57,10 +57,29 @@ pub struct ServerConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
-    pub url: String,
+    pub target: RedisTarget,
     pub timeout: Duration,
     pub key_prefix: String,
     pub require_noeviction: bool,
+}
+
+/// Where the limiter's state lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One Redis (`[redis] url`, or `SENTINEL_REDIS_URL`).
+    Single(String),
+    /// Redis Cluster, discovered from these seed nodes (`[redis] cluster_urls`).
+    Cluster(Vec<String>),
+}
+
+impl RedisTarget {
+    /// How the target is named in messages: the URL, or the seeds joined by commas.
+    pub fn describe(&self) -> String {
+        match self {
+            RedisTarget::Single(url) => url.clone(),
+            RedisTarget::Cluster(seeds) => format!("cluster {}", seeds.join(",")),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -43,7 +43,7 @@ pub struct RawServer {
 #[serde(deny_unknown_fields)]
 pub struct RawRedis {
     pub url: Option<Spanned<String>>,
-    pub cluster_urls: Option<Spanned<Vec<String>>>,
+    pub cluster_urls: Option<Spanned<Vec<Spanned<String>>>>,
     pub timeout_ms: Option<Spanned<i64>>,
     pub key_prefix: Option<Spanned<String>>,
     pub require_noeviction: Option<bool>,

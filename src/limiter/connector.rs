@@ -1,33 +1,146 @@
-//! Keeping the store's one connection up: connect, check the eviction policy, load the
+//! Keeping a connection to one Redis node up: connect, check the eviction policy, load the
 //! scripts; on loss, reconnect in the background with capped, jittered backoff.
+//!
+//! A [`Link`] is one node: the one Redis of `[redis] url`, or one primary of a Redis
+//! Cluster. Each link has its own circuit breaker, so a dead cluster node quarantines the
+//! keys it owns and nothing else.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::{ArcSwap, ArcSwapOption};
 use rand::Rng;
 use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
+use tokio::sync::Notify;
 
+use super::breaker::Breaker;
 use super::store::{is_transport, Shared};
-use crate::config::RedisConfig;
 
-/// Where the store connects.
-pub(super) struct Target {
-    pub(super) url: String,
-    pub(super) client: redis::Client,
-    pub(super) require_noeviction: bool,
+/// Where a link connects.
+pub(crate) struct Target {
+    /// The URL as configured (single Redis), compared on reload; the node's `host:port` in a
+    /// cluster.
+    pub(crate) url: String,
+    /// `host:port` (or the socket path), without credentials: what logs and metrics name.
+    pub(crate) node: String,
+    pub(crate) client: redis::Client,
 }
 
 impl Target {
-    pub(super) fn new(config: &RedisConfig) -> std::io::Result<Self> {
-        let client = redis::Client::open(config.url.as_str())
+    pub(crate) fn new(url: &str) -> std::io::Result<Self> {
+        let client = redis::Client::open(url)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let node = match client.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(host, port) => node_name(host, *port),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => node_name(host, *port),
+            redis::ConnectionAddr::Unix(path) => path.display().to_string(),
+            _ => String::new(),
+        };
         Ok(Self {
-            url: config.url.clone(),
+            url: url.to_owned(),
+            node,
             client,
-            require_noeviction: config.require_noeviction,
         })
+    }
+
+    /// A cluster node, reached with the seed's credentials and settings.
+    pub(crate) fn node(seed: &redis::ConnectionInfo, host: &str, port: u16) -> Self {
+        let info = seed
+            .clone()
+            .set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
+        Self {
+            url: node_name(host, port),
+            node: node_name(host, port),
+            client: redis::Client::open(info).expect("a TCP connection info is always valid"),
+        }
+    }
+}
+
+/// `host:port`, with brackets around an IPv6 host.
+pub(crate) fn node_name(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// One Redis node: its connection, the state of keeping it up, and its breaker.
+pub(crate) struct Link {
+    pub(crate) conn: ArcSwapOption<MultiplexedConnection>,
+    /// Wakes the connector: the connection was dropped, or the target changed.
+    pub(crate) wake: Notify,
+    /// Woken each time a connection is installed.
+    pub(crate) ready: Notify,
+    /// Replaced when a reload changes `[redis] url`.
+    pub(crate) target: ArcSwap<Target>,
+    /// Whether the last connection attempt failed; logs once per outage, not per retry.
+    pub(crate) outage_logged: AtomicBool,
+    /// The node's `maxmemory-policy` as last read, when it could be read.
+    pub(crate) eviction_policy: ArcSwapOption<String>,
+    /// Whether the current connection is driven on the proxy's runtime.
+    pub(crate) on_proxy_runtime: AtomicBool,
+    /// The last evaluation timed out: the connection may be talking to a peer that is gone
+    /// without a word (no RST), so the next breaker probe opens a fresh one.
+    pub(crate) suspect: AtomicBool,
+    /// The node left the cluster's topology: its connector stops.
+    pub(crate) retired: AtomicBool,
+    pub(crate) breaker: Breaker,
+}
+
+impl Link {
+    pub(crate) fn new(target: Target, breaker: Breaker) -> Self {
+        Self {
+            conn: ArcSwapOption::empty(),
+            wake: Notify::new(),
+            ready: Notify::new(),
+            target: ArcSwap::from_pointee(target),
+            outage_logged: AtomicBool::new(false),
+            eviction_policy: ArcSwapOption::empty(),
+            on_proxy_runtime: AtomicBool::new(false),
+            suspect: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            breaker,
+        }
+    }
+
+    /// The node's `host:port`, for logs and metrics.
+    pub(crate) fn node(&self) -> String {
+        self.target.load().node.clone()
+    }
+
+    pub(crate) fn is_connected(&self) -> bool {
+        self.conn.load().is_some()
+    }
+
+    /// Waits until a connection is up (the caller bounds the wait).
+    pub(crate) async fn connected(&self) {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_connected() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Installs a connection, as the connector or a breaker probe opened it.
+    pub(crate) fn install(&self, conn: MultiplexedConnection, on_proxy_runtime: bool) {
+        self.conn.store(Some(Arc::new(conn)));
+        self.on_proxy_runtime
+            .store(on_proxy_runtime, Ordering::Relaxed);
+        self.ready.notify_waiters();
+    }
+
+    /// Stops the connector and drops the connection (the node left the topology).
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+        self.conn.store(None);
+        self.wake.notify_one();
     }
 }
 
@@ -49,7 +162,7 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(step_ms / 2 + jitter)
 }
 
-pub(super) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
+pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(2)));
@@ -77,26 +190,38 @@ pub async fn eviction_policy(
     }
 }
 
-/// Start-up check: `Ok(Some(policy))` when Redis answers with an evicting policy, which a
-/// gateway requiring noeviction must refuse. A Redis that is down is not an error here: the
-/// routes follow their fail modes until it comes.
-pub async fn preflight(config: &RedisConfig) -> Option<String> {
-    let client = redis::Client::open(config.url.as_str()).ok()?;
-    let check = async {
-        let mut conn = open(&client).await.ok()?;
-        eviction_policy(&mut conn).await.ok()
+/// Start-up check: `Some(policy)` when a Redis that answers has an evicting policy, which a
+/// gateway requiring noeviction must refuse (every seed of a cluster is asked). A Redis that
+/// is down is not an error here: the routes follow their fail modes until it comes.
+pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
+    let urls = match &config.target {
+        crate::config::RedisTarget::Single(url) => std::slice::from_ref(url),
+        crate::config::RedisTarget::Cluster(seeds) => seeds.as_slice(),
     };
-    match tokio::time::timeout(Duration::from_secs(3), check).await {
-        Ok(Some(EvictionPolicy::Evicting(p))) => Some(p),
-        Ok(Some(EvictionPolicy::Unknown)) => {
-            tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
-            None
+    for url in urls {
+        let Ok(client) = redis::Client::open(url.as_str()) else {
+            continue;
+        };
+        let check = async {
+            let mut conn = open(&client).await.ok()?;
+            eviction_policy(&mut conn).await.ok()
+        };
+        match tokio::time::timeout(Duration::from_secs(3), check).await {
+            Ok(Some(EvictionPolicy::Evicting(p))) => return Some(p),
+            Ok(Some(EvictionPolicy::Unknown)) => {
+                tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
+            }
+            _ => {}
         }
-        _ => None,
     }
+    None
 }
 
-async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<MultiplexedConnection> {
+async fn connect(
+    shared: &Shared,
+    link: &Link,
+    target: &Target,
+) -> redis::RedisResult<MultiplexedConnection> {
     let mut conn = match shared.proxy_runtime.get() {
         // Spawned there, the connection's driver task runs on the proxy's workers.
         Some(proxy) => {
@@ -109,16 +234,17 @@ async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<Multipl
         None => open(&target.client).await?,
     };
     let policy = eviction_policy(&mut conn).await?;
+    let required = shared.require_noeviction.load(Ordering::Relaxed);
     match &policy {
-        EvictionPolicy::Evicting(p) if target.require_noeviction => {
-            tracing::error!(maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
+        EvictionPolicy::Evicting(p) if required => {
+            tracing::error!(node = %target.node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
         }
-        EvictionPolicy::Unknown if target.require_noeviction => {
-            tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
+        EvictionPolicy::Unknown if required => {
+            tracing::warn!(node = %target.node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
         }
         _ => {}
     }
-    shared.eviction_policy.store(match policy {
+    link.eviction_policy.store(match policy {
         EvictionPolicy::NoEviction => Some(Arc::new("noeviction".to_owned())),
         EvictionPolicy::Evicting(p) => Some(Arc::new(p)),
         EvictionPolicy::Unknown => None,
@@ -134,7 +260,7 @@ async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<Multipl
             Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
             // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
             Err(e) => {
-                tracing::error!(error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
+                tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
                 break;
             }
         }
@@ -142,44 +268,42 @@ async fn connect(shared: &Shared, target: &Target) -> redis::RedisResult<Multipl
     Ok(conn)
 }
 
-/// Keeps one connection up: connects, checks, loads the scripts, then sleeps until the
-/// connection is dropped.
-pub(super) async fn connector(shared: Arc<Shared>) {
+/// Keeps one link's connection up: connects, checks, loads the scripts, then sleeps until
+/// the connection is dropped. Ends when the link is retired.
+pub(crate) async fn connector(shared: Arc<Shared>, link: Arc<Link>) {
     let mut attempt = 0u32;
-    loop {
-        let connected = shared.conn.load().is_some();
-        let movable = shared.proxy_runtime.get().is_some()
-            && !shared.on_proxy_runtime.load(Ordering::Relaxed);
+    while !link.retired.load(Ordering::Relaxed) {
+        let connected = link.is_connected();
+        let movable =
+            shared.proxy_runtime.get().is_some() && !link.on_proxy_runtime.load(Ordering::Relaxed);
         if connected && !movable {
-            shared.wake.notified().await;
+            link.wake.notified().await;
             continue;
         }
-        let target = shared.target.load_full();
-        match connect(&shared, &target).await {
+        let target = link.target.load_full();
+        match connect(&shared, &link, &target).await {
             // A reload may have changed the target while this one was connecting.
-            Ok(_) if !Arc::ptr_eq(&target, &shared.target.load_full()) => continue,
+            Ok(_) if !Arc::ptr_eq(&target, &link.target.load_full()) => continue,
+            Ok(_) if link.retired.load(Ordering::Relaxed) => break,
             Ok(conn) => {
                 // Swapping is seamless: requests on the old connection finish on it.
-                shared.conn.store(Some(Arc::new(conn)));
-                shared
-                    .on_proxy_runtime
-                    .store(shared.proxy_runtime.get().is_some(), Ordering::Relaxed);
+                link.install(conn, shared.proxy_runtime.get().is_some());
                 if connected {
-                    tracing::info!("redis connection now driven by the proxy workers");
+                    tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                     continue;
                 }
-                shared.outage_logged.store(false, Ordering::Relaxed);
-                tracing::info!(attempts = attempt + 1, "redis connected");
+                link.outage_logged.store(false, Ordering::Relaxed);
+                tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
                 attempt = 0;
             }
             Err(e) if connected => {
-                tracing::debug!(error = %e, "cannot open a connection on the proxy runtime yet");
+                tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");
                 tokio::time::sleep(backoff(attempt)).await;
                 attempt = attempt.saturating_add(1);
             }
             Err(e) => {
-                if !shared.outage_logged.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, "redis unavailable; reconnecting in the background");
+                if !link.outage_logged.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(node = %target.node, error = %e, "redis unavailable; reconnecting in the background");
                 }
                 tokio::time::sleep(backoff(attempt)).await;
                 attempt = attempt.saturating_add(1);

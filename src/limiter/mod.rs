@@ -13,6 +13,7 @@
 //! An emergency denial is `emergency_local_limit`.
 
 pub mod breaker;
+pub mod cluster;
 pub mod connector;
 pub mod emergency;
 mod endpoint;
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 pub use breaker::{Breaker, BreakerState};
 pub use endpoint::{identity_hash, Endpoint};
-pub use store::{ScriptKind, ScriptReply, Store, StoreFailure};
+pub use store::{NodeStatus, ScriptKind, ScriptReply, Store, StoreFailure};
 
 use crate::config::{Algorithm, FailMode};
 use emergency::EmergencyOutcome;
@@ -161,10 +162,10 @@ pub fn degrade(
     }
 }
 
-/// The limiter of one process: the Redis store behind the breaker, then the fail mode.
+/// The limiter of one process: the Redis store behind its breakers (one per Redis node),
+/// then the fail mode.
 pub struct Limiter {
     pub store: Store,
-    pub breaker: Breaker,
 }
 
 impl Limiter {
@@ -196,7 +197,7 @@ impl Limiter {
                     reason: DecisionReason::Allowed,
                     allowed: true,
                     retry_after_secs: 0,
-                    breaker: self.breaker.state(),
+                    breaker: self.store.breaker_state(),
                     reply: None,
                     cached: false,
                 }
@@ -208,12 +209,23 @@ impl Limiter {
                 reason: DecisionReason::RateLimited,
                 allowed: false,
                 retry_after_secs: left_us.div_ceil(1_000_000).clamp(1, MAX_RETRY_AFTER_SECS),
-                breaker: self.breaker.state(),
+                breaker: self.store.breaker_state(),
                 reply: None,
                 cached: true,
             };
         }
-        let permit = match self.breaker.acquire() {
+        // No node to ask: a cluster whose slot map is not known yet, or whose slot no
+        // primary serves. Fails at once, as a disconnected Redis does.
+        let Some(link) = self.store.link_for(&key) else {
+            return self.degraded(
+                endpoint,
+                identity_hash,
+                Degradation::Store(StoreFailure::ConnectionError),
+                self.store.breaker_state(),
+            );
+        };
+        let breaker = &link.breaker;
+        let permit = match breaker.acquire() {
             Ok(p) => p,
             Err(short) => {
                 return self.degraded(
@@ -222,10 +234,15 @@ impl Limiter {
                     Degradation::BreakerOpen {
                         retry_in: short.retry_in,
                     },
+                    breaker.state(),
                 )
             }
         };
-        match self.store.run(kind, &key, args, permit.is_probe()).await {
+        match self
+            .store
+            .run(&link, kind, &key, args, permit.is_probe())
+            .await
+        {
             Ok(reply) => {
                 permit.success();
                 if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {
@@ -239,25 +256,36 @@ impl Limiter {
                     },
                     allowed: reply.allowed,
                     retry_after_secs: reply.retry_after_secs(),
-                    breaker: self.breaker.state(),
+                    breaker: breaker.state(),
                     reply: Some(reply),
                     cached: false,
                 }
             }
             Err(failure) => {
                 permit.failure();
-                self.degraded(endpoint, identity_hash, Degradation::Store(failure))
+                self.degraded(
+                    endpoint,
+                    identity_hash,
+                    Degradation::Store(failure),
+                    breaker.state(),
+                )
             }
         }
     }
 
-    fn degraded(&self, endpoint: &Endpoint, identity_hash: &str, cause: Degradation) -> Decision {
+    fn degraded(
+        &self,
+        endpoint: &Endpoint,
+        identity_hash: &str,
+        cause: Degradation,
+        breaker: BreakerState,
+    ) -> Decision {
         degrade(
             cause,
             endpoint.policy.fail_mode,
             endpoint.emergency.as_deref(),
             identity_hash,
-            self.breaker.state(),
+            breaker,
         )
     }
 }

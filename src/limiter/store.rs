@@ -1,7 +1,11 @@
-//! The Redis store: one shared multiplexed connection, EVALSHA within the budget, and the
-//! classification of every failure as timeout, connection error or NOSCRIPT.
+//! The Redis store: one shared multiplexed connection per Redis node, EVALSHA within the
+//! budget, and the classification of every failure as timeout, connection error or NOSCRIPT.
 //!
-//! The connection is first driven on a runtime the store owns; once the first request shows
+//! With one Redis there is one [`Link`]; with Redis Cluster one per primary, chosen by the
+//! key's slot (see `cluster.rs`), and a request follows `MOVED` / `ASK` within its budget.
+//! Each link has its own breaker.
+//!
+//! A connection is first driven on a runtime the store owns; once the first request shows
 //! the proxy's runtime, a new one is opened there and swapped in (a decision then needs no
 //! hop to another thread). While it is down, an evaluation fails at
 //! once as a connection error (there is no offline queue) and a background task reconnects
@@ -9,18 +13,19 @@
 //! once. A slow but connected Redis is a timeout. `NOSCRIPT` costs one `SCRIPT LOAD` and one
 //! retry, inside the same budget.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, RedisError, ServerErrorKind};
-use tokio::sync::Notify;
 
-use super::connector::{connector, Target};
+use super::breaker::{Breaker, BreakerState, TransitionHook};
+use super::cluster::{keep_topology, Cluster};
+use super::connector::{connector, Link, Target};
 
-use crate::config::RedisConfig;
+use crate::clock::SharedClock;
+use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
 use crate::metrics::{Metrics, StoreErrorCounters};
 
 pub const TOKEN_BUCKET_LUA: &str = concat!(
@@ -103,9 +108,9 @@ impl ScriptReply {
     }
 }
 
-pub(super) struct Script {
-    pub(super) sha: String,
-    pub(super) body: &'static str,
+pub(crate) struct Script {
+    pub(crate) sha: String,
+    pub(crate) body: &'static str,
 }
 
 impl Script {
@@ -117,29 +122,134 @@ impl Script {
     }
 }
 
-pub(super) struct Shared {
-    pub(super) conn: ArcSwapOption<MultiplexedConnection>,
-    pub(super) wake: Notify,
+/// One Redis, or the primaries of a cluster.
+pub(crate) enum Mode {
+    Single(Arc<Link>),
+    Cluster(Cluster),
+}
+
+/// What the whole store shares: budget, scripts, metrics, breakers, and its links.
+pub(crate) struct Shared {
     budget_us: AtomicU64,
-    pub(super) token_bucket: Script,
-    pub(super) sliding_window: Script,
+    pub(crate) token_bucket: Script,
+    pub(crate) sliding_window: Script,
     heartbeat: redis::Script,
     errors: StoreErrorCounters,
     redis_duration: prometheus::Histogram,
-    /// Where to connect; replaced when a reload changes `[redis] url`.
-    pub(super) target: ArcSwap<Target>,
-    /// Whether the last connection attempt failed; logs once per outage, not per retry.
-    pub(super) outage_logged: AtomicBool,
-    /// Redis's `maxmemory-policy` as last read, when it could be read.
-    pub(super) eviction_policy: ArcSwapOption<String>,
-    /// The proxy's runtime, learnt from the first request: the connection's driver task is
+    /// The proxy's runtime, learnt from the first request: connections' driver tasks are
     /// moved there so a decision does not hop to another thread and back.
-    pub(super) proxy_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
-    /// Whether the current connection is driven on the proxy's runtime.
-    pub(super) on_proxy_runtime: AtomicBool,
-    /// The last evaluation timed out: the connection may be talking to a peer that is gone
-    /// without a word (no RST), so the next breaker probe opens a fresh one.
-    suspect: AtomicBool,
+    pub(crate) proxy_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
+    pub(crate) require_noeviction: AtomicBool,
+    breakers: Arc<BreakerBoard>,
+    /// The store's own runtime: connectors and the cluster refresher run there.
+    runtime: tokio::runtime::Handle,
+    pub(crate) mode: Mode,
+}
+
+impl Shared {
+    /// A link to one node, its breaker and its connector.
+    pub(crate) fn new_link(self: &Arc<Self>, target: Target) -> Arc<Link> {
+        let node = match self.mode {
+            Mode::Cluster(_) => Some(target.node.clone()),
+            Mode::Single(_) => None,
+        };
+        if let Some(node) = &node {
+            self.breakers.metrics.redis_node(node, Some(false));
+        }
+        let breaker = self.breakers.breaker(node);
+        let link = Arc::new(Link::new(target, breaker));
+        self.runtime
+            .spawn(connector(Arc::clone(self), Arc::clone(&link)));
+        link
+    }
+
+    /// A node left: its connector stops and its breaker no longer counts.
+    pub(crate) fn retire(&self, link: &Link) {
+        link.retire();
+        self.breakers.forget(link.breaker.state());
+        self.breakers.metrics.redis_node(&link.node(), None);
+    }
+}
+
+/// Every breaker's transitions, summed into `sentinel_breaker_state`: with one Redis its
+/// breaker's state; in a cluster open when any primary's is open, else half_open when any
+/// is, else closed.
+struct BreakerBoard {
+    config: Mutex<BreakerConfig>,
+    clock: SharedClock,
+    open: AtomicI64,
+    half_open: AtomicI64,
+    metrics: Arc<Metrics>,
+}
+
+impl BreakerBoard {
+    fn breaker(self: &Arc<Self>, node: Option<String>) -> Breaker {
+        let config = *self.config.lock().expect("breaker config lock");
+        let board = Arc::clone(self);
+        let hook: TransitionHook =
+            Box::new(move |from, to| board.transition(node.as_deref(), from, to));
+        Breaker::new(config, Arc::clone(&self.clock), hook)
+    }
+
+    fn count(&self, state: BreakerState) -> Option<&AtomicI64> {
+        match state {
+            BreakerState::Open => Some(&self.open),
+            BreakerState::HalfOpen => Some(&self.half_open),
+            BreakerState::Closed => None,
+        }
+    }
+
+    fn transition(&self, node: Option<&str>, from: BreakerState, to: BreakerState) {
+        if let Some(c) = self.count(from) {
+            c.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(c) = self.count(to) {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
+        self.metrics.breaker_transition(
+            to.as_str(),
+            self.state() as i64,
+            node.map(|n| (n, to as i64)),
+        );
+        match node {
+            Some(node) => tracing::warn!(
+                node,
+                from = from.as_str(),
+                to = to.as_str(),
+                "circuit breaker transition"
+            ),
+            None => tracing::warn!(
+                from = from.as_str(),
+                to = to.as_str(),
+                "circuit breaker transition"
+            ),
+        }
+    }
+
+    fn forget(&self, state: BreakerState) {
+        if let Some(c) = self.count(state) {
+            c.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.breaker_state.set(self.state() as i64);
+        }
+    }
+
+    fn state(&self) -> BreakerState {
+        if self.open.load(Ordering::Acquire) > 0 {
+            BreakerState::Open
+        } else if self.half_open.load(Ordering::Acquire) > 0 {
+            BreakerState::HalfOpen
+        } else {
+            BreakerState::Closed
+        }
+    }
+}
+
+/// A cluster primary as `/readyz` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub node: String,
+    pub connected: bool,
+    pub breaker: BreakerState,
 }
 
 /// The process's Redis store. Cheap to clone.
@@ -149,69 +259,188 @@ pub struct Store {
     runtime: Arc<tokio::runtime::Runtime>,
 }
 
+/// Where one evaluation stands.
+enum Step {
+    Reply(Vec<i64>),
+    Failed(StoreFailure),
+    /// `MOVED` (`ask` false) or `ASK`: try again on `addr`.
+    Redirect {
+        slot: u16,
+        addr: String,
+        ask: bool,
+    },
+}
+
+/// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
+/// is already unusual).
+const MAX_REDIRECTS: usize = 3;
+
 impl Store {
-    /// Starts the store's runtime and its connector; returns at once, connected or not.
-    pub fn start(config: &RedisConfig, metrics: &Metrics) -> std::io::Result<Self> {
+    /// Starts the store's runtime and its connectors; returns at once, connected or not.
+    pub fn start(
+        config: &RedisConfig,
+        breaker: BreakerConfig,
+        clock: SharedClock,
+        metrics: &Arc<Metrics>,
+    ) -> std::io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("sentinel-store")
             .enable_all()
             .build()?;
+        let board = Arc::new(BreakerBoard {
+            config: Mutex::new(breaker),
+            clock,
+            open: AtomicI64::new(0),
+            half_open: AtomicI64::new(0),
+            metrics: Arc::clone(metrics),
+        });
+        let mode = match &config.target {
+            RedisTarget::Single(url) => {
+                Mode::Single(Arc::new(Link::new(Target::new(url)?, board.breaker(None))))
+            }
+            RedisTarget::Cluster(seeds) => Mode::Cluster(Cluster::new(seeds.clone())),
+        };
         let shared = Arc::new(Shared {
-            conn: ArcSwapOption::empty(),
-            wake: Notify::new(),
             budget_us: AtomicU64::new(config.timeout.as_micros() as u64),
             token_bucket: Script::new(TOKEN_BUCKET_LUA),
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
             heartbeat: redis::Script::new(HEARTBEAT_LUA),
             errors: metrics.store_errors(),
             redis_duration: metrics.redis_duration.clone(),
-            target: ArcSwap::from_pointee(Target::new(config)?),
-            outage_logged: AtomicBool::new(false),
-            eviction_policy: ArcSwapOption::empty(),
             proxy_runtime: std::sync::OnceLock::new(),
-            on_proxy_runtime: AtomicBool::new(false),
-            suspect: AtomicBool::new(false),
+            require_noeviction: AtomicBool::new(config.require_noeviction),
+            runtime: runtime.handle().clone(),
+            mode,
+            breakers: board,
         });
-        runtime.spawn(connector(Arc::clone(&shared)));
+        match &shared.mode {
+            Mode::Single(link) => {
+                runtime.spawn(connector(Arc::clone(&shared), Arc::clone(link)));
+            }
+            Mode::Cluster(_) => {
+                runtime.spawn(keep_topology(Arc::clone(&shared)));
+            }
+        }
         Ok(Self {
             shared,
             runtime: Arc::new(runtime),
         })
     }
 
-    /// The runtime the store's connection runs on; also hosts the gateway's control tasks.
+    /// The runtime the store's connections start on; also hosts the gateway's control tasks.
     pub fn runtime(&self) -> &tokio::runtime::Handle {
         self.runtime.handle()
     }
 
-    /// Follows a reloaded `[redis]` section: a new URL drops the connection and reconnects.
-    pub fn retarget(&self, config: &RedisConfig) -> std::io::Result<()> {
+    /// Follows a reloaded `[redis]` section: a new URL (or new seeds) drops the connections
+    /// and reconnects. Switching between one Redis and a cluster needs a restart: returns
+    /// the field that says so, and keeps the current store.
+    pub fn retarget(&self, config: &RedisConfig) -> std::io::Result<Option<&'static str>> {
         self.set_budget(config.timeout);
-        let current = self.shared.target.load();
-        if current.url == config.url && current.require_noeviction == config.require_noeviction {
-            return Ok(());
+        self.shared
+            .require_noeviction
+            .store(config.require_noeviction, Ordering::Relaxed);
+        match (&self.shared.mode, &config.target) {
+            (Mode::Single(link), RedisTarget::Single(url)) => {
+                if link.target.load().url != *url {
+                    link.target.store(Arc::new(Target::new(url)?));
+                    tracing::info!("redis.url changed; reconnecting");
+                    link.conn.store(None);
+                    link.wake.notify_one();
+                }
+                Ok(None)
+            }
+            (Mode::Cluster(cluster), RedisTarget::Cluster(seeds)) => {
+                if *cluster.seeds() != *seeds {
+                    tracing::info!("redis.cluster_urls changed; discovering the cluster anew");
+                    cluster.reseed(&self.shared, seeds.clone());
+                }
+                Ok(None)
+            }
+            (Mode::Single(_), RedisTarget::Cluster(_)) => Ok(Some("redis.cluster_urls")),
+            (Mode::Cluster(_), RedisTarget::Single(_)) => Ok(Some("redis.url")),
         }
-        let url_changed = current.url != config.url;
-        self.shared.target.store(Arc::new(Target::new(config)?));
-        if url_changed {
-            tracing::info!("redis.url changed; reconnecting");
-            self.shared.conn.store(None);
-            self.shared.wake.notify_one();
+    }
+
+    /// Every link: the one Redis, or every primary known.
+    fn links(&self) -> Vec<Arc<Link>> {
+        match &self.shared.mode {
+            Mode::Single(link) => vec![Arc::clone(link)],
+            Mode::Cluster(cluster) => cluster.topology.load().links.clone(),
         }
-        Ok(())
     }
 
     /// Redis's `maxmemory-policy` when last read; `None` until read or when not permitted.
+    /// In a cluster, the first evicting policy of a primary, else `noeviction` once every
+    /// primary said so.
     pub fn eviction_policy(&self) -> Option<String> {
-        self.shared
-            .eviction_policy
-            .load_full()
-            .map(|p| (*p).clone())
+        let policies: Vec<Option<Arc<String>>> = self
+            .links()
+            .iter()
+            .map(|l| l.eviction_policy.load_full())
+            .collect();
+        if let Some(evicting) = policies
+            .iter()
+            .flatten()
+            .find(|p| p.as_str() != "noeviction")
+        {
+            return Some((**evicting).clone());
+        }
+        let all_known = !policies.is_empty() && policies.iter().all(Option::is_some);
+        all_known.then(|| "noeviction".to_owned())
     }
 
+    /// Whether the store can reach its Redis: the one Redis, or every primary of the map.
     pub fn is_connected(&self) -> bool {
-        self.shared.conn.load().is_some()
+        let links = self.links();
+        !links.is_empty() && links.iter().all(|l| l.is_connected())
+    }
+
+    /// Each cluster primary's state; empty with one Redis.
+    pub fn nodes(&self) -> Vec<NodeStatus> {
+        let Mode::Cluster(_) = &self.shared.mode else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<NodeStatus> = self
+            .links()
+            .iter()
+            .map(|l| NodeStatus {
+                node: l.node(),
+                connected: l.is_connected(),
+                breaker: l.breaker.state(),
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        for n in &nodes {
+            self.shared
+                .breakers
+                .metrics
+                .redis_node(&n.node, Some(n.connected));
+        }
+        nodes
+    }
+
+    /// The process's breaker state: see [`BreakerBoard`].
+    pub fn breaker_state(&self) -> BreakerState {
+        self.shared.breakers.state()
+    }
+
+    /// A reload changes the breakers' thresholds; their states carry on.
+    pub fn reconfigure_breakers(&self, config: BreakerConfig) {
+        *self
+            .shared
+            .breakers
+            .config
+            .lock()
+            .expect("breaker config lock") = config;
+        let links = match &self.shared.mode {
+            Mode::Single(link) => vec![Arc::clone(link)],
+            Mode::Cluster(cluster) => cluster.links(),
+        };
+        for link in links {
+            link.breaker.reconfigure(config);
+        }
     }
 
     pub fn set_budget(&self, budget: Duration) {
@@ -224,13 +453,23 @@ impl Store {
         Duration::from_micros(self.shared.budget_us.load(Ordering::Relaxed))
     }
 
-    /// Runs a limiter script for `key` within the budget.
+    /// The link that decides `key`: the one Redis, or the primary owning its slot. `None`
+    /// while a cluster's map is unknown or no primary serves the slot.
+    pub(crate) fn link_for(&self, key: &str) -> Option<Arc<Link>> {
+        match &self.shared.mode {
+            Mode::Single(link) => Some(Arc::clone(link)),
+            Mode::Cluster(cluster) => cluster.link_for(key),
+        }
+    }
+
+    /// Runs a limiter script for `key` on `link` within the budget.
     ///
-    /// `probe`: this is the breaker's half-open probe; after a timeout it opens a fresh
+    /// `probe`: this is the link's breaker's half-open probe; after a timeout it opens a fresh
     /// connection first, inside the same budget, so a peer that vanished silently (or moved
     /// behind its DNS name) is left behind.
-    pub async fn run(
+    pub(crate) async fn run(
         &self,
+        link: &Arc<Link>,
         kind: ScriptKind,
         key: &str,
         args: [u64; 3],
@@ -239,7 +478,9 @@ impl Store {
         if self.shared.proxy_runtime.get().is_none() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 if self.shared.proxy_runtime.set(handle).is_ok() {
-                    self.shared.wake.notify_one();
+                    for link in self.links() {
+                        link.wake.notify_one();
+                    }
                 }
             }
         }
@@ -248,9 +489,8 @@ impl Store {
             ScriptKind::SlidingWindow => &self.shared.sliding_window,
         };
         let started = Instant::now();
-        let result = self.eval(script, key, &args, probe).await;
-        self.shared
-            .suspect
+        let result = self.eval(link, script, key, &args, probe).await;
+        link.suspect
             .store(result == Err(StoreFailure::Timeout), Ordering::Relaxed);
         self.shared
             .redis_duration
@@ -274,7 +514,7 @@ impl Store {
         instance: &str,
         ttl_ms: u64,
     ) -> Result<u64, StoreFailure> {
-        let Some(conn) = self.shared.conn.load_full() else {
+        let Some(conn) = self.link_for(key).and_then(|l| l.conn.load_full()) else {
             return Err(StoreFailure::ConnectionError);
         };
         let mut c = (*conn).clone();
@@ -284,7 +524,9 @@ impl Store {
         match tokio::time::timeout(Duration::from_millis(500), call).await {
             Err(_) => Err(StoreFailure::Timeout),
             Ok(Ok(n)) => Ok(n),
-            Ok(Err(e)) => Err(self.classify(&conn, &e)),
+            Ok(Err(e)) => Err(StoreFailure::ConnectionError).inspect_err(|_| {
+                tracing::debug!(error = %e, "fleet heartbeat failed");
+            }),
         }
     }
 
@@ -297,31 +539,29 @@ impl Store {
         }
     }
 
-    /// The connection to use: the shared one, or, for a probe after a timeout, a new one.
-    async fn connection(&self, probe: bool) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
-        if !(probe && self.shared.suspect.load(Ordering::Relaxed)) {
-            return self
-                .shared
-                .conn
-                .load_full()
-                .ok_or(StoreFailure::ConnectionError);
+    /// The connection to use: the link's, or, for a probe after a timeout, a new one.
+    async fn connection(
+        &self,
+        link: &Link,
+        probe: bool,
+    ) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
+        if !(probe && link.suspect.load(Ordering::Relaxed)) {
+            return link.conn.load_full().ok_or(StoreFailure::ConnectionError);
         }
-        let target = self.shared.target.load_full();
+        let target = link.target.load_full();
         let fresh = super::connector::open(&target.client).await.map_err(|e| {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
             StoreFailure::ConnectionError
         })?;
-        let fresh = Arc::new(fresh);
-        self.shared.conn.store(Some(Arc::clone(&fresh)));
-        self.shared
-            .on_proxy_runtime
-            .store(self.shared.proxy_runtime.get().is_some(), Ordering::Relaxed);
-        tracing::info!("the breaker probe replaced a redis connection that had timed out");
-        Ok(fresh)
+        link.install(fresh, self.shared.proxy_runtime.get().is_some());
+        tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
+        link.conn.load_full().ok_or(StoreFailure::ConnectionError)
     }
 
+    /// The evaluation, redirects included, inside one budget.
     async fn eval(
         &self,
+        link: &Arc<Link>,
         script: &Script,
         key: &str,
         args: &[u64],
@@ -329,39 +569,104 @@ impl Store {
     ) -> Result<Vec<i64>, StoreFailure> {
         let budget = self.budget();
         let attempt = async {
-            let conn = self.connection(probe).await?;
-            let mut c = (*conn).clone();
-            match evalsha(&mut c, script, key, args).await {
-                Err(e) if is_noscript(&e) => {}
-                other => return other.map_err(|e| self.classify(&conn, &e)),
-            }
-            // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
-            // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
-            let load = redis::cmd("SCRIPT")
-                .arg("LOAD")
-                .arg(script.body)
-                .query_async::<String>(&mut c)
-                .await;
-            match load {
-                Ok(_) => {}
-                Err(e) if is_transport(&e) => return Err(self.classify(&conn, &e)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
-                    return Err(StoreFailure::Noscript);
+            let mut link = Arc::clone(link);
+            let mut asking = false;
+            for hop in 0..=MAX_REDIRECTS {
+                match self
+                    .eval_on(&link, script, key, args, probe && hop == 0, asking)
+                    .await
+                {
+                    Step::Reply(v) => return Ok(v),
+                    Step::Failed(f) => return Err(f),
+                    Step::Redirect { slot, addr, ask } => {
+                        let Mode::Cluster(cluster) = &self.shared.mode else {
+                            tracing::error!(%addr, "redis answered MOVED/ASK but redis.url names one Redis: use redis.cluster_urls for a cluster");
+                            return Err(StoreFailure::ConnectionError);
+                        };
+                        let next = if ask {
+                            cluster.asked(&self.shared, &addr)
+                        } else {
+                            cluster.moved(&self.shared, slot, &addr)
+                        };
+                        let Some(next) = next else {
+                            tracing::warn!(%addr, "redis redirected to an address that cannot be used");
+                            return Err(StoreFailure::ConnectionError);
+                        };
+                        // A node first named by this redirect connects now; the budget
+                        // bounds the wait.
+                        next.connected().await;
+                        link = next;
+                        asking = ask;
+                    }
                 }
             }
-            evalsha(&mut c, script, key, args)
-                .await
-                .map_err(|e| self.classify(&conn, &e))
+            tracing::warn!(
+                key_slot = super::cluster::slot(key.as_bytes()),
+                "redis cluster redirected too many times"
+            );
+            Err(StoreFailure::ConnectionError)
         };
         tokio::time::timeout(budget, attempt)
             .await
             .unwrap_or(Err(StoreFailure::Timeout))
     }
 
+    /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
+    async fn eval_on(
+        &self,
+        link: &Link,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+        probe: bool,
+        asking: bool,
+    ) -> Step {
+        let conn = match self.connection(link, probe).await {
+            Ok(c) => c,
+            Err(f) => return Step::Failed(f),
+        };
+        let mut c = (*conn).clone();
+        let step = |r: redis::RedisResult<Vec<i64>>| match r {
+            Ok(v) => Step::Reply(v),
+            Err(e) => match e.redirect_node() {
+                Some((addr, slot)) => Step::Redirect {
+                    slot,
+                    addr: addr.to_owned(),
+                    ask: e.kind() == ErrorKind::Server(ServerErrorKind::Ask),
+                },
+                None => Step::Failed(self.classify(link, &conn, &e)),
+            },
+        };
+        match evalsha(&mut c, script, key, args, asking).await {
+            Err(e) if is_noscript(&e) => {}
+            other => return step(other),
+        }
+        // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
+        // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
+        let load = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(script.body)
+            .query_async::<String>(&mut c)
+            .await;
+        match load {
+            Ok(_) => {}
+            Err(e) if is_transport(&e) => return Step::Failed(self.classify(link, &conn, &e)),
+            Err(e) => {
+                tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
+                return Step::Failed(StoreFailure::Noscript);
+            }
+        }
+        step(evalsha(&mut c, script, key, args, asking).await)
+    }
+
     /// One cause per error. Anything that is not a timeout or NOSCRIPT means this connection
     /// cannot answer now; errors that hint at a bug on our side are logged as such.
-    fn classify(&self, conn: &Arc<MultiplexedConnection>, e: &RedisError) -> StoreFailure {
+    fn classify(
+        &self,
+        link: &Link,
+        conn: &Arc<MultiplexedConnection>,
+        e: &RedisError,
+    ) -> StoreFailure {
         if is_noscript(e) {
             return StoreFailure::Noscript;
         }
@@ -369,7 +674,7 @@ impl Store {
             return StoreFailure::Timeout;
         }
         if is_transport(e) {
-            self.drop_connection(conn, e);
+            self.drop_connection(link, conn, e);
         } else if matches!(
             e.kind(),
             ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client
@@ -383,12 +688,15 @@ impl Store {
     }
 
     /// Forgets a broken connection (once, however many requests saw it break) and wakes the
-    /// connector.
-    fn drop_connection(&self, conn: &Arc<MultiplexedConnection>, e: &RedisError) {
-        let prev = self.shared.conn.compare_and_swap(conn, None);
+    /// connector; in a cluster, also asks for a fresh slot map (a replica may be taking over).
+    fn drop_connection(&self, link: &Link, conn: &Arc<MultiplexedConnection>, e: &RedisError) {
+        let prev = link.conn.compare_and_swap(conn, None);
         if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
-            tracing::warn!(error = %e, "redis connection lost; reconnecting in the background");
-            self.shared.wake.notify_one();
+            tracing::warn!(node = %link.node(), error = %e, "redis connection lost; reconnecting in the background");
+            link.wake.notify_one();
+            if let Mode::Cluster(cluster) = &self.shared.mode {
+                cluster.refresh.notify_one();
+            }
         }
     }
 }
@@ -405,17 +713,24 @@ pub(super) fn is_transport(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
 }
 
+/// `EVALSHA`; after an `ASK`, sent behind `ASKING` in one round trip.
 async fn evalsha(
     c: &mut MultiplexedConnection,
     script: &Script,
     key: &str,
     args: &[u64],
+    asking: bool,
 ) -> redis::RedisResult<Vec<i64>> {
-    redis::cmd("EVALSHA")
-        .arg(&script.sha)
-        .arg(1)
-        .arg(key)
-        .arg(args)
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(&script.sha).arg(1).arg(key).arg(args);
+    if !asking {
+        return cmd.query_async(c).await;
+    }
+    let (reply,): (Vec<i64>,) = redis::pipe()
+        .cmd("ASKING")
+        .ignore()
+        .add_command(cmd)
         .query_async(c)
-        .await
+        .await?;
+    Ok(reply)
 }

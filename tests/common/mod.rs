@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod fault;
 
 use std::io::Write;
@@ -77,6 +78,8 @@ pub struct Redis {
     pub port: u16,
     pub proc: Proc,
     dir: tempfile::TempDir,
+    /// Another directory that must live as long as the server (a cluster node's config).
+    kept: Option<tempfile::TempDir>,
 }
 
 impl Redis {
@@ -108,6 +111,7 @@ impl Redis {
                 name: "redis-server",
             },
             dir,
+            kept: None,
         };
         wait_until(Duration::from_secs(10), "redis-server to answer", || {
             redis.client().get_connection().is_ok()
@@ -117,6 +121,21 @@ impl Redis {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn keep_dir(&mut self, dir: tempfile::TempDir) {
+        self.kept = Some(dir);
+    }
+
+    pub fn take_dir(&mut self) -> Option<tempfile::TempDir> {
+        self.kept.take()
+    }
+
+    pub fn proc_alive(&self) -> bool {
+        std::fs::metadata(format!("/proc/{}", self.proc.pid())).is_ok()
+            && !std::fs::read_to_string(format!("/proc/{}/stat", self.proc.pid()))
+                .unwrap_or_default()
+                .contains(") Z ")
     }
 
     pub fn client(&self) -> redis::Client {

@@ -108,25 +108,28 @@ pub(super) fn redis(
     url_override: Option<&str>,
 ) -> Option<RedisConfig> {
     let r = raw.redis.as_ref().map(|r| r.get_ref());
-    let mut ok = true;
-    if let Some(cluster) = r.and_then(|r| r.cluster_urls.as_ref()) {
-        c.push(
-            Some(&cluster.span()),
-            None,
-            "redis.cluster_urls: Redis Cluster is not available in this version: use redis.url"
-                .into(),
-        );
-        ok = false;
-    }
-    let url = match (url_override, r.and_then(|r| r.url.as_ref())) {
-        (Some(env), _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\"")),
-        (None, Some(u)) => check_redis_url(
+    let url = r.and_then(|r| r.url.as_ref());
+    let cluster = r.and_then(|r| r.cluster_urls.as_ref());
+    let target = match (url_override, url, cluster) {
+        (Some(env), _, _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\""))
+            .map(RedisTarget::Single),
+        (None, Some(u), Some(_)) => {
+            c.push(
+                Some(&u.span()),
+                None,
+                "redis.url and redis.cluster_urls are both set: keep exactly one (url for one Redis, cluster_urls for Redis Cluster)".into(),
+            );
+            None
+        }
+        (None, Some(u), None) => check_redis_url(
             c,
             Some(&u.span()),
             u.get_ref(),
             &format!("redis.url = \"{}\"", u.get_ref()),
-        ),
-        (None, None) => Some("redis://127.0.0.1:6379/0".to_owned()),
+        )
+        .map(RedisTarget::Single),
+        (None, None, Some(seeds)) => cluster_urls(c, seeds),
+        (None, None, None) => Some(RedisTarget::Single("redis://127.0.0.1:6379/0".to_owned())),
     };
     let timeout = int_in(
         c,
@@ -153,12 +156,58 @@ pub(super) fn redis(
     };
     let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
     Some(RedisConfig {
-        url: url?,
+        target: target?,
         timeout: Duration::from_millis(timeout?),
         key_prefix: key_prefix?,
         require_noeviction,
     })
-    .filter(|_| ok)
+}
+
+/// Seed nodes of a Redis Cluster: 1 to 64 `redis://host:port` URLs, database 0 (a cluster
+/// has no other).
+fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Option<RedisTarget> {
+    let list = seeds.get_ref();
+    if list.is_empty() || list.len() > 64 {
+        c.push(
+            Some(&seeds.span()),
+            None,
+            format!(
+                "redis.cluster_urls has {} entries: list 1 to 64 seed nodes, such as [\"redis://10.0.0.1:6379\"]",
+                list.len()
+            ),
+        );
+        return None;
+    }
+    let mut ok = true;
+    let mut urls = Vec::with_capacity(list.len());
+    for seed in list {
+        let text = seed.get_ref();
+        let what = format!("redis.cluster_urls entry \"{text}\"");
+        let Some(url) = check_redis_url(c, Some(&seed.span()), text, &what) else {
+            ok = false;
+            continue;
+        };
+        let info = redis::IntoConnectionInfo::into_connection_info(url.as_str());
+        match info {
+            Ok(info) if !matches!(info.addr(), redis::ConnectionAddr::Tcp(..)) => {
+                c.push(Some(&seed.span()), None, format!("{what} is not a TCP address: cluster nodes are reached as redis://host:port"));
+                ok = false;
+            }
+            Ok(info) if info.redis_settings().db() != 0 => {
+                c.push(
+                    Some(&seed.span()),
+                    None,
+                    format!(
+                        "{what} selects database {}: Redis Cluster has only database 0",
+                        info.redis_settings().db()
+                    ),
+                );
+                ok = false;
+            }
+            _ => urls.push(url),
+        }
+    }
+    ok.then_some(RedisTarget::Cluster(urls))
 }
 
 fn check_redis_url(

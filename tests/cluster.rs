@@ -1,0 +1,377 @@
+//! Redis Cluster: every key decided by the primary that owns it, MOVED and ASK followed
+//! within the budget, a fleet of gateways exact on the cluster, and a dead primary that
+//! costs only its own keys their fail mode.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::RedisCluster;
+use common::{blocking_get, client, free_port, wait_until, Gateway, Upstream};
+use sha2::{Digest, Sha256};
+
+fn sha(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+fn key(tenant: &str, endpoint: &str) -> String {
+    format!(
+        "sentinel:v1:{}:{endpoint}:1",
+        sha(&format!("header:x-api-key:{tenant}"))
+    )
+}
+
+/// A gateway on the cluster: `/open` (fail_open) and `/closed` (fail_closed), both
+/// 3 requests per tenant that never refill; the breaker opens after 5 failures for 1 s.
+fn start_gateway(seeds: &[String], upstream: &str) -> Gateway {
+    let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
+    let (port, admin) = (free_port(), free_port());
+    let route = |id: &str, path: &str, fail: &str| {
+        format!(
+            r#"
+[[routes]]
+endpoint_id = "{id}"
+path = "{path}"
+upstream = "app"
+identity = {{ header = "x-api-key" }}
+algorithm = "token_bucket"
+capacity_micro = 3_000_000
+refill_rate_micro_per_sec = 0
+{fail}
+"#
+        )
+    };
+    let config = format!(
+        r#"[server]
+listen = "127.0.0.1:{port}"
+admin_listen = "127.0.0.1:{admin}"
+threads = 2
+
+[redis]
+cluster_urls = [{}]
+timeout_ms = 20
+
+[breaker]
+failure_threshold = 5
+open_seconds = 1
+
+[upstreams.app]
+addrs = ["{upstream}"]
+{}{}"#,
+        seeds.join(", "),
+        route(
+            "c.open",
+            "/open",
+            "fail_mode = \"fail_open\"\nfallback_rate_per_process_micro = 1_000_000_000"
+        ),
+        route("c.closed", "/closed", "fail_mode = \"fail_closed\""),
+    );
+    let gw = Gateway::start_with(port, admin, &config);
+    wait_until(
+        Duration::from_secs(10),
+        "the gateway to reach every primary",
+        || {
+            blocking_get(&gw.admin("/readyz")).is_some_and(|(_, body)| {
+                body.contains(r#""redis":"up""#) && body.matches(r#""redis":"up""#).count() == 4
+            })
+        },
+    );
+    gw
+}
+
+/// Tenants whose bucket key for `endpoint` lives on each node: `per_node` for every node.
+fn tenants_by_node(
+    cluster: &RedisCluster,
+    endpoint: &str,
+    per_node: usize,
+    tag: &str,
+) -> Vec<Vec<String>> {
+    let mut by_node = vec![Vec::new(); cluster.nodes.len()];
+    let mut i = 0;
+    while by_node.iter().any(|v: &Vec<String>| v.len() < per_node) {
+        let tenant = format!("{tag}-{i}");
+        let owner = cluster.owner(&key(&tenant, endpoint));
+        if by_node[owner].len() < per_node {
+            by_node[owner].push(tenant);
+        }
+        i += 1;
+    }
+    by_node
+}
+
+async fn get(path: &str, gw: &Gateway, tenant: &str) -> (u16, Option<String>) {
+    let r = client()
+        .get(gw.url(path))
+        .header("x-api-key", tenant)
+        .send()
+        .await
+        .expect("gateway answers");
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (r.status().as_u16(), retry)
+}
+
+async fn statuses(path: &str, gw: &Gateway, tenant: &str, n: usize) -> Vec<u16> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(get(path, gw, tenant).await.0);
+    }
+    out
+}
+
+fn decisions(gw: &Gateway, endpoint: &str, reason: &str, allowed: bool) -> f64 {
+    gw.metric(&format!(
+        r#"sentinel_decisions_total{{allowed="{allowed}",decision_reason="{reason}",endpoint_id="{endpoint}"}}"#
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_key_lives_on_its_owner_and_a_dead_primary_costs_only_its_keys() {
+    let mut cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    // One seed is enough: the gateway learns the other primaries from it.
+    let gw = start_gateway(&cluster.seed_urls()[..1], &up.addr());
+    let tenants = tenants_by_node(&cluster, "c.closed", 2, "t");
+
+    // Healthy: every tenant on every node gets exactly its 3 requests, and its bucket is on
+    // the node that owns the key and nowhere else.
+    for (owner, list) in tenants.iter().enumerate() {
+        for tenant in list {
+            assert_eq!(
+                statuses("/closed", &gw, tenant, 4).await,
+                [200, 200, 200, 429]
+            );
+            for (i, node) in cluster.nodes.iter().enumerate() {
+                let exists: bool = redis::cmd("EXISTS")
+                    .arg(key(tenant, "c.closed"))
+                    .query(&mut node.conn())
+                    .unwrap_or(false);
+                assert_eq!(exists, i == owner, "{tenant}'s bucket on node {i}");
+            }
+        }
+    }
+    let healthy_decisions = decisions(&gw, "c.closed", "allowed", true);
+    assert_eq!(healthy_decisions, 18.0);
+
+    // Node 1 dies.
+    let dead = 1;
+    cluster.kill(dead);
+    let dead_node = format!("127.0.0.1:{}", cluster.nodes[dead].port);
+    let fresh = tenants_by_node(&cluster, "c.closed", 1, "after");
+    let fresh_open = tenants_by_node(&cluster, "c.open", 1, "after-open");
+    // Its keys follow their fail mode, fast: fail_closed is a 503 with Retry-After, and
+    // fail_open admits through the emergency limiter. Enough of them trip its breaker.
+    for _ in 0..8 {
+        let started = Instant::now();
+        let (status, retry) = get("/closed", &gw, &fresh[dead][0]).await;
+        // 20 ms budget; a refused connection fails at once. The bound is generous for a
+        // loaded two-core machine; what it rules out is waiting on the dead node.
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(status, 503);
+        assert!(retry.is_some_and(|r| r.parse::<u64>().unwrap() >= 1));
+        assert_eq!(get("/open", &gw, &fresh_open[dead][0]).await.0, 200);
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "the dead node's breaker to open",
+        || {
+            gw.metric(&format!(
+                r#"sentinel_redis_node_breaker_state{{node="{dead_node}"}}"#
+            )) == 1.0
+        },
+    );
+    // The other nodes' keys are still decided by Redis, exactly.
+    for owner in [0, 2] {
+        let tenant = &fresh[owner][0];
+        assert_eq!(
+            statuses("/closed", &gw, tenant, 4).await,
+            [200, 200, 200, 429],
+            "{tenant} on node {owner}"
+        );
+        let tenant = &fresh_open[owner][0];
+        assert_eq!(
+            statuses("/open", &gw, tenant, 4).await,
+            [200, 200, 200, 429],
+            "{tenant} on node {owner}"
+        );
+    }
+    for owner in [0, 2] {
+        let node = format!("127.0.0.1:{}", cluster.nodes[owner].port);
+        assert_eq!(
+            gw.metric(&format!(
+                r#"sentinel_redis_node_breaker_state{{node="{node}"}}"#
+            )),
+            0.0
+        );
+    }
+    assert_eq!(
+        gw.metric("sentinel_breaker_state"),
+        1.0,
+        "the process gauge shows the worst node"
+    );
+    assert_eq!(
+        decisions(&gw, "c.closed", "allowed", true),
+        healthy_decisions + 6.0
+    );
+    let (_, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
+    assert!(
+        ready.contains(&format!(
+            r#"{{"breaker":"open","node":"{dead_node}","redis":"down"}}"#
+        )),
+        "{ready}"
+    );
+    assert!(ready.contains(r#""redis":"down""#), "{ready}");
+    // The dead node's keys: fail_closed denied with the table's reasons, fail_open admitted
+    // with its cause, and nothing else.
+    let closed_degraded = decisions(&gw, "c.closed", "fail_closed", false)
+        + decisions(&gw, "c.closed", "circuit_open", false);
+    assert_eq!(closed_degraded, 8.0);
+    let open_admitted = decisions(&gw, "c.open", "redis_connection_error", true)
+        + decisions(&gw, "c.open", "circuit_open", true);
+    assert_eq!(open_admitted, 8.0);
+
+    // Back: the node rejoins with its slots; after the quarantine the probe closes its
+    // breaker and Redis decides its keys again (its data died with it: a fresh bucket).
+    cluster.restart(dead);
+    wait_until(
+        Duration::from_secs(15),
+        "the dead node's keys to be decided by Redis again",
+        || {
+            let rt = tokio::runtime::Handle::current();
+            let status = std::thread::scope(|s| {
+                s.spawn(|| rt.block_on(get("/closed", &gw, &fresh[dead][0])).0)
+                    .join()
+                    .unwrap()
+            });
+            status == 200
+        },
+    );
+    assert_eq!(
+        gw.metric(&format!(
+            r#"sentinel_redis_node_breaker_state{{node="{dead_node}"}}"#
+        )),
+        0.0
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = start_gateway(&cluster.seed_urls(), &up.addr());
+    let tenant = "migrating";
+    let k = key(tenant, "c.closed");
+    let from = cluster.owner(&k);
+    let to = (from + 1) % 3;
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&k)
+        .query(&mut cluster.nodes[from].conn())
+        .unwrap();
+    let (from_id, to_id) = (cluster.node_id(from), cluster.node_id(to));
+    let setslot = |node: usize, args: &[&str]| {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg(args)
+            .query(&mut cluster.nodes[node].conn())
+            .unwrap();
+    };
+    // Mid-migration, the key already moved: the old owner answers ASK.
+    setslot(to, &["IMPORTING", &from_id]);
+    setslot(from, &["MIGRATING", &to_id]);
+    let _: () = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(cluster.nodes[to].port)
+        .arg("")
+        .arg(0)
+        .arg(5000)
+        .arg("KEYS")
+        .arg(&k)
+        .query(&mut cluster.nodes[from].conn())
+        .unwrap();
+    assert_eq!(
+        get("/closed", &gw, tenant).await.0,
+        200,
+        "followed ASK to the importing node"
+    );
+    // Done: the slot is the new node's, and the old owner answers MOVED.
+    for node in 0..3 {
+        setslot(node, &["NODE", &to_id]);
+    }
+    assert_eq!(
+        statuses("/closed", &gw, tenant, 2).await,
+        [200, 429],
+        "followed MOVED with the bucket"
+    );
+    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 3.0);
+    assert_eq!(decisions(&gw, "c.closed", "rate_limited", false), 1.0);
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&k)
+        .query(&mut cluster.nodes[to].conn())
+        .unwrap();
+    assert!(exists, "the bucket lives on the new owner");
+    for reason in [
+        "redis_timeout",
+        "redis_connection_error",
+        "redis_noscript_retry",
+        "fail_closed",
+    ] {
+        assert_eq!(decisions(&gw, "c.closed", reason, false), 0.0, "{reason}");
+    }
+    // The map follows the MOVED: another key of the slot goes straight to the new owner.
+    let neighbour = (0..)
+        .map(|i| format!("neighbour-{i}"))
+        .find(|t| sentinel_gateway::limiter::cluster::slot(key(t, "c.closed").as_bytes()) == slot)
+        .unwrap();
+    let before = cluster.nodes[from].command_calls("evalsha");
+    assert_eq!(get("/closed", &gw, &neighbour).await.0, 200);
+    assert_eq!(cluster.nodes[from].command_calls("evalsha"), before);
+    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 4.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|i| start_gateway(&cluster.seed_urls()[i..=i], &up.addr()))
+        .collect();
+    let urls: Vec<String> = gateways.iter().map(|g| g.url("/closed")).collect();
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let url = urls[i % 3].clone();
+            tokio::spawn(async move {
+                let http = client();
+                let mut admitted = 0;
+                for _ in 0..10 {
+                    let r = http
+                        .get(&url)
+                        .header("x-api-key", "shared")
+                        .send()
+                        .await
+                        .unwrap();
+                    admitted += u64::from(r.status() == 200);
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(
+        admitted, 3,
+        "300 requests over three gateways admit exactly the bucket"
+    );
+}
