@@ -375,3 +375,105 @@ async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
         "300 requests over three gateways admit exactly the bucket"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_primary_times_out_its_own_keys_within_the_budget_only() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = start_gateway(&cluster.seed_urls(), &up.addr());
+    let tenants = tenants_by_node(&cluster, "c.closed", 1, "s");
+    // Connections are moved onto the proxy workers after the first request: settle first.
+    for list in &tenants {
+        assert_eq!(get("/closed", &gw, &list[0]).await.0, 200);
+    }
+    wait_until(
+        Duration::from_secs(5),
+        "connections on the proxy workers",
+        || {
+            gw.logs()
+                .matches("redis connection now driven by the proxy workers")
+                .count()
+                >= 3
+        },
+    );
+    let stalled = 2;
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(3000)
+        .arg("ALL")
+        .query(&mut cluster.nodes[stalled].conn())
+        .unwrap();
+    // Two more each: the buckets hold three.
+    for _ in 0..2 {
+        let started = Instant::now();
+        assert_eq!(get("/closed", &gw, &tenants[stalled][0]).await.0, 503);
+        // The 20 ms budget, plus HTTP over loopback on a busy two-core machine.
+        assert!(
+            started.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            started.elapsed()
+        );
+        for owner in [0, 1] {
+            let started = Instant::now();
+            assert_eq!(get("/closed", &gw, &tenants[owner][0]).await.0, 200);
+            assert!(
+                started.elapsed() < Duration::from_millis(300),
+                "{:?}",
+                started.elapsed()
+            );
+        }
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        2.0
+    );
+    assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 2.0);
+    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 7.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_follows_new_seeds_and_asks_for_a_restart_to_leave_the_cluster() {
+    let cluster = RedisCluster::start();
+    let single = common::Redis::start();
+    let up = Upstream::start("app");
+    let gw = start_gateway(&cluster.seed_urls()[..1], &up.addr());
+    assert_eq!(get("/closed", &gw, "reloaded").await.0, 200);
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    let seed = |i: usize| format!("\"{}\"", cluster.seed_urls()[i]);
+    let http = client();
+
+    // New seeds: the gateway discovers the same cluster from them; the bucket carries on.
+    gw.rewrite_config(&config.replace(&seed(0), &format!("{}, {}", seed(1), seed(2))));
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"config_generation":2,"reloaded":true}"#
+    );
+    wait_until(Duration::from_secs(10), "the cluster rediscovered", || {
+        blocking_get(&gw.admin("/readyz"))
+            .is_some_and(|(_, body)| body.matches(r#""redis":"up""#).count() == 4)
+    });
+    assert_eq!(
+        statuses("/closed", &gw, "reloaded", 3).await,
+        [200, 200, 429]
+    );
+
+    // One Redis instead of the cluster: that needs a restart, and the cluster keeps deciding.
+    let cluster_line = config
+        .lines()
+        .find(|l| l.starts_with("cluster_urls"))
+        .unwrap();
+    gw.rewrite_config(&config.replace(cluster_line, &format!("url = \"{}\"", single.url())));
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"config_generation":3,"reloaded":true,"restart_required":["redis.url"]}"#
+    );
+    assert_eq!(
+        statuses("/closed", &gw, "after-restart-required", 4).await,
+        [200, 200, 200, 429]
+    );
+    assert_eq!(single.command_calls("evalsha"), 0);
+}
