@@ -377,7 +377,7 @@ async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_primary_times_out_its_own_keys_within_the_budget_only() {
+async fn noscript_is_per_node_and_a_stalled_primary_times_out_only_its_own_keys() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");
     let gw = start_gateway(&cluster.seed_urls(), &up.addr());
@@ -396,6 +396,21 @@ async fn a_stalled_primary_times_out_its_own_keys_within_the_budget_only() {
                 >= 3
         },
     );
+    // NOSCRIPT is handled on the node that answers it: one SCRIPT LOAD there, same budget.
+    let flushed = &cluster.nodes[0];
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut flushed.conn())
+        .unwrap();
+    let loads = flushed.command_calls("script|load");
+    let fresh = tenants_by_node(&cluster, "c.closed", 1, "flushed");
+    assert_eq!(get("/closed", &gw, &fresh[0][0]).await.0, 200);
+    assert_eq!(flushed.command_calls("script|load"), loads + 1);
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="noscript"}"#),
+        0.0
+    );
+
     let stalled = 2;
     let _: () = redis::cmd("CLIENT")
         .arg("PAUSE")
@@ -428,7 +443,7 @@ async fn a_stalled_primary_times_out_its_own_keys_within_the_budget_only() {
         2.0
     );
     assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 2.0);
-    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 7.0);
+    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 8.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
