@@ -203,11 +203,10 @@ pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<Multiplex
     tokio::time::timeout(Duration::from_secs(1), connect)
         .await
         .unwrap_or_else(|_| {
-            Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "redis connection timed out",
+            Err(
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "redis connection timed out")
+                    .into(),
             )
-            .into())
         })
 }
 

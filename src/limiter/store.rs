@@ -271,6 +271,14 @@ enum Step {
     },
 }
 
+/// Tokio's timers tick in whole milliseconds: a timer fires on the first tick after its
+/// deadline, and then waits for a worker to run it, so a timer set to the budget ends a
+/// millisecond or two beyond it. The evaluation's timer is set this much earlier: 2 ms, or a
+/// quarter of a smaller budget.
+fn timer_for(budget: Duration) -> Duration {
+    budget - (budget / 4).min(Duration::from_millis(2))
+}
+
 /// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
 /// is already unusual).
 const MAX_REDIRECTS: usize = 3;
@@ -606,7 +614,7 @@ impl Store {
             );
             Err(StoreFailure::ConnectionError)
         };
-        tokio::time::timeout(budget, attempt)
+        tokio::time::timeout(timer_for(budget), attempt)
             .await
             .unwrap_or(Err(StoreFailure::Timeout))
     }
