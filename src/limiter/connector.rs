@@ -5,11 +5,8 @@
 //! Cluster. Each link has its own circuit breaker, so a dead cluster node quarantines the
 //! keys it owns and nothing else.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
@@ -165,83 +162,13 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(step_ms / 2 + jitter)
 }
 
-/// A connection's driver task, as redis-rs hands it over.
-type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// Opens a connection (within 1 s, handshake included) and spawns its driver on the current
-/// runtime, behind [`Coalesced`].
 pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
-    let info = client.get_connection_info();
-    let config = AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(2)));
-    let connect = async {
-        let (conn, driver): (MultiplexedConnection, Driver) = match info.addr() {
-            redis::ConnectionAddr::Tcp(host, port) => {
-                let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
-                stream.set_nodelay(true)?;
-                let (c, d) =
-                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
-                        .await?;
-                (c, Box::pin(d))
-            }
-            redis::ConnectionAddr::Unix(path) => {
-                let stream = tokio::net::UnixStream::connect(path).await?;
-                let (c, d) =
-                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
-                        .await?;
-                (c, Box::pin(d))
-            }
-            _ => {
-                return Err(redis::RedisError::from((
-                    redis::ErrorKind::InvalidClientConfig,
-                    "only redis:// and unix:// addresses are supported",
-                )))
-            }
-        };
-        tokio::spawn(Coalesced::new(driver));
-        Ok(conn)
-    };
-    tokio::time::timeout(Duration::from_secs(1), connect)
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(Duration::from_secs(2)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
         .await
-        .unwrap_or_else(|_| {
-            Err(
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "redis connection timed out")
-                    .into(),
-            )
-        })
-}
-
-/// Runs a connection's driver one scheduling round after it is woken. The requests that
-/// become ready in that round queue their commands first, and the driver then writes them
-/// all with one system call; Redis reads them with one and answers them with one. Under load
-/// this halves the system calls per decision on both sides for the price of one round of
-/// the scheduler; alone, a request waits only that round (microseconds).
-struct Coalesced {
-    driver: Driver,
-    deferred: bool,
-}
-
-impl Coalesced {
-    fn new(driver: Driver) -> Self {
-        Self {
-            driver,
-            deferred: false,
-        }
-    }
-}
-
-impl Future for Coalesced {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if !self.deferred {
-            // Woken during its own poll, a tokio task goes to the back of its worker's queue.
-            self.deferred = true;
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        self.deferred = false;
-        self.driver.as_mut().poll(cx)
-    }
 }
 
 pub async fn eviction_policy(
