@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Load-test sentinel-gateway with oha, side by side with nginx, on loopback only.
 #
-#   bench/run.sh [SECONDS_PER_CELL]      (default 10)
+#   bench/run.sh [SECONDS_PER_CELL] [ROUNDS]      (defaults 5 and 3)
 #
 # Installs what it lacks (oha through cargo, nginx and redis-server through apt), builds in
 # release, starts every process on 127.0.0.1, runs each cell for a fixed time at 64 and 256
-# connections, stops everything by PID, and prints one table. Throughput ratios are against
-# cell 2 (the gateway without a limiter) of the same run and connection count.
+# connections, stops everything by PID, and prints one table. Every gateway cell gets a
+# gateway of its own, started for it and stopped after it, so a breaker one cell opens cannot
+# leak into the next. The whole sequence runs ROUNDS times: the table shows each cell's median
+# round, and its throughput ratio to cell 2 (the gateway without a limiter) of the same round
+# and connection count as the median and the range over the rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-10}
+secs=${1:-5}
+rounds=${2:-3}
 work=$(mktemp -d /tmp/sentinel-bench.XXXXXX)
 pids=()
 cleanup() {
+  for f in "$work"/*.pid; do [[ -f $f ]] && kill "$(cat "$f")" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
@@ -93,13 +98,12 @@ capacity_micro = 1_000_000_000_000_000
 refill_rate_micro_per_sec = 1_000_000_000_000
 fail_mode = "fail_closed"
 TOML
-  RUST_LOG=error bg target/release/sentinel-gateway --config "$work/$name.toml"
+  RUST_LOG=error target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
+  echo $! >"$work/$name.pid"
   wait_port "$port"
   echo "$port"
 }
-gw=$(gateway healthy "$redis_port" 5)
-gw_dead=$(gateway dead "$dead_port" 5)
-gw_hole=$(gateway hole "$hole_port" 1000000)
+stop_gateway() { kill "$(cat "$work/$1.pid")" 2>/dev/null || true; wait "$(cat "$work/$1.pid")" 2>/dev/null || true; }
 
 nginx_port=$(free_port)
 mkdir -p "$work/nginx"
@@ -127,50 +131,71 @@ NGINX
 bg nginx -c "$work/nginx/nginx.conf" -g 'daemon off;'
 wait_port "$nginx_port"
 
-# Open the breaker of the gateway whose Redis is dead (5 failures).
-for _ in 1 2 3 4 5 6; do curl -s -o /dev/null -H 'X-API-Key: bench' "http://127.0.0.1:$gw_dead/fail-closed"; done
-
 evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
 
-run() { # cell label url conns
-  local cell=$1 label=$2 url=$3 conns=$4 before after
-  if [[ $cell == 6 ]]; then
-    # Let the gateway connect, then black-hole its Redis for the whole cell.
-    curl -s -o /dev/null -H 'X-API-Key: warm' "$url"
-    redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null
-  fi
+run() { # round cell label target path conns; target: a port, or healthy/dead/hole for a fresh gateway
+  local round=$1 cell=$2 label=$3 target=$4 path=$5 conns=$6 port before after
+  case $target in
+    healthy) port=$(gateway healthy "$redis_port" 5) ;;
+    dead)
+      port=$(gateway dead "$dead_port" 5)
+      # Open its breaker: its Redis is dead, five failures.
+      for _ in 1 2 3 4 5 6; do curl -s -o /dev/null -H 'X-API-Key: bench' "http://127.0.0.1:$port/fail-closed"; done ;;
+    hole)
+      port=$(gateway hole "$hole_port" 1000000)
+      # Let the gateway connect, then black-hole its Redis for the whole cell.
+      curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path"
+      sleep 0.2
+      redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null ;;
+    *) port=$target ;;
+  esac
+  [[ $target == healthy ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
   before=$(evalsha)
-  oha -z "${secs}s" -c "$conns" --no-tui --output-format json -H 'X-API-Key: bench' "$url" >"$work/cell-$cell-$conns.json"
+  oha -z "${secs}s" -c "$conns" --no-tui --output-format json -H 'X-API-Key: bench' "http://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
   after=$(evalsha)
-  echo "$cell|$label|$conns|$((after - before))" >>"$work/cells"
+  case $target in healthy | dead | hole) stop_gateway "$target" ;; esac
+  if [[ $target == hole ]]; then redis-cli -p "$hole_port" client unpause >/dev/null; fi
+  echo "$round|$cell|$label|$conns|$((after - before))" >>"$work/cells"
 }
-for conns in 64 256; do
-  run 1 "demo upstream directly" "http://127.0.0.1:$up_port/none" "$conns"
-  run 2 "gateway, algorithm none" "http://127.0.0.1:$gw/none" "$conns"
-  run 3 "gateway, token bucket, all allowed" "http://127.0.0.1:$gw/allowed" "$conns"
-  run 4 "gateway, hot identity over limit" "http://127.0.0.1:$gw/hot" "$conns"
-  run 5a "gateway, breaker open, fail_open" "http://127.0.0.1:$gw_dead/fail-open" "$conns"
-  run 5b "gateway, breaker open, fail_closed" "http://127.0.0.1:$gw_dead/fail-closed" "$conns"
-  run 6 "gateway, Redis black-holed (budget)" "http://127.0.0.1:$gw_hole/fail-open" "$conns"
-  run 7 "nginx proxy_pass + limit_req" "http://127.0.0.1:$nginx_port/none" "$conns"
+for round in $(seq 1 "$rounds"); do
+  for conns in 64 256; do
+    run "$round" 1 "demo upstream directly" "$up_port" /none "$conns"
+    run "$round" 2 "gateway, algorithm none" healthy /none "$conns"
+    run "$round" 3 "gateway, token bucket, all allowed" healthy /allowed "$conns"
+    run "$round" 4 "gateway, hot identity over limit" healthy /hot "$conns"
+    run "$round" 5a "gateway, breaker open, fail_open" dead /fail-open "$conns"
+    run "$round" 5b "gateway, breaker open, fail_closed" dead /fail-closed "$conns"
+    run "$round" 6 "gateway, Redis black-holed (budget)" hole /fail-open "$conns"
+    run "$round" 7 "nginx proxy_pass + limit_req" "$nginx_port" /none "$conns"
+  done
 done
 
 python3 - "$work" <<'PY'
-import json, sys, os
+import json, sys, os, statistics
 work = sys.argv[1]
 rows = [l.strip().split("|") for l in open(os.path.join(work, "cells"))]
-data = {}
-for cell, label, conns, calls in rows:
-    d = json.load(open(os.path.join(work, f"cell-{cell}-{conns}.json")))
-    p = d["latencyPercentiles"]
+data = {}  # (cell, conns) -> {round: (...)}
+labels = {}
+for rnd, cell, label, conns, calls in rows:
+    d = json.load(open(os.path.join(work, f"cell-{rnd}-{cell}-{conns}.json")))
     codes = d.get("statusCodeDistribution", {})
     n = sum(codes.values())
-    data[(cell, conns)] = (label, d["summary"]["requestsPerSec"], p, codes, int(calls), n)
-print(f"{'cell':<5}{'conns':>6}  {'what':<38}{'req/s':>10}{'ratio':>7}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}  {'statuses':<28}{'redis/req':>9}")
-for (cell, conns), (label, rps, p, codes, calls, n) in data.items():
-    base = data.get(("2", conns), (None, rps))[1] or 1
+    labels[(cell, conns)] = label
+    data.setdefault((cell, conns), {})[rnd] = (d["summary"]["requestsPerSec"], d["latencyPercentiles"], codes, int(calls), n)
+print(f"{'cell':<5}{'conns':>6}  {'what':<38}{'req/s':>10}{'ratio':>7}{'range':>12}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}  {'statuses':<28}{'redis/req':>9}")
+for (cell, conns), by_round in data.items():
+    ratios = sorted(
+        r[0] / data[("2", conns)][rnd][0]
+        for rnd, r in by_round.items()
+        if ("2", conns) in data and rnd in data[("2", conns)]
+    )
+    # The median round by throughput (the lower middle one for an even count).
+    ordered = sorted(by_round.values(), key=lambda r: r[0])
+    rps, p, codes, calls, n = ordered[(len(ordered) - 1) // 2]
     ms = lambda k: (p.get(k) or 0) * 1000
     st = " ".join(f"{k}:{v}" for k, v in sorted(codes.items()))
     per = f"{calls / n:.3f}" if n else "-"
-    print(f"{cell:<5}{conns:>6}  {label:<38}{rps:>10.0f}{rps / base:>7.2f}{ms('p50'):>9.2f}{ms('p99'):>9.2f}{ms('p99.9'):>10.2f}  {st:<28}{per:>9}")
+    ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+    spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-"
+    print(f"{cell:<5}{conns:>6}  {labels[(cell, conns)]:<38}{rps:>10.0f}{ratio:>7}{spread:>12}{ms('p50'):>9.2f}{ms('p99'):>9.2f}{ms('p99.9'):>10.2f}  {st:<28}{per:>9}")
 PY
