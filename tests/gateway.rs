@@ -761,3 +761,36 @@ async fn a_sliding_window_shared_by_gateways_never_admits_more_than_its_bound() 
     // limit through.
     assert!((20..=80).contains(&admitted), "admitted {admitted}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_never_accepts_the_connection_is_504() {
+    // A listener that never accepts, its accept queue filled: the kernel drops further SYNs,
+    // so connecting to it times out (on loopback, like a black-holed host).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut queued = Vec::new();
+    loop {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(s) => queued.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
+            Err(e) => panic!("filling the accept queue: {e}"),
+        }
+        assert!(queued.len() < 5000, "the accept queue never filled");
+    }
+    let redis = Redis::start();
+    let config = format!(
+        "[upstreams.hole]\naddrs = [\"{addr}\"]\nconnect_timeout_ms = 300\nread_timeout_ms = 1000\n"
+    ) + "\n[[routes]]\nendpoint_id = \"t.hole\"\npath_prefix = \"/hole\"\nupstream = \"hole\"\nalgorithm = \"none\"\n";
+    let gw = Gateway::start(&redis.url(), &config);
+    let started = std::time::Instant::now();
+    let r = client().get(gw.url("/hole")).send().await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(r.status(), 504);
+    assert_eq!(r.text().await.unwrap(), r#"{"detail":"upstream timeout"}"#);
+    // The connect timeout, not the client's: well under its 10 s, at least the 300 ms.
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    drop(queued);
+}
