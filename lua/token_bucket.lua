@@ -32,7 +32,9 @@ if state[1] then
   local elapsed = now - tonumber(state[3])
   if elapsed > 0 and rate > 0 then
     local secs = idiv(elapsed, MICRO)
-    if secs > idiv(capacity, rate) then
+    -- While the key lives (it expires once full), secs <= capacity / rate + 1, so the
+    -- product is exact; when it reaches capacity the bucket is full, whatever the remainder.
+    if secs * rate >= capacity then
       tokens = capacity
       frac = 0
     else
@@ -40,8 +42,9 @@ if state[1] then
       local rate_hi = idiv(rate, MICRO)
       local rate_lo = rate - rate_hi * MICRO
       local part = us * rate_lo + frac
-      local gained = secs * rate + us * rate_hi + idiv(part, MICRO)
-      frac = part - idiv(part, MICRO) * MICRO
+      local carry = idiv(part, MICRO)
+      local gained = secs * rate + us * rate_hi + carry
+      frac = part - carry * MICRO
       tokens = tokens + gained
       if tokens >= capacity then
         tokens = capacity
@@ -72,7 +75,8 @@ if tokens < cost then
 end
 
 tokens = tokens - cost
-redis.call('HSET', KEYS[1], 't', tokens, 'f', frac, 'ts', now)
+-- string.format('%d') writes these integers exactly, and faster than Redis formats numbers.
+redis.call('HSET', KEYS[1], 't', string.format('%d', tokens), 'f', frac, 'ts', string.format('%d', now))
 local full = until_full(tokens)
 if full > 0 then
   redis.call('EXPIRE', KEYS[1], full + 1)
