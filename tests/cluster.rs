@@ -347,29 +347,7 @@ async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
         .map(|i| start_gateway(&cluster.seed_urls()[i..=i], &up.addr()))
         .collect();
     let urls: Vec<String> = gateways.iter().map(|g| g.url("/closed")).collect();
-    let tasks: Vec<_> = (0..30)
-        .map(|i| {
-            let url = urls[i % 3].clone();
-            tokio::spawn(async move {
-                let http = client();
-                let mut admitted = 0;
-                for _ in 0..10 {
-                    let r = http
-                        .get(&url)
-                        .header("x-api-key", "shared")
-                        .send()
-                        .await
-                        .unwrap();
-                    admitted += u64::from(r.status() == 200);
-                }
-                admitted
-            })
-        })
-        .collect();
-    let mut admitted = 0;
-    for t in tasks {
-        admitted += t.await.unwrap();
-    }
+    let admitted = common::admitted_over(&urls, 30, 10, ("x-api-key", "shared")).await;
     assert_eq!(
         admitted, 3,
         "300 requests over three gateways admit exactly the bucket"

@@ -671,25 +671,7 @@ async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
         .map(|_| Gateway::start(&redis.url(), &config))
         .collect();
     let urls: Vec<String> = gateways.iter().map(|g| g.url("/api")).collect();
-    let tasks: Vec<_> = (0..30)
-        .map(|i| {
-            let url = urls[i % 3].clone();
-            tokio::spawn(async move {
-                let http = client();
-                let mut admitted = 0;
-                for _ in 0..10 {
-                    if status_of(http.get(&url).send().await).await == 200 {
-                        admitted += 1;
-                    }
-                }
-                admitted
-            })
-        })
-        .collect();
-    let mut admitted = 0;
-    for t in tasks {
-        admitted += t.await.unwrap();
-    }
+    let admitted = common::admitted_over(&urls, 30, 10, ("x-api-key", "any")).await;
     assert_eq!(
         admitted, 50,
         "300 requests over three gateways admit exactly the bucket"

@@ -250,12 +250,7 @@ async fn connect(
         EvictionPolicy::Unknown => None,
     });
     for script in [&shared.token_bucket, &shared.sliding_window] {
-        let loaded = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(script.body)
-            .query_async::<String>(&mut conn)
-            .await;
-        match loaded {
+        match script.load(&mut conn).await {
             Ok(_) => {}
             Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
             // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.

@@ -120,6 +120,16 @@ impl Script {
             body,
         }
     }
+
+    /// `SCRIPT LOAD` on one connection.
+    pub(crate) async fn load(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(self.body)
+            .query_async::<String>(conn)
+            .await
+            .map(drop)
+    }
 }
 
 /// One Redis, or the primaries of a cluster.
@@ -651,12 +661,7 @@ impl Store {
         }
         // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
         // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
-        let load = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(script.body)
-            .query_async::<String>(&mut c)
-            .await;
-        match load {
+        match script.load(&mut c).await {
             Ok(_) => {}
             Err(e) if is_transport(&e) => return Step::Failed(self.classify(link, &conn, &e)),
             Err(e) => {

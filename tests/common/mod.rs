@@ -428,6 +428,36 @@ pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
     text.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// `clients` concurrent clients, client `i` sending `each` GETs to `urls[i % urls.len()]`
+/// with `header`; how many were answered 200.
+pub async fn admitted_over(
+    urls: &[String],
+    clients: usize,
+    each: usize,
+    header: (&str, &str),
+) -> u64 {
+    let tasks: Vec<_> = (0..clients)
+        .map(|i| {
+            let url = urls[i % urls.len()].clone();
+            let (name, value) = (header.0.to_owned(), header.1.to_owned());
+            tokio::spawn(async move {
+                let http = client();
+                let mut admitted = 0;
+                for _ in 0..each {
+                    let r = http.get(&url).header(&name, &value).send().await;
+                    admitted += u64::from(r.expect("gateway answers").status() == 200);
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.expect("client task");
+    }
+    admitted
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
