@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
+use sentinel_gateway::limiter::script::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 use sentinel_gateway::limiter::sliding_window::{Outcome, Window, WindowState};
-use sentinel_gateway::limiter::store::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 use sentinel_gateway::limiter::token_bucket::{Bucket, BucketState, Take};
 
 fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {

@@ -6,11 +6,13 @@
 //! short-circuiting: a real answer closes the breaker, a failure (or a probe abandoned
 //! midway) opens it afresh. Only a real answer of the script resets the failure count.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::config::BreakerConfig;
+use crate::metrics::Metrics;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BreakerState {
@@ -207,6 +209,91 @@ impl Drop for Permit<'_> {
     fn drop(&mut self) {
         if !self.settled {
             self.breaker.record_failure(self.probe);
+        }
+    }
+}
+
+/// Every breaker's transitions, summed into `sentinel_breaker_state`: with one Redis its
+/// breaker's state; in a cluster open when any primary's is open, else half_open when any
+/// is, else closed.
+pub(crate) struct BreakerBoard {
+    pub(crate) config: Mutex<BreakerConfig>,
+    clock: SharedClock,
+    open: AtomicI64,
+    half_open: AtomicI64,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+impl BreakerBoard {
+    pub(crate) fn new(config: BreakerConfig, clock: SharedClock, metrics: Arc<Metrics>) -> Self {
+        Self {
+            config: Mutex::new(config),
+            clock,
+            open: AtomicI64::new(0),
+            half_open: AtomicI64::new(0),
+            metrics,
+        }
+    }
+
+    /// A new breaker whose transitions are summed here; `node` names a cluster primary.
+    pub(crate) fn breaker(self: &Arc<Self>, node: Option<String>) -> Breaker {
+        let config = *self.config.lock().expect("breaker config lock");
+        let board = Arc::clone(self);
+        let hook: TransitionHook =
+            Box::new(move |from, to| board.transition(node.as_deref(), from, to));
+        Breaker::new(config, Arc::clone(&self.clock), hook)
+    }
+
+    fn count(&self, state: BreakerState) -> Option<&AtomicI64> {
+        match state {
+            BreakerState::Open => Some(&self.open),
+            BreakerState::HalfOpen => Some(&self.half_open),
+            BreakerState::Closed => None,
+        }
+    }
+
+    fn transition(&self, node: Option<&str>, from: BreakerState, to: BreakerState) {
+        if let Some(c) = self.count(from) {
+            c.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(c) = self.count(to) {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
+        self.metrics.breaker_transition(
+            to.as_str(),
+            self.state() as i64,
+            node.map(|n| (n, to as i64)),
+        );
+        match node {
+            Some(node) => tracing::warn!(
+                node,
+                from = from.as_str(),
+                to = to.as_str(),
+                "circuit breaker transition"
+            ),
+            None => tracing::warn!(
+                from = from.as_str(),
+                to = to.as_str(),
+                "circuit breaker transition"
+            ),
+        }
+    }
+
+    /// A breaker that is going away (its node left the cluster) no longer counts.
+    pub(crate) fn forget(&self, state: BreakerState) {
+        if let Some(c) = self.count(state) {
+            c.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.breaker_state.set(self.state() as i64);
+        }
+    }
+
+    pub(crate) fn state(&self) -> BreakerState {
+        if self.open.load(Ordering::Acquire) > 0 {
+            BreakerState::Open
+        } else if self.half_open.load(Ordering::Acquire) > 0 {
+            BreakerState::HalfOpen
+        } else {
+            BreakerState::Closed
         }
     }
 }

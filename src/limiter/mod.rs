@@ -19,6 +19,7 @@ pub mod emergency;
 mod endpoint;
 pub mod fleet;
 pub mod overlimit;
+pub mod script;
 pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;

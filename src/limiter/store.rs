@@ -13,124 +13,22 @@
 //! once. A slow but connected Redis is a timeout. `NOSCRIPT` costs one `SCRIPT LOAD` and one
 //! retry, inside the same budget.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-use super::breaker::{Breaker, BreakerState, TransitionHook};
+use super::breaker::{BreakerBoard, BreakerState};
 use super::cluster::{keep_topology, Cluster};
 use super::connector::{connector, Link, Target};
+use super::script::{Script, HEARTBEAT_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+pub use super::script::{ScriptKind, ScriptReply, StoreFailure};
 
 use crate::clock::SharedClock;
 use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
 use crate::metrics::{Metrics, StoreErrorCounters};
-
-pub const TOKEN_BUCKET_LUA: &str = concat!(
-    include_str!("../../lua/int.lua"),
-    include_str!("../../lua/token_bucket.lua")
-);
-pub const SLIDING_WINDOW_LUA: &str = concat!(
-    include_str!("../../lua/int.lua"),
-    include_str!("../../lua/sliding_window.lua")
-);
-pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
-
-/// The limiter scripts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptKind {
-    /// Args: capacity, refill per second, cost (micro-tokens).
-    TokenBucket,
-    /// Args: limit, window in microseconds, cost (requests).
-    SlidingWindow,
-}
-
-/// How a store call failed; the three causes of the decision table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreFailure {
-    Timeout,
-    ConnectionError,
-    Noscript,
-}
-
-impl StoreFailure {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StoreFailure::Timeout => "timeout",
-            StoreFailure::ConnectionError => "connection_error",
-            StoreFailure::Noscript => "noscript",
-        }
-    }
-}
-
-/// A limiter script's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ScriptReply {
-    pub allowed: bool,
-    /// What is left after this request: micro-tokens (token bucket) or requests (window).
-    pub remaining: u64,
-    /// Seconds until the cost is available; `None` when the bucket never refills.
-    pub retry_after: Option<u64>,
-    /// Seconds until the bucket is full or the window ends; `None` when never.
-    pub reset: Option<u64>,
-    /// Redis `TIME` of the decision, in microseconds.
-    pub now_us: u64,
-    /// On a denial, microseconds until the request would be admitted, when known exactly.
-    pub wait_us: Option<u64>,
-}
-
-impl ScriptReply {
-    fn parse(v: &[i64]) -> Option<Self> {
-        let [allowed, remaining, retry, reset, now, wait] = *v else {
-            return None;
-        };
-        let opt = |x: i64| u64::try_from(x).ok();
-        Some(Self {
-            allowed: allowed == 1,
-            remaining: opt(remaining)?,
-            retry_after: opt(retry),
-            reset: opt(reset),
-            now_us: opt(now)?,
-            wait_us: opt(wait).filter(|w| *w > 0),
-        })
-    }
-
-    /// Whole seconds for `Retry-After` on a denial: at least 1, at most a day.
-    pub fn retry_after_secs(&self) -> u64 {
-        if self.allowed {
-            return 0;
-        }
-        self.retry_after
-            .unwrap_or(super::MAX_RETRY_AFTER_SECS)
-            .clamp(1, super::MAX_RETRY_AFTER_SECS)
-    }
-}
-
-pub(crate) struct Script {
-    pub(crate) sha: String,
-    pub(crate) body: &'static str,
-}
-
-impl Script {
-    fn new(body: &'static str) -> Self {
-        Self {
-            sha: redis::Script::new(body).get_hash().to_owned(),
-            body,
-        }
-    }
-
-    /// `SCRIPT LOAD` on one connection.
-    pub(crate) async fn load(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
-        redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(self.body)
-            .query_async::<String>(conn)
-            .await
-            .map(drop)
-    }
-}
 
 /// One Redis, or the primaries of a cluster.
 pub(crate) enum Mode {
@@ -178,79 +76,6 @@ impl Shared {
         link.retire();
         self.breakers.forget(link.breaker.state());
         self.breakers.metrics.redis_node(&link.node(), None);
-    }
-}
-
-/// Every breaker's transitions, summed into `sentinel_breaker_state`: with one Redis its
-/// breaker's state; in a cluster open when any primary's is open, else half_open when any
-/// is, else closed.
-struct BreakerBoard {
-    config: Mutex<BreakerConfig>,
-    clock: SharedClock,
-    open: AtomicI64,
-    half_open: AtomicI64,
-    metrics: Arc<Metrics>,
-}
-
-impl BreakerBoard {
-    fn breaker(self: &Arc<Self>, node: Option<String>) -> Breaker {
-        let config = *self.config.lock().expect("breaker config lock");
-        let board = Arc::clone(self);
-        let hook: TransitionHook =
-            Box::new(move |from, to| board.transition(node.as_deref(), from, to));
-        Breaker::new(config, Arc::clone(&self.clock), hook)
-    }
-
-    fn count(&self, state: BreakerState) -> Option<&AtomicI64> {
-        match state {
-            BreakerState::Open => Some(&self.open),
-            BreakerState::HalfOpen => Some(&self.half_open),
-            BreakerState::Closed => None,
-        }
-    }
-
-    fn transition(&self, node: Option<&str>, from: BreakerState, to: BreakerState) {
-        if let Some(c) = self.count(from) {
-            c.fetch_sub(1, Ordering::AcqRel);
-        }
-        if let Some(c) = self.count(to) {
-            c.fetch_add(1, Ordering::AcqRel);
-        }
-        self.metrics.breaker_transition(
-            to.as_str(),
-            self.state() as i64,
-            node.map(|n| (n, to as i64)),
-        );
-        match node {
-            Some(node) => tracing::warn!(
-                node,
-                from = from.as_str(),
-                to = to.as_str(),
-                "circuit breaker transition"
-            ),
-            None => tracing::warn!(
-                from = from.as_str(),
-                to = to.as_str(),
-                "circuit breaker transition"
-            ),
-        }
-    }
-
-    fn forget(&self, state: BreakerState) {
-        if let Some(c) = self.count(state) {
-            c.fetch_sub(1, Ordering::AcqRel);
-            self.metrics.breaker_state.set(self.state() as i64);
-        }
-    }
-
-    fn state(&self) -> BreakerState {
-        if self.open.load(Ordering::Acquire) > 0 {
-            BreakerState::Open
-        } else if self.half_open.load(Ordering::Acquire) > 0 {
-            BreakerState::HalfOpen
-        } else {
-            BreakerState::Closed
-        }
     }
 }
 
@@ -306,13 +131,7 @@ impl Store {
             .thread_name("sentinel-store")
             .enable_all()
             .build()?;
-        let board = Arc::new(BreakerBoard {
-            config: Mutex::new(breaker),
-            clock,
-            open: AtomicI64::new(0),
-            half_open: AtomicI64::new(0),
-            metrics: Arc::clone(metrics),
-        });
+        let board = Arc::new(BreakerBoard::new(breaker, clock, Arc::clone(metrics)));
         let mode = match &config.target {
             RedisTarget::Single(url) => {
                 Mode::Single(Arc::new(Link::new(Target::new(url)?, board.breaker(None))))
