@@ -21,9 +21,24 @@ fn key(tenant: &str, endpoint: &str) -> String {
     )
 }
 
-/// A gateway on the cluster: `/open` (fail_open) and `/closed` (fail_closed), both
-/// 3 requests per tenant that never refill; the breaker opens after 5 failures for 1 s.
+/// A gateway on the cluster, once it is connected to every primary.
 fn start_gateway(seeds: &[String], upstream: &str) -> Gateway {
+    let gw = start_unchecked(seeds, upstream);
+    wait_until(
+        Duration::from_secs(10),
+        "the gateway to reach every primary",
+        || {
+            blocking_get(&gw.admin("/readyz")).is_some_and(|(_, body)| {
+                body.contains(r#""redis":"up""#) && body.matches(r#""redis":"up""#).count() == 4
+            })
+        },
+    );
+    gw
+}
+
+/// A gateway with these seeds: `/open` (fail_open) and `/closed` (fail_closed), both
+/// 3 requests per tenant that never refill; the breaker opens after 5 failures for 1 s.
+fn start_unchecked(seeds: &[String], upstream: &str) -> Gateway {
     let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
     let (port, admin) = (free_port(), free_port());
     let route = |id: &str, path: &str, fail: &str| {
@@ -66,17 +81,7 @@ addrs = ["{upstream}"]
         ),
         route("c.closed", "/closed", "fail_mode = \"fail_closed\""),
     );
-    let gw = Gateway::start_with(port, admin, &config);
-    wait_until(
-        Duration::from_secs(10),
-        "the gateway to reach every primary",
-        || {
-            blocking_get(&gw.admin("/readyz")).is_some_and(|(_, body)| {
-                body.contains(r#""redis":"up""#) && body.matches(r#""redis":"up""#).count() == 4
-            })
-        },
-    );
-    gw
+    Gateway::start_with(port, admin, &config)
 }
 
 /// Tenants whose bucket key for `endpoint` lives on each node: `per_node` for every node.
@@ -469,4 +474,36 @@ async fn a_reload_follows_new_seeds_and_asks_for_a_restart_to_leave_the_cluster(
         [200, 200, 200, 429]
     );
     assert_eq!(single.command_calls("evalsha"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_seed_reachable_every_key_follows_its_fail_mode_at_once() {
+    let up = Upstream::start("app");
+    let nowhere = vec![format!("redis://127.0.0.1:{}", free_port())];
+    let gw = start_unchecked(&nowhere, &up.addr());
+    let (status, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
+    assert_eq!(
+        status, 200,
+        "Redis being down does not make the gateway unready"
+    );
+    assert!(ready.contains(r#""redis":"down""#), "{ready}");
+    for tenant in ["a", "b", "c"] {
+        let started = Instant::now();
+        let (status, retry) = get("/closed", &gw, tenant).await;
+        assert_eq!(status, 503);
+        assert!(retry.is_some());
+        assert_eq!(get("/open", &gw, tenant).await.0, 200);
+        // No slot map: nothing to wait for. Generous for a loaded machine.
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 3.0);
+    assert_eq!(
+        decisions(&gw, "c.open", "redis_connection_error", true),
+        3.0
+    );
+    assert!(gw.logs().contains("cannot read the redis cluster slot map"));
 }
