@@ -13,6 +13,7 @@
 //! once. A slow but connected Redis is a timeout. `NOSCRIPT` costs one `SCRIPT LOAD` and one
 //! retry, inside the same budget.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -292,10 +293,11 @@ impl Store {
 
     /// The link that decides `key`: the one Redis, or the primary owning its slot. `None`
     /// while a cluster's map is unknown or no primary serves the slot.
-    pub(crate) fn link_for(&self, key: &str) -> Option<Arc<Link>> {
+    /// (Borrowed with one Redis: no reference count to touch per request.)
+    pub(crate) fn link_for(&self, key: &str) -> Option<Cow<'_, Arc<Link>>> {
         match &self.shared.mode {
-            Mode::Single(link) => Some(Arc::clone(link)),
-            Mode::Cluster(cluster) => cluster.link_for(key),
+            Mode::Single(link) => Some(Cow::Borrowed(link)),
+            Mode::Cluster(cluster) => cluster.link_for(key).map(Cow::Owned),
         }
     }
 
