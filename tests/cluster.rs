@@ -36,8 +36,9 @@ fn start_gateway(seeds: &[String], upstream: &str) -> Gateway {
     gw
 }
 
-/// A gateway with these seeds: `/open` (fail_open) and `/closed` (fail_closed), both
-/// 3 requests per tenant that never refill; the breaker opens after 5 failures for 1 s.
+/// A gateway with these seeds: `/open` (fail_open, with a fleet-wide emergency rate, so the
+/// fleet heartbeat runs) and `/closed` (fail_closed), both 3 requests per tenant that never
+/// refill; the breaker opens after 5 failures for 1 s.
 fn start_unchecked(seeds: &[String], upstream: &str) -> Gateway {
     let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
     let (port, admin) = (free_port(), free_port());
@@ -77,7 +78,7 @@ addrs = ["{upstream}"]
         route(
             "c.open",
             "/open",
-            "fail_mode = \"fail_open\"\nfallback_rate_per_process_micro = 1_000_000_000"
+            "fail_mode = \"fail_open\"\nfallback_rate_fleet_micro = 1_000_000_000"
         ),
         route("c.closed", "/closed", "fail_mode = \"fail_closed\""),
     );
@@ -357,6 +358,12 @@ async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
         admitted, 3,
         "300 requests over three gateways admit exactly the bucket"
     );
+    // The fleet heartbeat works on the cluster too: every gateway counts three.
+    for gw in &gateways {
+        wait_until(Duration::from_secs(10), "the fleet counted", || {
+            gw.metric("sentinel_fleet_instances") == 3.0
+        });
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
