@@ -514,3 +514,50 @@ async fn with_no_seed_reachable_every_key_follows_its_fail_mode_at_once() {
     );
     assert!(gw.logs().contains("cannot read the redis cluster slot map"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_takes_over_its_dead_primarys_keys() {
+    let mut cluster = RedisCluster::start_with_replicas(1);
+    let up = Upstream::start("app");
+    let gw = start_unchecked(&cluster.seed_urls()[..1], &up.addr());
+    wait_until(
+        Duration::from_secs(10),
+        "the gateway to reach the primaries",
+        || {
+            blocking_get(&gw.admin("/readyz"))
+                .is_some_and(|(_, body)| body.matches(r#""redis":"up""#).count() == 4)
+        },
+    );
+    let tenant = "failover";
+    let primary = cluster.owner(&key(tenant, "c.closed"));
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+    let dead_node = format!("127.0.0.1:{}", cluster.nodes[primary].port);
+    cluster.kill(primary);
+    let killed = Instant::now();
+    // Its keys follow their fail mode until a replica is promoted (cluster-node-timeout 1 s
+    // plus the election), then Redis decides them again on the new primary.
+    let mut degraded = 0;
+    loop {
+        let (status, _) = get("/closed", &gw, tenant).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503);
+        degraded += 1;
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "no replica took over: {}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(degraded > 0, "the primary's death was seen");
+    let new_primary = cluster.owner(&key(tenant, "c.closed"));
+    assert_ne!(new_primary, primary);
+    let (_, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
+    assert!(
+        !ready.contains(&dead_node),
+        "the dead primary left the map: {ready}"
+    );
+    assert!(ready.contains(r#""redis":"up""#), "{ready}");
+}

@@ -517,6 +517,11 @@ impl Store {
             tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
         } else {
             tracing::debug!(error = %e, "redis could not run the limiter script");
+            // READONLY, CLUSTERDOWN, MASTERDOWN...: in a cluster the map may be stale (this
+            // node was demoted after a failover, say); look again rather than wait 5 s.
+            if let Mode::Cluster(cluster) = &self.shared.mode {
+                cluster.refresh.notify_one();
+            }
         }
         StoreFailure::ConnectionError
     }

@@ -29,8 +29,14 @@ fn node_args(dir: &std::path::Path) -> Vec<String> {
 }
 
 impl RedisCluster {
+    /// Three primaries, no replicas.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<Redis> = (0..3)
+        Self::start_with_replicas(0)
+    }
+
+    /// Three primaries with `replicas` replicas each (`redis-cli` picks who replicates whom).
+    pub fn start_with_replicas(replicas: usize) -> RedisCluster {
+        let nodes: Vec<Redis> = (0..3 * (1 + replicas))
             .map(|_| Self::start_node(free_port(), None))
             .collect();
         let mut create = Command::new("redis-cli");
@@ -39,7 +45,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{}", n.port));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .expect("redis-cli runs");
@@ -50,6 +56,21 @@ impl RedisCluster {
         );
         let cluster = RedisCluster { nodes };
         cluster.wait_ok();
+        // A replica that has not finished its first sync never stands for election.
+        wait_until(Duration::from_secs(30), "every replica in sync", || {
+            let synced = cluster
+                .nodes
+                .iter()
+                .filter(|n| {
+                    let info: String = redis::cmd("INFO")
+                        .arg("replication")
+                        .query(&mut n.conn())
+                        .unwrap_or_default();
+                    info.contains("master_link_status:up")
+                })
+                .count();
+            synced == 3 * replicas
+        });
         cluster
     }
 
