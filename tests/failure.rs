@@ -279,13 +279,17 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
 
     // After the quarantine, 50 concurrent requests let exactly one probe through. The probe
     // follows a timeout, so it opens a fresh connection first (inside its budget): at most one
-    // new connection and one EVALSHA, and nothing from the other 49.
+    // new connection and one EVALSHA, and nothing from the other 49. (Should the burst outlast
+    // the next 1 s quarantine on a loaded machine, that quarantine has its own probe: each
+    // probe may cost one connection and one EVALSHA, nothing else may.)
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let (writes, evalsha, accepted) = (
         r.proxy.client_writes(),
         r.proxy.evalsha_sent(),
         r.proxy.accepted(),
     );
+    let half_open = r#"sentinel_breaker_transitions_total{to="half_open"}"#;
+    let probes_before = r.gw.metric(half_open);
     let tasks: Vec<_> = (0..50)
         .map(|i| {
             let (http, url) = (r.http.clone(), r.gw.url("/closed"));
@@ -295,20 +299,22 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
     for t in tasks {
         assert_eq!(t.await.unwrap(), 503);
     }
+    let probes = (r.gw.metric(half_open) - probes_before) as u64;
+    assert!(probes >= 1, "the quarantine ended");
     assert!(r.proxy.client_writes() > writes, "the probe reached Redis");
-    assert!(r.proxy.evalsha_sent() - evalsha <= 1, "at most one EVALSHA");
     assert!(
-        r.proxy.accepted() - accepted <= 1,
-        "at most one new connection"
+        r.proxy.evalsha_sent() - evalsha <= probes,
+        "at most one EVALSHA per probe ({probes})"
     );
-    assert_eq!(
-        r.gw.metric(r#"sentinel_breaker_transitions_total{to="half_open"}"#),
-        1.0
+    assert!(
+        r.proxy.accepted() - accepted <= probes,
+        "at most one new connection per probe ({probes})"
     );
+    assert_eq!(r.gw.metric(half_open), probes as f64);
     assert_eq!(
         r.gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
-        2.0,
-        "the failed probe re-opened it"
+        1.0 + probes as f64,
+        "each failed probe re-opened it"
     );
 
     // Redis comes back: the next probe closes the breaker and enforcement resumes exactly.
