@@ -9,6 +9,7 @@
 //! `MOVED` and `ASK` itself, inside its budget.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -86,6 +87,8 @@ struct SlotRange {
 
 pub(crate) struct Cluster {
     seeds: ArcSwap<Vec<String>>,
+    /// +1 per new set of seeds: a map read from the cluster before is not applied after.
+    epoch: AtomicU64,
     pub(crate) topology: ArcSwap<Topology>,
     /// Asks the refresher for a new map now.
     pub(crate) refresh: Notify,
@@ -97,6 +100,7 @@ impl Cluster {
     pub(crate) fn new(seeds: Vec<String>) -> Self {
         Self {
             seeds: ArcSwap::from_pointee(seeds),
+            epoch: AtomicU64::new(0),
             topology: ArcSwap::from_pointee(Topology::empty()),
             refresh: Notify::new(),
             known: Mutex::new(HashMap::new()),
@@ -112,7 +116,7 @@ impl Cluster {
         self.seeds.load_full()
     }
 
-    /// Every link the gateway holds, topology's first.
+    /// Every link the gateway holds: the map's, and those only a redirect named.
     pub(crate) fn links(&self) -> Vec<Arc<Link>> {
         self.known
             .lock()
@@ -124,17 +128,16 @@ impl Cluster {
 
     /// New seed nodes (a reload): forget the map and every link, and discover anew.
     pub(crate) fn reseed(&self, shared: &Shared, seeds: Vec<String>) {
+        // Under the links lock, which `apply` holds too: a refresh that read the old cluster
+        // sees the new epoch and throws its map away.
+        let mut known = self.known.lock().expect("cluster links lock");
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         self.seeds.store(Arc::new(seeds));
         self.topology.store(Arc::new(Topology::empty()));
-        let old: Vec<_> = self
-            .known
-            .lock()
-            .expect("cluster links lock")
-            .drain()
-            .collect();
-        for (_, link) in old {
+        for (_, link) in known.drain() {
             shared.retire(&link);
         }
+        drop(known);
         self.refresh.notify_one();
     }
 
@@ -157,17 +160,19 @@ impl Cluster {
     /// map (more slots have probably moved with it).
     pub(crate) fn moved(&self, shared: &Arc<Shared>, slot: u16, addr: &str) -> Option<Arc<Link>> {
         let link = self.link_named(shared, addr)?;
-        let current = self.topology.load_full();
-        let mut links = current.links.clone();
-        let index = current.index_of(&link).unwrap_or_else(|| {
-            links.push(Arc::clone(&link));
-            (links.len() - 1) as u16
+        // rcu: concurrent redirects for different slots must not undo each other.
+        self.topology.rcu(|current| {
+            let mut links = current.links.clone();
+            let index = current.index_of(&link).unwrap_or_else(|| {
+                links.push(Arc::clone(&link));
+                (links.len() - 1) as u16
+            });
+            let mut slots = current.slots.clone();
+            if let Some(s) = slots.get_mut(slot as usize) {
+                *s = index;
+            }
+            Topology { slots, links }
         });
-        let mut slots = current.slots.clone();
-        if let Some(s) = slots.get_mut(slot as usize) {
-            *s = index;
-        }
-        self.topology.store(Arc::new(Topology { slots, links }));
         self.refresh.notify_one();
         Some(link)
     }
@@ -179,6 +184,7 @@ impl Cluster {
 
     /// Reads the slot map from a connected primary, else from the seeds, and applies it.
     async fn refresh_once(&self, shared: &Arc<Shared>) -> Result<(), String> {
+        let epoch = self.epoch.load(Ordering::Acquire);
         let mut candidates: Vec<Arc<Link>> = self
             .topology
             .load()
@@ -199,7 +205,7 @@ impl Cluster {
                 .unwrap_or_default();
             let mut c = (*conn).clone();
             match tokio::time::timeout(QUERY_TIMEOUT, query_slots(&mut c, &host)).await {
-                Ok(Ok(ranges)) => return self.apply(shared, ranges),
+                Ok(Ok(ranges)) => return self.apply(shared, epoch, ranges),
                 Ok(Err(e)) => last_error = e,
                 Err(_) => last_error = "CLUSTER SLOTS timed out".into(),
             }
@@ -215,7 +221,7 @@ impl Cluster {
                 query_slots(&mut conn, &host).await
             };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
-                Ok(Ok(ranges)) => return self.apply(shared, ranges),
+                Ok(Ok(ranges)) => return self.apply(shared, epoch, ranges),
                 Ok(Err(e)) => last_error = format!("{}: {e}", redact(seed)),
                 Err(_) => last_error = format!("{}: timed out", redact(seed)),
             }
@@ -223,7 +229,12 @@ impl Cluster {
         Err(last_error)
     }
 
-    fn apply(&self, shared: &Arc<Shared>, ranges: Vec<SlotRange>) -> Result<(), String> {
+    fn apply(
+        &self,
+        shared: &Arc<Shared>,
+        epoch: u64,
+        ranges: Vec<SlotRange>,
+    ) -> Result<(), String> {
         if ranges.is_empty() {
             return Err("CLUSTER SLOTS listed no slots: is the cluster created?".into());
         }
@@ -233,6 +244,9 @@ impl Cluster {
             .and_then(|s| redis::IntoConnectionInfo::into_connection_info(s.as_str()).ok())
             .ok_or("no usable seed URL")?;
         let mut known = self.known.lock().expect("cluster links lock");
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            return Ok(());
+        }
         let mut slots = vec![UNOWNED; SLOTS].into_boxed_slice();
         let mut links: Vec<Arc<Link>> = Vec::new();
         let mut index: HashMap<String, u16> = HashMap::new();
@@ -256,7 +270,6 @@ impl Cluster {
             }
             keep
         });
-        drop(known);
         let previous = self.topology.load();
         let changed = previous.slots != slots
             || previous.links.len() != links.len()
@@ -275,6 +288,7 @@ impl Cluster {
             );
         }
         self.topology.store(Arc::new(Topology { slots, links }));
+        drop(known);
         Ok(())
     }
 }
