@@ -76,8 +76,9 @@ impl Admin {
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
-                // Sets sentinel_redis_node_up for each cluster primary.
-                let _ = self.limiter.store.nodes();
+                for n in self.limiter.store.nodes() {
+                    self.metrics.redis_node(&n.node, Some(n.connected));
+                }
                 reply(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",

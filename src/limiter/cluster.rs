@@ -141,6 +141,13 @@ impl Cluster {
         self.refresh.notify_one();
     }
 
+    /// What every node is reached with: the first seed's credentials and settings (its
+    /// address is replaced by the node's).
+    fn node_template(&self) -> Option<redis::ConnectionInfo> {
+        let seeds = self.seeds.load();
+        redis::IntoConnectionInfo::into_connection_info(seeds.first()?.as_str()).ok()
+    }
+
     /// The link for a node a redirect named, opened when it is new.
     fn link_named(&self, shared: &Arc<Shared>, addr: &str) -> Option<Arc<Link>> {
         let (host, port) = parse_addr(addr)?;
@@ -149,8 +156,7 @@ impl Cluster {
         if let Some(link) = known.get(&name) {
             return Some(Arc::clone(link));
         }
-        let seeds = self.seeds.load();
-        let seed = redis::IntoConnectionInfo::into_connection_info(seeds.first()?.as_str()).ok()?;
+        let seed = self.node_template()?;
         let link = shared.new_link(Target::node(&seed, host, port));
         known.insert(name, Arc::clone(&link));
         Some(link)
@@ -238,11 +244,7 @@ impl Cluster {
         if ranges.is_empty() {
             return Err("CLUSTER SLOTS listed no slots: is the cluster created?".into());
         }
-        let seeds = self.seeds.load();
-        let seed = seeds
-            .first()
-            .and_then(|s| redis::IntoConnectionInfo::into_connection_info(s.as_str()).ok())
-            .ok_or("no usable seed URL")?;
+        let seed = self.node_template().ok_or("no usable seed URL")?;
         let mut known = self.known.lock().expect("cluster links lock");
         if self.epoch.load(Ordering::Acquire) != epoch {
             return Ok(());

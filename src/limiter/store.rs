@@ -250,12 +250,6 @@ impl Store {
             })
             .collect();
         nodes.sort_by(|a, b| a.node.cmp(&b.node));
-        for n in &nodes {
-            self.shared
-                .breakers
-                .metrics
-                .redis_node(&n.node, Some(n.connected));
-        }
         nodes
     }
 
@@ -408,7 +402,8 @@ impl Store {
     ) -> Result<Vec<i64>, StoreFailure> {
         let budget = self.budget();
         let attempt = async {
-            let mut link = Arc::clone(link);
+            // Owned only after a redirect: the common case touches no reference count.
+            let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
             let mut asking = false;
             for hop in 0..=MAX_REDIRECTS {
                 match self
@@ -434,7 +429,7 @@ impl Store {
                         // A node first named by this redirect connects now; the budget
                         // bounds the wait.
                         next.connected().await;
-                        link = next;
+                        link = Cow::Owned(next);
                         asking = ask;
                     }
                 }
