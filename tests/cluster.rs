@@ -561,3 +561,28 @@ async fn a_promoted_replica_takes_over_its_dead_primarys_keys() {
     );
     assert!(ready.contains(r#""redis":"up""#), "{ready}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_redis_url_overrides_cluster_urls_too() {
+    let redis = common::Redis::start();
+    let up = Upstream::start("app");
+    let nowhere = format!("redis://127.0.0.1:{}", free_port());
+    let (port, admin) = (free_port(), free_port());
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\n[redis]\ncluster_urls = [\"{nowhere}\"]\n\n[upstreams.app]\naddrs = [\"{}\"]\n\n[[routes]]\nendpoint_id = \"c.closed\"\npath = \"/closed\"\nupstream = \"app\"\nidentity = {{ header = \"x-api-key\" }}\nalgorithm = \"token_bucket\"\ncapacity_micro = 3_000_000\nrefill_rate_micro_per_sec = 0\n",
+        up.addr()
+    );
+    let gw = Gateway::start_with_env(
+        port,
+        admin,
+        &config,
+        &[("SENTINEL_REDIS_URL", &redis.url())],
+    );
+    assert_eq!(
+        statuses("/closed", &gw, "env", 4).await,
+        [200, 200, 200, 429],
+        "decided by the Redis of SENTINEL_REDIS_URL"
+    );
+    assert_eq!(redis.keys("sentinel:v1:*").len(), 1);
+    assert!(gw.logs().contains("it overrides redis.cluster_urls"));
+}

@@ -184,6 +184,16 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
         1.0,
         "five failures open the breaker"
     );
+    let (status, ready) = common::blocking_get(&r.gw.admin("/readyz")).unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        ready.contains(r#""breaker":"open""#) && ready.contains(r#""redis":"down""#),
+        "{ready}"
+    );
+    assert!(
+        !ready.contains("redis_nodes"),
+        "one Redis has no node list: {ready}"
+    );
 
     let a = send(&r.http, &r.gw.url("/closed"), "x").await;
     assert_unavailable(&a);
@@ -329,6 +339,24 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
         status == 200
     });
     assert_eq!(r.gw.metric("sentinel_breaker_state"), 0.0);
+    // Each transition is logged once, not once per request.
+    let transitions: f64 = ["open", "half_open", "closed"]
+        .iter()
+        .map(|to| {
+            r.gw.metric(&format!(
+                r#"sentinel_breaker_transitions_total{{to="{to}"}}"#
+            ))
+        })
+        .sum();
+    assert!(transitions >= 3.0, "open, half_open, closed at least");
+    assert_eq!(
+        r.gw.logs()
+            .matches("\"circuit breaker transition\"")
+            .count() as f64,
+        transitions
+    );
+    let (_, ready) = common::blocking_get(&r.gw.admin("/readyz")).unwrap();
+    assert!(ready.contains(r#""breaker":"closed""#), "{ready}");
     let statuses: Vec<u16> = futures_statuses(&r, "/closed", "fresh", 4).await;
     assert_eq!(
         statuses,

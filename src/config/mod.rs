@@ -58,6 +58,8 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub target: RedisTarget,
+    /// `SENTINEL_REDIS_URL` replaced the file's `cluster_urls` (logged at start).
+    pub env_overrides_cluster: bool,
     pub timeout: Duration,
     pub key_prefix: String,
     pub require_noeviction: bool,

@@ -416,4 +416,40 @@ mod tests {
         });
         assert_eq!(granted, 1);
     }
+
+    #[test]
+    fn the_board_shows_the_most_severe_primary_and_forgets_departed_ones() {
+        let clock = ManualClock::default();
+        let metrics = Arc::new(Metrics::new());
+        let board = Arc::new(BreakerBoard::new(
+            BreakerConfig {
+                failure_threshold: NonZeroU32::new(5).unwrap(),
+                open_for: Duration::from_secs(30),
+            },
+            Arc::new(clock.clone()),
+            Arc::clone(&metrics),
+        ));
+        let a = board.breaker(Some("10.0.0.1:6379".into()));
+        let b = board.breaker(Some("10.0.0.2:6379".into()));
+        assert_eq!(board.state(), BreakerState::Closed);
+        fail(&a, 5);
+        assert_eq!(board.state(), BreakerState::Open, "one open primary");
+        assert_eq!(metrics.breaker_state.get(), 1);
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(30));
+        let probe = a.acquire().expect("the probe");
+        assert_eq!(board.state(), BreakerState::Open, "b is still open");
+        board.forget(b.state());
+        assert_eq!(board.state(), BreakerState::HalfOpen, "b left the cluster");
+        assert_eq!(metrics.breaker_state.get(), 2);
+        probe.success();
+        assert_eq!(board.state(), BreakerState::Closed);
+        assert_eq!(metrics.breaker_state.get(), 0);
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"sentinel_redis_node_breaker_state{node="10.0.0.1:6379"} 0"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"sentinel_breaker_transitions_total{to="open"} 2"#));
+    }
 }

@@ -111,13 +111,8 @@ pub(super) fn redis(
     let url = r.and_then(|r| r.url.as_ref());
     let cluster = r.and_then(|r| r.cluster_urls.as_ref());
     let target = match (url_override, url, cluster) {
-        (Some(env), _, cluster) => {
-            if cluster.is_some() {
-                tracing::warn!("{REDIS_URL_ENV} is set: it overrides redis.cluster_urls, and the gateway uses that one Redis");
-            }
-            check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\""))
-                .map(RedisTarget::Single)
-        }
+        (Some(env), _, _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\""))
+            .map(RedisTarget::Single),
         (None, Some(u), Some(_)) => {
             c.push(
                 Some(&u.span()),
@@ -162,6 +157,7 @@ pub(super) fn redis(
     let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
     Some(RedisConfig {
         target: target?,
+        env_overrides_cluster: url_override.is_some() && cluster.is_some(),
         timeout: Duration::from_millis(timeout?),
         key_prefix: key_prefix?,
         require_noeviction,
