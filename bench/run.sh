@@ -41,10 +41,14 @@ bg redis-server --port "$hole_port" --bind 127.0.0.1 --save "" --appendonly no
 bg target/release/demo-upstream "127.0.0.1:$up_port" bench
 wait_port "$redis_port"; wait_port "$up_port"; wait_port "$hole_port"
 
+limited() { # endpoint_id path capacity_micro refill_micro [extra line] -> a token-bucket route
+  printf '[[routes]]\nendpoint_id = "%s"\npath = "%s"\nupstream = "app"\nidentity = { header = "X-API-Key" }\nalgorithm = "token_bucket"\ncapacity_micro = %s\nrefill_rate_micro_per_sec = %s\n%b\n' "$@"
+}
 gateway() { # name redis_port failure_threshold -> prints the proxy port
-  local name=$1 rport=$2 threshold=$3 port admin
+  local name=$1 rport=$2 threshold=$3 port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
   port=$(free_port); admin=$(free_port)
-  cat >"$work/$name.toml" <<TOML
+  {
+    cat <<TOML
 [server]
 listen = "127.0.0.1:$port"
 admin_listen = "127.0.0.1:$admin"
@@ -62,42 +66,12 @@ endpoint_id = "bench.none"
 path = "/none"
 upstream = "app"
 algorithm = "none"
-[[routes]]
-endpoint_id = "bench.allowed"
-path = "/allowed"
-upstream = "app"
-identity = { header = "X-API-Key" }
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000_000
-[[routes]]
-endpoint_id = "bench.hot"
-path = "/hot"
-upstream = "app"
-identity = { header = "X-API-Key" }
-algorithm = "token_bucket"
-capacity_micro = 1_000_000
-refill_rate_micro_per_sec = 1_000_000
-[[routes]]
-endpoint_id = "bench.open"
-path = "/fail-open"
-upstream = "app"
-identity = { header = "X-API-Key" }
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000_000
-fail_mode = "fail_open"
-fallback_rate_per_process_micro = 1_000_000_000_000
-[[routes]]
-endpoint_id = "bench.closed"
-path = "/fail-closed"
-upstream = "app"
-identity = { header = "X-API-Key" }
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000_000
-fail_mode = "fail_closed"
 TOML
+    limited bench.allowed /allowed "$big" "$fast" ""
+    limited bench.hot /hot 1_000_000 1_000_000 ""
+    limited bench.open /fail-open "$big" "$fast" 'fail_mode = "fail_open"\nfallback_rate_per_process_micro = 1_000_000_000_000'
+    limited bench.closed /fail-closed "$big" "$fast" 'fail_mode = "fail_closed"'
+  } >"$work/$name.toml"
   RUST_LOG=error target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
   echo $! >"$work/$name.pid"
   wait_port "$port"
