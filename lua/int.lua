@@ -18,3 +18,9 @@ local function ceil_div(a, b)
   return q
 end
 
+-- The scripts' answer: six integers in one bulk string, "allowed left retry reset now wait".
+-- One string costs Redis what a six-element array does, and the gateway far less to read.
+local function reply(allowed, left, retry, reset, now, wait)
+  return string.format('%d %d %d %d %d %d', allowed, left, retry, reset, now, wait)
+end
+

@@ -11,12 +11,13 @@
 -- estimate plus its cost stays within the limit, compared multiplied by the window so that
 -- everything stays an integer below 2^53 (each product is at most limit x window).
 --
--- Returns {allowed (0/1), requests left, retry-after seconds (0 when allowed),
---          seconds until the current window ends, now in microseconds,
---          microseconds until the request would be admitted (0 when allowed)}.
+-- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
+-- requests left, retry-after seconds (0 when allowed), seconds until the current window
+-- ends, now in microseconds, microseconds until the request would be admitted (0 when
+-- allowed).
 -- Redis TIME is the only clock. A denied request writes nothing; the key lives two windows.
 
--- MICRO, idiv and ceil_div come from lua/int.lua, prepended by the gateway.
+-- MICRO, idiv, ceil_div and reply come from lua/int.lua, prepended by the gateway.
 
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
@@ -46,7 +47,7 @@ if c + cost <= limit and p * (window - elapsed) + (c + cost) * window <= limit *
   redis.call('HSET', KEYS[1], 'w', index, 'c', c, 'p', p)
   redis.call('PEXPIRE', KEYS[1], ceil_div(2 * window - elapsed, 1000))
   local left = idiv(limit * window - p * (window - elapsed) - c * window, window)
-  return {1, left, 0, window_end, now, 0}
+  return reply(1, left, 0, window_end, now, 0)
 end
 
 -- Denied: the first moment the estimate admits `cost`.
@@ -66,4 +67,4 @@ else
 end
 local retry = ceil_div(wait, MICRO)
 if retry < 1 then retry = 1 end
-return {0, 0, retry, window_end, now, wait}
+return reply(0, 0, retry, window_end, now, wait)

@@ -5,16 +5,17 @@
 -- ARGV[2]  refill in micro-tokens/second (0 .. 10^12)
 -- ARGV[3]  cost of this request          (1 .. capacity)
 --
--- Returns {allowed (0/1), micro-tokens left, retry-after seconds (0 when allowed),
---          seconds until full, now in microseconds[, on a denial: microseconds until the
---          cost is available, or -1]}.
+-- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
+-- micro-tokens left, retry-after seconds (0 when allowed, -1 when never), seconds until
+-- full (-1 when never), now in microseconds, and on a denial microseconds until the cost is
+-- available (-1 when not exact; 0 when allowed).
 --
 -- Redis TIME is the only clock. All arithmetic stays on integers below 2^53, where Lua's
 -- doubles are exact: the refill of a partial second is split so that no product exceeds
 -- 10^12 x 10^6 / 10^6, and the remainder of every refill is carried in `f` so that no
 -- micro-token is ever lost to rounding. A denied request writes nothing.
 
--- MICRO, idiv and ceil_div come from lua/int.lua, prepended by the gateway.
+-- MICRO, idiv, ceil_div and reply come from lua/int.lua, prepended by the gateway.
 
 local capacity = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
@@ -71,7 +72,7 @@ if tokens < cost then
       wait = ceil_div((cost - tokens) * MICRO - frac, rate)
     end
   end
-  return {0, tokens, retry, until_full(tokens), now, wait}
+  return reply(0, tokens, retry, until_full(tokens), now, wait)
 end
 
 tokens = tokens - cost
@@ -83,4 +84,4 @@ if full > 0 then
 elseif full < 0 then
   redis.call('PERSIST', KEYS[1])
 end
-return {1, tokens, 0, full, now, 0}
+return reply(1, tokens, 0, full, now, 0)

@@ -9,18 +9,29 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use sentinel_gateway::limiter::script::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use sentinel_gateway::limiter::script::{ScriptReply, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 use sentinel_gateway::limiter::sliding_window::{Outcome, Window, WindowState};
 use sentinel_gateway::limiter::token_bucket::{Bucket, BucketState, Take};
 
+/// Runs a script and returns its six integers; the gateway's parser must read the same answer.
 fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {
-    redis::cmd("EVAL")
+    let reply: String = redis::cmd("EVAL")
         .arg(script)
         .arg(1)
         .arg(key)
         .arg(&args[..])
         .query(conn)
-        .expect("script runs")
+        .expect("script runs");
+    let fields: Vec<i64> = reply
+        .split(' ')
+        .map(|f| f.parse().expect("an integer"))
+        .collect();
+    assert_eq!(fields.len(), 6, "six integers: {reply:?}");
+    assert!(
+        ScriptReply::parse(reply.as_bytes()).is_some(),
+        "the gateway reads {reply:?}"
+    );
+    fields
 }
 
 #[derive(Debug, Clone)]

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
-use redis::{ErrorKind, RedisError, ServerErrorKind};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::breaker::{BreakerBoard, BreakerState};
 use super::cluster::{keep_topology, Cluster};
@@ -97,7 +97,7 @@ pub struct Store {
 
 /// Where one evaluation stands.
 enum Step {
-    Reply(Vec<i64>),
+    Reply(Value),
     Failed(StoreFailure),
     /// `MOVED` (`ask` false) or `ASK`: try again on `addr`.
     Redirect {
@@ -329,7 +329,11 @@ impl Store {
             .redis_duration
             .observe(started.elapsed().as_secs_f64());
         let reply = result.and_then(|v| {
-            ScriptReply::parse(&v).ok_or_else(|| {
+            let parsed = match &v {
+                Value::BulkString(bytes) => ScriptReply::parse(bytes),
+                _ => None,
+            };
+            parsed.ok_or_else(|| {
                 tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
                 StoreFailure::ConnectionError
             })
@@ -399,7 +403,7 @@ impl Store {
         key: &str,
         args: &[u64],
         probe: bool,
-    ) -> Result<Vec<i64>, StoreFailure> {
+    ) -> Result<Value, StoreFailure> {
         let budget = self.budget();
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
@@ -460,7 +464,7 @@ impl Store {
             Err(f) => return Step::Failed(f),
         };
         let mut c = (*conn).clone();
-        let step = |r: redis::RedisResult<Vec<i64>>| match r {
+        let step = |r: redis::RedisResult<Value>| match r {
             Ok(v) => Step::Reply(v),
             Err(e) => match e.redirect_node() {
                 Some((addr, slot)) => Step::Redirect {
@@ -554,13 +558,13 @@ async fn evalsha(
     key: &str,
     args: &[u64],
     asking: bool,
-) -> redis::RedisResult<Vec<i64>> {
+) -> redis::RedisResult<Value> {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(&script.sha).arg(1).arg(key).arg(args);
     if !asking {
         return cmd.query_async(c).await;
     }
-    let (reply,): (Vec<i64>,) = redis::pipe()
+    let (reply,): (Value,) = redis::pipe()
         .cmd("ASKING")
         .ignore()
         .add_command(cmd)
