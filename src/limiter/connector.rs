@@ -162,10 +162,17 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(step_ms / 2 + jitter)
 }
 
+/// The checks and script loads after a connection opens, bounded as a whole.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Opens one connection: TCP and handshake within 1 s. Commands on it carry no timeout of
+/// redis-rs's: the request path bounds each evaluation by its budget, and every other caller
+/// by a timeout of its own (the set-up below, the slot map query, the heartbeat). A second
+/// timer per request would only cost time.
 pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(Some(Duration::from_secs(2)));
+        .set_response_timeout(None);
     client
         .get_multiplexed_async_connection_with_config(&config)
         .await
@@ -276,7 +283,14 @@ pub(crate) async fn connector(shared: Arc<Shared>, link: Arc<Link>) {
             continue;
         }
         let target = link.target.load_full();
-        match connect(&shared, &link, &target).await {
+        let setup = tokio::time::timeout(SETUP_TIMEOUT, connect(&shared, &link, &target));
+        let outcome = setup.await.unwrap_or_else(|_| {
+            Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "redis did not answer the connection checks and SCRIPT LOAD within 3 s",
+            )))
+        });
+        match outcome {
             // A reload may have changed the target while this one was connecting.
             Ok(_) if !Arc::ptr_eq(&target, &link.target.load_full()) => continue,
             Ok(_) if link.retired.load(Ordering::Relaxed) => break,
