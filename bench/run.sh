@@ -107,8 +107,9 @@ wait_port "$nginx_port"
 
 evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
 
-run() { # round cell label target path conns; target: a port, or healthy/dead/hole for a fresh gateway
+run() { # round cell label target path conns [oha args]; target: a port, or healthy/dead/hole for a fresh gateway
   local round=$1 cell=$2 label=$3 target=$4 path=$5 conns=$6 port before after
+  shift 6
   case $target in
     healthy) port=$(gateway healthy "$redis_port" 5) ;;
     dead)
@@ -125,7 +126,7 @@ run() { # round cell label target path conns; target: a port, or healthy/dead/ho
   esac
   [[ $target == healthy ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
   before=$(evalsha)
-  oha -z "${secs}s" -c "$conns" --no-tui --output-format json -H 'X-API-Key: bench' "http://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
+  oha -z "${secs}s" -c "$conns" "$@" --no-tui --output-format json -H 'X-API-Key: bench' "http://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
   after=$(evalsha)
   case $target in healthy | dead | hole) stop_gateway "$target" ;; esac
   if [[ $target == hole ]]; then redis-cli -p "$hole_port" client unpause >/dev/null; fi
@@ -140,6 +141,12 @@ for round in $(seq 1 "$rounds"); do
     run "$round" 5a "gateway, breaker open, fail_open" dead /fail-open "$conns"
     run "$round" 5b "gateway, breaker open, fail_closed" dead /fail-closed "$conns"
     run "$round" 6 "gateway, Redis black-holed (budget)" hole /fail-open "$conns"
+    # The same outage with requests arriving at a steady pace (half cell 6's rate, so that the
+    # connections are not all held at once; latency counted from each request's scheduled
+    # start). In cell 6 every connection's request is released on the same millisecond tick,
+    # and its tail is the time it takes to forward that whole wave.
+    rate=$(python3 -c 'import json,sys; print(max(1, int(json.load(open(sys.argv[1]))["summary"]["requestsPerSec"]) // 2))' "$work/cell-$round-6-$conns.json")
+    run "$round" 6q "gateway, black-holed, steady arrivals" hole /fail-open "$conns" -q "$rate" --latency-correction
     run "$round" 7 "nginx proxy_pass + limit_req" "$nginx_port" /none "$conns"
   done
 done
