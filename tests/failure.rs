@@ -597,6 +597,69 @@ async fn per_identity_emergency_buckets_keep_a_quiet_tenant_served() {
     assert_eq!(quiet, [200, 200], "a quiet tenant still gets through");
 }
 
+/// A Redis that completes the handshake and then answers nothing: the connection's checks
+/// and script loads are given 3 s, then the connection is dropped and another one tried.
+/// Requests meanwhile follow their fail mode at once; once Redis answers, it decides again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_hangs_during_connection_setup_is_left_and_retried() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    // The first command after the handshake asks for the eviction policy.
+    proxy.set(Mode::SwallowFrom("maxmemory-policy"));
+    let up = Upstream::start("app");
+    // The proxy's own check that it listens counts too.
+    let before = proxy.accepted();
+    let started = Instant::now();
+    // No start-up check of the eviction policy: only the connector talks to this Redis.
+    let (port, admin) = (common::free_port(), common::free_port());
+    let gw = Gateway::start_with(
+        port,
+        admin,
+        &format!(
+            "{}require_noeviction = false\n{}",
+            common::base_config(port, admin, &proxy.url()),
+            config(&up.addr(), 30)
+        ),
+    );
+    assert_eq!(
+        proxy.accepted(),
+        before + 1,
+        "one connection, hung in its set-up"
+    );
+    let http = client();
+    let a = send(&http, &gw.url("/closed"), "during").await;
+    assert_unavailable(&a);
+    assert!(
+        a.elapsed < Duration::from_millis(500),
+        "no connection: answered at once, not after a hung set-up ({:?})",
+        a.elapsed
+    );
+    // Without a bound on the set-up, the first connection would hang forever.
+    wait_until(
+        Duration::from_secs(10),
+        "a second connection after the first one's set-up timed out",
+        || proxy.accepted() > before + 1,
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(2_500),
+        "the set-up had its 3 s before the connection was dropped ({:?})",
+        started.elapsed()
+    );
+    assert!(
+        gw.logs()
+            .contains("redis did not answer the connection checks and SCRIPT LOAD within 3 s"),
+        "{}",
+        gw.logs()
+    );
+    proxy.set(Mode::Pass);
+    wait_until(Duration::from_secs(10), "Redis to decide again", || {
+        std::thread::sleep(Duration::from_millis(100));
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::block_in_place(|| rt.block_on(send(&http, &gw.url("/closed"), "after"))).status
+            == 200
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_leaves_a_silently_dead_connection_behind() {
     let r = rig(1);

@@ -18,6 +18,9 @@ pub enum Mode {
     Blackhole,
     /// Every reply from Redis is held back this long.
     Stall(Duration),
+    /// Connections pass until the client sends this text (any case); from that write on,
+    /// nothing more reaches Redis: a Redis that hangs in the middle of a conversation.
+    SwallowFrom(&'static str),
 }
 
 struct State {
@@ -69,11 +72,11 @@ impl FaultProxy {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
-    /// Switches mode. Live connections are cut when leaving Blackhole (its swallowed
-    /// commands would otherwise leave replies out of step); `cut` does it on demand.
+    /// Switches mode. Live connections are cut when leaving Blackhole or SwallowFrom (their
+    /// swallowed commands would otherwise leave replies out of step); `cut` does it on demand.
     pub fn set(&self, mode: Mode) {
         let prev = std::mem::replace(&mut *self.state.mode.lock().unwrap(), mode);
-        if prev == Mode::Blackhole {
+        if matches!(prev, Mode::Blackhole | Mode::SwallowFrom(_)) {
             self.cut();
         }
     }
@@ -181,6 +184,7 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
     let mut to_server = server.as_ref().map(|s| s.try_clone().expect("clone"));
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
+        let mut swallowing = false;
         loop {
             let n = match from_client.read(&mut buf) {
                 Ok(0) | Err(_) => break,
@@ -195,7 +199,15 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
                 .evalsha
                 .fetch_add(evalshas as u64, Ordering::SeqCst);
             let mode = *up_state.mode.lock().unwrap();
-            if mode == Mode::Blackhole || born < up_state.silent_before.load(Ordering::SeqCst) {
+            if let Mode::SwallowFrom(marker) = mode {
+                swallowing |= buf[..n]
+                    .windows(marker.len())
+                    .any(|w| w.eq_ignore_ascii_case(marker.as_bytes()));
+            }
+            if swallowing
+                || mode == Mode::Blackhole
+                || born < up_state.silent_before.load(Ordering::SeqCst)
+            {
                 continue;
             }
             if let Some(s) = to_server.as_mut() {
