@@ -12,6 +12,7 @@ use http::Method;
 use sentinel_gateway::clock::{MonotonicClock, SharedClock};
 use sentinel_gateway::config::{BreakerConfig, FailMode, PathMatch};
 use sentinel_gateway::limiter::emergency::{Emergency, EmergencyBucket};
+use sentinel_gateway::limiter::script::ScriptReply;
 use sentinel_gateway::limiter::{degrade, identity_hash, Breaker, Degradation};
 use sentinel_gateway::proxy::respond::Answer;
 use sentinel_gateway::routing::{normalize_path, Matcher, RouteTable};
@@ -37,6 +38,9 @@ fn routing(c: &mut Criterion) {
 fn keys(c: &mut Criterion) {
     c.bench_function("identity_hash", |b| {
         b.iter(|| identity_hash(black_box("header:x-api-key:0123456789abcdef")))
+    });
+    c.bench_function("script_reply_parse", |b| {
+        b.iter(|| ScriptReply::parse(black_box(b"1 999999999000000 0 2 1764470000123456 0")))
     });
 }
 
