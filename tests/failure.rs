@@ -491,6 +491,57 @@ async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
     );
 }
 
+/// `/readyz`'s `redis` field, with no request in flight.
+fn redis_field(gw: &Gateway) -> String {
+    let (_, body) = common::blocking_get(&gw.admin("/readyz")).expect("/readyz answers");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    v["redis"].as_str().unwrap_or_default().to_owned()
+}
+
+/// Redis killed while nothing uses the connection: the gateway notices the closed socket
+/// itself (no command sent, no request needed), says so in `/readyz` and the log, and
+/// reconnects in the background, so the first request after the restart is decided by Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_that_redis_closes_is_noticed_without_traffic() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&redis.url(), &config(&up.addr(), 30));
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "k").await.status, 200);
+    gw.wait_connection_moved();
+    assert_eq!(redis_field(&gw), "up");
+    redis.proc.signal("KILL");
+    redis
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("redis died");
+    let killed = Instant::now();
+    wait_until(Duration::from_secs(5), "/readyz to say redis down", || {
+        redis_field(&gw) == "down"
+    });
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "noticed when the socket closed, not at the next request ({:?})",
+        killed.elapsed()
+    );
+    assert!(gw.logs().contains("redis closed the connection"));
+    drop(redis);
+    let redis = Redis::start_on(port);
+    wait_until(Duration::from_secs(10), "the reconnection", || {
+        redis_field(&gw) == "up"
+    });
+    // Decided by Redis at once: a fresh bucket, no failure, the breaker untouched.
+    let a = send(&http, &gw.url("/closed"), "after").await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(redis.command_calls("evalsha"), 1);
+    assert_eq!(
+        gw.metric("sentinel_store_errors_total{cause=\"connection_error\"}"),
+        0.0
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_and_restarted_with_data_loss_recovers() {
     let mut redis = Redis::start();

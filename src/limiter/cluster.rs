@@ -223,8 +223,8 @@ impl Cluster {
                     redis::ConnectionAddr::Tcp(h, _) => h.clone(),
                     _ => String::new(),
                 };
-                let mut conn = open(&client).await.map_err(|e| e.to_string())?;
-                query_slots(&mut conn, &host).await
+                let mut opened = open(&client).await.map_err(|e| e.to_string())?;
+                query_slots(&mut opened.conn, &host).await
             };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
                 Ok(Ok(ranges)) => return self.apply(shared, epoch, ranges),

@@ -5,18 +5,22 @@
 //! Cluster. Each link has its own circuit breaker, so a dead cluster node quarantines the
 //! keys it owns and nothing else.
 
+use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use rand::Rng;
 use redis::aio::MultiplexedConnection;
-use redis::AsyncConnectionConfig;
+use redis::{AsyncConnectionConfig, ConnectionAddr};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
 use super::breaker::Breaker;
-use super::store::{is_transport, Shared};
+use super::store::{forget_connection, is_transport, Shared};
 
 /// Where a link connects.
 pub(crate) struct Target {
@@ -128,12 +132,26 @@ impl Link {
         }
     }
 
-    /// Installs a connection, as the connector or a breaker probe opened it.
-    pub(crate) fn install(&self, conn: MultiplexedConnection, on_proxy_runtime: bool) {
-        self.conn.store(Some(Arc::new(conn)));
+    /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
+    /// when Redis closes it, it is forgotten at once, in use or not.
+    pub(crate) fn install(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        opened: Opened,
+        on_proxy_runtime: bool,
+    ) {
+        let conn = Arc::new(opened.conn);
+        let watched = Arc::downgrade(&conn);
+        self.conn.store(Some(conn));
         self.on_proxy_runtime
             .store(on_proxy_runtime, Ordering::Relaxed);
         self.ready.notify_waiters();
+        tokio::spawn(forget_when_closed(
+            Arc::clone(shared),
+            Arc::downgrade(self),
+            watched,
+            opened.closed,
+        ));
     }
 
     /// Stops the connector and drops the connection (the node left the topology).
@@ -164,18 +182,177 @@ fn backoff(attempt: u32) -> Duration {
 
 /// The checks and script loads after a connection opens, bounded as a whole.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
+/// The TCP (or unix socket) connect and the handshake.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Opens one connection: TCP and handshake within 1 s. Commands on it carry no timeout of
-/// redis-rs's: the request path bounds each evaluation by its budget, and every other caller
-/// by a timeout of its own (the set-up below, the slot map query, the heartbeat). A second
-/// timer per request would only cost time.
-pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<MultiplexedConnection> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(None);
-    client
-        .get_multiplexed_async_connection_with_config(&config)
+/// A connection just opened, and the signal that its socket has closed.
+pub(crate) struct Opened {
+    pub(crate) conn: MultiplexedConnection,
+    pub(crate) closed: Arc<Closed>,
+}
+
+/// Opens one connection: connect and handshake within 1 s, `TCP_NODELAY` on (a decision is a
+/// small write that must not wait for the previous one's ACK). Commands on it carry no
+/// timeout of redis-rs's: the request path bounds each evaluation by its budget, and every
+/// other caller by a timeout of its own (the set-up below, the slot map query, the
+/// heartbeat). A second timer per request would only cost time.
+///
+/// The socket is watched as redis-rs's driver reads it: when Redis closes it (killed,
+/// restarted, `CLIENT KILL`), [`Opened::closed`] fires without a command being sent. An idle
+/// connection, or one behind an open breaker, would otherwise look up until the next request
+/// that used it.
+pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<Opened> {
+    let info = client.get_connection_info();
+    let config = AsyncConnectionConfig::new().set_response_timeout(None);
+    let closed = Arc::new(Closed::default());
+    let setup = async {
+        // The driver task runs until the connection is let go or closed.
+        let conn = match info.addr() {
+            ConnectionAddr::Tcp(host, port) => {
+                let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                socket.set_nodelay(true)?;
+                let stream = Watched::new(socket, Arc::clone(&closed));
+                let (conn, driver) =
+                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
+                        .await?;
+                tokio::spawn(driver);
+                conn
+            }
+            ConnectionAddr::Unix(path) => {
+                let socket = tokio::net::UnixStream::connect(path).await?;
+                let stream = Watched::new(socket, Arc::clone(&closed));
+                let (conn, driver) =
+                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
+                        .await?;
+                tokio::spawn(driver);
+                conn
+            }
+            other => {
+                return Err(redis::RedisError::from(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("unsupported redis address {other}"),
+                )))
+            }
+        };
+        Ok(conn)
+    };
+    let conn = tokio::time::timeout(CONNECT_TIMEOUT, setup)
         .await
+        .map_err(|_| {
+            redis::RedisError::from(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "redis did not accept the connection and handshake within 1 s",
+            ))
+        })??;
+    Ok(Opened { conn, closed })
+}
+
+/// Fires once: the watched socket read its end, failed, or was dropped.
+#[derive(Default)]
+pub(crate) struct Closed {
+    fired: AtomicBool,
+    notify: Notify,
+}
+
+impl Closed {
+    fn fire(&self) {
+        if !self.fired.swap(true, Ordering::AcqRel) {
+            self.notify.notify_waiters();
+        }
+    }
+
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.fired.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// A Redis socket that reports its end to [`Closed`]; reads and writes pass straight through.
+struct Watched<S> {
+    inner: S,
+    closed: Arc<Closed>,
+}
+
+impl<S> Watched<S> {
+    fn new(inner: S, closed: Arc<Closed>) -> Self {
+        Self { inner, closed }
+    }
+}
+
+impl<S> Drop for Watched<S> {
+    fn drop(&mut self) {
+        // Also when the connection is simply let go: its watcher must not wait forever.
+        self.closed.fire();
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let room = buf.remaining() > 0;
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        match &poll {
+            Poll::Ready(Ok(())) if room && buf.filled().len() == before => self.closed.fire(),
+            Poll::Ready(Err(_)) => self.closed.fire(),
+            _ => {}
+        }
+        poll
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Waits for an installed connection's socket to close, then forgets the connection if the
+/// link still holds it. Ends quietly when the connection was replaced and let go.
+async fn forget_when_closed(
+    shared: Arc<Shared>,
+    link: Weak<Link>,
+    conn: Weak<MultiplexedConnection>,
+    closed: Arc<Closed>,
+) {
+    closed.wait().await;
+    if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
+        forget_connection(&shared, &link, &conn, &"redis closed the connection");
+    }
 }
 
 pub async fn eviction_policy(
@@ -210,8 +387,8 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
             continue;
         };
         let check = async {
-            let mut conn = open(&client).await.ok()?;
-            eviction_policy(&mut conn).await.ok()
+            let mut opened = open(&client).await.ok()?;
+            eviction_policy(&mut opened.conn).await.ok()
         };
         match tokio::time::timeout(Duration::from_secs(3), check).await {
             Ok(Some(EvictionPolicy::Evicting(p))) => return Some(p),
@@ -224,12 +401,8 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
     None
 }
 
-async fn connect(
-    shared: &Shared,
-    link: &Link,
-    target: &Target,
-) -> redis::RedisResult<MultiplexedConnection> {
-    let mut conn = match shared.proxy_runtime.get() {
+async fn connect(shared: &Shared, link: &Link, target: &Target) -> redis::RedisResult<Opened> {
+    let mut opened = match shared.proxy_runtime.get() {
         // Spawned there, the connection's driver task runs on the proxy's workers.
         Some(proxy) => {
             let client = target.client.clone();
@@ -240,7 +413,8 @@ async fn connect(
         }
         None => open(&target.client).await?,
     };
-    let policy = eviction_policy(&mut conn).await?;
+    let conn = &mut opened.conn;
+    let policy = eviction_policy(conn).await?;
     let required = shared.require_noeviction.load(Ordering::Relaxed);
     match &policy {
         EvictionPolicy::Evicting(p) if required => {
@@ -257,7 +431,7 @@ async fn connect(
         EvictionPolicy::Unknown => None,
     });
     for script in [&shared.token_bucket, &shared.sliding_window] {
-        match script.load(&mut conn).await {
+        match script.load(conn).await {
             Ok(_) => {}
             Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
             // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
@@ -267,7 +441,7 @@ async fn connect(
             }
         }
     }
-    Ok(conn)
+    Ok(opened)
 }
 
 /// Keeps one link's connection up: connects, checks, loads the scripts, then sleeps until
@@ -296,7 +470,7 @@ pub(crate) async fn connector(shared: Arc<Shared>, link: Arc<Link>) {
             Ok(_) if link.retired.load(Ordering::Relaxed) => break,
             Ok(conn) => {
                 // Swapping is seamless: requests on the old connection finish on it.
-                link.install(conn, shared.proxy_runtime.get().is_some());
+                link.install(&shared, conn, shared.proxy_runtime.get().is_some());
                 if connected {
                     tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                     continue;

@@ -379,7 +379,7 @@ impl Store {
     /// The connection to use: the link's, or, for a probe after a timeout, a new one.
     async fn connection(
         &self,
-        link: &Link,
+        link: &Arc<Link>,
         probe: bool,
     ) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
@@ -390,7 +390,11 @@ impl Store {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
             StoreFailure::ConnectionError
         })?;
-        link.install(fresh, self.shared.proxy_runtime.get().is_some());
+        link.install(
+            &self.shared,
+            fresh,
+            self.shared.proxy_runtime.get().is_some(),
+        );
         tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
         link.conn.load_full().ok_or(StoreFailure::ConnectionError)
     }
@@ -452,7 +456,7 @@ impl Store {
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
     async fn eval_on(
         &self,
-        link: &Link,
+        link: &Arc<Link>,
         script: &Script,
         key: &str,
         args: &[u64],
@@ -507,7 +511,7 @@ impl Store {
             return StoreFailure::Timeout;
         }
         if is_transport(e) {
-            self.drop_connection(link, conn, e);
+            forget_connection(&self.shared, link, conn, e);
         } else if matches!(
             e.kind(),
             ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client
@@ -524,17 +528,23 @@ impl Store {
         }
         StoreFailure::ConnectionError
     }
+}
 
-    /// Forgets a broken connection (once, however many requests saw it break) and wakes the
-    /// connector; in a cluster, also asks for a fresh slot map (a replica may be taking over).
-    fn drop_connection(&self, link: &Link, conn: &Arc<MultiplexedConnection>, e: &RedisError) {
-        let prev = link.conn.compare_and_swap(conn, None);
-        if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
-            tracing::warn!(node = %link.node(), error = %e, "redis connection lost; reconnecting in the background");
-            link.wake.notify_one();
-            if let Mode::Cluster(cluster) = &self.shared.mode {
-                cluster.refresh.notify_one();
-            }
+/// Forgets a broken connection (once, however many requests, or its watcher, saw it break)
+/// and wakes the connector; in a cluster, also asks for a fresh slot map (a replica may be
+/// taking over).
+pub(crate) fn forget_connection(
+    shared: &Shared,
+    link: &Link,
+    conn: &Arc<MultiplexedConnection>,
+    cause: &dyn std::fmt::Display,
+) {
+    let prev = link.conn.compare_and_swap(conn, None);
+    if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
+        tracing::warn!(node = %link.node(), error = %cause, "redis connection lost; reconnecting in the background");
+        link.wake.notify_one();
+        if let Mode::Cluster(cluster) = &shared.mode {
+            cluster.refresh.notify_one();
         }
     }
 }
