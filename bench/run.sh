@@ -44,8 +44,8 @@ wait_port "$redis_port"; wait_port "$up_port"; wait_port "$hole_port"
 limited() { # endpoint_id path capacity_micro refill_micro [extra line] -> a token-bucket route
   printf '[[routes]]\nendpoint_id = "%s"\npath = "%s"\nupstream = "app"\nidentity = { header = "X-API-Key" }\nalgorithm = "token_bucket"\ncapacity_micro = %s\nrefill_rate_micro_per_sec = %s\n%b\n' "$@"
 }
-gateway() { # name redis_port failure_threshold -> prints the proxy port
-  local name=$1 rport=$2 threshold=$3 port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
+gateway() { # name redis_port failure_threshold [dedicated_io_thread] -> prints the proxy port
+  local name=$1 rport=$2 threshold=$3 dedicated=${4:-false} port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
   port=$(free_port); admin=$(free_port)
   {
     cat <<TOML
@@ -56,6 +56,7 @@ threads = 2
 [redis]
 url = "redis://127.0.0.1:$rport/0"
 require_noeviction = false
+dedicated_io_thread = $dedicated
 [breaker]
 failure_threshold = $threshold
 open_seconds = 3600
@@ -107,11 +108,12 @@ wait_port "$nginx_port"
 
 evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
 
-run() { # round cell label target path conns [oha args]; target: a port, or healthy/dead/hole for a fresh gateway
+run() { # round cell label target path conns [oha args]; target: a port, or healthy/dedicated/dead/hole for a fresh gateway
   local round=$1 cell=$2 label=$3 target=$4 path=$5 conns=$6 port before after
   shift 6
   case $target in
     healthy) port=$(gateway healthy "$redis_port" 5) ;;
+    dedicated) port=$(gateway dedicated "$redis_port" 5 true) ;;
     dead)
       port=$(gateway dead "$dead_port" 5)
       # Open its breaker: its Redis is dead, five failures.
@@ -124,11 +126,11 @@ run() { # round cell label target path conns [oha args]; target: a port, or heal
       redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null ;;
     *) port=$target ;;
   esac
-  [[ $target == healthy ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
+  [[ $target == healthy || $target == dedicated ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
   before=$(evalsha)
   oha -z "${secs}s" -c "$conns" "$@" --no-tui --output-format json -H 'X-API-Key: bench' "http://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
   after=$(evalsha)
-  case $target in healthy | dead | hole) stop_gateway "$target" ;; esac
+  case $target in healthy | dedicated | dead | hole) stop_gateway "$target" ;; esac
   if [[ $target == hole ]]; then redis-cli -p "$hole_port" client unpause >/dev/null; fi
   echo "$round|$cell|$label|$conns|$((after - before))" >>"$work/cells"
 }
@@ -137,6 +139,7 @@ for round in $(seq 1 "$rounds"); do
     run "$round" 1 "demo upstream directly" "$up_port" /none "$conns"
     run "$round" 2 "gateway, algorithm none" healthy /none "$conns"
     run "$round" 3 "gateway, token bucket, all allowed" healthy /allowed "$conns"
+    run "$round" 3d "gateway, token bucket, dedicated io" dedicated /allowed "$conns"
     run "$round" 4 "gateway, hot identity over limit" healthy /hot "$conns"
     run "$round" 5a "gateway, breaker open, fail_open" dead /fail-open "$conns"
     run "$round" 5b "gateway, breaker open, fail_closed" dead /fail-closed "$conns"

@@ -83,6 +83,10 @@ impl Reloader {
                 "server.grace_period_seconds",
                 old.grace_period != new.grace_period,
             ),
+            (
+                "redis.dedicated_io_thread",
+                current.config.redis.dedicated_io_thread != config.redis.dedicated_io_thread,
+            ),
         ]
         .into_iter()
         .filter_map(|(field, changed)| changed.then_some(field))

@@ -491,6 +491,45 @@ async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
     );
 }
 
+/// `[redis] dedicated_io_thread = true`: the connection stays on the store's own thread (it is
+/// never moved onto the proxy's workers), decisions are exact, and turning it off at reload
+/// is reported as needing a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedicated_io_thread_keeps_the_connection_off_the_workers() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let (port, admin) = (common::free_port(), common::free_port());
+    let head = format!(
+        "{}dedicated_io_thread = true\n",
+        common::base_config(port, admin, &redis.url())
+    );
+    let gw = Gateway::start_with(port, admin, &format!("{head}{}", config(&up.addr(), 30)));
+    let http = client();
+    let statuses = futures_statuses_gw(&http, &gw, "/closed", "k", 4).await;
+    assert_eq!(statuses, vec![200, 200, 200, 429]);
+    assert_eq!(redis.command_calls("evalsha"), 4);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !gw.logs()
+            .contains("redis connection now driven by the proxy workers"),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(redis.command_calls("evalsha"), 4, "one EVALSHA per request");
+    gw.rewrite_config(&format!(
+        "{}{}",
+        common::base_config(port, admin, &redis.url()),
+        config(&up.addr(), 30)
+    ));
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(
+        body["restart_required"],
+        serde_json::json!(["redis.dedicated_io_thread"])
+    );
+}
+
 /// `/readyz`'s `redis` field, with no request in flight.
 fn redis_field(gw: &Gateway) -> String {
     let (_, body) = common::blocking_get(&gw.admin("/readyz")).expect("/readyz answers");

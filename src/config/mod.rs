@@ -63,6 +63,9 @@ pub struct RedisConfig {
     pub timeout: Duration,
     pub key_prefix: String,
     pub require_noeviction: bool,
+    /// Drive the Redis connections on a thread of their own rather than on the proxy's
+    /// workers: a decision then never queues behind saturated workers for its reply.
+    pub dedicated_io_thread: bool,
 }
 
 /// Where the limiter's state lives.

@@ -47,6 +47,7 @@ pub struct RawRedis {
     pub timeout_ms: Option<Spanned<i64>>,
     pub key_prefix: Option<Spanned<String>>,
     pub require_noeviction: Option<bool>,
+    pub dedicated_io_thread: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

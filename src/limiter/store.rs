@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     /// moved there so a decision does not hop to another thread and back.
     pub(crate) proxy_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     pub(crate) require_noeviction: AtomicBool,
+    /// `[redis] dedicated_io_thread`: the connections stay on the store's own thread.
+    dedicated_io_thread: bool,
     breakers: Arc<BreakerBoard>,
     /// The store's own runtime: connectors and the cluster refresher run there.
     runtime: tokio::runtime::Handle,
@@ -148,6 +150,7 @@ impl Store {
             redis_duration: metrics.redis_duration.clone(),
             proxy_runtime: std::sync::OnceLock::new(),
             require_noeviction: AtomicBool::new(config.require_noeviction),
+            dedicated_io_thread: config.dedicated_io_thread,
             runtime: runtime.handle().clone(),
             mode,
             breakers: board,
@@ -308,7 +311,7 @@ impl Store {
         args: [u64; 3],
         probe: bool,
     ) -> Result<ScriptReply, StoreFailure> {
-        if self.shared.proxy_runtime.get().is_none() {
+        if !self.shared.dedicated_io_thread && self.shared.proxy_runtime.get().is_none() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 if self.shared.proxy_runtime.set(handle).is_ok() {
                     for link in self.links() {

@@ -155,12 +155,14 @@ pub(super) fn redis(
         }
     };
     let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
+    let dedicated_io_thread = r.and_then(|r| r.dedicated_io_thread).unwrap_or(false);
     Some(RedisConfig {
         target: target?,
         env_overrides_cluster: url_override.is_some() && cluster.is_some(),
         timeout: Duration::from_millis(timeout?),
         key_prefix: key_prefix?,
         require_noeviction,
+        dedicated_io_thread,
     })
 }
 
