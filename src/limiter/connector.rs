@@ -17,7 +17,7 @@ use rand::Rng;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ConnectionAddr};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 
 use super::breaker::Breaker;
 use super::store::{forget_connection, is_transport, Shared};
@@ -185,10 +185,12 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TCP (or unix socket) connect and the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// A connection just opened, and the signal that its socket has closed.
+/// A connection just opened, and the signal that its socket has closed: the value turns
+/// true when the socket reads its end or fails, and the sender is dropped with the socket
+/// when the connection is let go. Either way, a waiter wakes.
 pub(crate) struct Opened {
     pub(crate) conn: MultiplexedConnection,
-    pub(crate) closed: Arc<Closed>,
+    pub(crate) closed: watch::Receiver<bool>,
 }
 
 /// Opens one connection: connect and handshake within 1 s, `TCP_NODELAY` on (a decision is a
@@ -203,38 +205,23 @@ pub(crate) struct Opened {
 /// that used it.
 pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<Opened> {
     let info = client.get_connection_info();
-    let config = AsyncConnectionConfig::new().set_response_timeout(None);
-    let closed = Arc::new(Closed::default());
+    let (closed_tx, closed) = watch::channel(false);
     let setup = async {
-        // The driver task runs until the connection is let go or closed.
-        let conn = match info.addr() {
+        match info.addr() {
             ConnectionAddr::Tcp(host, port) => {
                 let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                 socket.set_nodelay(true)?;
-                let stream = Watched::new(socket, Arc::clone(&closed));
-                let (conn, driver) =
-                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
-                        .await?;
-                tokio::spawn(driver);
-                conn
+                drive(info, socket, closed_tx).await
             }
             ConnectionAddr::Unix(path) => {
                 let socket = tokio::net::UnixStream::connect(path).await?;
-                let stream = Watched::new(socket, Arc::clone(&closed));
-                let (conn, driver) =
-                    MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
-                        .await?;
-                tokio::spawn(driver);
-                conn
+                drive(info, socket, closed_tx).await
             }
-            other => {
-                return Err(redis::RedisError::from(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    format!("unsupported redis address {other}"),
-                )))
-            }
-        };
-        Ok(conn)
+            other => Err(redis::RedisError::from(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("unsupported redis address {other}"),
+            ))),
+        }
     };
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, setup)
         .await
@@ -247,50 +234,32 @@ pub(crate) async fn open(client: &redis::Client) -> redis::RedisResult<Opened> {
     Ok(Opened { conn, closed })
 }
 
-/// Fires once: the watched socket read its end, failed, or was dropped.
-#[derive(Default)]
-pub(crate) struct Closed {
-    fired: AtomicBool,
-    notify: Notify,
+/// The handshake over a watched socket, and the connection's driver task, which runs until
+/// the connection is let go or closed.
+async fn drive<S>(
+    info: &redis::ConnectionInfo,
+    socket: S,
+    closed: watch::Sender<bool>,
+) -> redis::RedisResult<MultiplexedConnection>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let config = AsyncConnectionConfig::new().set_response_timeout(None);
+    let stream = Watched {
+        inner: socket,
+        closed,
+    };
+    let (conn, driver) =
+        MultiplexedConnection::new_with_config(info.redis_settings(), stream, config).await?;
+    tokio::spawn(driver);
+    Ok(conn)
 }
 
-impl Closed {
-    fn fire(&self) {
-        if !self.fired.swap(true, Ordering::AcqRel) {
-            self.notify.notify_waiters();
-        }
-    }
-
-    async fn wait(&self) {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.fired.load(Ordering::Acquire) {
-                return;
-            }
-            notified.await;
-        }
-    }
-}
-
-/// A Redis socket that reports its end to [`Closed`]; reads and writes pass straight through.
+/// A Redis socket that reports its end to [`Opened::closed`]; reads and writes pass straight
+/// through.
 struct Watched<S> {
     inner: S,
-    closed: Arc<Closed>,
-}
-
-impl<S> Watched<S> {
-    fn new(inner: S, closed: Arc<Closed>) -> Self {
-        Self { inner, closed }
-    }
-}
-
-impl<S> Drop for Watched<S> {
-    fn drop(&mut self) {
-        // Also when the connection is simply let go: its watcher must not wait forever.
-        self.closed.fire();
-    }
+    closed: watch::Sender<bool>,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
@@ -303,8 +272,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
         let room = buf.remaining() > 0;
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
         match &poll {
-            Poll::Ready(Ok(())) if room && buf.filled().len() == before => self.closed.fire(),
-            Poll::Ready(Err(_)) => self.closed.fire(),
+            Poll::Ready(Ok(())) if room && buf.filled().len() == before => {
+                self.closed.send_replace(true);
+            }
+            Poll::Ready(Err(_)) => {
+                self.closed.send_replace(true);
+            }
             _ => {}
         }
         poll
@@ -347,9 +320,10 @@ async fn forget_when_closed(
     shared: Arc<Shared>,
     link: Weak<Link>,
     conn: Weak<MultiplexedConnection>,
-    closed: Arc<Closed>,
+    mut closed: watch::Receiver<bool>,
 ) {
-    closed.wait().await;
+    // Ok: the socket ended; Err: the socket was dropped with the connection.
+    let _ = closed.wait_for(|ended| *ended).await;
     if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
         forget_connection(&shared, &link, &conn, &"redis closed the connection");
     }
