@@ -491,6 +491,36 @@ async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
     );
 }
 
+/// `url = "unix://..."`: the gateway opens its own connections, so the unix socket path is its
+/// own code too. Decisions are exact, and a killed Redis is noticed on the socket as on TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_on_a_unix_socket_decides_and_its_loss_is_noticed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("redis.sock");
+    let socket_arg = socket.display().to_string();
+    let mut redis = Redis::start_with(
+        common::free_port(),
+        &["--unixsocket", &socket_arg, "--unixsocketperm", "700"],
+    );
+    let up = Upstream::start("app");
+    let gw = Gateway::start(&format!("unix://{socket_arg}"), &config(&up.addr(), 30));
+    let http = client();
+    let statuses = futures_statuses_gw(&http, &gw, "/closed", "k", 4).await;
+    assert_eq!(statuses, vec![200, 200, 200, 429], "{}", gw.logs());
+    assert_eq!(redis.command_calls("evalsha"), 4);
+    assert_eq!(redis_field(&gw), "up");
+    redis.proc.signal("KILL");
+    redis
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("redis died");
+    wait_until(Duration::from_secs(5), "/readyz to say redis down", || {
+        redis_field(&gw) == "down"
+    });
+    let a = send(&http, &gw.url("/closed"), "k2").await;
+    assert_unavailable(&a);
+}
+
 /// `[redis] dedicated_io_thread = true`: the connection stays on the store's own thread (it is
 /// never moved onto the proxy's workers), decisions are exact, and turning it off at reload
 /// is reported as needing a restart.
