@@ -10,12 +10,12 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::Method;
 use sentinel_gateway::clock::{MonotonicClock, SharedClock};
-use sentinel_gateway::config::{BreakerConfig, FailMode, PathMatch};
-use sentinel_gateway::limiter::emergency::{Emergency, EmergencyBucket};
-use sentinel_gateway::limiter::script::ScriptReply;
-use sentinel_gateway::limiter::{degrade, identity_hash, Breaker, Degradation};
+use sentinel_gateway::config::{BreakerConfig, FailMode};
+use sentinel_gateway::decision::emergency::{Emergency, EmergencyBucket};
+use sentinel_gateway::decision::{degrade, Breaker, Degradation, ScriptReply};
+use sentinel_gateway::limiter::identity_hash;
 use sentinel_gateway::proxy::respond::Answer;
-use sentinel_gateway::routing::{normalize_path, Matcher, RouteTable};
+use sentinel_gateway::routing::{normalize_path, Matcher, PathMatch, RouteTable};
 
 fn routing(c: &mut Criterion) {
     c.bench_function("normalize_path", |b| {

@@ -15,20 +15,20 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 
 use crate::lifecycle::Lifecycle;
-use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
+use crate::store::Store;
 
 pub struct Admin {
     pub metrics: Arc<Metrics>,
     pub lifecycle: Arc<Lifecycle>,
-    pub limiter: Arc<Limiter>,
+    pub store: Store,
     pub reloader: Arc<Reloader>,
 }
 
-type Answer = Response<Full<Bytes>>;
+type AdminResponse = Response<Full<Bytes>>;
 
-fn reply(status: StatusCode, content_type: &str, body: String) -> Answer {
+fn reply(status: StatusCode, content_type: &str, body: String) -> AdminResponse {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
@@ -36,7 +36,7 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> Answer {
         .expect("static response parts are valid")
 }
 
-fn json(status: StatusCode, value: serde_json::Value) -> Answer {
+fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
     reply(status, "application/json", value.to_string())
 }
 
@@ -70,13 +70,13 @@ impl Admin {
         }
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Answer {
+    async fn route(&self, req: Request<Incoming>) -> AdminResponse {
         match (req.method().clone(), req.uri().path()) {
             (Method::GET, "/metrics") => {
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
-                for n in self.limiter.store.nodes() {
+                for n in self.store.nodes() {
                     self.metrics.redis_node(&n.node, Some(n.connected));
                 }
                 reply(
@@ -99,14 +99,14 @@ impl Admin {
         }
     }
 
-    fn readyz(&self) -> Answer {
+    fn readyz(&self) -> AdminResponse {
         let ready = self.lifecycle.is_ready();
         let status = if ready {
             StatusCode::OK
         } else {
             StatusCode::SERVICE_UNAVAILABLE
         };
-        let store = &self.limiter.store;
+        let store = &self.store;
         let mut body = serde_json::json!({
             "ready": ready,
             "redis": if store.is_connected() { "up" } else { "down" },
@@ -130,7 +130,7 @@ impl Admin {
         json(status, body)
     }
 
-    async fn reload(&self) -> Answer {
+    async fn reload(&self) -> AdminResponse {
         match self.reloader.reload_off_thread().await {
             Ok(r) => {
                 let mut body =

@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::{Algorithm, Config, IdentitySource, PathMatch, RouteConfig};
+use crate::config::{Algorithm, Config, IdentitySource, RouteConfig};
+use crate::routing::PathMatch;
 
 /// Exit code for an invalid config.
 pub const EXIT_INVALID_CONFIG: i32 = 2;
@@ -163,7 +164,7 @@ pub fn describe(route: &RouteConfig) -> String {
         }
         (_, _, mode) => format!("; {}", mode.as_str()),
     };
-    let shadow = if p.mode == crate::config::Mode::Shadow {
+    let shadow = if p.mode == crate::config::Enforcement::Shadow {
         "; shadow mode"
     } else {
         ""

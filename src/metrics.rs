@@ -8,8 +8,8 @@ use prometheus::{
     IntGauge, IntGaugeVec, Opts, Registry,
 };
 
-use crate::config::{FailMode, Mode};
-use crate::limiter::DecisionReason;
+use crate::config::{Enforcement, FailMode};
+use crate::decision::DecisionReason;
 
 /// Histogram buckets from 10 us to about 1.3 s, doubling, plus 5, 15, 20, 25 and 30 ms so
 /// that the share of decisions within a usual budget can be read off directly.
@@ -277,10 +277,15 @@ impl Metrics {
         }
     }
 
-    pub fn endpoint(&self, endpoint_id: &str, fail_mode: FailMode, mode: Mode) -> EndpointMetrics {
+    pub fn endpoint(
+        &self,
+        endpoint_id: &str,
+        fail_mode: FailMode,
+        mode: Enforcement,
+    ) -> EndpointMetrics {
         for (name, current) in [
-            ("enforce", mode == Mode::Enforce),
-            ("shadow", mode == Mode::Shadow),
+            ("enforce", mode == Enforcement::Enforce),
+            ("shadow", mode == Enforcement::Shadow),
         ] {
             self.endpoint_mode
                 .with_label_values(&[endpoint_id, name])

@@ -9,15 +9,15 @@ use arc_swap::ArcSwap;
 
 use crate::clock::SharedClock;
 use crate::config::Config;
-use crate::limiter::fleet::Fleet;
-use crate::limiter::Limiter;
+use crate::decision::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
+use crate::store::Store;
 
 pub struct Reloader {
     pub path: PathBuf,
     pub live: Arc<ArcSwap<Snapshot>>,
-    pub limiter: Arc<Limiter>,
+    pub store: Store,
     pub metrics: Arc<Metrics>,
     pub clock: SharedClock,
     pub fleet: Arc<Fleet>,
@@ -29,7 +29,7 @@ impl Reloader {
     pub fn new(
         path: PathBuf,
         live: Arc<ArcSwap<Snapshot>>,
-        limiter: Arc<Limiter>,
+        store: Store,
         metrics: Arc<Metrics>,
         clock: SharedClock,
         fleet: Arc<Fleet>,
@@ -37,7 +37,7 @@ impl Reloader {
         Self {
             path,
             live,
-            limiter,
+            store,
             metrics,
             clock,
             fleet,
@@ -103,7 +103,7 @@ impl Reloader {
             Some(&current),
         )
         .map_err(|e| format!("cannot build upstream pools: {e}"))?;
-        let store = &self.limiter.store;
+        let store = &self.store;
         if let Some(field) = store
             .retarget(&redis)
             .map_err(|e| format!("redis.url: {e}"))?

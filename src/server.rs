@@ -13,14 +13,14 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
+use crate::decision::fleet::Fleet;
 use crate::lifecycle::Lifecycle;
-use crate::limiter::connector::preflight;
-use crate::limiter::fleet::{heartbeat, Fleet};
-use crate::limiter::{Limiter, Store};
+use crate::limiter::heartbeat::{fleet_key, heartbeat};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::reload::Reloader;
 use crate::snapshot::Snapshot;
+use crate::store::{preflight, Store};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -63,7 +63,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
             return Err(StartError::Evicting(policy));
         }
     }
-    let limiter = Arc::new(Limiter { store });
     let server_cfg = config.server.clone();
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
@@ -75,7 +74,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let reloader = Arc::new(Reloader::new(
         path,
         Arc::clone(&live),
-        Arc::clone(&limiter),
+        store.clone(),
         Arc::clone(&metrics),
         clock,
         Arc::clone(&fleet),
@@ -92,7 +91,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
 
     let gateway = Gateway {
         live: Arc::clone(&live),
-        limiter: Arc::clone(&limiter),
+        store: store.clone(),
         lifecycle: Arc::clone(&lifecycle),
     };
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
@@ -106,7 +105,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let admin = Admin {
         metrics: Arc::clone(&metrics),
         lifecycle: Arc::clone(&lifecycle),
-        limiter: Arc::clone(&limiter),
+        store: store.clone(),
         reloader: Arc::clone(&reloader),
     };
     let admin_socket = std::net::TcpListener::bind(server_cfg.admin_listen).map_err(|source| {
@@ -115,14 +114,20 @@ pub fn run(config: Config) -> Result<(), StartError> {
             source,
         }
     })?;
-    let control = limiter.store.runtime().clone();
+    let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
+    let beating = Arc::clone(&live);
     control.spawn(heartbeat(
         fleet,
-        limiter.store.clone(),
-        Arc::clone(&live),
+        store.clone(),
+        move || {
+            let snapshot = beating.load();
+            snapshot
+                .uses_fleet
+                .then(|| fleet_key(&snapshot.config.redis.key_prefix))
+        },
         metrics.fleet_instances.clone(),
     ));
     let mut phases = server.watch_execution_phase();

@@ -13,14 +13,14 @@ use pingora_load_balancing::LoadBalancer;
 
 use crate::clock::SharedClock;
 use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
-use crate::identity::JwtVerifier;
-use crate::limiter::emergency::{
+use crate::decision::emergency::{
     Emergency, EmergencyBucket, IdentityBuckets, Rate, IDENTITY_CAPACITY,
 };
-use crate::limiter::fleet::Fleet;
+use crate::decision::fleet::Fleet;
+use crate::identity::JwtVerifier;
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
-use crate::routing::{Matcher, RouteTable};
+use crate::routing::RouteTable;
 
 /// An upstream's addresses behind round robin, with its timeouts.
 pub struct UpstreamPool {
@@ -123,7 +123,7 @@ impl Snapshot {
                 identity: rc.identity.clone(),
                 upstream: Arc::clone(&pools[&rc.upstream.name]),
             };
-            entries.push((Matcher::of(rc), Arc::new(route)));
+            entries.push((rc.matcher(), Arc::new(route)));
         }
         Ok(Snapshot {
             uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),

@@ -337,7 +337,7 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
     // The map follows the MOVED: another key of the slot goes straight to the new owner.
     let neighbour = (0..)
         .map(|i| format!("neighbour-{i}"))
-        .find(|t| sentinel_gateway::limiter::cluster::slot(key(t, "c.closed").as_bytes()) == slot)
+        .find(|t| sentinel_gateway::store::slot(key(t, "c.closed").as_bytes()) == slot)
         .unwrap();
     let before = cluster.nodes[from].command_calls("evalsha");
     assert_eq!(get("/closed", &gw, &neighbour).await.0, 200);

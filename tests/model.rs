@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use sentinel_gateway::limiter::script::{ScriptReply, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
-use sentinel_gateway::limiter::sliding_window::{Outcome, Window, WindowState};
-use sentinel_gateway::limiter::token_bucket::{Bucket, BucketState, Take};
+use sentinel_gateway::decision::sliding_window::{Outcome, Window, WindowState};
+use sentinel_gateway::decision::token_bucket::{Bucket, BucketState, Take};
+use sentinel_gateway::decision::ScriptReply;
+use sentinel_gateway::store::script::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 
 /// Runs a script and returns its six integers; the gateway's parser must read the same answer.
 fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {

@@ -15,7 +15,7 @@ fn exported() -> Vec<String> {
     let _endpoint = metrics.endpoint(
         "any",
         sentinel_gateway::config::FailMode::FailOpen,
-        sentinel_gateway::config::Mode::Enforce,
+        sentinel_gateway::config::Enforcement::Enforce,
     );
     metrics
         .registry

@@ -8,8 +8,7 @@
 
 use http::Method;
 use libfuzzer_sys::fuzz_target;
-use sentinel_gateway::config::PathMatch;
-use sentinel_gateway::routing::{normalize_path, Matcher, RouteTable};
+use sentinel_gateway::routing::{normalize_path, Matcher, PathMatch, RouteTable};
 
 fn table() -> RouteTable<&'static str> {
     let prefix = |p: &str| PathMatch::Prefix(p.to_owned());

@@ -19,6 +19,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
+use crate::routing::{Matcher, PathMatch};
+
 /// The environment variable that overrides `[redis] url`.
 pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 
@@ -149,14 +151,6 @@ impl fmt::Display for EndpointId {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PathMatch {
-    /// `path`: this normalized path only.
-    Exact(String),
-    /// `path_prefix`: this path and everything below it, by whole segments.
-    Prefix(String),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdentitySource {
     Jwt,
     ClientIp,
@@ -197,8 +191,9 @@ impl FailMode {
     }
 }
 
+/// A route's `mode`: whether its decisions are enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub enum Enforcement {
     Enforce,
     /// Decide and count as usual, but forward every request.
     Shadow,
@@ -217,7 +212,7 @@ pub struct Policy {
     pub fallback_rate_micro: Option<u64>,
     pub fallback_fleet: bool,
     pub policy_version: u64,
-    pub mode: Mode,
+    pub mode: Enforcement,
     /// Send `RateLimit-Policy` and `RateLimit` on answers Redis decided.
     pub ratelimit_headers: bool,
     /// One emergency bucket for the endpoint, or one per identity.
@@ -235,6 +230,17 @@ pub struct RouteConfig {
     pub upstream: Arc<UpstreamConfig>,
     pub identity: IdentitySource,
     pub policy: Arc<Policy>,
+}
+
+impl RouteConfig {
+    /// What the route table matches this route on.
+    pub fn matcher(&self) -> Matcher {
+        Matcher {
+            path: self.path.clone(),
+            host: self.host.clone(),
+            methods: self.methods.clone(),
+        }
+    }
 }
 
 impl Config {

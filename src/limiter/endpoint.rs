@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use super::emergency::Emergency;
-use super::overlimit::OverlimitCache;
 use crate::clock::SharedClock;
 use crate::config::{FailMode, Policy};
+use crate::decision::emergency::Emergency;
+use crate::decision::overlimit::OverlimitCache;
 use crate::metrics::EndpointMetrics;
 
 pub struct Endpoint {
@@ -52,6 +52,22 @@ impl Endpoint {
     }
 }
 
+/// The bucket key of `identity` (an identity string such as `header:x-api-key:abc`, not its
+/// hash) on one endpoint: `{key_prefix}:v1:{sha256_hex(identity)}:{endpoint_id}:{policy_version}`.
+/// The request path builds the same key from parts made once per endpoint
+/// ([`Endpoint::bucket_key`]).
+pub fn bucket_key(
+    key_prefix: &str,
+    identity: &str,
+    endpoint_id: &str,
+    policy_version: u64,
+) -> String {
+    format!(
+        "{key_prefix}:v1:{}:{endpoint_id}:{policy_version}",
+        identity_hash(identity)
+    )
+}
+
 /// Lower-case hex SHA-256 of an identity string such as `header:x-api-key:abc`.
 pub fn identity_hash(identity: &str) -> String {
     let mut hex = [0u8; 64];
@@ -63,6 +79,40 @@ pub fn identity_hash(identity: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_request_path_builds_the_documented_key() {
+        use crate::config::{Algorithm, EndpointId, Enforcement};
+        let policy = Policy {
+            endpoint_id: EndpointId::parse("pdftalk.ingest").unwrap(),
+            algorithm: Algorithm::None,
+            cost_micro: 1_000_000,
+            fail_mode: FailMode::FailClosed,
+            fallback_rate_micro: None,
+            fallback_fleet: false,
+            policy_version: 3,
+            mode: Enforcement::Enforce,
+            ratelimit_headers: false,
+            emergency_per_identity: false,
+        };
+        let metrics = crate::metrics::Metrics::new();
+        let endpoint = Endpoint::new(
+            std::sync::Arc::new(policy),
+            "edge",
+            None,
+            metrics.endpoint("pdftalk.ingest", FailMode::FailClosed, Enforcement::Enforce),
+            std::sync::Arc::new(crate::clock::ManualClock::default()),
+        );
+        let identity = "header:x-api-key:k1";
+        assert_eq!(
+            endpoint.bucket_key(&identity_hash(identity)),
+            bucket_key("edge", identity, "pdftalk.ingest", 3)
+        );
+        assert_eq!(
+            bucket_key("edge", "global", "a", 1),
+            format!("edge:v1:{}:a:1", identity_hash("global"))
+        );
+    }
 
     #[test]
     fn identity_hash_is_sha256_hex() {

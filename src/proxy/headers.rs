@@ -11,7 +11,7 @@
 //! `w` and `t` are left out when the bucket never refills.
 
 use crate::config::{Algorithm, Policy, ONE_TOKEN_MICRO};
-use crate::limiter::ScriptReply;
+use crate::decision::ScriptReply;
 
 /// The two header values.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +59,7 @@ pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{EndpointId, FailMode, Mode};
+    use crate::config::{EndpointId, Enforcement, FailMode};
 
     fn policy(algorithm: Algorithm, cost_micro: u64) -> Policy {
         Policy {
@@ -70,7 +70,7 @@ mod tests {
             fallback_rate_micro: Some(1_000_000),
             fallback_fleet: false,
             policy_version: 1,
-            mode: Mode::Enforce,
+            mode: Enforcement::Enforce,
             ratelimit_headers: true,
             emergency_per_identity: false,
         }

@@ -15,18 +15,20 @@ use pingora_core::{Error, ErrorSource, ErrorType};
 use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
-use crate::config::{IdentitySource, Mode};
+use crate::config::{Enforcement, IdentitySource};
+use crate::decision::Decision;
 use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
-use crate::limiter::{identity_hash, Decision, Limiter};
+use crate::limiter::{self, identity_hash};
 use crate::routing::{normalize_path, request_host};
 use crate::snapshot::{Route, Snapshot};
+use crate::store::Store;
 use respond::Answer;
 
 /// The proxy: shared by every worker thread.
 pub struct Gateway {
     pub live: Arc<ArcSwap<Snapshot>>,
-    pub limiter: Arc<Limiter>,
+    pub store: Store,
     pub lifecycle: Arc<Lifecycle>,
 }
 
@@ -94,32 +96,32 @@ impl Gateway {
         };
         let hash = identity_hash(&identity);
         let started = Instant::now();
-        let decision = self.limiter.decide(&route.endpoint, &hash).await;
+        let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
         ctx.decision_time = started.elapsed();
         ctx.decision = Some(decision);
         if route.endpoint.policy.ratelimit_headers {
             ctx.ratelimit = decision
-                .reply
-                .and_then(|r| headers::fields(&route.endpoint.policy, &r));
+                .reply()
+                .and_then(|r| headers::fields(&route.endpoint.policy, r));
         }
-        if decision.allowed {
+        if decision.allowed() {
             return None;
         }
         let answer = match decision.deny_status() {
             429 => Answer::RateLimited {
-                retry_after_secs: decision.retry_after_secs,
+                retry_after_secs: decision.retry_after_secs(),
             },
             _ => Answer::LimiterUnavailable {
-                retry_after_base_secs: decision.retry_after_secs,
+                retry_after_base_secs: decision.retry_after_secs(),
             },
         };
-        let shadow = route.endpoint.policy.mode == Mode::Shadow;
+        let shadow = route.endpoint.policy.mode == Enforcement::Shadow;
         tracing::warn!(
             endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
-            decision_reason = decision.reason.as_str(),
+            decision_reason = decision.reason().as_str(),
             identity_hash = hash.as_str(),
             latency_us = ctx.decision_time.as_micros() as u64,
-            breaker_state = decision.breaker.as_str(),
+            breaker_state = decision.breaker().as_str(),
             status = answer.status(),
             shadow,
             "request denied"
@@ -362,15 +364,15 @@ impl ProxyHttp for Gateway {
         let m = &route.endpoint.metrics;
         m.requests.inc(status);
         if let Some(d) = ctx.decision {
-            m.decision(d.reason, d.allowed).inc();
+            m.decision(d.reason(), d.allowed()).inc();
             m.decision_duration.observe(ctx.decision_time.as_secs_f64());
-            if !d.reason.by_redis() {
+            if !d.reason().by_redis() {
                 m.degraded.inc();
             }
-            if d.cached {
+            if d.cached() {
                 m.overlimit_hits.inc();
             }
-            if !d.allowed && route.endpoint.policy.mode == Mode::Shadow {
+            if !d.allowed() && route.endpoint.policy.mode == Enforcement::Shadow {
                 m.shadow_denials.inc();
             }
         }

@@ -50,7 +50,7 @@ pub fn validate(
         }
     }
     route::shared_endpoints(&mut c, &routes);
-    for conflict in routing::ambiguities(routes.iter().map(|(_, r)| r)) {
+    for conflict in routing::ambiguities(routes.iter().map(|(_, r)| (r.matcher(), r))) {
         let (a, b) = conflict;
         let span = routes
             .iter()

@@ -10,7 +10,7 @@ use super::{int_in, route_label};
 use crate::config::error::Collector;
 use crate::config::raw::{RawConfig, RawIdentity, RawRoute};
 use crate::config::*;
-use crate::routing;
+use crate::routing::{self, PathMatch};
 
 pub(super) fn route(
     c: &mut Collector,
@@ -461,8 +461,8 @@ fn policy(
         "",
     );
     let mode = match r.mode.as_ref().map(|m| (m, m.get_ref().as_str())) {
-        None | Some((_, "enforce")) => Some(Mode::Enforce),
-        Some((_, "shadow")) => Some(Mode::Shadow),
+        None | Some((_, "enforce")) => Some(Enforcement::Enforce),
+        Some((_, "shadow")) => Some(Enforcement::Shadow),
         Some((m, other)) => {
             c.push(
                 Some(&m.span()),

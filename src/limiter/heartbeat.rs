@@ -1,5 +1,5 @@
-//! The fleet: how many gateway instances share this Redis, so a fleet-wide emergency rate
-//! (`fallback_rate_fleet_micro`) can be split among them.
+//! The fleet heartbeat: how this process learns how many gateway instances share its Redis, so
+//! a fleet-wide emergency rate (`fallback_rate_fleet_micro`) can be split among them.
 //!
 //! While Redis is healthy each instance runs `lua/heartbeat.lua` every
 //! [`HEARTBEAT_EVERY`], off the request path: it keeps the instance in one sorted set with an
@@ -12,67 +12,35 @@
 //! instances started or stopped during it are not accounted for: the fleet may then admit up
 //! to (actual instances / N) times the fleet rate.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
-use rand::Rng;
-
-use super::Store;
-use crate::config::ONE_TOKEN_MICRO;
-use crate::snapshot::Snapshot;
+use crate::decision::fleet::Fleet;
+use crate::store::Store;
 
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 pub const HEARTBEAT_TTL: Duration = Duration::from_secs(6);
 
-/// This process's view of the fleet.
-pub struct Fleet {
-    pub instance: String,
-    live: AtomicU64,
+/// The sorted set the instances of a fleet beat in.
+pub fn fleet_key(key_prefix: &str) -> String {
+    format!("{key_prefix}:v1:fleet")
 }
 
-impl Default for Fleet {
-    fn default() -> Self {
-        Self {
-            instance: format!("{:016x}", rand::rng().random::<u64>()),
-            live: AtomicU64::new(1),
-        }
-    }
-}
-
-impl Fleet {
-    /// The last known number of live instances (at least 1).
-    pub fn live(&self) -> u64 {
-        self.live.load(Ordering::Relaxed).max(1)
-    }
-
-    pub fn set_live(&self, n: u64) {
-        self.live.store(n.max(1), Ordering::Relaxed);
-    }
-
-    /// This process's share of a fleet-wide rate, never below one request per second.
-    pub fn share(&self, fleet_rate_micro: u64) -> u64 {
-        (fleet_rate_micro / self.live()).max(ONE_TOKEN_MICRO)
-    }
-}
-
-/// Beats while any route of the live config has a fleet-wide emergency rate.
+/// Beats while `fleet_key` names a key: the live config's [`fleet_key`] while any of its
+/// routes has a fleet-wide emergency rate, else `None`.
 pub async fn heartbeat(
     fleet: Arc<Fleet>,
     store: Store,
-    live: Arc<ArcSwap<Snapshot>>,
+    fleet_key: impl Fn() -> Option<String>,
     metrics: prometheus::IntGauge,
 ) {
     let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let snapshot = live.load_full();
-        if !snapshot.uses_fleet {
+        let Some(key) = fleet_key() else {
             continue;
-        }
-        let key = format!("{}:v1:fleet", snapshot.config.redis.key_prefix);
+        };
         match store
             .heartbeat(&key, &fleet.instance, HEARTBEAT_TTL.as_millis() as u64)
             .await
@@ -91,22 +59,5 @@ pub async fn heartbeat(
                 );
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shares_never_drop_below_one_request_per_second() {
-        let fleet = Fleet::default();
-        assert_eq!(fleet.share(6_000_000), 6_000_000);
-        fleet.set_live(3);
-        assert_eq!(fleet.share(6_000_000), 2_000_000);
-        fleet.set_live(10);
-        assert_eq!(fleet.share(6_000_000), 1_000_000);
-        fleet.set_live(0);
-        assert_eq!(fleet.live(), 1);
     }
 }

@@ -1,44 +1,5 @@
-//! The Lua scripts the store runs, and the vocabulary of their answers: which script, its
-//! reply, and how a call can fail.
-
-use redis::aio::MultiplexedConnection;
-
-pub const TOKEN_BUCKET_LUA: &str = concat!(
-    include_str!("../../lua/int.lua"),
-    include_str!("../../lua/token_bucket.lua")
-);
-pub const SLIDING_WINDOW_LUA: &str = concat!(
-    include_str!("../../lua/int.lua"),
-    include_str!("../../lua/sliding_window.lua")
-);
-pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
-
-/// The limiter scripts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptKind {
-    /// Args: capacity, refill per second, cost (micro-tokens).
-    TokenBucket,
-    /// Args: limit, window in microseconds, cost (requests).
-    SlidingWindow,
-}
-
-/// How a store call failed; the three causes of the decision table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreFailure {
-    Timeout,
-    ConnectionError,
-    Noscript,
-}
-
-impl StoreFailure {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StoreFailure::Timeout => "timeout",
-            StoreFailure::ConnectionError => "connection_error",
-            StoreFailure::Noscript => "noscript",
-        }
-    }
-}
+//! What a limiter script answers: the verdict of one Redis decision, as the scripts in `lua/`
+//! write it and as the Rust models reproduce it.
 
 /// A limiter script's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,40 +37,6 @@ impl ScriptReply {
             now_us: opt(now)?,
             wait_us: opt(wait).filter(|w| *w > 0),
         })
-    }
-
-    /// Whole seconds for `Retry-After` on a denial: at least 1, at most a day.
-    pub fn retry_after_secs(&self) -> u64 {
-        if self.allowed {
-            return 0;
-        }
-        self.retry_after
-            .unwrap_or(super::MAX_RETRY_AFTER_SECS)
-            .clamp(1, super::MAX_RETRY_AFTER_SECS)
-    }
-}
-
-pub(crate) struct Script {
-    pub(crate) sha: String,
-    pub(crate) body: &'static str,
-}
-
-impl Script {
-    pub(crate) fn new(body: &'static str) -> Self {
-        Self {
-            sha: redis::Script::new(body).get_hash().to_owned(),
-            body,
-        }
-    }
-
-    /// `SCRIPT LOAD` on one connection.
-    pub(crate) async fn load(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
-        redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(self.body)
-            .query_async::<String>(conn)
-            .await
-            .map(drop)
     }
 }
 

@@ -9,6 +9,7 @@
 
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use lru::LruCache;
 
@@ -56,7 +57,7 @@ impl Rate {
             } => (
                 None,
                 EmergencyOutcome::Denied {
-                    retry_after_secs: retry_after_secs.unwrap_or(1).max(1),
+                    retry_after: Duration::from_secs(retry_after_secs.unwrap_or(1).max(1)),
                 },
             ),
         }
@@ -86,11 +87,11 @@ pub struct EmergencyBucket {
     clock: SharedClock,
 }
 
-/// The emergency limiter's answer: admitted, or denied with the seconds to wait.
+/// The emergency limiter's answer: admitted, or denied with the time to wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EmergencyOutcome {
     Admitted,
-    Denied { retry_after_secs: u64 },
+    Denied { retry_after: Duration },
 }
 
 impl EmergencyBucket {
@@ -190,7 +191,6 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use std::sync::Arc;
-    use std::time::Duration;
 
     fn admitted_over(
         bucket: &EmergencyBucket,
@@ -236,7 +236,7 @@ mod tests {
         assert_eq!(
             b.try_admit(),
             EmergencyOutcome::Denied {
-                retry_after_secs: 1
+                retry_after: Duration::from_secs(1)
             }
         );
     }

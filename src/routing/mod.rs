@@ -1,0 +1,201 @@
+//! The compiled route table: request -> the route that owns it.
+//!
+//! Matching is by specificity, never by file order: an exact `path` beats a `path_prefix`, a
+//! longer prefix beats a shorter one, a route with `host` beats one without, and one with
+//! `methods` beats one without. Paths are case sensitive. A trailing slash does not change
+//! which route matches (`/a/b/` is matched as `/a/b`), so it cannot slip past a limit.
+//!
+//! A leaf room: it knows nothing of the config file; config builds [`Matcher`]s from routes.
+
+mod path;
+
+pub use path::{normalize_path, PathError, MAX_PATH_BYTES};
+
+use http::Method;
+
+/// What a route's path matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    /// `path`: this normalized path only.
+    Exact(String),
+    /// `path_prefix`: this path and everything below it, by whole segments.
+    Prefix(String),
+}
+
+/// What a route matches on, compiled from its config.
+#[derive(Debug, Clone)]
+pub struct Matcher {
+    pub path: PathMatch,
+    pub host: Option<String>,
+    pub methods: Option<Vec<Method>>,
+}
+
+impl Matcher {
+    /// Larger is more specific; compared lexicographically.
+    fn specificity(&self) -> (bool, usize, bool, bool) {
+        let (exact, len) = match &self.path {
+            PathMatch::Exact(p) => (true, p.len()),
+            PathMatch::Prefix(p) => (false, p.len()),
+        };
+        (exact, len, self.host.is_some(), self.methods.is_some())
+    }
+
+    /// `path` is normalized and has no trailing slash (except the root).
+    fn matches(&self, host: Option<&str>, method: &Method, path: &str) -> bool {
+        let path_ok = match &self.path {
+            PathMatch::Exact(p) => p == path,
+            PathMatch::Prefix(p) if p == "/" => true,
+            PathMatch::Prefix(p) => {
+                path.starts_with(p.as_str())
+                    && matches!(path.as_bytes().get(p.len()), None | Some(b'/'))
+            }
+        };
+        path_ok
+            && self.host.as_deref().is_none_or(|h| Some(h) == host)
+            && self.methods.as_ref().is_none_or(|m| m.contains(method))
+    }
+
+    /// Whether some request could match both with equal specificity.
+    fn overlaps(&self, other: &Matcher) -> bool {
+        let methods_meet = match (&self.methods, &other.methods) {
+            (Some(a), Some(b)) => a.iter().any(|m| b.contains(m)),
+            _ => true,
+        };
+        self.specificity() == other.specificity()
+            && self.path == other.path
+            && self.host == other.host
+            && methods_meet
+    }
+}
+
+/// Routes ordered most specific first; the first match wins.
+#[derive(Debug)]
+pub struct RouteTable<T> {
+    entries: Vec<(Matcher, T)>,
+}
+
+impl<T> RouteTable<T> {
+    pub fn new(entries: impl IntoIterator<Item = (Matcher, T)>) -> Self {
+        let mut entries: Vec<_> = entries.into_iter().collect();
+        entries.sort_by_key(|(m, _)| std::cmp::Reverse(m.specificity()));
+        Self { entries }
+    }
+
+    /// The route for a request. `host` is lower-case without port; `path` is normalized.
+    pub fn find(&self, host: Option<&str>, method: &Method, path: &str) -> Option<&T> {
+        let path = match path.strip_suffix('/') {
+            Some(p) if !p.is_empty() => p,
+            _ => path,
+        };
+        self.entries
+            .iter()
+            .find(|(m, _)| m.matches(host, method, path))
+            .map(|(_, t)| t)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Pairs of entries (earlier, later) that could match one request with equal specificity.
+pub fn ambiguities<T: Copy>(entries: impl IntoIterator<Item = (Matcher, T)>) -> Vec<(T, T)> {
+    let all: Vec<(Matcher, T)> = entries.into_iter().collect();
+    let mut out = Vec::new();
+    for (i, (a, ta)) in all.iter().enumerate() {
+        for (b, tb) in &all[i + 1..] {
+            if a.overlaps(b) {
+                out.push((*ta, *tb));
+            }
+        }
+    }
+    out
+}
+
+/// The request's host, lower-case and without port: HTTP/2 carries it in the URI authority,
+/// HTTP/1 in `Host`.
+pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>) -> Option<String> {
+    let raw = uri_host.or(host_header)?;
+    let without_port = if let Some(rest) = raw.strip_prefix('[') {
+        rest.split(']').next().unwrap_or(rest)
+    } else {
+        raw.rsplit_once(':').map_or(raw, |(h, port)| {
+            if port.bytes().all(|b| b.is_ascii_digit()) {
+                h
+            } else {
+                raw
+            }
+        })
+    };
+    Some(without_port.trim_end_matches('.').to_ascii_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(path: PathMatch, host: Option<&str>, methods: Option<&[&str]>) -> Matcher {
+        Matcher {
+            path,
+            host: host.map(str::to_owned),
+            methods: methods.map(|ms| ms.iter().map(|s| s.parse().unwrap()).collect()),
+        }
+    }
+
+    fn prefix(p: &str) -> PathMatch {
+        PathMatch::Prefix(p.to_owned())
+    }
+
+    #[test]
+    fn specificity_rules() {
+        let table = RouteTable::new([
+            (m(prefix("/"), None, None), "root"),
+            (m(prefix("/a"), None, None), "a"),
+            (m(prefix("/a/b"), None, None), "ab"),
+            (m(PathMatch::Exact("/a/b".into()), None, None), "exact"),
+            (m(prefix("/a"), Some("h.example"), None), "host"),
+            (m(prefix("/a"), None, Some(&["POST"])), "post"),
+        ]);
+        let get = Method::GET;
+        let post = Method::POST;
+        assert_eq!(table.find(None, &get, "/a/b"), Some(&"exact"));
+        assert_eq!(
+            table.find(None, &get, "/a/b/"),
+            Some(&"exact"),
+            "trailing slash"
+        );
+        assert_eq!(table.find(None, &get, "/a/b/c"), Some(&"ab"));
+        assert_eq!(
+            table.find(None, &get, "/a/bc"),
+            Some(&"a"),
+            "whole segments only"
+        );
+        assert_eq!(
+            table.find(Some("h.example"), &post, "/a/x"),
+            Some(&"host"),
+            "host beats methods"
+        );
+        assert_eq!(table.find(None, &post, "/a/x"), Some(&"post"));
+        assert_eq!(table.find(None, &get, "/b"), Some(&"root"));
+        let empty: RouteTable<()> = RouteTable::new([]);
+        assert_eq!(empty.find(None, &get, "/"), None);
+    }
+
+    #[test]
+    fn host_is_lowercased_and_port_stripped() {
+        assert_eq!(
+            request_host(None, Some("API.Example.com:8080")).as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(
+            request_host(Some("h.example"), Some("other")).as_deref(),
+            Some("h.example")
+        );
+        assert_eq!(request_host(None, Some("[::1]:80")).as_deref(), Some("::1"));
+        assert_eq!(request_host(None, None), None);
+    }
+}

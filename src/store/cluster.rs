@@ -1,0 +1,297 @@
+//! Redis Cluster: which primary owns a key, and keeping that map current.
+//!
+//! The gateway keeps its own slot map (from `CLUSTER SLOTS`) and one [`Link`] per primary,
+//! each with its own connection and breaker, instead of a cluster client that pauses every
+//! request while it refreshes its map: a dead primary must cost the keys it owns their fail
+//! mode, and nothing to the keys of the others. The map is refreshed off the request path:
+//! at start, every few seconds, at once after a `MOVED`, and every second while a primary is
+//! unreachable (so a replica promoted in its place is found quickly). A request follows
+//! `MOVED` and `ASK` itself, inside its budget.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rand::seq::SliceRandom;
+use redis::Value;
+use tokio::sync::Notify;
+
+use super::connect::{open, Connector};
+use super::link::{Link, Target};
+use super::slots::{node_name, parse_addr, parse_slots, slot, SlotMap, SlotRange};
+
+/// Which primary owns each slot.
+pub(super) type Topology = SlotMap<Arc<Link>>;
+
+/// How often the slot map is refreshed when every primary is reachable.
+const REFRESH_EVERY: Duration = Duration::from_secs(5);
+/// How often while a primary is unreachable or the map is unknown.
+const REFRESH_DEGRADED_EVERY: Duration = Duration::from_secs(1);
+/// At most this often, however many `MOVED` replies ask for it.
+const REFRESH_MIN_GAP: Duration = Duration::from_millis(100);
+/// One `CLUSTER SLOTS` query, connection included.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub(super) struct Cluster {
+    seeds: ArcSwap<Vec<String>>,
+    /// +1 per new set of seeds: a map read from the cluster before is not applied after.
+    epoch: AtomicU64,
+    topology: ArcSwap<Topology>,
+    /// Asks the refresher for a new map now; each link holds it too, to ask when its
+    /// connection is lost.
+    refresh: Arc<Notify>,
+    /// Every link by `host:port`: the topology's, and those only a redirect named.
+    known: Mutex<HashMap<String, Arc<Link>>>,
+}
+
+impl Cluster {
+    pub(super) fn new(seeds: Vec<String>) -> Self {
+        Self {
+            seeds: ArcSwap::from_pointee(seeds),
+            epoch: AtomicU64::new(0),
+            topology: ArcSwap::from_pointee(Topology::empty()),
+            refresh: Arc::new(Notify::new()),
+            known: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The primary that owns `key`'s slot, when the map knows one.
+    pub(super) fn link_for(&self, key: &str) -> Option<Arc<Link>> {
+        self.topology.load().owner(slot(key.as_bytes())).cloned()
+    }
+
+    pub(super) fn seeds(&self) -> Arc<Vec<String>> {
+        self.seeds.load_full()
+    }
+
+    /// The primaries of the current map.
+    pub(super) fn primaries(&self) -> Vec<Arc<Link>> {
+        self.topology.load().nodes().to_vec()
+    }
+
+    /// Asks for a fresh slot map now (a node answered READONLY or CLUSTERDOWN, say).
+    pub(super) fn ask_refresh(&self) {
+        self.refresh.notify_one();
+    }
+
+    /// Every link the gateway holds: the map's, and those only a redirect named.
+    pub(super) fn links(&self) -> Vec<Arc<Link>> {
+        self.known
+            .lock()
+            .expect("cluster links lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// New seed nodes (a reload): forget the map and every link, and discover anew.
+    pub(super) fn reseed(&self, connector: &Connector, seeds: Vec<String>) {
+        // Under the links lock, which `apply` holds too: a refresh that read the old cluster
+        // sees the new epoch and throws its map away.
+        let mut known = self.known.lock().expect("cluster links lock");
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.seeds.store(Arc::new(seeds));
+        self.topology.store(Arc::new(Topology::empty()));
+        for (_, link) in known.drain() {
+            connector.retire(&link);
+        }
+        drop(known);
+        self.refresh.notify_one();
+    }
+
+    /// What every node is reached with: the first seed's credentials and settings (its
+    /// address is replaced by the node's).
+    fn node_template(&self) -> Option<redis::ConnectionInfo> {
+        let seeds = self.seeds.load();
+        redis::IntoConnectionInfo::into_connection_info(seeds.first()?.as_str()).ok()
+    }
+
+    /// The link for a node a redirect named, opened when it is new.
+    fn link_named(&self, connector: &Arc<Connector>, addr: &str) -> Option<Arc<Link>> {
+        let (host, port) = parse_addr(addr)?;
+        let name = node_name(host, port);
+        let mut known = self.known.lock().expect("cluster links lock");
+        if let Some(link) = known.get(&name) {
+            return Some(Arc::clone(link));
+        }
+        let seed = self.node_template()?;
+        let link = connector.node(Target::node(&seed, host, port), &self.refresh);
+        known.insert(name, Arc::clone(&link));
+        Some(link)
+    }
+
+    /// `MOVED slot addr`: the slot is now `addr`'s for good. Records it and asks for a fresh
+    /// map (more slots have probably moved with it).
+    pub(super) fn moved(
+        &self,
+        connector: &Arc<Connector>,
+        slot: u16,
+        addr: &str,
+    ) -> Option<Arc<Link>> {
+        let link = self.link_named(connector, addr)?;
+        // rcu: concurrent redirects for different slots must not undo each other.
+        self.topology
+            .rcu(|current| current.moved(slot, &link, Arc::ptr_eq));
+        self.refresh.notify_one();
+        Some(link)
+    }
+
+    /// `ASK slot addr`: this one request goes to `addr` (a slot being migrated).
+    pub(super) fn asked(&self, connector: &Arc<Connector>, addr: &str) -> Option<Arc<Link>> {
+        self.link_named(connector, addr)
+    }
+
+    /// Reads the slot map from a connected primary, else from the seeds, and applies it.
+    async fn refresh_once(&self, connector: &Arc<Connector>) -> Result<(), String> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let mut candidates: Vec<Arc<Link>> = self
+            .topology
+            .load()
+            .nodes()
+            .iter()
+            .filter(|l| l.is_connected())
+            .cloned()
+            .collect();
+        candidates.shuffle(&mut rand::rng());
+        let mut last_error = String::from("no seed node answered");
+        for link in candidates {
+            let Some(conn) = link.conn.load_full() else {
+                continue;
+            };
+            let host = link.target.load().node.clone();
+            let host = parse_addr(&host)
+                .map(|(h, _)| h.to_owned())
+                .unwrap_or_default();
+            let mut c = (*conn).clone();
+            match tokio::time::timeout(QUERY_TIMEOUT, query_slots(&mut c, &host)).await {
+                Ok(Ok(ranges)) => return self.apply(connector, epoch, ranges),
+                Ok(Err(e)) => last_error = e,
+                Err(_) => last_error = "CLUSTER SLOTS timed out".into(),
+            }
+        }
+        for seed in self.seeds.load().iter() {
+            let attempt = async {
+                let client = redis::Client::open(seed.as_str()).map_err(|e| e.to_string())?;
+                let host = match client.get_connection_info().addr() {
+                    redis::ConnectionAddr::Tcp(h, _) => h.clone(),
+                    _ => String::new(),
+                };
+                let mut opened = open(&client).await.map_err(|e| e.to_string())?;
+                query_slots(&mut opened.conn, &host).await
+            };
+            match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
+                Ok(Ok(ranges)) => return self.apply(connector, epoch, ranges),
+                Ok(Err(e)) => last_error = format!("{}: {e}", redact(seed)),
+                Err(_) => last_error = format!("{}: timed out", redact(seed)),
+            }
+        }
+        Err(last_error)
+    }
+
+    fn apply(
+        &self,
+        connector: &Arc<Connector>,
+        epoch: u64,
+        ranges: Vec<SlotRange>,
+    ) -> Result<(), String> {
+        if ranges.is_empty() {
+            return Err("CLUSTER SLOTS listed no slots: is the cluster created?".into());
+        }
+        let seed = self.node_template().ok_or("no usable seed URL")?;
+        let mut known = self.known.lock().expect("cluster links lock");
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            return Ok(());
+        }
+        let map = Topology::from_ranges(&ranges, |r| {
+            let link = known.entry(node_name(&r.host, r.port)).or_insert_with(|| {
+                connector.node(Target::node(&seed, &r.host, r.port), &self.refresh)
+            });
+            Arc::clone(link)
+        });
+        known.retain(|_, link| {
+            let keep = map.nodes().iter().any(|l| Arc::ptr_eq(l, link));
+            if !keep {
+                connector.retire(link);
+            }
+            keep
+        });
+        if !self.topology.load().same_as(&map, Arc::ptr_eq) {
+            let primaries: Vec<String> = map.nodes().iter().map(|l| l.node()).collect();
+            tracing::info!(
+                ?primaries,
+                unowned_slots = map.unowned(),
+                "redis cluster slot map updated"
+            );
+        }
+        self.topology.store(Arc::new(map));
+        drop(known);
+        Ok(())
+    }
+}
+
+/// Keeps the slot map current for as long as the store lives.
+pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connector>) {
+    let mut failing = false;
+    loop {
+        match cluster.refresh_once(&connector).await {
+            Ok(()) => failing = false,
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "cannot read the redis cluster slot map; retrying");
+                }
+                failing = true;
+            }
+        }
+        let topology = cluster.topology.load();
+        let healthy = !failing
+            && !topology.nodes().is_empty()
+            && topology.nodes().iter().all(|l| l.is_connected());
+        let wait = if healthy {
+            REFRESH_EVERY
+        } else {
+            REFRESH_DEGRADED_EVERY
+        };
+        drop(topology);
+        tokio::select! {
+            _ = cluster.refresh.notified() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+        tokio::time::sleep(REFRESH_MIN_GAP).await;
+    }
+}
+
+async fn query_slots(
+    conn: &mut redis::aio::MultiplexedConnection,
+    queried_host: &str,
+) -> Result<Vec<SlotRange>, String> {
+    let reply: Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    parse_slots(&reply, queried_host)
+        .ok_or_else(|| "CLUSTER SLOTS answered an unexpected shape".into())
+}
+
+/// A seed URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_urls_are_logged_without_their_password() {
+        assert_eq!(redact("redis://u:secret@h:1"), "redis://***@h:1");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+    }
+}

@@ -1,0 +1,405 @@
+//! Opening connections to Redis nodes and keeping each link connected: connect, check the
+//! eviction policy, load the scripts; on loss, reconnect in the background with capped,
+//! jittered backoff.
+//!
+//! A connection is first driven on the store's own runtime; once the first request shows the
+//! proxy's runtime, a new one is opened there and swapped in (a decision then needs no hop to
+//! another thread), unless `[redis] dedicated_io_thread` keeps them on the store's thread.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rand::Rng;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::runtime::Handle;
+use tokio::sync::{watch, Notify};
+
+use super::breakers::BreakerBoard;
+use super::link::{Link, Opened, Target};
+use super::script::Scripts;
+
+/// Makes the store's links and keeps each one connected: what every connection is set up
+/// with (the scripts to load, the eviction check), the breakers links get, and the runtime
+/// their connectors run on.
+pub(super) struct Connector {
+    scripts: Scripts,
+    require_noeviction: AtomicBool,
+    /// The proxy's runtime, learnt from the first request: connections' driver tasks are
+    /// moved there so a decision does not hop to another thread and back.
+    proxy_runtime: OnceLock<Handle>,
+    /// `[redis] dedicated_io_thread`: the connections stay on the store's own thread.
+    dedicated_io_thread: bool,
+    breakers: Arc<BreakerBoard>,
+    /// The store's own runtime: connectors and the cluster refresher run there.
+    runtime: Handle,
+}
+
+impl Connector {
+    pub(super) fn new(
+        scripts: Scripts,
+        require_noeviction: bool,
+        dedicated_io_thread: bool,
+        breakers: Arc<BreakerBoard>,
+        runtime: Handle,
+    ) -> Self {
+        Self {
+            scripts,
+            require_noeviction: AtomicBool::new(require_noeviction),
+            proxy_runtime: OnceLock::new(),
+            dedicated_io_thread,
+            breakers,
+            runtime,
+        }
+    }
+
+    pub(super) fn breakers(&self) -> &BreakerBoard {
+        &self.breakers
+    }
+
+    pub(super) fn set_require_noeviction(&self, required: bool) {
+        self.require_noeviction.store(required, Ordering::Relaxed);
+    }
+
+    /// Whether connections are moved to the proxy's runtime and it is not known yet.
+    pub(super) fn wants_proxy_runtime(&self) -> bool {
+        !self.dedicated_io_thread && self.proxy_runtime.get().is_none()
+    }
+
+    /// Learns the proxy's runtime (the first time only); true when it was new.
+    pub(super) fn learn_proxy_runtime(&self, handle: Handle) -> bool {
+        self.proxy_runtime.set(handle).is_ok()
+    }
+
+    pub(super) fn on_proxy_runtime(&self) -> bool {
+        self.proxy_runtime.get().is_some()
+    }
+
+    /// The link of the one Redis, connected in the background from now on.
+    pub(super) fn single(self: &Arc<Self>, target: Target) -> Arc<Link> {
+        let link = Arc::new(Link::new(target, self.breakers.breaker(None), None));
+        self.runtime
+            .spawn(Arc::clone(self).keep_connected(Arc::clone(&link)));
+        link
+    }
+
+    /// A cluster primary's link, with a breaker of its own, connected in the background from
+    /// now on; a lost connection wakes `refresh`.
+    pub(super) fn node(self: &Arc<Self>, target: Target, refresh: &Arc<Notify>) -> Arc<Link> {
+        let node = target.node.clone();
+        self.breakers.metrics().redis_node(&node, Some(false));
+        let breaker = self.breakers.breaker(Some(node));
+        let link = Arc::new(Link::new(target, breaker, Some(Arc::clone(refresh))));
+        self.runtime
+            .spawn(Arc::clone(self).keep_connected(Arc::clone(&link)));
+        link
+    }
+
+    /// A node left: its connector stops and its breaker no longer counts.
+    pub(super) fn retire(&self, link: &Link) {
+        link.retire();
+        self.breakers.forget(link.breaker.state());
+        self.breakers.metrics().redis_node(&link.node(), None);
+    }
+}
+
+/// The connection itself is broken (as opposed to Redis answering with an error).
+pub(super) fn is_transport(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+}
+
+/// Backoff between reconnection attempts: 50 ms doubling to 2 s, with full jitter on top of
+/// half the step so a fleet does not reconnect in lockstep.
+fn backoff(attempt: u32) -> Duration {
+    let step_ms = (50u64 << attempt.min(6)).min(2_000);
+    let jitter = rand::rng().random_range(0..=step_ms / 2);
+    Duration::from_millis(step_ms / 2 + jitter)
+}
+
+/// The checks and script loads after a connection opens, bounded as a whole.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
+/// The TCP (or unix socket) connect and the handshake.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Opens one connection: connect and handshake within 1 s, `TCP_NODELAY` on (a decision is a
+/// small write that must not wait for the previous one's ACK). Commands on it carry no
+/// timeout of redis-rs's: the request path bounds each evaluation by its budget, and every
+/// other caller by a timeout of its own (the set-up below, the slot map query, the
+/// heartbeat). A second timer per request would only cost time.
+///
+/// The socket is watched as redis-rs's driver reads it: when Redis closes it (killed,
+/// restarted, `CLIENT KILL`), [`Opened::closed`] fires without a command being sent. An idle
+/// connection, or one behind an open breaker, would otherwise look up until the next request
+/// that used it.
+pub(super) async fn open(client: &redis::Client) -> redis::RedisResult<Opened> {
+    let info = client.get_connection_info();
+    let (closed_tx, closed) = watch::channel(false);
+    let setup = async {
+        match info.addr() {
+            ConnectionAddr::Tcp(host, port) => {
+                let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                socket.set_nodelay(true)?;
+                drive(info, socket, closed_tx).await
+            }
+            ConnectionAddr::Unix(path) => {
+                let socket = tokio::net::UnixStream::connect(path).await?;
+                drive(info, socket, closed_tx).await
+            }
+            other => Err(redis::RedisError::from(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("unsupported redis address {other}"),
+            ))),
+        }
+    };
+    let conn = tokio::time::timeout(CONNECT_TIMEOUT, setup)
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "redis did not accept the connection and handshake within 1 s",
+            ))
+        })??;
+    Ok(Opened { conn, closed })
+}
+
+/// The handshake over a watched socket, and the connection's driver task, which runs until
+/// the connection is let go or closed.
+async fn drive<S>(
+    info: &redis::ConnectionInfo,
+    socket: S,
+    closed: watch::Sender<bool>,
+) -> redis::RedisResult<MultiplexedConnection>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let config = AsyncConnectionConfig::new().set_response_timeout(None);
+    let stream = Watched {
+        inner: socket,
+        closed,
+    };
+    let (conn, driver) =
+        MultiplexedConnection::new_with_config(info.redis_settings(), stream, config).await?;
+    tokio::spawn(driver);
+    Ok(conn)
+}
+
+/// A Redis socket that reports its end to [`Opened::closed`]; reads and writes pass straight
+/// through.
+struct Watched<S> {
+    inner: S,
+    closed: watch::Sender<bool>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let room = buf.remaining() > 0;
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        match &poll {
+            Poll::Ready(Ok(())) if room && buf.filled().len() == before => {
+                self.closed.send_replace(true);
+            }
+            Poll::Ready(Err(_)) => {
+                self.closed.send_replace(true);
+            }
+            _ => {}
+        }
+        poll
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// What `CONFIG GET maxmemory-policy` said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    NoEviction,
+    /// Keys can be evicted: quotas can silently reset.
+    Evicting(String),
+    /// `CONFIG` is not permitted (a managed Redis, say).
+    Unknown,
+}
+
+async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult<EvictionPolicy> {
+    let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(conn)
+        .await;
+    match reply {
+        Ok(v) => Ok(match v.get(1).map(String::as_str) {
+            Some("noeviction") => EvictionPolicy::NoEviction,
+            Some(other) => EvictionPolicy::Evicting(other.to_owned()),
+            None => EvictionPolicy::Unknown,
+        }),
+        Err(e) if is_transport(&e) || e.is_timeout() => Err(e),
+        Err(_) => Ok(EvictionPolicy::Unknown),
+    }
+}
+
+/// Start-up check: `Some(policy)` when a Redis that answers has an evicting policy, which a
+/// gateway requiring noeviction must refuse (every seed of a cluster is asked). A Redis that
+/// is down is not an error here: the routes follow their fail modes until it comes.
+pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
+    let urls = match &config.target {
+        crate::config::RedisTarget::Single(url) => std::slice::from_ref(url),
+        crate::config::RedisTarget::Cluster(seeds) => seeds.as_slice(),
+    };
+    for url in urls {
+        let Ok(client) = redis::Client::open(url.as_str()) else {
+            continue;
+        };
+        let check = async {
+            let mut opened = open(&client).await.ok()?;
+            eviction_policy(&mut opened.conn).await.ok()
+        };
+        match tokio::time::timeout(Duration::from_secs(3), check).await {
+            Ok(Some(EvictionPolicy::Evicting(p))) => return Some(p),
+            Ok(Some(EvictionPolicy::Unknown)) => {
+                tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+impl Connector {
+    /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
+    /// scripts.
+    async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<Opened> {
+        let mut opened = match self.proxy_runtime.get() {
+            // Spawned there, the connection's driver task runs on the proxy's workers.
+            Some(proxy) => {
+                let client = target.client.clone();
+                proxy
+                    .spawn(async move { open(&client).await })
+                    .await
+                    .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
+            }
+            None => open(&target.client).await?,
+        };
+        let conn = &mut opened.conn;
+        let policy = eviction_policy(conn).await?;
+        let required = self.require_noeviction.load(Ordering::Relaxed);
+        match &policy {
+            EvictionPolicy::Evicting(p) if required => {
+                tracing::error!(node = %target.node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
+            }
+            EvictionPolicy::Unknown if required => {
+                tracing::warn!(node = %target.node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
+            }
+            _ => {}
+        }
+        link.eviction_policy.store(match policy {
+            EvictionPolicy::NoEviction => Some(Arc::new("noeviction".to_owned())),
+            EvictionPolicy::Evicting(p) => Some(Arc::new(p)),
+            EvictionPolicy::Unknown => None,
+        });
+        for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
+            match script.load(conn).await {
+                Ok(_) => {}
+                Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+                // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
+                Err(e) => {
+                    tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
+                    break;
+                }
+            }
+        }
+        Ok(opened)
+    }
+}
+
+impl Connector {
+    /// Keeps one link's connection up: connects, checks, loads the scripts, then sleeps until
+    /// the connection is dropped. Ends when the link is retired.
+    async fn keep_connected(self: Arc<Self>, link: Arc<Link>) {
+        let mut attempt = 0u32;
+        while !link.retired.load(Ordering::Relaxed) {
+            let connected = link.is_connected();
+            let movable = self.proxy_runtime.get().is_some()
+                && !link.on_proxy_runtime.load(Ordering::Relaxed);
+            if connected && !movable {
+                link.wake.notified().await;
+                continue;
+            }
+            let target = link.target.load_full();
+            let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target));
+            let outcome = setup.await.unwrap_or_else(|_| {
+                Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "redis did not answer the connection checks and SCRIPT LOAD within 3 s",
+                )))
+            });
+            match outcome {
+                // A reload may have changed the target while this one was connecting.
+                Ok(_) if !Arc::ptr_eq(&target, &link.target.load_full()) => continue,
+                Ok(_) if link.retired.load(Ordering::Relaxed) => break,
+                Ok(conn) => {
+                    // Swapping is seamless: requests on the old connection finish on it.
+                    link.install(conn, self.proxy_runtime.get().is_some());
+                    if connected {
+                        tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
+                        continue;
+                    }
+                    link.outage_logged.store(false, Ordering::Relaxed);
+                    tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
+                    attempt = 0;
+                }
+                Err(e) if connected => {
+                    tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");
+                    tokio::time::sleep(backoff(attempt)).await;
+                    attempt = attempt.saturating_add(1);
+                }
+                Err(e) => {
+                    if !link.outage_logged.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(node = %target.node, error = %e, "redis unavailable; reconnecting in the background");
+                    }
+                    tokio::time::sleep(backoff(attempt)).await;
+                    attempt = attempt.saturating_add(1);
+                }
+            }
+        }
+    }
+}

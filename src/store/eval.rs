@@ -1,0 +1,415 @@
+//! One evaluation of a limiter script, inside one budget: `EVALSHA`; on `NOSCRIPT` one
+//! `SCRIPT LOAD` and one retry; `MOVED` / `ASK` followed to the node they name; every
+//! failure classified as timeout, connection error or NOSCRIPT.
+//!
+//! The pure parts, [`classify`] (what a Redis error means) and [`redirect`] (where a redirect
+//! points), are apart from the loop that acts on them, and tested on their own.
+
+use std::borrow::Cow;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+
+use super::connect::{self, is_transport};
+use super::link::Link;
+use super::script::{Script, ScriptKind};
+use super::{Layout, Store};
+use crate::decision::{ScriptReply, StoreFailure};
+
+/// Tokio's timers tick in whole milliseconds: a timer fires on the first tick after its
+/// deadline, and then waits for a worker to run it, so a timer set to the budget ends a
+/// millisecond or two beyond it. The evaluation's timer is set this much earlier: 2 ms, or a
+/// quarter of a smaller budget.
+fn timer_for(budget: Duration) -> Duration {
+    budget - (budget / 4).min(Duration::from_millis(2))
+}
+
+/// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
+/// is already unusual).
+const MAX_REDIRECTS: usize = 3;
+
+/// What a Redis error means for the evaluation that got it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ErrorClass {
+    /// The script is not loaded on this node.
+    Noscript,
+    /// redis-rs gave up waiting.
+    Timeout,
+    /// The connection itself is broken: forget it and reconnect.
+    Transport,
+    /// Redis refused the command as malformed: a bug on our side, not an outage.
+    Rejected,
+    /// Redis answered that it cannot serve now (`READONLY`, `CLUSTERDOWN`, `LOADING`,
+    /// `OOM`...): in a cluster the map may be stale.
+    Unavailable,
+}
+
+impl ErrorClass {
+    /// The decision table's cause.
+    fn failure(self) -> StoreFailure {
+        match self {
+            ErrorClass::Noscript => StoreFailure::Noscript,
+            ErrorClass::Timeout => StoreFailure::Timeout,
+            _ => StoreFailure::ConnectionError,
+        }
+    }
+}
+
+/// One cause per error.
+pub(super) fn classify(e: &RedisError) -> ErrorClass {
+    if is_noscript(e) {
+        ErrorClass::Noscript
+    } else if e.is_timeout() {
+        ErrorClass::Timeout
+    } else if is_transport(e) {
+        ErrorClass::Transport
+    } else if matches!(
+        e.kind(),
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client
+    ) || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+    {
+        ErrorClass::Rejected
+    } else {
+        ErrorClass::Unavailable
+    }
+}
+
+/// Where a `MOVED` or `ASK` sends the evaluation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Redirect {
+    pub(super) slot: u16,
+    pub(super) addr: String,
+    /// `ASK`: this one request goes there (a slot being migrated); `MOVED`: the slot is
+    /// there for good.
+    pub(super) ask: bool,
+}
+
+/// The redirect an error carries, if it is one.
+pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
+    let (addr, slot) = e.redirect_node()?;
+    Some(Redirect {
+        slot,
+        addr: addr.to_owned(),
+        ask: e.kind() == ErrorKind::Server(ServerErrorKind::Ask),
+    })
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+/// Where one evaluation stands after asking one node.
+enum Step {
+    Reply(Value),
+    Failed(StoreFailure),
+    Redirect(Redirect),
+}
+
+impl Store {
+    /// Runs a limiter script for `key` on `link` within the budget.
+    ///
+    /// `probe`: this is the link's breaker's half-open probe; after a timeout it opens a fresh
+    /// connection first, inside the same budget, so a peer that vanished silently (or moved
+    /// behind its DNS name) is left behind.
+    pub(super) async fn run(
+        &self,
+        link: &Arc<Link>,
+        kind: ScriptKind,
+        key: &str,
+        args: [u64; 3],
+        probe: bool,
+    ) -> Result<ScriptReply, StoreFailure> {
+        let connector = &self.inner.connector;
+        if connector.wants_proxy_runtime() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                if connector.learn_proxy_runtime(handle) {
+                    for link in self.links() {
+                        link.wake.notify_one();
+                    }
+                }
+            }
+        }
+        let script = self.inner.scripts.get(kind);
+        let started = Instant::now();
+        let result = self.eval(link, script, key, &args, probe).await;
+        link.suspect
+            .store(result == Err(StoreFailure::Timeout), Ordering::Relaxed);
+        self.inner
+            .redis_duration
+            .observe(started.elapsed().as_secs_f64());
+        let reply = result.and_then(|v| {
+            let parsed = match &v {
+                Value::BulkString(bytes) => ScriptReply::parse(bytes),
+                _ => None,
+            };
+            parsed.ok_or_else(|| {
+                tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
+                StoreFailure::ConnectionError
+            })
+        });
+        if let Err(failure) = reply {
+            self.count(failure);
+        }
+        reply
+    }
+
+    fn count(&self, failure: StoreFailure) {
+        let e = &self.inner.errors;
+        match failure {
+            StoreFailure::Timeout => e.timeout.inc(),
+            StoreFailure::ConnectionError => e.connection_error.inc(),
+            StoreFailure::Noscript => e.noscript.inc(),
+        }
+    }
+
+    /// The connection to use: the link's, or, for a probe after a timeout, a new one.
+    async fn connection(
+        &self,
+        link: &Arc<Link>,
+        probe: bool,
+    ) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
+        if !(probe && link.suspect.load(Ordering::Relaxed)) {
+            return link.conn.load_full().ok_or(StoreFailure::ConnectionError);
+        }
+        let target = link.target.load_full();
+        let fresh = connect::open(&target.client).await.map_err(|e| {
+            tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
+            StoreFailure::ConnectionError
+        })?;
+        link.install(fresh, self.inner.connector.on_proxy_runtime());
+        tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
+        link.conn.load_full().ok_or(StoreFailure::ConnectionError)
+    }
+
+    /// The evaluation, redirects included, inside one budget.
+    async fn eval(
+        &self,
+        link: &Arc<Link>,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+        probe: bool,
+    ) -> Result<Value, StoreFailure> {
+        let budget = self.budget();
+        let attempt = async {
+            // Owned only after a redirect: the common case touches no reference count.
+            let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
+            let mut asking = false;
+            for hop in 0..=MAX_REDIRECTS {
+                let redirect = match self
+                    .eval_on(&link, script, key, args, probe && hop == 0, asking)
+                    .await
+                {
+                    Step::Reply(v) => return Ok(v),
+                    Step::Failed(f) => return Err(f),
+                    Step::Redirect(r) => r,
+                };
+                let Layout::Cluster(cluster) = &self.inner.layout else {
+                    tracing::error!(addr = %redirect.addr, "redis answered MOVED/ASK but redis.url names one Redis: use redis.cluster_urls for a cluster");
+                    return Err(StoreFailure::ConnectionError);
+                };
+                let connector = &self.inner.connector;
+                let next = if redirect.ask {
+                    cluster.asked(connector, &redirect.addr)
+                } else {
+                    cluster.moved(connector, redirect.slot, &redirect.addr)
+                };
+                let Some(next) = next else {
+                    tracing::warn!(addr = %redirect.addr, "redis redirected to an address that cannot be used");
+                    return Err(StoreFailure::ConnectionError);
+                };
+                // A node first named by this redirect connects now; the budget bounds the
+                // wait.
+                next.connected().await;
+                link = Cow::Owned(next);
+                asking = redirect.ask;
+            }
+            tracing::warn!(
+                key_slot = super::slot(key.as_bytes()),
+                "redis cluster redirected too many times"
+            );
+            Err(StoreFailure::ConnectionError)
+        };
+        tokio::time::timeout(timer_for(budget), attempt)
+            .await
+            .unwrap_or(Err(StoreFailure::Timeout))
+    }
+
+    /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
+    async fn eval_on(
+        &self,
+        link: &Arc<Link>,
+        script: &Script,
+        key: &str,
+        args: &[u64],
+        probe: bool,
+        asking: bool,
+    ) -> Step {
+        let conn = match self.connection(link, probe).await {
+            Ok(c) => c,
+            Err(f) => return Step::Failed(f),
+        };
+        let mut c = (*conn).clone();
+        let step = |r: redis::RedisResult<Value>| match r {
+            Ok(v) => Step::Reply(v),
+            Err(e) => match redirect(&e) {
+                Some(r) => Step::Redirect(r),
+                None => Step::Failed(self.failed(link, &conn, &e)),
+            },
+        };
+        match evalsha(&mut c, script, key, args, asking).await {
+            Err(e) if classify(&e) == ErrorClass::Noscript => {}
+            other => return step(other),
+        }
+        // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
+        // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
+        match script.load(&mut c).await {
+            Ok(_) => {}
+            Err(e) if is_transport(&e) => return Step::Failed(self.failed(link, &conn, &e)),
+            Err(e) => {
+                tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
+                return Step::Failed(StoreFailure::Noscript);
+            }
+        }
+        step(evalsha(&mut c, script, key, args, asking).await)
+    }
+
+    /// Acts on an error's class: a broken connection is forgotten, a rejected command logged
+    /// as the bug it is, a node that cannot serve makes a cluster look at its map again.
+    fn failed(
+        &self,
+        link: &Link,
+        conn: &Arc<MultiplexedConnection>,
+        e: &RedisError,
+    ) -> StoreFailure {
+        let class = classify(e);
+        match class {
+            ErrorClass::Noscript | ErrorClass::Timeout => {}
+            ErrorClass::Transport => link.forget(conn, e),
+            ErrorClass::Rejected => {
+                tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
+            }
+            ErrorClass::Unavailable => {
+                tracing::debug!(error = %e, "redis could not run the limiter script");
+                // READONLY, CLUSTERDOWN, MASTERDOWN...: in a cluster the map may be stale
+                // (this node was demoted after a failover, say); look again rather than wait
+                // 5 s.
+                if let Layout::Cluster(cluster) = &self.inner.layout {
+                    cluster.ask_refresh();
+                }
+            }
+        }
+        class.failure()
+    }
+}
+
+/// `EVALSHA`; after an `ASK`, sent behind `ASKING` in one round trip.
+async fn evalsha(
+    c: &mut MultiplexedConnection,
+    script: &Script,
+    key: &str,
+    args: &[u64],
+    asking: bool,
+) -> redis::RedisResult<Value> {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(&script.sha).arg(1).arg(key).arg(args);
+    if !asking {
+        return cmd.query_async(c).await;
+    }
+    let (reply,): (Value,) = redis::pipe()
+        .cmd("ASKING")
+        .ignore()
+        .add_command(cmd)
+        .query_async(c)
+        .await?;
+    Ok(reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error redis-rs gives for a RESP error reply.
+    fn reply_error(resp: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{resp}\r\n").as_bytes())
+            .expect("a RESP error")
+            .extract_error()
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn every_error_has_one_class_and_one_table_cause() {
+        let cases = [
+            ("NOSCRIPT No matching script.", ErrorClass::Noscript),
+            ("ERR Error running script: bad", ErrorClass::Rejected),
+            ("WRONGTYPE Operation against a key", ErrorClass::Unavailable),
+            (
+                "READONLY You can't write against a read only replica.",
+                ErrorClass::Unavailable,
+            ),
+            ("CLUSTERDOWN The cluster is down", ErrorClass::Unavailable),
+            (
+                "LOADING Redis is loading the dataset in memory",
+                ErrorClass::Unavailable,
+            ),
+            ("OOM command not allowed", ErrorClass::Unavailable),
+            (
+                "BUSY Redis is busy running a script",
+                ErrorClass::Unavailable,
+            ),
+        ];
+        for (resp, class) in cases {
+            assert_eq!(classify(&reply_error(resp)), class, "{resp}");
+        }
+        let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(classify(&reset), ErrorClass::Transport);
+        let timed_out = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        assert_eq!(classify(&timed_out), ErrorClass::Timeout);
+        assert_eq!(ErrorClass::Noscript.failure(), StoreFailure::Noscript);
+        assert_eq!(ErrorClass::Timeout.failure(), StoreFailure::Timeout);
+        for class in [
+            ErrorClass::Transport,
+            ErrorClass::Rejected,
+            ErrorClass::Unavailable,
+        ] {
+            assert_eq!(class.failure(), StoreFailure::ConnectionError);
+        }
+    }
+
+    #[test]
+    fn redirects_name_their_slot_node_and_kind() {
+        assert_eq!(
+            redirect(&reply_error("MOVED 3999 127.0.0.1:6381")),
+            Some(Redirect {
+                slot: 3999,
+                addr: "127.0.0.1:6381".into(),
+                ask: false
+            })
+        );
+        assert_eq!(
+            redirect(&reply_error("ASK 12 10.0.0.2:7000")),
+            Some(Redirect {
+                slot: 12,
+                addr: "10.0.0.2:7000".into(),
+                ask: true
+            })
+        );
+        assert_eq!(redirect(&reply_error("ERR nope")), None);
+        assert_eq!(redirect(&reply_error("MOVED")), None, "no slot, no node");
+    }
+
+    #[test]
+    fn the_timer_ends_before_the_budget() {
+        assert_eq!(
+            timer_for(Duration::from_millis(20)),
+            Duration::from_millis(18)
+        );
+        assert_eq!(
+            timer_for(Duration::from_millis(4)),
+            Duration::from_millis(3)
+        );
+    }
+}

@@ -1,0 +1,182 @@
+//! One Redis node as the store holds it: where it is, its current connection, the state of
+//! keeping that connection up, and its circuit breaker.
+//!
+//! A [`Link`] is the one Redis of `[redis] url`, or one primary of a Redis Cluster. Each link
+//! has its own breaker, so a dead cluster node quarantines the keys it owns and nothing else.
+//! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
+//! once, in use or not.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use redis::aio::MultiplexedConnection;
+use tokio::sync::{watch, Notify};
+
+use super::slots::node_name;
+use crate::decision::Breaker;
+
+/// A connection just opened, and the signal that its socket has closed: the value turns
+/// true when the socket reads its end or fails, and the sender is dropped with the socket
+/// when the connection is let go. Either way, a waiter wakes.
+pub(super) struct Opened {
+    pub(super) conn: MultiplexedConnection,
+    pub(super) closed: watch::Receiver<bool>,
+}
+
+/// Where a link connects.
+pub(super) struct Target {
+    /// The URL as configured (single Redis), compared on reload; the node's `host:port` in a
+    /// cluster.
+    pub(super) url: String,
+    /// `host:port` (or the socket path), without credentials: what logs and metrics name.
+    pub(super) node: String,
+    pub(super) client: redis::Client,
+}
+
+impl Target {
+    pub(super) fn new(url: &str) -> std::io::Result<Self> {
+        let client = redis::Client::open(url)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let node = match client.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(host, port) => node_name(host, *port),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => node_name(host, *port),
+            redis::ConnectionAddr::Unix(path) => path.display().to_string(),
+            _ => String::new(),
+        };
+        Ok(Self {
+            url: url.to_owned(),
+            node,
+            client,
+        })
+    }
+
+    /// A cluster node, reached with the seed's credentials and settings.
+    pub(super) fn node(seed: &redis::ConnectionInfo, host: &str, port: u16) -> Self {
+        let info = seed
+            .clone()
+            .set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
+        Self {
+            url: node_name(host, port),
+            node: node_name(host, port),
+            client: redis::Client::open(info).expect("a TCP connection info is always valid"),
+        }
+    }
+}
+
+/// One Redis node: its connection, the state of keeping it up, and its breaker.
+pub(super) struct Link {
+    pub(super) conn: ArcSwapOption<MultiplexedConnection>,
+    /// Wakes the connector: the connection was dropped, or the target changed.
+    pub(super) wake: Notify,
+    /// Woken each time a connection is installed.
+    pub(super) ready: Notify,
+    /// Replaced when a reload changes `[redis] url`.
+    pub(super) target: ArcSwap<Target>,
+    /// Whether the last connection attempt failed; logs once per outage, not per retry.
+    pub(super) outage_logged: AtomicBool,
+    /// The node's `maxmemory-policy` as last read, when it could be read.
+    pub(super) eviction_policy: ArcSwapOption<String>,
+    /// Whether the current connection is driven on the proxy's runtime.
+    pub(super) on_proxy_runtime: AtomicBool,
+    /// The last evaluation timed out: the connection may be talking to a peer that is gone
+    /// without a word (no RST), so the next breaker probe opens a fresh one.
+    pub(super) suspect: AtomicBool,
+    /// The node left the cluster's topology: its connector stops.
+    pub(super) retired: AtomicBool,
+    pub(super) breaker: Breaker,
+    /// In a cluster, the slot map's refresher: woken when the connection is lost (a replica
+    /// may be taking over).
+    refresh: Option<Arc<Notify>>,
+}
+
+impl Link {
+    pub(super) fn new(target: Target, breaker: Breaker, refresh: Option<Arc<Notify>>) -> Self {
+        Self {
+            conn: ArcSwapOption::empty(),
+            wake: Notify::new(),
+            ready: Notify::new(),
+            target: ArcSwap::from_pointee(target),
+            outage_logged: AtomicBool::new(false),
+            eviction_policy: ArcSwapOption::empty(),
+            on_proxy_runtime: AtomicBool::new(false),
+            suspect: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            breaker,
+            refresh,
+        }
+    }
+
+    /// The node's `host:port`, for logs and metrics.
+    pub(super) fn node(&self) -> String {
+        self.target.load().node.clone()
+    }
+
+    pub(super) fn is_connected(&self) -> bool {
+        self.conn.load().is_some()
+    }
+
+    /// Waits until a connection is up (the caller bounds the wait).
+    pub(super) async fn connected(&self) {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_connected() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
+    /// when Redis closes it, it is forgotten at once, in use or not.
+    pub(super) fn install(self: &Arc<Self>, opened: Opened, on_proxy_runtime: bool) {
+        let conn = Arc::new(opened.conn);
+        let watched = Arc::downgrade(&conn);
+        self.conn.store(Some(conn));
+        self.on_proxy_runtime
+            .store(on_proxy_runtime, Ordering::Relaxed);
+        self.ready.notify_waiters();
+        tokio::spawn(forget_when_closed(
+            Arc::downgrade(self),
+            watched,
+            opened.closed,
+        ));
+    }
+
+    /// Forgets a broken connection (once, however many requests, or its watcher, saw it
+    /// break) and wakes the connector; in a cluster, also asks for a fresh slot map.
+    pub(super) fn forget(&self, conn: &Arc<MultiplexedConnection>, cause: &dyn std::fmt::Display) {
+        let prev = self.conn.compare_and_swap(conn, None);
+        if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
+            tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
+            self.wake.notify_one();
+            if let Some(refresh) = &self.refresh {
+                refresh.notify_one();
+            }
+        }
+    }
+
+    /// Stops the connector and drops the connection (the node left the topology).
+    pub(super) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+        self.conn.store(None);
+        self.wake.notify_one();
+    }
+}
+
+/// Waits for an installed connection's socket to close, then forgets the connection if the
+/// link still holds it. Ends quietly when the connection was replaced and let go.
+async fn forget_when_closed(
+    link: Weak<Link>,
+    conn: Weak<MultiplexedConnection>,
+    mut closed: watch::Receiver<bool>,
+) {
+    // Ok: the socket ended; Err: the socket was dropped with the connection.
+    let _ = closed.wait_for(|ended| *ended).await;
+    if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
+        link.forget(&conn, &"redis closed the connection");
+    }
+}

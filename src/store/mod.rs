@@ -1,0 +1,310 @@
+//! The Redis store: the only room that speaks to Redis. This file is its whole API: start it,
+//! follow a reload, evaluate a limiter script within the budget, run the fleet heartbeat, and
+//! say how the nodes are for `/readyz`.
+//!
+//! With one Redis there is one link; with Redis Cluster one per primary, chosen by the key's
+//! slot, and an evaluation follows `MOVED` / `ASK` within its budget. Each link has its own
+//! breaker. While a link is down an evaluation fails at once as a connection error (there is
+//! no offline queue) and its connector reconnects in the background; a slow but connected
+//! Redis is a timeout; `NOSCRIPT` costs one `SCRIPT LOAD` and one retry inside the same budget.
+//!
+//! Inside: `link.rs` (one node), `connect.rs` (opening and keeping connections),
+//! `cluster.rs` + `slots.rs` (the slot map), `eval.rs` (the evaluation loop and the
+//! classification of failures), `script.rs` (the Lua), `breakers.rs` (the breakers' sum).
+
+mod breakers;
+mod cluster;
+mod connect;
+mod eval;
+mod link;
+pub mod script;
+mod slots;
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use connect::preflight;
+pub use script::ScriptKind;
+pub use slots::slot;
+
+use breakers::BreakerBoard;
+use cluster::{keep_topology, Cluster};
+use connect::Connector;
+use link::{Link, Target};
+use script::{Scripts, HEARTBEAT_LUA};
+
+use crate::clock::SharedClock;
+use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
+use crate::decision::{BreakerState, Degradation, ScriptReply, StoreFailure};
+use crate::metrics::{Metrics, StoreErrorCounters};
+
+/// One Redis, or the primaries of a cluster.
+enum Layout {
+    Single(Arc<Link>),
+    Cluster(Arc<Cluster>),
+}
+
+/// What the store's handles share.
+struct Inner {
+    budget_us: AtomicU64,
+    scripts: Scripts,
+    heartbeat: redis::Script,
+    errors: StoreErrorCounters,
+    redis_duration: prometheus::Histogram,
+    connector: Arc<Connector>,
+    layout: Layout,
+}
+
+/// A cluster primary as `/readyz` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub node: String,
+    pub connected: bool,
+    pub breaker: BreakerState,
+}
+
+/// What one evaluation came to: the script's answer or why there is none, and the state of
+/// the breaker of the node that was asked (or that refused the call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evaluation {
+    pub outcome: Result<ScriptReply, Degradation>,
+    pub breaker: BreakerState,
+}
+
+/// The process's Redis store. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+    runtime: Arc<tokio::runtime::Runtime>,
+}
+
+impl Store {
+    /// Starts the store's runtime and its connectors; returns at once, connected or not.
+    pub fn start(
+        config: &RedisConfig,
+        breaker: BreakerConfig,
+        clock: SharedClock,
+        metrics: &Arc<Metrics>,
+    ) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("sentinel-store")
+            .enable_all()
+            .build()?;
+        let scripts = Scripts::new();
+        let board = Arc::new(BreakerBoard::new(breaker, clock, Arc::clone(metrics)));
+        let connector = Arc::new(Connector::new(
+            scripts.clone(),
+            config.require_noeviction,
+            config.dedicated_io_thread,
+            board,
+            runtime.handle().clone(),
+        ));
+        let layout = match &config.target {
+            RedisTarget::Single(url) => Layout::Single(connector.single(Target::new(url)?)),
+            RedisTarget::Cluster(seeds) => {
+                let cluster = Arc::new(Cluster::new(seeds.clone()));
+                runtime.spawn(keep_topology(Arc::clone(&cluster), Arc::clone(&connector)));
+                Layout::Cluster(cluster)
+            }
+        };
+        let inner = Arc::new(Inner {
+            budget_us: AtomicU64::new(config.timeout.as_micros() as u64),
+            scripts,
+            heartbeat: redis::Script::new(HEARTBEAT_LUA),
+            errors: metrics.store_errors(),
+            redis_duration: metrics.redis_duration.clone(),
+            connector,
+            layout,
+        });
+        Ok(Self {
+            inner,
+            runtime: Arc::new(runtime),
+        })
+    }
+
+    /// The runtime the store's connections start on; also hosts the gateway's control tasks.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        self.runtime.handle()
+    }
+
+    /// Follows a reloaded `[redis]` section: a new URL (or new seeds) drops the connections
+    /// and reconnects. Switching between one Redis and a cluster needs a restart: returns
+    /// the field that says so, and keeps the current store.
+    pub fn retarget(&self, config: &RedisConfig) -> std::io::Result<Option<&'static str>> {
+        self.set_budget(config.timeout);
+        let connector = &self.inner.connector;
+        connector.set_require_noeviction(config.require_noeviction);
+        match (&self.inner.layout, &config.target) {
+            (Layout::Single(link), RedisTarget::Single(url)) => {
+                if link.target.load().url != *url {
+                    link.target.store(Arc::new(Target::new(url)?));
+                    tracing::info!("redis.url changed; reconnecting");
+                    link.conn.store(None);
+                    link.wake.notify_one();
+                }
+                Ok(None)
+            }
+            (Layout::Cluster(cluster), RedisTarget::Cluster(seeds)) => {
+                if *cluster.seeds() != *seeds {
+                    tracing::info!("redis.cluster_urls changed; discovering the cluster anew");
+                    cluster.reseed(connector, seeds.clone());
+                }
+                Ok(None)
+            }
+            (Layout::Single(_), RedisTarget::Cluster(_)) => Ok(Some("redis.cluster_urls")),
+            (Layout::Cluster(_), RedisTarget::Single(_)) => Ok(Some("redis.url")),
+        }
+    }
+
+    /// A reload changes the breakers' thresholds; their states carry on.
+    pub fn reconfigure_breakers(&self, config: BreakerConfig) {
+        self.inner.connector.breakers().reconfigure(config);
+        let links = match &self.inner.layout {
+            Layout::Single(link) => vec![Arc::clone(link)],
+            Layout::Cluster(cluster) => cluster.links(),
+        };
+        for link in links {
+            link.breaker.reconfigure(config);
+        }
+    }
+
+    /// The budget of one evaluation (`[redis] timeout_ms`).
+    pub fn budget(&self) -> Duration {
+        Duration::from_micros(self.inner.budget_us.load(Ordering::Relaxed))
+    }
+
+    fn set_budget(&self, budget: Duration) {
+        self.inner
+            .budget_us
+            .store(budget.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Runs the limiter script `kind` for `key` on the node that owns it, through that node's
+    /// breaker, within the budget. Never waits longer than the budget; never fails: a failure
+    /// is the [`Degradation`] the decision table reads.
+    pub async fn evaluate(&self, kind: ScriptKind, key: &str, args: [u64; 3]) -> Evaluation {
+        // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
+        // serves. Fails at once, as a disconnected Redis does.
+        let Some(link) = self.link_for(key) else {
+            return Evaluation {
+                outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
+                breaker: self.breaker_state(),
+            };
+        };
+        let breaker = &link.breaker;
+        let permit = match breaker.acquire() {
+            Ok(p) => p,
+            Err(short) => {
+                return Evaluation {
+                    outcome: Err(Degradation::BreakerOpen {
+                        retry_in: short.retry_in,
+                    }),
+                    breaker: breaker.state(),
+                }
+            }
+        };
+        let result = self.run(&link, kind, key, args, permit.is_probe()).await;
+        match result {
+            Ok(_) => permit.success(),
+            Err(_) => permit.failure(),
+        }
+        Evaluation {
+            outcome: result.map_err(Degradation::Store),
+            breaker: breaker.state(),
+        }
+    }
+
+    /// Runs the fleet heartbeat (off the request path); returns the live instance count.
+    pub async fn heartbeat(
+        &self,
+        key: &str,
+        instance: &str,
+        ttl_ms: u64,
+    ) -> Result<u64, StoreFailure> {
+        let Some(conn) = self.link_for(key).and_then(|l| l.conn.load_full()) else {
+            return Err(StoreFailure::ConnectionError);
+        };
+        let mut c = (*conn).clone();
+        let mut invocation = self.inner.heartbeat.key(key);
+        invocation.arg(instance).arg(ttl_ms);
+        let call = invocation.invoke_async::<u64>(&mut c);
+        match tokio::time::timeout(Duration::from_millis(500), call).await {
+            Err(_) => Err(StoreFailure::Timeout),
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(StoreFailure::ConnectionError).inspect_err(|_| {
+                tracing::debug!(error = %e, "fleet heartbeat failed");
+            }),
+        }
+    }
+
+    /// Redis's `maxmemory-policy` when last read; `None` until read or when not permitted.
+    /// In a cluster, the first evicting policy of a primary, else `noeviction` once every
+    /// primary said so.
+    pub fn eviction_policy(&self) -> Option<String> {
+        let policies: Vec<Option<Arc<String>>> = self
+            .links()
+            .iter()
+            .map(|l| l.eviction_policy.load_full())
+            .collect();
+        if let Some(evicting) = policies
+            .iter()
+            .flatten()
+            .find(|p| p.as_str() != "noeviction")
+        {
+            return Some((**evicting).clone());
+        }
+        let all_known = !policies.is_empty() && policies.iter().all(Option::is_some);
+        all_known.then(|| "noeviction".to_owned())
+    }
+
+    /// Whether the store can reach its Redis: the one Redis, or every primary of the map.
+    pub fn is_connected(&self) -> bool {
+        let links = self.links();
+        !links.is_empty() && links.iter().all(|l| l.is_connected())
+    }
+
+    /// Each cluster primary's state; empty with one Redis.
+    pub fn nodes(&self) -> Vec<NodeStatus> {
+        let Layout::Cluster(_) = &self.inner.layout else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<NodeStatus> = self
+            .links()
+            .iter()
+            .map(|l| NodeStatus {
+                node: l.node(),
+                connected: l.is_connected(),
+                breaker: l.breaker.state(),
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        nodes
+    }
+
+    /// The process's breaker state: with one Redis its breaker's; in a cluster open when any
+    /// primary's is open, else half_open when any is, else closed.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.inner.connector.breakers().state()
+    }
+
+    /// Every link: the one Redis, or every primary of the map.
+    fn links(&self) -> Vec<Arc<Link>> {
+        match &self.inner.layout {
+            Layout::Single(link) => vec![Arc::clone(link)],
+            Layout::Cluster(cluster) => cluster.primaries(),
+        }
+    }
+
+    /// The link that decides `key`: the one Redis, or the primary owning its slot. `None`
+    /// while a cluster's map is unknown or no primary serves the slot.
+    /// (Borrowed with one Redis: no reference count to touch per request.)
+    fn link_for(&self, key: &str) -> Option<Cow<'_, Arc<Link>>> {
+        match &self.inner.layout {
+            Layout::Single(link) => Some(Cow::Borrowed(link)),
+            Layout::Cluster(cluster) => cluster.link_for(key).map(Cow::Owned),
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! The Lua scripts the store runs: their bodies, which one a decision needs, and loading them.
+//! Their answer is read by [`crate::decision::ScriptReply`].
+
+use redis::aio::MultiplexedConnection;
+
+pub const TOKEN_BUCKET_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/token_bucket.lua")
+);
+pub const SLIDING_WINDOW_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/sliding_window.lua")
+);
+pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
+
+/// The limiter scripts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptKind {
+    /// Args: capacity, refill per second, cost (micro-tokens).
+    TokenBucket,
+    /// Args: limit, window in microseconds, cost (requests).
+    SlidingWindow,
+}
+
+#[derive(Clone)]
+pub(super) struct Script {
+    pub(super) sha: String,
+    body: &'static str,
+}
+
+/// The two limiter scripts, their hashes computed once.
+#[derive(Clone)]
+pub(super) struct Scripts {
+    pub(super) token_bucket: Script,
+    pub(super) sliding_window: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Self {
+            token_bucket: Script::new(TOKEN_BUCKET_LUA),
+            sliding_window: Script::new(SLIDING_WINDOW_LUA),
+        }
+    }
+
+    pub(super) fn get(&self, kind: ScriptKind) -> &Script {
+        match kind {
+            ScriptKind::TokenBucket => &self.token_bucket,
+            ScriptKind::SlidingWindow => &self.sliding_window,
+        }
+    }
+}
+
+impl Script {
+    fn new(body: &'static str) -> Self {
+        Self {
+            sha: redis::Script::new(body).get_hash().to_owned(),
+            body,
+        }
+    }
+
+    /// `SCRIPT LOAD` on one connection.
+    pub(super) async fn load(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(self.body)
+            .query_async::<String>(conn)
+            .await
+            .map(drop)
+    }
+}
