@@ -7,18 +7,25 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::cluster::RedisCluster;
+use common::config::{GatewayConfig, Route};
 use common::{blocking_get, client, free_port, wait_until, Gateway, Upstream};
-use sha2::{Digest, Sha256};
-
-fn sha(s: &str) -> String {
-    hex::encode(Sha256::digest(s.as_bytes()))
-}
+use sentinel_gateway::limiter::bucket_key;
 
 fn key(tenant: &str, endpoint: &str) -> String {
-    format!(
-        "sentinel:v1:{}:{endpoint}:1",
-        sha(&format!("header:x-api-key:{tenant}"))
+    bucket_key(
+        "sentinel",
+        &format!("header:x-api-key:{tenant}"),
+        endpoint,
+        1,
     )
+}
+
+/// 3 requests per tenant (`x-api-key`) that never refill.
+fn per_tenant(id: &str, path: &str) -> Route {
+    Route::new(id)
+        .path(path)
+        .identity_header("x-api-key")
+        .token_bucket(3_000_000, 0)
 }
 
 /// A gateway on the cluster, once it is connected to every primary.
@@ -40,49 +47,14 @@ fn start_gateway(seeds: &[String], upstream: &str) -> Gateway {
 /// fleet heartbeat runs) and `/closed` (fail_closed), both 3 requests per tenant that never
 /// refill; the breaker opens after 5 failures for 1 s.
 fn start_unchecked(seeds: &[String], upstream: &str) -> Gateway {
-    let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
-    let (port, admin) = (free_port(), free_port());
-    let route = |id: &str, path: &str, fail: &str| {
-        format!(
-            r#"
-[[routes]]
-endpoint_id = "{id}"
-path = "{path}"
-upstream = "app"
-identity = {{ header = "x-api-key" }}
-algorithm = "token_bucket"
-capacity_micro = 3_000_000
-refill_rate_micro_per_sec = 0
-{fail}
-"#
-        )
-    };
-    let config = format!(
-        r#"[server]
-listen = "127.0.0.1:{port}"
-admin_listen = "127.0.0.1:{admin}"
-threads = 2
-
-[redis]
-cluster_urls = [{}]
-timeout_ms = 20
-
-[breaker]
-failure_threshold = 5
-open_seconds = 1
-
-[upstreams.app]
-addrs = ["{upstream}"]
-{}{}"#,
-        seeds.join(", "),
-        route(
-            "c.open",
-            "/open",
-            "fail_mode = \"fail_open\"\nfallback_rate_fleet_micro = 1_000_000_000"
-        ),
-        route("c.closed", "/closed", "fail_mode = \"fail_closed\""),
-    );
-    Gateway::start_with(port, admin, &config)
+    GatewayConfig::bare_cluster(seeds)
+        .server("threads", "2")
+        .redis("timeout_ms", "20")
+        .breaker(5, 1)
+        .upstream("app", &[upstream])
+        .route(per_tenant("c.open", "/open").fail_open_fleet(1_000_000_000))
+        .route(per_tenant("c.closed", "/closed").fail_closed())
+        .start()
 }
 
 /// Tenants whose bucket key for `endpoint` lives on each node: `per_node` for every node.
@@ -567,17 +539,10 @@ async fn sentinel_redis_url_overrides_cluster_urls_too() {
     let redis = common::Redis::start();
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}", free_port());
-    let (port, admin) = (free_port(), free_port());
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\n[redis]\ncluster_urls = [\"{nowhere}\"]\n\n[upstreams.app]\naddrs = [\"{}\"]\n\n[[routes]]\nendpoint_id = \"c.closed\"\npath = \"/closed\"\nupstream = \"app\"\nidentity = {{ header = \"x-api-key\" }}\nalgorithm = \"token_bucket\"\ncapacity_micro = 3_000_000\nrefill_rate_micro_per_sec = 0\n",
-        up.addr()
-    );
-    let gw = Gateway::start_with_env(
-        port,
-        admin,
-        &config,
-        &[("SENTINEL_REDIS_URL", &redis.url())],
-    );
+    let gw = GatewayConfig::bare_cluster(&[nowhere])
+        .upstream("app", &[up.addr()])
+        .route(per_tenant("c.closed", "/closed"))
+        .start_with_env(&[("SENTINEL_REDIS_URL", &redis.url())]);
     assert_eq!(
         statuses("/closed", &gw, "env", 4).await,
         [200, 200, 200, 429],

@@ -1,18 +1,17 @@
 //! `sentinel-gateway check`: one fixture per config error, each asserting the exact message,
 //! and the shipped configs pass.
 
+mod common;
+
 use std::path::Path;
-use std::process::Command;
+
+use common::config::Route;
 
 fn check(path: &Path) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .arg("check")
-        .arg("--config")
-        .arg(path)
-        .env_remove("SENTINEL_REDIS_URL")
-        .env_remove("SENTINEL_JWT_SECRET")
-        .output()
-        .expect("the binary runs");
+    let out = common::check_config(
+        path,
+        &[("SENTINEL_REDIS_URL", None), ("SENTINEL_JWT_SECRET", None)],
+    );
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -79,14 +78,16 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
     for entry in std::fs::read_dir(root.join("examples")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-                .arg("check")
-                .arg("--config")
-                .arg(&path)
-                .env_remove("SENTINEL_REDIS_URL")
-                .env("SENTINEL_JWT_SECRET", "example-secret-example-secret-0123")
-                .output()
-                .unwrap();
+            let out = common::check_config(
+                &path,
+                &[
+                    ("SENTINEL_REDIS_URL", None),
+                    (
+                        "SENTINEL_JWT_SECRET",
+                        Some("example-secret-example-secret-0123"),
+                    ),
+                ],
+            );
             let (code, stderr) = (
                 out.status.code().unwrap_or(-1),
                 String::from_utf8_lossy(&out.stderr),
@@ -100,22 +101,18 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
 fn bounds_at_the_limit_are_accepted() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
+    // Only the sections under test: `check` needs no [server] or [redis].
+    let route = Route::new("big")
+        .path("/big")
+        .identity("global")
+        .token_bucket(1_000_000_000_000_000, 1_000_000_000_000)
+        .set("cost_micro", "1_000_000_000_000_000");
     std::fs::write(
         &path,
-        r#"
-[upstreams.app]
-addrs = ["127.0.0.1:9001"]
-
-[[routes]]
-endpoint_id = "big"
-path = "/big"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000_000
-cost_micro = 1_000_000_000_000_000
-"#,
+        format!(
+            "\n[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{}",
+            route.toml()
+        ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
@@ -126,12 +123,10 @@ cost_micro = 1_000_000_000_000_000
 #[test]
 fn the_redis_url_variable_is_validated_too() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .args(["check", "--config"])
-        .arg(root.join("gateway.toml"))
-        .env("SENTINEL_REDIS_URL", "http://nope")
-        .output()
-        .unwrap();
+    let out = common::check_config(
+        &root.join("gateway.toml"),
+        &[("SENTINEL_REDIS_URL", Some("http://nope"))],
+    );
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -168,24 +163,20 @@ fn every_route_field_is_documented() {
 fn a_short_jwt_secret_is_named_and_refused() {
     let path =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/invalid/jwt_secret_missing.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .args(["check", "--config"])
-        .arg(&path)
-        .env("SENTINEL_JWT_SECRET", "too-short")
-        .output()
-        .unwrap();
+    let out = common::check_config(&path, &[("SENTINEL_JWT_SECRET", Some("too-short"))]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("auth.jwt.secret_env: the environment variable SENTINEL_JWT_SECRET holds 9 bytes: the secret must be at least 32 bytes"),
         "{stderr}"
     );
-    let ok = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .args(["check", "--config"])
-        .arg(&path)
-        .env("SENTINEL_JWT_SECRET", "0123456789abcdef0123456789abcdef")
-        .output()
-        .unwrap();
+    let ok = common::check_config(
+        &path,
+        &[(
+            "SENTINEL_JWT_SECRET",
+            Some("0123456789abcdef0123456789abcdef"),
+        )],
+    );
     assert_eq!(
         ok.status.code(),
         Some(0),

@@ -4,46 +4,28 @@
 
 mod common;
 
-use std::process::Command;
+use std::ffi::OsStr;
 
+use common::config::{string_list, GatewayConfig, Route};
 use common::{client, free_port, Gateway, Redis, Upstream};
-use sha2::{Digest, Sha256};
+use sentinel_gateway::limiter::bucket_key;
 
-fn routes(upstream: &str) -> String {
-    format!(
-        r#"
-[upstreams.app]
-addrs = ["{upstream}"]
-
-[[routes]]
-endpoint_id = "c.shared"
-path = "/one"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = 3_000_000
-refill_rate_micro_per_sec = 0
-
-[[routes]]
-endpoint_id = "c.shared"
-path = "/two"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = 3_000_000
-refill_rate_micro_per_sec = 0
-"#
-    )
+/// Two routes sharing the endpoint `c.shared`: one global bucket of 3 that never refills.
+fn routes(base: GatewayConfig, upstream: &str) -> GatewayConfig {
+    let shared = |path: &str| {
+        Route::new("c.shared")
+            .path(path)
+            .identity("global")
+            .token_bucket(3_000_000, 0)
+    };
+    base.upstream("app", &[upstream])
+        .route(shared("/one"))
+        .route(shared("/two"))
 }
 
 #[test]
 fn version_and_help() {
-    let run = |arg: &str| {
-        Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-            .arg(arg)
-            .output()
-            .unwrap()
-    };
+    let run = |arg: &str| common::run_binary(&[OsStr::new(arg)], &[]);
     let version = run("--version");
     assert!(version.status.success());
     assert_eq!(
@@ -65,11 +47,16 @@ async fn env_url_listen_list_key_prefix_and_a_shared_endpoint() {
     let up = Upstream::start("app");
     let (a, b, admin) = (free_port(), free_port(), free_port());
     // The file names a Redis that does not exist; the environment names the real one.
-    let config = format!(
-        "[server]\nlisten = [\"127.0.0.1:{a}\", \"127.0.0.1:{b}\"]\nadmin_listen = \"127.0.0.1:{admin}\"\n\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\nkey_prefix = \"edge-7\"\n{}",
-        free_port(),
-        routes(&up.addr())
-    );
+    let config = routes(
+        GatewayConfig::bare(&format!("redis://127.0.0.1:{}/0", free_port()))
+            .server(
+                "listen",
+                string_list(&[format!("127.0.0.1:{a}"), format!("127.0.0.1:{b}")]),
+            )
+            .redis("key_prefix", "\"edge-7\""),
+        &up.addr(),
+    )
+    .render(a, admin);
     let gw = Gateway::start_with_env(
         a,
         admin,
@@ -93,10 +80,7 @@ async fn env_url_listen_list_key_prefix_and_a_shared_endpoint() {
         vec![200, 200, 200, 429],
         "both listeners, both routes, one bucket of 3, decided by Redis"
     );
-    let key = format!(
-        "edge-7:v1:{}:c.shared:1",
-        hex::encode(Sha256::digest(b"global"))
-    );
+    let key = bucket_key("edge-7", "global", "c.shared", 1);
     assert_eq!(
         redis.keys("*"),
         vec![key],

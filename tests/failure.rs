@@ -9,42 +9,43 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::config::{GatewayConfig, Route};
 use common::fault::{FaultProxy, Mode};
 use common::{client, wait_until, Gateway, Redis, Upstream};
 
 const BUDGET_MS: u64 = 20;
 
-fn config(upstream: &str, open_seconds: u64) -> String {
-    format!(
-        r#"
-[breaker]
-failure_threshold = 5
-open_seconds = {open_seconds}
+/// Breaker after 5 failures for `open_seconds`; `/closed` (fail_closed) and `/open` (its
+/// fail_open route) both hold 3 requests per X-API-Key that never refill.
+fn config_with(redis_url: &str, upstream: &str, open_seconds: u64, open: Route) -> GatewayConfig {
+    GatewayConfig::new(redis_url)
+        .breaker(5, open_seconds)
+        .upstream("app", &[upstream])
+        .route(
+            Route::new("t.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        )
+        .route(open)
+}
 
-[upstreams.app]
-addrs = ["{upstream}"]
+/// The `/open` route before its fail mode is chosen.
+fn open_route() -> Route {
+    Route::new("t.open")
+        .prefix("/open")
+        .identity_header("X-API-Key")
+        .token_bucket(3_000_000, 0)
+}
 
-[[routes]]
-endpoint_id = "t.closed"
-path_prefix = "/closed"
-upstream = "app"
-identity = {{ header = "X-API-Key" }}
-algorithm = "token_bucket"
-capacity_micro = 3_000_000
-refill_rate_micro_per_sec = 0
-fail_mode = "fail_closed"
-
-[[routes]]
-endpoint_id = "t.open"
-path_prefix = "/open"
-upstream = "app"
-identity = {{ header = "X-API-Key" }}
-algorithm = "token_bucket"
-capacity_micro = 3_000_000
-refill_rate_micro_per_sec = 0
-fail_mode = "fail_open"
-fallback_rate_per_process_micro = 1_000_000_000
-"#
+/// `config_with` an emergency rate far above any test's load.
+fn config(redis_url: &str, upstream: &str, open_seconds: u64) -> GatewayConfig {
+    config_with(
+        redis_url,
+        upstream,
+        open_seconds,
+        open_route().fail_open(1_000_000_000),
     )
 }
 
@@ -100,7 +101,7 @@ fn rig(open_seconds: u64) -> Rig {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
-    let gw = Gateway::start(&proxy.url(), &config(&up.addr(), open_seconds));
+    let gw = config(&proxy.url(), &up.addr(), open_seconds).start();
     Rig {
         redis,
         proxy,
@@ -430,7 +431,7 @@ async fn noscript_that_cannot_be_reloaded_follows_the_fail_mode() {
         .unwrap();
     let up = Upstream::start("app");
     let url = format!("redis://limiter:secret@127.0.0.1:{}/0", redis.port);
-    let gw = Gateway::start(&url, &config(&up.addr(), 30));
+    let gw = config(&url, &up.addr(), 30).start();
     let http = client();
     let a = send(&http, &gw.url("/closed"), "k").await;
     assert_unavailable(&a);
@@ -452,11 +453,13 @@ async fn emergency_limiter_admits_burst_plus_rate_under_sustained_load() {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
-    let cfg = config(&up.addr(), 30).replace(
-        "fallback_rate_per_process_micro = 1_000_000_000",
-        "fallback_rate_per_process_micro = 5_000_000",
-    );
-    let gw = Gateway::start(&proxy.url(), &cfg);
+    let gw = config_with(
+        &proxy.url(),
+        &up.addr(),
+        30,
+        open_route().fail_open(5_000_000),
+    )
+    .start();
     proxy.refuse_and_cut();
     let http = client();
     let started = Instant::now();
@@ -503,7 +506,7 @@ async fn a_redis_on_a_unix_socket_decides_and_its_loss_is_noticed() {
         &["--unixsocket", &socket_arg, "--unixsocketperm", "700"],
     );
     let up = Upstream::start("app");
-    let gw = Gateway::start(&format!("unix://{socket_arg}"), &config(&up.addr(), 30));
+    let gw = config(&format!("unix://{socket_arg}"), &up.addr(), 30).start();
     let http = client();
     let statuses = futures_statuses_gw(&http, &gw, "/closed", "k", 4).await;
     assert_eq!(statuses, vec![200, 200, 200, 429], "{}", gw.logs());
@@ -528,12 +531,9 @@ async fn a_redis_on_a_unix_socket_decides_and_its_loss_is_noticed() {
 async fn a_dedicated_io_thread_keeps_the_connection_off_the_workers() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let (port, admin) = (common::free_port(), common::free_port());
-    let head = format!(
-        "{}dedicated_io_thread = true\n",
-        common::base_config(port, admin, &redis.url())
-    );
-    let gw = Gateway::start_with(port, admin, &format!("{head}{}", config(&up.addr(), 30)));
+    let gw = config(&redis.url(), &up.addr(), 30)
+        .redis("dedicated_io_thread", "true")
+        .start();
     let http = client();
     let statuses = futures_statuses_gw(&http, &gw, "/closed", "k", 4).await;
     assert_eq!(statuses, vec![200, 200, 200, 429]);
@@ -546,11 +546,7 @@ async fn a_dedicated_io_thread_keeps_the_connection_off_the_workers() {
         gw.logs()
     );
     assert_eq!(redis.command_calls("evalsha"), 4, "one EVALSHA per request");
-    gw.rewrite_config(&format!(
-        "{}{}",
-        common::base_config(port, admin, &redis.url()),
-        config(&up.addr(), 30)
-    ));
+    gw.rewrite_config(&config(&redis.url(), &up.addr(), 30).render(gw.port, gw.admin_port));
     let r = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
@@ -575,7 +571,7 @@ async fn an_idle_connection_that_redis_closes_is_noticed_without_traffic() {
     let mut redis = Redis::start();
     let port = redis.port;
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &config(&up.addr(), 30));
+    let gw = config(&redis.url(), &up.addr(), 30).start();
     let http = client();
     assert_eq!(send(&http, &gw.url("/closed"), "k").await.status, 200);
     gw.wait_connection_moved();
@@ -616,7 +612,7 @@ async fn redis_killed_and_restarted_with_data_loss_recovers() {
     let mut redis = Redis::start();
     let port = redis.port;
     let up = Upstream::start("app");
-    let mut gw = Gateway::start(&redis.url(), &config(&up.addr(), 1));
+    let mut gw = config(&redis.url(), &up.addr(), 1).start();
     let http = client();
     let statuses = [
         send(&http, &gw.url("/closed"), "k").await.status,
@@ -694,11 +690,10 @@ async fn futures_statuses_gw(
 async fn per_identity_emergency_buckets_keep_a_quiet_tenant_served() {
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let cfg = config(&up.addr(), 30).replace(
-        "fallback_rate_per_process_micro = 1_000_000_000",
-        "fallback_rate_per_process_micro = 2_000_000\nemergency_scope = \"identity\"",
-    );
-    let gw = Gateway::start(&nowhere, &cfg);
+    let open = open_route()
+        .fail_open(2_000_000)
+        .set("emergency_scope", "\"identity\"");
+    let gw = config_with(&nowhere, &up.addr(), 30, open).start();
     let http = client();
     let mut noisy = Vec::new();
     for _ in 0..30 {
@@ -731,16 +726,9 @@ async fn a_redis_that_hangs_during_connection_setup_is_left_and_retried() {
     let before = proxy.accepted();
     let started = Instant::now();
     // No start-up check of the eviction policy: only the connector talks to this Redis.
-    let (port, admin) = (common::free_port(), common::free_port());
-    let gw = Gateway::start_with(
-        port,
-        admin,
-        &format!(
-            "{}require_noeviction = false\n{}",
-            common::base_config(port, admin, &proxy.url()),
-            config(&up.addr(), 30)
-        ),
-    );
+    let gw = config(&proxy.url(), &up.addr(), 30)
+        .redis("require_noeviction", "false")
+        .start();
     assert_eq!(
         proxy.accepted(),
         before + 1,

@@ -5,36 +5,39 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::config::{GatewayConfig, Route};
 use common::{client, wait_until, Gateway, Redis, Upstream};
 
-fn config(upstream: &str, fallback: &str) -> String {
-    format!(
-        r#"
-[upstreams.app]
-addrs = ["{upstream}"]
+/// The emergency rate during the outage, in micro-requests per second.
+enum Fallback {
+    /// Split among the live instances of the fleet.
+    Fleet(u64),
+    /// Each process's own.
+    PerProcess(u64),
+}
 
-[[routes]]
-endpoint_id = "f.open"
-path = "/open"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000
-fail_mode = "fail_open"
-{fallback}
-"#
-    )
+fn config(redis_url: &str, upstream: &str, fallback: &Fallback) -> GatewayConfig {
+    let route = Route::new("f.open")
+        .path("/open")
+        .identity("global")
+        .token_bucket(1_000_000_000, 1_000_000_000);
+    let route = match *fallback {
+        Fallback::Fleet(rate) => route.fail_open_fleet(rate),
+        Fallback::PerProcess(rate) => route.fail_open(rate),
+    };
+    GatewayConfig::new(redis_url)
+        .upstream("app", &[upstream])
+        .route(route)
 }
 
 /// Admissions by three gateways hammered for `secs` while their Redis is dead.
-async fn outage_admissions(fallback: &str, secs: u64) -> (u64, f64) {
+async fn outage_admissions(fallback: Fallback, secs: u64) -> (u64, f64) {
     let mut redis = Redis::start();
     let up = Upstream::start("app");
     let gateways: Vec<Gateway> = (0..3)
-        .map(|_| Gateway::start(&redis.url(), &config(&up.addr(), fallback)))
+        .map(|_| config(&redis.url(), &up.addr(), &fallback).start())
         .collect();
-    if fallback.contains("fleet") {
+    if matches!(fallback, Fallback::Fleet(_)) {
         for gw in &gateways {
             wait_until(
                 Duration::from_secs(10),
@@ -81,7 +84,7 @@ async fn outage_admissions(fallback: &str, secs: u64) -> (u64, f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_rate_holds_for_the_whole_fleet_during_an_outage() {
     // Fleet rate 6/s over 3 instances: each runs at 2/s with a burst of 2.
-    let (fleet, elapsed) = outage_admissions("fallback_rate_fleet_micro = 6_000_000", 3).await;
+    let (fleet, elapsed) = outage_admissions(Fallback::Fleet(6_000_000), 3).await;
     let allowance = 6.0 + 6.0 * elapsed;
     assert!(
         fleet as f64 <= allowance + 3.0,
@@ -93,8 +96,7 @@ async fn a_fleet_rate_holds_for_the_whole_fleet_during_an_outage() {
     );
 
     // The same rate per process: three times as much.
-    let (per_process, elapsed) =
-        outage_admissions("fallback_rate_per_process_micro = 6_000_000", 3).await;
+    let (per_process, elapsed) = outage_admissions(Fallback::PerProcess(6_000_000), 3).await;
     let allowance = 3.0 * (6.0 + 6.0 * elapsed);
     assert!(
         (per_process as f64 - allowance).abs() <= 9.0,

@@ -4,41 +4,22 @@ mod common;
 
 use std::time::Duration;
 
+use common::config::{GatewayConfig, Route};
 use common::{client, raw_request, Gateway, Redis, Upstream};
-use sha2::{Digest, Sha256};
+use sentinel_gateway::limiter::{bucket_key, identity_hash};
 
-fn upstream_section(name: &str, addrs: &[String], read_timeout_ms: u64) -> String {
-    let list: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
-    format!("[upstreams.{name}]\naddrs = [{}]\nconnect_timeout_ms = 500\nread_timeout_ms = {read_timeout_ms}\n", list.join(", "))
+/// The base config with the upstream `app` at `up`: 500 ms to connect, 5 s to answer.
+fn app_config(redis_url: &str, up: &Upstream) -> GatewayConfig {
+    GatewayConfig::new(redis_url).upstream_timeouts("app", &[up.addr()], Some(500), Some(5000))
 }
 
-fn bucket_route(
-    id: &str,
-    prefix: &str,
-    identity: &str,
-    capacity: u64,
-    refill: u64,
-    version: u64,
-) -> String {
-    format!(
-        r#"
-[[routes]]
-endpoint_id = "{id}"
-path_prefix = "{prefix}"
-upstream = "app"
-identity = {identity}
-algorithm = "token_bucket"
-capacity_micro = {}
-refill_rate_micro_per_sec = {refill}
-fail_mode = "fail_closed"
-policy_version = {version}
-"#,
-        capacity * 1_000_000
-    )
-}
-
-fn sha(s: &str) -> String {
-    hex::encode(Sha256::digest(s.as_bytes()))
+/// A fail_closed token bucket of `capacity` requests on a path prefix, policy version 1.
+fn bucket(id: &str, prefix: &str, capacity: u64, refill_rate_micro_per_sec: u64) -> Route {
+    Route::new(id)
+        .prefix(prefix)
+        .token_bucket(capacity * 1_000_000, refill_rate_micro_per_sec)
+        .fail_closed()
+        .policy_version(1)
 }
 
 async fn status_of(resp: reqwest::Result<reqwest::Response>) -> u16 {
@@ -49,16 +30,9 @@ async fn status_of(resp: reqwest::Result<reqwest::Response>) -> u16 {
 async fn bucket_admits_its_capacity_then_429s_then_refills() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route(
-            "t.bucket",
-            "/api",
-            r#"{ header = "X-API-Key" }"#,
-            3,
-            1_000_000,
-            1,
-        );
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = app_config(&redis.url(), &up)
+        .route(bucket("t.bucket", "/api", 3, 1_000_000).identity_header("X-API-Key"))
+        .start();
     let http = client();
     for i in 0..3 {
         let r = http
@@ -127,7 +101,10 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
         "\"latency_us\":",
         "\"breaker_state\":\"closed\"",
         "\"status\":429",
-        &format!("\"identity_hash\":\"{}\"", sha("header:x-api-key:alice")),
+        &format!(
+            "\"identity_hash\":\"{}\"",
+            identity_hash("header:x-api-key:alice")
+        ),
     ] {
         assert!(
             deny_lines[0].contains(field),
@@ -150,7 +127,7 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
     let (status, metrics) = common::blocking_get(&gw.admin("/metrics")).unwrap();
     assert_eq!(status, 200);
     assert!(
-        !metrics.contains("alice") && !metrics.contains(&sha("header:x-api-key:alice")),
+        !metrics.contains("alice") && !metrics.contains(&identity_hash("header:x-api-key:alice")),
         "no identity in metrics"
     );
     assert_eq!(
@@ -163,9 +140,9 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
 async fn concurrent_clients_on_one_bucket_admit_exactly_its_capacity() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.shared", "/api", "\"global\"", 50, 0, 1);
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = app_config(&redis.url(), &up)
+        .route(bucket("t.shared", "/api", 50, 0).identity("global"))
+        .start();
     let url = gw.url("/api/doc");
     // 30 connections, 10 requests each.
     let tasks: Vec<_> = (0..30)
@@ -204,7 +181,7 @@ async fn concurrent_clients_on_one_bucket_admit_exactly_its_capacity() {
         "one EVALSHA per limited request"
     );
     // Refill 0: the bucket never expires and never refills.
-    let key = format!("sentinel:v1:{}:t.shared:1", sha("global"));
+    let key = bucket_key("sentinel", "global", "t.shared", 1);
     let ttl: i64 = redis::cmd("TTL")
         .arg(&key)
         .query(&mut redis.conn())
@@ -217,19 +194,16 @@ async fn identities_keys_and_policy_versions() {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let routes = |version| {
-        upstream_section("app", &[up.addr()], 5000)
-            + &bucket_route(
-                "t.keyed",
-                "/keyed",
-                r#"{ header = "X-API-Key" }"#,
-                2,
-                0,
-                version,
+        app_config(&redis.url(), &up)
+            .route(
+                bucket("t.keyed", "/keyed", 2, 0)
+                    .identity_header("X-API-Key")
+                    .policy_version(version),
             )
-            + &bucket_route("t.global", "/global", "\"global\"", 2, 0, 1)
-            + &bucket_route("t.ip", "/ip", "\"client_ip\"", 2, 0, 1)
+            .route(bucket("t.global", "/global", 2, 0).identity("global"))
+            .route(bucket("t.ip", "/ip", 2, 0).identity("client_ip"))
     };
-    let gw = Gateway::start(&redis.url(), &routes(1));
+    let gw = routes(1).start();
     let http = client();
     let get = |path: &str, key: Option<&str>| {
         let mut r = http.get(gw.url(path));
@@ -272,20 +246,16 @@ async fn identities_keys_and_policy_versions() {
         [200, 200, 429]
     );
     let mut expected = vec![
-        format!("sentinel:v1:{}:t.keyed:1", sha("header:x-api-key:a")),
-        format!("sentinel:v1:{}:t.keyed:1", sha("header:x-api-key:b")),
-        format!("sentinel:v1:{}:t.global:1", sha("global")),
-        format!("sentinel:v1:{}:t.ip:1", sha("ip:127.0.0.1")),
+        bucket_key("sentinel", "header:x-api-key:a", "t.keyed", 1),
+        bucket_key("sentinel", "header:x-api-key:b", "t.keyed", 1),
+        bucket_key("sentinel", "global", "t.global", 1),
+        bucket_key("sentinel", "ip:127.0.0.1", "t.ip", 1),
     ];
     expected.sort();
     assert_eq!(redis.keys("sentinel:*"), expected);
 
     // A new policy version starts every bucket of the endpoint afresh.
-    gw.rewrite_config(&format!(
-        "{}\n{}",
-        common::base_config(gw.port, gw.admin_port, &redis.url()),
-        routes(2)
-    ));
+    gw.rewrite_config(&routes(2).render(gw.port, gw.admin_port));
     let reload = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(reload.status(), 200);
     assert_eq!(
@@ -300,9 +270,11 @@ async fn identities_keys_and_policy_versions() {
         ],
         [200, 200, 429]
     );
-    assert!(redis.keys("sentinel:*").contains(&format!(
-        "sentinel:v1:{}:t.keyed:2",
-        sha("header:x-api-key:a")
+    assert!(redis.keys("sentinel:*").contains(&bucket_key(
+        "sentinel",
+        "header:x-api-key:a",
+        "t.keyed",
+        2
     )));
 }
 
@@ -310,10 +282,10 @@ async fn identities_keys_and_policy_versions() {
 async fn answers_before_the_limiter_never_reach_redis() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.limited", "/limited", r#"{ header = "X-API-Key" }"#, 5, 0, 1)
-        + "\n[[routes]]\nendpoint_id = \"t.open\"\npath = \"/open\"\nupstream = \"app\"\nalgorithm = \"none\"\n";
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = app_config(&redis.url(), &up)
+        .route(bucket("t.limited", "/limited", 5, 0).identity_header("X-API-Key"))
+        .route(Route::new("t.open").path("/open").unlimited())
+        .start();
     let http = client();
     redis.reset_stats();
 
@@ -403,9 +375,10 @@ async fn answers_before_the_limiter_never_reach_redis() {
 async fn forwards_the_normalized_request_and_round_robins() {
     let redis = Redis::start();
     let (a, b) = (Upstream::start("a"), Upstream::start("b"));
-    let config = upstream_section("app", &[a.addr(), b.addr()], 5000)
-        + "\n[[routes]]\nendpoint_id = \"t.fwd\"\npath_prefix = \"/docs\"\nupstream = \"app\"\nalgorithm = \"none\"\n";
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[a.addr(), b.addr()], Some(500), Some(5000))
+        .route(Route::new("t.fwd").prefix("/docs").unlimited())
+        .start();
     let http = client();
     let r = http
         .put(gw.url("/x/..//docs/./%7Euser/%41b%20c?q=1&r=%2F"))
@@ -440,11 +413,22 @@ async fn upstream_down_is_502_and_slow_is_504() {
     let redis = Redis::start();
     let up = Upstream::start("slow");
     let dead = format!("127.0.0.1:{}", common::free_port());
-    let config = upstream_section("dead", &[dead], 1000)
-        + &upstream_section("slow", &[up.addr()], 300)
-        + "\n[[routes]]\nendpoint_id = \"t.dead\"\npath_prefix = \"/dead\"\nupstream = \"dead\"\nalgorithm = \"none\"\n"
-        + "\n[[routes]]\nendpoint_id = \"t.slow\"\npath_prefix = \"/slow\"\nupstream = \"slow\"\nalgorithm = \"none\"\n";
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("dead", &[dead], Some(500), Some(1000))
+        .upstream_timeouts("slow", &[up.addr()], Some(500), Some(300))
+        .route(
+            Route::new("t.dead")
+                .prefix("/dead")
+                .upstream("dead")
+                .unlimited(),
+        )
+        .route(
+            Route::new("t.slow")
+                .prefix("/slow")
+                .upstream("slow")
+                .unlimited(),
+        )
+        .start();
     let http = client();
     let r = http.get(gw.url("/dead")).send().await.unwrap();
     assert_eq!(r.status(), 502);
@@ -479,17 +463,15 @@ async fn upstream_down_is_502_and_slow_is_504() {
 async fn routes_by_specificity_not_file_order() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let route = |id: &str, extra: &str| {
-        format!("\n[[routes]]\nendpoint_id = \"{id}\"\nupstream = \"app\"\nalgorithm = \"none\"\n{extra}\n")
-    };
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &route("r.root", "path_prefix = \"/\"")
-        + &route("r.short", "path_prefix = \"/a\"")
-        + &route("r.long", "path_prefix = \"/a/b\"")
-        + &route("r.exact", "path = \"/a/b\"")
-        + &route("r.host", "path_prefix = \"/a\"\nhost = \"api.example.com\"")
-        + &route("r.post", "path_prefix = \"/a\"\nmethods = [\"POST\"]");
-    let gw = Gateway::start(&redis.url(), &config);
+    let route = |id: &str| Route::new(id).unlimited();
+    let gw = app_config(&redis.url(), &up)
+        .route(route("r.root").prefix("/"))
+        .route(route("r.short").prefix("/a"))
+        .route(route("r.long").prefix("/a/b"))
+        .route(route("r.exact").path("/a/b"))
+        .route(route("r.host").prefix("/a").host("api.example.com"))
+        .route(route("r.post").prefix("/a").methods(&["POST"]))
+        .start();
     let http = client();
     let cases: &[(&str, &str, Option<&str>, &str)] = &[
         ("GET", "/a/b", None, "r.exact"),
@@ -532,9 +514,9 @@ async fn routes_by_specificity_not_file_order() {
 async fn redis_unreachable_is_a_503_never_a_500_or_a_hang() {
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.closed", "/c", "\"global\"", 5, 0, 1);
-    let gw = Gateway::start(&nowhere, &config);
+    let gw = app_config(&nowhere, &up)
+        .route(bucket("t.closed", "/c", 5, 0).identity("global"))
+        .start();
     let http = client();
     for _ in 0..3 {
         let started = std::time::Instant::now();
@@ -565,30 +547,23 @@ async fn redis_unreachable_is_a_503_never_a_500_or_a_hang() {
 async fn sliding_window_cost_and_ratelimit_headers() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + r#"
-[[routes]]
-endpoint_id = "t.window"
-path = "/window"
-upstream = "app"
-identity = "global"
-algorithm = "sliding_window"
-limit = 3
-window_size_micro = 2_000_000
-ratelimit_headers = true
-
-[[routes]]
-endpoint_id = "t.costly"
-path = "/costly"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = 5_000_000
-refill_rate_micro_per_sec = 1_000_000
-cost_micro = 2_000_000
-ratelimit_headers = true
-"#;
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = app_config(&redis.url(), &up)
+        .route(
+            Route::new("t.window")
+                .path("/window")
+                .identity("global")
+                .sliding_window(3, 2_000_000)
+                .set("ratelimit_headers", "true"),
+        )
+        .route(
+            Route::new("t.costly")
+                .path("/costly")
+                .identity("global")
+                .token_bucket(5_000_000, 1_000_000)
+                .set("cost_micro", "2_000_000")
+                .set("ratelimit_headers", "true"),
+        )
+        .start();
     let http = client();
     let mut remaining = Vec::new();
     for _ in 0..3 {
@@ -651,9 +626,16 @@ ratelimit_headers = true
 async fn ratelimit_headers_are_absent_when_redis_did_not_decide() {
     let up = Upstream::start("app");
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + "\n[[routes]]\nendpoint_id = \"t.fo\"\npath = \"/fo\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 5_000_000\nrefill_rate_micro_per_sec = 0\nfail_mode = \"fail_open\"\nfallback_rate_per_process_micro = 100_000_000\nratelimit_headers = true\n";
-    let gw = Gateway::start(&nowhere, &config);
+    let gw = app_config(&nowhere, &up)
+        .route(
+            Route::new("t.fo")
+                .path("/fo")
+                .identity("global")
+                .token_bucket(5_000_000, 0)
+                .fail_open(100_000_000)
+                .set("ratelimit_headers", "true"),
+        )
+        .start();
     let r = client().get(gw.url("/fo")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert!(
@@ -665,11 +647,9 @@ async fn ratelimit_headers_are_absent_when_redis_did_not_decide() {
 async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.fleet", "/api", "\"global\"", 50, 0, 1);
-    let gateways: Vec<Gateway> = (0..3)
-        .map(|_| Gateway::start(&redis.url(), &config))
-        .collect();
+    let config =
+        app_config(&redis.url(), &up).route(bucket("t.fleet", "/api", 50, 0).identity("global"));
+    let gateways: Vec<Gateway> = (0..3).map(|_| config.start()).collect();
     let urls: Vec<String> = gateways.iter().map(|g| g.url("/api")).collect();
     let admitted = common::admitted_over(&urls, 30, 10, ("x-api-key", "any")).await;
     assert_eq!(
@@ -682,9 +662,9 @@ async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
 async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + &bucket_route("t.hot", "/hot", "\"global\"", 2, 1_000_000, 1);
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = app_config(&redis.url(), &up)
+        .route(bucket("t.hot", "/hot", 2, 1_000_000).identity("global"))
+        .start();
     let http = client();
     assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
     assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);
@@ -715,11 +695,13 @@ async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due(
 async fn a_sliding_window_shared_by_gateways_never_admits_more_than_its_bound() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = upstream_section("app", &[up.addr()], 5000)
-        + "\n[[routes]]\nendpoint_id = \"t.sw\"\npath = \"/sw\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"sliding_window\"\nlimit = 20\nwindow_size_micro = 1_000_000\n";
-    let gateways: Vec<Gateway> = (0..3)
-        .map(|_| Gateway::start(&redis.url(), &config))
-        .collect();
+    let config = app_config(&redis.url(), &up).route(
+        Route::new("t.sw")
+            .path("/sw")
+            .identity("global")
+            .sliding_window(20, 1_000_000),
+    );
+    let gateways: Vec<Gateway> = (0..3).map(|_| config.start()).collect();
     let started = std::time::Instant::now();
     let tasks: Vec<_> = (0..24)
         .map(|i| {
@@ -760,10 +742,15 @@ async fn an_upstream_that_never_accepts_the_connection_is_504() {
         assert!(queued.len() < 5000, "the accept queue never filled");
     }
     let redis = Redis::start();
-    let config = format!(
-        "[upstreams.hole]\naddrs = [\"{addr}\"]\nconnect_timeout_ms = 300\nread_timeout_ms = 1000\n"
-    ) + "\n[[routes]]\nendpoint_id = \"t.hole\"\npath_prefix = \"/hole\"\nupstream = \"hole\"\nalgorithm = \"none\"\n";
-    let gw = Gateway::start(&redis.url(), &config);
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("hole", &[addr], Some(300), Some(1000))
+        .route(
+            Route::new("t.hole")
+                .prefix("/hole")
+                .upstream("hole")
+                .unlimited(),
+        )
+        .start();
     let started = std::time::Instant::now();
     let r = client().get(gw.url("/hole")).send().await.unwrap();
     let took = started.elapsed();

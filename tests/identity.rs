@@ -3,15 +3,12 @@
 
 mod common;
 
-use common::{client, free_port, raw_request, Gateway, Redis, Upstream};
+use common::config::{GatewayConfig, Route};
+use common::{client, raw_request, Gateway, Redis, Upstream};
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
-use sha2::{Digest, Sha256};
+use sentinel_gateway::limiter::bucket_key;
 
 const SECRET: &str = "0123456789abcdef0123456789abcdef";
-
-fn sha(s: &str) -> String {
-    hex::encode(Sha256::digest(s.as_bytes()))
-}
 
 fn now() -> u64 {
     std::time::SystemTime::now()
@@ -30,14 +27,20 @@ fn jwt(sub: &str, key: &str) -> String {
     .unwrap()
 }
 
-fn start(redis: &Redis, up: &Upstream, server_extra: &str, routes: &str) -> Gateway {
-    let (port, admin) = (free_port(), free_port());
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{server_extra}\n\n[redis]\nurl = \"{}\"\n\n[auth.jwt]\nsecret_env = \"SENTINEL_JWT_SECRET\"\nalgorithms = [\"HS256\"]\n\n[upstreams.app]\naddrs = [\"{}\"]\n{routes}",
-        redis.url(),
-        up.addr()
-    );
-    Gateway::start_with_env(port, admin, &config, &[("SENTINEL_JWT_SECRET", SECRET)])
+/// Gateway defaults but for HS256 JWTs signed with `SECRET`, the upstream `app` at `up`,
+/// and the `[server]` fields in `server` (name and TOML literal).
+fn start(redis: &Redis, up: &Upstream, server: &[(&str, &str)], routes: &[Route]) -> Gateway {
+    let mut config = GatewayConfig::bare(&redis.url());
+    for (field, literal) in server {
+        config = config.server(field, *literal);
+    }
+    config = config
+        .section("[auth.jwt]\nsecret_env = \"SENTINEL_JWT_SECRET\"\nalgorithms = [\"HS256\"]\n")
+        .upstream("app", &[up.addr()]);
+    for route in routes {
+        config = config.route(route.clone());
+    }
+    config.start_with_env(&[("SENTINEL_JWT_SECRET", SECRET)])
 }
 
 /// Sends `GET <target>` as raw bytes (a URL library would normalize it first).
@@ -48,15 +51,21 @@ fn get_target(port: u16, target: &[u8]) -> Option<u16> {
     raw_request(port, &req)
 }
 
-fn limited(id: &str, prefix: &str, identity: &str) -> String {
-    format!("\n[[routes]]\nendpoint_id = \"{id}\"\npath_prefix = \"{prefix}\"\nupstream = \"app\"\nidentity = {identity}\nalgorithm = \"token_bucket\"\ncapacity_micro = 100_000_000\nrefill_rate_micro_per_sec = 0\n")
+/// A token bucket of 100 requests that never refills: room for every request these tests send.
+fn limited(id: &str, prefix: &str) -> Route {
+    Route::new(id).prefix(prefix).token_bucket(100_000_000, 0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = start(&redis, &up, "", &limited("t.jwt", "/api", "\"jwt\""));
+    let gw = start(
+        &redis,
+        &up,
+        &[],
+        &[limited("t.jwt", "/api").identity("jwt")],
+    );
     let http = client();
     for sub in ["tenant-a", "tenant-b"] {
         let r = http
@@ -68,8 +77,8 @@ async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis(
         assert_eq!(r.status(), 200);
     }
     let mut keys = vec![
-        format!("sentinel:v1:{}:t.jwt:1", sha("jwt:tenant-a")),
-        format!("sentinel:v1:{}:t.jwt:1", sha("jwt:tenant-b")),
+        bucket_key("sentinel", "jwt:tenant-a", "t.jwt", 1),
+        bucket_key("sentinel", "jwt:tenant-b", "t.jwt", 1),
     ];
     keys.sort();
     assert_eq!(redis.keys("sentinel:*"), keys);
@@ -117,7 +126,12 @@ async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis(
 async fn forwarded_for_counts_only_from_trusted_proxies() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let untrusted = start(&redis, &up, "", &limited("t.ip", "/ip", "\"client_ip\""));
+    let untrusted = start(
+        &redis,
+        &up,
+        &[],
+        &[limited("t.ip", "/ip").identity("client_ip")],
+    );
     let http = client();
     for xff in ["1.1.1.1", "2.2.2.2", "3.3.3.3, 4.4.4.4"] {
         let r = http
@@ -130,7 +144,7 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
     }
     assert_eq!(
         redis.keys("sentinel:*"),
-        vec![format!("sentinel:v1:{}:t.ip:1", sha("ip:127.0.0.1"))],
+        vec![bucket_key("sentinel", "ip:127.0.0.1", "t.ip", 1)],
         "spoofing changed nothing"
     );
     drop(untrusted);
@@ -139,8 +153,8 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
     let trusted = start(
         &redis,
         &up,
-        "trusted_proxies = [\"127.0.0.0/8\", \"10.0.0.0/8\"]",
-        &limited("t.ip", "/ip", "\"client_ip\""),
+        &[("trusted_proxies", "[\"127.0.0.0/8\", \"10.0.0.0/8\"]")],
+        &[limited("t.ip", "/ip").identity("client_ip")],
     );
     for xff in ["9.9.9.9, 1.1.1.1, 10.0.0.5", "not-an-ip"] {
         let r = http
@@ -152,8 +166,8 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
         assert_eq!(r.status(), 200);
     }
     let mut want = vec![
-        format!("sentinel:v1:{}:t.ip:1", sha("ip:1.1.1.1")),
-        format!("sentinel:v1:{}:t.ip:1", sha("ip:127.0.0.1")),
+        bucket_key("sentinel", "ip:1.1.1.1", "t.ip", 1),
+        bucket_key("sentinel", "ip:127.0.0.1", "t.ip", 1),
     ];
     want.sort();
     assert_eq!(
@@ -167,9 +181,11 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
 async fn path_tricks_hit_the_same_bucket_or_get_400() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let routes = limited("t.api", "/api/v1", "{ header = \"X-API-Key\" }")
-        + "\n[[routes]]\nendpoint_id = \"t.rest\"\npath_prefix = \"/\"\nupstream = \"app\"\nalgorithm = \"none\"\n";
-    let gw = start(&redis, &up, "", &routes);
+    let routes = [
+        limited("t.api", "/api/v1").identity_header("X-API-Key"),
+        Route::new("t.rest").prefix("/").unlimited(),
+    ];
+    let gw = start(&redis, &up, &[], &routes);
     let tricks: &[&[u8]] = &[
         b"/api/v1/doc",
         b"//api/v1/doc",
@@ -249,8 +265,8 @@ async fn many_identities_keep_process_memory_flat() {
     let gw = start(
         &redis,
         &up,
-        "",
-        &limited("t.many", "/m", "{ header = \"X-API-Key\" }"),
+        &[],
+        &[limited("t.many", "/m").identity_header("X-API-Key")],
     );
     let http = client();
     let send_batch = |from: usize, n: usize| {

@@ -2,35 +2,36 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::time::{Duration, Instant};
 
+use common::config::{GatewayConfig, Route};
 use common::{blocking_get, client, wait_until, Gateway, Redis, Upstream};
 
-fn routes(upstream: &str, capacity: u64) -> String {
-    format!(
-        r#"
-[upstreams.app]
-addrs = ["{upstream}"]
-read_timeout_ms = 10000
+/// `base` with the upstream `app` at `upstream`, given 10 s to answer, and the route `api`.
+fn routes(base: GatewayConfig, upstream: &str, api: Route) -> GatewayConfig {
+    base.upstream_timeouts("app", &[upstream], None, Some(10_000))
+        .route(api)
+}
 
-[[routes]]
-endpoint_id = "l.api"
-path_prefix = "/api"
-upstream = "app"
-identity = "global"
-algorithm = "token_bucket"
-capacity_micro = {}
-refill_rate_micro_per_sec = 0
-"#,
-        capacity * 1_000_000
-    )
+/// `l.api`: one global token bucket of `capacity` requests on `/api` that never refills.
+fn api(capacity: u64) -> Route {
+    Route::new("l.api")
+        .prefix("/api")
+        .identity("global")
+        .token_bucket(capacity * 1_000_000, 0)
+}
+
+/// An unlimited route on `/new`, for reloads that add one.
+fn new_route() -> String {
+    Route::new("l.new").path("/new").unlimited().toml()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let mut gw = Gateway::start(&redis.url(), &routes(&up.addr(), 100));
+    let mut gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100)).start();
     let http = client();
     let slow = {
         let (http, url) = (http.clone(), gw.url("/api/slow?ms=1500"));
@@ -68,7 +69,7 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
 async fn an_invalid_reload_keeps_the_old_config_serving() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 2));
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(2)).start();
     let http = client();
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
     gw.rewrite_config(&good.replace("capacity_micro = 2000000", "capacity_micro = 5"));
@@ -109,11 +110,11 @@ async fn an_invalid_reload_keeps_the_old_config_serving() {
 async fn sighup_reloads_and_a_new_route_serves() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 2));
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(2)).start();
     let http = client();
     assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 404);
     let mut text = std::fs::read_to_string(&gw.config_path).unwrap();
-    text.push_str("\n[[routes]]\nendpoint_id = \"l.new\"\npath = \"/new\"\nupstream = \"app\"\nalgorithm = \"none\"\n");
+    text.push_str(&new_route());
     gw.rewrite_config(&text);
     gw.proc.signal("HUP");
     wait_until(Duration::from_secs(5), "the reload", || {
@@ -129,10 +130,9 @@ async fn sighup_reloads_and_a_new_route_serves() {
     assert!(body.contains(r#""config_generation":2"#), "{body}");
 }
 
-fn config_file(port: u16, admin: u16, redis_url: &str, extra_redis: &str, rest: &str) -> String {
-    format!(
-        "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\ngrace_period_seconds = 5\n\n[redis]\nurl = \"{redis_url}\"\n{extra_redis}\n{rest}"
-    )
+/// A config file as an operator might write it: gateway defaults but a 5 s grace period.
+fn file_config(redis_url: &str) -> GatewayConfig {
+    GatewayConfig::bare(redis_url).server("grace_period_seconds", "5")
 }
 
 #[test]
@@ -142,17 +142,12 @@ fn an_evicting_redis_refuses_start_unless_allowed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
     let (port, admin) = (common::free_port(), common::free_port());
-    std::fs::write(
-        &path,
-        config_file(port, admin, &redis.url(), "", &routes(&up.addr(), 5)),
-    )
-    .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .arg("--config")
-        .arg(&path)
-        .env_remove("SENTINEL_REDIS_URL")
-        .output()
-        .unwrap();
+    let config = routes(file_config(&redis.url()), &up.addr(), api(5));
+    std::fs::write(&path, config.render(port, admin)).unwrap();
+    let out = common::run_binary(
+        &[OsStr::new("--config"), path.as_os_str()],
+        &[("SENTINEL_REDIS_URL", None)],
+    );
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -160,17 +155,8 @@ fn an_evicting_redis_refuses_start_unless_allowed() {
         "{stderr}"
     );
 
-    let gw = Gateway::start_with(
-        port,
-        admin,
-        &config_file(
-            port,
-            admin,
-            &redis.url(),
-            "require_noeviction = false",
-            &routes(&up.addr(), 5),
-        ),
-    );
+    let allowed = config.redis("require_noeviction", "false");
+    let gw = Gateway::start_with(port, admin, &allowed.render(port, admin));
     assert_eq!(blocking_get(&gw.admin("/readyz")).unwrap().0, 200);
     wait_until(Duration::from_secs(5), "the policy in /readyz", || {
         blocking_get(&gw.admin("/readyz"))
@@ -182,7 +168,7 @@ fn an_evicting_redis_refuses_start_unless_allowed() {
 fn a_redis_that_starts_evicting_later_is_reported() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 5));
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
     assert!(blocking_get(&gw.admin("/readyz"))
         .unwrap()
         .1
@@ -211,17 +197,13 @@ fn a_redis_that_starts_evicting_later_is_reported() {
 async fn a_reload_can_move_the_gateway_to_another_redis() {
     let (a, b) = (Redis::start(), Redis::start());
     let up = Upstream::start("app");
-    let gw = Gateway::start(&a.url(), &routes(&up.addr(), 5));
+    let gw = routes(GatewayConfig::new(&a.url()), &up.addr(), api(5)).start();
     let http = client();
     assert_eq!(http.get(gw.url("/api")).send().await.unwrap().status(), 200);
     assert_eq!(a.keys("sentinel:*").len(), 1);
-    gw.rewrite_config(&config_file(
-        gw.port,
-        gw.admin_port,
-        &b.url(),
-        "",
-        &routes(&up.addr(), 5),
-    ));
+    gw.rewrite_config(
+        &routes(file_config(&b.url()), &up.addr(), api(5)).render(gw.port, gw.admin_port),
+    );
     let r = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     wait_until(
@@ -238,7 +220,7 @@ async fn a_reload_can_move_the_gateway_to_another_redis() {
 async fn reloads_under_load_drop_nothing() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 1_000_000));
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(1_000_000)).start();
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let workers: Vec<_> = (0..8)
@@ -292,10 +274,12 @@ async fn reloads_under_load_drop_nothing() {
 async fn shadow_mode_decides_and_counts_but_forwards() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(
-        &redis.url(),
-        &(routes(&up.addr(), 1) + "mode = \"shadow\"\n"),
-    );
+    let gw = routes(
+        GatewayConfig::new(&redis.url()),
+        &up.addr(),
+        api(1).set("mode", "\"shadow\""),
+    )
+    .start();
     let http = client();
     for _ in 0..3 {
         assert_eq!(http.get(gw.url("/api")).send().await.unwrap().status(), 200);
@@ -330,14 +314,20 @@ async fn shadow_mode_decides_and_counts_but_forwards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() {
     let up = Upstream::start("app");
-    let rest = |fallback: u64| {
-        format!(
-            "[breaker]\nfailure_threshold = 2\nopen_seconds = 60\n\n[upstreams.app]\naddrs = [\"{}\"]\n\n[[routes]]\nendpoint_id = \"l.fo\"\npath = \"/fo\"\nupstream = \"app\"\nidentity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 100_000_000\nrefill_rate_micro_per_sec = 0\nfail_mode = \"fail_open\"\nfallback_rate_per_process_micro = {fallback}\n",
-            up.addr()
-        )
-    };
     let nowhere = format!("redis://127.0.0.1:{}/0", common::free_port());
-    let gw = Gateway::start(&nowhere, &rest(3_000_000));
+    let config = |fallback: u64| {
+        GatewayConfig::new(&nowhere)
+            .breaker(2, 60)
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("l.fo")
+                    .path("/fo")
+                    .identity("global")
+                    .token_bucket(100_000_000, 0)
+                    .fail_open(fallback),
+            )
+    };
+    let gw = config(3_000_000).start();
     let http = client();
     let statuses = |n: usize| {
         let (http, url) = (http.clone(), gw.url("/fo"));
@@ -353,12 +343,11 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
     assert_eq!(statuses(4).await, vec![200, 200, 200, 429]);
     assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
 
-    let base = std::fs::read_to_string(&gw.config_path).unwrap();
-    let head = &base[..base.find("[breaker]").unwrap()];
-    gw.rewrite_config(&format!(
-        "{head}{}",
-        rest(3_000_000).replace("[[routes]]", "# same limits\n[[routes]]")
-    ));
+    gw.rewrite_config(
+        &config(3_000_000)
+            .render(gw.port, gw.admin_port)
+            .replace("[[routes]]", "# same limits\n[[routes]]"),
+    );
     assert_eq!(
         http.post(gw.admin("/reload"))
             .send()
@@ -378,7 +367,7 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
         "the spent emergency bucket carried over"
     );
 
-    gw.rewrite_config(&format!("{head}{}", rest(5_000_000)));
+    gw.rewrite_config(&config(5_000_000).render(gw.port, gw.admin_port));
     assert_eq!(
         http.post(gw.admin("/reload"))
             .send()
@@ -416,14 +405,12 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
 async fn a_watched_file_reloads_itself_when_it_changes() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let (port, admin) = (common::free_port(), common::free_port());
-    let base = common::base_config(port, admin, &redis.url())
-        .replace("[server]\n", "[server]\nwatch_config = true\n");
-    let gw = Gateway::start_with(port, admin, &format!("{base}\n{}", routes(&up.addr(), 5)));
+    let watched = GatewayConfig::new(&redis.url()).server("watch_config", "true");
+    let gw = routes(watched, &up.addr(), api(5)).start();
     let http = client();
     assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 404);
     let mut text = std::fs::read_to_string(&gw.config_path).unwrap();
-    text.push_str("\n[[routes]]\nendpoint_id = \"l.new\"\npath = \"/new\"\nupstream = \"app\"\nalgorithm = \"none\"\n");
+    text.push_str(&new_route());
     gw.rewrite_config(&text);
     wait_until(Duration::from_secs(5), "the watcher to reload", || {
         gw.metric("sentinel_config_generation") == 2.0
@@ -447,7 +434,7 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
 fn a_busy_listen_address_fails_fast_and_names_it() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = Gateway::start(&redis.url(), &routes(&up.addr(), 5));
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
     let clash = std::fs::read_to_string(&gw.config_path).unwrap().replace(
         &format!("admin_listen = \"127.0.0.1:{}\"", gw.admin_port),
         &format!("admin_listen = \"127.0.0.1:{}\"", common::free_port()),
@@ -456,11 +443,7 @@ fn a_busy_listen_address_fails_fast_and_names_it() {
     let path = dir.path().join("gateway.toml");
     std::fs::write(&path, clash).unwrap();
     let started = std::time::Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-        .arg("--config")
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = common::run_binary(&[OsStr::new("--config"), path.as_os_str()], &[]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -4,12 +4,14 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod config;
 pub mod fault;
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub fn free_port() -> u16 {
@@ -231,17 +233,37 @@ pub struct Gateway {
 
 /// The `[server]` and `[redis]` sections for a test gateway; routes and upstreams follow.
 pub fn base_config(port: u16, admin_port: u16, redis_url: &str) -> String {
-    format!(
-        r#"[server]
-listen = "127.0.0.1:{port}"
-admin_listen = "127.0.0.1:{admin_port}"
-threads = 2
-grace_period_seconds = 5
+    config::GatewayConfig::new(redis_url).render(port, admin_port)
+}
 
-[redis]
-url = "{redis_url}"
-timeout_ms = 20
-"#
+/// The gateway binary, not yet started.
+fn binary() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+}
+
+/// Runs the gateway binary to its exit (`check`, `--version`, a start that must fail), with
+/// `env` applied over this process's environment: `None` removes the variable.
+pub fn run_binary(args: &[&OsStr], env: &[(&str, Option<&str>)]) -> Output {
+    let mut command = binary();
+    command.args(args);
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    command.output().expect("the binary runs")
+}
+
+/// `sentinel-gateway check --config <path>`.
+pub fn check_config(path: &Path, env: &[(&str, Option<&str>)]) -> Output {
+    run_binary(
+        &[
+            OsStr::new("check"),
+            OsStr::new("--config"),
+            path.as_os_str(),
+        ],
+        env,
     )
 }
 
@@ -272,7 +294,7 @@ impl Gateway {
         std::fs::write(&config_path, config).expect("write config");
         let log_path = dir.path().join("gateway.log");
         let log = std::fs::File::create(&log_path).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        let child = binary()
             .arg("--config")
             .arg(&config_path)
             .env_remove("SENTINEL_REDIS_URL")
