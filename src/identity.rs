@@ -71,9 +71,22 @@ impl JwtVerifier {
     }
 }
 
+/// The one value of header `name`: `Err` when the request carries the field more than once
+/// (a client could then be charged for one value while the backend reads another).
+fn single(
+    req: &RequestHeader,
+    name: impl http::header::AsHeaderName,
+) -> Result<Option<&http::HeaderValue>, IdentityError> {
+    let mut values = req.headers.get_all(name).into_iter();
+    let first = values.next();
+    match values.next() {
+        Some(_) => Err(IdentityError::AmbiguousHeader),
+        None => Ok(first),
+    }
+}
+
 /// The token of `Authorization: Bearer <token>`.
-fn bearer(req: &RequestHeader) -> Option<&str> {
-    let value = req.headers.get(http::header::AUTHORIZATION)?;
+fn bearer(value: &http::HeaderValue) -> Option<&str> {
     if value.len() > MAX_AUTHORIZATION_BYTES {
         return None;
     }
@@ -91,6 +104,11 @@ pub enum IdentityError {
     InvalidToken,
     /// The peer is not an IP socket.
     NoPeerAddress,
+    /// The identity header (or `Authorization`) is sent more than once.
+    AmbiguousHeader,
+    /// Behind a trusted proxy, the `X-Forwarded-For` entry that names the client is not an
+    /// address: the request is refused (400) rather than charged to the proxy's bucket.
+    UnusableForwardedFor,
 }
 
 /// The identity string of a request, before hashing.
@@ -104,9 +122,7 @@ pub fn identify(
     match source {
         IdentitySource::Global => Ok("global".to_owned()),
         IdentitySource::Header(name) => {
-            let value = req
-                .headers
-                .get(name.as_str())
+            let value = single(req, name.as_str())?
                 .map(|v| v.as_bytes())
                 .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
                 .and_then(|v| std::str::from_utf8(v).ok())
@@ -116,11 +132,14 @@ pub fn identify(
         }
         IdentitySource::ClientIp => {
             let peer = peer.ok_or(IdentityError::NoPeerAddress)?;
-            Ok(format!("ip:{}", client_ip(req, peer, trusted_proxies)))
+            Ok(format!("ip:{}", client_ip(req, peer, trusted_proxies)?))
         }
         IdentitySource::Jwt => {
             let verifier = jwt.ok_or(IdentityError::InvalidToken)?;
-            let token = bearer(req).ok_or(IdentityError::InvalidToken)?;
+            let authorization = single(req, http::header::AUTHORIZATION)?;
+            let token = authorization
+                .and_then(bearer)
+                .ok_or(IdentityError::InvalidToken)?;
             let sub = verifier.subject(token).ok_or(IdentityError::InvalidToken)?;
             Ok(format!("jwt:{sub}"))
         }
@@ -140,30 +159,44 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// The socket peer, or, when the peer is a trusted proxy, the right-most `X-Forwarded-For`
-/// address that is not itself trusted. A malformed header yields the peer, never a string the
-/// client chose.
-pub fn client_ip(req: &RequestHeader, peer: IpAddr, trusted: &[IpNet]) -> IpAddr {
+/// The client's address: the socket peer, or, when the peer is a trusted proxy, the
+/// `X-Forwarded-For` entry that names the client.
+///
+/// The header is read from the right, every field of it in order, since each proxy appends
+/// the address it saw: trusted addresses are skipped, and the first untrusted entry is the
+/// client. Entries to its left are the client's own words and never matter. When that entry
+/// is not an address the request is unusable ([`IdentityError::UnusableForwardedFor`]):
+/// falling back to the peer would charge the proxy's bucket, which every client behind it
+/// shares. When every entry is trusted, the left-most is the client (a caller inside the
+/// trusted network); with no entry at all, the peer is.
+pub fn client_ip(
+    req: &RequestHeader,
+    peer: IpAddr,
+    trusted: &[IpNet],
+) -> Result<IpAddr, IdentityError> {
     let peer = canonical(peer);
     if !is_trusted(peer, trusted) {
-        return peer;
+        return Ok(peer);
     }
-    let mut hops = Vec::new();
-    for value in req.headers.get_all("x-forwarded-for") {
-        let Ok(text) = value.to_str() else {
-            return peer;
-        };
-        for part in text.split(',') {
-            match part.trim().parse::<IpAddr>() {
-                Ok(ip) => hops.push(canonical(ip)),
-                Err(_) => return peer,
+    let fields: Vec<&http::HeaderValue> = req.headers.get_all("x-forwarded-for").iter().collect();
+    let mut leftmost = None;
+    for value in fields.into_iter().rev() {
+        let text = value
+            .to_str()
+            .map_err(|_| IdentityError::UnusableForwardedFor)?;
+        for entry in text.rsplit(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let ip = canonical(
+                entry
+                    .parse::<IpAddr>()
+                    .map_err(|_| IdentityError::UnusableForwardedFor)?,
+            );
+            if !is_trusted(ip, trusted) {
+                return Ok(ip);
             }
+            leftmost = Some(ip);
         }
     }
-    hops.into_iter()
-        .rev()
-        .find(|ip| !is_trusted(*ip, trusted))
-        .unwrap_or(peer)
+    Ok(leftmost.unwrap_or(peer))
 }
 
 #[cfg(test)]
@@ -190,17 +223,108 @@ mod tests {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
         assert_eq!(
             client_ip(&req(&["1.2.3.4"], &[]), ip("8.8.8.8"), &trusted),
-            ip("8.8.8.8")
+            Ok(ip("8.8.8.8"))
+        );
+        assert_eq!(
+            client_ip(&req(&["garbage"], &[]), ip("8.8.8.8"), &trusted),
+            Ok(ip("8.8.8.8")),
+            "an untrusted peer's header is never read"
         );
     }
 
     #[test]
     fn trusted_peer_yields_rightmost_untrusted_hop() {
         let trusted = vec!["10.0.0.0/8".parse().unwrap()];
+        let proxy = ip("10.0.0.1");
         let r = req(&["6.6.6.6, 1.2.3.4", "10.1.1.1"], &[]);
-        assert_eq!(client_ip(&r, ip("10.0.0.1"), &trusted), ip("1.2.3.4"));
-        let bad = req(&["1.2.3.4, not-an-ip"], &[]);
-        assert_eq!(client_ip(&bad, ip("10.0.0.1"), &trusted), ip("10.0.0.1"));
+        assert_eq!(client_ip(&r, proxy, &trusted), Ok(ip("1.2.3.4")));
+        let r = req(&["6.6.6.6", "1.2.3.4, 10.1.1.1"], &[]);
+        assert_eq!(
+            client_ip(&r, proxy, &trusted),
+            Ok(ip("1.2.3.4")),
+            "fields are read last first"
+        );
+        assert_eq!(
+            client_ip(&req(&[], &[]), proxy, &trusted),
+            Ok(proxy),
+            "no header: the peer"
+        );
+        assert_eq!(
+            client_ip(&req(&["10.0.0.7, 10.2.2.2"], &[]), proxy, &trusted),
+            Ok(ip("10.0.0.7")),
+            "all trusted: the left-most"
+        );
+        assert_eq!(
+            client_ip(&req(&["::ffff:1.2.3.4,, "], &[]), proxy, &trusted),
+            Ok(ip("1.2.3.4")),
+            "empty list elements are skipped; mapped addresses count as IPv4"
+        );
+    }
+
+    #[test]
+    fn garbage_left_of_the_client_is_ignored_and_in_its_place_refused() {
+        let trusted = vec!["10.0.0.0/8".parse().unwrap()];
+        let proxy = ip("10.0.0.1");
+        for left in ["x, 1.2.3.4", "not-an-ip, 9.9.9.9, 1.2.3.4, 10.0.0.5"] {
+            assert_eq!(
+                client_ip(&req(&[left], &[]), proxy, &trusted),
+                Ok(ip("1.2.3.4")),
+                "{left}"
+            );
+        }
+        assert_eq!(
+            client_ip(&req(&["x", "1.2.3.4"], &[]), proxy, &trusted),
+            Ok(ip("1.2.3.4")),
+            "an earlier field is to the left"
+        );
+        for unusable in [
+            "1.2.3.4, not-an-ip",
+            "1.2.3.4, not-an-ip, 10.0.0.5",
+            "1.2.3.4:80",
+        ] {
+            assert_eq!(
+                client_ip(&req(&[unusable], &[]), proxy, &trusted),
+                Err(IdentityError::UnusableForwardedFor),
+                "{unusable}"
+            );
+        }
+        let mut r = req(&[], &[]);
+        r.append_header(
+            "x-forwarded-for",
+            http::HeaderValue::from_bytes(b"1.2.3.4\xff").unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            client_ip(&r, proxy, &trusted),
+            Err(IdentityError::UnusableForwardedFor)
+        );
+        let src = IdentitySource::ClientIp;
+        assert_eq!(
+            identify(
+                &src,
+                &req(&["1.2.3.4, x"], &[]),
+                Some(proxy),
+                &trusted,
+                None
+            ),
+            Err(IdentityError::UnusableForwardedFor)
+        );
+    }
+
+    #[test]
+    fn an_identity_header_sent_twice_is_refused() {
+        let src = IdentitySource::Header("x-api-key".into());
+        let twice = req(&[], &[("X-API-Key", "a"), ("x-api-key", "b")]);
+        assert_eq!(
+            identify(&src, &twice, None, &[], None),
+            Err(IdentityError::AmbiguousHeader)
+        );
+        let twice = req(&[], &[("X-API-Key", "a"), ("X-API-Key", "a")]);
+        assert_eq!(
+            identify(&src, &twice, None, &[], None),
+            Err(IdentityError::AmbiguousHeader),
+            "even with the same value"
+        );
     }
 
     #[test]
@@ -303,6 +427,25 @@ mod tests {
                 serde_json::json!({"sub": "t", "exp": now() + 60}),
             );
             assert_eq!(subject_of(&v, &format!("Bearer {t}")).unwrap(), "jwt:t");
+        }
+
+        #[test]
+        fn two_authorization_fields_are_refused() {
+            let v = verifier(&["HS256"]);
+            let t = token(
+                Algorithm::HS256,
+                SECRET,
+                serde_json::json!({"sub": "tenant-7", "exp": now() + 60}),
+            );
+            let bearer = format!("Bearer {t}");
+            let twice = req(
+                &[],
+                &[("Authorization", &bearer), ("Authorization", &bearer)],
+            );
+            assert_eq!(
+                identify(&IdentitySource::Jwt, &twice, None, &[], Some(&v)),
+                Err(IdentityError::AmbiguousHeader)
+            );
         }
 
         #[test]

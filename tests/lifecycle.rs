@@ -339,9 +339,12 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
             v
         }
     };
-    // Redis is unreachable: the breaker opens; the emergency bucket (3) is spent.
+    // Redis is unreachable: the breaker opens (after two failed connection attempts); the
+    // emergency bucket (3) is spent.
     assert_eq!(statuses(4).await, vec![200, 200, 200, 429]);
-    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
+    wait_until(Duration::from_secs(3), "the breaker to open", || {
+        gw.metric("sentinel_breaker_state") == 1.0
+    });
 
     gw.rewrite_config(
         &config(3_000_000)

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
+use super::failure::Charge;
 use crate::clock::SharedClock;
 use crate::config::BreakerConfig;
 
@@ -170,6 +171,18 @@ impl Breaker {
         }
     }
 
+    /// A store failure with no request behind it (a connection lost, a connection attempt
+    /// failed): counts toward the threshold while closed; a probe decides the other states.
+    pub fn count_failure(&self) {
+        self.record_failure(false);
+    }
+
+    /// A probe that learnt nothing about Redis (a broken key): the breaker stays half-open and
+    /// the next request probes.
+    fn release_probe(&self) {
+        self.probe_taken.store(false, Ordering::Release);
+    }
+
     fn record_failure(&self, probe: bool) {
         if probe {
             self.trip(BreakerState::HalfOpen);
@@ -201,6 +214,23 @@ impl Permit<'_> {
     pub fn failure(mut self) {
         self.settled = true;
         self.breaker.record_failure(self.probe);
+    }
+
+    /// The call failed in a way that neither counts for nor resets the breaker (see
+    /// `decision::failure`); a probe is handed to the next request.
+    pub fn nothing(mut self) {
+        self.settled = true;
+        if self.probe {
+            self.breaker.release_probe();
+        }
+    }
+
+    /// Settles the permit by a failure's [`Charge`].
+    pub fn charge(self, charge: Charge) {
+        match charge {
+            Charge::Failure => self.failure(),
+            Charge::Nothing => self.nothing(),
+        }
     }
 }
 
@@ -300,6 +330,36 @@ mod tests {
         clock.advance(Duration::from_secs(30));
         b.acquire().expect("probe").success();
         assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn uncounted_failures_neither_trip_nor_reset_and_hand_the_probe_on() {
+        let clock = ManualClock::default();
+        let (b, _) = breaker(&clock);
+        fail(&b, 4);
+        for _ in 0..100 {
+            b.acquire().expect("closed").nothing();
+        }
+        assert_eq!(b.state(), BreakerState::Closed, "nothing counted");
+        b.count_failure();
+        assert_eq!(
+            b.state(),
+            BreakerState::Open,
+            "the count was not reset either"
+        );
+        clock.advance(Duration::from_secs(30));
+        b.acquire().expect("probe").nothing();
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        let probe = b.acquire().expect("the next request probes");
+        assert!(probe.is_probe());
+        b.count_failure();
+        assert_eq!(
+            b.state(),
+            BreakerState::HalfOpen,
+            "a failed connection attempt does not decide a probe's breaker"
+        );
+        probe.charge(Charge::Failure);
+        assert_eq!(b.state(), BreakerState::Open);
     }
 
     #[test]

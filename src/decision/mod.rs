@@ -17,6 +17,7 @@
 
 pub mod breaker;
 pub mod emergency;
+pub mod failure;
 pub mod fleet;
 pub mod overlimit;
 pub mod reply;
@@ -26,6 +27,7 @@ pub mod token_bucket;
 use std::time::Duration;
 
 pub use breaker::{Breaker, BreakerState};
+pub use failure::{Charge, Failure};
 pub use reply::ScriptReply;
 
 use crate::config::FailMode;
@@ -75,7 +77,8 @@ impl DecisionReason {
     }
 }
 
-/// How a store call failed; the three causes of the decision table's store rows.
+/// How a store call failed: the three causes of the decision table's store rows (what each
+/// failure of the store is, and how it counts, is `failure.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreFailure {
     Timeout,

@@ -88,6 +88,7 @@ impl Gateway {
             snapshot.jwt.as_ref(),
         ) {
             Ok(identity) => identity,
+            Err(identity::IdentityError::UnusableForwardedFor) => return Some(Answer::BadRequest),
             Err(_) => {
                 return Some(Answer::Unauthenticated {
                     bearer: route.identity == IdentitySource::Jwt,

@@ -52,13 +52,13 @@ impl Matcher {
         };
         path_ok
             && self.host.as_deref().is_none_or(|h| Some(h) == host)
-            && self.methods.as_ref().is_none_or(|m| m.contains(method))
+            && self.methods.as_ref().is_none_or(|m| allows(m, method))
     }
 
     /// Whether some request could match both with equal specificity.
     fn overlaps(&self, other: &Matcher) -> bool {
         let methods_meet = match (&self.methods, &other.methods) {
-            (Some(a), Some(b)) => a.iter().any(|m| b.contains(m)),
+            (Some(a), Some(b)) => a.iter().any(|m| allows(b, m)) || b.iter().any(|m| allows(a, m)),
             _ => true,
         };
         self.specificity() == other.specificity()
@@ -66,6 +66,13 @@ impl Matcher {
             && self.host == other.host
             && methods_meet
     }
+}
+
+/// Whether a route's `methods` admit `method`: a route for `GET` also matches `HEAD` (as
+/// nginx's `limit_except` does), so a HEAD cannot slip past a GET limit to a less specific
+/// route.
+fn allows(methods: &[Method], method: &Method) -> bool {
+    methods.contains(method) || (*method == Method::HEAD && methods.contains(&Method::GET))
 }
 
 /// Routes ordered most specific first; the first match wins.
@@ -180,9 +187,30 @@ mod tests {
             "host beats methods"
         );
         assert_eq!(table.find(None, &post, "/a/x"), Some(&"post"));
+        let get_only = RouteTable::new([
+            (m(prefix("/"), None, None), "root"),
+            (m(prefix("/a"), None, Some(&["GET"])), "get"),
+        ]);
+        assert_eq!(
+            get_only.find(None, &Method::HEAD, "/a/x"),
+            Some(&"get"),
+            "HEAD is matched by a GET route"
+        );
+        assert_eq!(get_only.find(None, &post, "/a/x"), Some(&"root"));
         assert_eq!(table.find(None, &get, "/b"), Some(&"root"));
         let empty: RouteTable<()> = RouteTable::new([]);
         assert_eq!(empty.find(None, &get, "/"), None);
+    }
+
+    #[test]
+    fn a_head_route_beside_a_get_route_is_ambiguous() {
+        let pairs = ambiguities([
+            (m(prefix("/a"), None, Some(&["GET"])), 0),
+            (m(prefix("/a"), None, Some(&["HEAD"])), 1),
+            (m(prefix("/a"), None, Some(&["POST"])), 2),
+            (m(prefix("/b"), None, Some(&["GET"])), 3),
+        ]);
+        assert_eq!(pairs, vec![(0, 1)]);
     }
 
     #[test]

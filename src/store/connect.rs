@@ -128,6 +128,8 @@ fn backoff(attempt: u32) -> Duration {
 const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TCP (or unix socket) connect and the handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often a connected node's `maxmemory-policy` is read again.
+const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
 
 /// Opens one connection: connect and handshake within 1 s, `TCP_NODELAY` on (a decision is a
 /// small write that must not wait for the previous one's ACK). Commands on it carry no
@@ -321,21 +323,7 @@ impl Connector {
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;
-        let required = self.require_noeviction.load(Ordering::Relaxed);
-        match &policy {
-            EvictionPolicy::Evicting(p) if required => {
-                tracing::error!(node = %target.node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
-            }
-            EvictionPolicy::Unknown if required => {
-                tracing::warn!(node = %target.node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
-            }
-            _ => {}
-        }
-        link.eviction_policy.store(match policy {
-            EvictionPolicy::NoEviction => Some(Arc::new("noeviction".to_owned())),
-            EvictionPolicy::Evicting(p) => Some(Arc::new(p)),
-            EvictionPolicy::Unknown => None,
-        });
+        self.note_policy(link, &target.node, policy, false);
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
                 Ok(_) => {}
@@ -352,8 +340,50 @@ impl Connector {
 }
 
 impl Connector {
+    /// Records a node's eviction policy, and says when it is one that can silently reset
+    /// quotas: at every connection, and when a re-check finds it changed.
+    fn note_policy(&self, link: &Link, node: &str, policy: EvictionPolicy, recheck: bool) {
+        let text = match &policy {
+            EvictionPolicy::NoEviction => Some("noeviction".to_owned()),
+            EvictionPolicy::Evicting(p) => Some(p.clone()),
+            EvictionPolicy::Unknown => None,
+        };
+        let changed = link.eviction_policy.load().as_deref() != text.as_ref();
+        let required = self.require_noeviction.load(Ordering::Relaxed);
+        if !recheck || changed {
+            match &policy {
+                EvictionPolicy::Evicting(p) if required => {
+                    tracing::error!(node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
+                }
+                EvictionPolicy::Unknown if required => {
+                    tracing::warn!(node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
+                }
+                EvictionPolicy::NoEviction if recheck => {
+                    tracing::info!(node, "redis maxmemory-policy is noeviction again");
+                }
+                _ => {}
+            }
+        }
+        link.eviction_policy.store(text.map(Arc::new));
+    }
+
+    /// Reads the eviction policy again on the link's connection (a `CONFIG SET` on a live
+    /// Redis is otherwise only seen at the next reconnect). A connection that fails here is
+    /// left to the socket watch and the requests to notice.
+    async fn recheck_policy(&self, link: &Link) {
+        let Some(conn) = link.conn.load_full() else {
+            return;
+        };
+        let mut c = (*conn).clone();
+        if let Ok(Ok(policy)) = tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
+        {
+            self.note_policy(link, &link.node(), policy, true);
+        }
+    }
+
     /// Keeps one link's connection up: connects, checks, loads the scripts, then sleeps until
-    /// the connection is dropped. Ends when the link is retired.
+    /// the connection is dropped, reading the eviction policy again every
+    /// [`POLICY_RECHECK_EVERY`]. Ends when the link is retired.
     async fn keep_connected(self: Arc<Self>, link: Arc<Link>) {
         let mut attempt = 0u32;
         while !link.retired.load(Ordering::Relaxed) {
@@ -361,7 +391,10 @@ impl Connector {
             let movable = self.proxy_runtime.get().is_some()
                 && !link.on_proxy_runtime.load(Ordering::Relaxed);
             if connected && !movable {
-                link.wake.notified().await;
+                tokio::select! {
+                    _ = link.wake.notified() => {}
+                    _ = tokio::time::sleep(POLICY_RECHECK_EVERY) => self.recheck_policy(&link).await,
+                }
                 continue;
             }
             let target = link.target.load_full();
@@ -393,6 +426,8 @@ impl Connector {
                     attempt = attempt.saturating_add(1);
                 }
                 Err(e) => {
+                    // Requests meanwhile fail at once and count nothing: the attempts do.
+                    link.breaker.count_failure();
                     if !link.outage_logged.swap(true, Ordering::Relaxed) {
                         tracing::warn!(node = %target.node, error = %e, "redis unavailable; reconnecting in the background");
                     }

@@ -17,7 +17,7 @@ use super::connect::{self, is_transport};
 use super::link::Link;
 use super::script::{Script, ScriptKind};
 use super::{Layout, Store};
-use crate::decision::{ScriptReply, StoreFailure};
+use crate::decision::{Failure, ScriptReply, StoreFailure};
 
 /// Tokio's timers tick in whole milliseconds: a timer fires on the first tick after its
 /// deadline, and then waits for a worker to run it, so a timer set to the budget ends a
@@ -31,49 +31,17 @@ fn timer_for(budget: Duration) -> Duration {
 /// is already unusual).
 const MAX_REDIRECTS: usize = 3;
 
-/// What a Redis error means for the evaluation that got it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ErrorClass {
-    /// The script is not loaded on this node.
-    Noscript,
-    /// redis-rs gave up waiting.
-    Timeout,
-    /// The connection itself is broken: forget it and reconnect.
-    Transport,
-    /// Redis refused the command as malformed: a bug on our side, not an outage.
-    Rejected,
-    /// Redis answered that it cannot serve now (`READONLY`, `CLUSTERDOWN`, `LOADING`,
-    /// `OOM`...): in a cluster the map may be stale.
-    Unavailable,
-}
-
-impl ErrorClass {
-    /// The decision table's cause.
-    fn failure(self) -> StoreFailure {
-        match self {
-            ErrorClass::Noscript => StoreFailure::Noscript,
-            ErrorClass::Timeout => StoreFailure::Timeout,
-            _ => StoreFailure::ConnectionError,
-        }
-    }
-}
-
-/// One cause per error.
-pub(super) fn classify(e: &RedisError) -> ErrorClass {
-    if is_noscript(e) {
-        ErrorClass::Noscript
-    } else if e.is_timeout() {
-        ErrorClass::Timeout
+/// The failure a Redis error stands for (`decision::failure` says what each one means).
+pub(super) fn classify(e: &RedisError) -> Failure {
+    if e.is_timeout() {
+        Failure::Timeout
     } else if is_transport(e) {
-        ErrorClass::Transport
-    } else if matches!(
-        e.kind(),
-        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::Client
-    ) || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
-    {
-        ErrorClass::Rejected
+        Failure::ConnectionLost
+    } else if let (ErrorKind::Server(_) | ErrorKind::Extension, Some(code)) = (e.kind(), e.code()) {
+        Failure::of_reply(code, e.detail().unwrap_or(""))
     } else {
-        ErrorClass::Unavailable
+        // Parse, unexpected return type, client-side: redis-rs could not use what it got.
+        Failure::Rejected
     }
 }
 
@@ -97,14 +65,10 @@ pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
     })
 }
 
-fn is_noscript(e: &RedisError) -> bool {
-    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
-}
-
 /// Where one evaluation stands after asking one node.
 enum Step {
     Reply(Value),
-    Failed(StoreFailure),
+    Failed(Failure),
     Redirect(Redirect),
 }
 
@@ -121,7 +85,7 @@ impl Store {
         key: &str,
         args: [u64; 3],
         probe: bool,
-    ) -> Result<ScriptReply, StoreFailure> {
+    ) -> Result<ScriptReply, Failure> {
         let connector = &self.inner.connector;
         if connector.wants_proxy_runtime() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -136,7 +100,7 @@ impl Store {
         let started = Instant::now();
         let result = self.eval(link, script, key, &args, probe).await;
         link.suspect
-            .store(result == Err(StoreFailure::Timeout), Ordering::Relaxed);
+            .store(result == Err(Failure::Timeout), Ordering::Relaxed);
         self.inner
             .redis_duration
             .observe(started.elapsed().as_secs_f64());
@@ -147,11 +111,11 @@ impl Store {
             };
             parsed.ok_or_else(|| {
                 tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
-                StoreFailure::ConnectionError
+                Failure::Rejected
             })
         });
         if let Err(failure) = reply {
-            self.count(failure);
+            self.count(failure.cause());
         }
         reply
     }
@@ -170,18 +134,18 @@ impl Store {
         &self,
         link: &Arc<Link>,
         probe: bool,
-    ) -> Result<Arc<MultiplexedConnection>, StoreFailure> {
+    ) -> Result<Arc<MultiplexedConnection>, Failure> {
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
-            return link.conn.load_full().ok_or(StoreFailure::ConnectionError);
+            return link.conn.load_full().ok_or(Failure::NotConnected);
         }
         let target = link.target.load_full();
         let fresh = connect::open(&target.client).await.map_err(|e| {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
-            StoreFailure::ConnectionError
+            Failure::NotConnected
         })?;
         link.install(fresh, self.inner.connector.on_proxy_runtime());
         tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
-        link.conn.load_full().ok_or(StoreFailure::ConnectionError)
+        link.conn.load_full().ok_or(Failure::NotConnected)
     }
 
     /// The evaluation, redirects included, inside one budget.
@@ -192,7 +156,7 @@ impl Store {
         key: &str,
         args: &[u64],
         probe: bool,
-    ) -> Result<Value, StoreFailure> {
+    ) -> Result<Value, Failure> {
         let budget = self.budget();
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
@@ -209,7 +173,7 @@ impl Store {
                 };
                 let Layout::Cluster(cluster) = &self.inner.layout else {
                     tracing::error!(addr = %redirect.addr, "redis answered MOVED/ASK but redis.url names one Redis: use redis.cluster_urls for a cluster");
-                    return Err(StoreFailure::ConnectionError);
+                    return Err(Failure::Unavailable);
                 };
                 let connector = &self.inner.connector;
                 let next = if redirect.ask {
@@ -219,7 +183,7 @@ impl Store {
                 };
                 let Some(next) = next else {
                     tracing::warn!(addr = %redirect.addr, "redis redirected to an address that cannot be used");
-                    return Err(StoreFailure::ConnectionError);
+                    return Err(Failure::Unavailable);
                 };
                 // A node first named by this redirect connects now; the budget bounds the
                 // wait.
@@ -231,11 +195,11 @@ impl Store {
                 key_slot = super::slot(key.as_bytes()),
                 "redis cluster redirected too many times"
             );
-            Err(StoreFailure::ConnectionError)
+            Err(Failure::Unavailable)
         };
         tokio::time::timeout(timer_for(budget), attempt)
             .await
-            .unwrap_or(Err(StoreFailure::Timeout))
+            .unwrap_or(Err(Failure::Timeout))
     }
 
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
@@ -257,42 +221,45 @@ impl Store {
             Ok(v) => Step::Reply(v),
             Err(e) => match redirect(&e) {
                 Some(r) => Step::Redirect(r),
-                None => Step::Failed(self.failed(link, &conn, &e)),
+                None => Step::Failed(self.failed(link, &conn, key, &e)),
             },
         };
         match evalsha(&mut c, script, key, args, asking).await {
-            Err(e) if classify(&e) == ErrorClass::Noscript => {}
+            Err(e) if classify(&e) == Failure::Noscript => {}
             other => return step(other),
         }
         // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
         // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
         match script.load(&mut c).await {
             Ok(_) => {}
-            Err(e) if is_transport(&e) => return Step::Failed(self.failed(link, &conn, &e)),
+            Err(e) if is_transport(&e) => return Step::Failed(self.failed(link, &conn, key, &e)),
             Err(e) => {
                 tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
-                return Step::Failed(StoreFailure::Noscript);
+                return Step::Failed(Failure::Noscript);
             }
         }
         step(evalsha(&mut c, script, key, args, asking).await)
     }
 
-    /// Acts on an error's class: a broken connection is forgotten, a rejected command logged
-    /// as the bug it is, a node that cannot serve makes a cluster look at its map again.
+    /// Acts on what an error means: a broken connection is forgotten (its loss counted
+    /// once), a broken key logged for the operator, a rejected command logged as the bug it
+    /// is, a node that cannot serve makes a cluster look at its map again.
     fn failed(
         &self,
         link: &Link,
         conn: &Arc<MultiplexedConnection>,
+        key: &str,
         e: &RedisError,
-    ) -> StoreFailure {
-        let class = classify(e);
-        match class {
-            ErrorClass::Noscript | ErrorClass::Timeout => {}
-            ErrorClass::Transport => link.forget(conn, e),
-            ErrorClass::Rejected => {
+    ) -> Failure {
+        let failure = classify(e);
+        match failure {
+            Failure::Timeout | Failure::Noscript | Failure::NotConnected => {}
+            Failure::ConnectionLost => link.forget(conn, e),
+            Failure::BrokenKey => self.inner.broken_keys.report(key, e),
+            Failure::Rejected => {
                 tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
             }
-            ErrorClass::Unavailable => {
+            Failure::Unavailable => {
                 tracing::debug!(error = %e, "redis could not run the limiter script");
                 // READONLY, CLUSTERDOWN, MASTERDOWN...: in a cluster the map may be stale
                 // (this node was demoted after a failover, say); look again rather than wait
@@ -302,7 +269,7 @@ impl Store {
                 }
             }
         }
-        class.failure()
+        failure
     }
 }
 
@@ -341,42 +308,31 @@ mod tests {
     }
 
     #[test]
-    fn every_error_has_one_class_and_one_table_cause() {
+    fn every_error_is_read_as_one_failure() {
         let cases = [
-            ("NOSCRIPT No matching script.", ErrorClass::Noscript),
-            ("ERR Error running script: bad", ErrorClass::Rejected),
-            ("WRONGTYPE Operation against a key", ErrorClass::Unavailable),
+            ("NOSCRIPT No matching script.", Failure::Noscript),
+            ("ERR wrong number of arguments for 'evalsha' command", Failure::Rejected),
             (
-                "READONLY You can't write against a read only replica.",
-                ErrorClass::Unavailable,
+                "ERR user_script:12: attempt to compare nil with number script: 9f1c, on @user_script:12.",
+                Failure::BrokenKey,
             ),
-            ("CLUSTERDOWN The cluster is down", ErrorClass::Unavailable),
-            (
-                "LOADING Redis is loading the dataset in memory",
-                ErrorClass::Unavailable,
-            ),
-            ("OOM command not allowed", ErrorClass::Unavailable),
-            (
-                "BUSY Redis is busy running a script",
-                ErrorClass::Unavailable,
-            ),
+            ("WRONGTYPE Operation against a key holding the wrong kind of value", Failure::BrokenKey),
+            ("READONLY You can't write against a read only replica.", Failure::Unavailable),
+            ("CLUSTERDOWN The cluster is down", Failure::Unavailable),
+            ("LOADING Redis is loading the dataset in memory", Failure::Unavailable),
+            ("OOM command not allowed when used memory > 'maxmemory'.", Failure::Unavailable),
+            ("BUSY Redis is busy running a script.", Failure::Unavailable),
+            ("MASTERDOWN Link with MASTER is down", Failure::Unavailable),
+            ("TRYAGAIN Multiple keys request during rehashing of slot", Failure::Unavailable),
+            ("MISCONF Redis is configured to save RDB snapshots", Failure::Unavailable),
         ];
-        for (resp, class) in cases {
-            assert_eq!(classify(&reply_error(resp)), class, "{resp}");
+        for (resp, failure) in cases {
+            assert_eq!(classify(&reply_error(resp)), failure, "{resp}");
         }
         let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert_eq!(classify(&reset), ErrorClass::Transport);
+        assert_eq!(classify(&reset), Failure::ConnectionLost);
         let timed_out = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
-        assert_eq!(classify(&timed_out), ErrorClass::Timeout);
-        assert_eq!(ErrorClass::Noscript.failure(), StoreFailure::Noscript);
-        assert_eq!(ErrorClass::Timeout.failure(), StoreFailure::Timeout);
-        for class in [
-            ErrorClass::Transport,
-            ErrorClass::Rejected,
-            ErrorClass::Unavailable,
-        ] {
-            assert_eq!(class.failure(), StoreFailure::ConnectionError);
-        }
+        assert_eq!(classify(&timed_out), Failure::Timeout);
     }
 
     #[test]

@@ -147,11 +147,14 @@ impl Link {
     }
 
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it
-    /// break) and wakes the connector; in a cluster, also asks for a fresh slot map.
+    /// break), counts the loss as one failure of the node, and wakes the connector; in a
+    /// cluster, also asks for a fresh slot map.
     pub(super) fn forget(&self, conn: &Arc<MultiplexedConnection>, cause: &dyn std::fmt::Display) {
         let prev = self.conn.compare_and_swap(conn, None);
         if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
             tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
+            // One failure for the loss, however many requests were in flight on it.
+            self.breaker.count_failure();
             self.wake.notify_one();
             if let Some(refresh) = &self.refresh {
                 refresh.notify_one();

@@ -13,6 +13,7 @@
 //! classification of failures), `script.rs` (the Lua), `breakers.rs` (the breakers' sum).
 
 mod breakers;
+mod broken_keys;
 mod cluster;
 mod connect;
 mod eval;
@@ -30,6 +31,7 @@ pub use script::ScriptKind;
 pub use slots::slot;
 
 use breakers::BreakerBoard;
+use broken_keys::BrokenKeys;
 use cluster::{keep_topology, Cluster};
 use connect::Connector;
 use link::{Link, Target};
@@ -55,6 +57,7 @@ struct Inner {
     redis_duration: prometheus::Histogram,
     connector: Arc<Connector>,
     layout: Layout,
+    broken_keys: BrokenKeys,
 }
 
 /// A cluster primary as `/readyz` reports it.
@@ -118,6 +121,7 @@ impl Store {
             redis_duration: metrics.redis_duration.clone(),
             connector,
             layout,
+            broken_keys: BrokenKeys::default(),
         });
         Ok(Self {
             inner,
@@ -206,13 +210,14 @@ impl Store {
                 }
             }
         };
-        let result = self.run(&link, kind, key, args, permit.is_probe()).await;
+        let probe = permit.is_probe();
+        let result = self.run(&link, kind, key, args, probe).await;
         match result {
             Ok(_) => permit.success(),
-            Err(_) => permit.failure(),
+            Err(failure) => permit.charge(failure.charge(probe)),
         }
         Evaluation {
-            outcome: result.map_err(Degradation::Store),
+            outcome: result.map_err(|f| Degradation::Store(f.cause())),
             breaker: breaker.state(),
         }
     }

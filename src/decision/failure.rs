@@ -1,0 +1,162 @@
+//! What a store failure is: every way an evaluation can fail, the row of the decision table
+//! it ends in, and how it counts for its node's breaker. The store says what happened; this
+//! file alone says what that means.
+//!
+//! - Every timeout is one failure.
+//! - A lost connection is one failure for all the requests in flight on it: the loss is
+//!   counted once, when the connection is forgotten (by the request or the socket watch that
+//!   sees it first), and the requests that fail with it count nothing more.
+//! - While the connection is being made again, requests fail at once and count nothing; each
+//!   failed connection attempt counts one. A connection killed once and made again within
+//!   milliseconds never opens the breaker.
+//! - An error reply that says the store cannot serve (`OOM`, `LOADING`, `BUSY`,
+//!   `MASTERDOWN`, `READONLY`, `CLUSTERDOWN`, `TRYAGAIN`, `MISCONF`, and any other the
+//!   gateway does not know) is one failure.
+//! - An error reply about one key's data (`WRONGTYPE`, a script error on a corrupted bucket)
+//!   fails that decision by its fail mode but neither counts for nor resets the breaker: a
+//!   broken key harms its own identity only.
+//! - `NOSCRIPT` after the one `SCRIPT LOAD`, and a command Redis rejects as malformed (a bug
+//!   on our side), are one failure each.
+//!
+//! A half-open probe is different: it is the one request asked to find out whether Redis
+//! serves, so every failure of a probe re-opens the breaker, except a broken key, which says
+//! nothing about Redis and hands the probe to the next request.
+
+use super::StoreFailure;
+
+/// One way an evaluation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The budget ran out.
+    Timeout,
+    /// The connection broke under the evaluation (its loss is counted when it is forgotten).
+    ConnectionLost,
+    /// There was no connection to use: it is being made again.
+    NotConnected,
+    /// Redis answered that it cannot serve now.
+    Unavailable,
+    /// Redis could not run the script on this key's data.
+    BrokenKey,
+    /// The script is still missing after the one `SCRIPT LOAD`.
+    Noscript,
+    /// Redis refused the command itself, or answered a shape no script writes: a bug.
+    Rejected,
+}
+
+/// What a failed evaluation does to its node's breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charge {
+    /// One more consecutive failure (for a probe: the breaker opens again).
+    Failure,
+    /// Nothing: the failure count is neither raised nor reset (a probe is handed on).
+    Nothing,
+}
+
+impl Failure {
+    /// The decision table's row.
+    pub fn cause(self) -> StoreFailure {
+        match self {
+            Failure::Timeout => StoreFailure::Timeout,
+            Failure::Noscript => StoreFailure::Noscript,
+            Failure::ConnectionLost
+            | Failure::NotConnected
+            | Failure::Unavailable
+            | Failure::BrokenKey
+            | Failure::Rejected => StoreFailure::ConnectionError,
+        }
+    }
+
+    /// How it counts for the breaker; `probe`: the evaluation was the half-open probe.
+    pub fn charge(self, probe: bool) -> Charge {
+        match self {
+            Failure::BrokenKey => Charge::Nothing,
+            Failure::ConnectionLost | Failure::NotConnected if !probe => Charge::Nothing,
+            _ => Charge::Failure,
+        }
+    }
+
+    /// The failure an error reply stands for, by its code (the reply's first word) and the
+    /// rest of its text.
+    pub fn of_reply(code: &str, detail: &str) -> Failure {
+        match code {
+            "NOSCRIPT" => Failure::Noscript,
+            "WRONGTYPE" => Failure::BrokenKey,
+            // A script that fails while running ran into data it cannot read: the key's
+            // fields were written by something else. Other `ERR`s are about the command.
+            "ERR" if is_script_runtime_error(detail) => Failure::BrokenKey,
+            "ERR" => Failure::Rejected,
+            _ => Failure::Unavailable,
+        }
+    }
+}
+
+/// Redis 7 writes `user_script:<line>: <what>`, Redis 6 `Error running script (call to
+/// f_<sha>): @user_script:<line>: <what>`.
+fn is_script_runtime_error(detail: &str) -> bool {
+    detail.contains("user_script:") || detail.starts_with("Error running script")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reply_prefix_of_the_contract_has_its_row_and_charge() {
+        for code in [
+            "OOM",
+            "LOADING",
+            "BUSY",
+            "MASTERDOWN",
+            "READONLY",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "MISCONF",
+            "NOPERM",
+            "SOMETHINGNEW",
+        ] {
+            let f = Failure::of_reply(code, "anything");
+            assert_eq!(f, Failure::Unavailable, "{code}");
+            assert_eq!(f.cause(), StoreFailure::ConnectionError, "{code}");
+            assert_eq!(f.charge(false), Charge::Failure, "{code}: one failure");
+        }
+        let broken = [
+            ("WRONGTYPE", "Operation against a key holding the wrong kind of value"),
+            (
+                "ERR",
+                "user_script:31: attempt to perform arithmetic on a nil value script: 9f1c, on @user_script:31.",
+            ),
+            (
+                "ERR",
+                "Error running script (call to f_9f1c): @user_script:31: attempt to compare nil with number",
+            ),
+        ];
+        for (code, detail) in broken {
+            let f = Failure::of_reply(code, detail);
+            assert_eq!(f, Failure::BrokenKey, "{code} {detail}");
+            assert_eq!(f.cause(), StoreFailure::ConnectionError);
+            assert_eq!(f.charge(false), Charge::Nothing, "harms its own key only");
+            assert_eq!(f.charge(true), Charge::Nothing, "a probe is handed on");
+        }
+        let noscript = Failure::of_reply("NOSCRIPT", "No matching script.");
+        assert_eq!(
+            (noscript, noscript.cause(), noscript.charge(false)),
+            (Failure::Noscript, StoreFailure::Noscript, Charge::Failure)
+        );
+        let bug = Failure::of_reply("ERR", "wrong number of arguments for 'evalsha' command");
+        assert_eq!(
+            (bug, bug.charge(false)),
+            (Failure::Rejected, Charge::Failure)
+        );
+    }
+
+    #[test]
+    fn a_lost_connection_counts_once_and_only_probes_fail_on_it() {
+        for f in [Failure::ConnectionLost, Failure::NotConnected] {
+            assert_eq!(f.cause(), StoreFailure::ConnectionError);
+            assert_eq!(f.charge(false), Charge::Nothing, "{f:?}");
+            assert_eq!(f.charge(true), Charge::Failure, "{f:?} fails the probe");
+        }
+        assert_eq!(Failure::Timeout.cause(), StoreFailure::Timeout);
+        assert_eq!(Failure::Timeout.charge(false), Charge::Failure);
+    }
+}

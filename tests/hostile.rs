@@ -1,0 +1,371 @@
+//! Hostile clients and small Redis faults: a killed connection under load, a broken bucket
+//! key, ambiguous identity headers, `X-Forwarded-For` garbage behind a trusted proxy, HEAD on
+//! a GET route, and an eviction policy changed on a live Redis. Each is answered as the
+//! contract's §4 and §8a say, against real processes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::config::{GatewayConfig, Route};
+use common::{client, wait_until, Gateway, Redis, Upstream};
+use sentinel_gateway::limiter::bucket_key;
+
+/// A fail_closed route keyed by `X-API-Key` with `capacity` requests that never refill, and
+/// its fail_open twin on `/open`.
+fn limited(redis: &Redis, up: &Upstream, capacity: u64) -> Gateway {
+    GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_closed(),
+        )
+        .route(
+            Route::new("t.open")
+                .prefix("/open")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_open(1_000_000_000),
+        )
+        .start()
+}
+
+async fn status(http: &reqwest::Client, url: &str, key: &str) -> u16 {
+    http.get(url)
+        .header("X-API-Key", key)
+        .send()
+        .await
+        .expect("the gateway answers")
+        .status()
+        .as_u16()
+}
+
+fn opened(gw: &Gateway) -> f64 {
+    gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_killed_under_load_opens_no_breaker() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1_000_000);
+    let http = client();
+    assert_eq!(status(&http, &gw.url("/closed"), "warm").await, 200);
+    gw.wait_connection_moved();
+
+    // 32 clients keep requests in flight on the one connection while Redis kills it.
+    let until = Instant::now() + Duration::from_millis(2_500);
+    let load: Vec<_> = (0..32)
+        .map(|i| {
+            let (http, url) = (http.clone(), gw.url("/closed"));
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                while Instant::now() < until {
+                    statuses.push(status(&http, &url, &format!("k{i}")).await);
+                }
+                statuses
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let killed: u64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .query(&mut redis.conn())
+        .expect("CLIENT KILL");
+    assert!(killed >= 1, "the gateway's connection was killed");
+    let mut statuses = Vec::new();
+    for t in load {
+        statuses.extend(t.await.expect("client task"));
+    }
+    let unavailable = statuses.iter().filter(|s| **s == 503).count();
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 503),
+        "only admissions and fail_closed answers"
+    );
+    assert_eq!(
+        opened(&gw),
+        0.0,
+        "one lost connection is one failure: {unavailable} of {} answered 503 meanwhile\n{}",
+        statuses.len(),
+        gw.logs()
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert!(
+        unavailable * 10 < statuses.len(),
+        "the connection came back at once: {unavailable} of {} were 503",
+        statuses.len()
+    );
+    assert_eq!(status(&http, &gw.url("/closed"), "after").await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_bucket_key_harms_only_its_identity() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1_000);
+    let http = client();
+    for path in ["/closed", "/open"] {
+        assert_eq!(status(&http, &gw.url(path), "victim").await, 200);
+    }
+    let closed_key = bucket_key("sentinel", "header:x-api-key:victim", "t.closed", 1);
+    let open_key = bucket_key("sentinel", "header:x-api-key:victim", "t.open", 1);
+    let mut c = redis.conn();
+    // One key that is not a hash at all, one hash whose fields something else wrote.
+    let _: () = redis::cmd("SET")
+        .arg(&closed_key)
+        .arg("x")
+        .query(&mut c)
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&open_key)
+        .arg("t")
+        .arg("not-a-number")
+        .arg("f")
+        .arg("0")
+        .query(&mut c)
+        .unwrap();
+    // Many in a row (more than failure_threshold), then mixed with everyone else's.
+    for _ in 0..20 {
+        assert_eq!(status(&http, &gw.url("/closed"), "victim").await, 503);
+    }
+    assert_eq!(opened(&gw), 0.0, "a broken key never counts: {}", gw.logs());
+    for _ in 0..30 {
+        assert_eq!(
+            status(&http, &gw.url("/closed"), "victim").await,
+            503,
+            "the victim fails closed"
+        );
+        assert_eq!(status(&http, &gw.url("/open"), "victim").await, 200);
+        assert_eq!(status(&http, &gw.url("/open"), "victim").await, 200);
+        assert_eq!(
+            status(&http, &gw.url("/open"), "victim").await,
+            200,
+            "and open through the emergency limiter"
+        );
+        assert_eq!(status(&http, &gw.url("/closed"), "innocent").await, 200);
+    }
+    assert_eq!(opened(&gw), 0.0, "{}", gw.logs());
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert_eq!(
+        gw.metric(
+            r#"sentinel_decisions_total{allowed="false",decision_reason="fail_closed",endpoint_id="t.closed"}"#
+        ),
+        50.0
+    );
+    assert_eq!(
+        gw.metric(
+            r#"sentinel_decisions_total{allowed="true",decision_reason="redis_connection_error",endpoint_id="t.open"}"#
+        ),
+        90.0
+    );
+    let logs = gw.logs();
+    for key in [&closed_key, &open_key] {
+        assert_eq!(
+            logs.lines()
+                .filter(|l| l.contains("a bucket key holds data") && l.contains(key.as_str()))
+                .count(),
+            1,
+            "each broken key logged once a minute: {key}\n{logs}"
+        );
+    }
+    assert!(
+        !logs.contains("victim"),
+        "the raw identity never reaches a log"
+    );
+
+    // Deleted, the key starts afresh.
+    let _: () = redis::cmd("DEL")
+        .arg(&closed_key)
+        .arg(&open_key)
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(status(&http, &gw.url("/closed"), "victim").await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_header_sent_twice_is_401_and_never_charged() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1);
+    let http = client();
+    assert_eq!(status(&http, &gw.url("/closed"), "real").await, 200);
+    assert_eq!(status(&http, &gw.url("/closed"), "real").await, 429);
+    redis.reset_stats();
+    for i in 0..5 {
+        let r = http
+            .get(gw.url("/closed"))
+            .header("X-API-Key", format!("made-up-{i}"))
+            .header("X-API-Key", "real")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "a random first key buys nothing");
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"authentication required"}"#
+        );
+    }
+    assert_eq!(redis.limiter_calls(), 0, "refused before Redis");
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        vec![bucket_key(
+            "sentinel",
+            "header:x-api-key:real",
+            "t.closed",
+            1
+        )]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.ip")
+                .prefix("/ip")
+                .identity("client_ip")
+                .token_bucket(100_000_000, 0),
+        )
+        .start();
+    let http = client();
+    let send = |xff: &'static str| {
+        let (http, url) = (http.clone(), gw.url("/ip"));
+        async move {
+            let r = http
+                .get(url)
+                .header("X-Forwarded-For", xff)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    for xff in ["garbage, 1.1.1.1", "x, 9.9.9.9, 1.1.1.1, 127.0.0.9"] {
+        assert_eq!(
+            send(xff).await.0,
+            200,
+            "{xff}: left of the client never matters"
+        );
+    }
+    redis.reset_stats();
+    for xff in [
+        "1.1.1.1, garbage",
+        "not-an-ip",
+        "1.1.1.1, garbage, 127.0.0.9",
+    ] {
+        assert_eq!(
+            send(xff).await,
+            (400, r#"{"detail":"bad request"}"#.to_owned()),
+            "{xff}"
+        );
+    }
+    assert_eq!(redis.limiter_calls(), 0, "never reaches Redis");
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        vec![bucket_key("sentinel", "ip:1.1.1.1", "t.ip", 1)],
+        "nothing charged to the proxy's own address"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.ip",status="400"}"#),
+        3.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_counts_against_the_get_limit() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.get")
+                .prefix("/docs")
+                .methods(&["GET"])
+                .identity_header("X-API-Key")
+                .token_bucket(2_000_000, 0),
+        )
+        .route(Route::new("t.rest").prefix("/").unlimited())
+        .start();
+    let http = client();
+    let head = |key: &'static str| {
+        let (http, url) = (http.clone(), gw.url("/docs/1"));
+        async move {
+            http.head(url)
+                .header("X-API-Key", key)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(head("k").await, 200);
+    assert_eq!(status(&http, &gw.url("/docs/1"), "k").await, 200);
+    assert_eq!(head("k").await, 429, "HEAD spends and meets the GET limit");
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.rest",status="200"}"#),
+        0.0,
+        "never the unlimited route"
+    );
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        vec![bucket_key("sentinel", "header:x-api-key:k", "t.get", 1)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_policy_set_on_a_live_redis_is_seen_within_30_s() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 10);
+    let policy = || {
+        let (_, body) = common::blocking_get(&gw.admin("/readyz")).expect("readyz");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["redis_maxmemory_policy"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    wait_until(Duration::from_secs(5), "the policy read at connect", || {
+        policy().as_deref() == Some("noeviction")
+    });
+    let set = |p: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(p)
+            .query(&mut redis.conn())
+            .unwrap();
+    };
+    set("allkeys-lru");
+    let changed = Instant::now();
+    wait_until(
+        Duration::from_secs(30),
+        "/readyz to show allkeys-lru",
+        || policy().as_deref() == Some("allkeys-lru"),
+    );
+    let logs = gw.logs();
+    assert!(
+        logs.contains("redis may evict keys") && logs.contains("allkeys-lru"),
+        "logged: {logs}"
+    );
+    assert_eq!(
+        logs.matches("redis may evict keys").count(),
+        1,
+        "logged once, not at every re-check"
+    );
+    set("noeviction");
+    wait_until(
+        Duration::from_secs(30),
+        "/readyz to show noeviction again",
+        || policy().as_deref() == Some("noeviction"),
+    );
+    assert!(changed.elapsed() < Duration::from_secs(60));
+}
