@@ -146,13 +146,14 @@ pub fn identify(
     }
 }
 
-fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
+/// Whether `ip` is in `trusted_proxies`.
+pub fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
     let ip = canonical(ip);
     trusted.iter().any(|net| net.contains(&ip))
 }
 
 /// IPv4-mapped IPv6 peers count as their IPv4 address.
-fn canonical(ip: IpAddr) -> IpAddr {
+pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,

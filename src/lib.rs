@@ -6,6 +6,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod decision;
+pub mod edge;
 pub mod identity;
 pub mod lifecycle;
 pub mod limiter;

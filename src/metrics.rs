@@ -21,7 +21,7 @@ fn latency_buckets() -> Vec<f64> {
 }
 
 /// Statuses whose request counters are resolved ahead of time.
-const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 429, 500, 502, 503, 504];
+const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 413, 429, 500, 502, 503, 504];
 
 pub const UNMATCHED: &str = "_unmatched";
 
@@ -42,6 +42,8 @@ pub struct Metrics {
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
+    /// Access log lines dropped because the writer could not keep up (or could not write).
+    pub access_log_dropped: IntCounter,
     endpoint_mode: IntGaugeVec,
     /// Redis Cluster only: each primary's breaker state, labelled by `node` (`host:port`).
     redis_node_breaker_state: IntGaugeVec,
@@ -213,6 +215,14 @@ impl Metrics {
             .expect("valid"),
         );
         fleet_instances.set(1);
+        let access_log_dropped = register(
+            &r,
+            IntCounter::new(
+                "sentinel_access_log_dropped_total",
+                "Access log lines dropped rather than slowing requests: the writer could not keep up or write.",
+            )
+            .expect("valid"),
+        );
         let endpoint_mode = register(
             &r,
             IntGaugeVec::new(
@@ -273,6 +283,7 @@ impl Metrics {
             overlimit_hits,
             in_flight,
             fleet_instances,
+            access_log_dropped,
             endpoint_mode,
         }
     }

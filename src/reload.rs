@@ -10,6 +10,7 @@ use arc_swap::ArcSwap;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::decision::fleet::Fleet;
+use crate::edge::AccessLog;
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
 use crate::store::Store;
@@ -21,6 +22,7 @@ pub struct Reloader {
     pub metrics: Arc<Metrics>,
     pub clock: SharedClock,
     pub fleet: Arc<Fleet>,
+    pub access_log: Arc<AccessLog>,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
 }
@@ -33,6 +35,7 @@ impl Reloader {
         metrics: Arc<Metrics>,
         clock: SharedClock,
         fleet: Arc<Fleet>,
+        access_log: Arc<AccessLog>,
     ) -> Self {
         Self {
             path,
@@ -41,6 +44,7 @@ impl Reloader {
             metrics,
             clock,
             fleet,
+            access_log,
             lock: Mutex::new(()),
         }
     }
@@ -83,6 +87,7 @@ impl Reloader {
                 "server.grace_period_seconds",
                 old.grace_period != new.grace_period,
             ),
+            ("server.h2c", old.h2c != new.h2c),
             (
                 "redis.dedicated_io_thread",
                 current.config.redis.dedicated_io_thread != config.redis.dedicated_io_thread,
@@ -93,6 +98,10 @@ impl Reloader {
         .collect();
         let redis = config.redis.clone();
         let breaker = config.breaker;
+        // Opened before anything changes: a path that cannot be written fails the reload.
+        self.access_log
+            .reopen(config.access_log.as_ref())
+            .map_err(|e| format!("access_log.path: cannot open it: {e}"))?;
         let generation = current.generation + 1;
         let snapshot = Snapshot::build(
             config,

@@ -14,6 +14,7 @@ use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
 use crate::decision::fleet::Fleet;
+use crate::edge::AccessLog;
 use crate::lifecycle::Lifecycle;
 use crate::limiter::heartbeat::{fleet_key, heartbeat};
 use crate::metrics::Metrics;
@@ -30,6 +31,8 @@ pub enum StartError {
     Evicting(String),
     #[error("cannot build upstream pools: {0}")]
     Upstreams(std::io::Error),
+    #[error("cannot open access_log.path: {0}")]
+    AccessLog(std::io::Error),
     #[error("cannot listen on server.listen {addr}: {source}")]
     Listen {
         addr: std::net::SocketAddr,
@@ -63,6 +66,13 @@ pub fn run(config: Config) -> Result<(), StartError> {
             return Err(StartError::Evicting(policy));
         }
     }
+    let access_log = Arc::new(
+        AccessLog::start(
+            config.access_log.as_ref(),
+            metrics.access_log_dropped.clone(),
+        )
+        .map_err(StartError::AccessLog)?,
+    );
     let server_cfg = config.server.clone();
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
@@ -78,6 +88,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         Arc::clone(&metrics),
         clock,
         Arc::clone(&fleet),
+        Arc::clone(&access_log),
     ));
 
     let conf = ServerConf {
@@ -93,12 +104,20 @@ pub fn run(config: Config) -> Result<(), StartError> {
         live: Arc::clone(&live),
         store: store.clone(),
         lifecycle: Arc::clone(&lifecycle),
+        access_log: Arc::clone(&access_log),
     };
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
         gateway,
         "sentinel-proxy",
     );
+    if server_cfg.h2c {
+        if let Some(app) = proxy.app_logic_mut() {
+            let mut options = pingora_core::apps::HttpServerOptions::default();
+            options.h2c = true;
+            app.server_options = Some(options);
+        }
+    }
     for addr in &server_cfg.listen {
         proxy.add_tcp(&addr.to_string());
     }
@@ -117,6 +136,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
+    control.spawn(reopen_on_sigusr1(Arc::clone(&reloader)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let beating = Arc::clone(&live);
     control.spawn(heartbeat(
@@ -159,6 +179,23 @@ async fn reload_on_sighup(reloader: Arc<Reloader>) {
     };
     while hup.recv().await.is_some() {
         let _ = reloader.reload_off_thread().await;
+    }
+}
+
+/// `SIGUSR1`: the access log file was rotated; open it again.
+async fn reopen_on_sigusr1(reloader: Arc<Reloader>) {
+    let Ok(mut usr1) = signal(SignalKind::user_defined1()) else {
+        tracing::error!("cannot listen for SIGUSR1; reopen the access log with a reload");
+        return;
+    };
+    while usr1.recv().await.is_some() {
+        let target = reloader.live.load().config.access_log.clone();
+        match reloader.access_log.reopen(target.as_ref()) {
+            Ok(()) => tracing::info!("access log reopened"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot reopen the access log; writing on to the old file")
+            }
+        }
     }
 }
 

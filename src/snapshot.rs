@@ -33,6 +33,8 @@ pub struct Route {
     pub endpoint: Arc<Endpoint>,
     pub identity: IdentitySource,
     pub upstream: Arc<UpstreamPool>,
+    /// The route's body limit, or the server's.
+    pub max_body_bytes: Option<u64>,
 }
 
 pub struct Snapshot {
@@ -122,6 +124,7 @@ impl Snapshot {
                 endpoint,
                 identity: rc.identity.clone(),
                 upstream: Arc::clone(&pools[&rc.upstream.name]),
+                max_body_bytes: rc.max_body_bytes,
             };
             entries.push((rc.matcher(), Arc::new(route)));
         }

@@ -24,6 +24,12 @@ use crate::routing::{Matcher, PathMatch};
 /// The environment variable that overrides `[redis] url`.
 pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 
+/// Largest accepted `max_body_bytes` (1 TiB); 0 means no limit.
+pub const MAX_BODY_BYTES: i64 = 1 << 40;
+
+/// The default `request_id_header`.
+pub const DEFAULT_REQUEST_ID_HEADER: &str = "x-request-id";
+
 /// One micro-token: the cost of one request.
 pub const ONE_TOKEN_MICRO: u64 = 1_000_000;
 
@@ -42,8 +48,17 @@ pub struct Config {
     pub redis: RedisConfig,
     pub breaker: BreakerConfig,
     pub jwt: Option<JwtConfig>,
+    pub access_log: Option<AccessLogTarget>,
     pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     pub routes: Vec<RouteConfig>,
+}
+
+/// Where `[access_log]` lines go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AccessLogTarget {
+    /// `path = "-"`.
+    Stdout,
+    File(PathBuf),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +70,12 @@ pub struct ServerConfig {
     pub grace_period: Duration,
     /// Reload when the file changes (polled, debounced).
     pub watch_config: bool,
+    /// Also accept HTTP/2 with prior knowledge on the plain listeners.
+    pub h2c: bool,
+    /// The body size of routes without their own `max_body_bytes`; `None`: no limit.
+    pub max_body_bytes: Option<u64>,
+    /// The request id's header, on upstream requests and on every answer.
+    pub request_id_header: http::HeaderName,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,6 +251,8 @@ pub struct RouteConfig {
     pub upstream: Arc<UpstreamConfig>,
     pub identity: IdentitySource,
     pub policy: Arc<Policy>,
+    /// This route's body limit, or the server's; `None`: no limit.
+    pub max_body_bytes: Option<u64>,
 }
 
 impl RouteConfig {

@@ -15,6 +15,7 @@ pub struct RawConfig {
     pub redis: Option<Spanned<RawRedis>>,
     pub breaker: Option<Spanned<RawBreaker>>,
     pub auth: Option<Spanned<RawAuth>>,
+    pub access_log: Option<Spanned<RawAccessLog>>,
     #[serde(default)]
     pub upstreams: BTreeMap<String, Spanned<RawUpstream>>,
     #[serde(default)]
@@ -37,6 +38,15 @@ pub struct RawServer {
     pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
     pub grace_period_seconds: Option<Spanned<i64>>,
     pub watch_config: Option<bool>,
+    pub h2c: Option<bool>,
+    pub max_body_bytes: Option<Spanned<i64>>,
+    pub request_id_header: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAccessLog {
+    pub path: Spanned<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -108,6 +118,7 @@ pub struct RawRoute {
     pub ratelimit_headers: Option<bool>,
     pub cost_micro: Option<Spanned<i64>>,
     pub mode: Option<Spanned<String>>,
+    pub max_body_bytes: Option<Spanned<i64>>,
 }
 
 /// The field names of a route, in the order the documentation lists them; a test keeps
@@ -133,4 +144,5 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "policy_version",
     "ratelimit_headers",
     "mode",
+    "max_body_bytes",
 ];

@@ -1,6 +1,8 @@
 //! The gateway's request path, top to bottom: route -> identity -> decide -> answer or
 //! forward. Each hook below says when Pingora calls it and what its result means.
 
+mod access;
+pub mod forwarded;
 mod headers;
 pub mod respond;
 
@@ -17,12 +19,14 @@ use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
 use crate::decision::Decision;
+use crate::edge::AccessLog;
 use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
 use crate::limiter::{self, identity_hash};
 use crate::routing::{normalize_path, request_host};
 use crate::snapshot::{Route, Snapshot};
 use crate::store::Store;
+use forwarded::Origin;
 use respond::Answer;
 
 /// The proxy: shared by every worker thread.
@@ -30,14 +34,21 @@ pub struct Gateway {
     pub live: Arc<ArcSwap<Snapshot>>,
     pub store: Store,
     pub lifecycle: Arc<Lifecycle>,
+    pub access_log: Arc<AccessLog>,
 }
 
 /// One request's state across the hooks. The snapshot loaded first is the one the whole
 /// request runs under, whatever reloads happen meanwhile.
 #[derive(Default)]
 pub struct RequestCtx {
+    started: Option<Instant>,
     snapshot: Option<Arc<Snapshot>>,
+    /// Where the request came from, and its request id.
+    origin: Option<Origin>,
+    /// The normalized path, once it is known to be usable.
+    path: Option<String>,
     route: Option<Arc<Route>>,
+    identity_hash: Option<String>,
     /// Normalized path and query, when normalization changed the path.
     upstream_uri: Option<String>,
     decision: Option<Decision>,
@@ -47,7 +58,29 @@ pub struct RequestCtx {
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
     connect_attempts: usize,
+    /// The upstream address the request was last sent to.
+    upstream_addr: Option<std::net::SocketAddr>,
+    /// Request body bytes passed upstream so far, and whether the body outgrew its limit.
+    body_bytes: u64,
+    body_too_large: bool,
     _in_flight: Option<InFlight>,
+}
+
+impl RequestCtx {
+    fn request_id(&self) -> &str {
+        self.origin.as_ref().map_or("", |o| o.request_id.as_str())
+    }
+
+    /// Puts the request id on an answer to the client.
+    fn tag(&self, header: &mut pingora_http::ResponseHeader) -> Result<()> {
+        if let (Some(o), Some(s)) = (&self.origin, &self.snapshot) {
+            header.insert_header(
+                s.config.server.request_id_header.clone(),
+                o.request_id.as_str(),
+            )?;
+        }
+        Ok(())
+    }
 }
 
 impl Gateway {
@@ -59,6 +92,7 @@ impl Gateway {
     ) -> Result<bool> {
         ctx.answered = Some(answer.status());
         let mut header = answer.header()?;
+        ctx.tag(&mut header)?;
         if let Some(f) = &ctx.ratelimit {
             header.insert_header("ratelimit-policy", f.policy.as_str())?;
             header.insert_header("ratelimit", f.state.as_str())?;
@@ -75,10 +109,7 @@ impl Gateway {
         snapshot: &Snapshot,
         route: &Route,
     ) -> Option<Answer> {
-        let peer = session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .map(|a| a.ip());
+        let peer = ctx.origin.as_ref().and_then(|o| o.peer);
         let trusted = &snapshot.config.server.trusted_proxies;
         let identity = match identity::identify(
             &route.identity,
@@ -99,6 +130,7 @@ impl Gateway {
         let started = Instant::now();
         let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
         ctx.decision_time = started.elapsed();
+        ctx.identity_hash = Some(hash.clone());
         ctx.decision = Some(decision);
         if route.endpoint.policy.ratelimit_headers {
             ctx.ratelimit = decision
@@ -125,6 +157,7 @@ impl Gateway {
             breaker_state = decision.breaker().as_str(),
             status = answer.status(),
             shadow,
+            request_id = ctx.request_id(),
             "request denied"
         );
         (!shadow).then_some(answer)
@@ -137,6 +170,7 @@ impl ProxyHttp for Gateway {
 
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
+            started: Some(Instant::now()),
             _in_flight: Some(self.lifecycle.track()),
             ..RequestCtx::default()
         }
@@ -148,6 +182,19 @@ impl ProxyHttp for Gateway {
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         let snapshot = self.live.load_full();
         ctx.snapshot = Some(Arc::clone(&snapshot));
+        let server = &snapshot.config.server;
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+        ctx.origin = Some(Origin::of(
+            session.req_header(),
+            peer,
+            &server.trusted_proxies,
+            &server.request_id_header,
+            tls,
+        ));
         let req = session.req_header();
         let header_bytes: usize = req
             .headers
@@ -160,6 +207,7 @@ impl ProxyHttp for Gateway {
         let Ok(path) = normalize_path(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
+        ctx.path = Some(path.clone());
         let host_header = req
             .headers
             .get(http::header::HOST)
@@ -181,6 +229,20 @@ impl ProxyHttp for Gateway {
             });
         }
         ctx.route = Some(Arc::clone(&route));
+        // A body announced too large is refused before identity, limiter and upstream.
+        if let Some(limit) = route.max_body_bytes {
+            let announced = session
+                .req_header()
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            if announced.is_some_and(|n| n > limit) {
+                // The body is not read: close the connection after the answer.
+                session.set_keepalive(None);
+                return self.answer(session, ctx, Answer::BodyTooLarge).await;
+            }
+        }
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
         }
@@ -206,6 +268,7 @@ impl ProxyHttp for Gateway {
             .select(b"", 256)
             .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
         ctx.connect_attempts += 1;
+        ctx.upstream_addr = backend.addr.as_inet().copied();
         let mut peer = HttpPeer::new(backend.addr, false, String::new());
         let up = &pool.config;
         peer.options.connection_timeout = Some(up.connect_timeout);
@@ -215,13 +278,17 @@ impl ProxyHttp for Gateway {
         Ok(Box::new(peer))
     }
 
-    /// The upstream receives the normalized path with the original query.
+    /// The upstream receives the normalized path with the original query, the forwarded
+    /// headers and the request id.
     async fn upstream_request_filter(
         &self,
         _session: &mut Session,
         upstream_request: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
+            origin.apply(upstream_request, &snapshot.config.server.request_id_header)?;
+        }
         if let Some(uri) = ctx.upstream_uri.as_deref() {
             let uri = uri
                 .parse::<http::Uri>()
@@ -231,13 +298,40 @@ impl ProxyHttp for Gateway {
         Ok(())
     }
 
-    /// Adds the RateLimit fields to an upstream's answer to an admitted request.
+    /// Counts the request body on its way upstream and stops it at the route's limit: the
+    /// upstream never receives more than `max_body_bytes`.
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<bytes::Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let Some(chunk) = body else {
+            return Ok(());
+        };
+        ctx.body_bytes += chunk.len() as u64;
+        let limit = ctx.route.as_ref().and_then(|r| r.max_body_bytes);
+        if limit.is_some_and(|limit| ctx.body_bytes > limit) {
+            ctx.body_too_large = true;
+            *body = None;
+            return Err(Error::explain(
+                ErrorType::Custom("body too large"),
+                "the request body outgrew max_body_bytes",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds the request id, and the RateLimit fields to an upstream's answer to an admitted
+    /// request.
     async fn response_filter(
         &self,
         _session: &mut Session,
         upstream_response: &mut pingora_http::ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.tag(upstream_response)?;
         if let Some(f) = &ctx.ratelimit {
             upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
             upstream_response.insert_header("ratelimit", f.state.as_str())?;
@@ -272,6 +366,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> FailToProxy {
         let answer = match (e.esource(), e.etype()) {
+            _ if ctx.body_too_large => Some(Answer::BodyTooLarge),
             (_, ErrorType::HTTPStatus(code)) => {
                 let code = *code;
                 if code > 0 {
@@ -311,25 +406,38 @@ impl ProxyHttp for Gateway {
                     upstream = route.upstream.config.name.as_str(),
                     status = answer.map_or(0, Answer::status),
                     error = %e,
+                    request_id = ctx.request_id(),
                     "upstream failed"
                 );
             }
         }
+        // A `100 Continue` passed on from the upstream is not an answer yet.
+        let answering = session
+            .response_written()
+            .is_none_or(|r| r.status.is_informational());
         let code = match answer {
-            Some(answer) if session.response_written().is_none() => {
+            Some(answer) if answering => {
                 // The connection is not reused after a failed proxy attempt: say so, so the
                 // client does not send its next request into a closing socket.
                 session.set_keepalive(None);
                 ctx.answered = Some(answer.status());
-                respond::write(session, answer).await.unwrap_or_else(|err| {
+                let written = match answer.header() {
+                    Ok(mut header) => match ctx.tag(&mut header) {
+                        Ok(()) => respond::write_with(session, answer, header).await,
+                        Err(e) => Err(e),
+                    },
+                    Err(e) => Err(e),
+                };
+                written.unwrap_or_else(|err| {
                     tracing::debug!(error = %err, "cannot write the error answer");
                     answer.status()
                 })
             }
-            Some(answer) => answer.status(),
-            None if session.response_written().is_none()
-                && !matches!(e.esource(), ErrorSource::Downstream) =>
-            {
+            Some(answer) => {
+                ctx.answered = Some(answer.status());
+                answer.status()
+            }
+            None if answering && !matches!(e.esource(), ErrorSource::Downstream) => {
                 session
                     .respond_error(500)
                     .await
@@ -345,9 +453,15 @@ impl ProxyHttp for Gateway {
     }
 
     /// Upstream failures are logged by `fail_to_proxy` as one structured WARN line with the
-    /// endpoint; Pingora's own free-text ERROR line for them is suppressed.
-    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, error: &Error) -> bool {
-        matches!(error.esource(), ErrorSource::Upstream)
+    /// endpoint; Pingora's own free-text ERROR line for them is suppressed. So is the line for
+    /// what a client did (closed early, sent a broken body, outgrew the body limit): that is
+    /// not the gateway's fault, and is logged at DEBUG.
+    fn suppress_error_log(&self, _session: &Session, ctx: &RequestCtx, error: &Error) -> bool {
+        let by_client = ctx.body_too_large || matches!(error.esource(), ErrorSource::Downstream);
+        if by_client {
+            tracing::debug!(error = %error, request_id = ctx.request_id(), "the client ended the request");
+        }
+        by_client || matches!(error.esource(), ErrorSource::Upstream)
     }
 
     /// Called once per request at its end: the one place metrics are recorded.
@@ -356,6 +470,11 @@ impl ProxyHttp for Gateway {
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
             .unwrap_or(0);
+        if let Some(snapshot) = &ctx.snapshot {
+            if snapshot.config.access_log.is_some() {
+                self.access_log.log(access::line(session, ctx, status));
+            }
+        }
         let Some(route) = &ctx.route else {
             if let Some(s) = &ctx.snapshot {
                 s.unmatched.inc(status);

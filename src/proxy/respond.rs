@@ -17,6 +17,8 @@ pub enum Answer {
     BadRequest,
     /// The request's headers together exceed [`MAX_HEADER_BYTES`].
     HeadersTooLarge,
+    /// The body is larger than the route's `max_body_bytes`.
+    BodyTooLarge,
     NoRoute,
     /// `bearer`: the route reads a JWT, so the answer names the scheme.
     Unauthenticated {
@@ -39,6 +41,7 @@ impl Answer {
         match self {
             Answer::BadRequest => 400,
             Answer::HeadersTooLarge => 431,
+            Answer::BodyTooLarge => 413,
             Answer::NoRoute => 404,
             Answer::Unauthenticated { .. } => 401,
             Answer::RateLimited { .. } => 429,
@@ -52,6 +55,7 @@ impl Answer {
         match self {
             Answer::BadRequest => r#"{"detail":"bad request"}"#,
             Answer::HeadersTooLarge => r#"{"detail":"request header fields too large"}"#,
+            Answer::BodyTooLarge => r#"{"detail":"request body too large"}"#,
             Answer::NoRoute => r#"{"detail":"no route"}"#,
             Answer::Unauthenticated { .. } => r#"{"detail":"authentication required"}"#,
             Answer::RateLimited { .. } => r#"{"detail":"rate limit exceeded"}"#,
@@ -79,7 +83,7 @@ impl Answer {
     /// The complete response header.
     pub fn header(self) -> Result<ResponseHeader> {
         let body = self.body();
-        let mut h = ResponseHeader::build(self.status(), Some(4))?;
+        let mut h = ResponseHeader::build(self.status(), Some(5))?;
         h.insert_header("content-type", "application/json")?;
         h.insert_header("content-length", body.len().to_string())?;
         if let Some(secs) = self.retry_after() {
@@ -90,12 +94,6 @@ impl Answer {
         }
         Ok(h)
     }
-}
-
-/// Writes `answer` to the client; returns its status.
-pub async fn write(session: &mut Session, answer: Answer) -> Result<u16> {
-    let header = answer.header()?;
-    write_with(session, answer, header).await
 }
 
 /// Writes `answer` with a header built, and perhaps extended, by the caller.

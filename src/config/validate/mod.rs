@@ -36,6 +36,7 @@ pub fn validate(
     let redis = sections::redis(&mut c, &raw, redis_url_override);
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw);
+    let access_log = sections::access_log(&mut c, &raw);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
         .upstreams
         .iter()
@@ -45,7 +46,8 @@ pub fn validate(
         .collect();
     let mut routes = Vec::new();
     for (index, r) in raw.routes.iter().enumerate() {
-        if let Some(route) = route::route(&mut c, index, r, &raw, &upstreams) {
+        let server_body = server.as_ref().and_then(|s| s.max_body_bytes);
+        if let Some(route) = route::route(&mut c, index, r, &raw, &upstreams, server_body) {
             routes.push((r.span(), route));
         }
     }
@@ -76,6 +78,7 @@ pub fn validate(
         redis: redis.expect("no errors means a redis section"),
         breaker: breaker.expect("no errors means a breaker section"),
         jwt,
+        access_log,
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),
     })

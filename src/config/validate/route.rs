@@ -18,6 +18,7 @@ pub(super) fn route(
     spanned: &Spanned<RawRoute>,
     raw: &RawConfig,
     upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
+    server_max_body_bytes: Option<u64>,
 ) -> Option<RouteConfig> {
     let r = spanned.get_ref();
     let id_text = r.endpoint_id.get_ref();
@@ -92,6 +93,10 @@ pub(super) fn route(
     if c.errors.len() > before {
         return None;
     }
+    let max_body_bytes = match &r.max_body_bytes {
+        None => Some(server_max_body_bytes),
+        own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
+    };
     Some(RouteConfig {
         index,
         path: path?,
@@ -100,6 +105,7 @@ pub(super) fn route(
         upstream: upstream?,
         identity: identity?,
         policy: Arc::new(policy?),
+        max_body_bytes: max_body_bytes?,
     })
 }
 

@@ -3,6 +3,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::num::NonZeroU32;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,6 +92,22 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
         (0, 3600),
         " seconds",
     );
+    let max_body_bytes = body_limit(
+        c,
+        None,
+        "server.max_body_bytes",
+        s.and_then(|s| s.max_body_bytes.as_ref()),
+    );
+    let request_id_header = match s.and_then(|s| s.request_id_header.as_ref()) {
+        None => Some(http::HeaderName::from_static(DEFAULT_REQUEST_ID_HEADER)),
+        Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(name) => Some(name),
+            Err(_) => {
+                c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is not a header name: use letters, digits and '-', such as \"X-Request-Id\"", h.get_ref()));
+                None
+            }
+        },
+    };
     Some(ServerConfig {
         listen,
         threads: threads? as usize,
@@ -98,8 +115,47 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
         trusted_proxies,
         grace_period: Duration::from_secs(grace?),
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
+        h2c: s.and_then(|s| s.h2c).unwrap_or(false),
+        max_body_bytes: max_body_bytes?,
+        request_id_header: request_id_header?,
     })
     .filter(|_| ok)
+}
+
+/// A `max_body_bytes` field: `Some(None)` for no limit (absent or 0), `None` when invalid.
+pub(super) fn body_limit(
+    c: &mut Collector,
+    route: Option<&str>,
+    field: &str,
+    value: Option<&Spanned<i64>>,
+) -> Option<Option<u64>> {
+    let n = int_in(
+        c,
+        route,
+        field,
+        value,
+        0,
+        (0, MAX_BODY_BYTES),
+        " bytes (0: no limit)",
+    )?;
+    Some((n > 0).then_some(n))
+}
+
+/// `[access_log]`: where the lines go.
+pub(super) fn access_log(c: &mut Collector, raw: &RawConfig) -> Option<AccessLogTarget> {
+    let path = &raw.access_log.as_ref()?.get_ref().path;
+    match path.get_ref().as_str() {
+        "" => {
+            c.push(
+                Some(&path.span()),
+                None,
+                "access_log.path is empty: give a file, or \"-\" for stdout".into(),
+            );
+            None
+        }
+        "-" => Some(AccessLogTarget::Stdout),
+        p => Some(AccessLogTarget::File(PathBuf::from(p))),
+    }
 }
 
 pub(super) fn redis(

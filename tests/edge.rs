@@ -1,0 +1,454 @@
+//! The edge towards clients, against the real binary: forwarded headers and request ids as
+//! the upstream sees them, body limits, HTTP/2 with prior knowledge (h2c), and the access log.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{client, wait_until, Redis, Upstream};
+use sentinel_gateway::limiter::identity_hash;
+use serde_json::Value;
+
+fn echo_headers(body: &str) -> serde_json::Map<String, Value> {
+    let echo: Value = serde_json::from_str(body).expect("the demo upstream's JSON");
+    echo["headers"].as_object().cloned().unwrap_or_default()
+}
+
+fn is_new_request_id(id: &str) -> bool {
+    id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn limited(capacity: u64) -> Route {
+    Route::new("e.api")
+        .prefix("/api")
+        .identity_header("X-API-Key")
+        .token_bucket(capacity * 1_000_000, 0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_clients_forwarded_headers_are_replaced() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(limited(1))
+        .route(Route::new("e.open").prefix("/open").unlimited())
+        .start();
+    let http = client();
+    let r = http
+        .get(gw.url("/open/x"))
+        .header("X-Forwarded-For", "1.2.3.4")
+        .header("X-Forwarded-Proto", "https")
+        .header("X-Forwarded-Host", "evil.example")
+        .header("X-Real-IP", "1.2.3.4")
+        .header("X-Request-Id", "chosen-by-the-client")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answered_id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let seen = echo_headers(&r.text().await.unwrap());
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(seen["x-forwarded-proto"], "http");
+    assert_eq!(seen["x-forwarded-host"], format!("127.0.0.1:{}", gw.port));
+    assert_eq!(seen["x-real-ip"], "127.0.0.1");
+    let sent_id = seen["x-request-id"].as_str().unwrap();
+    assert!(is_new_request_id(sent_id), "{sent_id}");
+    assert_eq!(
+        sent_id, answered_id,
+        "the client sees the id the upstream saw"
+    );
+
+    // The gateway's own answers carry a request id too, and the deny log names it.
+    let r = http.get(gw.url("/nowhere")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(is_new_request_id(
+        r.headers()["x-request-id"].to_str().unwrap()
+    ));
+    assert_eq!(
+        http.get(gw.url("/api"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let r = http
+        .get(gw.url("/api"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let denied_id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    wait_until(Duration::from_secs(2), "the deny line", || {
+        gw.logs()
+            .lines()
+            .any(|l| l.contains("request denied") && l.contains(&denied_id))
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        .server("request_id_header", quoted("X-Trace"))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/open").unlimited())
+        .start();
+    let http = client();
+    let r = http
+        .get(gw.url("/open"))
+        .header("X-Forwarded-For", "1.2.3.4")
+        .header("X-Forwarded-Proto", "https")
+        .header("X-Forwarded-Host", "api.example.com")
+        .header("X-Trace", "edge-4711")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-trace"], "edge-4711");
+    assert!(
+        r.headers().get("x-request-id").is_none(),
+        "the configured name only"
+    );
+    let seen = echo_headers(&r.text().await.unwrap());
+    assert_eq!(seen["x-forwarded-for"], "1.2.3.4, 127.0.0.1");
+    assert_eq!(seen["x-forwarded-proto"], "https");
+    assert_eq!(seen["x-forwarded-host"], "api.example.com");
+    assert_eq!(seen["x-real-ip"], "1.2.3.4");
+    assert_eq!(seen["x-trace"], "edge-4711");
+    let r = http
+        .get(gw.url("/open"))
+        .header("X-Trace", "has space")
+        .send()
+        .await
+        .unwrap();
+    let replaced = r.headers()["x-trace"].to_str().unwrap().to_owned();
+    assert!(
+        is_new_request_id(&replaced),
+        "an unusable id is replaced: {replaced}"
+    );
+}
+
+/// Sends a chunked POST of `total` bytes in 1000-byte chunks; the status, or `None` when
+/// the connection was closed without one.
+fn chunked_post(port: u16, path: &str, total: usize) -> Option<u16> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: k\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    let chunk = format!("3e8\r\n{}\r\n", "a".repeat(1000));
+    for _ in 0..total / 1000 {
+        if s.write_all(chunk.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let _ = s.write_all(b"0\r\n\r\n");
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).ok()?;
+    String::from_utf8_lossy(&buf[..n])
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_limit_are_413_before_any_token_is_spent() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("max_body_bytes", "2000")
+        .upstream("app", &[up.addr()])
+        .route(limited(100))
+        .route(
+            Route::new("e.big")
+                .prefix("/big")
+                .unlimited()
+                .set("max_body_bytes", "100000"),
+        )
+        .start();
+    let http = client();
+    redis.reset_stats();
+    let r = http
+        .post(gw.url("/api"))
+        .header("X-API-Key", "k")
+        .body(vec![b'a'; 2001])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    assert!(r.headers().get("x-request-id").is_some());
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"detail":"request body too large"}"#
+    );
+    assert_eq!(redis.limiter_calls(), 0, "no Redis call, no token spent");
+    let r = http
+        .post(gw.url("/api"))
+        .header("X-API-Key", "k")
+        .body(vec![b'a'; 2000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "exactly the limit passes");
+    let echo: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(echo["body_bytes"], 2000);
+    let r = http
+        .post(gw.url("/big"))
+        .body(vec![b'a'; 50_000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the route's own limit");
+
+    // Without Content-Length: cut where it outgrows the limit.
+    let port = gw.port;
+    let status = tokio::task::spawn_blocking(move || chunked_post(port, "/api", 5000))
+        .await
+        .unwrap();
+    assert!(
+        matches!(status, Some(413) | None),
+        "413, or closed once an answer had started: {status:?}"
+    );
+    let status = tokio::task::spawn_blocking(move || chunked_post(port, "/api", 1000))
+        .await
+        .unwrap();
+    assert_eq!(status, Some(200), "a chunked body within the limit passes");
+    assert!(gw.metric(r#"sentinel_requests_total{endpoint_id="e.api",status="413"}"#) >= 1.0);
+    assert!(
+        !gw.logs().contains("\"level\":\"ERROR\""),
+        "a client's big body is not the gateway's error: {}",
+        gw.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_answers_as_http1_does() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[up.addr()])
+        .route(limited(2))
+        .start();
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let r = h2
+            .get(gw.url("/api/x"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert!(r.headers().get("x-request-id").is_some());
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, vec![200, 200, 429], "the same limit over HTTP/2");
+    let r = client()
+        .get(gw.url("/api/x"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        429,
+        "HTTP/1.1 on the same listener, the same bucket"
+    );
+    let r = h2.get(gw.url("/nowhere")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+
+    // Without h2c, prior knowledge gets no HTTP/2 answer.
+    let plain = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(limited(2))
+        .start();
+    assert!(h2.get(plain.url("/api/x")).send().await.is_err());
+}
+
+fn access_lines(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(limited(1));
+    let gw = config
+        .clone()
+        .section(&format!(
+            "[access_log]\npath = {}\n",
+            quoted(log.to_str().unwrap())
+        ))
+        .start();
+    let http = client();
+    let ok = http
+        .get(gw.url("/api/doc?secret=q"))
+        .header("X-API-Key", "raw-key-1")
+        .header("Authorization", "Bearer not-logged")
+        .header("User-Agent", "edge-test/1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let ok_id = ok.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let denied = http
+        .get(gw.url("/api/doc"))
+        .header("X-API-Key", "raw-key-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), 429);
+    assert_eq!(
+        http.get(gw.url("/nowhere")).send().await.unwrap().status(),
+        404
+    );
+    wait_until(Duration::from_secs(3), "three access lines", || {
+        access_lines(&log).len() == 3
+    });
+    let lines = access_lines(&log);
+    let keys = [
+        "timestamp",
+        "request_id",
+        "client_ip",
+        "method",
+        "host",
+        "path",
+        "protocol",
+        "tls",
+        "status",
+        "endpoint_id",
+        "decision_reason",
+        "allowed",
+        "tier",
+        "limit",
+        "upstream",
+        "upstream_addr",
+        "duration_ms",
+        "bytes_received",
+        "bytes_sent",
+        "identity_hash",
+        "user_agent",
+    ];
+    for line in &lines {
+        for key in keys {
+            assert!(line.get(key).is_some(), "{key} missing from {line}");
+        }
+    }
+    let (a, d, n) = (&lines[0], &lines[1], &lines[2]);
+    assert_eq!(a["request_id"], ok_id.as_str());
+    assert_eq!(a["status"], 200);
+    assert_eq!(a["method"], "GET");
+    assert_eq!(a["path"], "/api/doc", "normalized, without the query");
+    assert_eq!(a["protocol"], "HTTP/1.1");
+    assert_eq!(a["tls"], false);
+    assert_eq!(a["client_ip"], "127.0.0.1");
+    assert_eq!(a["endpoint_id"], "e.api");
+    assert_eq!(
+        (&a["decision_reason"], &a["allowed"]),
+        (&"allowed".into(), &true.into())
+    );
+    assert_eq!(a["limit"], Value::Null);
+    assert_eq!(a["upstream"], "app");
+    assert_eq!(a["upstream_addr"], up.addr().as_str());
+    assert_eq!(
+        a["identity_hash"],
+        identity_hash("header:x-api-key:raw-key-1").as_str()
+    );
+    assert_eq!(a["user_agent"], "edge-test/1");
+    assert!(a["bytes_sent"].as_u64().unwrap() > 0);
+    assert!(a["duration_ms"].is_number());
+    assert!(a["timestamp"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(d["status"], 429);
+    assert_eq!(
+        (&d["decision_reason"], &d["allowed"]),
+        (&"rate_limited".into(), &false.into())
+    );
+    assert_eq!(d["limit"], "default");
+    assert_eq!(
+        (&d["upstream"], &d["upstream_addr"]),
+        (&Value::Null, &Value::Null)
+    );
+    assert_eq!(n["status"], 404);
+    assert_eq!(
+        (&n["endpoint_id"], &n["decision_reason"]),
+        (&Value::Null, &Value::Null)
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    for secret in ["raw-key-1", "secret=q", "not-logged", "Bearer"] {
+        assert!(!text.contains(secret), "{secret} reached the access log");
+    }
+
+    // Rotation: the file is moved away, SIGUSR1 opens a new one.
+    let rotated = dir.path().join("access.log.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    gw.proc.signal("USR1");
+    wait_until(Duration::from_secs(3), "the reopen", || {
+        gw.logs().contains("access log reopened")
+    });
+    http.get(gw.url("/nowhere")).send().await.unwrap();
+    wait_until(Duration::from_secs(3), "a line in the new file", || {
+        access_lines(&log).len() == 1
+    });
+    assert_eq!(access_lines(&rotated).len(), 3);
+
+    // Turned off by a reload: no more lines.
+    gw.rewrite_config(&config.render(gw.port, gw.admin_port));
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    http.get(gw.url("/nowhere")).send().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(access_lines(&log).len(), 1);
+    assert_eq!(gw.metric("sentinel_access_log_dropped_total"), 0.0);
+}
+
+#[test]
+fn an_access_log_that_cannot_be_opened_stops_the_start() {
+    let config = GatewayConfig::new("redis://127.0.0.1:1/0")
+        .upstream("app", &["127.0.0.1:9"])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .section("[access_log]\npath = \"/nonexistent-dir/access.log\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        config.render(common::free_port(), common::free_port()),
+    )
+    .unwrap();
+    let out = common::run_binary(
+        &[std::ffi::OsStr::new("--config"), path.as_os_str()],
+        &[("SENTINEL_REDIS_URL", None)],
+    );
+    assert_ne!(out.status.code(), Some(0));
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("access_log.path"), "{text}");
+}
