@@ -1,4 +1,5 @@
-//! The command line: run the gateway, or check a config file.
+//! The command line: run the gateway, check a config file, or hash an API key for the key
+//! file.
 
 use std::path::PathBuf;
 
@@ -33,13 +34,62 @@ struct Cli {
 enum Command {
     /// Validate the config file and print one line per route; exit 0 when valid, 2 when not.
     Check,
+    /// Read an API key on stdin and print the `sha256 = "..."` line for the key file (with
+    /// --tenant, a whole [[keys]] entry). The key itself is never stored.
+    HashKey {
+        /// The tenant the key belongs to.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The tenant's tier, for routes with tiers.
+        #[arg(long, requires = "tenant")]
+        tier: Option<String>,
+    },
+}
+
+/// `hash-key`: the key is one line of stdin (its line ending is not part of it).
+fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
+    let mut input = String::new();
+    if let Err(e) = std::io::stdin().read_line(&mut input) {
+        eprintln!("cannot read the key from stdin: {e}");
+        return 1;
+    }
+    let key = input.strip_suffix('\n').unwrap_or(&input);
+    let key = key.strip_suffix('\r').unwrap_or(key);
+    if key.is_empty() {
+        eprintln!("no key on stdin: pipe the key in, e.g. `printf %s \"$KEY\" | sentinel-gateway hash-key`");
+        return 1;
+    }
+    for (field, value) in [("tenant", tenant), ("tier", tier)] {
+        if value.is_some_and(|v| crate::config::EndpointId::parse(v).is_none()) {
+            eprintln!("--{field} must be 1 to 128 of a-z, 0-9, '.', '_', '-'");
+            return 1;
+        }
+    }
+    let line = crate::config::api_keys::key_line(key.as_bytes());
+    match tenant {
+        None => println!("{line}"),
+        Some(tenant) => {
+            println!("[[keys]]\n{line}\ntenant = \"{tenant}\"");
+            if let Some(tier) = tier {
+                println!("tier = \"{tier}\"");
+            }
+        }
+    }
+    0
 }
 
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    let check = match &cli.command {
+        Some(Command::HashKey { tenant, tier }) => {
+            return hash_key(tenant.as_deref(), tier.as_deref())
+        }
+        Some(Command::Check) => true,
+        None => false,
+    };
     let loaded = Config::load(&cli.config);
-    match (cli.command, loaded) {
+    match (check, loaded) {
         (_, Err(errors)) => {
             eprintln!("{errors}");
             eprintln!(
@@ -49,9 +99,18 @@ pub fn main() -> i32 {
             );
             EXIT_INVALID_CONFIG
         }
-        (Some(Command::Check), Ok(config)) => {
+        (true, Ok(config)) => {
             for route in &config.routes {
                 println!("{}", describe(route));
+            }
+            if let Some(k) = &config.api_keys {
+                println!(
+                    "api keys: {} key(s) of {} tenant(s) from {}, read from the {} header",
+                    k.keys.len(),
+                    k.keys.tenants(),
+                    k.file.display(),
+                    k.header
+                );
             }
             println!(
                 "{}: ok, {} route(s)",
@@ -60,7 +119,7 @@ pub fn main() -> i32 {
             );
             0
         }
-        (None, Ok(config)) => {
+        (false, Ok(config)) => {
             crate::telemetry::init();
             match crate::server::run(config) {
                 Ok(()) => 0,
@@ -108,6 +167,7 @@ pub fn describe(route: &RouteConfig) -> String {
         IdentitySource::ClientIp => "per client IP".to_owned(),
         IdentitySource::Global => "shared by all clients".to_owned(),
         IdentitySource::Header(h) => format!("per {h} header"),
+        IdentitySource::ApiKey => "per API key tenant".to_owned(),
     };
     let limit = match p.algorithm {
         Algorithm::None => "not limited".to_owned(),

@@ -1,7 +1,7 @@
 //! Who a request counts against: the identity string hashed into its bucket key.
 //!
-//! Identities are `global`, `ip:<address>`, `header:<lower-case name>:<value>` and
-//! `jwt:<sub>`. The kind is part of the string, so two kinds never share a bucket. Raw
+//! Identities are `global`, `ip:<address>`, `header:<lower-case name>:<value>`, `jwt:<sub>`
+//! and `tenant:<tenant>` (an API key of the key file). The kind is part of the string, so two kinds never share a bucket. Raw
 //! identities never leave this module except hashed.
 
 use std::net::IpAddr;
@@ -12,7 +12,7 @@ use pingora_http::RequestHeader;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
-use crate::config::{IdentitySource, JwtConfig};
+use crate::config::{ApiKeysConfig, IdentitySource, JwtConfig};
 
 /// Longest header value accepted as an identity, in bytes.
 pub const MAX_HEADER_IDENTITY_BYTES: usize = 1024;
@@ -106,6 +106,8 @@ pub enum IdentityError {
     NoPeerAddress,
     /// The identity header (or `Authorization`) is sent more than once.
     AmbiguousHeader,
+    /// No key, or one the key file does not list.
+    UnknownApiKey,
     /// Behind a trusted proxy, the `X-Forwarded-For` entry that names the client is not an
     /// address: the request is refused (400) rather than charged to the proxy's bucket.
     UnusableForwardedFor,
@@ -118,6 +120,7 @@ pub fn identify(
     peer: Option<IpAddr>,
     trusted_proxies: &[IpNet],
     jwt: Option<&JwtVerifier>,
+    api_keys: Option<&ApiKeysConfig>,
 ) -> Result<String, IdentityError> {
     match source {
         IdentitySource::Global => Ok("global".to_owned()),
@@ -133,6 +136,15 @@ pub fn identify(
         IdentitySource::ClientIp => {
             let peer = peer.ok_or(IdentityError::NoPeerAddress)?;
             Ok(format!("ip:{}", client_ip(req, peer, trusted_proxies)?))
+        }
+        IdentitySource::ApiKey => {
+            let keys = api_keys.ok_or(IdentityError::UnknownApiKey)?;
+            let key = single(req, keys.header.as_str())?
+                .map(|v| v.as_bytes())
+                .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
+                .ok_or(IdentityError::UnknownApiKey)?;
+            let owner = keys.keys.owner(key).ok_or(IdentityError::UnknownApiKey)?;
+            Ok(format!("tenant:{}", owner.tenant))
         }
         IdentitySource::Jwt => {
             let verifier = jwt.ok_or(IdentityError::InvalidToken)?;
@@ -306,6 +318,7 @@ mod tests {
                 &req(&["1.2.3.4, x"], &[]),
                 Some(proxy),
                 &trusted,
+                None,
                 None
             ),
             Err(IdentityError::UnusableForwardedFor)
@@ -317,12 +330,12 @@ mod tests {
         let src = IdentitySource::Header("x-api-key".into());
         let twice = req(&[], &[("X-API-Key", "a"), ("x-api-key", "b")]);
         assert_eq!(
-            identify(&src, &twice, None, &[], None),
+            identify(&src, &twice, None, &[], None, None),
             Err(IdentityError::AmbiguousHeader)
         );
         let twice = req(&[], &[("X-API-Key", "a"), ("X-API-Key", "a")]);
         assert_eq!(
-            identify(&src, &twice, None, &[], None),
+            identify(&src, &twice, None, &[], None, None),
             Err(IdentityError::AmbiguousHeader),
             "even with the same value"
         );
@@ -333,18 +346,18 @@ mod tests {
         let src = IdentitySource::Header("x-api-key".into());
         let r = req(&[], &[("X-API-Key", "abc")]);
         assert_eq!(
-            identify(&src, &r, None, &[], None).unwrap(),
+            identify(&src, &r, None, &[], None, None).unwrap(),
             "header:x-api-key:abc"
         );
         let empty = req(&[], &[("X-API-Key", "")]);
         assert_eq!(
-            identify(&src, &empty, None, &[], None),
+            identify(&src, &empty, None, &[], None, None),
             Err(IdentityError::MissingHeader)
         );
         let long = "k".repeat(MAX_HEADER_IDENTITY_BYTES + 1);
         let r = req(&[], &[("X-API-Key", long.as_str())]);
         assert_eq!(
-            identify(&src, &r, None, &[], None),
+            identify(&src, &r, None, &[], None, None),
             Err(IdentityError::MissingHeader)
         );
         let ipid = identify(
@@ -352,6 +365,7 @@ mod tests {
             &req(&[], &[]),
             Some(ip("::ffff:1.2.3.4")),
             &[],
+            None,
             None,
         );
         assert_eq!(ipid.unwrap(), "ip:1.2.3.4");
@@ -403,6 +417,7 @@ mod tests {
                 None,
                 &[],
                 Some(v),
+                None,
             )
         }
 
@@ -444,7 +459,7 @@ mod tests {
                 &[("Authorization", &bearer), ("Authorization", &bearer)],
             );
             assert_eq!(
-                identify(&IdentitySource::Jwt, &twice, None, &[], Some(&v)),
+                identify(&IdentitySource::Jwt, &twice, None, &[], Some(&v), None),
                 Err(IdentityError::AmbiguousHeader)
             );
         }
@@ -530,7 +545,14 @@ mod tests {
                 Err(IdentityError::InvalidToken),
                 "no token"
             );
-            let none = identify(&IdentitySource::Jwt, &req(&[], &[]), None, &[], Some(&v));
+            let none = identify(
+                &IdentitySource::Jwt,
+                &req(&[], &[]),
+                None,
+                &[],
+                Some(&v),
+                None,
+            );
             assert_eq!(none, Err(IdentityError::InvalidToken), "no header");
         }
 

@@ -137,10 +137,21 @@ pub const WATCH_EVERY: Duration = Duration::from_millis(500);
 /// changes, once it has been stable for one more look. Failed reloads are counted and logged
 /// as any reload; the next change is tried again.
 pub async fn watch(reloader: Arc<Reloader>) {
-    let stamp = |path: &std::path::Path| {
+    let file = |path: &std::path::Path| {
         std::fs::metadata(path)
             .ok()
             .map(|m| (m.modified().ok(), m.len()))
+    };
+    // The config file and the API key file it names: a change to either reloads.
+    let stamp = |path: &std::path::Path| {
+        let keys = reloader
+            .live
+            .load()
+            .config
+            .api_keys
+            .as_ref()
+            .map(|k| k.file.clone());
+        (file(path), keys.and_then(|k| file(&k)))
     };
     let mut loaded = stamp(&reloader.path);
     let mut pending = None;

@@ -155,18 +155,29 @@ fn sliding_window_script_equals_the_model() {
                     &key,
                     [limit, window_us, step.cost],
                 );
+                let answered = std::time::Instant::now();
                 let now = reply[4] as u64;
                 match window.take(state, step.cost, now) {
                     Outcome::Admitted { state: next, left } => {
                         prop_assert_eq!(reply[0], 1, "model admits at {}", now);
                         prop_assert_eq!(reply[1] as u64, left);
                         state = Some(next);
-                        let stored: (u64, u64, u64) = redis::cmd("HMGET")
+                        let stored: (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
                             .arg(&key)
                             .arg(&["w", "c", "p"])
                             .query(&mut conn)
                             .unwrap();
-                        prop_assert_eq!(stored, (next.index, next.current, next.previous));
+                        // The script lets the key expire two windows after its window began:
+                        // with millisecond windows a busy machine can read it back too late.
+                        let expiry_us = (2 * window_us - now % window_us).div_ceil(1000) * 1000;
+                        let may_have_expired = answered.elapsed() + Duration::from_millis(1)
+                            >= Duration::from_micros(expiry_us);
+                        if !(stored == (None, None, None) && may_have_expired) {
+                            prop_assert_eq!(
+                                stored,
+                                (Some(next.index), Some(next.current), Some(next.previous))
+                            );
+                        }
                     }
                     Outcome::Denied {
                         retry_after_secs,

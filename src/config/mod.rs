@@ -3,10 +3,12 @@
 //! A `Config` can only be built through validation, so the rest of the gateway never sees an
 //! invalid value.
 
+pub mod api_keys;
 mod error;
 pub mod raw;
 mod validate;
 
+pub use api_keys::{ApiKeyTable, KeyOwner};
 pub use error::{line_col, ConfigError, ConfigErrors};
 
 use std::collections::BTreeMap;
@@ -48,6 +50,7 @@ pub struct Config {
     pub redis: RedisConfig,
     pub breaker: BreakerConfig,
     pub jwt: Option<JwtConfig>,
+    pub api_keys: Option<ApiKeysConfig>,
     pub access_log: Option<AccessLogTarget>,
     pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     pub routes: Vec<RouteConfig>,
@@ -125,6 +128,19 @@ pub struct JwtConfig {
     pub secret: Option<Secret>,
 }
 
+/// `[auth.api_keys]`: which header carries the key, and the keys, read from their file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKeysConfig {
+    /// Lower-case header name.
+    pub header: String,
+    /// The key file, relative paths resolved against the config file's directory.
+    pub file: PathBuf,
+    pub keys: Arc<ApiKeyTable>,
+}
+
+/// The default `[auth.api_keys] header`.
+pub const DEFAULT_API_KEY_HEADER: &str = "x-api-key";
+
 /// Shortest accepted HS* shared secret, in bytes.
 pub const MIN_JWT_SECRET_BYTES: usize = 32;
 
@@ -178,6 +194,8 @@ pub enum IdentitySource {
     Global,
     /// A request header, stored lower-case.
     Header(String),
+    /// A key of `[auth.api_keys]`, counted against its tenant.
+    ApiKey,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -71,6 +71,14 @@ pub struct RawBreaker {
 #[serde(deny_unknown_fields)]
 pub struct RawAuth {
     pub jwt: Option<Spanned<RawJwt>>,
+    pub api_keys: Option<Spanned<RawApiKeys>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawApiKeys {
+    pub header: Option<Spanned<String>>,
+    pub file: Spanned<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -117,6 +117,7 @@ impl Gateway {
             peer,
             trusted,
             snapshot.jwt.as_ref(),
+            snapshot.config.api_keys.as_ref(),
         ) {
             Ok(identity) => identity,
             Err(identity::IdentityError::UnusableForwardedFor) => return Some(Answer::BadRequest),

@@ -255,6 +255,24 @@ pub fn run_binary(args: &[&OsStr], env: &[(&str, Option<&str>)]) -> Output {
     command.output().expect("the binary runs")
 }
 
+/// Runs the gateway binary to its exit with `stdin` as its standard input (`hash-key`).
+pub fn run_binary_with_stdin(args: &[&OsStr], stdin: &[u8]) -> Output {
+    let mut child = binary()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(stdin)
+        .expect("stdin written");
+    child.wait_with_output().expect("the binary exits")
+}
+
 /// `sentinel-gateway check --config <path>`.
 pub fn check_config(path: &Path, env: &[(&str, Option<&str>)]) -> Output {
     run_binary(

@@ -37,6 +37,7 @@ pub fn validate(
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw);
     let access_log = sections::access_log(&mut c, &raw);
+    let api_keys = sections::api_keys(&mut c, &raw, path);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
         .upstreams
         .iter()
@@ -78,6 +79,7 @@ pub fn validate(
         redis: redis.expect("no errors means a redis section"),
         breaker: breaker.expect("no errors means a breaker section"),
         jwt,
+        api_keys,
         access_log,
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),

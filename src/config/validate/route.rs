@@ -303,7 +303,7 @@ fn identity(
 ) -> Option<IdentitySource> {
     let Some(spanned) = &r.identity else {
         if limited {
-            c.push(Some(&r.endpoint_id.span()), label, "identity is required for a limited route: use \"jwt\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
+            c.push(Some(&r.endpoint_id.span()), label, "identity is required for a limited route: use \"jwt\", \"api_key\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
             return None;
         }
         return Some(IdentitySource::Global);
@@ -328,8 +328,24 @@ fn identity(
             }
             Some(IdentitySource::Jwt)
         }
+        RawIdentity::Named(n) if n == "api_key" => {
+            if raw
+                .auth
+                .as_ref()
+                .and_then(|a| a.get_ref().api_keys.as_ref())
+                .is_none()
+            {
+                c.push(
+                    Some(&span),
+                    label,
+                    "identity = \"api_key\" needs an [auth.api_keys] section".into(),
+                );
+                return None;
+            }
+            Some(IdentitySource::ApiKey)
+        }
         RawIdentity::Named(n) => {
-            c.push(Some(&span), label, format!("identity = \"{n}\" is unknown: use \"jwt\", \"client_ip\", \"global\" or {{ header = \"X-API-Key\" }}"));
+            c.push(Some(&span), label, format!("identity = \"{n}\" is unknown: use \"jwt\", \"api_key\", \"client_ip\", \"global\" or {{ header = \"X-API-Key\" }}"));
             None
         }
         RawIdentity::Header { header } => match http::HeaderName::from_bytes(header.as_bytes()) {

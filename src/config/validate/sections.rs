@@ -3,7 +3,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::num::NonZeroU32;
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,6 +139,62 @@ pub(super) fn body_limit(
         " bytes (0: no limit)",
     )?;
     Some((n > 0).then_some(n))
+}
+
+/// `[auth.api_keys]`: the header, and the keys read from their file (its problems are
+/// reported with the key file's own positions).
+pub(super) fn api_keys(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ApiKeysConfig> {
+    let k = raw.auth.as_ref()?.get_ref().api_keys.as_ref()?.get_ref();
+    let header = match &k.header {
+        None => Some(DEFAULT_API_KEY_HEADER.to_owned()),
+        Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(name) => Some(name.as_str().to_owned()),
+            Err(_) => {
+                c.push(
+                    Some(&h.span()),
+                    None,
+                    format!(
+                        "auth.api_keys.header = \"{}\" is not a header name",
+                        h.get_ref()
+                    ),
+                );
+                None
+            }
+        },
+    };
+    let written = k.file.get_ref();
+    if written.is_empty() {
+        c.push(
+            Some(&k.file.span()),
+            None,
+            "auth.api_keys.file is empty: name the key file".into(),
+        );
+        return None;
+    }
+    let file = config
+        .parent()
+        .map_or_else(|| PathBuf::from(written), |dir| dir.join(written));
+    let keys = match api_keys::load(&file) {
+        Ok(keys) => Some(keys),
+        Err(errors) => {
+            if errors.iter().all(|e| e.position.is_none()) {
+                // The file could not be read: say where it was named.
+                c.push(
+                    Some(&k.file.span()),
+                    None,
+                    format!("auth.api_keys.file = \"{written}\": {}", errors[0].message),
+                );
+            } else {
+                c.errors.extend(errors);
+            }
+            None
+        }
+    };
+    Some(ApiKeysConfig {
+        header: header?,
+        file,
+        keys: Arc::new(keys?),
+    })
 }
 
 /// `[access_log]`: where the lines go.

@@ -1,0 +1,237 @@
+//! The API key file of `[auth.api_keys]`: `[[keys]]` entries of `sha256` (the hex SHA-256 of
+//! a key: the key itself is never stored), `tenant` and an optional `tier`. Validated like
+//! the config itself, every problem with the key file's own line and column.
+//!
+//! A lookup hashes the presented key and finds the hash in a map: its cost does not grow with
+//! the number of keys, and what is compared is a hash, so timing says nothing about which
+//! prefix of a real key a guess shared.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use toml::Spanned;
+
+use super::error::{Collector, ConfigError};
+use super::EndpointId;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKeyFile {
+    #[serde(default)]
+    keys: Vec<Spanned<RawKey>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    sha256: Spanned<String>,
+    tenant: Spanned<String>,
+    tier: Option<Spanned<String>>,
+}
+
+/// Whose a key is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyOwner {
+    pub tenant: Arc<str>,
+    pub tier: Option<Arc<str>>,
+}
+
+/// Every key of the file, by its SHA-256.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ApiKeyTable {
+    keys: HashMap<[u8; 32], KeyOwner>,
+}
+
+impl ApiKeyTable {
+    /// The owner of the key whose SHA-256 is `digest`.
+    pub fn owner_of_digest(&self, digest: &[u8; 32]) -> Option<&KeyOwner> {
+        self.keys.get(digest)
+    }
+
+    /// The owner of `key` as a client presents it.
+    pub fn owner(&self, key: &[u8]) -> Option<&KeyOwner> {
+        self.owner_of_digest(&Sha256::digest(key).into())
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Distinct tenants.
+    pub fn tenants(&self) -> usize {
+        let mut tenants: Vec<&str> = self.keys.values().map(|o| &*o.tenant).collect();
+        tenants.sort_unstable();
+        tenants.dedup();
+        tenants.len()
+    }
+}
+
+/// The `sha256 = "..."` line for `key`, as `sentinel-gateway hash-key` prints it.
+pub fn key_line(key: &[u8]) -> String {
+    format!("sha256 = \"{}\"", hex::encode(Sha256::digest(key)))
+}
+
+/// Reads and validates a key file.
+pub fn load(path: &Path) -> Result<ApiKeyTable, Vec<ConfigError>> {
+    match std::fs::read_to_string(path) {
+        Ok(source) => parse(path, &source),
+        Err(e) => Err(vec![ConfigError {
+            file: path.to_path_buf(),
+            position: None,
+            route: None,
+            message: format!("cannot read the API key file: {e}"),
+        }]),
+    }
+}
+
+/// Validates a key file held in memory; `path` is only used in messages.
+pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>> {
+    let mut c = Collector::new(path, source);
+    let raw: RawKeyFile = match toml::from_str(source) {
+        Ok(raw) => raw,
+        Err(e) => {
+            c.push(e.span().as_ref(), None, e.message().trim().to_owned());
+            return Err(c.errors);
+        }
+    };
+    let mut keys: HashMap<[u8; 32], (usize, KeyOwner)> = HashMap::new();
+    for (i, entry) in raw.keys.iter().enumerate() {
+        let k = entry.get_ref();
+        let label = format!("keys[{i}]");
+        let label = Some(label.as_str());
+        let digest = hex_digest(k.sha256.get_ref());
+        if digest.is_none() {
+            c.push(Some(&k.sha256.span()), label, format!("sha256 = \"{}\" is not a SHA-256: write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)", k.sha256.get_ref()));
+        }
+        let tenant = name(&mut c, label, "tenant", &k.tenant);
+        let tier = match &k.tier {
+            Some(t) => name(&mut c, label, "tier", t).map(Some),
+            None => Some(None),
+        };
+        let (Some(digest), Some(tenant), Some(tier)) = (digest, tenant, tier) else {
+            continue;
+        };
+        let owner = KeyOwner { tenant, tier };
+        if let Some((first, _)) = keys.get(&digest) {
+            c.push(
+                Some(&k.sha256.span()),
+                label,
+                format!("this sha256 is listed already, as keys[{first}]: a key has one tenant"),
+            );
+            continue;
+        }
+        keys.insert(digest, (i, owner));
+    }
+    if !c.errors.is_empty() {
+        return Err(c.errors);
+    }
+    Ok(ApiKeyTable {
+        keys: keys.into_iter().map(|(d, (_, o))| (d, o)).collect(),
+    })
+}
+
+fn hex_digest(text: &str) -> Option<[u8; 32]> {
+    let mut digest = [0u8; 32];
+    (text.len() == 64)
+        .then(|| hex::decode_to_slice(text.to_ascii_lowercase(), &mut digest).ok())
+        .flatten()
+        .map(|()| digest)
+}
+
+/// A tenant or tier name: the same alphabet as an endpoint id.
+fn name(
+    c: &mut Collector,
+    label: Option<&str>,
+    field: &str,
+    value: &Spanned<String>,
+) -> Option<Arc<str>> {
+    let text = value.get_ref();
+    if EndpointId::parse(text).is_none() {
+        c.push(
+            Some(&value.span()),
+            label,
+            format!("{field} = \"{text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"),
+        );
+        return None;
+    }
+    Some(Arc::from(text.as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha(key: &str) -> String {
+        hex::encode(Sha256::digest(key.as_bytes()))
+    }
+
+    #[test]
+    fn keys_are_found_by_their_hash_and_tenants_may_hold_several() {
+        let src = format!(
+            "[[keys]]\nsha256 = \"{}\"\ntenant = \"acme\"\ntier = \"pro\"\n\n[[keys]]\nsha256 = \"{}\"\ntenant = \"acme\"\n\n[[keys]]\nsha256 = \"{}\"\ntenant = \"globex\"\n",
+            sha("k1"),
+            sha("k2").to_ascii_uppercase(),
+            sha("k3")
+        );
+        let table = parse(Path::new("keys.toml"), &src).unwrap();
+        assert_eq!((table.len(), table.tenants()), (3, 2));
+        let acme = table.owner(b"k1").unwrap();
+        assert_eq!((&*acme.tenant, acme.tier.as_deref()), ("acme", Some("pro")));
+        assert_eq!(
+            &*table.owner(b"k2").unwrap().tenant,
+            "acme",
+            "upper-case hex is read"
+        );
+        assert_eq!(&*table.owner(b"k3").unwrap().tenant, "globex");
+        assert_eq!(table.owner(b"k4"), None);
+        assert_eq!(
+            table.owner(sha("k1").as_bytes()),
+            None,
+            "the hash is not a key"
+        );
+        assert!(parse(Path::new("k.toml"), "").unwrap().is_empty());
+        assert_eq!(key_line(b"k1"), format!("sha256 = \"{}\"", sha("k1")));
+    }
+
+    #[test]
+    fn every_problem_is_named_with_its_line_and_column() {
+        let src = format!(
+            "[[keys]]\nsha256 = \"k1\"\ntenant = \"Acme Corp\"\n\n[[keys]]\nsha256 = \"{0}\"\ntenant = \"a\"\n\n[[keys]]\nsha256 = \"{0}\"\ntenant = \"b\"\ntier = \"\"\n",
+            sha("k")
+        );
+        let errors = parse(Path::new("keys.toml"), &src).unwrap_err();
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            text,
+            vec![
+                "keys.toml:2:10: keys[0]: sha256 = \"k1\" is not a SHA-256: write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)".to_owned(),
+                "keys.toml:3:10: keys[0]: tenant = \"Acme Corp\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
+                "keys.toml:12:8: keys[2]: tier = \"\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
+            ]
+        );
+        let dup = format!(
+            "[[keys]]\nsha256 = \"{0}\"\ntenant = \"a\"\n[[keys]]\nsha256 = \"{0}\"\ntenant = \"b\"\n",
+            sha("k")
+        );
+        let errors = parse(Path::new("keys.toml"), &dup).unwrap_err();
+        assert_eq!(
+            errors[0].to_string(),
+            "keys.toml:5:10: keys[1]: this sha256 is listed already, as keys[0]: a key has one tenant"
+        );
+        let unknown = parse(Path::new("keys.toml"), "[[keys]]\nkey = \"plain\"\n").unwrap_err();
+        assert!(
+            unknown[0]
+                .to_string()
+                .starts_with("keys.toml:2:1: unknown field `key`"),
+            "{}",
+            unknown[0]
+        );
+    }
+}

@@ -1,0 +1,200 @@
+//! API keys from a key file, against the binary and a real Redis: every key of a tenant
+//! spends the tenant's one bucket, an unknown key is 401 before Redis, `hash-key` makes the
+//! entry to paste, and the file follows a reload (a broken file keeps the old keys serving).
+
+mod common;
+
+use std::ffi::OsStr;
+use std::path::Path;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{client, Redis, Upstream};
+use sentinel_gateway::limiter::bucket_key;
+
+/// The `[[keys]]` entry `hash-key` prints for `key`.
+fn hash_key(key: &str, tenant: &str) -> String {
+    let out = common::run_binary_with_stdin(
+        &[
+            OsStr::new("hash-key"),
+            OsStr::new("--tenant"),
+            OsStr::new(tenant),
+        ],
+        format!("{key}\n").as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn write_keys(path: &Path, entries: &[String]) {
+    std::fs::write(path, entries.join("\n")).unwrap();
+}
+
+fn config(redis: &Redis, up: &Upstream, keys: &Path) -> GatewayConfig {
+    GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("k.ocr")
+                .prefix("/ocr")
+                .identity("api_key")
+                .token_bucket(3_000_000, 0),
+        )
+}
+
+async fn send(http: &reqwest::Client, url: &str, key: Option<&str>) -> (u16, String) {
+    let mut req = http.post(url);
+    if let Some(k) = key {
+        req = req.header("X-API-Key", k);
+    }
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_of_a_tenant_spends_one_bucket_and_unknown_keys_never_reach_redis() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    write_keys(
+        &keys,
+        &[
+            hash_key("acme-1", "acme"),
+            hash_key("acme-2", "acme"),
+            hash_key("globex-1", "globex"),
+        ],
+    );
+    let gw = config(&redis, &up, &keys).start();
+    let http = client();
+    let url = gw.url("/ocr/doc");
+    let mut statuses = Vec::new();
+    for key in ["acme-1", "acme-2", "acme-1", "acme-2", "globex-1"] {
+        statuses.push(send(&http, &url, Some(key)).await.0);
+    }
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 429, 200],
+        "a new key buys no new bucket"
+    );
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        {
+            let mut want = vec![
+                bucket_key("sentinel", "tenant:acme", "k.ocr", 1),
+                bucket_key("sentinel", "tenant:globex", "k.ocr", 1),
+            ];
+            want.sort();
+            want
+        },
+        "one bucket per tenant"
+    );
+
+    redis.reset_stats();
+    for key in [Some("made-up"), Some(""), None] {
+        assert_eq!(
+            send(&http, &url, key).await,
+            (401, r#"{"detail":"authentication required"}"#.to_owned()),
+            "{key:?}"
+        );
+    }
+    assert_eq!(redis.limiter_calls(), 0, "refused before Redis");
+    let logs = gw.logs();
+    for raw in ["acme-1", "made-up", "globex-1"] {
+        assert!(!logs.contains(raw), "{raw} reached the log");
+    }
+
+    // A new key, pasted from hash-key, and a removed one, after a reload.
+    write_keys(
+        &keys,
+        &[hash_key("acme-1", "acme"), hash_key("newco-1", "newco")],
+    );
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(send(&http, &url, Some("newco-1")).await.0, 200);
+    assert_eq!(send(&http, &url, Some("globex-1")).await.0, 401, "removed");
+    assert_eq!(
+        send(&http, &url, Some("acme-1")).await.0,
+        429,
+        "the bucket carried on"
+    );
+
+    // A broken key file fails the reload with its own file and line; the old keys serve on.
+    std::fs::write(&keys, "[[keys]]\nsha256 = \"not-a-hash\"\ntenant = \"x\"\n").unwrap();
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains(&format!("{}:2:10: keys[0]: sha256", keys.display())),
+        "{error}"
+    );
+    assert_eq!(send(&http, &url, Some("newco-1")).await.0, 200);
+}
+
+#[test]
+fn hash_key_prints_the_line_and_check_names_the_key_file() {
+    let out = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"secret-key\r\n");
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        line.trim_end(),
+        format!(
+            "sha256 = \"{}\"",
+            sentinel_gateway::limiter::identity_hash("secret-key")
+        ),
+        "the SHA-256 of the key without its line ending"
+    );
+    assert!(!line.contains("secret-key"));
+    let empty = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"\n");
+    assert_eq!(empty.status.code(), Some(1));
+
+    // A relative key file is found beside the config file.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.toml"), hash_key("k", "acme")).unwrap();
+    let cfg = GatewayConfig::new("redis://127.0.0.1:6379/0")
+        .section("[auth.api_keys]\nfile = \"keys.toml\"\n")
+        .upstream("app", &["127.0.0.1:9"])
+        .route(
+            Route::new("k.ocr")
+                .prefix("/ocr")
+                .identity("api_key")
+                .token_bucket(3_000_000, 0),
+        );
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, cfg.render(1, 2)).unwrap();
+    let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("per API key tenant"), "{stdout}");
+    assert!(
+        stdout.contains("api keys: 1 key(s) of 1 tenant(s)"),
+        "{stdout}"
+    );
+
+    // Without the section, a route cannot use api_key.
+    let bare = GatewayConfig::new("redis://127.0.0.1:6379/0")
+        .upstream("app", &["127.0.0.1:9"])
+        .route(
+            Route::new("k.ocr")
+                .prefix("/ocr")
+                .identity("api_key")
+                .token_bucket(3_000_000, 0),
+        );
+    std::fs::write(&path, bare.render(1, 2)).unwrap();
+    let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("identity = \"api_key\" needs an [auth.api_keys] section"));
+}
