@@ -9,8 +9,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use pingora_http::RequestHeader;
 
-use jsonwebtoken::{Algorithm, DecodingKey, Validation};
-use serde::Deserialize;
+use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 
 use crate::config::{ApiKeysConfig, IdentitySource, JwtConfig};
 
@@ -20,54 +19,127 @@ pub const MAX_HEADER_IDENTITY_BYTES: usize = 1024;
 /// Longest `Authorization` header accepted, in bytes; larger tokens are refused unparsed.
 pub const MAX_AUTHORIZATION_BYTES: usize = 8192;
 
-/// Clock skew tolerated on `exp` and `nbf`, in seconds.
-pub const JWT_LEEWAY_SECS: u64 = 30;
-
 /// Longest `sub` accepted, in bytes.
 pub const MAX_SUBJECT_BYTES: usize = 256;
 
-/// Verifies HS* bearer tokens: signature, `exp` (required), `nbf` (when present) and `sub`
-/// (required, non-empty). `alg: none` and every algorithm not configured are refused.
+/// Verifies bearer tokens: the signature with the key the token's `alg` and `kid` pick (HS*
+/// with the shared secret; RS*, PS*, ES* and EdDSA with the JWKS keys of that type), `exp`
+/// (required), `nbf` (when present), `iss` and `aud` when configured, and the identity claim
+/// (a string of 1 to 256 bytes). `alg: none`, every algorithm not configured, and a key of
+/// the wrong type (an RSA key offered as an HMAC secret, say) are refused.
 pub struct JwtVerifier {
-    key: DecodingKey,
+    algorithms: Vec<Algorithm>,
+    secret: Option<DecodingKey>,
+    /// Public keys: `kid`, the `alg` the JWKS pins (if any), the key.
+    keys: Vec<(Option<String>, Option<Algorithm>, DecodingKey)>,
     validation: Validation,
+    identity_claim: String,
 }
 
-#[derive(Deserialize)]
-struct Claims {
-    sub: String,
+/// The family of keys a JWKS key is; `None` for kinds that verify no configured algorithm.
+fn jwk_family(jwk: &jsonwebtoken::jwk::Jwk) -> Option<AlgorithmFamily> {
+    use jsonwebtoken::jwk::AlgorithmParameters as P;
+    match &jwk.algorithm {
+        P::RSA(_) => Some(AlgorithmFamily::Rsa),
+        P::EllipticCurve(_) => Some(AlgorithmFamily::Ec),
+        P::OctetKeyPair(_) => Some(AlgorithmFamily::Ed),
+        _ => None,
+    }
 }
 
 impl JwtVerifier {
-    /// `None` when the config holds no secret (no route uses jwt).
+    /// `None` when the config holds nothing to verify with (no route uses jwt).
     pub fn new(config: &JwtConfig) -> Option<Self> {
-        let secret = config.secret.as_ref()?;
-        let key = DecodingKey::from_secret(&secret.0).ok()?;
         let algorithms: Vec<Algorithm> = config
             .algorithms
             .iter()
-            .filter_map(|a| match a.as_str() {
-                "HS256" => Some(Algorithm::HS256),
-                "HS384" => Some(Algorithm::HS384),
-                "HS512" => Some(Algorithm::HS512),
-                _ => None,
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        let secret = config
+            .secret
+            .as_ref()
+            .and_then(|s| DecodingKey::from_secret(&s.0).ok());
+        let keys: Vec<_> = config
+            .jwks
+            .iter()
+            .flat_map(|set| set.keys.iter())
+            .filter(|jwk| jwk_family(jwk).is_some())
+            .filter_map(|jwk| {
+                let pinned = jwk
+                    .common
+                    .key_algorithm
+                    .and_then(|a| a.to_string().parse::<Algorithm>().ok());
+                Some((
+                    jwk.common.key_id.clone(),
+                    pinned,
+                    DecodingKey::from_jwk(jwk).ok()?,
+                ))
             })
             .collect();
+        if secret.is_none() && keys.is_empty() {
+            return None;
+        }
         let mut validation = Validation::new(*algorithms.first()?);
-        validation.algorithms = algorithms;
-        validation.leeway = JWT_LEEWAY_SECS;
+        validation.leeway = config.leeway_secs;
         validation.validate_exp = true;
         validation.validate_nbf = true;
-        validation.validate_aud = false;
-        validation.set_required_spec_claims(&["exp", "sub"]);
-        Some(Self { key, validation })
+        if let Some(iss) = &config.issuer {
+            validation.set_issuer(&[iss]);
+        }
+        validation.validate_aud = !config.audiences.is_empty();
+        if validation.validate_aud {
+            validation.set_audience(&config.audiences);
+        }
+        let mut required = vec!["exp"];
+        if config.issuer.is_some() {
+            required.push("iss");
+        }
+        if validation.validate_aud {
+            required.push("aud");
+        }
+        validation.set_required_spec_claims(&required);
+        Some(Self {
+            algorithms,
+            secret,
+            keys,
+            validation,
+            identity_claim: config.identity_claim.clone(),
+        })
     }
 
-    /// The verified subject of a bearer token.
+    /// The verified identity claim of a bearer token.
     pub fn subject(&self, token: &str) -> Option<String> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation).ok()?;
-        let sub = data.claims.sub;
-        (!sub.is_empty() && sub.len() <= MAX_SUBJECT_BYTES).then_some(sub)
+        let header = jsonwebtoken::decode_header(token).ok()?;
+        let alg = header.alg;
+        if !self.algorithms.contains(&alg) {
+            return None;
+        }
+        let mut validation = self.validation.clone();
+        validation.algorithms = vec![alg];
+        let verify = |key: &DecodingKey| {
+            jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(
+                token,
+                key,
+                &validation,
+            )
+            .ok()
+        };
+        let claims = if alg.family() == AlgorithmFamily::Hmac {
+            verify(self.secret.as_ref()?)?
+        } else {
+            // The token's kid picks the key; without one, every key of its type is tried. A key
+            // of another type is never tried (the library refuses the pairing too).
+            self.keys
+                .iter()
+                .filter(|(kid, pinned, key)| {
+                    header.kid.as_ref().is_none_or(|k| kid.as_ref() == Some(k))
+                        && pinned.is_none_or(|p| p == alg)
+                        && key.family() == alg.family()
+                })
+                .find_map(|(_, _, key)| verify(key))?
+        };
+        let id = claims.claims.get(&self.identity_claim)?.as_str()?;
+        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| id.to_owned())
     }
 }
 
@@ -381,13 +453,171 @@ mod tests {
 
         const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 
-        fn verifier(algs: &[&str]) -> JwtVerifier {
-            JwtVerifier::new(&JwtConfig {
+        fn config(algs: &[&str]) -> JwtConfig {
+            JwtConfig {
                 secret_env: "X".into(),
                 algorithms: algs.iter().map(|a| a.to_string()).collect(),
                 secret: Some(Secret(Arc::from(SECRET))),
-            })
+                jwks: None,
+                jwks_path: None,
+                issuer: None,
+                audiences: Vec::new(),
+                leeway_secs: 30,
+                identity_claim: "sub".into(),
+            }
+        }
+
+        fn verifier(algs: &[&str]) -> JwtVerifier {
+            JwtVerifier::new(&config(algs)).unwrap()
+        }
+
+        fn fixture(name: &str) -> Vec<u8> {
+            std::fs::read(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures/jwt")
+                    .join(name),
+            )
             .unwrap()
+        }
+
+        /// A verifier over the fixture JWKS (keys rsa-1 pinned to RS256, rsa-2, ec-1, ed-1).
+        fn jwks_verifier(algs: &[&str], adjust: impl FnOnce(&mut JwtConfig)) -> JwtVerifier {
+            let set: jsonwebtoken::jwk::JwkSet =
+                serde_json::from_slice(&fixture("jwks.json")).unwrap();
+            let mut c = config(algs);
+            c.secret = None;
+            c.jwks = Some(Arc::new(set));
+            adjust(&mut c);
+            JwtVerifier::new(&c).unwrap()
+        }
+
+        fn signed(
+            alg: Algorithm,
+            kid: Option<&str>,
+            key: &EncodingKey,
+            claims: serde_json::Value,
+        ) -> String {
+            let mut header = Header::new(alg);
+            header.kid = kid.map(str::to_owned);
+            encode(&header, &claims, key).unwrap()
+        }
+
+        fn id_of(v: &JwtVerifier, token: &str) -> Option<String> {
+            v.subject(token)
+        }
+
+        #[test]
+        fn jwks_keys_verify_their_own_algorithms_picked_by_kid() {
+            let v = jwks_verifier(&["RS256", "RS384", "PS256", "ES256", "EdDSA"], |_| {});
+            let claims = serde_json::json!({"sub": "tenant-1", "exp": now() + 60});
+            let rsa1 = EncodingKey::from_rsa_der(&fixture("rsa.der"));
+            let rsa2 = EncodingKey::from_rsa_der(&fixture("rsa2.der"));
+            let ec = EncodingKey::from_ec_der(&fixture("ec.der"));
+            let ed = EncodingKey::from_ed_der(&fixture("ed.der"));
+            let other = EncodingKey::from_rsa_der(&fixture("other-rsa.der"));
+            let ok = |t: String| assert_eq!(id_of(&v, &t).as_deref(), Some("tenant-1"));
+            ok(signed(
+                Algorithm::RS256,
+                Some("rsa-1"),
+                &rsa1,
+                claims.clone(),
+            ));
+            ok(signed(Algorithm::RS256, None, &rsa1, claims.clone()));
+            ok(signed(
+                Algorithm::RS384,
+                Some("rsa-2"),
+                &rsa2,
+                claims.clone(),
+            ));
+            ok(signed(Algorithm::PS256, None, &rsa2, claims.clone()));
+            ok(signed(Algorithm::ES256, Some("ec-1"), &ec, claims.clone()));
+            ok(signed(Algorithm::EdDSA, Some("ed-1"), &ed, claims.clone()));
+            let refused = |t: String, why: &str| assert_eq!(id_of(&v, &t), None, "{why}");
+            refused(
+                signed(Algorithm::RS256, Some("rsa-2"), &rsa1, claims.clone()),
+                "the kid names another key",
+            );
+            refused(
+                signed(Algorithm::RS384, Some("rsa-1"), &rsa1, claims.clone()),
+                "rsa-1 is pinned to RS256",
+            );
+            refused(
+                signed(Algorithm::RS256, Some("rsa-1"), &other, claims.clone()),
+                "a key not in the set",
+            );
+            refused(
+                signed(Algorithm::RS256, None, &other, claims.clone()),
+                "no key of the set verifies it",
+            );
+            refused(
+                signed(Algorithm::RS256, Some("nobody"), &rsa1, claims.clone()),
+                "an unknown kid",
+            );
+            refused(
+                signed(Algorithm::RS512, Some("rsa-1"), &rsa1, claims.clone()),
+                "RS512 is not configured",
+            );
+            refused(
+                signed(Algorithm::ES256, Some("rsa-1"), &ec, claims.clone()),
+                "an EC token on an RSA key",
+            );
+            // The HS-with-a-public-key confusion: an HMAC over the token keyed with a public
+            // key's bytes verifies nothing, HS256 not being configured nor a JWKS type.
+            let n = serde_json::from_slice::<serde_json::Value>(&fixture("jwks.json")).unwrap()
+                ["keys"][0]["n"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            refused(
+                signed(
+                    Algorithm::HS256,
+                    Some("rsa-1"),
+                    &EncodingKey::from_secret(n.as_bytes()).unwrap(),
+                    claims,
+                ),
+                "alg confusion",
+            );
+        }
+
+        #[test]
+        fn issuer_audience_leeway_and_the_identity_claim() {
+            let v = jwks_verifier(&["RS256"], |c| {
+                c.issuer = Some("https://idp.example/".into());
+                c.audiences = vec!["pdftalk-api".into(), "other".into()];
+                c.identity_claim = "org_id".into();
+            });
+            let key = EncodingKey::from_rsa_der(&fixture("rsa.der"));
+            let t = |claims: serde_json::Value| {
+                id_of(&v, &signed(Algorithm::RS256, Some("rsa-1"), &key, claims))
+            };
+            let exp = now() + 60;
+            let good = serde_json::json!({"org_id": "org-7", "iss": "https://idp.example/", "aud": ["x", "pdftalk-api"], "exp": exp});
+            assert_eq!(t(good.clone()).as_deref(), Some("org-7"));
+            assert_eq!(t(serde_json::json!({"org_id": "org-7", "iss": "https://idp.example/", "aud": "pdftalk-api", "exp": exp})).as_deref(), Some("org-7"), "aud as one string");
+            for (field, value) in [
+                ("iss", serde_json::json!("https://evil.example/")),
+                ("aud", serde_json::json!("another-service")),
+                ("org_id", serde_json::json!(7)),
+                ("org_id", serde_json::json!("")),
+            ] {
+                let mut bad = good.clone();
+                bad[field] = value;
+                assert_eq!(t(bad.clone()), None, "{bad}");
+            }
+            for missing in ["iss", "aud", "org_id", "exp"] {
+                let mut bad = good.clone();
+                bad.as_object_mut().unwrap().remove(missing);
+                assert_eq!(t(bad), None, "without {missing}");
+            }
+            let mut late = good.clone();
+            late["exp"] = serde_json::json!(now() - 20);
+            assert_eq!(
+                t(late.clone()).as_deref(),
+                Some("org-7"),
+                "within the 30 s leeway"
+            );
+            late["exp"] = serde_json::json!(now() - 40);
+            assert_eq!(t(late), None, "past the leeway");
         }
 
         fn now() -> u64 {

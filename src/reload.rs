@@ -142,16 +142,16 @@ pub async fn watch(reloader: Arc<Reloader>) {
             .ok()
             .map(|m| (m.modified().ok(), m.len()))
     };
-    // The config file and the API key file it names: a change to either reloads.
+    // The config file and the key files it names (API keys, JWKS): a change to any reloads.
     let stamp = |path: &std::path::Path| {
-        let keys = reloader
-            .live
-            .load()
-            .config
-            .api_keys
-            .as_ref()
-            .map(|k| k.file.clone());
-        (file(path), keys.and_then(|k| file(&k)))
+        let config = &reloader.live.load().config;
+        let keys = config.api_keys.as_ref().map(|k| k.file.clone());
+        let jwks = config.jwt.as_ref().and_then(|j| j.jwks_path.clone());
+        (
+            file(path),
+            keys.and_then(|k| file(&k)),
+            jwks.and_then(|j| file(&j)),
+        )
     };
     let mut loaded = stamp(&reloader.path);
     let mut pending = None;

@@ -5,6 +5,7 @@
 
 pub mod api_keys;
 mod error;
+mod jwks;
 pub mod raw;
 mod validate;
 
@@ -119,14 +120,33 @@ pub struct BreakerConfig {
     pub open_for: Duration,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct JwtConfig {
     pub secret_env: String,
-    /// A subset of HS256, HS384, HS512.
+    /// A subset of [`JWT_ALGORITHMS`].
     pub algorithms: Vec<String>,
-    /// Read from `secret_env` when a route uses `identity = "jwt"`.
+    /// Read from `secret_env` when a route uses `identity = "jwt"` with an HS* algorithm.
     pub secret: Option<Secret>,
+    /// The public keys of `jwks_path` (resolved against the config file's directory), read at
+    /// load.
+    pub jwks: Option<Arc<jsonwebtoken::jwk::JwkSet>>,
+    pub jwks_path: Option<PathBuf>,
+    /// When given, `iss` must equal it.
+    pub issuer: Option<String>,
+    /// When not empty, `aud` must contain one of them.
+    pub audiences: Vec<String>,
+    /// Clock skew tolerated on `exp` and `nbf`.
+    pub leeway_secs: u64,
+    /// The claim that names the caller (`sub` by default).
+    pub identity_claim: String,
 }
+
+/// Every JWT algorithm a config may list: HS* verify with `secret_env`, the others with keys
+/// of `jwks_path`.
+pub const JWT_ALGORITHMS: &[&str] = &[
+    "HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256",
+    "ES384", "EdDSA",
+];
 
 /// `[auth.api_keys]`: which header carries the key, and the keys, read from their file.
 #[derive(Debug, Clone, PartialEq, Eq)]

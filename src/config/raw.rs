@@ -86,6 +86,11 @@ pub struct RawApiKeys {
 pub struct RawJwt {
     pub secret_env: Option<Spanned<String>>,
     pub algorithms: Option<Spanned<Vec<String>>>,
+    pub jwks_path: Option<Spanned<String>>,
+    pub issuer: Option<Spanned<String>>,
+    pub audiences: Option<Spanned<Vec<String>>>,
+    pub leeway_seconds: Option<Spanned<i64>>,
+    pub identity_claim: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

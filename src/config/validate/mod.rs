@@ -35,7 +35,7 @@ pub fn validate(
     let server = sections::server(&mut c, &raw);
     let redis = sections::redis(&mut c, &raw, redis_url_override);
     let breaker = sections::breaker(&mut c, &raw);
-    let jwt = sections::jwt(&mut c, &raw);
+    let jwt = sections::jwt(&mut c, &raw, path);
     let access_log = sections::access_log(&mut c, &raw);
     let api_keys = sections::api_keys(&mut c, &raw, path);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw

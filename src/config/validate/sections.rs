@@ -384,38 +384,37 @@ pub(super) fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfi
     })
 }
 
-pub(super) fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
-    let j = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
+pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<JwtConfig> {
+    let spanned = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
+    let j = spanned.get_ref();
     let secret_env = j
-        .get_ref()
         .secret_env
         .as_ref()
         .map_or("SENTINEL_JWT_SECRET".to_owned(), |s| s.get_ref().clone());
+    let accepted = JWT_ALGORITHMS.join(", ");
     let mut algorithms = vec!["HS256".to_owned()];
-    if let Some(a) = j.get_ref().algorithms.as_ref() {
+    if let Some(a) = j.algorithms.as_ref() {
         for alg in a.get_ref() {
-            if !matches!(alg.as_str(), "HS256" | "HS384" | "HS512") {
-                c.push(Some(&a.span()), None, format!("auth.jwt.algorithms: \"{alg}\" is not accepted: use a subset of HS256, HS384, HS512"));
+            if !JWT_ALGORITHMS.contains(&alg.as_str()) {
+                c.push(Some(&a.span()), None, format!("auth.jwt.algorithms: \"{alg}\" is not accepted: use a subset of {accepted}"));
             }
         }
         if a.get_ref().is_empty() {
             c.push(
                 Some(&a.span()),
                 None,
-                "auth.jwt.algorithms is empty: use a subset of HS256, HS384, HS512".into(),
+                format!("auth.jwt.algorithms is empty: use a subset of {accepted}"),
             );
         }
         algorithms = a.get_ref().clone();
     }
+    let symmetric = algorithms.iter().any(|a| a.starts_with("HS"));
+    let asymmetric = algorithms.iter().any(|a| !a.starts_with("HS"));
     let used = raw.routes.iter().any(|r| {
         matches!(r.get_ref().identity.as_ref().map(|i| i.get_ref()), Some(RawIdentity::Named(n)) if n == "jwt")
     });
-    let secret = if used {
-        let span = j
-            .get_ref()
-            .secret_env
-            .as_ref()
-            .map_or(j.span(), |s| s.span());
+    let secret = if used && symmetric {
+        let span = j.secret_env.as_ref().map_or(spanned.span(), |s| s.span());
         match std::env::var_os(&secret_env) {
             None => {
                 c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes"));
@@ -430,10 +429,100 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig) -> Option<JwtConfig> {
     } else {
         None
     };
+    let jwks_path = j.jwks_path.as_ref().map(|p| {
+        config
+            .parent()
+            .map_or_else(|| PathBuf::from(p.get_ref()), |dir| dir.join(p.get_ref()))
+    });
+    let jwks = match (&j.jwks_path, &jwks_path) {
+        (Some(p), Some(file)) => match super::super::jwks::load(file, &algorithms) {
+            Ok(set) => Some(Arc::new(set)),
+            Err(errors) => {
+                if errors
+                    .iter()
+                    .all(|e| e.position.is_none() && e.route.is_none())
+                {
+                    c.push(
+                        Some(&p.span()),
+                        None,
+                        format!(
+                            "auth.jwt.jwks_path = \"{}\": {}",
+                            p.get_ref(),
+                            errors[0].message
+                        ),
+                    );
+                } else {
+                    c.errors.extend(errors);
+                }
+                None
+            }
+        },
+        _ if asymmetric => {
+            c.push(
+                Some(&spanned.span()),
+                None,
+                format!(
+                    "auth.jwt.algorithms lists {} but no jwks_path gives their public keys",
+                    algorithms
+                        .iter()
+                        .filter(|a| !a.starts_with("HS"))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+            None
+        }
+        _ => None,
+    };
+    let text = |field: &str, v: &Spanned<String>, c: &mut Collector| {
+        if v.get_ref().is_empty() {
+            c.push(
+                Some(&v.span()),
+                None,
+                format!("auth.jwt.{field} is empty: leave it out, or give a value"),
+            );
+            None
+        } else {
+            Some(v.get_ref().clone())
+        }
+    };
+    let issuer = j.issuer.as_ref().and_then(|i| text("issuer", i, c));
+    let mut audiences = Vec::new();
+    if let Some(a) = &j.audiences {
+        if a.get_ref().is_empty() || a.get_ref().iter().any(String::is_empty) {
+            c.push(
+                Some(&a.span()),
+                None,
+                "auth.jwt.audiences must list non-empty audiences: leave it out to accept any"
+                    .into(),
+            );
+        }
+        audiences = a.get_ref().clone();
+    }
+    let leeway = int_in(
+        c,
+        None,
+        "auth.jwt.leeway_seconds",
+        j.leeway_seconds.as_ref(),
+        30,
+        (0, 3600),
+        " seconds",
+    );
+    let identity_claim = match &j.identity_claim {
+        None => Some("sub".to_owned()),
+        Some(claim) => text("identity_claim", claim, c),
+    };
     Some(JwtConfig {
         secret_env,
         algorithms,
         secret,
+        jwks,
+        jwks_path,
+        issuer,
+        audiences,
+        leeway_secs: leeway?,
+        identity_claim: identity_claim?,
     })
 }
 

@@ -1,0 +1,102 @@
+//! The JWKS file of `[auth.jwt] jwks_path`: the identity provider's public keys, read at load
+//! and on every reload. A key that cannot verify anything, or a symmetric key (which would let
+//! whoever reads the file mint tokens), is a config error naming the file and the key.
+
+use std::path::Path;
+
+use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::DecodingKey;
+
+use super::error::ConfigError;
+
+/// Reads and checks a JWKS file; `algorithms` are the configured ones (for messages).
+pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigError>> {
+    let error = |position, key: Option<String>, message: String| ConfigError {
+        file: path.to_path_buf(),
+        position,
+        route: key,
+        message,
+    };
+    let source = std::fs::read_to_string(path)
+        .map_err(|e| vec![error(None, None, format!("cannot read the JWKS file: {e}"))])?;
+    let set: JwkSet = serde_json::from_str(&source).map_err(|e| {
+        vec![error(
+            Some((e.line(), e.column())),
+            None,
+            format!("not a JWKS ({e}): expected {{\"keys\": [...]}} of JSON Web Keys"),
+        )]
+    })?;
+    if set.keys.is_empty() {
+        return Err(vec![error(None, None, "the JWKS holds no keys".into())]);
+    }
+    let mut errors = Vec::new();
+    for (i, jwk) in set.keys.iter().enumerate() {
+        let label = match &jwk.common.key_id {
+            Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
+            None => format!("keys[{i}]"),
+        };
+        if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_)) {
+            errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into()));
+            continue;
+        }
+        if let Err(e) = DecodingKey::from_jwk(jwk) {
+            errors.push(error(
+                None,
+                Some(label),
+                format!(
+                    "cannot be used to verify tokens ({e}); auth.jwt.algorithms is [{}]",
+                    algorithms.join(", ")
+                ),
+            ));
+        }
+    }
+    if errors.is_empty() {
+        Ok(set)
+    } else {
+        Err(errors)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(json: &str) -> Result<JwkSet, Vec<String>> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jwks.json");
+        std::fs::write(&path, json).unwrap();
+        load(&path, &["RS256".into()]).map_err(|errors| {
+            errors
+                .iter()
+                .map(|e| {
+                    e.to_string()
+                        .replace(&path.display().to_string(), "jwks.json")
+                })
+                .collect()
+        })
+    }
+
+    #[test]
+    fn the_fixture_set_loads_and_bad_files_are_named() {
+        let fixture = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json"),
+        )
+        .unwrap();
+        assert_eq!(check(&fixture).unwrap().keys.len(), 4);
+        let errors =
+            check("{\"keys\": [\n  {\"kty\": \"oct\", \"kid\": \"s\", \"k\": \"c2VjcmV0\"}\n]}")
+                .unwrap_err();
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].starts_with("jwks.json: keys[0] (kid \"s\"): a symmetric key"),
+            "{errors:?}"
+        );
+        let errors = check("{\"keys\": [}").unwrap_err();
+        assert!(
+            errors[0].starts_with("jwks.json:1:11: not a JWKS"),
+            "{errors:?}"
+        );
+        let errors = check("{\"keys\": []}").unwrap_err();
+        assert_eq!(errors, vec!["jwks.json: the JWKS holds no keys".to_owned()]);
+    }
+}

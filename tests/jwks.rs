@@ -1,0 +1,176 @@
+//! JWTs from an identity provider, against the binary: RS256 / ES256 / EdDSA tokens verified
+//! with the keys of a JWKS file (`tests/fixtures/jwt`: test keys made for this suite), the
+//! `kid` picking the key, `iss` and `aud` checked, the bucket named by `identity_claim`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{client, Redis, Upstream};
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use sentinel_gateway::limiter::bucket_key;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/jwt")
+        .join(name)
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn token(alg: Algorithm, kid: Option<&str>, key_file: &str, claims: serde_json::Value) -> String {
+    let der = std::fs::read(fixture(key_file)).unwrap();
+    let key = match alg {
+        Algorithm::ES256 => EncodingKey::from_ec_der(&der),
+        Algorithm::EdDSA => EncodingKey::from_ed_der(&der),
+        _ => EncodingKey::from_rsa_der(&der),
+    };
+    let mut header = Header::new(alg);
+    header.kid = kid.map(str::to_owned);
+    encode(&header, &claims, &key).unwrap()
+}
+
+fn jwt_section(extra: &str) -> String {
+    format!(
+        "[auth.jwt]\nalgorithms = [\"RS256\", \"ES256\", \"EdDSA\"]\njwks_path = {}\nissuer = \"https://idp.example/\"\naudiences = [\"pdftalk-api\"]\nidentity_claim = \"org_id\"\n{extra}",
+        quoted(fixture("jwks.json").to_str().unwrap())
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_of_an_identity_provider_are_verified_with_its_jwks() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&jwt_section(""))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .token_bucket(100_000_000, 0),
+        )
+        .start();
+    let http = client();
+    let claims = |org: &str, aud: &str| serde_json::json!({"org_id": org, "sub": "user-1", "iss": "https://idp.example/", "aud": aud, "exp": now() + 60});
+    for (alg, kid, key, org) in [
+        (Algorithm::RS256, Some("rsa-1"), "rsa.der", "org-rsa"),
+        (Algorithm::RS256, None, "rsa2.der", "org-rsa2"),
+        (Algorithm::ES256, Some("ec-1"), "ec.der", "org-ec"),
+        (Algorithm::EdDSA, Some("ed-1"), "ed.der", "org-ed"),
+    ] {
+        let r = http
+            .get(gw.url("/api"))
+            .bearer_auth(token(alg, kid, key, claims(org, "pdftalk-api")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{alg:?} {kid:?}");
+    }
+    let mut want: Vec<String> = ["org-rsa", "org-rsa2", "org-ec", "org-ed"]
+        .iter()
+        .map(|org| bucket_key("sentinel", &format!("jwt:{org}"), "j.api", 1))
+        .collect();
+    want.sort();
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        want,
+        "one bucket per identity_claim value"
+    );
+
+    redis.reset_stats();
+    let refused = [
+        token(
+            Algorithm::RS256,
+            Some("rsa-1"),
+            "other-rsa.der",
+            claims("x", "pdftalk-api"),
+        ),
+        token(
+            Algorithm::RS256,
+            Some("unknown"),
+            "rsa.der",
+            claims("x", "pdftalk-api"),
+        ),
+        token(
+            Algorithm::RS256,
+            Some("rsa-1"),
+            "rsa.der",
+            claims("x", "another-api"),
+        ),
+        token(
+            Algorithm::PS256,
+            Some("rsa-2"),
+            "rsa2.der",
+            claims("x", "pdftalk-api"),
+        ),
+    ];
+    for t in refused {
+        let r = http
+            .get(gw.url("/api"))
+            .bearer_auth(t)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    }
+    assert_eq!(redis.limiter_calls(), 0, "refused before Redis");
+}
+
+#[test]
+fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("jwks.json");
+    std::fs::write(
+        &bad,
+        r#"{"keys": [{"kty": "oct", "kid": "s", "k": "c2VjcmV0"}]}"#,
+    )
+    .unwrap();
+    let route = Route::new("j.api")
+        .prefix("/api")
+        .identity("jwt")
+        .token_bucket(100_000_000, 0);
+    let with = |section: &str| {
+        GatewayConfig::new("redis://127.0.0.1:6379/0")
+            .section(section)
+            .upstream("app", &["127.0.0.1:9"])
+            .route(route.clone())
+            .render(1, 2)
+    };
+    let path = dir.path().join("gateway.toml");
+    let check = |config: String| {
+        std::fs::write(&path, config).unwrap();
+        let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, err) = check(with(&format!(
+        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
+        quoted(bad.to_str().unwrap())
+    )));
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains(&format!(
+            "{}: keys[0] (kid \"s\"): a symmetric key",
+            bad.display()
+        )),
+        "{err}"
+    );
+    let (code, err) = check(with("[auth.jwt]\nalgorithms = [\"RS256\"]\n"));
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("auth.jwt.algorithms lists RS256 but no jwks_path gives their public keys"),
+        "{err}"
+    );
+    let (code, _) = check(with(&jwt_section("")));
+    assert_eq!(code, Some(0), "the fixture JWKS is accepted");
+}
