@@ -13,6 +13,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use sha2::{Digest, Sha256};
 
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
@@ -70,7 +71,40 @@ impl Admin {
         }
     }
 
+    /// With `admin_token_env`, every request but the probes needs `Authorization: Bearer
+    /// <token>`; the comparison is of hashes, so its time says nothing about the token.
+    fn authorized(&self, req: &Request<Incoming>) -> bool {
+        if matches!(req.uri().path(), "/healthz" | "/readyz") {
+            return true;
+        }
+        let snapshot = self.reloader.live.load();
+        let Some(token) = &snapshot.config.server.admin_token else {
+            return true;
+        };
+        let mut values = req.headers().get_all(http::header::AUTHORIZATION).iter();
+        let (Some(value), None) = (values.next(), values.next()) else {
+            return false;
+        };
+        let presented = value
+            .as_bytes()
+            .strip_prefix(b"Bearer ")
+            .or_else(|| value.as_bytes().strip_prefix(b"bearer "))
+            .unwrap_or_default();
+        Sha256::digest(presented) == Sha256::digest(&token.0)
+    }
+
     async fn route(&self, req: Request<Incoming>) -> AdminResponse {
+        if !self.authorized(&req) {
+            let mut answer = json(
+                StatusCode::UNAUTHORIZED,
+                serde_json::json!({"detail": "authentication required"}),
+            );
+            answer.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer"),
+            );
+            return answer;
+        }
         match (req.method().clone(), req.uri().path()) {
             (Method::GET, "/metrics") => {
                 self.metrics

@@ -39,6 +39,7 @@ pub struct Metrics {
     pub config_generation: IntGauge,
     shadow_denials: IntCounterVec,
     overlimit_hits: IntCounterVec,
+    exempt_requests: IntCounterVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
@@ -68,6 +69,8 @@ pub struct EndpointMetrics {
     pub degraded: IntCounter,
     pub shadow_denials: IntCounter,
     pub overlimit_hits: IntCounter,
+    /// Requests forwarded unlimited because the client is in `exempt_client_cidrs`.
+    pub exempt: IntCounter,
     pub requests: RequestCounters,
 }
 
@@ -157,6 +160,11 @@ impl Metrics {
         let overlimit_hits = counter(
             "sentinel_overlimit_cache_hits_total",
             "Denials answered from the local over-limit cache.",
+            &["endpoint_id"],
+        );
+        let exempt_requests = counter(
+            "sentinel_exempt_requests_total",
+            "Requests forwarded without identity, limit or Redis call: the client is in exempt_client_cidrs.",
             &["endpoint_id"],
         );
         let decision_duration = register(
@@ -281,6 +289,7 @@ impl Metrics {
             config_generation,
             shadow_denials,
             overlimit_hits,
+            exempt_requests,
             in_flight,
             fleet_instances,
             access_log_dropped,
@@ -322,6 +331,7 @@ impl Metrics {
                 .with_label_values(&[endpoint_id, fail_mode.as_str()]),
             shadow_denials: self.shadow_denials.with_label_values(&[endpoint_id]),
             overlimit_hits: self.overlimit_hits.with_label_values(&[endpoint_id]),
+            exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
             requests: self.requests(endpoint_id),
         }
     }

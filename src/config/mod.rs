@@ -30,6 +30,9 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// Largest accepted `max_body_bytes` (1 TiB); 0 means no limit.
 pub const MAX_BODY_BYTES: i64 = 1 << 40;
 
+/// Shortest accepted admin token, in bytes.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
+
 /// The default `request_id_header`.
 pub const DEFAULT_REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -80,6 +83,9 @@ pub struct ServerConfig {
     pub max_body_bytes: Option<u64>,
     /// The request id's header, on upstream requests and on every answer.
     pub request_id_header: http::HeaderName,
+    /// `admin_token_env`'s value: every admin request but `/healthz` and `/readyz` needs it
+    /// as a bearer token.
+    pub admin_token: Option<Secret>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -291,6 +297,8 @@ pub struct RouteConfig {
     pub policy: Arc<Policy>,
     /// This route's body limit, or the server's; `None`: no limit.
     pub max_body_bytes: Option<u64>,
+    /// Clients (as `client_ip` derives them) forwarded without identity, limit or Redis call.
+    pub exempt_client_cidrs: Vec<IpNet>,
 }
 
 impl RouteConfig {

@@ -41,6 +41,7 @@ pub struct RawServer {
     pub h2c: Option<bool>,
     pub max_body_bytes: Option<Spanned<i64>>,
     pub request_id_header: Option<Spanned<String>>,
+    pub admin_token_env: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,6 +133,7 @@ pub struct RawRoute {
     pub cost_micro: Option<Spanned<i64>>,
     pub mode: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,
+    pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// The field names of a route, in the order the documentation lists them; a test keeps
@@ -158,4 +160,5 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "ratelimit_headers",
     "mode",
     "max_body_bytes",
+    "exempt_client_cidrs",
 ];

@@ -63,6 +63,8 @@ pub struct RequestCtx {
     /// Request body bytes passed upstream so far, and whether the body outgrew its limit.
     body_bytes: u64,
     body_too_large: bool,
+    /// Forwarded unlimited: the client is in the route's `exempt_client_cidrs`.
+    exempt: bool,
     _in_flight: Option<InFlight>,
 }
 
@@ -243,6 +245,11 @@ impl ProxyHttp for Gateway {
                 session.set_keepalive(None);
                 return self.answer(session, ctx, Answer::BodyTooLarge).await;
             }
+        }
+        let client = ctx.origin.as_ref().and_then(|o| o.client);
+        if client.is_some_and(|ip| route.exempt_client_cidrs.iter().any(|n| n.contains(&ip))) {
+            ctx.exempt = true;
+            return Ok(false);
         }
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
@@ -484,6 +491,9 @@ impl ProxyHttp for Gateway {
         };
         let m = &route.endpoint.metrics;
         m.requests.inc(status);
+        if ctx.exempt {
+            m.exempt.inc();
+        }
         if let Some(d) = ctx.decision {
             m.decision(d.reason(), d.allowed()).inc();
             m.decision_duration.observe(ctx.decision_time.as_secs_f64());

@@ -93,6 +93,12 @@ pub(super) fn route(
     if c.errors.len() > before {
         return None;
     }
+    let exempt = super::sections::cidrs(
+        c,
+        label,
+        "exempt_client_cidrs",
+        r.exempt_client_cidrs.as_ref(),
+    );
     let max_body_bytes = match &r.max_body_bytes {
         None => Some(server_max_body_bytes),
         own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
@@ -106,6 +112,7 @@ pub(super) fn route(
         identity: identity?,
         policy: Arc::new(policy?),
         max_body_bytes: max_body_bytes?,
+        exempt_client_cidrs: exempt?,
     })
 }
 

@@ -108,6 +108,22 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
             }
         },
     };
+    let admin_token = match s.and_then(|s| s.admin_token_env.as_ref()) {
+        None => Some(None),
+        Some(var) => match std::env::var_os(var.get_ref()) {
+            Some(v) if v.len() >= MIN_ADMIN_TOKEN_BYTES => {
+                Some(Some(Secret(Arc::from(v.as_encoded_bytes()))))
+            }
+            Some(v) => {
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds {} bytes: the admin token must be at least {MIN_ADMIN_TOKEN_BYTES} bytes", var.get_ref(), v.len()));
+                None
+            }
+            None => {
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} is not set: set it to the admin token (at least {MIN_ADMIN_TOKEN_BYTES} bytes)", var.get_ref()));
+                None
+            }
+        },
+    };
     Some(ServerConfig {
         listen,
         threads: threads? as usize,
@@ -118,8 +134,34 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
         max_body_bytes: max_body_bytes?,
         request_id_header: request_id_header?,
+        admin_token: admin_token?,
     })
     .filter(|_| ok)
+}
+
+/// A list of CIDRs (or plain addresses, as /32 and /128), each checked; `field` names it.
+pub(super) fn cidrs(
+    c: &mut Collector,
+    route: Option<&str>,
+    field: &str,
+    list: Option<&Spanned<Vec<Spanned<String>>>>,
+) -> Option<Vec<IpNet>> {
+    let mut ok = true;
+    let mut nets = Vec::new();
+    for p in list.map(|l| l.get_ref().as_slice()).unwrap_or_default() {
+        let text = p.get_ref();
+        let parsed = text
+            .parse::<IpNet>()
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
+        match parsed {
+            Ok(net) => nets.push(net.trunc()),
+            Err(_) => {
+                c.push(Some(&p.span()), route, format!("{field} entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
+                ok = false;
+            }
+        }
+    }
+    ok.then_some(nets)
 }
 
 /// A `max_body_bytes` field: `Some(None)` for no limit (absent or 0), `None` when invalid.

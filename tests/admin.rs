@@ -1,0 +1,73 @@
+//! `admin_token_env`: with a token configured, every admin request but the probes needs it as
+//! a bearer token; without one, the admin listener answers as before.
+
+mod common;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{client, Redis, Upstream};
+
+const TOKEN: &str = "admin-token-0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_guards_everything_but_the_probes() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("admin_token_env", quoted("SENTINEL_ADMIN_TOKEN"))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start_with_env(&[("SENTINEL_ADMIN_TOKEN", TOKEN)]);
+    let http = client();
+    for path in ["/healthz", "/readyz"] {
+        let r = http.get(gw.admin(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path} stays open for probes");
+    }
+    for (method, path) in [
+        ("GET", "/metrics"),
+        ("POST", "/reload"),
+        ("GET", "/nowhere"),
+    ] {
+        let req = |auth: Option<&str>| {
+            let mut r = http.request(method.parse().unwrap(), gw.admin(path));
+            if let Some(a) = auth {
+                r = r.header("Authorization", a);
+            }
+            r
+        };
+        for wrong in [
+            None,
+            Some("Bearer wrong"),
+            Some(TOKEN),
+            Some("Basic YWRtaW4="),
+        ] {
+            let r = req(wrong).send().await.unwrap();
+            assert_eq!(r.status(), 401, "{method} {path} with {wrong:?}");
+            assert_eq!(r.headers()["www-authenticate"], "Bearer");
+            assert_eq!(
+                r.text().await.unwrap(),
+                r#"{"detail":"authentication required"}"#
+            );
+        }
+        let r = req(Some(&format!("Bearer {TOKEN}"))).send().await.unwrap();
+        assert_ne!(r.status(), 401, "{method} {path} with the token");
+    }
+    assert!(!gw.logs().contains(TOKEN), "the token never reaches a log");
+
+    // Without the variable the config is invalid.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        GatewayConfig::new(&redis.url())
+            .server("admin_token_env", quoted("SENTINEL_TEST_UNSET_TOKEN"))
+            .upstream("app", &[up.addr()])
+            .route(Route::new("a.open").prefix("/").unlimited())
+            .render(1, 2),
+    )
+    .unwrap();
+    let out = common::check_config(&path, &[("SENTINEL_TEST_UNSET_TOKEN", None)]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(
+        "server.admin_token_env: the environment variable SENTINEL_TEST_UNSET_TOKEN is not set"
+    ));
+}

@@ -1,0 +1,65 @@
+//! `exempt_client_cidrs`: clients inside are forwarded without identity, limit or Redis call,
+//! and counted; everyone else is limited as before.
+
+mod common;
+
+use common::config::{GatewayConfig, Route};
+use common::{client, Redis, Upstream};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exempt_clients_skip_identity_limit_and_redis() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let route = |id: &str, prefix: &str, exempt: &str| {
+        Route::new(id)
+            .prefix(prefix)
+            .identity_header("X-API-Key")
+            .token_bucket(1_000_000, 0)
+            .set("exempt_client_cidrs", exempt)
+    };
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route("x.inside", "/inside", r#"["127.0.0.0/8"]"#))
+        .route(route("x.outside", "/outside", r#"["10.0.0.0/8", "::1"]"#))
+        .start();
+    let http = client();
+    redis.reset_stats();
+    for _ in 0..5 {
+        let r = http.get(gw.url("/inside")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "no key needed, no limit");
+    }
+    assert_eq!(redis.limiter_calls(), 0, "no Redis call");
+    assert_eq!(
+        gw.metric(r#"sentinel_exempt_requests_total{endpoint_id="x.inside"}"#),
+        5.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="x.inside"}"#),
+        0.0,
+        "no decision"
+    );
+    let statuses = [
+        http.get(gw.url("/outside")).send().await.unwrap().status(),
+        http.get(gw.url("/outside"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        http.get(gw.url("/outside"))
+            .header("X-API-Key", "k")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+    ];
+    assert_eq!(
+        statuses.map(|s| s.as_u16()),
+        [401, 200, 429],
+        "outside the list: limited"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_exempt_requests_total{endpoint_id="x.outside"}"#),
+        0.0
+    );
+}
