@@ -16,6 +16,7 @@ use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 
 use crate::lifecycle::Lifecycle;
+use crate::limiter::{identity_hash, inspect};
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::store::Store;
@@ -39,6 +40,20 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> AdminResponse 
 
 fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
     reply(status, "application/json", value.to_string())
+}
+
+/// A query parameter, form-decoded (`+` is a space, `%XX` a byte); `None` when absent, empty
+/// or not UTF-8.
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k == name).then_some(())?;
+        let v = v.replace('+', " ");
+        let decoded = percent_encoding::percent_decode_str(&v)
+            .decode_utf8()
+            .ok()?;
+        (!decoded.is_empty()).then(|| decoded.into_owned())
+    })
 }
 
 impl Admin {
@@ -122,6 +137,10 @@ impl Admin {
             (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
             (Method::GET, "/readyz") => self.readyz(),
             (Method::POST, "/reload") => self.reload().await,
+            (method, path) if path.starts_with("/limits/") => {
+                let endpoint = path.trim_start_matches("/limits/").to_owned();
+                self.limits(method, &endpoint, req.uri().query()).await
+            }
             (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(
                 StatusCode::METHOD_NOT_ALLOWED,
                 serde_json::json!({"detail": "method not allowed"}),
@@ -130,6 +149,73 @@ impl Admin {
                 StatusCode::NOT_FOUND,
                 serde_json::json!({"detail": "not found"}),
             ),
+        }
+    }
+
+    /// `GET /limits/<endpoint_id>?identity=...`: the identity's buckets, read without writing;
+    /// `DELETE`: deleted, so its next request starts full.
+    async fn limits(
+        &self,
+        method: Method,
+        endpoint_id: &str,
+        query: Option<&str>,
+    ) -> AdminResponse {
+        if method != Method::GET && method != Method::DELETE {
+            return json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                serde_json::json!({"detail": "method not allowed"}),
+            );
+        }
+        let snapshot = self.reloader.live.load_full();
+        let Some(endpoint) = crate::config::EndpointId::parse(endpoint_id)
+            .and_then(|id| snapshot.endpoints.get(&id).cloned())
+        else {
+            return json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"detail": "no such endpoint"}),
+            );
+        };
+        let Some(identity) = query.and_then(|q| query_param(q, "identity")) else {
+            return json(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"detail": "identity is required: /limits/<endpoint_id>?identity=<identity string, percent-encoded>"}),
+            );
+        };
+        let hash = identity_hash(&identity);
+        let unavailable = || {
+            json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                serde_json::json!({"detail": "rate limiter unavailable"}),
+            )
+        };
+        if method == Method::DELETE {
+            return match inspect::reset(&self.store, &endpoint, &hash).await {
+                Ok(deleted) => {
+                    tracing::info!(
+                        endpoint_id,
+                        identity_hash = hash.as_str(),
+                        keys_deleted = deleted,
+                        "limits reset from the admin listener"
+                    );
+                    json(
+                        StatusCode::OK,
+                        serde_json::json!({"reset": true, "keys_deleted": deleted}),
+                    )
+                }
+                Err(_) => unavailable(),
+            };
+        }
+        match inspect::peek(&self.store, &endpoint, &hash).await {
+            Ok(limits) => json(
+                StatusCode::OK,
+                serde_json::json!({
+                    "endpoint_id": endpoint_id,
+                    "identity_hash": hash,
+                    "tier": null,
+                    "limits": limits,
+                }),
+            ),
+            Err(_) => unavailable(),
         }
     }
 
@@ -179,5 +265,25 @@ impl Admin {
                 serde_json::json!({"reloaded": false, "error": error}),
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::query_param;
+
+    #[test]
+    fn identities_are_form_decoded_from_the_query() {
+        assert_eq!(
+            query_param("identity=header%3Ax-api-key%3Aab%2Bc&tier=pro", "identity").as_deref(),
+            Some("header:x-api-key:ab+c")
+        );
+        assert_eq!(
+            query_param("tier=pro&identity=a+b", "identity").as_deref(),
+            Some("a b")
+        );
+        assert_eq!(query_param("identity=", "identity"), None);
+        assert_eq!(query_param("identity=%ff", "identity"), None);
+        assert_eq!(query_param("other=x", "identity"), None);
     }
 }

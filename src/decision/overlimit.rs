@@ -68,6 +68,14 @@ impl OverlimitCache {
         shard.insert(key.to_owned(), now + wait_us);
     }
 
+    /// Forgets a remembered denial of `key` (an operator reset the bucket).
+    pub fn forget(&self, key: &str) {
+        self.shard(key)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+    }
+
     pub fn len(&self) -> usize {
         self.shards
             .iter()

@@ -35,6 +35,30 @@ pub enum Outcome {
 }
 
 impl Window {
+    /// What the window still admits at `now_us`, in requests, and the microseconds until it
+    /// is empty (both fixed windows it looks at passed), without deciding anything.
+    pub fn level(&self, state: Option<WindowState>, now_us: u64) -> (u64, u64) {
+        let w = self.window_us;
+        let index = now_us / w;
+        let elapsed = now_us - index * w;
+        let (c, p) = match state {
+            Some(s) if s.index == index => (s.current, s.previous),
+            Some(s) if s.index + 1 == index => (0, s.current),
+            _ => (0, 0),
+        };
+        let used = p * (w - elapsed) + c * w;
+        let left = (self.limit * w).saturating_sub(used) / w;
+        let left = left.min(self.limit.saturating_sub(c));
+        let empty_in = if c > 0 {
+            2 * w - elapsed
+        } else if p > 0 {
+            w - elapsed
+        } else {
+            0
+        };
+        (left, empty_in)
+    }
+
     /// Decides `cost` requests at `now_us` from the stored state.
     pub fn take(&self, state: Option<WindowState>, cost: u64, now_us: u64) -> Outcome {
         let w = self.window_us;
@@ -79,6 +103,33 @@ mod tests {
     use super::*;
 
     const SEC: u64 = 1_000_000;
+
+    #[test]
+    fn the_level_is_what_take_would_still_admit() {
+        let w = Window {
+            limit: 10,
+            window_us: 1_000_000,
+        };
+        assert_eq!(w.level(None, 5_500_000), (10, 0), "never used: full");
+        let state = WindowState {
+            index: 5,
+            current: 4,
+            previous: 6,
+        };
+        // Half the previous window (6) still weighs 3: 10 - 3 - 4 = 3 left.
+        assert_eq!(w.level(Some(state), 5_500_000), (3, 1_500_000));
+        // One window later the 4 are the previous window's, at three quarters' weight.
+        assert_eq!(w.level(Some(state), 6_250_000).0, 7);
+        assert_eq!(w.level(Some(state), 7_000_000), (10, 0));
+        // What level says is left, take admits, one at a time.
+        let mut s = Some(state);
+        let mut admitted = 0;
+        while let Outcome::Admitted { state, .. } = w.take(s, 1, 5_500_000) {
+            s = Some(state);
+            admitted += 1;
+        }
+        assert_eq!(admitted, 3);
+    }
 
     #[test]
     fn admits_the_limit_in_a_window_then_weights_the_previous_one() {

@@ -36,6 +36,20 @@ pub enum Take {
 }
 
 impl Bucket {
+    /// Microseconds until a bucket at (`tokens`, `frac`) is full again: 0 when full, `None`
+    /// when it never refills.
+    pub fn full_in_us(&self, tokens: u64, frac: u64) -> Option<u64> {
+        if tokens >= self.capacity {
+            return Some(0);
+        }
+        if self.rate_per_sec == 0 {
+            return None;
+        }
+        let missing = u128::from(self.capacity - tokens) * u128::from(MICRO) - u128::from(frac);
+        let us = missing.div_ceil(u128::from(self.rate_per_sec));
+        Some(u64::try_from(us).unwrap_or(u64::MAX))
+    }
+
     /// Tokens and remainder at `now_us`, from the last stored state (or a full bucket).
     pub fn refill(&self, state: Option<BucketState>, now_us: u64) -> (u64, u64) {
         let Some(s) = state else {
@@ -87,6 +101,25 @@ mod tests {
     use proptest::prelude::*;
 
     const ONE: u64 = MICRO;
+
+    #[test]
+    fn time_to_full_counts_the_refill_remainder() {
+        let b = Bucket {
+            capacity: 5 * MICRO,
+            rate_per_sec: 2 * MICRO,
+        };
+        assert_eq!(b.full_in_us(5 * MICRO, 0), Some(0));
+        assert_eq!(b.full_in_us(3 * MICRO, 0), Some(1_000_000));
+        // Half a micro-token of remainder already banked: a quarter microsecond less, rounded up.
+        assert_eq!(b.full_in_us(3 * MICRO, 500_000), Some(1_000_000));
+        assert_eq!(b.full_in_us(4 * MICRO + 999_999, 999_999), Some(1));
+        let never = Bucket {
+            capacity: 5 * MICRO,
+            rate_per_sec: 0,
+        };
+        assert_eq!(never.full_in_us(0, 0), None);
+        assert_eq!(never.full_in_us(5 * MICRO, 0), Some(0));
+    }
 
     #[test]
     fn a_fresh_bucket_admits_its_capacity_then_denies() {

@@ -8,6 +8,7 @@
 
 mod endpoint;
 pub mod heartbeat;
+pub mod inspect;
 
 use std::time::Duration;
 

@@ -8,9 +8,7 @@ use serde_json::{json, Value};
 
 use super::RequestCtx;
 use crate::decision::DecisionReason;
-
-/// The name a single-limit route's limit goes by.
-const DEFAULT_LIMIT: &str = "default";
+use crate::limiter::inspect::DEFAULT_LIMIT;
 
 /// The JSON line (without its newline) for a request answered with `status`.
 pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {

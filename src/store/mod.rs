@@ -76,6 +76,9 @@ pub struct Evaluation {
     pub breaker: BreakerState,
 }
 
+/// The bound of an admin operation's Redis call (`/limits`).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The process's Redis store. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -243,6 +246,58 @@ impl Store {
                 tracing::debug!(error = %e, "fleet heartbeat failed");
             }),
         }
+    }
+
+    /// Reads `fields` of the hash at `key` and Redis `TIME` (in microseconds), in one round
+    /// trip and without writing: what `/limits` shows of a bucket. Off the request path, with a
+    /// timeout of its own.
+    pub async fn read_fields(
+        &self,
+        key: &str,
+        fields: &[&str],
+    ) -> Result<(Vec<Option<u64>>, u64), StoreFailure> {
+        let conn = self
+            .link_for(key)
+            .and_then(|l| l.conn.load_full())
+            .ok_or(StoreFailure::ConnectionError)?;
+        let mut c = (*conn).clone();
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME").cmd("HMGET").arg(key).arg(fields);
+        let call = pipe.query_async::<((u64, u64), Vec<Option<String>>)>(&mut c);
+        let ((secs, micros), values) = tokio::time::timeout(ADMIN_TIMEOUT, call)
+            .await
+            .map_err(|_| StoreFailure::Timeout)?
+            .map_err(|e| {
+                tracing::debug!(error = %e, "cannot read a bucket");
+                StoreFailure::ConnectionError
+            })?;
+        let values = values
+            .into_iter()
+            .map(|v| v.and_then(|t| t.parse().ok()))
+            .collect();
+        Ok((values, secs * 1_000_000 + micros))
+    }
+
+    /// Deletes `keys` (all on one node: the keys of one identity); how many existed.
+    pub async fn delete(&self, keys: &[String]) -> Result<u64, StoreFailure> {
+        let Some(first) = keys.first() else {
+            return Ok(0);
+        };
+        let conn = self
+            .link_for(first)
+            .and_then(|l| l.conn.load_full())
+            .ok_or(StoreFailure::ConnectionError)?;
+        let mut c = (*conn).clone();
+        let mut del = redis::cmd("DEL");
+        del.arg(keys);
+        let call = del.query_async::<u64>(&mut c);
+        tokio::time::timeout(ADMIN_TIMEOUT, call)
+            .await
+            .map_err(|_| StoreFailure::Timeout)?
+            .map_err(|e| {
+                tracing::debug!(error = %e, "cannot delete a bucket");
+                StoreFailure::ConnectionError
+            })
     }
 
     /// Redis's `maxmemory-policy` when last read; `None` until read or when not permitted.

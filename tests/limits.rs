@@ -1,0 +1,138 @@
+//! `/limits` on the admin listener: an identity's buckets read without writing, and reset so
+//! its next request starts full (the over-limit cache forgets it too).
+
+mod common;
+
+use common::config::{GatewayConfig, Route};
+use common::{client, Redis, Upstream};
+use sentinel_gateway::limiter::{bucket_key, identity_hash};
+use serde_json::{json, Value};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_reads_and_resets_one_identitys_buckets() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("l.tb")
+                .prefix("/tb")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 10_000),
+        )
+        .route(
+            Route::new("l.sw")
+                .prefix("/sw")
+                .identity_header("X-API-Key")
+                .sliding_window(5, 60_000_000),
+        )
+        .start();
+    let http = client();
+    let send = |path: &'static str| {
+        let (http, url) = (http.clone(), gw.url(path));
+        async move {
+            http.get(url)
+                .header("X-API-Key", "k+1")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    let limits = |method: &str, endpoint: &str, query: &str| {
+        let req = http.request(
+            method.parse().unwrap(),
+            gw.admin(&format!("/limits/{endpoint}{query}")),
+        );
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (
+                status,
+                serde_json::from_str::<Value>(&r.text().await.unwrap()).unwrap(),
+            )
+        }
+    };
+    let who = "?identity=header%3Ax-api-key%3Ak%2B1";
+    let hash = identity_hash("header:x-api-key:k+1");
+    assert_eq!([send("/tb").await, send("/tb").await], [200, 200]);
+    let key = bucket_key("sentinel", "header:x-api-key:k+1", "l.tb", 1);
+    let before: Vec<String> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query(&mut redis.conn())
+        .unwrap();
+    redis.reset_stats();
+    let (status, body) = limits("GET", "l.tb", who).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["endpoint_id"], "l.tb");
+    assert_eq!(body["identity_hash"], hash.as_str());
+    assert_eq!(body["tier"], Value::Null);
+    let l = &body["limits"][0];
+    assert_eq!(
+        (&l["name"], &l["algorithm"]),
+        (&json!("default"), &json!("token_bucket"))
+    );
+    assert_eq!((&l["remaining"], &l["capacity"]), (&json!(1), &json!(3)));
+    let reset = l["reset_seconds"].as_u64().unwrap();
+    assert!(
+        (199..=201).contains(&reset),
+        "two tokens at 0.01 per second: {reset}"
+    );
+    let after: Vec<String> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(before, after, "read without writing");
+    assert_eq!(redis.command_calls("evalsha"), 0);
+
+    let (_, fresh) = limits("GET", "l.tb", "?identity=header%3Ax-api-key%3Anever").await;
+    assert_eq!(
+        (
+            &fresh["limits"][0]["remaining"],
+            &fresh["limits"][0]["reset_seconds"]
+        ),
+        (&json!(3), &json!(0)),
+        "a bucket never used reads full"
+    );
+    assert!(
+        redis.keys("sentinel:*").len() == 1,
+        "and nothing was created"
+    );
+
+    assert_eq!([send("/sw").await, send("/sw").await], [200, 200]);
+    let (_, sw) = limits("GET", "l.sw", who).await;
+    let l = &sw["limits"][0];
+    assert_eq!(
+        (&l["algorithm"], &l["remaining"], &l["capacity"]),
+        (&json!("sliding_window"), &json!(3), &json!(5))
+    );
+    assert!(l["reset_seconds"].as_u64().unwrap() <= 120);
+
+    // Exhausted, denied from the over-limit cache, reset: the next request is admitted.
+    assert_eq!(
+        [send("/tb").await, send("/tb").await, send("/tb").await],
+        [200, 429, 429]
+    );
+    let (status, body) = limits("DELETE", "l.tb", who).await;
+    assert_eq!(
+        (status, body),
+        (200, json!({"reset": true, "keys_deleted": 1}))
+    );
+    assert_eq!(send("/tb").await, 200, "starts full");
+    assert_eq!(
+        gw.logs()
+            .lines()
+            .filter(|l| l.contains("limits reset") && l.contains(hash.as_str()))
+            .count(),
+        1
+    );
+    assert!(!gw.logs().contains("k+1"), "never the raw identity");
+
+    assert_eq!(
+        limits("GET", "l.nope", who).await,
+        (404, json!({"detail": "no such endpoint"}))
+    );
+    assert_eq!(limits("GET", "l.tb", "").await.0, 400);
+    assert_eq!(limits("POST", "l.tb", who).await.0, 405);
+}
