@@ -33,6 +33,14 @@ fn write_keys(path: &Path, entries: &[String]) {
     std::fs::write(path, entries.join("\n")).unwrap();
 }
 
+/// The OCR route, keyed on API key tenants, 3 requests that never refill.
+fn ocr_route() -> Route {
+    Route::new("k.ocr")
+        .prefix("/ocr")
+        .identity("api_key")
+        .token_bucket(3_000_000, 0)
+}
+
 fn config(redis: &Redis, up: &Upstream, keys: &Path) -> GatewayConfig {
     GatewayConfig::new(&redis.url())
         .section(&format!(
@@ -40,12 +48,7 @@ fn config(redis: &Redis, up: &Upstream, keys: &Path) -> GatewayConfig {
             quoted(keys.to_str().unwrap())
         ))
         .upstream("app", &[up.addr()])
-        .route(
-            Route::new("k.ocr")
-                .prefix("/ocr")
-                .identity("api_key")
-                .token_bucket(3_000_000, 0),
-        )
+        .route(ocr_route())
 }
 
 async fn send(http: &reqwest::Client, url: &str, key: Option<&str>) -> (u16, String) {
@@ -161,12 +164,7 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     let cfg = GatewayConfig::new("redis://127.0.0.1:6379/0")
         .section("[auth.api_keys]\nfile = \"keys.toml\"\n")
         .upstream("app", &["127.0.0.1:9"])
-        .route(
-            Route::new("k.ocr")
-                .prefix("/ocr")
-                .identity("api_key")
-                .token_bucket(3_000_000, 0),
-        );
+        .route(ocr_route());
     let path = dir.path().join("gateway.toml");
     std::fs::write(&path, cfg.render(1, 2)).unwrap();
     let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
@@ -186,12 +184,7 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     // Without the section, a route cannot use api_key.
     let bare = GatewayConfig::new("redis://127.0.0.1:6379/0")
         .upstream("app", &["127.0.0.1:9"])
-        .route(
-            Route::new("k.ocr")
-                .prefix("/ocr")
-                .identity("api_key")
-                .token_bucket(3_000_000, 0),
-        );
+        .route(ocr_route());
     std::fs::write(&path, bare.render(1, 2)).unwrap();
     let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
     assert_eq!(out.status.code(), Some(2));

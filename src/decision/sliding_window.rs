@@ -35,17 +35,24 @@ pub enum Outcome {
 }
 
 impl Window {
-    /// What the window still admits at `now_us`, in requests, and the microseconds until it
-    /// is empty (both fixed windows it looks at passed), without deciding anything.
-    pub fn level(&self, state: Option<WindowState>, now_us: u64) -> (u64, u64) {
-        let w = self.window_us;
-        let index = now_us / w;
-        let elapsed = now_us - index * w;
+    /// At `now_us`: the fixed window's index, the time elapsed in it, and the current and
+    /// previous windows' counts as the stored state says.
+    fn counts(&self, state: Option<WindowState>, now_us: u64) -> (u64, u64, u64, u64) {
+        let index = now_us / self.window_us;
+        let elapsed = now_us - index * self.window_us;
         let (c, p) = match state {
             Some(s) if s.index == index => (s.current, s.previous),
             Some(s) if s.index + 1 == index => (0, s.current),
             _ => (0, 0),
         };
+        (index, elapsed, c, p)
+    }
+
+    /// What the window still admits at `now_us`, in requests, and the microseconds until it
+    /// is empty (both fixed windows it looks at passed), without deciding anything.
+    pub fn level(&self, state: Option<WindowState>, now_us: u64) -> (u64, u64) {
+        let w = self.window_us;
+        let (_, elapsed, c, p) = self.counts(state, now_us);
         let used = p * (w - elapsed) + c * w;
         let left = (self.limit * w).saturating_sub(used) / w;
         let left = left.min(self.limit.saturating_sub(c));
@@ -62,13 +69,7 @@ impl Window {
     /// Decides `cost` requests at `now_us` from the stored state.
     pub fn take(&self, state: Option<WindowState>, cost: u64, now_us: u64) -> Outcome {
         let w = self.window_us;
-        let index = now_us / w;
-        let elapsed = now_us - index * w;
-        let (c, p) = match state {
-            Some(s) if s.index == index => (s.current, s.previous),
-            Some(s) if s.index + 1 == index => (0, s.current),
-            _ => (0, 0),
-        };
+        let (index, elapsed, c, p) = self.counts(state, now_us);
         let limit = self.limit;
         if c + cost <= limit && p * (w - elapsed) + (c + cost) * w <= limit * w {
             let c = c + cost;
