@@ -42,16 +42,13 @@ fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
     reply(status, "application/json", value.to_string())
 }
 
-/// A query parameter, form-decoded (`+` is a space, `%XX` a byte); `None` when absent, empty
-/// or not UTF-8.
+/// A query parameter, percent-decoded (`%XX` is a byte; `+` is a plus, as API keys hold
+/// them); `None` when absent, empty or not UTF-8.
 fn query_param(query: &str, name: &str) -> Option<String> {
     query.split('&').find_map(|pair| {
         let (k, v) = pair.split_once('=')?;
         (k == name).then_some(())?;
-        let v = v.replace('+', " ");
-        let decoded = percent_encoding::percent_decode_str(&v)
-            .decode_utf8()
-            .ok()?;
+        let decoded = percent_encoding::percent_decode_str(v).decode_utf8().ok()?;
         (!decoded.is_empty()).then(|| decoded.into_owned())
     })
 }
@@ -279,8 +276,8 @@ mod tests {
             Some("header:x-api-key:ab+c")
         );
         assert_eq!(
-            query_param("tier=pro&identity=a+b", "identity").as_deref(),
-            Some("a b")
+            query_param("tier=pro&identity=a+b%20c", "identity").as_deref(),
+            Some("a+b c")
         );
         assert_eq!(query_param("identity=", "identity"), None);
         assert_eq!(query_param("identity=%ff", "identity"), None);

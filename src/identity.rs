@@ -64,11 +64,19 @@ impl JwtVerifier {
             .iter()
             .flat_map(|set| set.keys.iter())
             .filter(|jwk| jwk_family(jwk).is_some())
+            // A key for encryption, or pinned to an algorithm that signs nothing, verifies
+            // nothing.
+            .filter(|jwk| {
+                !matches!(
+                    jwk.common.public_key_use,
+                    Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
+                )
+            })
             .filter_map(|jwk| {
-                let pinned = jwk
-                    .common
-                    .key_algorithm
-                    .and_then(|a| a.to_string().parse::<Algorithm>().ok());
+                let pinned = match jwk.common.key_algorithm {
+                    Some(a) => Some(a.to_string().parse::<Algorithm>().ok()?),
+                    None => None,
+                };
                 Some((
                     jwk.common.key_id.clone(),
                     pinned,
@@ -266,15 +274,18 @@ pub fn client_ip(
     let fields: Vec<&http::HeaderValue> = req.headers.get_all("x-forwarded-for").iter().collect();
     let mut leftmost = None;
     for value in fields.into_iter().rev() {
-        let text = value
-            .to_str()
-            .map_err(|_| IdentityError::UnusableForwardedFor)?;
-        for entry in text.rsplit(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let ip = canonical(
-                entry
-                    .parse::<IpAddr>()
-                    .map_err(|_| IdentityError::UnusableForwardedFor)?,
-            );
+        // Entries are decoded one at a time: bytes left of the client never matter.
+        let entries = value
+            .as_bytes()
+            .rsplit(|b| *b == b',')
+            .map(<[u8]>::trim_ascii)
+            .filter(|e| !e.is_empty());
+        for entry in entries {
+            let ip = std::str::from_utf8(entry)
+                .ok()
+                .and_then(|e| e.parse::<IpAddr>().ok())
+                .map(canonical)
+                .ok_or(IdentityError::UnusableForwardedFor)?;
             if !is_trusted(ip, trusted) {
                 return Ok(ip);
             }
@@ -373,15 +384,23 @@ mod tests {
                 "{unusable}"
             );
         }
-        let mut r = req(&[], &[]);
-        r.append_header(
-            "x-forwarded-for",
-            http::HeaderValue::from_bytes(b"1.2.3.4\xff").unwrap(),
-        )
-        .unwrap();
+        let bytes = |raw: &[u8]| {
+            let mut r = req(&[], &[]);
+            r.append_header(
+                "x-forwarded-for",
+                http::HeaderValue::from_bytes(raw).unwrap(),
+            )
+            .unwrap();
+            client_ip(&r, proxy, &trusted)
+        };
         assert_eq!(
-            client_ip(&r, proxy, &trusted),
+            bytes(b"1.2.3.4\xff"),
             Err(IdentityError::UnusableForwardedFor)
+        );
+        assert_eq!(
+            bytes(b"\xff\x80, 1.2.3.4"),
+            Ok(ip("1.2.3.4")),
+            "non-ASCII left of the client"
         );
         let src = IdentitySource::ClientIp;
         assert_eq!(

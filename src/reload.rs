@@ -98,9 +98,9 @@ impl Reloader {
         .collect();
         let redis = config.redis.clone();
         let breaker = config.breaker;
-        // Opened before anything changes: a path that cannot be written fails the reload.
-        self.access_log
-            .reopen(config.access_log.as_ref())
+        // Opened before anything changes (a path that cannot be written fails the reload),
+        // installed once nothing else can fail.
+        let access_log = AccessLog::open(config.access_log.as_ref())
             .map_err(|e| format!("access_log.path: cannot open it: {e}"))?;
         let generation = current.generation + 1;
         let snapshot = Snapshot::build(
@@ -120,6 +120,7 @@ impl Reloader {
             restart_required.push(field);
         }
         store.reconfigure_breakers(breaker);
+        self.access_log.install(access_log);
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
         Ok(Reloaded {

@@ -63,3 +63,49 @@ async fn exempt_clients_skip_identity_limit_and_redis() {
         0.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_trusted_proxy_only_the_client_it_names_can_be_exempt() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("x.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(1_000_000, 0)
+                .set("exempt_client_cidrs", r#"["127.0.0.0/8"]"#),
+        )
+        .start();
+    let http = client();
+    let status = |xff: &'static [u8]| {
+        let (http, url) = (http.clone(), gw.url("/api"));
+        async move {
+            http.get(url)
+                .header(
+                    "X-Forwarded-For",
+                    http::HeaderValue::from_bytes(xff).unwrap(),
+                )
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    // The proxy's own address is exempt; a client it cannot name is not the proxy.
+    assert_eq!(status(b"garbage").await, 401);
+    assert_eq!(status(b"\xff").await, 401);
+    assert_eq!(status(b"1.2.3.4").await, 401, "a client outside the list");
+    assert_eq!(
+        status(b"127.0.0.5").await,
+        200,
+        "an internal caller named by the proxy"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_exempt_requests_total{endpoint_id="x.api"}"#),
+        1.0
+    );
+}

@@ -53,9 +53,9 @@ pub struct Breaker {
     on_transition: TransitionHook,
 }
 
-/// Permission to call Redis. Report the outcome with `success` or `failure`; a permit
-/// dropped without an outcome counts as a failure, so an abandoned probe cannot wedge the
-/// breaker in HALF_OPEN.
+/// Permission to call Redis. Report the outcome with `success`, `failure` or `nothing`; a
+/// probe dropped without an outcome counts as a failure, so an abandoned probe cannot wedge
+/// the breaker in HALF_OPEN.
 #[must_use]
 pub struct Permit<'a> {
     breaker: &'a Breaker,
@@ -106,9 +106,17 @@ impl Breaker {
                         retry_in: Duration::from_micros(remaining),
                     });
                 }
-                if self.transition(BreakerState::Open, BreakerState::HalfOpen) {
-                    self.probe_taken.store(true, Ordering::Release);
-                    return Ok(self.permit(true));
+                // The probe is taken before the state says half-open, so a caller that sees
+                // half-open in between cannot take a second one.
+                if self
+                    .probe_taken
+                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    if self.transition(BreakerState::Open, BreakerState::HalfOpen) {
+                        return Ok(self.permit(true));
+                    }
+                    self.probe_taken.store(false, Ordering::Release);
                 }
                 self.half_open_probe()
             }
@@ -235,9 +243,11 @@ impl Permit<'_> {
 }
 
 impl Drop for Permit<'_> {
+    /// An abandoned probe counts as a failure, so the breaker cannot be wedged half-open. Any
+    /// other abandoned call (its client went away) says nothing about Redis and counts nothing.
     fn drop(&mut self) {
-        if !self.settled {
-            self.breaker.record_failure(self.probe);
+        if !self.settled && self.probe {
+            self.breaker.record_failure(true);
         }
     }
 }
@@ -340,7 +350,14 @@ mod tests {
         for _ in 0..100 {
             b.acquire().expect("closed").nothing();
         }
-        assert_eq!(b.state(), BreakerState::Closed, "nothing counted");
+        for _ in 0..10 {
+            drop(b.acquire().expect("closed"));
+        }
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "nothing counted, abandoned calls neither"
+        );
         b.count_failure();
         assert_eq!(
             b.state(),

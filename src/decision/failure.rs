@@ -81,13 +81,27 @@ impl Failure {
         match code {
             "NOSCRIPT" => Failure::Noscript,
             "WRONGTYPE" => Failure::BrokenKey,
-            // A script that fails while running ran into data it cannot read: the key's
-            // fields were written by something else. Other `ERR`s are about the command.
-            "ERR" if is_script_runtime_error(detail) => Failure::BrokenKey,
+            // Redis 6 wraps an error a command inside the script got (`-OOM ...`) in its own
+            // `ERR Error running script ...`: that inner error is what happened.
+            "ERR" if is_script_runtime_error(detail) => match inner_code(detail) {
+                Some(inner) if inner != "ERR" => Failure::of_reply(inner, detail),
+                // A script that fails on its own ran into data it cannot read: the key's
+                // fields were written by something else.
+                _ => Failure::BrokenKey,
+            },
+            // Other `ERR`s are about the command.
             "ERR" => Failure::Rejected,
             _ => Failure::Unavailable,
         }
     }
+}
+
+/// The code of an error reply a script relayed (`... @user_script:1: -OOM command not
+/// allowed ...`): the upper-case word after the first ` -`.
+fn inner_code(detail: &str) -> Option<&str> {
+    let (_, rest) = detail.split_once(" -")?;
+    let code = rest.split(|c: char| !c.is_ascii_uppercase()).next()?;
+    (!code.is_empty()).then_some(code)
 }
 
 /// Redis 7 writes `user_script:<line>: <what>`, Redis 6 `Error running script (call to
@@ -136,6 +150,15 @@ mod tests {
             assert_eq!(f.cause(), StoreFailure::ConnectionError);
             assert_eq!(f.charge(false), Charge::Nothing, "harms its own key only");
             assert_eq!(f.charge(true), Charge::Nothing, "a probe is handed on");
+        }
+        // Redis 6 relays the inner error inside its own ERR.
+        for (detail, want) in [
+            ("Error running script (call to f_9f1c): @user_script:27: @user_script: 27: -OOM command not allowed when used memory > 'maxmemory'.", Failure::Unavailable),
+            ("Error running script (call to f_9f1c): @user_script:27: @user_script: 27: -READONLY You can't write against a read only replica.", Failure::Unavailable),
+            ("Error running script (call to f_9f1c): @user_script:27: @user_script: 27: -WRONGTYPE Operation against a key holding the wrong kind of value", Failure::BrokenKey),
+            ("Error running script (call to f_9f1c): @user_script:31: user_script:31: attempt to compare nil with number", Failure::BrokenKey),
+        ] {
+            assert_eq!(Failure::of_reply("ERR", detail), want, "{detail}");
         }
         let noscript = Failure::of_reply("NOSCRIPT", "No matching script.");
         assert_eq!(

@@ -16,6 +16,9 @@ use crate::config::AccessLogTarget;
 /// Lines waiting for the writer at most; beyond, lines are dropped.
 pub const QUEUE_LINES: usize = 16_384;
 
+/// A target opened by [`AccessLog::open`], not yet in use.
+pub struct Opened(Option<Sink>);
+
 /// Where the writer writes: stdout, or an open file.
 enum Sink {
     Stdout,
@@ -103,9 +106,20 @@ impl AccessLog {
     /// Opens `target` again (a reload, or `SIGUSR1` after the file was rotated); the old
     /// file keeps being written until this succeeds. `None`: the log is off.
     pub fn reopen(&self, target: Option<&AccessLogTarget>) -> io::Result<()> {
-        let sink = target.map(Sink::open).transpose()?;
-        *self.next.lock().unwrap_or_else(|p| p.into_inner()) = Some(sink);
+        let opened = Self::open(target)?;
+        self.install(opened);
         Ok(())
+    }
+
+    /// Opens `target` without using it yet: a reload opens first (a path that cannot be
+    /// opened fails it) and installs only once nothing else can fail.
+    pub fn open(target: Option<&AccessLogTarget>) -> io::Result<Opened> {
+        Ok(Opened(target.map(Sink::open).transpose()?))
+    }
+
+    /// The writer takes `opened` before its next line.
+    pub fn install(&self, opened: Opened) {
+        *self.next.lock().unwrap_or_else(|p| p.into_inner()) = Some(opened.0);
     }
 }
 
@@ -134,6 +148,8 @@ fn write_lines(
             continue;
         };
         let Some(out) = sink.as_mut() else {
+            // The log was turned off with lines still queued: they are not written.
+            dropped.inc_by(1 + queue.try_iter().count() as u64);
             continue;
         };
         let mut result = out.write_line(&first);

@@ -43,10 +43,12 @@ pub async fn peek(
         } => {
             let (fields, now) = store.read_fields(&key, &["t", "f", "ts"]).await?;
             let state = match fields[..] {
+                // Read from Redis: kept within what the script could have written, so a
+                // corrupted bucket reads as nonsense at worst, never overflows.
                 [Some(tokens), Some(frac), Some(at_us)] => Some(BucketState {
-                    tokens,
-                    frac,
-                    at_us,
+                    tokens: tokens.min(capacity_micro),
+                    frac: frac.min(999_999),
+                    at_us: at_us.min(now),
                 }),
                 _ => None,
             };
@@ -71,8 +73,8 @@ pub async fn peek(
             let state = match fields[..] {
                 [Some(index), Some(current), Some(previous)] => Some(WindowState {
                     index,
-                    current,
-                    previous,
+                    current: current.min(limit),
+                    previous: previous.min(limit),
                 }),
                 _ => None,
             };

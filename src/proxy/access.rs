@@ -23,7 +23,7 @@ pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
     let host = req
         .uri
         .authority()
-        .map(|a| Value::from(a.as_str()))
+        .map(|a| Value::from(super::forwarded::without_userinfo(a)))
         .unwrap_or_else(|| header(http::header::HOST));
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",

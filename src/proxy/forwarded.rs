@@ -22,8 +22,8 @@ pub struct Origin {
     pub peer: Option<IpAddr>,
     /// The peer is in `trusted_proxies`.
     pub trusted: bool,
-    /// The client as the `client_ip` identity derives it; the peer when a trusted proxy's
-    /// `X-Forwarded-For` does not name one.
+    /// The client as the `client_ip` identity derives it; `None` when a trusted proxy's
+    /// `X-Forwarded-For` does not name one usably (never the proxy's own address).
     pub client: Option<IpAddr>,
     /// The request id: a trusted peer's, or a new one.
     pub request_id: String,
@@ -41,7 +41,7 @@ impl Origin {
     ) -> Origin {
         let peer = peer.map(identity::canonical);
         let trusted = peer.is_some_and(|p| identity::is_trusted(p, trusted_proxies));
-        let client = peer.map(|p| identity::client_ip(req, p, trusted_proxies).unwrap_or(p));
+        let client = peer.and_then(|p| identity::client_ip(req, p, trusted_proxies).ok());
         let kept = trusted
             .then(|| req.headers.get(request_id_header))
             .flatten()
@@ -90,17 +90,13 @@ impl Origin {
         }
         if !keep("x-forwarded-host", upstream) {
             // HTTP/2 carries the host in the authority, HTTP/1 in `Host`: as received.
-            let host = upstream
-                .uri
-                .authority()
-                .map(|a| a.as_str().to_owned())
-                .or_else(|| {
-                    upstream
-                        .headers
-                        .get(http::header::HOST)
-                        .and_then(|h| h.to_str().ok())
-                        .map(str::to_owned)
-                });
+            let host = upstream.uri.authority().map(without_userinfo).or_else(|| {
+                upstream
+                    .headers
+                    .get(http::header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_owned)
+            });
             match host {
                 Some(host) => upstream.insert_header("x-forwarded-host", host)?,
                 None => {
@@ -108,10 +104,22 @@ impl Origin {
                 }
             }
         }
-        let client = self.client.unwrap_or(peer);
-        upstream.insert_header("x-real-ip", client.to_string())?;
+        match self.client {
+            Some(client) => upstream.insert_header("x-real-ip", client.to_string())?,
+            None => {
+                upstream.remove_header("x-real-ip");
+            }
+        }
         upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;
         Ok(())
+    }
+}
+
+/// An authority's `host[:port]`, without any `user:password@` an absolute-form target sent.
+pub fn without_userinfo(authority: &http::uri::Authority) -> String {
+    match authority.port() {
+        Some(port) => format!("{}:{port}", authority.host()),
+        None => authority.host().to_owned(),
     }
 }
 
@@ -247,11 +255,21 @@ mod tests {
     }
 
     #[test]
-    fn a_client_the_header_cannot_name_is_the_peer_for_x_real_ip() {
+    fn a_client_the_header_cannot_name_is_nobody_not_the_proxy() {
         let trusted: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
-        let r = req(&[("X-Forwarded-For", "1.2.3.4, garbage")]);
+        let r = req(&[
+            ("X-Forwarded-For", "1.2.3.4, garbage"),
+            ("X-Real-IP", "10.9.9.9"),
+        ]);
         let o = Origin::of(&r, Some(ip("10.0.0.1")), &trusted, &id_header(), false);
-        assert_eq!(o.client, Some(ip("10.0.0.1")));
+        assert_eq!(o.client, None);
+        let mut up = r.clone();
+        o.apply(&mut up, &id_header()).unwrap();
+        assert_eq!(
+            header(&up, "x-real-ip"),
+            None,
+            "no X-Real-IP rather than a wrong one"
+        );
         assert_ne!(new_request_id(), new_request_id());
     }
 }

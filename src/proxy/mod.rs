@@ -441,10 +441,7 @@ impl ProxyHttp for Gateway {
                     answer.status()
                 })
             }
-            Some(answer) => {
-                ctx.answered = Some(answer.status());
-                answer.status()
-            }
+            Some(answer) => answer.status(),
             None if answering && !matches!(e.esource(), ErrorSource::Downstream) => {
                 session
                     .respond_error(500)

@@ -36,7 +36,7 @@ pub fn validate(
     let redis = sections::redis(&mut c, &raw, redis_url_override);
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw, path);
-    let access_log = sections::access_log(&mut c, &raw);
+    let access_log = sections::access_log(&mut c, &raw, path);
     let api_keys = sections::api_keys(&mut c, &raw, path);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
         .upstreams

@@ -101,6 +101,10 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
     let request_id_header = match s.and_then(|s| s.request_id_header.as_ref()) {
         None => Some(http::HeaderName::from_static(DEFAULT_REQUEST_ID_HEADER)),
         Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(name) if RESERVED_REQUEST_ID_HEADERS.contains(&name.as_str()) => {
+                c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is a header the gateway or HTTP itself uses: choose another, such as \"X-Request-Id\"", h.get_ref()));
+                None
+            }
             Ok(name) => Some(name),
             Err(_) => {
                 c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is not a header name: use letters, digits and '-', such as \"X-Request-Id\"", h.get_ref()));
@@ -138,6 +142,23 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
     })
     .filter(|_| ok)
 }
+
+/// Headers that cannot carry the request id: HTTP's own, and those the gateway sets.
+const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
+    "host",
+    "authorization",
+    "cookie",
+    "connection",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-real-ip",
+];
 
 /// A list of CIDRs (or plain addresses, as /32 and /128), each checked; `field` names it.
 pub(super) fn cidrs(
@@ -240,7 +261,11 @@ pub(super) fn api_keys(c: &mut Collector, raw: &RawConfig, config: &Path) -> Opt
 }
 
 /// `[access_log]`: where the lines go.
-pub(super) fn access_log(c: &mut Collector, raw: &RawConfig) -> Option<AccessLogTarget> {
+pub(super) fn access_log(
+    c: &mut Collector,
+    raw: &RawConfig,
+    config: &Path,
+) -> Option<AccessLogTarget> {
     let path = &raw.access_log.as_ref()?.get_ref().path;
     match path.get_ref().as_str() {
         "" => {
@@ -252,7 +277,11 @@ pub(super) fn access_log(c: &mut Collector, raw: &RawConfig) -> Option<AccessLog
             None
         }
         "-" => Some(AccessLogTarget::Stdout),
-        p => Some(AccessLogTarget::File(PathBuf::from(p))),
+        p => Some(AccessLogTarget::File(
+            config
+                .parent()
+                .map_or_else(|| PathBuf::from(p), |dir| dir.join(p)),
+        )),
     }
 }
 
