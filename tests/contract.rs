@@ -7,7 +7,7 @@ mod common;
 use std::ffi::OsStr;
 
 use common::config::{string_list, GatewayConfig, Route};
-use common::{client, free_port, Gateway, Redis, Upstream};
+use common::{client, free_port, free_ports, Gateway, Redis, Upstream};
 use sentinel_gateway::limiter::bucket_key;
 
 /// Two routes sharing the endpoint `c.shared`: one global bucket of 3 that never refills.
@@ -45,7 +45,7 @@ fn version_and_help() {
 async fn env_url_listen_list_key_prefix_and_a_shared_endpoint() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let (a, b, admin) = (free_port(), free_port(), free_port());
+    let [a, b, admin] = free_ports();
     // The file names a Redis that does not exist; the environment names the real one.
     let config = routes(
         GatewayConfig::bare(&format!("redis://127.0.0.1:{}/0", free_port()))

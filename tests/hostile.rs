@@ -369,3 +369,37 @@ async fn an_eviction_policy_set_on_a_live_redis_is_seen_within_30_s() {
     );
     assert!(changed.elapsed() < Duration::from_secs(60));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1_000);
+    let http = client();
+    assert_eq!(status(&http, &gw.url("/closed"), "warm").await, 200);
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query(&mut redis.conn())
+        .unwrap();
+    for i in 0..20 {
+        assert_eq!(
+            status(&http, &gw.url("/closed"), &format!("k{i}")).await,
+            503,
+            "a write Redis refuses fails closed"
+        );
+    }
+    assert_eq!(
+        opened(&gw),
+        1.0,
+        "OOM replies count: the breaker opened once"
+    );
+    let logs = gw.logs();
+    let why: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("redis cannot serve the limiter scripts"))
+        .collect();
+    assert_eq!(why.len(), 1, "said once, not per request: {logs}");
+    assert!(why[0].contains("OOM"), "{}", why[0]);
+}

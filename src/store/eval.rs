@@ -260,7 +260,7 @@ impl Store {
                 tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");
             }
             Failure::Unavailable => {
-                tracing::debug!(error = %e, "redis could not run the limiter script");
+                link.log_unavailable(e);
                 // READONLY, CLUSTERDOWN, MASTERDOWN...: in a cluster the map may be stale
                 // (this node was demoted after a failover, say); look again rather than wait
                 // 5 s.

@@ -85,6 +85,10 @@ pub(super) struct Link {
     pub(super) suspect: AtomicBool,
     /// The node left the cluster's topology: its connector stops.
     pub(super) retired: AtomicBool,
+    /// When a reply that says the node cannot serve was last logged, in seconds since the
+    /// link was made (0: never).
+    unavailable_logged: std::sync::atomic::AtomicU64,
+    made: std::time::Instant,
     pub(super) breaker: Breaker,
     /// In a cluster, the slot map's refresher: woken when the connection is lost (a replica
     /// may be taking over).
@@ -103,6 +107,8 @@ impl Link {
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            unavailable_logged: std::sync::atomic::AtomicU64::new(0),
+            made: std::time::Instant::now(),
             breaker,
             refresh,
         }
@@ -144,6 +150,22 @@ impl Link {
             watched,
             opened.closed,
         ));
+    }
+
+    /// Logs a reply that says the node cannot serve (`OOM`, `READONLY`, `LOADING`...) with
+    /// its reason, at most once every 10 s per node: the breaker's transition says that Redis
+    /// failed, this says why.
+    pub(super) fn log_unavailable(&self, error: &dyn std::fmt::Display) {
+        let now = self.made.elapsed().as_secs() + 1;
+        let last = self.unavailable_logged.load(Ordering::Relaxed);
+        if (last == 0 || now >= last + 10)
+            && self
+                .unavailable_logged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
+        }
     }
 
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it

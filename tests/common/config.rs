@@ -3,7 +3,7 @@
 
 use std::fmt::Display;
 
-use super::{free_port, Gateway};
+use super::{free_ports, Gateway};
 
 /// A TOML basic string holding `s`.
 pub fn quoted(s: &str) -> String {
@@ -253,7 +253,7 @@ impl GatewayConfig {
 
     /// Like `start`, with these variables set for the process.
     pub fn start_with_env(&self, env: &[(&str, &str)]) -> Gateway {
-        let (port, admin_port) = (free_port(), free_port());
+        let [port, admin_port] = free_ports();
         Gateway::start_with_env(port, admin_port, &self.render(port, admin_port), env)
     }
 }

@@ -14,6 +14,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// `n` free loopback ports, all different (two asks in a row can be given the same one).
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
+        .collect();
+    std::array::from_fn(|i| listeners[i].local_addr().expect("bound").port())
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -288,8 +296,7 @@ pub fn check_config(path: &Path, env: &[(&str, Option<&str>)]) -> Output {
 impl Gateway {
     /// Starts the gateway with `rest` (upstreams, routes, breaker...) after the base sections.
     pub fn start(redis_url: &str, rest: &str) -> Gateway {
-        let port = free_port();
-        let admin_port = free_port();
+        let [port, admin_port] = free_ports();
         Self::start_with(
             port,
             admin_port,

@@ -65,6 +65,12 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
             }
         },
     };
+    if let (Some(admin), Some(a)) = (admin_listen, s.and_then(|s| s.admin_listen.as_ref())) {
+        if listen.contains(&admin) {
+            c.push(Some(&a.span()), None, format!("server.admin_listen = \"{admin}\" is also in server.listen: the admin listener needs an address of its own"));
+            ok = false;
+        }
+    }
     let mut trusted_proxies = Vec::new();
     for p in s
         .and_then(|s| s.trusted_proxies.as_ref())
