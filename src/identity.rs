@@ -28,11 +28,12 @@ pub const MAX_SUBJECT_BYTES: usize = 256;
 /// (a string of 1 to 256 bytes). `alg: none`, every algorithm not configured, and a key of
 /// the wrong type (an RSA key offered as an HMAC secret, say) are refused.
 pub struct JwtVerifier {
-    algorithms: Vec<Algorithm>,
+    /// Each configured algorithm with its validation (made once: a token is checked against
+    /// its own `alg` only).
+    validations: Vec<(Algorithm, Validation)>,
     secret: Option<DecodingKey>,
     /// Public keys: `kid`, the `alg` the JWKS pins (if any), the key.
     keys: Vec<(Option<String>, Option<Algorithm>, DecodingKey)>,
-    validation: Validation,
     identity_claim: String,
 }
 
@@ -106,11 +107,18 @@ impl JwtVerifier {
             required.push("aud");
         }
         validation.set_required_spec_claims(&required);
+        let validations = algorithms
+            .iter()
+            .map(|alg| {
+                let mut v = validation.clone();
+                v.algorithms = vec![*alg];
+                (*alg, v)
+            })
+            .collect();
         Some(Self {
-            algorithms,
+            validations,
             secret,
             keys,
-            validation,
             identity_claim: config.identity_claim.clone(),
         })
     }
@@ -119,16 +127,10 @@ impl JwtVerifier {
     pub fn subject(&self, token: &str) -> Option<String> {
         let header = jsonwebtoken::decode_header(token).ok()?;
         let alg = header.alg;
-        if !self.algorithms.contains(&alg) {
-            return None;
-        }
-        let mut validation = self.validation.clone();
-        validation.algorithms = vec![alg];
+        let (_, validation) = self.validations.iter().find(|(a, _)| *a == alg)?;
         let verify = |key: &DecodingKey| {
             jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(
-                token,
-                key,
-                &validation,
+                token, key, validation,
             )
             .ok()
         };

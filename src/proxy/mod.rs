@@ -133,7 +133,10 @@ impl Gateway {
         let started = Instant::now();
         let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
         ctx.decision_time = started.elapsed();
-        ctx.identity_hash = Some(hash.clone());
+        // Kept only for the access log: no copy per request without one.
+        if snapshot.config.access_log.is_some() {
+            ctx.identity_hash = Some(hash.clone());
+        }
         ctx.decision = Some(decision);
         if route.endpoint.policy.ratelimit_headers {
             ctx.ratelimit = decision
@@ -210,7 +213,9 @@ impl ProxyHttp for Gateway {
         let Ok(path) = normalize_path(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
-        ctx.path = Some(path.clone());
+        if snapshot.config.access_log.is_some() {
+            ctx.path = Some(path.clone());
+        }
         let host_header = req
             .headers
             .get(http::header::HOST)
