@@ -10,7 +10,7 @@ use arc_swap::ArcSwap;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::decision::fleet::Fleet;
-use crate::edge::AccessLog;
+use crate::edge::{AccessLog, Edge};
 use crate::metrics::Metrics;
 use crate::snapshot::Snapshot;
 use crate::store::Store;
@@ -22,7 +22,7 @@ pub struct Reloader {
     pub metrics: Arc<Metrics>,
     pub clock: SharedClock,
     pub fleet: Arc<Fleet>,
-    pub access_log: Arc<AccessLog>,
+    pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
 }
@@ -35,7 +35,7 @@ impl Reloader {
         metrics: Arc<Metrics>,
         clock: SharedClock,
         fleet: Arc<Fleet>,
-        access_log: Arc<AccessLog>,
+        edge: Edge,
     ) -> Self {
         Self {
             path,
@@ -44,7 +44,7 @@ impl Reloader {
             metrics,
             clock,
             fleet,
-            access_log,
+            edge,
             lock: Mutex::new(()),
         }
     }
@@ -89,6 +89,14 @@ impl Reloader {
             ),
             ("server.h2c", old.h2c != new.h2c),
             (
+                "server.keepalive_timeout_seconds",
+                old.keepalive_timeout != new.keepalive_timeout,
+            ),
+            (
+                "server.max_connections",
+                old.max_connections != new.max_connections,
+            ),
+            (
                 "redis.dedicated_io_thread",
                 current.config.redis.dedicated_io_thread != config.redis.dedicated_io_thread,
             ),
@@ -98,6 +106,8 @@ impl Reloader {
         .collect();
         let redis = config.redis.clone();
         let breaker = config.breaker;
+        let tls = config.server.tls.clone();
+        let header_read_timeout = config.server.header_read_timeout;
         // Opened before anything changes (a path that cannot be written fails the reload),
         // installed once nothing else can fail.
         let access_log = AccessLog::open(config.access_log.as_ref())
@@ -120,7 +130,13 @@ impl Reloader {
             restart_required.push(field);
         }
         store.reconfigure_breakers(breaker);
-        self.access_log.install(access_log);
+        self.edge.access_log.install(access_log);
+        if self.edge.certificates.install(&tls) {
+            restart_required.push("server.tls");
+        }
+        self.edge
+            .connections
+            .set_header_timeout(header_read_timeout);
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
         Ok(Reloaded {
@@ -143,16 +159,13 @@ pub async fn watch(reloader: Arc<Reloader>) {
             .ok()
             .map(|m| (m.modified().ok(), m.len()))
     };
-    // The config file and the key files it names (API keys, JWKS): a change to any reloads.
+    // The config file and the files it names (API keys, JWKS, certificates and keys): a
+    // change to any reloads.
     let stamp = |path: &std::path::Path| {
         let config = &reloader.live.load().config;
-        let keys = config.api_keys.as_ref().map(|k| k.file.clone());
-        let jwks = config.jwt.as_ref().and_then(|j| j.jwks_path.clone());
-        (
-            file(path),
-            keys.and_then(|k| file(&k)),
-            jwks.and_then(|j| file(&j)),
-        )
+        std::iter::once(file(path))
+            .chain(config.named_files().iter().map(|f| file(f)))
+            .collect::<Vec<_>>()
     };
     let mut loaded = stamp(&reloader.path);
     let mut pending = None;
@@ -167,7 +180,7 @@ pub async fn watch(reloader: Arc<Reloader>) {
             pending = None;
             continue;
         }
-        if pending != Some(now) {
+        if pending.as_ref() != Some(&now) {
             pending = Some(now);
             continue;
         }

@@ -14,7 +14,9 @@ use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
 use crate::decision::fleet::Fleet;
-use crate::edge::AccessLog;
+use crate::edge::connections::{Connections, Guard};
+use crate::edge::tls::Certificates;
+use crate::edge::{AccessLog, Edge};
 use crate::lifecycle::Lifecycle;
 use crate::limiter::heartbeat::{fleet_key, heartbeat};
 use crate::metrics::Metrics;
@@ -48,7 +50,8 @@ pub enum StartError {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
-    for addr in &config.server.listen {
+    let tls_addrs = config.server.tls.iter().map(|t| &t.listen);
+    for addr in config.server.listen.iter().chain(tls_addrs) {
         std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
             addr: *addr,
             source,
@@ -74,6 +77,12 @@ pub fn run(config: Config) -> Result<(), StartError> {
         .map_err(StartError::AccessLog)?,
     );
     let server_cfg = config.server.clone();
+    let certificates = Arc::new(Certificates::new(&server_cfg.tls));
+    let max_connections = crate::edge::limits::max_connections(server_cfg.max_connections);
+    let connections = Arc::new(Connections::new(
+        max_connections,
+        server_cfg.header_read_timeout,
+    ));
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)
@@ -88,7 +97,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
         Arc::clone(&metrics),
         clock,
         Arc::clone(&fleet),
-        Arc::clone(&access_log),
+        Edge {
+            access_log: Arc::clone(&access_log),
+            certificates: Arc::clone(&certificates),
+            connections: Arc::clone(&connections),
+        },
     ));
 
     let conf = ServerConf {
@@ -106,19 +119,32 @@ pub fn run(config: Config) -> Result<(), StartError> {
         lifecycle: Arc::clone(&lifecycle),
         access_log: Arc::clone(&access_log),
     };
-    let mut proxy = pingora_proxy::http_proxy_service_with_name(
-        &server.configuration,
-        gateway,
-        "sentinel-proxy",
-    );
-    if server_cfg.h2c {
-        if let Some(app) = proxy.app_logic_mut() {
-            let mut options = pingora_core::apps::HttpServerOptions::default();
-            options.h2c = true;
-            app.server_options = Some(options);
-        }
-    }
-    for addr in &server_cfg.listen {
+    let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);
+    let mut options = pingora_core::apps::HttpServerOptions::default();
+    options.h2c = server_cfg.h2c;
+    options.h2_idle_timeout = Some(server_cfg.keepalive_timeout.max(Duration::from_secs(1)));
+    proxy.server_options = Some(options);
+    let tls = server_cfg
+        .tls
+        .iter()
+        .map(|t| {
+            let settings = certificates
+                .settings(t.listen)
+                .expect("a resolver for every TLS listener");
+            (t.listen, settings.build())
+        })
+        .collect();
+    let guard = Guard {
+        app: Arc::new(proxy),
+        connections: Arc::clone(&connections),
+        tls,
+    };
+    let mut proxy = pingora_core::services::listening::Service::new("sentinel-proxy".into(), guard);
+    for addr in server_cfg
+        .listen
+        .iter()
+        .chain(server_cfg.tls.iter().map(|t| &t.listen))
+    {
         proxy.add_tcp(&addr.to_string());
     }
     let admin = Admin {
@@ -162,7 +188,8 @@ pub fn run(config: Config) -> Result<(), StartError> {
     });
 
     server.add_service(proxy);
-    tracing::info!(listen = ?server_cfg.listen, admin = %server_cfg.admin_listen, "gateway starting");
+    let tls: Vec<_> = server_cfg.tls.iter().map(|t| t.listen).collect();
+    tracing::info!(listen = ?server_cfg.listen, tls = ?tls, max_connections, admin = %server_cfg.admin_listen, "gateway starting");
     server.run(RunArgs {
         shutdown_signal: Box::new(Drain {
             lifecycle,
@@ -190,7 +217,7 @@ async fn reopen_on_sigusr1(reloader: Arc<Reloader>) {
     };
     while usr1.recv().await.is_some() {
         let target = reloader.live.load().config.access_log.clone();
-        match reloader.access_log.reopen(target.as_ref()) {
+        match reloader.edge.access_log.reopen(target.as_ref()) {
             Ok(()) => tracing::info!("access log reopened"),
             Err(e) => {
                 tracing::error!(error = %e, "cannot reopen the access log; writing on to the old file")

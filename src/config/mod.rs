@@ -7,10 +7,12 @@ pub mod api_keys;
 mod error;
 mod jwks;
 pub mod raw;
+pub mod tls;
 mod validate;
 
 pub use api_keys::{ApiKeyTable, KeyOwner};
 pub use error::{line_col, ConfigError, ConfigErrors};
+pub use tls::{CertPair, ServerName, TlsListener, TlsVersion};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -71,6 +73,14 @@ pub enum AccessLogTarget {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: Vec<SocketAddr>,
+    /// `[[server.tls]]`: the TLS listeners, beside the plain ones.
+    pub tls: Vec<TlsListener>,
+    /// A connection whose request head is not complete by then is closed.
+    pub header_read_timeout: Duration,
+    /// An idle keep-alive connection is closed after this; zero: no keep-alive.
+    pub keepalive_timeout: Duration,
+    /// The bound on downstream connections; `None`: what the open-file limit allows.
+    pub max_connections: Option<usize>,
     pub threads: usize,
     pub admin_listen: SocketAddr,
     pub trusted_proxies: Vec<IpNet>,
@@ -313,6 +323,21 @@ impl RouteConfig {
 }
 
 impl Config {
+    /// The files this config names and reads (key file, JWKS, certificates and keys): a
+    /// change to one of them is a change to the config.
+    pub fn named_files(&self) -> Vec<PathBuf> {
+        let mut files = Vec::new();
+        files.extend(self.api_keys.as_ref().map(|k| k.file.clone()));
+        files.extend(self.jwt.as_ref().and_then(|j| j.jwks_path.clone()));
+        for t in &self.server.tls {
+            for pair in std::iter::once(&t.default).chain(t.sni.iter().map(|s| &s.pair)) {
+                files.push(pair.cert_path.clone());
+                files.push(pair.key_path.clone());
+            }
+        }
+        files
+    }
+
     /// Reads, parses and validates `path`; `SENTINEL_REDIS_URL` overrides `[redis] url`.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         let source = std::fs::read_to_string(path).map_err(|e| {

@@ -42,6 +42,30 @@ pub struct RawServer {
     pub max_body_bytes: Option<Spanned<i64>>,
     pub request_id_header: Option<Spanned<String>>,
     pub admin_token_env: Option<Spanned<String>>,
+    pub header_read_timeout_ms: Option<Spanned<i64>>,
+    pub keepalive_timeout_seconds: Option<Spanned<i64>>,
+    pub max_connections: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub tls: Vec<Spanned<RawTls>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub listen: Spanned<String>,
+    pub cert_path: Spanned<String>,
+    pub key_path: Spanned<String>,
+    pub min_version: Option<Spanned<String>>,
+    #[serde(default)]
+    pub sni: Vec<Spanned<RawSni>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSni {
+    pub server_names: Spanned<Vec<Spanned<String>>>,
+    pub cert_path: Spanned<String>,
+    pub key_path: Spanned<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -19,6 +19,7 @@ use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
 use crate::decision::Decision;
+use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
@@ -189,6 +190,14 @@ impl ProxyHttp for Gateway {
         let snapshot = self.live.load_full();
         ctx.snapshot = Some(Arc::clone(&snapshot));
         let server = &snapshot.config.server;
+        if let Some(connection) = Guarded::of(session.stream()) {
+            connection.head_complete();
+        }
+        // The wait for the next request on this connection (HTTP/1.1); 0: no keep-alive.
+        match server.keepalive_timeout.as_secs() {
+            0 => session.set_keepalive(None),
+            idle => session.set_keepalive(Some(idle)),
+        }
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -476,6 +485,9 @@ impl ProxyHttp for Gateway {
 
     /// Called once per request at its end: the one place metrics are recorded.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+        if let Some(connection) = Guarded::of(session.stream()) {
+            connection.answered();
+        }
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))

@@ -5,6 +5,7 @@
 
 mod route;
 mod sections;
+mod tls;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,7 +33,7 @@ pub fn validate(
         }
     };
 
-    let server = sections::server(&mut c, &raw);
+    let server = sections::server(&mut c, &raw, path);
     let redis = sections::redis(&mut c, &raw, redis_url_override);
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw, path);

@@ -15,7 +15,7 @@ use crate::config::error::Collector;
 use crate::config::raw::{OneOrMany, RawConfig, RawIdentity, RawUpstream};
 use crate::config::*;
 
-pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig> {
+pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ServerConfig> {
     let s = raw.server.as_ref().map(|s| s.get_ref());
     let mut ok = true;
     let listen = match s.and_then(|s| s.listen.as_ref()) {
@@ -134,8 +134,55 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig) -> Option<ServerConfig>
             }
         },
     };
+    let header_read_timeout = int_in(
+        c,
+        None,
+        "server.header_read_timeout_ms",
+        s.and_then(|s| s.header_read_timeout_ms.as_ref()),
+        10_000,
+        (100, 600_000),
+        " ms",
+    );
+    let keepalive_timeout = int_in(
+        c,
+        None,
+        "server.keepalive_timeout_seconds",
+        s.and_then(|s| s.keepalive_timeout_seconds.as_ref()),
+        60,
+        (0, 3600),
+        " seconds (0: no keep-alive)",
+    );
+    let max_connections = match s.and_then(|s| s.max_connections.as_ref()) {
+        None => Some(None),
+        Some(v) => int_in(
+            c,
+            None,
+            "server.max_connections",
+            Some(v),
+            0,
+            (1, 10_000_000),
+            "",
+        )
+        .map(|n| Some(n as usize)),
+    };
+    let tls = super::tls::listeners(
+        c,
+        s.map(|s| s.tls.as_slice()).unwrap_or_default(),
+        &listen,
+        config,
+    );
+    if let (Some(admin), Some(tls)) = (admin_listen, tls.as_ref()) {
+        if tls.iter().any(|t| t.listen == admin) {
+            c.push(s.and_then(|s| s.admin_listen.as_ref()).map(|a| a.span()).as_ref(), None, format!("server.admin_listen = \"{admin}\" is also a server.tls listener: the admin listener needs an address of its own"));
+            ok = false;
+        }
+    }
     Some(ServerConfig {
         listen,
+        tls: tls?,
+        header_read_timeout: Duration::from_millis(header_read_timeout?),
+        keepalive_timeout: Duration::from_secs(keepalive_timeout?),
+        max_connections: max_connections?,
         threads: threads? as usize,
         admin_listen: admin_listen?,
         trusted_proxies,

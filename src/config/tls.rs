@@ -1,0 +1,200 @@
+//! The certificates of the TLS listeners (`[[server.tls]]`): read, checked and held ready
+//! for the handshake.
+//!
+//! A pair is read whole at validation, so `check`, start and reload all refuse the same
+//! files, and a reload that fails keeps the pairs already serving.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::sign::CertifiedKey;
+
+/// One TLS listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsListener {
+    pub listen: SocketAddr,
+    pub min_version: TlsVersion,
+    /// Served when no SNI name matches, or the client sends none.
+    pub default: CertPair,
+    /// Further certificates, chosen by the client's SNI name.
+    pub sni: Vec<SniCert>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsVersion {
+    V1_2,
+    V1_3,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SniCert {
+    pub server_names: Vec<ServerName>,
+    pub pair: CertPair,
+}
+
+/// A name a certificate is served for: exact, or `*.` and one label.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ServerName {
+    Exact(String),
+    /// `*.example.com`, held as `example.com`.
+    Wildcard(String),
+}
+
+impl ServerName {
+    /// Parses a `server_names` entry; names are case-insensitive and kept in lower case.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let lower = text.to_ascii_lowercase();
+        let (wildcard, host) = match lower.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, lower.as_str()),
+        };
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+            return Err(format!(
+                "\"{text}\" is not a host name: write a name such as \"api.example.com\", or \"*.example.com\" for every name one label below it"
+            ));
+        }
+        Ok(if wildcard {
+            Self::Wildcard(host.to_owned())
+        } else {
+            Self::Exact(host.to_owned())
+        })
+    }
+}
+
+impl fmt::Display for ServerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Exact(n) => f.write_str(n),
+            Self::Wildcard(n) => write!(f, "*.{n}"),
+        }
+    }
+}
+
+/// A certificate chain and its private key, read from their files and checked to match.
+#[derive(Clone)]
+pub struct CertPair {
+    pub cert_path: PathBuf,
+    pub key_path: PathBuf,
+    pub key: Arc<CertifiedKey>,
+}
+
+impl CertPair {
+    /// Reads both files. The error names which file is wrong and why; `field` prefixes say
+    /// which field named it (the caller adds them).
+    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, PairError> {
+        let cert_pem = std::fs::read(cert_path)
+            .map_err(|e| PairError::Cert(format!("cannot be read: {e}")))?;
+        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+            .collect::<Result<_, _>>()
+            .map_err(|e| PairError::Cert(format!("is not a PEM certificate chain: {e}")))?;
+        if chain.is_empty() {
+            return Err(PairError::Cert(
+                "holds no certificate: give a PEM chain, the server's certificate first".into(),
+            ));
+        }
+        check_validity(&chain[0])?;
+        let key_pem =
+            std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
+        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
+            PairError::Key(format!(
+                "holds no usable private key (PKCS#8, PKCS#1 or SEC1 PEM): {e}"
+            ))
+        })?;
+        let provider = rustls::crypto::ring::default_provider();
+        let signing = provider
+            .key_provider
+            .load_private_key(key)
+            .map_err(|e| PairError::Key(format!("is not a key TLS can sign with: {e}")))?;
+        let certified = CertifiedKey::new(chain, signing);
+        certified.keys_match().map_err(|_| {
+            PairError::Key(format!(
+                "does not belong to the certificate in {}",
+                cert_path.display()
+            ))
+        })?;
+        Ok(Self {
+            cert_path: cert_path.to_owned(),
+            key_path: key_path.to_owned(),
+            key: Arc::new(certified),
+        })
+    }
+}
+
+/// Which file of a pair is wrong, and why.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PairError {
+    Cert(String),
+    Key(String),
+}
+
+/// Refuses a certificate whose validity has ended or not yet begun: served, every client
+/// would refuse it.
+fn check_validity(cert: &CertificateDer<'_>) -> Result<(), PairError> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
+    let validity = parsed.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    if validity.not_after < now {
+        return Err(PairError::Cert(format!(
+            "holds a certificate that expired on {}: renew it",
+            validity.not_after
+        )));
+    }
+    if validity.not_before > now {
+        return Err(PairError::Cert(format!(
+            "holds a certificate that is not valid before {}",
+            validity.not_before
+        )));
+    }
+    Ok(())
+}
+
+impl PartialEq for CertPair {
+    fn eq(&self, other: &Self) -> bool {
+        self.cert_path == other.cert_path
+            && self.key_path == other.key_path
+            && self.key.cert == other.key.cert
+    }
+}
+
+impl Eq for CertPair {}
+
+impl fmt::Debug for CertPair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CertPair")
+            .field("cert_path", &self.cert_path)
+            .field("key_path", &self.key_path)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names() {
+        assert_eq!(
+            ServerName::parse("API.Example.com"),
+            Ok(ServerName::Exact("api.example.com".into()))
+        );
+        assert_eq!(
+            ServerName::parse("*.resumint.example"),
+            Ok(ServerName::Wildcard("resumint.example".into()))
+        );
+        for bad in ["", "*.", "a..b", "*.*.a", "a.*.b", "-a.b", "a_b.c", "a b"] {
+            assert!(ServerName::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

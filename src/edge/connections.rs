@@ -1,0 +1,461 @@
+//! Downstream connections: the TLS handshake, the request-head deadline, and the bound on
+//! how many are open.
+//!
+//! Pingora accepts every listener's sockets and hands each to [`Guard`], which wraps the
+//! proxy. On a TLS listener the guard makes the handshake itself (Pingora's rustls acceptor,
+//! with the listener's certificates), so that it falls under the same deadline as a request
+//! head. Every connection is then wrapped in a [`Guarded`] stream that knows where the
+//! connection is:
+//!
+//! - `Head`: a request head is on its way. Its bytes must all be in before
+//!   `header_read_timeout_ms` from the first one (from the accept, on a new connection);
+//!   after that the read fails and the connection is closed (slowloris).
+//! - `Busy`: the head was read (the proxy says so), until the answer is finished.
+//! - `Idle`: between keep-alive requests; Pingora's keep-alive timeout closes it.
+//! - `Multiplexed`: HTTP/2, whose streams Pingora's own idle timeout watches.
+//!
+//! At `max_connections`, a new connection first closes the oldest connection that has no
+//! request in progress (`Head` or `Idle`), as nginx does; when every one is busy, the new
+//! connection is closed at once. A connection asked to close reads end-of-file, which
+//! Pingora treats as a client that left.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora_core::apps::ServerApp;
+use pingora_core::listeners::tls::Acceptor;
+use pingora_core::protocols::raw_connect::ProxyDigest;
+use pingora_core::protocols::tls::{SslDigest, TlsRef};
+use pingora_core::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, TimingDigest,
+    UniqueID, UniqueIDType, ALPN,
+};
+use pingora_core::protocols::{Ssl, Stream};
+use pingora_core::server::ShutdownWatch;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+/// The traits Pingora wants of a connection, passed through to `inner()`.
+macro_rules! delegate_io {
+    ($t:ty) => {
+        impl AsyncWrite for $t {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<std::io::Result<usize>> {
+                Pin::new(self.inner()).poll_write(cx, buf)
+            }
+
+            fn poll_flush(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                Pin::new(self.inner()).poll_flush(cx)
+            }
+
+            fn poll_shutdown(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                Pin::new(self.inner()).poll_shutdown(cx)
+            }
+
+            fn poll_write_vectored(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> Poll<std::io::Result<usize>> {
+                Pin::new(self.inner()).poll_write_vectored(cx, bufs)
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                self.inner_ref().is_write_vectored()
+            }
+        }
+
+        #[async_trait]
+        impl Shutdown for $t {
+            async fn shutdown(&mut self) {
+                self.inner().shutdown().await
+            }
+        }
+
+        impl UniqueID for $t {
+            fn id(&self) -> UniqueIDType {
+                self.inner_ref().id()
+            }
+        }
+
+        impl Ssl for $t {
+            fn get_ssl(&self) -> Option<&TlsRef> {
+                self.inner_ref().get_ssl()
+            }
+
+            fn get_ssl_digest(&self) -> Option<Arc<SslDigest>> {
+                self.inner_ref().get_ssl_digest()
+            }
+
+            fn selected_alpn_proto(&self) -> Option<ALPN> {
+                self.inner_ref().selected_alpn_proto()
+            }
+        }
+
+        impl GetTimingDigest for $t {
+            fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+                self.inner_ref().get_timing_digest()
+            }
+
+            fn get_read_pending_time(&self) -> Duration {
+                self.inner_ref().get_read_pending_time()
+            }
+
+            fn get_write_pending_time(&self) -> Duration {
+                self.inner_ref().get_write_pending_time()
+            }
+        }
+
+        impl GetProxyDigest for $t {
+            fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+                self.inner_ref().get_proxy_digest()
+            }
+
+            fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+                self.inner().set_proxy_digest(digest)
+            }
+        }
+
+        impl GetSocketDigest for $t {
+            fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+                self.inner_ref().get_socket_digest()
+            }
+
+            fn set_socket_digest(&mut self, digest: SocketDigest) {
+                self.inner().set_socket_digest(digest)
+            }
+        }
+    };
+}
+
+const HEAD: u8 = 0;
+const BUSY: u8 = 1;
+const IDLE: u8 = 2;
+const MULTIPLEXED: u8 = 3;
+
+/// The HTTP/2 connection preface, which an h2c client sends first.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Every open downstream connection of the process.
+#[derive(Debug)]
+pub struct Connections {
+    max: usize,
+    header_timeout_ms: AtomicU64,
+    next_id: AtomicU64,
+    open: Mutex<BTreeMap<u64, Arc<Conn>>>,
+    /// Connections asked to close that have not gone yet.
+    closing: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Conn {
+    state: AtomicU8,
+    close: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Connections {
+    pub fn new(max: usize, header_timeout: Duration) -> Self {
+        Self {
+            max,
+            header_timeout_ms: AtomicU64::new(header_timeout.as_millis() as u64),
+            next_id: AtomicU64::new(0),
+            open: Mutex::new(BTreeMap::new()),
+            closing: AtomicUsize::new(0),
+        }
+    }
+
+    /// A reload's `header_read_timeout_ms`, for heads that start from now on.
+    pub fn set_header_timeout(&self, timeout: Duration) {
+        self.header_timeout_ms
+            .store(timeout.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// How many downstream connections are open now.
+    pub fn open(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<Conn>>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a new connection, making room when at the bound; `None`: every connection
+    /// is busy, close this one.
+    fn admit(self: &Arc<Self>, inner: Stream) -> Option<Guarded> {
+        let mut open = self.lock();
+        if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
+            let oldest_idle = open.values().find(|c| {
+                !c.close.load(Ordering::Relaxed)
+                    && matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE)
+            })?;
+            oldest_idle.close.store(true, Ordering::Relaxed);
+            self.closing.fetch_add(1, Ordering::Relaxed);
+            if let Some(w) = oldest_idle
+                .waker
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+            {
+                w.wake();
+            }
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let h2 = matches!(inner.selected_alpn_proto(), Some(ALPN::H2));
+        let conn = Arc::new(Conn {
+            state: AtomicU8::new(if h2 { MULTIPLEXED } else { HEAD }),
+            close: AtomicBool::new(false),
+            waker: Mutex::new(None),
+        });
+        open.insert(id, Arc::clone(&conn));
+        drop(open);
+        let deadline = Box::pin(tokio::time::sleep(self.header_timeout()));
+        Some(Guarded {
+            inner,
+            conn,
+            id,
+            connections: Arc::clone(self),
+            deadline,
+        })
+    }
+
+    fn forget(&self, id: u64, conn: &Conn) {
+        self.lock().remove(&id);
+        if conn.close.load(Ordering::Relaxed) {
+            self.closing.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A downstream connection under watch.
+#[derive(Debug)]
+pub struct Guarded {
+    inner: Stream,
+    conn: Arc<Conn>,
+    id: u64,
+    connections: Arc<Connections>,
+    /// The end of the current request head's time; polled only in `Head`.
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl Guarded {
+    fn inner(&mut self) -> &mut Stream {
+        &mut self.inner
+    }
+
+    fn inner_ref(&self) -> &Stream {
+        &self.inner
+    }
+
+    /// The connection the proxy reads a request from, when it is one of ours (HTTP/1).
+    pub fn of(stream: Option<&Stream>) -> Option<&Guarded> {
+        stream.and_then(|s| (**s).as_any().downcast_ref::<Guarded>())
+    }
+
+    /// The request head is complete: no deadline until the next one.
+    pub fn head_complete(&self) {
+        let _ = self
+            .conn
+            .state
+            .compare_exchange(HEAD, BUSY, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// The answer is finished: the connection waits for the next request.
+    pub fn answered(&self) {
+        let _ = self
+            .conn
+            .state
+            .compare_exchange(BUSY, IDLE, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    fn header_timed_out() -> std::io::Error {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "request head not complete within header_read_timeout_ms",
+        )
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.connections.forget(self.id, &self.conn);
+    }
+}
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        let state = this.conn.state.load(Ordering::Relaxed);
+        if matches!(state, BUSY | MULTIPLEXED) {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
+        if this.conn.close.load(Ordering::Relaxed) {
+            // Closed to make room: an end-of-file, as if the client had left.
+            return Poll::Ready(Ok(()));
+        }
+        *this.conn.waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(cx.waker().clone());
+        if state == HEAD && this.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(Self::header_timed_out()));
+        }
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if state == IDLE && matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            // The first bytes of the next request: its head has the full time from now.
+            this.conn.state.store(HEAD, Ordering::Relaxed);
+            let timeout = this.connections.header_timeout();
+            this.deadline.as_mut().reset(Instant::now() + timeout);
+        }
+        read
+    }
+}
+
+delegate_io!(Guarded);
+
+/// A connection as Pingora accepted it, as a type the TLS handshake can take.
+#[derive(Debug)]
+struct Plain(Stream);
+
+impl Plain {
+    fn inner(&mut self) -> &mut Stream {
+        &mut self.0
+    }
+
+    fn inner_ref(&self) -> &Stream {
+        &self.0
+    }
+}
+
+impl AsyncRead for Plain {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(self.inner()).poll_read(cx, buf)
+    }
+}
+
+delegate_io!(Plain);
+
+#[async_trait]
+impl Peek for Plain {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
+        self.0.try_peek(buf).await
+    }
+}
+
+#[async_trait]
+impl Peek for Guarded {
+    /// Pingora peeks for the h2c preface before the first request: the wait is part of the
+    /// head's time, and a preface turns the connection into a multiplexed one.
+    async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
+        let deadline = self.deadline.deadline();
+        let peeked = tokio::time::timeout_at(deadline, self.inner.try_peek(buf))
+            .await
+            .map_err(|_| Self::header_timed_out())??;
+        if peeked && buf.starts_with(H2_PREFACE) {
+            self.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
+        }
+        Ok(peeked)
+    }
+}
+
+/// The proxy behind the connection watch, and the TLS listeners' acceptors.
+pub struct Guard<A> {
+    pub app: Arc<A>,
+    pub connections: Arc<Connections>,
+    /// By listener address; an unspecified IP matches every local address of its port.
+    pub tls: Vec<(SocketAddr, Acceptor)>,
+}
+
+impl<A> Guard<A> {
+    fn acceptor(&self, local: Option<SocketAddr>) -> Option<&Acceptor> {
+        let local = local?;
+        self.tls
+            .iter()
+            .find(|(a, _)| *a == local)
+            .or_else(|| {
+                self.tls.iter().find(|(a, _)| {
+                    a.ip().is_unspecified()
+                        && a.port() == local.port()
+                        && a.is_ipv4() == local.is_ipv4()
+                })
+            })
+            .map(|(_, acceptor)| acceptor)
+    }
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let stream: Stream = if (*stream).as_any().is::<Guarded>() {
+            stream
+        } else {
+            let local = stream
+                .get_socket_digest()
+                .and_then(|d| d.local_addr().and_then(|a| a.as_inet()).copied());
+            let stream = match self.acceptor(local) {
+                None => stream,
+                Some(acceptor) => {
+                    let timeout = self.connections.header_timeout();
+                    match tokio::time::timeout(timeout, acceptor.tls_handshake(Plain(stream))).await
+                    {
+                        Ok(Ok(tls)) => Box::new(tls),
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "TLS handshake failed");
+                            return None;
+                        }
+                        Err(_) => {
+                            tracing::debug!(
+                                "TLS handshake not complete within header_read_timeout_ms"
+                            );
+                            return None;
+                        }
+                    }
+                }
+            };
+            match self.connections.admit(stream) {
+                Some(guarded) => Box::new(guarded),
+                None => {
+                    tracing::debug!(
+                        "max_connections reached and every connection busy: closing a new one"
+                    );
+                    return None;
+                }
+            }
+        };
+        self.app.process_new(stream, shutdown).await
+    }
+
+    async fn cleanup(&self) {
+        self.app.cleanup().await
+    }
+}
