@@ -124,20 +124,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
     options.h2c = server_cfg.h2c;
     options.h2_idle_timeout = Some(server_cfg.keepalive_timeout.max(Duration::from_secs(1)));
     proxy.server_options = Some(options);
-    let tls = server_cfg
-        .tls
-        .iter()
-        .map(|t| {
-            let settings = certificates
-                .settings(t.listen)
-                .expect("a resolver for every TLS listener");
-            (t.listen, settings.build())
-        })
-        .collect();
     let guard = Guard {
         app: Arc::new(proxy),
         connections: Arc::clone(&connections),
-        tls,
+        certificates: Arc::clone(&certificates),
     };
     let mut proxy = pingora_core::services::listening::Service::new("sentinel-proxy".into(), guard);
     for addr in server_cfg

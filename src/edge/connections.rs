@@ -21,7 +21,6 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,7 +29,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use pingora_core::apps::ServerApp;
-use pingora_core::listeners::tls::Acceptor;
 use pingora_core::protocols::raw_connect::ProxyDigest;
 use pingora_core::protocols::tls::{SslDigest, TlsRef};
 use pingora_core::protocols::{
@@ -41,6 +39,8 @@ use pingora_core::protocols::{Ssl, Stream};
 use pingora_core::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
+
+use crate::edge::tls::Certificates;
 
 /// The traits Pingora wants of a connection, passed through to `inner()`.
 macro_rules! delegate_io {
@@ -388,25 +388,7 @@ impl Peek for Guarded {
 pub struct Guard<A> {
     pub app: Arc<A>,
     pub connections: Arc<Connections>,
-    /// By listener address; an unspecified IP matches every local address of its port.
-    pub tls: Vec<(SocketAddr, Acceptor)>,
-}
-
-impl<A> Guard<A> {
-    fn acceptor(&self, local: Option<SocketAddr>) -> Option<&Acceptor> {
-        let local = local?;
-        self.tls
-            .iter()
-            .find(|(a, _)| *a == local)
-            .or_else(|| {
-                self.tls.iter().find(|(a, _)| {
-                    a.ip().is_unspecified()
-                        && a.port() == local.port()
-                        && a.is_ipv4() == local.is_ipv4()
-                })
-            })
-            .map(|(_, acceptor)| acceptor)
-    }
+    pub certificates: Arc<Certificates>,
 }
 
 #[async_trait]
@@ -422,7 +404,8 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
             let local = stream
                 .get_socket_digest()
                 .and_then(|d| d.local_addr().and_then(|a| a.as_inet()).copied());
-            let stream = match self.acceptor(local) {
+            let acceptor = local.and_then(|l| self.certificates.acceptor(l));
+            let stream = match acceptor {
                 None => stream,
                 Some(acceptor) => {
                     let timeout = self.connections.header_timeout();

@@ -1,18 +1,20 @@
 //! The TLS listeners' certificates at handshake time: chosen by SNI name, swapped whole on
 //! reload.
 //!
-//! Each listener has one [`Resolver`]; Pingora's rustls acceptor asks it for a certificate
-//! in every handshake. A reload stores a new [`CertSet`] into it: handshakes that start
-//! afterwards see the new certificates, connections already open keep the ones they
-//! negotiated (TLS never asks again).
+//! Each listener has one [`Resolver`], which Pingora's rustls acceptor asks for a
+//! certificate in every handshake, and an acceptor that speaks `min_version` and up (TLS 1.2
+//! and 1.3, or 1.3 only). A reload stores a new [`CertSet`] into the resolver (and a new
+//! acceptor when `min_version` changed): handshakes that start afterwards see the new
+//! certificates, connections already open keep the ones they negotiated (TLS never asks
+//! again).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use pingora_core::listeners::tls::TlsSettings;
-use rustls::server::{ClientHello, ResolvesServerCert};
+use pingora_core::listeners::tls::Acceptor;
+use rustls::server::{ClientHello, ResolvesServerCert, ServerConfig};
 use rustls::sign::CertifiedKey;
 
 use crate::config::{ServerName, TlsListener, TlsVersion};
@@ -24,7 +26,6 @@ struct CertSet {
     exact: HashMap<String, Arc<CertifiedKey>>,
     /// By the part after `*.`.
     wildcard: HashMap<String, Arc<CertifiedKey>>,
-    min_version: TlsVersion,
 }
 
 impl CertSet {
@@ -44,7 +45,6 @@ impl CertSet {
             default: Arc::clone(&listener.default.key),
             exact,
             wildcard,
-            min_version: listener.min_version,
         }
     }
 
@@ -72,26 +72,48 @@ pub struct Resolver {
 
 impl ResolvesServerCert for Resolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let set = self.set.load();
-        // rustls speaks 1.2 and 1.3 on every listener and negotiates 1.3 whenever the client
-        // can; a client that offers no TLS 1.3 cipher suite cannot, so with min_version 1.3
-        // it gets no certificate and the handshake ends with an alert.
-        if set.min_version == TlsVersion::V1_3
-            && !hello
-                .cipher_suites()
-                .iter()
-                .any(|s| u16::from(*s) >> 8 == 0x13)
-        {
-            return None;
-        }
-        Some(Arc::clone(set.choose(hello.server_name())))
+        Some(Arc::clone(self.set.load().choose(hello.server_name())))
     }
 }
 
-/// The resolvers of every TLS listener, by address, for reload to swap.
-#[derive(Debug, Default)]
+/// One TLS listener: its certificates, and the acceptor that speaks its versions.
+struct Listener {
+    addr: SocketAddr,
+    resolver: Arc<Resolver>,
+    min_version: ArcSwap<TlsVersion>,
+    acceptor: ArcSwap<Acceptor>,
+}
+
+/// Every TLS listener's certificates and acceptor, by address, for the connection watch to
+/// handshake with and for reload to swap.
+#[derive(Default)]
 pub struct Certificates {
-    listeners: Vec<(SocketAddr, Arc<Resolver>)>,
+    listeners: Vec<Listener>,
+}
+
+impl std::fmt::Debug for Certificates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.listeners.iter().map(|l| l.addr))
+            .finish()
+    }
+}
+
+/// A rustls acceptor for `min_version` and up, offering ALPN h2 and http/1.1, asking
+/// `resolver` for the certificate.
+fn acceptor(resolver: &Arc<Resolver>, min_version: TlsVersion) -> Acceptor {
+    let versions: &[&'static rustls::SupportedProtocolVersion] = match min_version {
+        TlsVersion::V1_2 => &[&rustls::version::TLS13, &rustls::version::TLS12],
+        TlsVersion::V1_3 => &[&rustls::version::TLS13],
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
+        .expect("ring supports TLS 1.2 and 1.3")
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::clone(resolver) as Arc<dyn ResolvesServerCert>);
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Acceptor::from_server_config(Arc::new(config))
 }
 
 impl Certificates {
@@ -100,43 +122,63 @@ impl Certificates {
             listeners: listeners
                 .iter()
                 .map(|l| {
-                    let set = ArcSwap::from_pointee(CertSet::new(l));
-                    (l.listen, Arc::new(Resolver { set }))
+                    let resolver = Arc::new(Resolver {
+                        set: ArcSwap::from_pointee(CertSet::new(l)),
+                    });
+                    Listener {
+                        addr: l.listen,
+                        acceptor: ArcSwap::from_pointee(acceptor(&resolver, l.min_version)),
+                        min_version: ArcSwap::from_pointee(l.min_version),
+                        resolver,
+                    }
                 })
                 .collect(),
         }
     }
 
-    /// Pingora's settings for the listener at `addr`: this resolver, ALPN h2 and http/1.1.
-    pub fn settings(&self, addr: SocketAddr) -> Option<TlsSettings> {
-        let (_, resolver) = self.listeners.iter().find(|(a, _)| *a == addr)?;
-        let mut settings = TlsSettings::with_callbacks(Box::new(NoCallbacks)).ok()?;
-        settings.set_cert_resolver(Arc::clone(resolver) as Arc<dyn ResolvesServerCert>);
-        settings.enable_h2();
-        Some(settings)
+    /// The addresses of the TLS listeners.
+    pub fn addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.listeners.iter().map(|l| l.addr)
     }
 
-    /// Serves `listeners`' certificates from now on, for every listener that was started;
-    /// returns whether the set of listeners differs from the started one (a restart adds or
-    /// removes listeners).
+    /// The acceptor for a connection accepted on `local`, when that is a TLS listener; a
+    /// listener on an unspecified IP matches every local address of its port.
+    pub fn acceptor(&self, local: SocketAddr) -> Option<Arc<Acceptor>> {
+        self.listeners
+            .iter()
+            .find(|l| l.addr == local)
+            .or_else(|| {
+                self.listeners.iter().find(|l| {
+                    l.addr.ip().is_unspecified()
+                        && l.addr.port() == local.port()
+                        && l.addr.is_ipv4() == local.is_ipv4()
+                })
+            })
+            .map(|l| l.acceptor.load_full())
+    }
+
+    /// Serves `listeners`' certificates and versions from now on, on every listener that
+    /// was started; returns whether the set of listeners differs from the started one (only
+    /// a restart adds or removes listeners).
     pub fn install(&self, listeners: &[TlsListener]) -> bool {
-        for (addr, resolver) in &self.listeners {
-            if let Some(l) = listeners.iter().find(|l| l.listen == *addr) {
-                resolver.set.store(Arc::new(CertSet::new(l)));
+        for started in &self.listeners {
+            if let Some(l) = listeners.iter().find(|l| l.listen == started.addr) {
+                started.resolver.set.store(Arc::new(CertSet::new(l)));
+                if **started.min_version.load() != l.min_version {
+                    started.min_version.store(Arc::new(l.min_version));
+                    started
+                        .acceptor
+                        .store(Arc::new(acceptor(&started.resolver, l.min_version)));
+                }
             }
         }
-        let mut started: Vec<SocketAddr> = self.listeners.iter().map(|(a, _)| *a).collect();
+        let mut started: Vec<SocketAddr> = self.addrs().collect();
         let mut wanted: Vec<SocketAddr> = listeners.iter().map(|l| l.listen).collect();
         started.sort();
         wanted.sort();
         started != wanted
     }
 }
-
-struct NoCallbacks;
-
-#[async_trait::async_trait]
-impl pingora_core::listeners::TlsAccept for NoCallbacks {}
 
 #[cfg(test)]
 mod tests {

@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod config;
 pub mod fault;
+pub mod tls;
 
 use std::ffi::OsStr;
 use std::io::Write;
@@ -400,6 +401,12 @@ impl Gateway {
 
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// `POST /reload` on the admin listener; the status.
+    pub fn reload(&self) -> u16 {
+        let request = b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        raw_request(self.admin_port, request).expect("the admin answers")
     }
 
     pub fn rewrite_config(&self, config: &str) {

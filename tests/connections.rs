@@ -1,0 +1,226 @@
+//! Downstream connections against the real binary: the request-head deadline (slowloris,
+//! on plain and TLS listeners), the keep-alive timeout, and `max_connections` closing the
+//! oldest idle connection first.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::config::{GatewayConfig, Route};
+use common::{blocking_get, raw_request, Redis, Upstream};
+
+fn open(port: u16) -> TcpStream {
+    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    s
+}
+
+/// How long until the gateway closes `s` (reads end-of-file or an error), sending `trickle`
+/// one byte every 200 ms meanwhile.
+fn closed_after(mut s: TcpStream, trickle: &[u8]) -> Duration {
+    let start = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut sent = 0;
+    let mut buf = [0u8; 512];
+    loop {
+        assert!(start.elapsed() < Duration::from_secs(15), "never closed");
+        if sent < trickle.len() && s.write_all(&trickle[sent..sent + 1]).is_err() {
+            return start.elapsed();
+        }
+        sent += 1;
+        match s.read(&mut buf) {
+            Ok(0) => return start.elapsed(),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => return start.elapsed(),
+        }
+    }
+}
+
+fn gateway(redis: &Redis, up: &Upstream, server: &[(&str, &str)]) -> common::Gateway {
+    let mut config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited());
+    for (k, v) in server {
+        config = config.server(k, *v);
+    }
+    config.start()
+}
+
+// Deadlines here are 1 s; a close is expected after it and well before 4 s (a loaded
+// two-core machine can delay a timer by a lot, never by seconds).
+const EARLIEST: Duration = Duration::from_millis(900);
+const LATEST: Duration = Duration::from_secs(4);
+
+#[test]
+fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("header_read_timeout_ms", "1000")]);
+    let head =
+        b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
+    let took = closed_after(open(gw.port), head);
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+    // A connection that sends nothing at all is closed too.
+    let took = closed_after(open(gw.port), b"");
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+    // Neither left an ERROR line: they are the client's doing.
+    assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
+    // A complete head is answered, however slow the server-side work.
+    assert_eq!(
+        raw_request(gw.port, b"GET /slow?ms=1500 HTTP/1.1\r\nHost: a\r\n\r\n"),
+        Some(200)
+    );
+}
+
+#[test]
+fn the_deadline_starts_again_for_each_request_on_a_keep_alive_connection() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[
+            ("header_read_timeout_ms", "1000"),
+            ("keepalive_timeout_seconds", "5"),
+        ],
+    );
+    let mut s = open(gw.port);
+    for _ in 0..3 {
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        // Idle for longer than the head deadline: the keep-alive timeout governs here.
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    // Then a trickled head on the same connection is cut at the head deadline.
+    let took = closed_after(
+        s,
+        b"GET /x HTTP/1.1\r\nHost: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    );
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+}
+
+#[test]
+fn an_idle_keep_alive_connection_is_closed_after_keepalive_timeout_seconds() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("keepalive_timeout_seconds", "1")]);
+    let mut s = open(gw.port);
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let took = closed_after(s, b"");
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+}
+
+#[test]
+fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let ca = common::tls::Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
+    let tls_port = common::free_port();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("header_read_timeout_ms", "1000")
+        .section(&format!(
+            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let took = closed_after(open(tls_port), &[0x16, 0x03, 0x01]);
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+    assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
+}
+
+/// 1 000 idle connections and 200 trickling ones: another client's requests are still
+/// answered quickly. "Quickly" is 1 s here, against the few milliseconds they take: the
+/// point is that they are not queued behind the idle connections, which would take the
+/// whole head deadline.
+#[test]
+fn a_thousand_idle_connections_do_not_slow_another_client() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("header_read_timeout_ms", "5000")]);
+    let idle: Vec<TcpStream> = (0..1000).map(|_| open(gw.port)).collect();
+    let mut trickling: Vec<TcpStream> = (0..200).map(|_| open(gw.port)).collect();
+    for s in &mut trickling {
+        s.write_all(b"GET /x HTTP/1.1\r\n").unwrap();
+    }
+    for _ in 0..50 {
+        let start = Instant::now();
+        let answer = blocking_get(&gw.url("/x")).expect("answered");
+        assert_eq!(answer.0, 200);
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+    assert!(blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200));
+    drop((idle, trickling));
+}
+
+#[test]
+fn at_max_connections_the_oldest_idle_connection_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[
+            ("max_connections", "50"),
+            ("header_read_timeout_ms", "60000"),
+        ],
+    );
+    // Fifty idle connections fill the bound; each of ten more closes the oldest idle one.
+    let mut idle: Vec<TcpStream> = Vec::new();
+    for _ in 0..60 {
+        idle.push(open(gw.port));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // Closed: end-of-file (or a reset) is waiting; open: nothing to read yet.
+    let closed = |s: &mut TcpStream| {
+        s.set_nonblocking(true).unwrap();
+        !matches!(s.read(&mut [0u8; 16]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let all: Vec<bool> = idle.iter_mut().map(closed).collect();
+    eprintln!("{all:?}");
+    let first: Vec<bool> = all[..10].to_vec();
+    assert!(
+        first.iter().all(|c| *c),
+        "the ten oldest were closed: {first:?}"
+    );
+    let rest: Vec<bool> = idle.iter_mut().skip(12).map(closed).collect();
+    assert!(rest.iter().all(|c| !*c), "younger ones stay open: {rest:?}");
+    assert!(blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200));
+}
+
+#[test]
+fn at_max_connections_with_every_connection_busy_a_new_one_is_closed_at_once() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "5")]);
+    let busy: Vec<_> = (0..5)
+        .map(|_| {
+            let port = gw.port;
+            std::thread::spawn(move || {
+                raw_request(port, b"GET /slow?ms=2000 HTTP/1.1\r\nHost: a\r\n\r\n")
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        blocking_get(&gw.url("/x")),
+        None,
+        "closed without an answer"
+    );
+    for b in busy {
+        assert_eq!(b.join().unwrap(), Some(200), "the busy ones finish");
+    }
+    assert_eq!(blocking_get(&gw.url("/x")).map(|a| a.0), Some(200));
+}

@@ -1,0 +1,335 @@
+//! TLS listeners against the real binary: certificates chosen by SNI, ALPN, `min_version`,
+//! certificates swapped by a reload while open connections keep theirs, bad files refused by
+//! `check` and by a reload, and a limited route over HTTP/2 (TLS and h2c) and HTTP/1.1.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::tls::{Ca, Conn, Leaf};
+use common::{check_config, free_port, wait_until, Redis, Upstream};
+use serde_json::Value;
+
+const PDFTALK: &str = "api.pdftalk.example";
+
+/// A gateway with one TLS listener: `default` for unknown names, `named` for PDFTALK and
+/// every name one label below resumint.example.
+fn tls_section(port: u16, default: (&Path, &Path), named: (&Path, &Path), extra: &str) -> String {
+    format!(
+        "[[server.tls]]\nlisten = {}\ncert_path = {}\nkey_path = {}\n{extra}\n\
+         [[server.tls.sni]]\nserver_names = [{}, \"*.resumint.example\"]\ncert_path = {}\nkey_path = {}\n",
+        quoted(&format!("127.0.0.1:{port}")),
+        quoted(&default.0.display().to_string()),
+        quoted(&default.1.display().to_string()),
+        quoted(PDFTALK),
+        quoted(&named.0.display().to_string()),
+        quoted(&named.1.display().to_string()),
+    )
+}
+
+struct Setup {
+    ca: Ca,
+    dir: tempfile::TempDir,
+    tls_port: u16,
+    default: Leaf,
+    named: Leaf,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let ca = Ca::new();
+        let dir = tempfile::tempdir().unwrap();
+        let default = ca.leaf(&["localhost"]);
+        let named = ca.leaf(&[PDFTALK, "*.resumint.example"]);
+        default.write(dir.path(), "default");
+        named.write(dir.path(), "named");
+        Setup {
+            ca,
+            dir,
+            tls_port: free_port(),
+            default,
+            named,
+        }
+    }
+
+    fn path(&self, file: &str) -> std::path::PathBuf {
+        self.dir.path().join(file)
+    }
+
+    fn section(&self, extra: &str) -> String {
+        tls_section(
+            self.tls_port,
+            (&self.path("default.pem"), &self.path("default.key")),
+            (&self.path("named.pem"), &self.path("named.key")),
+            extra,
+        )
+    }
+
+    fn config(&self, redis: &Redis, up: &Upstream, extra: &str) -> GatewayConfig {
+        GatewayConfig::new(&redis.url())
+            .server("h2c", "true")
+            .section(&self.section(extra))
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("e.api")
+                    .prefix("/api")
+                    .identity_header("X-API-Key")
+                    .token_bucket(3_000_000, 0),
+            )
+            .route(Route::new("e.open").prefix("/open").unlimited())
+    }
+
+    fn conn(&self, sni: &str) -> Result<Conn, String> {
+        Conn::open(
+            self.ca.client_config(rustls::ALL_VERSIONS),
+            self.tls_port,
+            sni,
+        )
+    }
+}
+
+#[test]
+fn the_sni_name_chooses_the_certificate_and_unknown_names_get_the_default() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let _gw = s.config(&redis, &up, "").start();
+    for (name, expected) in [
+        ("localhost", &s.default),
+        (PDFTALK, &s.named),
+        ("API.PDFTALK.example", &s.named),
+        ("eu.resumint.example", &s.named),
+    ] {
+        let conn = s.conn(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(conn.served(), expected.der, "{name}");
+        assert_eq!(conn.alpn().as_deref(), Some(&b"h2"[..]), "ALPN offers h2");
+    }
+    // `*.` is one label: neither the bare name nor two labels below it, and an unknown name
+    // gets the default (which the client then refuses: it is not valid for that name).
+    for name in ["resumint.example", "a.eu.resumint.example", "other.example"] {
+        let err = s
+            .conn(name)
+            .err()
+            .unwrap_or_else(|| panic!("{name} verified"));
+        assert!(
+            err.contains("NotValidForName") || err.contains("not valid"),
+            "{name}: {err}"
+        );
+    }
+    // A client that asks for HTTP/1.1 only gets it.
+    let mut config = s.ca.client_config(rustls::ALL_VERSIONS);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut conn = Conn::open(config, s.tls_port, PDFTALK).unwrap();
+    assert_eq!(conn.alpn().as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(conn.get(PDFTALK, "/open/x"), 200);
+    assert_eq!(conn.get(PDFTALK, "/open/y"), 200, "keep-alive over TLS");
+}
+
+#[test]
+fn min_version_1_3_refuses_a_tls_1_2_client() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let _gw = s.config(&redis, &up, "min_version = \"1.3\"").start();
+    let only_12 = s.ca.client_config(&[&rustls::version::TLS12]);
+    assert!(Conn::open(only_12, s.tls_port, PDFTALK).is_err());
+    let conn = s.conn(PDFTALK).unwrap();
+    assert_eq!(conn.version(), Some(rustls::ProtocolVersion::TLSv1_3));
+
+    // Without min_version, TLS 1.2 is accepted.
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let _gw = s.config(&redis, &up, "").start();
+    let only_12 = s.ca.client_config(&[&rustls::version::TLS12]);
+    let conn = Conn::open(only_12, s.tls_port, PDFTALK).unwrap();
+    assert_eq!(conn.version(), Some(rustls::ProtocolVersion::TLSv1_2));
+}
+
+#[test]
+fn a_reload_serves_new_certificates_to_new_handshakes_and_open_connections_keep_theirs() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let gw = s.config(&redis, &up, "").start();
+    let mut config = s.ca.client_config(rustls::ALL_VERSIONS);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut open = Conn::open(config, s.tls_port, PDFTALK).unwrap();
+    assert_eq!(open.get(PDFTALK, "/open/1"), 200);
+
+    let renewed = s.ca.leaf(&[PDFTALK, "*.resumint.example"]);
+    renewed.write(s.dir.path(), "named");
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    assert_eq!(
+        s.conn(PDFTALK).unwrap().served(),
+        renewed.der,
+        "new handshake"
+    );
+    assert_eq!(s.conn("localhost").unwrap().served(), s.default.der);
+    assert_eq!(
+        open.get(PDFTALK, "/open/2"),
+        200,
+        "the open connection goes on"
+    );
+    assert_eq!(
+        open.served(),
+        s.named.der,
+        "with the certificate it negotiated"
+    );
+
+    // A key that is not a key: the reload fails and the renewed certificate keeps serving.
+    std::fs::write(
+        s.path("named.key"),
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    assert_eq!(gw.reload(), 400, "{}", gw.logs());
+    assert_eq!(s.conn(PDFTALK).unwrap().served(), renewed.der);
+    let out = check_config(&gw.config_path, &[]);
+    let stdout =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stdout.contains("server.tls[0].sni[0].key_path"), "{stdout}");
+    assert!(stdout.contains("named.key"), "{stdout}");
+
+    // The key of another certificate: refused too, naming the pair.
+    let other = s.ca.leaf(&["x.example"]);
+    std::fs::write(s.path("named.key"), &other.key_pem).unwrap();
+    assert_eq!(gw.reload(), 400);
+    let out = check_config(&gw.config_path, &[]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("does not belong to the certificate"),
+        "{text}"
+    );
+    assert_eq!(s.conn(PDFTALK).unwrap().served(), renewed.der);
+}
+
+#[test]
+fn watch_config_reloads_when_a_certificate_file_changes() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let _gw = s
+        .config(&redis, &up, "")
+        .server("watch_config", "true")
+        .start();
+    let renewed = s.ca.leaf(&["localhost"]);
+    renewed.write(s.dir.path(), "default");
+    wait_until(
+        Duration::from_secs(10),
+        "the renewed default certificate",
+        || s.conn("localhost").is_ok_and(|c| c.served() == renewed.der),
+    );
+}
+
+#[test]
+fn check_refuses_missing_and_mismatched_files_naming_file_and_field() {
+    let s = Setup::new();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, tls: &str| {
+        let path = dir.path().join(name);
+        let config = format!(
+            "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n{tls}",
+            free_port()
+        );
+        std::fs::write(&path, config).unwrap();
+        path
+    };
+    let output = |path: &Path| {
+        let out = check_config(path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let ok = write("ok.toml", &s.section(""));
+    assert!(output(&ok).0, "{}", output(&ok).1);
+
+    let missing = write(
+        "missing.toml",
+        &tls_section(
+            s.tls_port,
+            (&s.path("nope.pem"), &s.path("default.key")),
+            (&s.path("named.pem"), &s.path("named.key")),
+            "",
+        ),
+    );
+    let (success, text) = output(&missing);
+    assert!(!success);
+    assert!(text.contains("missing.toml:"), "{text}");
+    assert!(
+        text.contains("server.tls[0].cert_path") && text.contains("nope.pem"),
+        "{text}"
+    );
+
+    let swapped = write(
+        "swapped.toml",
+        &tls_section(
+            s.tls_port,
+            (&s.path("default.pem"), &s.path("named.key")),
+            (&s.path("named.pem"), &s.path("named.key")),
+            "",
+        ),
+    );
+    let (success, text) = output(&swapped);
+    assert!(!success);
+    assert!(
+        text.contains("server.tls[0].key_path") && text.contains("does not belong"),
+        "{text}"
+    );
+
+    let bad_version = write("v.toml", &s.section("min_version = \"1.1\""));
+    let (success, text) = output(&bad_version);
+    assert!(
+        !success && text.contains("server.tls[0].min_version"),
+        "{text}"
+    );
+}
+
+/// The same limited route over HTTP/1.1 and HTTP/2 on TLS, and over h2c: the exact
+/// sequence of 200s and 429s, and the forwarded headers the upstream sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_route_answers_the_same_over_http1_http2_tls_and_h2c() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let gw = s.config(&redis, &up, "").start();
+    let h2 = s.ca.http_client(s.tls_port, &[PDFTALK], false);
+    let h1 = s.ca.http_client(s.tls_port, &[PDFTALK], true);
+    let h2c = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .no_proxy()
+        .build()
+        .unwrap();
+    let tls_url = |path: &str| format!("https://{PDFTALK}:{}{path}", s.tls_port);
+    for (client, url, version, key) in [
+        (&h2, tls_url("/api/x"), reqwest::Version::HTTP_2, "k-h2"),
+        (&h1, tls_url("/api/x"), reqwest::Version::HTTP_11, "k-h1"),
+        (&h2c, gw.url("/api/x"), reqwest::Version::HTTP_2, "k-h2c"),
+    ] {
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            let r = client
+                .get(&url)
+                .header("X-API-Key", key)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.version(), version, "{url}");
+            statuses.push(r.status().as_u16());
+            if r.status() == 429 {
+                assert!(r.headers().contains_key("retry-after"));
+                assert!(r.headers().contains_key("x-request-id"));
+            }
+        }
+        assert_eq!(statuses, [200, 200, 200, 429, 429], "{url} {version:?}");
+    }
+    let r = h2
+        .get(tls_url("/open/echo"))
+        .header("X-Forwarded-Proto", "http")
+        .send()
+        .await
+        .unwrap();
+    let echo: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    let headers = &echo["headers"];
+    assert_eq!(headers["x-forwarded-proto"], "https", "{echo}");
+    assert_eq!(
+        headers["x-forwarded-host"],
+        format!("{PDFTALK}:{}", s.tls_port),
+        "the authority of an h2 request is its host"
+    );
+    assert_eq!(headers["x-forwarded-for"], "127.0.0.1");
+}
