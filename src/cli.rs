@@ -103,6 +103,9 @@ pub fn main() -> i32 {
             for route in &config.routes {
                 println!("{}", describe(route));
             }
+            for t in &config.server.tls {
+                println!("{}", describe_tls(t));
+            }
             if let Some(k) = &config.api_keys {
                 println!(
                     "api keys: {} key(s) of {} tenant(s) from {}, read from the {} header",
@@ -148,6 +151,30 @@ fn requests(micro: u64) -> String {
 }
 
 /// One plain-words line per route, as `check` prints it.
+/// One TLS listener in plain words: its versions and which certificate each name gets.
+pub fn describe_tls(t: &crate::config::TlsListener) -> String {
+    let versions = match t.min_version {
+        crate::config::TlsVersion::V1_2 => "TLS 1.2 and 1.3",
+        crate::config::TlsVersion::V1_3 => "TLS 1.3 only",
+    };
+    let mut line = format!(
+        "tls {}: {versions}, ALPN h2 and http/1.1; default certificate {} (expires {})",
+        t.listen,
+        t.default.cert_path.display(),
+        t.default.expires
+    );
+    for sni in &t.sni {
+        let names: Vec<String> = sni.server_names.iter().map(|n| n.to_string()).collect();
+        line.push_str(&format!(
+            "; {} -> {} (expires {})",
+            names.join(", "),
+            sni.pair.cert_path.display(),
+            sni.pair.expires
+        ));
+    }
+    line
+}
+
 pub fn describe(route: &RouteConfig) -> String {
     let p = &route.policy;
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {

@@ -244,7 +244,7 @@ async fn h2c_answers_as_http1_does() {
         .upstream("app", &[up.addr()])
         .route(limited(2))
         .start();
-    let h2 = reqwest::Client::builder()
+    let h2 = common::client_builder()
         .no_proxy()
         .http2_prior_knowledge()
         .timeout(Duration::from_secs(10))

@@ -87,6 +87,8 @@ pub struct CertPair {
     pub cert_path: PathBuf,
     pub key_path: PathBuf,
     pub key: Arc<CertifiedKey>,
+    /// The end of the certificate's validity, as written in it.
+    pub expires: String,
 }
 
 impl CertPair {
@@ -103,7 +105,7 @@ impl CertPair {
                 "holds no certificate: give a PEM chain, the server's certificate first".into(),
             ));
         }
-        check_validity(&chain[0])?;
+        let expires = check_validity(&chain[0])?;
         let key_pem =
             std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
@@ -127,6 +129,7 @@ impl CertPair {
             cert_path: cert_path.to_owned(),
             key_path: key_path.to_owned(),
             key: Arc::new(certified),
+            expires,
         })
     }
 }
@@ -140,7 +143,7 @@ pub enum PairError {
 
 /// Refuses a certificate whose validity has ended or not yet begun: served, every client
 /// would refuse it.
-fn check_validity(cert: &CertificateDer<'_>) -> Result<(), PairError> {
+fn check_validity(cert: &CertificateDer<'_>) -> Result<String, PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
     let validity = parsed.validity();
@@ -157,7 +160,7 @@ fn check_validity(cert: &CertificateDer<'_>) -> Result<(), PairError> {
             validity.not_before
         )));
     }
-    Ok(())
+    Ok(validity.not_after.to_string())
 }
 
 impl PartialEq for CertPair {

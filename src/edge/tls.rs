@@ -212,6 +212,7 @@ mod tests {
             cert_path: format!("{marker}.pem").into(),
             key_path: format!("{marker}.key").into(),
             key: key(marker),
+            expires: String::new(),
         }
     }
 

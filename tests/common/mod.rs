@@ -512,9 +512,15 @@ pub async fn admitted_over(
     admitted
 }
 
+/// A reqwest builder for loopback tests: no proxy, and rustls's `ring` provider installed
+/// (reqwest's TLS is built without a provider of its own).
+pub fn client_builder() -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().no_proxy()
+}
+
 pub fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+    client_builder()
         .timeout(Duration::from_secs(10))
         .build()
         .expect("http client")

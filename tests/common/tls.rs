@@ -78,15 +78,13 @@ impl Ca {
 
     /// A reqwest client that trusts this CA and sends `names` to `port` on loopback.
     pub fn http_client(&self, port: u16, names: &[&str], http1_only: bool) -> reqwest::Client {
-        let _ = rustls::crypto::ring::default_provider().install_default();
         let mut config = self.client_config(rustls::ALL_VERSIONS);
         if http1_only {
             config.alpn_protocols = vec![b"http/1.1".to_vec()];
         }
-        let mut builder = reqwest::Client::builder()
+        let mut builder = super::client_builder()
             .tls_backend_preconfigured(config)
-            .timeout(std::time::Duration::from_secs(10))
-            .no_proxy();
+            .timeout(std::time::Duration::from_secs(10));
         for n in names {
             builder = builder.resolve(n, ([127, 0, 0, 1], port).into());
         }
