@@ -109,6 +109,19 @@ pub struct RedisConfig {
     /// Drive the Redis connections on a thread of their own rather than on the proxy's
     /// workers: a decision then never queues behind saturated workers for its reply.
     pub dedicated_io_thread: bool,
+    /// Credentials and TLS, for every node.
+    pub access: RedisAccess,
+}
+
+/// How every Redis node is reached: the ACL user and password (over those in a URL), and
+/// TLS for `rediss://` URLs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RedisAccess {
+    pub username: Option<String>,
+    /// From `password_env`: never in the file.
+    pub password: Option<Secret>,
+    /// Present exactly when the URLs are `rediss://`.
+    pub tls: Option<tls::RedisTls>,
 }
 
 /// Where the limiter's state lives.

@@ -83,6 +83,11 @@ pub struct RawRedis {
     pub key_prefix: Option<Spanned<String>>,
     pub require_noeviction: Option<bool>,
     pub dedicated_io_thread: Option<bool>,
+    pub username: Option<Spanned<String>>,
+    pub password_env: Option<Spanned<String>>,
+    pub tls_ca_path: Option<Spanned<String>>,
+    pub tls_cert_path: Option<Spanned<String>>,
+    pub tls_key_path: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -182,6 +182,128 @@ impl fmt::Debug for CertPair {
     }
 }
 
+/// TLS towards Redis: whom to trust, and the client certificate for mutual TLS.
+#[derive(Clone)]
+pub struct RedisTls {
+    pub ca_path: Option<PathBuf>,
+    pub cert_path: Option<PathBuf>,
+    pub key_path: Option<PathBuf>,
+    /// The bytes of the files, as read: what a reload compares.
+    source: Vec<Vec<u8>>,
+    /// The rustls client settings built from them.
+    pub client: Arc<rustls::ClientConfig>,
+}
+
+impl RedisTls {
+    /// Reads the files and builds the client settings: the CA file's certificates as the only
+    /// roots when given, else the system's; the client certificate when both files are given.
+    pub fn load(
+        ca_path: Option<&Path>,
+        client: Option<(&Path, &Path)>,
+    ) -> Result<Self, RedisTlsError> {
+        let read = |p: &Path, which: RedisTlsError| {
+            std::fs::read(p).map_err(|e| which.with(format!("cannot be read: {e}")))
+        };
+        let mut source = Vec::new();
+        let mut roots = rustls::RootCertStore::empty();
+        match ca_path {
+            Some(path) => {
+                let pem = read(path, RedisTlsError::Ca(String::new()))?;
+                for cert in CertificateDer::pem_slice_iter(&pem) {
+                    let cert = cert.map_err(|e| {
+                        RedisTlsError::Ca(format!("is not a PEM certificate file: {e}"))
+                    })?;
+                    roots.add(cert).map_err(|e| {
+                        RedisTlsError::Ca(format!("holds a certificate that cannot be a root: {e}"))
+                    })?;
+                }
+                if roots.is_empty() {
+                    return Err(RedisTlsError::Ca("holds no certificate".into()));
+                }
+                source.push(pem);
+            }
+            None => {
+                for cert in rustls_native_certs::load_native_certs().certs {
+                    let _ = roots.add(cert);
+                }
+            }
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default versions")
+            .with_root_certificates(roots);
+        let config = match client {
+            None => builder.with_no_client_auth(),
+            Some((cert_path, key_path)) => {
+                let cert_pem = read(cert_path, RedisTlsError::Cert(String::new()))?;
+                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| {
+                        RedisTlsError::Cert(format!("is not a PEM certificate chain: {e}"))
+                    })?;
+                if chain.is_empty() {
+                    return Err(RedisTlsError::Cert("holds no certificate".into()));
+                }
+                let key_pem = read(key_path, RedisTlsError::Key(String::new()))?;
+                let key = PrivateKeyDer::from_pem_slice(&key_pem)
+                    .map_err(|e| RedisTlsError::Key(format!("holds no usable private key: {e}")))?;
+                source.push(cert_pem);
+                source.push(key_pem);
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| RedisTlsError::Key(format!("does not fit the certificate: {e}")))?
+            }
+        };
+        Ok(Self {
+            ca_path: ca_path.map(Path::to_owned),
+            cert_path: client.map(|(c, _)| c.to_owned()),
+            key_path: client.map(|(_, k)| k.to_owned()),
+            source,
+            client: Arc::new(config),
+        })
+    }
+}
+
+/// Which of the Redis TLS files is wrong, and why.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RedisTlsError {
+    Ca(String),
+    Cert(String),
+    Key(String),
+}
+
+impl RedisTlsError {
+    fn with(&self, why: String) -> Self {
+        match self {
+            Self::Ca(_) => Self::Ca(why),
+            Self::Cert(_) => Self::Cert(why),
+            Self::Key(_) => Self::Key(why),
+        }
+    }
+}
+
+impl PartialEq for RedisTls {
+    fn eq(&self, other: &Self) -> bool {
+        self.ca_path == other.ca_path
+            && self.cert_path == other.cert_path
+            && self.key_path == other.key_path
+            && self.source == other.source
+    }
+}
+
+impl Eq for RedisTls {}
+
+impl fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca_path", &self.ca_path)
+            .field("cert_path", &self.cert_path)
+            .field("key_path", &self.key_path)
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

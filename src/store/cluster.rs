@@ -16,6 +16,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rand::seq::SliceRandom;
 use redis::Value;
+
+use super::dial::Dial;
+use crate::config::RedisAccess;
 use tokio::sync::Notify;
 
 use super::connect::{open, Connector};
@@ -36,6 +39,8 @@ const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub(super) struct Cluster {
     seeds: ArcSwap<Vec<String>>,
+    /// How the seeds and every node are reached.
+    access: ArcSwap<RedisAccess>,
     /// +1 per new set of seeds: a map read from the cluster before is not applied after.
     epoch: AtomicU64,
     topology: ArcSwap<Topology>,
@@ -47,9 +52,10 @@ pub(super) struct Cluster {
 }
 
 impl Cluster {
-    pub(super) fn new(seeds: Vec<String>) -> Self {
+    pub(super) fn new(seeds: Vec<String>, access: RedisAccess) -> Self {
         Self {
             seeds: ArcSwap::from_pointee(seeds),
+            access: ArcSwap::from_pointee(access),
             epoch: AtomicU64::new(0),
             topology: ArcSwap::from_pointee(Topology::empty()),
             refresh: Arc::new(Notify::new()),
@@ -64,6 +70,10 @@ impl Cluster {
 
     pub(super) fn seeds(&self) -> Arc<Vec<String>> {
         self.seeds.load_full()
+    }
+
+    pub(super) fn access(&self) -> Arc<RedisAccess> {
+        self.access.load_full()
     }
 
     /// The primaries of the current map.
@@ -87,12 +97,13 @@ impl Cluster {
     }
 
     /// New seed nodes (a reload): forget the map and every link, and discover anew.
-    pub(super) fn reseed(&self, connector: &Connector, seeds: Vec<String>) {
+    pub(super) fn reseed(&self, connector: &Connector, seeds: Vec<String>, access: RedisAccess) {
         // Under the links lock, which `apply` holds too: a refresh that read the old cluster
         // sees the new epoch and throws its map away.
         let mut known = self.known.lock().expect("cluster links lock");
         self.epoch.fetch_add(1, Ordering::AcqRel);
         self.seeds.store(Arc::new(seeds));
+        self.access.store(Arc::new(access));
         self.topology.store(Arc::new(Topology::empty()));
         for (_, link) in known.drain() {
             connector.retire(&link);
@@ -103,9 +114,9 @@ impl Cluster {
 
     /// What every node is reached with: the first seed's credentials and settings (its
     /// address is replaced by the node's).
-    fn node_template(&self) -> Option<redis::ConnectionInfo> {
+    fn node_template(&self) -> Option<Dial> {
         let seeds = self.seeds.load();
-        redis::IntoConnectionInfo::into_connection_info(seeds.first()?.as_str()).ok()
+        Dial::new(seeds.first()?.as_str(), &self.access.load()).ok()
     }
 
     /// The link for a node a redirect named, opened when it is new.
@@ -117,7 +128,10 @@ impl Cluster {
             return Some(Arc::clone(link));
         }
         let seed = self.node_template()?;
-        let link = connector.node(Target::node(&seed, host, port), &self.refresh);
+        let link = connector.node(
+            Target::node(&seed, &self.access.load(), host, port),
+            &self.refresh,
+        );
         known.insert(name, Arc::clone(&link));
         Some(link)
     }
@@ -173,12 +187,13 @@ impl Cluster {
         }
         for seed in self.seeds.load().iter() {
             let attempt = async {
-                let client = redis::Client::open(seed.as_str()).map_err(|e| e.to_string())?;
-                let host = match client.get_connection_info().addr() {
+                let dial =
+                    Dial::new(seed.as_str(), &self.access.load()).map_err(|e| e.to_string())?;
+                let host = match dial.info.addr() {
                     redis::ConnectionAddr::Tcp(h, _) => h.clone(),
                     _ => String::new(),
                 };
-                let mut opened = open(&client).await.map_err(|e| e.to_string())?;
+                let mut opened = open(&dial).await.map_err(|e| e.to_string())?;
                 query_slots(&mut opened.conn, &host).await
             };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
@@ -206,7 +221,10 @@ impl Cluster {
         }
         let map = Topology::from_ranges(&ranges, |r| {
             let link = known.entry(node_name(&r.host, r.port)).or_insert_with(|| {
-                connector.node(Target::node(&seed, &r.host, r.port), &self.refresh)
+                connector.node(
+                    Target::node(&seed, &self.access.load(), &r.host, r.port),
+                    &self.refresh,
+                )
             });
             Arc::clone(link)
         });

@@ -21,6 +21,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{watch, Notify};
 
 use super::breakers::BreakerBoard;
+use super::dial::Dial;
 use super::link::{Link, Opened, Target};
 use super::script::Scripts;
 
@@ -141,15 +142,28 @@ const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
 /// restarted, `CLIENT KILL`), [`Opened::closed`] fires without a command being sent. An idle
 /// connection, or one behind an open breaker, would otherwise look up until the next request
 /// that used it.
-pub(super) async fn open(client: &redis::Client) -> redis::RedisResult<Opened> {
-    let info = client.get_connection_info();
+pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
+    let info = &dial.info;
     let (closed_tx, closed) = watch::channel(false);
     let setup = async {
         match info.addr() {
             ConnectionAddr::Tcp(host, port) => {
                 let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                 socket.set_nodelay(true)?;
-                drive(info, socket, closed_tx).await
+                match &dial.tls {
+                    None => drive(info, socket, closed_tx).await,
+                    Some(tls) => {
+                        let name = rustls::pki_types::ServerName::try_from(host.clone())
+                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                        let stream = tokio_rustls::TlsConnector::from(Arc::clone(tls))
+                            .connect(name, socket)
+                            .await
+                            .map_err(|e| {
+                                io::Error::new(e.kind(), format!("TLS handshake with redis: {e}"))
+                            })?;
+                        drive(info, stream, closed_tx).await
+                    }
+                }
             }
             ConnectionAddr::Unix(path) => {
                 let socket = tokio::net::UnixStream::connect(path).await?;
@@ -279,6 +293,17 @@ async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult
     }
 }
 
+/// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` (Redis
+/// answers `WRONGPASS`, or `ERR invalid password` before Redis 6) becomes redis-rs's
+/// `AuthenticationFailed`, which is said here as Redis said it.
+fn reason(e: &RedisError) -> String {
+    if e.kind() == redis::ErrorKind::AuthenticationFailed {
+        format!("WRONGPASS: Redis refused the username or password, or the user is disabled ({e})")
+    } else {
+        e.to_string()
+    }
+}
+
 /// Start-up check: `Some(policy)` when a Redis that answers has an evicting policy, which a
 /// gateway requiring noeviction must refuse (every seed of a cluster is asked). A Redis that
 /// is down is not an error here: the routes follow their fail modes until it comes.
@@ -288,11 +313,11 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
         crate::config::RedisTarget::Cluster(seeds) => seeds.as_slice(),
     };
     for url in urls {
-        let Ok(client) = redis::Client::open(url.as_str()) else {
+        let Ok(dial) = Dial::new(url, &config.access) else {
             continue;
         };
         let check = async {
-            let mut opened = open(&client).await.ok()?;
+            let mut opened = open(&dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok()
         };
         match tokio::time::timeout(Duration::from_secs(3), check).await {
@@ -313,13 +338,13 @@ impl Connector {
         let mut opened = match self.proxy_runtime.get() {
             // Spawned there, the connection's driver task runs on the proxy's workers.
             Some(proxy) => {
-                let client = target.client.clone();
+                let dial = target.dial.clone();
                 proxy
-                    .spawn(async move { open(&client).await })
+                    .spawn(async move { open(&dial).await })
                     .await
                     .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
             }
-            None => open(&target.client).await?,
+            None => open(&target.dial).await?,
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;
@@ -429,7 +454,7 @@ impl Connector {
                     // Requests meanwhile fail at once and count nothing: the attempts do.
                     link.breaker.count_failure();
                     if !link.outage_logged.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(node = %target.node, error = %e, "redis unavailable; reconnecting in the background");
+                        tracing::warn!(node = %target.node, error = %reason(&e), "redis unavailable; reconnecting in the background");
                     }
                     tokio::time::sleep(backoff(attempt)).await;
                     attempt = attempt.saturating_add(1);

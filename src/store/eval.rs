@@ -139,7 +139,7 @@ impl Store {
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }
         let target = link.target.load_full();
-        let fresh = connect::open(&target.client).await.map_err(|e| {
+        let fresh = connect::open(&target.dial).await.map_err(|e| {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
             Failure::NotConnected
         })?;

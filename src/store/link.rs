@@ -14,7 +14,9 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::MultiplexedConnection;
 use tokio::sync::{watch, Notify};
 
+use super::dial::Dial;
 use super::slots::node_name;
+use crate::config::RedisAccess;
 use crate::decision::Breaker;
 
 /// A connection just opened, and the signal that its socket has closed: the value turns
@@ -32,14 +34,15 @@ pub(super) struct Target {
     pub(super) url: String,
     /// `host:port` (or the socket path), without credentials: what logs and metrics name.
     pub(super) node: String,
-    pub(super) client: redis::Client,
+    pub(super) dial: Dial,
+    /// The access it was made with, compared on reload.
+    pub(super) access: RedisAccess,
 }
 
 impl Target {
-    pub(super) fn new(url: &str) -> std::io::Result<Self> {
-        let client = redis::Client::open(url)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let node = match client.get_connection_info().addr() {
+    pub(super) fn new(url: &str, access: &RedisAccess) -> std::io::Result<Self> {
+        let dial = Dial::new(url, access)?;
+        let node = match dial.info.addr() {
             redis::ConnectionAddr::Tcp(host, port) => node_name(host, *port),
             redis::ConnectionAddr::TcpTls { host, port, .. } => node_name(host, *port),
             redis::ConnectionAddr::Unix(path) => path.display().to_string(),
@@ -48,19 +51,18 @@ impl Target {
         Ok(Self {
             url: url.to_owned(),
             node,
-            client,
+            dial,
+            access: access.clone(),
         })
     }
 
     /// A cluster node, reached with the seed's credentials and settings.
-    pub(super) fn node(seed: &redis::ConnectionInfo, host: &str, port: u16) -> Self {
-        let info = seed
-            .clone()
-            .set_addr(redis::ConnectionAddr::Tcp(host.to_owned(), port));
+    pub(super) fn node(seed: &Dial, access: &RedisAccess, host: &str, port: u16) -> Self {
         Self {
             url: node_name(host, port),
             node: node_name(host, port),
-            client: redis::Client::open(info).expect("a TCP connection info is always valid"),
+            dial: seed.at(host, port),
+            access: access.clone(),
         }
     }
 }

@@ -16,6 +16,7 @@ mod breakers;
 mod broken_keys;
 mod cluster;
 mod connect;
+mod dial;
 mod eval;
 mod link;
 pub mod script;
@@ -109,9 +110,11 @@ impl Store {
             runtime.handle().clone(),
         ));
         let layout = match &config.target {
-            RedisTarget::Single(url) => Layout::Single(connector.single(Target::new(url)?)),
+            RedisTarget::Single(url) => {
+                Layout::Single(connector.single(Target::new(url, &config.access)?))
+            }
             RedisTarget::Cluster(seeds) => {
-                let cluster = Arc::new(Cluster::new(seeds.clone()));
+                let cluster = Arc::new(Cluster::new(seeds.clone(), config.access.clone()));
                 runtime.spawn(keep_topology(Arc::clone(&cluster), Arc::clone(&connector)));
                 Layout::Cluster(cluster)
             }
@@ -146,18 +149,20 @@ impl Store {
         connector.set_require_noeviction(config.require_noeviction);
         match (&self.inner.layout, &config.target) {
             (Layout::Single(link), RedisTarget::Single(url)) => {
-                if link.target.load().url != *url {
-                    link.target.store(Arc::new(Target::new(url)?));
-                    tracing::info!("redis.url changed; reconnecting");
+                let current = link.target.load();
+                if current.url != *url || current.access != config.access {
+                    link.target
+                        .store(Arc::new(Target::new(url, &config.access)?));
+                    tracing::info!("redis.url or its credentials changed; reconnecting");
                     link.conn.store(None);
                     link.wake.notify_one();
                 }
                 Ok(None)
             }
             (Layout::Cluster(cluster), RedisTarget::Cluster(seeds)) => {
-                if *cluster.seeds() != *seeds {
-                    tracing::info!("redis.cluster_urls changed; discovering the cluster anew");
-                    cluster.reseed(connector, seeds.clone());
+                if *cluster.seeds() != *seeds || *cluster.access() != config.access {
+                    tracing::info!("redis.cluster_urls or their credentials changed; discovering the cluster anew");
+                    cluster.reseed(connector, seeds.clone(), config.access.clone());
                 }
                 Ok(None)
             }

@@ -34,7 +34,7 @@ pub fn validate(
     };
 
     let server = sections::server(&mut c, &raw, path);
-    let redis = sections::redis(&mut c, &raw, redis_url_override);
+    let redis = sections::redis(&mut c, &raw, redis_url_override, path);
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw, path);
     let access_log = sections::access_log(&mut c, &raw, path);

@@ -342,6 +342,7 @@ pub(super) fn redis(
     c: &mut Collector,
     raw: &RawConfig,
     url_override: Option<&str>,
+    config: &Path,
 ) -> Option<RedisConfig> {
     let r = raw.redis.as_ref().map(|r| r.get_ref());
     let url = r.and_then(|r| r.url.as_ref());
@@ -392,6 +393,7 @@ pub(super) fn redis(
     };
     let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
     let dedicated_io_thread = r.and_then(|r| r.dedicated_io_thread).unwrap_or(false);
+    let access = target.as_ref().and_then(|t| redis_access(c, r, t, config));
     Some(RedisConfig {
         target: target?,
         env_overrides_cluster: url_override.is_some() && cluster.is_some(),
@@ -399,6 +401,126 @@ pub(super) fn redis(
         key_prefix: key_prefix?,
         require_noeviction,
         dedicated_io_thread,
+        access: access?,
+    })
+}
+
+/// `username`, `password_env` and the TLS files of `[redis]`, checked against the URLs: TLS
+/// settings without a `rediss://` URL, or a mix of `redis://` and `rediss://` seeds, are
+/// errors rather than a silent plain-text connection.
+fn redis_access(
+    c: &mut Collector,
+    r: Option<&crate::config::raw::RawRedis>,
+    target: &RedisTarget,
+    config: &Path,
+) -> Option<RedisAccess> {
+    let urls = match target {
+        RedisTarget::Single(u) => std::slice::from_ref(u),
+        RedisTarget::Cluster(seeds) => seeds.as_slice(),
+    };
+    let tls_urls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
+    let mut ok = true;
+    if tls_urls != 0 && tls_urls != urls.len() {
+        let span = r.and_then(|r| r.cluster_urls.as_ref()).map(|s| s.span());
+        c.push(span.as_ref(), None, "redis.cluster_urls mixes redis:// and rediss:// seeds: a cluster is reached one way, write every seed with the same scheme".into());
+        ok = false;
+    }
+    let username = match r.and_then(|r| r.username.as_ref()) {
+        None => None,
+        Some(u)
+            if u.get_ref().is_empty()
+                || u.get_ref()
+                    .chars()
+                    .any(|ch| ch.is_whitespace() || ch.is_control()) =>
+        {
+            c.push(Some(&u.span()), None, format!("redis.username = \"{}\" is not an ACL user name: write one word, such as \"gateway\"", u.get_ref().escape_debug()));
+            ok = false;
+            None
+        }
+        Some(u) => Some(u.get_ref().clone()),
+    };
+    let password = match r.and_then(|r| r.password_env.as_ref()) {
+        None => None,
+        Some(var) => match std::env::var(var.get_ref()) {
+            Ok(v) if !v.is_empty() => Some(Secret(Arc::from(v.as_bytes()))),
+            Ok(_) | Err(std::env::VarError::NotPresent) => {
+                c.push(Some(&var.span()), None, format!("redis.password_env: the environment variable {} is not set (or empty): set it to the Redis password", var.get_ref()));
+                ok = false;
+                None
+            }
+            Err(std::env::VarError::NotUnicode(_)) => {
+                c.push(
+                    Some(&var.span()),
+                    None,
+                    format!(
+                        "redis.password_env: the environment variable {} is not UTF-8",
+                        var.get_ref()
+                    ),
+                );
+                ok = false;
+                None
+            }
+        },
+    };
+    let resolve = |p: &Spanned<String>| {
+        let written = p.get_ref();
+        config
+            .parent()
+            .map_or_else(|| PathBuf::from(written), |dir| dir.join(written))
+    };
+    let ca = r.and_then(|r| r.tls_ca_path.as_ref());
+    let cert = r.and_then(|r| r.tls_cert_path.as_ref());
+    let key = r.and_then(|r| r.tls_key_path.as_ref());
+    if tls_urls == 0 {
+        for (field, value) in [
+            ("tls_ca_path", ca),
+            ("tls_cert_path", cert),
+            ("tls_key_path", key),
+        ] {
+            if let Some(v) = value {
+                c.push(Some(&v.span()), None, format!("redis.{field} is set but the Redis URL is not rediss://: write rediss://host:port to use TLS, or remove {field}"));
+                ok = false;
+            }
+        }
+        return ok.then_some(RedisAccess {
+            username,
+            password,
+            tls: None,
+        });
+    }
+    let client = match (cert, key) {
+        (Some(c), Some(k)) => Some((resolve(c), resolve(k))),
+        (None, None) => None,
+        (Some(one), None) | (None, Some(one)) => {
+            c.push(Some(&one.span()), None, "redis.tls_cert_path and redis.tls_key_path go together: give both for a client certificate (mutual TLS), or neither".into());
+            return None;
+        }
+    };
+    let ca_path = ca.map(resolve);
+    let tls = match crate::config::tls::RedisTls::load(
+        ca_path.as_deref(),
+        client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+    ) {
+        Ok(tls) => Some(tls),
+        Err(e) => {
+            let (field, value, why) = match e {
+                crate::config::tls::RedisTlsError::Ca(why) => ("tls_ca_path", ca, why),
+                crate::config::tls::RedisTlsError::Cert(why) => ("tls_cert_path", cert, why),
+                crate::config::tls::RedisTlsError::Key(why) => ("tls_key_path", key, why),
+            };
+            let written = value.map(|v| v.get_ref().as_str()).unwrap_or_default();
+            c.push(
+                value.map(|v| v.span()).as_ref(),
+                None,
+                format!("redis.{field} = \"{written}\" {why}"),
+            );
+            None
+        }
+    };
+    (ok && tls.is_some()).then_some(RedisAccess {
+        username,
+        password,
+        tls,
     })
 }
 
@@ -426,7 +548,9 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
             ok = false;
             continue;
         };
-        let info = redis::IntoConnectionInfo::into_connection_info(url.as_str());
+        let info = redis::IntoConnectionInfo::into_connection_info(
+            url.replacen("rediss://", "redis://", 1).as_str(),
+        );
         match info {
             Ok(info) if !matches!(info.addr(), redis::ConnectionAddr::Tcp(..)) => {
                 c.push(Some(&seed.span()), None, format!("{what} is not a TCP address: cluster nodes are reached as redis://host:port"));
@@ -455,9 +579,15 @@ fn check_redis_url(
     url: &str,
     what: &str,
 ) -> Option<String> {
-    match redis::Client::open(url) {
+    // rediss:// is parsed as its redis:// twin: the store makes the TLS handshake itself.
+    let plain = match url.strip_prefix("rediss://") {
+        Some(rest) => format!("redis://{rest}"),
+        None => url.to_owned(),
+    };
+    match redis::Client::open(plain.as_str()) {
         Ok(_)
             if url.starts_with("redis://")
+                || url.starts_with("rediss://")
                 || url.starts_with("redis+unix://")
                 || url.starts_with("unix://") =>
         {
@@ -467,7 +597,7 @@ fn check_redis_url(
             c.push(
                 span,
                 None,
-                format!("{what} is not supported: use a redis:// or unix:// URL"),
+                format!("{what} is not supported: use a redis://, rediss:// or unix:// URL"),
             );
             None
         }

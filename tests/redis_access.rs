@@ -1,0 +1,290 @@
+//! Redis over TLS (`rediss://`, a CA file, client certificates) and with ACL credentials
+//! (`username`, `password_env`), against a real redis-server with `--tls-port` and ACL users.
+//! Each server also has a plain port, which only the test uses to look inside.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::tls::Ca;
+use common::{check_config, client, free_port, wait_until, Redis, Upstream};
+
+struct TlsRedis {
+    redis: Redis,
+    tls_port: u16,
+    ca: Ca,
+    dir: tempfile::TempDir,
+}
+
+/// A redis-server with a TLS port whose certificate names 127.0.0.1; `clients` asks it to
+/// require client certificates signed by the same CA.
+fn tls_redis(require_client_certs: bool) -> TlsRedis {
+    let ca = Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["127.0.0.1"]).write(dir.path(), "redis");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let tls_port = free_port();
+    let auth = if require_client_certs { "yes" } else { "no" };
+    let args = [
+        "--tls-port".to_owned(),
+        tls_port.to_string(),
+        "--tls-cert-file".to_owned(),
+        cert.display().to_string(),
+        "--tls-key-file".to_owned(),
+        key.display().to_string(),
+        "--tls-ca-cert-file".to_owned(),
+        ca_file.display().to_string(),
+        "--tls-auth-clients".to_owned(),
+        auth.to_owned(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let redis = Redis::start_with(free_port(), &args);
+    TlsRedis {
+        redis,
+        tls_port,
+        ca,
+        dir,
+    }
+}
+
+impl TlsRedis {
+    fn url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.tls_port)
+    }
+
+    fn ca_path(&self) -> String {
+        self.dir.path().join("ca.pem").display().to_string()
+    }
+}
+
+fn limited(config: GatewayConfig, up: &Upstream) -> GatewayConfig {
+    config.upstream("app", &[up.addr()]).route(
+        Route::new("e.api")
+            .prefix("/api")
+            .identity_header("X-API-Key")
+            .token_bucket(3_000_000, 0)
+            .fail_closed(),
+    )
+}
+
+fn redis_up(gw: &common::Gateway) -> bool {
+    common::blocking_get(&gw.admin("/readyz"))
+        .is_some_and(|(_, body)| body.contains("\"redis\":\"up\""))
+}
+
+async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
+    let http = client();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = http
+            .get(gw.url("/api/x"))
+            .header("X-API-Key", key)
+            .send()
+            .await
+            .unwrap();
+        out.push(r.status().as_u16());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_over_tls_decides_exactly_and_survives_a_restart() {
+    let mut t = tls_redis(false);
+    let up = Upstream::start("app");
+    let gw = limited(
+        GatewayConfig::new(&t.url()).redis("tls_ca_path", quoted(&t.ca_path())),
+        &up,
+    )
+    .start();
+    assert_eq!(statuses(&gw, "a", 5).await, [200, 200, 200, 429, 429]);
+    assert!(t.redis.limiter_calls() >= 5, "the decisions were Redis's");
+    assert!(redis_up(&gw));
+
+    // kill -9 and restart on the same ports: the socket watch notices over TLS too, and
+    // decisions are Redis's again (the bucket is new: the restarted Redis is empty).
+    let (port, tls_port) = (t.redis.port, t.tls_port);
+    t.redis.proc.signal("KILL");
+    t.redis.proc.wait_exit(Duration::from_secs(5));
+    wait_until(
+        Duration::from_secs(5),
+        "the gateway to see Redis gone",
+        || gw.metric("sentinel_redis_connected") == 0.0,
+    );
+    let restarted = TlsRedis {
+        redis: Redis::start_with(
+            port,
+            &[
+                "--tls-port",
+                &tls_port.to_string(),
+                "--tls-cert-file",
+                &t.dir.path().join("redis.pem").display().to_string(),
+                "--tls-key-file",
+                &t.dir.path().join("redis.key").display().to_string(),
+                "--tls-ca-cert-file",
+                &t.ca_path(),
+                "--tls-auth-clients",
+                "no",
+            ],
+        ),
+        ..t
+    };
+    wait_until(Duration::from_secs(10), "the gateway to reconnect", || {
+        redis_up(&gw)
+    });
+    assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
+    drop(restarted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_redis_certificate_is_a_connection_error_never_a_plain_connection() {
+    let t = tls_redis(false);
+    let up = Upstream::start("app");
+    // No tls_ca_path: the system roots do not know the test CA.
+    let gw = limited(GatewayConfig::new(&t.url()), &up).start();
+    assert_eq!(statuses(&gw, "a", 2).await, [503, 503]);
+    wait_until(Duration::from_secs(5), "the reason in the log", || {
+        gw.logs().contains("TLS handshake with redis")
+    });
+    assert_eq!(t.redis.limiter_calls(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_needs_the_client_certificate() {
+    let t = tls_redis(true);
+    let up = Upstream::start("app");
+    let without = limited(
+        GatewayConfig::new(&t.url()).redis("tls_ca_path", quoted(&t.ca_path())),
+        &up,
+    )
+    .start();
+    assert_eq!(statuses(&without, "a", 2).await, [503, 503]);
+
+    let (cert, key) =
+        t.ca.leaf(&["sentinel-gateway"])
+            .write(t.dir.path(), "client");
+    let with = limited(
+        GatewayConfig::new(&t.url())
+            .redis("tls_ca_path", quoted(&t.ca_path()))
+            .redis("tls_cert_path", quoted(&cert.display().to_string()))
+            .redis("tls_key_path", quoted(&key.display().to_string())),
+        &up,
+    )
+    .start();
+    assert_eq!(statuses(&with, "a", 4).await, [200, 200, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acl_user_with_the_password_from_the_environment() {
+    let redis = Redis::start_with(
+        free_port(),
+        &[
+            "--user",
+            "gateway",
+            "on",
+            ">s3cret-Pa55word",
+            "~*",
+            "&*",
+            "+@all",
+        ],
+    );
+    let up = Upstream::start("app");
+    let config = limited(
+        GatewayConfig::new(&redis.url())
+            .redis("username", quoted("gateway"))
+            .redis("password_env", quoted("TEST_REDIS_PASSWORD")),
+        &up,
+    );
+    let gw = config.start_with_env(&[("TEST_REDIS_PASSWORD", "s3cret-Pa55word")]);
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!(clients.contains("user=gateway"), "{clients}");
+
+    // A wrong password: every decision is a redis_connection_error, logged with Redis's
+    // reason, never with the password.
+    let wrong = config.start_with_env(&[("TEST_REDIS_PASSWORD", "not-the-password")]);
+    assert_eq!(statuses(&wrong, "a", 3).await, [503, 503, 503]);
+    wait_until(Duration::from_secs(5), "WRONGPASS in the log", || {
+        wrong.logs().contains("WRONGPASS")
+    });
+    let logs = wrong.logs();
+    assert!(!logs.contains("not-the-password"), "{logs}");
+    let metrics = common::blocking_get(&wrong.admin("/metrics")).unwrap().1;
+    assert!(!metrics.contains("not-the-password"));
+    // The store failure is a connection error; the fail_closed route answers by its mode.
+    assert_eq!(
+        wrong.metric("sentinel_store_errors_total{cause=\"connection_error\"}"),
+        3.0,
+        "{metrics}"
+    );
+}
+
+#[test]
+fn check_refuses_tls_settings_that_would_not_be_used_and_unreadable_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, redis: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\n{redis}\n",
+                free_port()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let text = |path: &Path, env: &[(&str, Option<&str>)]| {
+        let out = check_config(path, env);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let plain_with_ca = write(
+        "a.toml",
+        "url = \"redis://127.0.0.1:6379/0\"\ntls_ca_path = \"ca.pem\"",
+    );
+    let (ok, out) = text(&plain_with_ca, &[]);
+    assert!(
+        !ok && out.contains("redis.tls_ca_path") && out.contains("not rediss://"),
+        "{out}"
+    );
+
+    let missing_ca = write(
+        "b.toml",
+        "url = \"rediss://127.0.0.1:6380/0\"\ntls_ca_path = \"nope.pem\"",
+    );
+    let (ok, out) = text(&missing_ca, &[]);
+    assert!(
+        !ok && out.contains("redis.tls_ca_path = \"nope.pem\" cannot be read"),
+        "{out}"
+    );
+
+    let half_pair = write(
+        "c.toml",
+        "url = \"rediss://127.0.0.1:6380/0\"\ntls_cert_path = \"client.pem\"",
+    );
+    let (ok, out) = text(&half_pair, &[]);
+    assert!(!ok && out.contains("go together"), "{out}");
+
+    let no_password = write(
+        "d.toml",
+        "url = \"redis://127.0.0.1:6379/0\"\npassword_env = \"TEST_UNSET_REDIS_PASSWORD\"",
+    );
+    let (ok, out) = text(&no_password, &[("TEST_UNSET_REDIS_PASSWORD", None)]);
+    assert!(
+        !ok && out.contains("redis.password_env") && out.contains("is not set"),
+        "{out}"
+    );
+
+    let tls_ok = write("e.toml", "url = \"rediss://127.0.0.1:6380/0\"");
+    let (ok, out) = text(&tls_ok, &[]);
+    assert!(ok, "rediss:// with the system roots: {out}");
+}
