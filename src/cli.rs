@@ -175,6 +175,49 @@ pub fn describe_tls(t: &crate::config::TlsListener) -> String {
     line
 }
 
+/// One limit's algorithm in plain words.
+fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
+    match algorithm {
+        Algorithm::None => "not limited".to_owned(),
+        Algorithm::TokenBucket {
+            capacity_micro,
+            refill_micro_per_sec,
+        } => {
+            let refill = if refill_micro_per_sec == 0 {
+                "never refilled".to_owned()
+            } else {
+                format!(
+                    "refilled at {} requests per second",
+                    requests(refill_micro_per_sec)
+                )
+            };
+            let cost = if cost_micro == 1_000_000 {
+                String::new()
+            } else {
+                format!(", {} tokens per request", requests(cost_micro))
+            };
+            format!(
+                "token bucket of {} requests, {refill}{cost}",
+                requests(capacity_micro)
+            )
+        }
+        Algorithm::SlidingWindow {
+            limit,
+            window_micro,
+        } => {
+            let cost = if cost_micro == 1_000_000 {
+                String::new()
+            } else {
+                format!(", {} requests per call", requests(cost_micro))
+            };
+            format!(
+                "sliding window of {limit} requests per {} seconds{cost}",
+                requests(window_micro)
+            )
+        }
+    }
+}
+
 pub fn describe(route: &RouteConfig) -> String {
     let p = &route.policy;
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
@@ -196,44 +239,35 @@ pub fn describe(route: &RouteConfig) -> String {
         IdentitySource::Header(h) => format!("per {h} header"),
         IdentitySource::ApiKey => "per API key tenant".to_owned(),
     };
-    let limit = match p.algorithm {
-        Algorithm::None => "not limited".to_owned(),
-        Algorithm::TokenBucket {
-            capacity_micro,
-            refill_micro_per_sec,
-        } => {
-            let refill = if refill_micro_per_sec == 0 {
-                "never refilled".to_owned()
-            } else {
+    let limit = if p.several {
+        let each: Vec<String> = p
+            .limits
+            .iter()
+            .map(|l| {
+                let on = if l.global {
+                    "shared by all clients (a ceiling)"
+                } else {
+                    identity.as_str()
+                };
                 format!(
-                    "refilled at {} requests per second",
-                    requests(refill_micro_per_sec)
+                    "limit {}: {}, {on}",
+                    l.name,
+                    describe_algorithm(l.algorithm, p.cost_micro)
                 )
-            };
-            let cost = if p.cost_micro == 1_000_000 {
-                String::new()
-            } else {
-                format!(", {} tokens per request", requests(p.cost_micro))
-            };
-            format!(
-                "token bucket of {} requests, {refill}{cost}, {identity}",
-                requests(capacity_micro)
-            )
-        }
-        Algorithm::SlidingWindow {
-            limit,
-            window_micro,
-        } => {
-            let cost = if p.cost_micro == 1_000_000 {
-                String::new()
-            } else {
-                format!(", {} requests per call", requests(p.cost_micro))
-            };
-            format!(
-                "sliding window of {limit} requests per {} seconds{cost}, {identity}",
-                requests(window_micro)
-            )
-        }
+            })
+            .collect();
+        format!(
+            "{} limits, each must admit: {}",
+            each.len(),
+            each.join("; ")
+        )
+    } else if p.algorithm == Algorithm::None {
+        "not limited".to_owned()
+    } else {
+        format!(
+            "{}, {identity}",
+            describe_algorithm(p.algorithm, p.cost_micro)
+        )
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
         (Algorithm::None, ..) => String::new(),

@@ -40,6 +40,7 @@ pub struct Metrics {
     shadow_denials: IntCounterVec,
     overlimit_hits: IntCounterVec,
     exempt_requests: IntCounterVec,
+    limit_denials: IntCounterVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
@@ -71,6 +72,8 @@ pub struct EndpointMetrics {
     pub overlimit_hits: IntCounter,
     /// Requests forwarded unlimited because the client is in `exempt_client_cidrs`.
     pub exempt: IntCounter,
+    /// `sentinel_limit_denials_total`, by the index of the limit in the policy.
+    pub limit_denials: Vec<IntCounter>,
     pub requests: RequestCounters,
 }
 
@@ -166,6 +169,11 @@ impl Metrics {
             "sentinel_exempt_requests_total",
             "Requests forwarded without identity, limit or Redis call: the client is in exempt_client_cidrs.",
             &["endpoint_id"],
+        );
+        let limit_denials = counter(
+            "sentinel_limit_denials_total",
+            "Requests Redis denied, by endpoint and the limit that denied them (the one with the longest wait); a single-limit route's limit is \"default\".",
+            &["endpoint_id", "limit"],
         );
         let decision_duration = register(
             &r,
@@ -290,6 +298,7 @@ impl Metrics {
             shadow_denials,
             overlimit_hits,
             exempt_requests,
+            limit_denials,
             in_flight,
             fleet_instances,
             access_log_dropped,
@@ -302,6 +311,7 @@ impl Metrics {
         endpoint_id: &str,
         fail_mode: FailMode,
         mode: Enforcement,
+        limits: &[&str],
     ) -> EndpointMetrics {
         for (name, current) in [
             ("enforce", mode == Enforcement::Enforce),
@@ -332,6 +342,10 @@ impl Metrics {
             shadow_denials: self.shadow_denials.with_label_values(&[endpoint_id]),
             overlimit_hits: self.overlimit_hits.with_label_values(&[endpoint_id]),
             exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
+            limit_denials: limits
+                .iter()
+                .map(|limit| self.limit_denials.with_label_values(&[endpoint_id, limit]))
+                .collect(),
             requests: self.requests(endpoint_id),
         }
     }

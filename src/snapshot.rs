@@ -117,6 +117,11 @@ impl Snapshot {
                             policy.endpoint_id.as_str(),
                             policy.fail_mode,
                             policy.mode,
+                            &policy
+                                .limits
+                                .iter()
+                                .map(|l| l.name.as_str())
+                                .collect::<Vec<_>>(),
                         ),
                         Arc::clone(clock),
                     ))

@@ -12,7 +12,7 @@ use proptest::test_runner::{Config, TestRunner};
 use sentinel_gateway::decision::sliding_window::{Outcome, Window, WindowState};
 use sentinel_gateway::decision::token_bucket::{Bucket, BucketState, Take};
 use sentinel_gateway::decision::ScriptReply;
-use sentinel_gateway::store::script::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use sentinel_gateway::store::script::{LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 
 /// Runs a script and returns its six integers; the gateway's parser must read the same answer.
 fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {
@@ -205,6 +205,127 @@ fn sliding_window_script_equals_the_model() {
             }
             Ok(())
         })
+        .unwrap();
+}
+
+/// The several-limits script (a token bucket, a second token bucket and a sliding window
+/// on three keys) against the models run side by side: a request is admitted only when all
+/// three models admit it, and then every state moves; otherwise none does.
+#[test]
+fn several_limits_script_equals_the_models_all_or_nothing() {
+    let redis = common::Redis::start();
+    let conn = std::cell::RefCell::new(redis.conn());
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        ..Config::default()
+    });
+    let strategy = (
+        (1u64..6, prop_oneof![Just(0u64), 1u64..2_000_000_000]),
+        (1u64..10, prop_oneof![Just(0u64), 1u64..500_000_000]),
+        (1u64..8, 1_000u64..40_000),
+        steps(1),
+    );
+    let case = std::cell::Cell::new(0u64);
+    runner
+        .run(
+            &strategy,
+            |((c1, r1), (c2, r2), (limit, window_us), steps)| {
+                case.set(case.get() + 1);
+                let mut conn = conn.borrow_mut();
+                let keys: Vec<String> = (0..3)
+                    .map(|i| format!("model:multi:{{{}}}:{i}", case.get()))
+                    .collect();
+                let b1 = Bucket {
+                    capacity: c1 * 1_000_000,
+                    rate_per_sec: r1,
+                };
+                let b2 = Bucket {
+                    capacity: c2 * 1_000_000,
+                    rate_per_sec: r2,
+                };
+                let w = Window { limit, window_us };
+                let (mut s1, mut s2, mut s3): (
+                    Option<BucketState>,
+                    Option<BucketState>,
+                    Option<WindowState>,
+                ) = (None, None, None);
+                for step in &steps {
+                    std::thread::sleep(Duration::from_micros(step.pause_us));
+                    let cost = 1_000_000;
+                    let args: Vec<u64> = vec![
+                        0,
+                        1,
+                        b1.capacity,
+                        r1,
+                        cost,
+                        1,
+                        b2.capacity,
+                        r2,
+                        cost,
+                        2,
+                        limit,
+                        window_us,
+                        1,
+                    ];
+                    let reply: String = redis::cmd("EVAL")
+                        .arg(LIMITS_LUA)
+                        .arg(3)
+                        .arg(&keys)
+                        .arg(&args)
+                        .query(&mut *conn)
+                        .expect("script runs");
+                    let parsed = ScriptReply::parse_many(reply.as_bytes(), 3)
+                        .unwrap_or_else(|| panic!("the gateway reads {reply:?}"));
+                    let now = parsed[0].now_us;
+                    let t1 = b1.take(s1, cost, now);
+                    let t2 = b2.take(s2, cost, now);
+                    let t3 = w.take(s3, 1, now);
+                    let each = [
+                        matches!(t1, Take::Admitted { .. }),
+                        matches!(t2, Take::Admitted { .. }),
+                        matches!(t3, Outcome::Admitted { .. }),
+                    ];
+                    for (i, admitted) in each.iter().enumerate() {
+                        prop_assert_eq!(parsed[i].allowed, *admitted, "limit {} at {}", i, now);
+                    }
+                    if each.iter().all(|a| *a) {
+                        if let Take::Admitted { state } = t1 {
+                            s1 = Some(state);
+                        }
+                        if let Take::Admitted { state } = t2 {
+                            s2 = Some(state);
+                        }
+                        if let Outcome::Admitted { state, .. } = t3 {
+                            s3 = Some(state);
+                        }
+                    }
+                    let tokens = |key: &str, conn: &mut redis::Connection| -> Option<u64> {
+                        redis::cmd("HGET").arg(key).arg("t").query(conn).unwrap()
+                    };
+                    prop_assert_eq!(
+                        tokens(&keys[0], &mut conn),
+                        s1.map(|s| s.tokens),
+                        "limit 0's stored state"
+                    );
+                    prop_assert_eq!(
+                        tokens(&keys[1], &mut conn),
+                        s2.map(|s| s.tokens),
+                        "limit 1's stored state"
+                    );
+                    let count: Option<u64> = redis::cmd("HGET")
+                        .arg(&keys[2])
+                        .arg("c")
+                        .query(&mut *conn)
+                        .unwrap();
+                    if let (Some(state), Some(count)) = (s3, count) {
+                        if state.index == now / window_us {
+                            prop_assert_eq!(count, state.current, "limit 2's count");
+                        }
+                    }
+                }
+                Ok(())
+            },
+        )
         .unwrap();
 }
 

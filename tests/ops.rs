@@ -16,6 +16,7 @@ fn exported() -> Vec<String> {
         "any",
         sentinel_gateway::config::FailMode::FailOpen,
         sentinel_gateway::config::Enforcement::Enforce,
+        &["default"],
     );
     metrics
         .registry

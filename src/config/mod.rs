@@ -260,6 +260,21 @@ pub enum Algorithm {
     },
 }
 
+/// One named limit of a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    pub name: String,
+    pub algorithm: Algorithm,
+    /// `identity = "global"`: a ceiling shared by every caller of the endpoint.
+    pub global: bool,
+}
+
+/// The name of the limit the single-limit fields describe.
+pub const DEFAULT_LIMIT: &str = "default";
+
+/// Most limits on one route.
+pub const MAX_LIMITS: usize = 16;
+
 /// Largest `limit x window_size_micro` of a sliding window; keeps the Lua arithmetic below
 /// 2^53 (see docs/algorithms.md).
 pub const MAX_WINDOW_PRODUCT: u64 = 4_000_000_000_000_000;
@@ -292,7 +307,14 @@ pub enum Enforcement {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub endpoint_id: EndpointId,
+    /// The single limit's algorithm; with `[[routes.limits]]`, the first limit's.
     pub algorithm: Algorithm,
+    /// Every limit, in the file's order: one named `default` for the single-limit fields
+    /// (none for `algorithm = "none"`).
+    pub limits: Vec<Limit>,
+    /// Written as `[[routes.limits]]`: decided by the several-limits script, with keys of
+    /// their own (the single-limit fields keep their key format).
+    pub several: bool,
     pub cost_micro: u64,
     pub fail_mode: FailMode,
     /// The emergency limiter's capacity and refill per second, when fail-open: per process,

@@ -148,7 +148,7 @@ pub struct RawRoute {
     pub host: Option<Spanned<String>>,
     pub upstream: Spanned<String>,
     pub identity: Option<Spanned<RawIdentity>>,
-    pub algorithm: Spanned<String>,
+    pub algorithm: Option<Spanned<String>>,
     pub limit: Option<Spanned<i64>>,
     pub window_size_micro: Option<Spanned<i64>>,
     pub capacity_micro: Option<Spanned<i64>>,
@@ -163,6 +163,21 @@ pub struct RawRoute {
     pub mode: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
+    #[serde(default)]
+    pub limits: Vec<Spanned<RawLimit>>,
+}
+
+/// One `[[routes.limits]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimit {
+    pub name: Spanned<String>,
+    pub identity: Option<Spanned<String>>,
+    pub algorithm: Spanned<String>,
+    pub limit: Option<Spanned<i64>>,
+    pub window_size_micro: Option<Spanned<i64>>,
+    pub capacity_micro: Option<Spanned<i64>>,
+    pub refill_rate_micro_per_sec: Option<Spanned<i64>>,
 }
 
 /// The field names of a route, in the order the documentation lists them; a test keeps

@@ -23,7 +23,8 @@ pub const CAPACITY: usize = 16_384;
 const SHARDS: usize = 16;
 
 pub struct OverlimitCache {
-    shards: Vec<Mutex<HashMap<String, u64>>>,
+    /// Key -> (until, the index of the limit that denied).
+    shards: Vec<Mutex<HashMap<String, (u64, u8)>>>,
     hasher: RandomState,
     clock: SharedClock,
 }
@@ -37,16 +38,17 @@ impl OverlimitCache {
         }
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, u64>> {
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, (u64, u8)>> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    /// Microseconds left of a remembered denial of `key`, if any.
-    pub fn denied_for(&self, key: &str) -> Option<u64> {
+    /// Microseconds left of a remembered denial of `key`, and the index of the limit that
+    /// denied, if any.
+    pub fn denied_for(&self, key: &str) -> Option<(u64, usize)> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(key) {
-            Some(&until) if until > now => Some(until - now),
+            Some(&(until, limit)) if until > now => Some((until - now, usize::from(limit))),
             Some(_) => {
                 shard.remove(key);
                 None
@@ -55,17 +57,21 @@ impl OverlimitCache {
         }
     }
 
-    /// Remembers that Redis denied `key` for the next `wait_us` microseconds.
-    pub fn remember(&self, key: &str, wait_us: u64) {
+    /// Remembers that Redis denied `key` for the next `wait_us` microseconds, by the limit
+    /// of index `limit`.
+    pub fn remember(&self, key: &str, wait_us: u64, limit: usize) {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-            shard.retain(|_, until| *until > now);
+            shard.retain(|_, (until, _)| *until > now);
             if shard.len() >= CAPACITY / SHARDS {
                 return;
             }
         }
-        shard.insert(key.to_owned(), now + wait_us);
+        shard.insert(
+            key.to_owned(),
+            (now + wait_us, u8::try_from(limit).unwrap_or(u8::MAX)),
+        );
     }
 
     /// Forgets a remembered denial of `key` (an operator reset the bucket).
@@ -100,10 +106,10 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         assert_eq!(cache.denied_for("k"), None);
-        cache.remember("k", 1_500_000);
-        assert_eq!(cache.denied_for("k"), Some(1_500_000));
+        cache.remember("k", 1_500_000, 2);
+        assert_eq!(cache.denied_for("k"), Some((1_500_000, 2)));
         clock.advance(Duration::from_millis(1_499));
-        assert_eq!(cache.denied_for("k"), Some(1_000));
+        assert_eq!(cache.denied_for("k"), Some((1_000, 2)));
         clock.advance(Duration::from_millis(1));
         assert_eq!(
             cache.denied_for("k"),
@@ -118,14 +124,14 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         for i in 0..3 * CAPACITY {
-            cache.remember(&format!("key-{i}"), 60_000_000);
+            cache.remember(&format!("key-{i}"), 60_000_000, 0);
         }
         assert!(cache.len() <= CAPACITY);
         clock.advance(Duration::from_secs(61));
-        cache.remember("fresh", 1_000_000);
+        cache.remember("fresh", 1_000_000, 0);
         assert_eq!(
             cache.denied_for("fresh"),
-            Some(1_000_000),
+            Some((1_000_000, 0)),
             "expired entries make room"
         );
     }

@@ -40,6 +40,35 @@ impl ScriptReply {
     }
 }
 
+impl ScriptReply {
+    /// Reads the several-limits script's answer: `n` groups of six integers, one per key, in
+    /// the order of the keys.
+    pub fn parse_many(reply: &[u8], n: usize) -> Option<Vec<Self>> {
+        let mut out = Vec::with_capacity(n);
+        let mut rest = reply;
+        for i in 0..n {
+            let mut end = 0;
+            let mut spaces = 0;
+            while end < rest.len() {
+                if rest[end] == b' ' {
+                    spaces += 1;
+                    if spaces == 6 {
+                        break;
+                    }
+                }
+                end += 1;
+            }
+            let (group, tail) = rest.split_at(end);
+            if i + 1 < n && tail.is_empty() {
+                return None;
+            }
+            out.push(Self::parse(group)?);
+            rest = tail.strip_prefix(b" ").unwrap_or(tail);
+        }
+        rest.is_empty().then_some(out)
+    }
+}
+
 /// A decimal integer, `-` allowed, as Lua's `%d` writes it; read on every limited request.
 fn integer(digits: &[u8]) -> Option<i64> {
     let (negative, digits) = match digits.split_first() {

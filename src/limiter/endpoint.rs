@@ -17,6 +17,10 @@ pub struct Endpoint {
     key_head: String,
     /// `:{endpoint_id}:{policy_version}`
     key_tail: String,
+    /// With `[[routes.limits]]`: `:{endpoint_id}:{policy_version}:{limit name}` per limit.
+    limit_tails: Vec<String>,
+    /// The hash of the identity string `global`, for ceilings.
+    global_hash: String,
     pub emergency: Option<Arc<Emergency>>,
     pub overlimit: OverlimitCache,
     pub metrics: EndpointMetrics,
@@ -31,9 +35,21 @@ impl Endpoint {
         clock: SharedClock,
     ) -> Self {
         let emergency = emergency.filter(|_| policy.fail_mode == FailMode::FailOpen);
+        let limit_tails = policy
+            .limits
+            .iter()
+            .map(|l| {
+                format!(
+                    ":{}:{}:{}",
+                    policy.endpoint_id, policy.policy_version, l.name
+                )
+            })
+            .collect();
         Self {
             key_head: format!("{key_prefix}:v1:"),
             key_tail: format!(":{}:{}", policy.endpoint_id, policy.policy_version),
+            limit_tails,
+            global_hash: identity_hash("global"),
             policy,
             emergency,
             overlimit: OverlimitCache::new(clock),
@@ -50,6 +66,50 @@ impl Endpoint {
         key.push_str(&self.key_tail);
         key
     }
+}
+
+impl Endpoint {
+    /// With `[[routes.limits]]`, each limit's key, in the policy's order:
+    /// `{key_prefix}:v1:{<hash>}:{endpoint_id}:{policy_version}:{limit}`, the hash the
+    /// caller's, or that of `global` for a ceiling. The braces are a Redis Cluster hash tag:
+    /// the limits of one identity live in one slot, and are decided by one script call.
+    pub fn limit_keys(&self, identity_hash: &str) -> Vec<String> {
+        self.policy
+            .limits
+            .iter()
+            .zip(&self.limit_tails)
+            .map(|(limit, tail)| {
+                let hash = if limit.global {
+                    self.global_hash.as_str()
+                } else {
+                    identity_hash
+                };
+                format!("{}{{{hash}}}{tail}", self.key_head)
+            })
+            .collect()
+    }
+}
+
+/// The keys of every limit of a several-limits endpoint for `identity` (an identity
+/// string, not its hash), as [`Endpoint::limit_keys`] builds them on the request path.
+pub fn limit_keys(
+    key_prefix: &str,
+    identity: &str,
+    endpoint_id: &str,
+    policy_version: u64,
+    limits: &[crate::config::Limit],
+) -> Vec<String> {
+    limits
+        .iter()
+        .map(|l| {
+            let who = if l.global { "global" } else { identity };
+            format!(
+                "{key_prefix}:v1:{{{}}}:{endpoint_id}:{policy_version}:{}",
+                identity_hash(who),
+                l.name
+            )
+        })
+        .collect()
 }
 
 /// The bucket key of `identity` (an identity string such as `header:x-api-key:abc`, not its
@@ -86,6 +146,8 @@ mod tests {
         let policy = Policy {
             endpoint_id: EndpointId::parse("pdftalk.ingest").unwrap(),
             algorithm: Algorithm::None,
+            limits: Vec::new(),
+            several: false,
             cost_micro: 1_000_000,
             fail_mode: FailMode::FailClosed,
             fallback_rate_micro: None,
@@ -100,7 +162,12 @@ mod tests {
             std::sync::Arc::new(policy),
             "edge",
             None,
-            metrics.endpoint("pdftalk.ingest", FailMode::FailClosed, Enforcement::Enforce),
+            metrics.endpoint(
+                "pdftalk.ingest",
+                FailMode::FailClosed,
+                Enforcement::Enforce,
+                &[],
+            ),
             std::sync::Arc::new(crate::clock::ManualClock::default()),
         );
         let identity = "header:x-api-key:k1";

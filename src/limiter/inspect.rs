@@ -1,7 +1,7 @@
 //! What an operator sees of, and does to, one identity's buckets (`/limits` on the admin):
 //! read without writing, or deleted so the identity starts full. Off the request path.
 
-use crate::config::{Algorithm, ONE_TOKEN_MICRO};
+use crate::config::{Algorithm, Limit, ONE_TOKEN_MICRO};
 use crate::decision::sliding_window::{Window, WindowState};
 use crate::decision::token_bucket::{Bucket, BucketState};
 use crate::decision::StoreFailure;
@@ -9,13 +9,12 @@ use crate::store::Store;
 
 use super::Endpoint;
 
-/// A route's single limit goes by this name.
-pub const DEFAULT_LIMIT: &str = "default";
+pub use crate::config::DEFAULT_LIMIT;
 
 /// One limit of an endpoint as one identity stands in it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LimitView {
-    pub name: &'static str,
+    pub name: String,
     pub algorithm: &'static str,
     /// Whole requests at the route's cost, rounded down.
     pub remaining: i64,
@@ -25,6 +24,17 @@ pub struct LimitView {
     pub reset_seconds: Option<u64>,
 }
 
+/// Every limit of `endpoint` with the key it has for the identity, in the policy's order.
+fn keyed<'e>(endpoint: &'e Endpoint, identity_hash: &str) -> Vec<(&'e Limit, String)> {
+    let policy = &endpoint.policy;
+    let keys = if policy.several {
+        endpoint.limit_keys(identity_hash)
+    } else {
+        vec![endpoint.bucket_key(identity_hash)]
+    };
+    policy.limits.iter().zip(keys).collect()
+}
+
 /// The identity's buckets of `endpoint`, read from Redis without writing; a bucket never
 /// used reads full.
 pub async fn peek(
@@ -32,16 +42,28 @@ pub async fn peek(
     endpoint: &Endpoint,
     identity_hash: &str,
 ) -> Result<Vec<LimitView>, StoreFailure> {
+    let mut views = Vec::new();
+    for (limit, key) in keyed(endpoint, identity_hash) {
+        views.push(view(store, endpoint, limit, &key).await?);
+    }
+    Ok(views)
+}
+
+async fn view(
+    store: &Store,
+    endpoint: &Endpoint,
+    limit: &Limit,
+    key: &str,
+) -> Result<LimitView, StoreFailure> {
     let policy = &endpoint.policy;
-    let key = endpoint.bucket_key(identity_hash);
     let secs = |us: u64| us.div_ceil(1_000_000);
-    let view = match policy.algorithm {
-        Algorithm::None => return Ok(Vec::new()),
+    Ok(match limit.algorithm {
+        Algorithm::None => unreachable!("a limit always has an algorithm"),
         Algorithm::TokenBucket {
             capacity_micro,
             refill_micro_per_sec,
         } => {
-            let (fields, now) = store.read_fields(&key, &["t", "f", "ts"]).await?;
+            let (fields, now) = store.read_fields(key, &["t", "f", "ts"]).await?;
             let state = match fields[..] {
                 // Read from Redis: kept within what the script could have written, so a
                 // corrupted bucket reads as nonsense at worst, never overflows.
@@ -58,7 +80,7 @@ pub async fn peek(
             };
             let (tokens, frac) = bucket.refill(state, now);
             LimitView {
-                name: DEFAULT_LIMIT,
+                name: limit.name.clone(),
                 algorithm: "token_bucket",
                 remaining: (tokens / policy.cost_micro) as i64,
                 capacity: capacity_micro / policy.cost_micro,
@@ -66,45 +88,62 @@ pub async fn peek(
             }
         }
         Algorithm::SlidingWindow {
-            limit,
+            limit: count,
             window_micro,
         } => {
-            let (fields, now) = store.read_fields(&key, &["w", "c", "p"]).await?;
+            let (fields, now) = store.read_fields(key, &["w", "c", "p"]).await?;
             let state = match fields[..] {
                 [Some(index), Some(current), Some(previous)] => Some(WindowState {
                     index,
-                    current: current.min(limit),
-                    previous: previous.min(limit),
+                    current: current.min(count),
+                    previous: previous.min(count),
                 }),
                 _ => None,
             };
             let window = Window {
-                limit,
+                limit: count,
                 window_us: window_micro,
             };
             let (left, empty_in) = window.level(state, now);
             let cost = (policy.cost_micro / ONE_TOKEN_MICRO).max(1);
             LimitView {
-                name: DEFAULT_LIMIT,
+                name: limit.name.clone(),
                 algorithm: "sliding_window",
                 remaining: (left / cost) as i64,
-                capacity: limit / cost,
+                capacity: count / cost,
                 reset_seconds: Some(secs(empty_in)),
             }
         }
-    };
-    Ok(vec![view])
+    })
 }
 
-/// Deletes the identity's buckets of `endpoint` (its current `policy_version`) and the
-/// over-limit cache's memory of them: its next request starts full. How many keys existed.
+/// Deletes the identity's buckets of every limit of `endpoint` (its current
+/// `policy_version`) and the over-limit cache's memory of them: its next request starts
+/// full. A ceiling (`identity = "global"`) is every caller's, so it is deleted only for the
+/// identity `global`. How many keys existed.
 pub async fn reset(
     store: &Store,
     endpoint: &Endpoint,
     identity_hash: &str,
 ) -> Result<u64, StoreFailure> {
-    let key = endpoint.bucket_key(identity_hash);
-    let deleted = store.delete(std::slice::from_ref(&key)).await?;
-    endpoint.overlimit.forget(&key);
+    let everyone = identity_hash == super::identity_hash("global");
+    let keys: Vec<String> = keyed(endpoint, identity_hash)
+        .into_iter()
+        .filter(|(limit, _)| !limit.global || everyone)
+        .map(|(_, key)| key)
+        .collect();
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    let mut deleted = 0;
+    // One DEL per key: the keys of a several-limits endpoint may sit on different slots of a
+    // cluster (a ceiling's does).
+    for key in &keys {
+        deleted += store.delete(std::slice::from_ref(key)).await?;
+    }
+    // The cache remembers a denial under the first key.
+    for key in keyed(endpoint, identity_hash).iter().map(|(_, k)| k) {
+        endpoint.overlimit.forget(key);
+    }
     Ok(deleted)
 }

@@ -12,11 +12,234 @@ pub mod inspect;
 
 use std::time::Duration;
 
-pub use endpoint::{bucket_key, identity_hash, Endpoint};
+pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
 
-use crate::config::{Algorithm, Policy, ONE_TOKEN_MICRO};
-use crate::decision::{degrade, Decision};
+use crate::config::{Algorithm, Limit, Policy, ONE_TOKEN_MICRO};
+use crate::decision::{degrade, Decision, ScriptReply};
 use crate::store::{ScriptKind, Store};
+
+/// The several-limits script's modes (`lua/limits_multi.lua`).
+pub mod mode {
+    pub const DECIDE: u64 = 0;
+    pub const REFUND: u64 = 1;
+    pub const CHARGE: u64 = 2;
+}
+
+/// The script arguments of one limit at `cost_micro`: its kind, then as the single-limit
+/// scripts take them.
+pub fn limit_args(limit: &Limit, cost_micro: u64) -> [u64; 4] {
+    match limit.algorithm {
+        Algorithm::TokenBucket {
+            capacity_micro,
+            refill_micro_per_sec,
+        } => [1, capacity_micro, refill_micro_per_sec, cost_micro],
+        Algorithm::SlidingWindow {
+            limit,
+            window_micro,
+        } => [2, limit, window_micro, cost_micro / ONE_TOKEN_MICRO],
+        // Never a limit of its own: validation keeps "none" out of [[routes.limits]].
+        Algorithm::None => [1, u64::MAX, 0, 0],
+    }
+}
+
+/// A several-limits decision: the decision, and what Redis said of each limit (in the
+/// policy's order; empty when Redis did not decide).
+#[derive(Debug, Clone)]
+pub struct Several {
+    pub decision: Decision,
+    pub replies: Vec<ScriptReply>,
+    /// The index of the limit that denied (the one with the longest wait).
+    pub denied_by: Option<usize>,
+}
+
+impl Several {
+    fn of(decision: Decision) -> Self {
+        Self {
+            decision,
+            replies: Vec::new(),
+            denied_by: None,
+        }
+    }
+}
+
+/// One reply for the whole request: admitted when every limit admitted; a denial waits
+/// for the denying limit that takes longest (`None`: one never refills).
+fn combine(replies: &[ScriptReply]) -> (ScriptReply, Option<usize>) {
+    let mut combined = replies[0];
+    combined.allowed = replies.iter().all(|r| r.allowed);
+    let mut denied_by = None;
+    if !combined.allowed {
+        let wait_of = |r: &ScriptReply| r.retry_after.unwrap_or(u64::MAX);
+        let (index, longest) = replies
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.allowed)
+            .max_by_key(|(_, r)| wait_of(r))
+            .expect("a denying limit");
+        denied_by = Some(index);
+        combined.retry_after = longest.retry_after;
+        combined.remaining = 0;
+        combined.wait_us = replies
+            .iter()
+            .filter(|r| !r.allowed)
+            .map(|r| r.wait_us)
+            .try_fold(0, |max, w| w.map(|w| w.max(max)));
+    }
+    combined.reset = replies
+        .iter()
+        .map(|r| r.reset)
+        .try_fold(0, |max, t| t.map(|t| t.max(max)));
+    (combined, denied_by)
+}
+
+/// Decides one request against every limit of an endpoint with `[[routes.limits]]`: one
+/// `EVALSHA` when the keys share a node (always on one Redis, and on a cluster for the
+/// limits of one identity, which share a hash tag); otherwise the caller's own limits first,
+/// then the ceilings, and a refund of the caller's limits when a ceiling denies (see
+/// docs/algorithms.md). Never waits longer than the budget per call; never fails.
+pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> Several {
+    let policy = &endpoint.policy;
+    let keys = endpoint.limit_keys(identity_hash);
+    if let Some((left_us, limit)) = endpoint.overlimit.denied_for(&keys[0]) {
+        let mut cached = Several::of(Decision::cached_denial(
+            Duration::from_micros(left_us),
+            store.breaker_state(),
+        ));
+        cached.denied_by = Some(limit);
+        return cached;
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let args_of = |indices: &[usize], mode: u64| {
+        let mut args = Vec::with_capacity(1 + 4 * indices.len());
+        args.push(mode);
+        for i in indices {
+            args.extend(limit_args(&policy.limits[*i], policy.cost_micro));
+        }
+        args
+    };
+    let all: Vec<usize> = (0..keys.len()).collect();
+    let replies = if store.one_call(&refs) {
+        let evaluation = store
+            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE))
+            .await;
+        match evaluation.outcome {
+            Ok(replies) => Ok((replies, evaluation.breaker)),
+            Err(cause) => Err((cause, evaluation.breaker)),
+        }
+    } else {
+        two_calls(store, policy, &refs, &args_of).await
+    };
+    match replies {
+        Ok((replies, breaker)) => {
+            let (combined, denied_by) = combine(&replies);
+            if let (false, Some(wait), Some(limit)) =
+                (combined.allowed, combined.wait_us, denied_by)
+            {
+                endpoint.overlimit.remember(&keys[0], wait, limit);
+            }
+            Several {
+                decision: Decision::by_redis(combined, breaker),
+                replies,
+                denied_by,
+            }
+        }
+        Err((cause, breaker)) => Several::of(degrade(
+            cause,
+            policy.fail_mode,
+            endpoint.emergency.as_deref(),
+            identity_hash,
+            breaker,
+        )),
+    }
+}
+
+type Replies = Result<
+    (Vec<ScriptReply>, crate::decision::BreakerState),
+    (crate::decision::Degradation, crate::decision::BreakerState),
+>;
+
+/// A cluster where the ceilings live on another slot than the caller's limits: the caller's
+/// limits are decided (and charged) first; when they admit, the ceilings are decided; when
+/// a ceiling denies or cannot answer, the caller's limits get their cost back.
+async fn two_calls(
+    store: &Store,
+    policy: &Policy,
+    keys: &[&str],
+    args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
+) -> Replies {
+    let (own, ceilings): (Vec<usize>, Vec<usize>) =
+        (0..keys.len()).partition(|i| !policy.limits[*i].global);
+    let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
+    let mut replies = vec![None; keys.len()];
+    let first = store
+        .evaluate_limits(&pick(&own), &args_of(&own, mode::DECIDE))
+        .await;
+    let first_replies = first.outcome.map_err(|c| (c, first.breaker))?;
+    let admitted = first_replies.iter().all(|r| r.allowed);
+    for (i, r) in own.iter().zip(first_replies) {
+        replies[*i] = Some(r);
+    }
+    if !admitted {
+        // Denied by the caller's own limits: nothing was charged, the ceilings not asked.
+        // Their items say nothing was taken from them.
+        for i in &ceilings {
+            replies[*i] = Some(untouched(&policy.limits[*i]));
+        }
+        return Ok((
+            replies.into_iter().map(Option::unwrap).collect(),
+            first.breaker,
+        ));
+    }
+    let second = store
+        .evaluate_limits(&pick(&ceilings), &args_of(&ceilings, mode::DECIDE))
+        .await;
+    let refund = |store: &Store| {
+        let store = store.clone();
+        let keys: Vec<String> = pick(&own).into_iter().map(str::to_owned).collect();
+        let args = args_of(&own, mode::REFUND);
+        tokio::spawn(async move {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            if let Err(e) = store.evaluate_limits(&refs, &args).await.outcome {
+                tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");
+            }
+        });
+    };
+    match second.outcome {
+        Ok(second_replies) => {
+            if !second_replies.iter().all(|r| r.allowed) {
+                refund(store);
+            }
+            for (i, r) in ceilings.iter().zip(second_replies) {
+                replies[*i] = Some(r);
+            }
+            Ok((
+                replies.into_iter().map(Option::unwrap).collect(),
+                second.breaker,
+            ))
+        }
+        Err(cause) => {
+            refund(store);
+            Err((cause, second.breaker))
+        }
+    }
+}
+
+/// The item of a limit that was not asked: admitted, full, nothing known.
+fn untouched(limit: &Limit) -> ScriptReply {
+    let remaining = match limit.algorithm {
+        Algorithm::TokenBucket { capacity_micro, .. } => capacity_micro,
+        Algorithm::SlidingWindow { limit, .. } => limit,
+        Algorithm::None => 0,
+    };
+    ScriptReply {
+        allowed: true,
+        remaining,
+        retry_after: Some(0),
+        reset: Some(0),
+        now_us: 0,
+        wait_us: None,
+    }
+}
 
 /// Which script decides `policy`, and its arguments; `None` for `algorithm = "none"`.
 fn script_call(policy: &Policy) -> Option<(ScriptKind, [u64; 3])> {
@@ -46,14 +269,14 @@ pub async fn decide(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> 
         return Decision::unlimited(store.breaker_state());
     };
     let key = endpoint.bucket_key(identity_hash);
-    if let Some(left_us) = endpoint.overlimit.denied_for(&key) {
+    if let Some((left_us, _)) = endpoint.overlimit.denied_for(&key) {
         return Decision::cached_denial(Duration::from_micros(left_us), store.breaker_state());
     }
     let evaluation = store.evaluate(kind, &key, args).await;
     match evaluation.outcome {
         Ok(reply) => {
             if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {
-                endpoint.overlimit.remember(&key, wait);
+                endpoint.overlimit.remember(&key, wait, 0);
             }
             Decision::by_redis(reply, evaluation.breaker)
         }

@@ -48,9 +48,14 @@ pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
         "decision_reason": decision.map(|d| d.reason().as_str()),
         "allowed": decision.map(|d| d.allowed()),
         "tier": Value::Null,
-        "limit": decision
-            .filter(|d| d.reason() == DecisionReason::RateLimited)
-            .map(|_| DEFAULT_LIMIT),
+        "limit": route.and_then(|r| ctx.denied_limit(r)).or_else(|| {
+            // A denial the over-limit cache repeated: a single-limit route has one limit.
+            decision
+                .filter(|d| d.reason() == DecisionReason::RateLimited)
+                .and(route)
+                .filter(|r| !r.endpoint.policy.several)
+                .map(|_| DEFAULT_LIMIT)
+        }),
         "upstream": route.filter(|_| forwarded).map(|r| r.upstream.config.name.as_str()),
         "upstream_addr": ctx.upstream_addr.map(|a| a.to_string()),
         "duration_ms": took.as_secs_f64() * 1000.0,

@@ -21,39 +21,78 @@ pub struct RateLimitFields {
 }
 
 pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
-    let name = policy.endpoint_id.as_str();
-    let (quota, window, remaining) = match policy.algorithm {
+    let (policy_item, state_item) = item(
+        policy.endpoint_id.as_str(),
+        policy.algorithm,
+        policy.cost_micro,
+        reply,
+    )?;
+    Some(RateLimitFields {
+        policy: policy_item,
+        state: state_item,
+    })
+}
+
+/// With `[[routes.limits]]`: one item per limit, named after the limit, in the policy's
+/// order; a limit Redis was not asked about (a ceiling after the caller's own limits
+/// denied, on a cluster) is left out.
+pub fn several(policy: &Policy, replies: &[ScriptReply]) -> Option<RateLimitFields> {
+    let items: Vec<(String, String)> = policy
+        .limits
+        .iter()
+        .zip(replies)
+        .filter(|(_, r)| r.now_us > 0)
+        .filter_map(|(l, r)| item(&l.name, l.algorithm, policy.cost_micro, r))
+        .collect();
+    if items.is_empty() {
+        return None;
+    }
+    let (policies, states): (Vec<String>, Vec<String>) = items.into_iter().unzip();
+    Some(RateLimitFields {
+        policy: policies.join(", "),
+        state: states.join(", "),
+    })
+}
+
+/// One limit's `RateLimit-Policy` and `RateLimit` items.
+fn item(
+    name: &str,
+    algorithm: Algorithm,
+    cost_micro: u64,
+    reply: &ScriptReply,
+) -> Option<(String, String)> {
+    let (quota, window, remaining) = match algorithm {
         Algorithm::None => return None,
         Algorithm::TokenBucket {
             capacity_micro,
             refill_micro_per_sec,
         } => {
-            let cost = policy.cost_micro;
             let window =
                 (refill_micro_per_sec > 0).then(|| capacity_micro.div_ceil(refill_micro_per_sec));
-            (capacity_micro / cost, window, reply.remaining / cost)
+            (
+                capacity_micro / cost_micro,
+                window,
+                reply.remaining / cost_micro,
+            )
         }
         Algorithm::SlidingWindow {
             limit,
             window_micro,
         } => {
-            let cost = (policy.cost_micro / ONE_TOKEN_MICRO).max(1);
+            let cost = (cost_micro / ONE_TOKEN_MICRO).max(1);
             let window = Some(window_micro.div_ceil(ONE_TOKEN_MICRO));
             (limit / cost, window, reply.remaining / cost)
         }
     };
-    let mut policy_field = format!("\"{name}\";q={quota}");
+    let mut policy_item = format!("\"{name}\";q={quota}");
     if let Some(w) = window {
-        policy_field.push_str(&format!(";w={w}"));
+        policy_item.push_str(&format!(";w={w}"));
     }
     let mut state = format!("\"{name}\";r={remaining}");
     if let Some(t) = reply.reset {
         state.push_str(&format!(";t={t}"));
     }
-    Some(RateLimitFields {
-        policy: policy_field,
-        state,
-    })
+    Some((policy_item, state))
 }
 
 #[cfg(test)]
@@ -65,6 +104,8 @@ mod tests {
         Policy {
             endpoint_id: EndpointId::parse("resumint.tailor").unwrap(),
             algorithm,
+            limits: Vec::new(),
+            several: false,
             cost_micro,
             fail_mode: FailMode::FailOpen,
             fallback_rate_micro: Some(1_000_000),

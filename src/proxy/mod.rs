@@ -53,6 +53,8 @@ pub struct RequestCtx {
     /// Normalized path and query, when normalization changed the path.
     upstream_uri: Option<String>,
     decision: Option<Decision>,
+    /// The index (in the policy's limits) of the limit that denied, when Redis said.
+    denied_by: Option<usize>,
     decision_time: Duration,
     /// `RateLimit-Policy` and `RateLimit`, when the route sends them and Redis decided.
     ratelimit: Option<headers::RateLimitFields>,
@@ -70,6 +72,14 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
+    /// The name of the limit that denied, when Redis said which.
+    pub(super) fn denied_limit<'r>(&self, route: &'r Route) -> Option<&'r str> {
+        let limits = &route.endpoint.policy.limits;
+        self.denied_by
+            .and_then(|i| limits.get(i))
+            .map(|l| l.name.as_str())
+    }
+
     fn request_id(&self) -> &str {
         self.origin.as_ref().map_or("", |o| o.request_id.as_str())
     }
@@ -132,18 +142,30 @@ impl Gateway {
         };
         let hash = identity_hash(&identity);
         let started = Instant::now();
-        let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
+        let policy = &route.endpoint.policy;
+        let decision = if policy.several {
+            let several = limiter::decide_limits(&self.store, &route.endpoint, &hash).await;
+            ctx.denied_by = several.denied_by;
+            if policy.ratelimit_headers {
+                ctx.ratelimit = headers::several(policy, &several.replies);
+            }
+            several.decision
+        } else {
+            let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
+            if decision.reply().is_some_and(|r| !r.allowed) {
+                ctx.denied_by = Some(0);
+            }
+            if policy.ratelimit_headers {
+                ctx.ratelimit = decision.reply().and_then(|r| headers::fields(policy, r));
+            }
+            decision
+        };
         ctx.decision_time = started.elapsed();
         // Kept only for the access log: no copy per request without one.
         if snapshot.config.access_log.is_some() {
             ctx.identity_hash = Some(hash.clone());
         }
         ctx.decision = Some(decision);
-        if route.endpoint.policy.ratelimit_headers {
-            ctx.ratelimit = decision
-                .reply()
-                .and_then(|r| headers::fields(&route.endpoint.policy, r));
-        }
         if decision.allowed() {
             return None;
         }
@@ -164,6 +186,7 @@ impl Gateway {
             breaker_state = decision.breaker().as_str(),
             status = answer.status(),
             shadow,
+            limit = ctx.denied_limit(route),
             request_id = ctx.request_id(),
             "request denied"
         );
@@ -516,6 +539,9 @@ impl ProxyHttp for Gateway {
             }
             if d.cached() {
                 m.overlimit_hits.inc();
+            }
+            if let Some(denials) = ctx.denied_by.and_then(|i| m.limit_denials.get(i)) {
+                denials.inc();
             }
             if !d.allowed() && route.endpoint.policy.mode == Enforcement::Shadow {
                 m.shadow_denials.inc();

@@ -17,7 +17,7 @@ use super::connect::{self, is_transport};
 use super::link::Link;
 use super::script::{Script, ScriptKind};
 use super::{Layout, Store};
-use crate::decision::{Failure, ScriptReply, StoreFailure};
+use crate::decision::{Failure, StoreFailure};
 
 /// Tokio's timers tick in whole milliseconds: a timer fires on the first tick after its
 /// deadline, and then waits for a worker to run it, so a timer set to the budget ends a
@@ -65,6 +65,14 @@ pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
     })
 }
 
+/// One script call: which script, its keys (all in one slot) and its arguments.
+#[derive(Clone, Copy)]
+pub(super) struct Call<'a> {
+    pub(super) kind: ScriptKind,
+    pub(super) keys: &'a [&'a str],
+    pub(super) args: &'a [u64],
+}
+
 /// Where one evaluation stands after asking one node.
 enum Step {
     Reply(Value),
@@ -73,19 +81,19 @@ enum Step {
 }
 
 impl Store {
-    /// Runs a limiter script for `key` on `link` within the budget.
+    /// Runs a limiter script for `keys` (one slot) on `link` within the budget, and reads
+    /// its answer with `parse`.
     ///
     /// `probe`: this is the link's breaker's half-open probe; after a timeout it opens a fresh
     /// connection first, inside the same budget, so a peer that vanished silently (or moved
     /// behind its DNS name) is left behind.
-    pub(super) async fn run(
+    pub(super) async fn run<T>(
         &self,
         link: &Arc<Link>,
-        kind: ScriptKind,
-        key: &str,
-        args: [u64; 3],
+        call: Call<'_>,
         probe: bool,
-    ) -> Result<ScriptReply, Failure> {
+        parse: impl FnOnce(&[u8]) -> Option<T>,
+    ) -> Result<T, Failure> {
         let connector = &self.inner.connector;
         if connector.wants_proxy_runtime() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -96,9 +104,9 @@ impl Store {
                 }
             }
         }
-        let script = self.inner.scripts.get(kind);
+        let script = self.inner.scripts.get(call.kind);
         let started = Instant::now();
-        let result = self.eval(link, script, key, &args, probe).await;
+        let result = self.eval(link, script, call, probe).await;
         link.suspect
             .store(result == Err(Failure::Timeout), Ordering::Relaxed);
         self.inner
@@ -106,7 +114,7 @@ impl Store {
             .observe(started.elapsed().as_secs_f64());
         let reply = result.and_then(|v| {
             let parsed = match &v {
-                Value::BulkString(bytes) => ScriptReply::parse(bytes),
+                Value::BulkString(bytes) => parse(bytes),
                 _ => None,
             };
             parsed.ok_or_else(|| {
@@ -114,7 +122,7 @@ impl Store {
                 Failure::Rejected
             })
         });
-        if let Err(failure) = reply {
+        if let Err(failure) = &reply {
             self.count(failure.cause());
         }
         reply
@@ -153,8 +161,7 @@ impl Store {
         &self,
         link: &Arc<Link>,
         script: &Script,
-        key: &str,
-        args: &[u64],
+        call: Call<'_>,
         probe: bool,
     ) -> Result<Value, Failure> {
         let budget = self.budget();
@@ -164,7 +171,7 @@ impl Store {
             let mut asking = false;
             for hop in 0..=MAX_REDIRECTS {
                 let redirect = match self
-                    .eval_on(&link, script, key, args, probe && hop == 0, asking)
+                    .eval_on(&link, script, call, probe && hop == 0, asking)
                     .await
                 {
                     Step::Reply(v) => return Ok(v),
@@ -192,7 +199,7 @@ impl Store {
                 asking = redirect.ask;
             }
             tracing::warn!(
-                key_slot = super::slot(key.as_bytes()),
+                key_slot = super::slot(call.keys[0].as_bytes()),
                 "redis cluster redirected too many times"
             );
             Err(Failure::Unavailable)
@@ -207,11 +214,11 @@ impl Store {
         &self,
         link: &Arc<Link>,
         script: &Script,
-        key: &str,
-        args: &[u64],
+        call: Call<'_>,
         probe: bool,
         asking: bool,
     ) -> Step {
+        let key = call.keys[0];
         let conn = match self.connection(link, probe).await {
             Ok(c) => c,
             Err(f) => return Step::Failed(f),
@@ -224,7 +231,7 @@ impl Store {
                 None => Step::Failed(self.failed(link, &conn, key, &e)),
             },
         };
-        match evalsha(&mut c, script, key, args, asking).await {
+        match evalsha(&mut c, script, call, asking).await {
             Err(e) if classify(&e) == Failure::Noscript => {}
             other => return step(other),
         }
@@ -238,7 +245,7 @@ impl Store {
                 return Step::Failed(Failure::Noscript);
             }
         }
-        step(evalsha(&mut c, script, key, args, asking).await)
+        step(evalsha(&mut c, script, call, asking).await)
     }
 
     /// Acts on what an error means: a broken connection is forgotten (its loss counted
@@ -277,12 +284,14 @@ impl Store {
 async fn evalsha(
     c: &mut MultiplexedConnection,
     script: &Script,
-    key: &str,
-    args: &[u64],
+    call: Call<'_>,
     asking: bool,
 ) -> redis::RedisResult<Value> {
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(&script.sha).arg(1).arg(key).arg(args);
+    cmd.arg(&script.sha)
+        .arg(call.keys.len())
+        .arg(call.keys)
+        .arg(call.args);
     if !asking {
         return cmd.query_async(c).await;
     }

@@ -35,6 +35,7 @@ use breakers::BreakerBoard;
 use broken_keys::BrokenKeys;
 use cluster::{keep_topology, Cluster};
 use connect::Connector;
+use eval::Call;
 use link::{Link, Target};
 use script::{Scripts, HEARTBEAT_LUA};
 
@@ -71,9 +72,9 @@ pub struct NodeStatus {
 
 /// What one evaluation came to: the script's answer or why there is none, and the state of
 /// the breaker of the node that was asked (or that refused the call).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Evaluation {
-    pub outcome: Result<ScriptReply, Degradation>,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evaluation<T = ScriptReply> {
+    pub outcome: Result<T, Degradation>,
     pub breaker: BreakerState,
 }
 
@@ -198,9 +199,50 @@ impl Store {
     /// breaker, within the budget. Never waits longer than the budget; never fails: a failure
     /// is the [`Degradation`] the decision table reads.
     pub async fn evaluate(&self, kind: ScriptKind, key: &str, args: [u64; 3]) -> Evaluation {
+        let call = Call {
+            kind,
+            keys: &[key],
+            args: &args,
+        };
+        self.evaluate_call(call, ScriptReply::parse).await
+    }
+
+    /// Runs the several-limits script (`lua/limits_multi.lua`) over `keys`, which must share
+    /// one Redis Cluster slot, as [`Store::evaluate`] does: one `EVALSHA`, one answer per key.
+    pub async fn evaluate_limits(
+        &self,
+        keys: &[&str],
+        args: &[u64],
+    ) -> Evaluation<Vec<ScriptReply>> {
+        let call = Call {
+            kind: ScriptKind::Limits,
+            keys,
+            args,
+        };
+        self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
+            .await
+    }
+
+    /// Whether `keys` can be decided by one script call: always on one Redis; on a cluster
+    /// when they share a slot.
+    pub fn one_call(&self, keys: &[&str]) -> bool {
+        match &self.inner.layout {
+            Layout::Single(_) => true,
+            Layout::Cluster(_) => keys.split_first().is_none_or(|(first, rest)| {
+                let s = slot(first.as_bytes());
+                rest.iter().all(|k| slot(k.as_bytes()) == s)
+            }),
+        }
+    }
+
+    async fn evaluate_call<T>(
+        &self,
+        call: Call<'_>,
+        parse: impl FnOnce(&[u8]) -> Option<T>,
+    ) -> Evaluation<T> {
         // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
         // serves. Fails at once, as a disconnected Redis does.
-        let Some(link) = self.link_for(key) else {
+        let Some(link) = self.link_for(call.keys[0]) else {
             return Evaluation {
                 outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
                 breaker: self.breaker_state(),
@@ -219,8 +261,8 @@ impl Store {
             }
         };
         let probe = permit.is_probe();
-        let result = self.run(&link, kind, key, args, probe).await;
-        match result {
+        let result = self.run(&link, call, probe, parse).await;
+        match &result {
             Ok(_) => permit.success(),
             Err(failure) => permit.charge(failure.charge(probe)),
         }

@@ -5,11 +5,18 @@ use redis::aio::MultiplexedConnection;
 
 pub const TOKEN_BUCKET_LUA: &str = concat!(
     include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
     include_str!("../../lua/token_bucket.lua")
 );
 pub const SLIDING_WINDOW_LUA: &str = concat!(
     include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
     include_str!("../../lua/sliding_window.lua")
+);
+pub const LIMITS_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
+    include_str!("../../lua/limits_multi.lua")
 );
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
 
@@ -20,6 +27,8 @@ pub enum ScriptKind {
     TokenBucket,
     /// Args: limit, window in microseconds, cost (requests).
     SlidingWindow,
+    /// Several limits (`lua/limits_multi.lua`): a mode, then four args per key.
+    Limits,
 }
 
 #[derive(Clone)]
@@ -33,6 +42,7 @@ pub(super) struct Script {
 pub(super) struct Scripts {
     pub(super) token_bucket: Script,
     pub(super) sliding_window: Script,
+    pub(super) limits: Script,
 }
 
 impl Scripts {
@@ -40,6 +50,7 @@ impl Scripts {
         Self {
             token_bucket: Script::new(TOKEN_BUCKET_LUA),
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
+            limits: Script::new(LIMITS_LUA),
         }
     }
 
@@ -47,6 +58,7 @@ impl Scripts {
         match kind {
             ScriptKind::TokenBucket => &self.token_bucket,
             ScriptKind::SlidingWindow => &self.sliding_window,
+            ScriptKind::Limits => &self.limits,
         }
     }
 }

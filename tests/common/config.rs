@@ -37,14 +37,14 @@ impl Fields {
 
 /// One `[[routes]]` entry. Its upstream is `app` unless set.
 #[derive(Clone, Debug)]
-pub struct Route(Fields);
+pub struct Route(Fields, Vec<String>);
 
 impl Route {
     pub fn new(endpoint_id: &str) -> Route {
         let mut fields = Fields::default();
         fields.set("endpoint_id", quoted(endpoint_id));
         fields.set("upstream", quoted("app"));
-        Route(fields)
+        Route(fields, Vec::new())
     }
 
     /// Sets any route field to a TOML literal (`"text"`, `5`, `true`, `[...]`).
@@ -129,8 +129,30 @@ impl Route {
         self.set("policy_version", version.to_string())
     }
 
+    /// One `[[routes.limits]]` entry: `name` and its fields as TOML lines
+    /// (`algorithm = "token_bucket"`, ...).
+    pub fn limit(mut self, name: &str, fields: &str) -> Route {
+        self.1.push(format!(
+            "\n[[routes.limits]]\nname = {}\n{}\n",
+            quoted(name),
+            fields.trim()
+        ));
+        self
+    }
+
+    /// A token-bucket limit of `capacity` whole requests refilled at `refill_micro` per second.
+    pub fn bucket_limit(self, name: &str, capacity: u64, refill_micro: u64) -> Route {
+        self.limit(
+            name,
+            &format!(
+                "algorithm = \"token_bucket\"\ncapacity_micro = {}\nrefill_rate_micro_per_sec = {refill_micro}",
+                capacity * 1_000_000
+            ),
+        )
+    }
+
     pub fn toml(&self) -> String {
-        format!("\n[[routes]]\n{}", self.0.render())
+        format!("\n[[routes]]\n{}{}", self.0.render(), self.1.concat())
     }
 }
 

@@ -84,11 +84,15 @@ pub(super) fn route(
             ),
         );
     }
-    let algorithm = algorithm(c, label, r);
+    let limits = limits(c, label, spanned);
+    let algorithm = limits.as_ref().map(|(l, _)| match l.first() {
+        Some(first) => first.algorithm,
+        None => Algorithm::None,
+    });
     // An unknown algorithm is already an error; do not pile an identity error on it.
     let limited = algorithm.is_some_and(|a| a != Algorithm::None);
     let identity = identity(c, label, r, limited, raw);
-    let policy = policy(c, label, r, endpoint_id, algorithm);
+    let policy = policy(c, label, r, endpoint_id, limits);
 
     if c.errors.len() > before {
         return None;
@@ -175,60 +179,73 @@ fn route_path(
     }
 }
 
-fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Algorithm> {
+/// The fields that describe one limit: the route's own, or one `[[routes.limits]]` entry's.
+pub(super) struct AlgorithmFields<'a> {
+    /// `""` for the route's fields, `limits[i].` for an entry's.
+    pub(super) at: String,
+    pub(super) algorithm: &'a Spanned<String>,
+    pub(super) limit: &'a Option<Spanned<i64>>,
+    pub(super) window_size_micro: &'a Option<Spanned<i64>>,
+    pub(super) capacity_micro: &'a Option<Spanned<i64>>,
+    pub(super) refill_rate_micro_per_sec: &'a Option<Spanned<i64>>,
+    pub(super) cost_micro: &'a Option<Spanned<i64>>,
+}
+
+fn algorithm(c: &mut Collector, label: Option<&str>, r: &AlgorithmFields<'_>) -> Option<Algorithm> {
+    let at = r.at.as_str();
     let misplaced = |c: &mut Collector, field: &str, v: &Option<Spanned<i64>>, alg: &str| {
         if let Some(v) = v {
             c.push(
                 Some(&v.span()),
                 label,
-                format!("{field} does not apply to algorithm = \"{alg}\": remove it"),
+                format!("{at}{field} does not apply to algorithm = \"{alg}\": remove it"),
             );
         }
     };
     match r.algorithm.get_ref().as_str() {
-        "none" => {
+        "none" if at.is_empty() => {
             for (f, v) in [
-                ("limit", &r.limit),
-                ("window_size_micro", &r.window_size_micro),
-                ("capacity_micro", &r.capacity_micro),
-                ("refill_rate_micro_per_sec", &r.refill_rate_micro_per_sec),
-                ("cost_micro", &r.cost_micro),
+                ("limit", r.limit),
+                ("window_size_micro", r.window_size_micro),
+                ("capacity_micro", r.capacity_micro),
+                ("refill_rate_micro_per_sec", r.refill_rate_micro_per_sec),
+                ("cost_micro", r.cost_micro),
             ] {
                 misplaced(c, f, v, "none");
             }
             Some(Algorithm::None)
         }
         "token_bucket" => {
-            misplaced(c, "limit", &r.limit, "token_bucket");
-            misplaced(c, "window_size_micro", &r.window_size_micro, "token_bucket");
-            let capacity = match &r.capacity_micro {
+            misplaced(c, "limit", r.limit, "token_bucket");
+            misplaced(c, "window_size_micro", r.window_size_micro, "token_bucket");
+            let capacity = match r.capacity_micro {
                 None => {
-                    c.push(Some(&r.algorithm.span()), label, "capacity_micro is required for algorithm = \"token_bucket\": the burst in micro-tokens (1 request = 1000000)".into());
+                    c.push(Some(&r.algorithm.span()), label, format!("{at}capacity_micro is required for algorithm = \"token_bucket\": the burst in micro-tokens (1 request = 1000000)"));
                     None
                 }
                 Some(v) if *v.get_ref() < ONE_TOKEN_MICRO as i64 => {
-                    c.push(Some(&v.span()), label, format!("capacity_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
+                    c.push(Some(&v.span()), label, format!("{at}capacity_micro = {} can never admit a request: it must be >= 1000000 (one token)", v.get_ref()));
                     None
                 }
                 Some(v) => int_in(
                     c,
                     label,
-                    "capacity_micro",
+                    &format!("{at}capacity_micro"),
                     Some(v),
                     0,
                     (1_000_000, MAX_CAPACITY_MICRO as i64),
                     " (10^9 requests)",
                 ),
             };
-            let refill = match &r.refill_rate_micro_per_sec {
+            let refill = match r.refill_rate_micro_per_sec {
                 None => {
-                    c.push(Some(&r.algorithm.span()), label, "refill_rate_micro_per_sec is required for algorithm = \"token_bucket\": micro-tokens added per second (0 = never refills)".into());
+                    c.push(Some(&r.algorithm.span()), label, format!("{at}refill_rate_micro_per_sec is required for algorithm = \"token_bucket\": micro-tokens added per second (0 = never refills)"));
                     None
                 }
                 v => int_in(
                     c,
                     label,
-                    "refill_rate_micro_per_sec",
+                    &format!("{at}refill_rate_micro_per_sec"),
                     v.as_ref(),
                     0,
                     (0, MAX_RATE_MICRO_PER_SEC as i64),
@@ -241,42 +258,41 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
             })
         }
         "sliding_window" => {
-            misplaced(c, "capacity_micro", &r.capacity_micro, "sliding_window");
+            misplaced(c, "capacity_micro", r.capacity_micro, "sliding_window");
             misplaced(
                 c,
                 "refill_rate_micro_per_sec",
-                &r.refill_rate_micro_per_sec,
+                r.refill_rate_micro_per_sec,
                 "sliding_window",
             );
-            let limit = match &r.limit {
+            let limit = match r.limit {
                 None => {
                     c.push(
                         Some(&r.algorithm.span()),
                         label,
-                        "limit is required for algorithm = \"sliding_window\": requests per window"
-                            .into(),
+                        format!("{at}limit is required for algorithm = \"sliding_window\": requests per window"),
                     );
                     None
                 }
                 v => int_in(
                     c,
                     label,
-                    "limit",
+                    &format!("{at}limit"),
                     v.as_ref(),
                     0,
                     (1, 1_000_000_000),
                     " requests",
                 ),
             };
-            let window = match &r.window_size_micro {
+            let window = match r.window_size_micro {
                 None => {
-                    c.push(Some(&r.algorithm.span()), label, "window_size_micro is required for algorithm = \"sliding_window\": the window in microseconds (60_000_000 = one minute)".into());
+                    c.push(Some(&r.algorithm.span()), label, format!("{at}window_size_micro is required for algorithm = \"sliding_window\": the window in microseconds (60_000_000 = one minute)"));
                     None
                 }
                 v => int_in(
                     c,
                     label,
-                    "window_size_micro",
+                    &format!("{at}window_size_micro"),
                     v.as_ref(),
                     0,
                     (1_000, 86_400_000_000),
@@ -286,7 +302,7 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
             let (limit, window) = (limit?, window?);
             if limit.saturating_mul(window) > MAX_WINDOW_PRODUCT {
                 let span = r.limit.as_ref().map(|v| v.span());
-                c.push(span.as_ref(), label, format!("limit x window_size_micro = {limit} x {window} is too large to count exactly: it must be <= 4000000000000000 (for example 1000000 requests per 4000 s)"));
+                c.push(span.as_ref(), label, format!("{at}limit x window_size_micro = {limit} x {window} is too large to count exactly: it must be <= 4000000000000000 (for example 1000000 requests per 4000 s)"));
                 return None;
             }
             Some(Algorithm::SlidingWindow {
@@ -295,7 +311,16 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &RawRoute) -> Option<Alg
             })
         }
         other => {
-            c.push(Some(&r.algorithm.span()), label, format!("algorithm = \"{other}\" is unknown: use \"token_bucket\", \"sliding_window\" or \"none\""));
+            let choices = if at.is_empty() {
+                "\"token_bucket\", \"sliding_window\" or \"none\""
+            } else {
+                "\"token_bucket\" or \"sliding_window\""
+            };
+            c.push(
+                Some(&r.algorithm.span()),
+                label,
+                format!("{at}algorithm = \"{other}\" is unknown: use {choices}"),
+            );
             None
         }
     }
@@ -369,13 +394,130 @@ fn identity(
     }
 }
 
+/// The route's limits: its single-limit fields as one limit named `default`, or its
+/// `[[routes.limits]]`; the bool says which (several).
+fn limits(
+    c: &mut Collector,
+    label: Option<&str>,
+    spanned: &Spanned<RawRoute>,
+) -> Option<(Vec<Limit>, bool)> {
+    let r = spanned.get_ref();
+    if r.limits.is_empty() {
+        let Some(alg) = &r.algorithm else {
+            c.push(Some(&spanned.span()), label, "algorithm is not set: give algorithm (\"token_bucket\", \"sliding_window\" or \"none\") or one [[routes.limits]] per limit".into());
+            return None;
+        };
+        let fields = AlgorithmFields {
+            at: String::new(),
+            algorithm: alg,
+            limit: &r.limit,
+            window_size_micro: &r.window_size_micro,
+            capacity_micro: &r.capacity_micro,
+            refill_rate_micro_per_sec: &r.refill_rate_micro_per_sec,
+            cost_micro: &r.cost_micro,
+        };
+        let algorithm = algorithm(c, label, &fields)?;
+        let limits = match algorithm {
+            Algorithm::None => Vec::new(),
+            algorithm => vec![Limit {
+                name: DEFAULT_LIMIT.to_owned(),
+                algorithm,
+                global: false,
+            }],
+        };
+        return Some((limits, false));
+    }
+    let mut ok = true;
+    for (field, set) in [
+        ("algorithm", r.algorithm.as_ref().map(|a| a.span())),
+        ("limit", r.limit.as_ref().map(|v| v.span())),
+        (
+            "window_size_micro",
+            r.window_size_micro.as_ref().map(|v| v.span()),
+        ),
+        (
+            "capacity_micro",
+            r.capacity_micro.as_ref().map(|v| v.span()),
+        ),
+        (
+            "refill_rate_micro_per_sec",
+            r.refill_rate_micro_per_sec.as_ref().map(|v| v.span()),
+        ),
+    ] {
+        if let Some(span) = set {
+            c.push(Some(&span), label, format!("{field} is set beside [[routes.limits]]: a route has either the single-limit fields or named limits; move it into a [[routes.limits]] entry"));
+            ok = false;
+        }
+    }
+    if r.limits.len() > MAX_LIMITS {
+        c.push(
+            Some(&r.limits[MAX_LIMITS].span()),
+            label,
+            format!(
+                "{} [[routes.limits]]: a route has at most {MAX_LIMITS}",
+                r.limits.len()
+            ),
+        );
+        ok = false;
+    }
+    let mut out: Vec<Limit> = Vec::new();
+    for (i, l) in r.limits.iter().enumerate() {
+        let l = l.get_ref();
+        let name = l.name.get_ref();
+        let at = format!("limits[{i}] ({name}).");
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            });
+        if !valid {
+            c.push(Some(&l.name.span()), label, format!("limits[{i}].name = \"{name}\" is not valid: use 1 to 64 of a-z, 0-9, '.', '_', '-'"));
+            ok = false;
+        } else if out.iter().any(|o| o.name == *name) {
+            c.push(Some(&l.name.span()), label, format!("limits[{i}].name = \"{name}\" is used twice: each limit of a route has a name of its own"));
+            ok = false;
+        }
+        let global = match l.identity.as_ref().map(|v| (v, v.get_ref().as_str())) {
+            None => false,
+            Some((_, "global")) => true,
+            Some((v, other)) => {
+                c.push(Some(&v.span()), label, format!("{at}identity = \"{other}\" is not supported: a limit counts on the route's identity (leave identity out) or on one bucket for every caller (identity = \"global\")"));
+                ok = false;
+                false
+            }
+        };
+        let fields = AlgorithmFields {
+            at: at.clone(),
+            algorithm: &l.algorithm,
+            limit: &l.limit,
+            window_size_micro: &l.window_size_micro,
+            capacity_micro: &l.capacity_micro,
+            refill_rate_micro_per_sec: &l.refill_rate_micro_per_sec,
+            cost_micro: &None,
+        };
+        match algorithm(c, label, &fields) {
+            Some(algorithm) => out.push(Limit {
+                name: name.clone(),
+                algorithm,
+                global,
+            }),
+            None => ok = false,
+        }
+    }
+    ok.then_some((out, true))
+}
+
 fn policy(
     c: &mut Collector,
     label: Option<&str>,
     r: &RawRoute,
     endpoint_id: Option<EndpointId>,
-    algorithm: Option<Algorithm>,
+    limits: Option<(Vec<Limit>, bool)>,
 ) -> Option<Policy> {
+    let algorithm = limits.as_ref().map(|(l, _)| match l.first() {
+        Some(first) => first.algorithm,
+        None => Algorithm::None,
+    });
     let fail_mode = match r.fail_mode.as_ref().map(|f| (f, f.get_ref().as_str())) {
         None | Some((_, "fail_closed")) => Some(FailMode::FailClosed),
         Some((_, "fail_open")) => Some(FailMode::FailOpen),
@@ -459,26 +601,23 @@ fn policy(
         (1, MAX_CAPACITY_MICRO as i64),
         "",
     );
-    if let (Some(cost), Some(Algorithm::SlidingWindow { limit, .. })) = (cost, algorithm) {
-        let span = r.cost_micro.as_ref().map(|v| v.span());
-        if cost % ONE_TOKEN_MICRO != 0 {
-            c.push(span.as_ref(), label, format!("cost_micro = {cost} is not a whole number of requests: a sliding window counts requests, so use a multiple of 1000000"));
-        } else if cost / ONE_TOKEN_MICRO > limit {
-            c.push(
-                span.as_ref(),
-                label,
-                format!(
-                    "cost_micro = {cost} can never be admitted: it must be <= limit x 1000000 ({})",
-                    limit * ONE_TOKEN_MICRO
-                ),
-            );
-        }
-    }
-    if let (Some(cost), Some(Algorithm::TokenBucket { capacity_micro, .. })) = (cost, algorithm) {
-        if cost > capacity_micro {
-            let span = r.cost_micro.as_ref().map(|v| v.span());
-            c.push(span.as_ref(), label, format!("cost_micro = {cost} can never be admitted: it must be <= capacity_micro ({capacity_micro})"));
-        }
+    let every: Vec<(String, Algorithm)> = limits
+        .as_ref()
+        .map(|(l, several)| {
+            l.iter()
+                .map(|l| {
+                    let at = if *several {
+                        format!(" (limits {})", l.name)
+                    } else {
+                        String::new()
+                    };
+                    (at, l.algorithm)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    for (at, algorithm) in &every {
+        cost_fits(c, label, r, cost, *algorithm, at);
     }
     let version = int_in(
         c,
@@ -501,9 +640,12 @@ fn policy(
             None
         }
     };
+    let (limits, several) = limits?;
     Some(Policy {
         endpoint_id: endpoint_id?,
         algorithm: algorithm?,
+        limits,
+        several,
         cost_micro: cost?,
         fail_mode: fail_mode?,
         fallback_rate_micro: fallback,
@@ -513,6 +655,38 @@ fn policy(
         ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
         emergency_per_identity: per_identity?,
     })
+}
+
+/// Whether the route's cost can ever be admitted by one limit (`at` names it in messages).
+fn cost_fits(
+    c: &mut Collector,
+    label: Option<&str>,
+    r: &RawRoute,
+    cost: Option<u64>,
+    algorithm: Algorithm,
+    at: &str,
+) {
+    if let (Some(cost), Algorithm::SlidingWindow { limit, .. }) = (cost, algorithm) {
+        let span = r.cost_micro.as_ref().map(|v| v.span());
+        if cost % ONE_TOKEN_MICRO != 0 {
+            c.push(span.as_ref(), label, format!("cost_micro = {cost}{at} is not a whole number of requests: a sliding window counts requests, so use a multiple of 1000000"));
+        } else if cost / ONE_TOKEN_MICRO > limit {
+            c.push(
+                span.as_ref(),
+                label,
+                format!(
+                    "cost_micro = {cost}{at} can never be admitted: it must be <= limit x 1000000 ({})",
+                    limit * ONE_TOKEN_MICRO
+                ),
+            );
+        }
+    }
+    if let (Some(cost), Algorithm::TokenBucket { capacity_micro, .. }) = (cost, algorithm) {
+        if cost > capacity_micro {
+            let span = r.cost_micro.as_ref().map(|v| v.span());
+            c.push(span.as_ref(), label, format!("cost_micro = {cost}{at} can never be admitted: it must be <= capacity_micro ({capacity_micro})"));
+        }
+    }
 }
 
 /// Routes may share an endpoint id, and so a bucket, only with identical limits.

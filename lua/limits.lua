@@ -1,0 +1,182 @@
+-- The two algorithms as functions of one key, shared by the single-limit scripts
+-- (token_bucket.lua, sliding_window.lua) and the several-limits script (limits_multi.lua).
+--
+-- token_bucket and sliding_window return allowed (0/1), left, retry, reset, wait (as in
+-- reply() of lua/int.lua) and, when allowed, a function that writes the admitted state:
+-- nothing is written until it is called, so a script can look at every limit before it
+-- charges any. tb_adjust and sw_adjust add to a bucket in place (refunds and response
+-- charges).
+--
+-- Redis TIME (`now`, microseconds) is the only clock. All arithmetic stays on integers below
+-- 2^53, where Lua's doubles are exact: see the comments of each algorithm.
+
+-- Token bucket. Hash: t = micro-tokens (negative while a response charge is being paid
+-- back, down to -capacity), f = refill remainder (< 10^6), ts = last write (us).
+-- capacity 10^6 .. 10^15 micro-tokens, rate 0 .. 10^12 per second, cost 1 .. capacity.
+local function tb_read(key, capacity, rate, now)
+  local state = redis.call('HMGET', key, 't', 'f', 'ts')
+  local tokens = capacity
+  local frac = 0
+  if state[1] then
+    tokens = tonumber(state[1])
+    frac = tonumber(state[2])
+    local elapsed = now - tonumber(state[3])
+    if elapsed > 0 and rate > 0 then
+      local secs = idiv(elapsed, MICRO)
+      -- While the key lives (it expires once full), secs <= 2 x capacity / rate + 1, so the
+      -- product is exact; when it covers the whole way to capacity the bucket is full,
+      -- whatever the remainder.
+      if secs * rate >= capacity - tokens then
+        tokens = capacity
+        frac = 0
+      else
+        -- The refill of the partial second is split so that no product exceeds
+        -- 10^12 x 10^6 / 10^6, and its remainder is carried in `f`: no micro-token is lost
+        -- to rounding.
+        local us = elapsed - secs * MICRO
+        local rate_hi = idiv(rate, MICRO)
+        local rate_lo = rate - rate_hi * MICRO
+        local part = us * rate_lo + frac
+        local carry = idiv(part, MICRO)
+        local gained = secs * rate + us * rate_hi + carry
+        frac = part - carry * MICRO
+        tokens = tokens + gained
+        if tokens >= capacity then
+          tokens = capacity
+          frac = 0
+        end
+      end
+    end
+  end
+  return tokens, frac
+end
+
+-- Seconds until `left` micro-tokens are `capacity` again; -1 when never.
+local function tb_until_full(capacity, rate, left)
+  if left >= capacity then return 0 end
+  if rate == 0 then return -1 end
+  return ceil_div(capacity - left, rate)
+end
+
+-- Writes `left` micro-tokens; the key expires once the bucket would be full again.
+local function tb_write(key, capacity, rate, left, frac, now)
+  -- string.format('%d') writes these integers exactly, and faster than Redis formats them.
+  redis.call('HSET', key, 't', string.format('%d', left), 'f', frac, 'ts', string.format('%d', now))
+  local full = tb_until_full(capacity, rate, left)
+  if full > 0 then
+    redis.call('EXPIRE', key, full + 1)
+  elseif full < 0 then
+    redis.call('PERSIST', key)
+  end
+  return full
+end
+
+local function token_bucket(key, capacity, rate, cost, now)
+  local tokens, frac = tb_read(key, capacity, rate, now)
+  if tokens < cost then
+    local retry = -1
+    -- Microseconds until `cost` is there, when exact in doubles (the deficit times 10^6 must
+    -- stay below 2^53, about 9000 requests); the gateway's over-limit cache uses it.
+    local wait = -1
+    if rate > 0 then
+      retry = ceil_div(cost - tokens, rate)
+      if cost - tokens < 9000000000 then
+        wait = ceil_div((cost - tokens) * MICRO - frac, rate)
+      end
+    end
+    return 0, tokens, retry, tb_until_full(capacity, rate, tokens), wait, nil
+  end
+  local left = tokens - cost
+  return 1, left, 0, tb_until_full(capacity, rate, left), 0,
+    function() return tb_write(key, capacity, rate, left, frac, now) end
+end
+
+-- Adds `amount` micro-tokens (a refund; minus a response charge), kept within
+-- -capacity .. capacity. Answers as an admission.
+local function tb_adjust(key, capacity, rate, amount, now)
+  local tokens, frac = tb_read(key, capacity, rate, now)
+  local left = tokens + amount
+  if left >= capacity then
+    left = capacity
+    frac = 0
+  end
+  if left < -capacity then left = -capacity end
+  local full = tb_write(key, capacity, rate, left, frac, now)
+  return 1, left, 0, full, 0
+end
+
+-- Sliding window. Hash: w = index of the current window, c = its count, p = the previous
+-- window's count (requests). limit 1 .. 10^9, window 1000 .. 86400 x 10^6 us, cost 1 ..
+-- limit, limit x window <= 4 x 10^15.
+--
+-- The estimate is  c + p x (window - elapsed) / window; a request is admitted when the
+-- estimate plus its cost stays within the limit, compared multiplied by the window so that
+-- everything stays an integer below 2^53 (each product is at most limit x window). The key
+-- lives two windows.
+local function sw_read(key, window, now)
+  local index = idiv(now, window)
+  local elapsed = now - index * window
+  local c, p = 0, 0
+  local s = redis.call('HMGET', key, 'w', 'c', 'p')
+  if s[1] then
+    local w = tonumber(s[1])
+    if w == index then
+      c = tonumber(s[2])
+      p = tonumber(s[3])
+    elseif w == index - 1 then
+      p = tonumber(s[2])
+    end
+  end
+  return index, elapsed, c, p
+end
+
+local function sw_write(key, window, index, elapsed, c, p)
+  redis.call('HSET', key, 'w', index, 'c', c, 'p', p)
+  redis.call('PEXPIRE', key, ceil_div(2 * window - elapsed, 1000))
+end
+
+local function sliding_window(key, limit, window, cost, now)
+  local index, elapsed, c, p = sw_read(key, window, now)
+  local window_end = ceil_div(window - elapsed, MICRO)
+
+  if c + cost <= limit and p * (window - elapsed) + (c + cost) * window <= limit * window then
+    local count = c + cost
+    local left = idiv(limit * window - p * (window - elapsed) - count * window, window)
+    return 1, left, 0, window_end, 0,
+      function() sw_write(key, window, index, elapsed, count, p) end
+  end
+
+  -- Denied: the first moment the estimate admits `cost`.
+  local wait
+  if c + cost <= limit then
+    -- Later in this window, once the previous window's weight has decayed enough.
+    local at = window - idiv((limit - c - cost) * window, p)
+    wait = at - elapsed
+  else
+    -- In the next window, where this window's count becomes the previous one.
+    local at = 0
+    if c > 0 then
+      at = window - idiv((limit - cost) * window, c)
+      if at < 0 then at = 0 end
+    end
+    wait = window - elapsed + at
+  end
+  local retry = ceil_div(wait, MICRO)
+  if retry < 1 then retry = 1 end
+  return 0, 0, retry, window_end, wait, nil
+end
+
+-- Takes back `amount` requests (a refund) from the current window, else from the previous
+-- one when the window turned meanwhile; never below zero. Answers as an admission.
+local function sw_adjust(key, limit, window, amount, now)
+  local index, elapsed, c, p = sw_read(key, window, now)
+  if c >= amount then
+    c = c - amount
+  else
+    p = math.max(0, p - (amount - c))
+    c = 0
+  end
+  sw_write(key, window, index, elapsed, c, p)
+  local left = math.max(0, idiv(limit * window - p * (window - elapsed) - c * window, window))
+  return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
+end

@@ -1,0 +1,366 @@
+//! Several limits on one route (`[[routes.limits]]`) against the real binary and a real
+//! redis-server (and the real three-primary cluster): exact admitted counts, a denial that
+//! charges no limit, the longest wait in `Retry-After`, ceilings shared by every caller, the
+//! denying limit in metrics, logs and headers, and one `EVALSHA` per decision.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::RedisCluster;
+use common::config::{GatewayConfig, Route};
+use common::{blocking_get, check_config, client, free_port, Redis, Upstream};
+use sentinel_gateway::config::{Algorithm, Limit};
+use sentinel_gateway::limiter::limit_keys;
+use serde_json::Value;
+
+/// `/api`, per `X-API-Key`, with these limits.
+fn route(limits: impl FnOnce(Route) -> Route) -> Route {
+    limits(
+        Route::new("e.api")
+            .prefix("/api")
+            .identity_header("X-API-Key")
+            .fail_closed()
+            .set("ratelimit_headers", "true"),
+    )
+}
+
+async fn get(gw: &common::Gateway, key: &str) -> reqwest::Response {
+    client()
+        .get(gw.url("/api/x"))
+        .header("X-API-Key", key)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn limits_of(gw: &common::Gateway, identity: &str) -> Value {
+    let (status, body) = blocking_get(&gw.admin(&format!(
+        "/limits/e.api?identity={}",
+        percent_encode(identity)
+    )))
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'.' {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+fn remaining(view: &Value, name: &str) -> i64 {
+    view["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == name)
+        .unwrap_or_else(|| panic!("no limit {name}: {view}"))["remaining"]
+        .as_i64()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    // burst: 3, refilled 1 per 100 s; daily: 5, refilled 1 per 1000 s.
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(|r| {
+            r.bucket_limit("burst", 3, 10_000)
+                .bucket_limit("daily", 5, 1_000)
+        }))
+        .start();
+    redis.reset_stats();
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(get(&gw, "k1").await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    assert_eq!(
+        redis.command_calls("evalsha"),
+        5,
+        "one EVALSHA per decision, both limits in it"
+    );
+    // The two denials took nothing from daily: 5 - 3 left.
+    let view = limits_of(&gw, "header:x-api-key:k1");
+    assert_eq!(remaining(&view, "burst"), 0, "{view}");
+    assert_eq!(remaining(&view, "daily"), 2, "{view}");
+    assert_eq!(view["limits"].as_array().unwrap().len(), 2);
+
+    // A denial by burst waits for burst (about 100 s). This one is repeated by the
+    // over-limit cache: Retry-After, no RateLimit fields.
+    let r = get(&gw, "k1").await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=100).contains(&retry), "{retry}");
+    assert!(!r.headers().contains_key("ratelimit"));
+    // A new caller's answer has one item per limit.
+    let r = get(&gw, "k2").await;
+    assert_eq!(r.status(), 200);
+    let fields = r.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(
+        fields.starts_with("\"burst\";r=2;t=") && fields.contains(", \"daily\";r=4;t="),
+        "{fields}"
+    );
+    let policy = r.headers()["ratelimit-policy"].to_str().unwrap().to_owned();
+    assert_eq!(policy, "\"burst\";q=3;w=300, \"daily\";q=5;w=5000");
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"burst\"}"),
+        3.0
+    );
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"daily\"}"),
+        0.0
+    );
+    assert!(gw.logs().contains("\"limit\":\"burst\""), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_the_longest_wait_of_the_denying_limits() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    // Both hold 2; burst refills one a second, hourly one per 1000 s.
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(|r| {
+            r.bucket_limit("burst", 2, 1_000_000)
+                .bucket_limit("hourly", 2, 1_000)
+        }))
+        .start();
+    assert_eq!(get(&gw, "k").await.status(), 200);
+    assert_eq!(get(&gw, "k").await.status(), 200);
+    let r = get(&gw, "k").await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (900..=1000).contains(&retry),
+        "the hourly wait, not burst's: {retry}"
+    );
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"hourly\"}"),
+        1.0
+    );
+}
+
+fn ceiling(r: Route) -> Route {
+    r.bucket_limit("burst", 3, 0).limit(
+        "backend",
+        "identity = \"global\"\nalgorithm = \"sliding_window\"\nlimit = 5\nwindow_size_micro = 60_000_000",
+    )
+}
+
+async fn total_over_keys(gw: &common::Gateway, keys: &[&str], each: usize) -> Vec<u64> {
+    let mut admitted = vec![0; keys.len()];
+    for (i, k) in keys.iter().enumerate() {
+        for _ in 0..each {
+            if get(gw, k).await.status() == 200 {
+                admitted[i] += 1;
+            }
+        }
+    }
+    admitted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_ceiling_caps_every_caller_together() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+        .start();
+    let admitted = total_over_keys(&gw, &["a", "b", "c"], 4).await;
+    assert_eq!(
+        admitted,
+        [3, 2, 0],
+        "3 for a (its burst), then the ceiling's 5 in all"
+    );
+    // a's fourth was its burst's; b's third and fourth, and all of c's, the ceiling's.
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"burst\"}"),
+        1.0
+    );
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"backend\"}"),
+        6.0
+    );
+    // The ceiling's denials charged nobody's burst: c still has all of it.
+    assert_eq!(remaining(&limits_of(&gw, "header:x-api-key:c"), "burst"), 3);
+    assert_eq!(remaining(&limits_of(&gw, "header:x-api-key:b"), "burst"), 1);
+    assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);
+
+    // DELETE resets the caller's own limits, not the shared ceiling.
+    let r = client()
+        .delete(gw.admin("/limits/e.api?identity=header%3Ax-api-key%3Aa"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(body["keys_deleted"], 1, "{body}");
+    assert_eq!(remaining(&limits_of(&gw, "header:x-api-key:a"), "burst"), 3);
+    assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_request() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "200")
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+        .start();
+    let limits = [
+        Limit {
+            name: "burst".into(),
+            algorithm: Algorithm::TokenBucket {
+                capacity_micro: 3_000_000,
+                refill_micro_per_sec: 0,
+            },
+            global: false,
+        },
+        Limit {
+            name: "backend".into(),
+            algorithm: Algorithm::SlidingWindow {
+                limit: 5,
+                window_micro: 60_000_000,
+            },
+            global: true,
+        },
+    ];
+    // Callers whose own limits live on another primary than the ceiling.
+    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
+    let ceiling_node = cluster.owner(global_key);
+    let callers: Vec<String> = (0..200)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| {
+            let own = &limit_keys(
+                "sentinel",
+                &format!("header:x-api-key:{k}"),
+                "e.api",
+                1,
+                &limits,
+            )[0];
+            cluster.owner(own) != ceiling_node
+        })
+        .take(3)
+        .collect();
+    let keys: Vec<&str> = callers.iter().map(String::as_str).collect();
+    // Wait until the gateway knows the slot map (the first answers may be 503 until then).
+    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
+        blocking_get(&gw.url("/api/warm")).is_some()
+            && blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    let admitted = total_over_keys(&gw, &keys, 4).await;
+    assert_eq!(admitted, [3, 2, 0], "{callers:?}");
+    // The refunds are sent after the answer: give them a moment.
+    std::thread::sleep(Duration::from_millis(300));
+    let first = format!("header:x-api-key:{}", callers[1]);
+    let third = format!("header:x-api-key:{}", callers[2]);
+    assert_eq!(
+        remaining(&limits_of(&gw, &first), "burst"),
+        1,
+        "charged for its 2 only"
+    );
+    assert_eq!(
+        remaining(&limits_of(&gw, &third), "burst"),
+        3,
+        "refunded: never charged"
+    );
+}
+
+#[test]
+fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, route: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}",
+                free_port()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let text = |path: &std::path::Path| {
+        let out = check_config(path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let ok = write("ok.toml", &route(ceiling).toml());
+    let (success, out) = text(&ok);
+    assert!(success, "{out}");
+    assert!(out.contains("2 limits, each must admit"), "{out}");
+    assert!(
+        out.contains("limit burst: token bucket of 3 requests"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "limit backend: sliding window of 5 requests per 60 seconds, shared by all clients"
+        ),
+        "{out}"
+    );
+
+    let mixed = write(
+        "mixed.toml",
+        &route(|r| r.token_bucket(1_000_000, 0).bucket_limit("burst", 3, 0)).toml(),
+    );
+    let (success, out) = text(&mixed);
+    assert!(
+        !success && out.contains("is set beside [[routes.limits]]"),
+        "{out}"
+    );
+
+    let twice = write(
+        "twice.toml",
+        &route(|r| r.bucket_limit("burst", 3, 0).bucket_limit("burst", 4, 0)).toml(),
+    );
+    let (success, out) = text(&twice);
+    assert!(
+        !success && out.contains("limits[1].name = \"burst\" is used twice"),
+        "{out}"
+    );
+
+    let bad = write(
+        "bad.toml",
+        &route(|r| {
+            r.limit(
+                "x",
+                "identity = \"client_ip\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000\nrefill_rate_micro_per_sec = 0",
+            )
+        })
+        .toml(),
+    );
+    let (success, out) = text(&bad);
+    assert!(!success, "{out}");
+    assert!(
+        out.contains("limits[0] (x).identity = \"client_ip\" is not supported"),
+        "{out}"
+    );
+    assert!(
+        out.contains("limits[0] (x).capacity_micro = 1000 can never admit"),
+        "{out}"
+    );
+}
