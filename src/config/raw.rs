@@ -205,4 +205,5 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "mode",
     "max_body_bytes",
     "exempt_client_cidrs",
+    "limits",
 ];

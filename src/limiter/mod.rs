@@ -171,8 +171,9 @@ async fn two_calls(
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
     let mut replies = vec![None; keys.len()];
+    let started = std::time::Instant::now();
     let first = store
-        .evaluate_limits(&pick(&own), &args_of(&own, mode::DECIDE))
+        .evaluate_limits(&pick(&own), &args_of(&own, mode::DECIDE), None)
         .await;
     let first_replies = first.outcome.map_err(|c| (c, first.breaker))?;
     let admitted = first_replies.iter().all(|r| r.allowed);
@@ -190,8 +191,10 @@ async fn two_calls(
             first.breaker,
         ));
     }
+    // The second call has what the first left of the one budget.
+    let left = store.budget().saturating_sub(started.elapsed());
     let second = store
-        .evaluate_limits(&pick(&ceilings), &args_of(&ceilings, mode::DECIDE))
+        .evaluate_limits(&pick(&ceilings), &args_of(&ceilings, mode::DECIDE), Some(left))
         .await;
     let refund = |store: &Store| {
         let store = store.clone();
@@ -199,7 +202,7 @@ async fn two_calls(
         let args = args_of(&own, mode::REFUND);
         tokio::spawn(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            if let Err(e) = store.evaluate_limits(&refs, &args).await.outcome {
+            if let Err(e) = store.evaluate_limits(&refs, &args, None).await.outcome {
                 tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");
             }
         });

@@ -71,6 +71,9 @@ pub(super) struct Call<'a> {
     pub(super) kind: ScriptKind,
     pub(super) keys: &'a [&'a str],
     pub(super) args: &'a [u64],
+    /// What is left of the request's budget, when less than a whole one (the second call of
+    /// a decision).
+    pub(super) within: Option<Duration>,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -164,7 +167,7 @@ impl Store {
         call: Call<'_>,
         probe: bool,
     ) -> Result<Value, Failure> {
-        let budget = self.budget();
+        let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);

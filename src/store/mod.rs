@@ -203,6 +203,7 @@ impl Store {
             kind,
             keys: &[key],
             args: &args,
+            within: None,
         };
         self.evaluate_call(call, ScriptReply::parse).await
     }
