@@ -209,16 +209,19 @@ impl Store {
     }
 
     /// Runs the several-limits script (`lua/limits_multi.lua`) over `keys`, which must share
-    /// one Redis Cluster slot, as [`Store::evaluate`] does: one `EVALSHA`, one answer per key.
+    /// one Redis Cluster slot, as [`Store::evaluate`] does: one `EVALSHA`, one answer per key,
+    /// within `within` when it is less than the budget (what a decision's first call left).
     pub async fn evaluate_limits(
         &self,
         keys: &[&str],
         args: &[u64],
+        within: Option<Duration>,
     ) -> Evaluation<Vec<ScriptReply>> {
         let call = Call {
             kind: ScriptKind::Limits,
             keys,
             args,
+            within,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
