@@ -120,7 +120,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     let all: Vec<usize> = (0..keys.len()).collect();
     let replies = if store.one_call(&refs) {
         let evaluation = store
-            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE))
+            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE), None)
             .await;
         match evaluation.outcome {
             Ok(replies) => Ok((replies, evaluation.breaker)),
