@@ -41,6 +41,7 @@ pub struct Metrics {
     overlimit_hits: IntCounterVec,
     exempt_requests: IntCounterVec,
     limit_denials: IntCounterVec,
+    response_charges: IntCounterVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
@@ -74,7 +75,16 @@ pub struct EndpointMetrics {
     pub exempt: IntCounter,
     /// `sentinel_limit_denials_total`, by the index of the limit in the policy.
     pub limit_denials: Vec<IntCounter>,
+    pub charges: ResponseCharges,
     pub requests: RequestCounters,
+}
+
+/// `sentinel_response_charges_total` of one endpoint.
+#[derive(Clone)]
+pub struct ResponseCharges {
+    pub charged: IntCounter,
+    pub invalid: IntCounter,
+    pub failed: IntCounter,
 }
 
 impl EndpointMetrics {
@@ -174,6 +184,11 @@ impl Metrics {
             "sentinel_limit_denials_total",
             "Requests Redis denied, by endpoint and the limit that denied them (the one with the longest wait); a single-limit route's limit is \"default\".",
             &["endpoint_id", "limit"],
+        );
+        let response_charges = counter(
+            "sentinel_response_charges_total",
+            "Costs reported by upstream answers (cost_from_response): charged, invalid (a malformed value: nothing charged) or failed (Redis could not take it).",
+            &["endpoint_id", "result"],
         );
         let decision_duration = register(
             &r,
@@ -299,6 +314,7 @@ impl Metrics {
             overlimit_hits,
             exempt_requests,
             limit_denials,
+            response_charges,
             in_flight,
             fleet_instances,
             access_log_dropped,
@@ -342,6 +358,17 @@ impl Metrics {
             shadow_denials: self.shadow_denials.with_label_values(&[endpoint_id]),
             overlimit_hits: self.overlimit_hits.with_label_values(&[endpoint_id]),
             exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
+            charges: ResponseCharges {
+                charged: self
+                    .response_charges
+                    .with_label_values(&[endpoint_id, "charged"]),
+                invalid: self
+                    .response_charges
+                    .with_label_values(&[endpoint_id, "invalid"]),
+                failed: self
+                    .response_charges
+                    .with_label_values(&[endpoint_id, "failed"]),
+            },
             limit_denials: limits
                 .iter()
                 .map(|limit| self.limit_denials.with_label_values(&[endpoint_id, limit]))

@@ -364,3 +364,148 @@ fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
         "{out}"
     );
 }
+
+/// `/ocr`: burst 10 (no refill) and a 3-request ceiling window, charged by the pages the
+/// upstream reports in `X-OCR-Pages` (one page = one request).
+fn ocr() -> Route {
+    Route::new("e.ocr")
+        .prefix("/ocr")
+        .identity_header("X-API-Key")
+        .fail_closed()
+        .set(
+            "cost_from_response",
+            "{ header = \"X-OCR-Pages\", unit_micro = 1_000_000 }",
+        )
+        .bucket_limit("pages", 10, 0)
+}
+
+async fn ocr_call(gw: &common::Gateway, key: &str, pages: &str) -> reqwest::Response {
+    client()
+        .get(gw.url("/ocr/doc"))
+        .header("X-API-Key", key)
+        .header("X-Demo-Reply-X-OCR-Pages", pages)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn ocr_remaining(gw: &common::Gateway, key: &str) -> i64 {
+    let (status, body) = blocking_get(&gw.admin(&format!(
+        "/limits/e.ocr?identity=header%3Ax-api-key%3A{key}"
+    )))
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let view: Value = serde_json::from_str(&body).unwrap();
+    remaining(&view, "pages")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_the_upstream_reports_is_charged_after_the_answer_and_may_go_into_debt() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(ocr())
+        .start();
+    // Admitted at a cost of 1, then 3 pages charged: 10 - 1 - 3.
+    let r = ocr_call(&gw, "t", "3").await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        !r.headers().contains_key("x-ocr-pages"),
+        "never shown to the client"
+    );
+    common::wait_until(Duration::from_secs(2), "the charge", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
+            == 1.0
+    });
+    assert_eq!(ocr_remaining(&gw, "t"), 6);
+    // Malformed values charge nothing and are counted.
+    for bad in ["-2", "two", "1.5", ""] {
+        assert_eq!(ocr_call(&gw, "t", bad).await.status(), 200);
+    }
+    common::wait_until(Duration::from_secs(2), "the invalid charges", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"invalid\"}")
+            >= 3.0
+    });
+    assert_eq!(
+        ocr_remaining(&gw, "t"),
+        2,
+        "four admissions of 1, nothing charged"
+    );
+    // A 30-page document: admitted (cost 1), then 30 charged: 2 - 1 - 30, held at -10.
+    assert_eq!(ocr_call(&gw, "t", "30").await.status(), 200);
+    common::wait_until(Duration::from_secs(2), "the big charge", || {
+        ocr_remaining(&gw, "t") == -10
+    });
+    // In debt: denied, and the bucket never refills, so Retry-After is the day cap.
+    let r = ocr_call(&gw, "t", "1").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "86400");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debt_is_paid_back_by_the_refill_and_retry_after_says_when() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("e.ocr")
+                .prefix("/ocr")
+                .identity_header("X-API-Key")
+                .fail_closed()
+                .set(
+                    "cost_from_response",
+                    "{ header = \"X-OCR-Pages\", unit_micro = 1_000_000 }",
+                )
+                // 5 pages, refilled at one page a second.
+                .token_bucket(5_000_000, 1_000_000),
+        )
+        .start();
+    let started = std::time::Instant::now();
+    assert_eq!(ocr_call(&gw, "t", "8").await.status(), 200);
+    // 5 - 1 - 8 = -4: the next request (cost 1) waits until 1 is there, 5 s of refill.
+    common::wait_until(Duration::from_secs(2), "the charge", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
+            == 1.0
+    });
+    let r = ocr_call(&gw, "t", "0").await;
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let waited = started.elapsed().as_secs();
+    assert!(
+        (4u64.saturating_sub(waited)..=5).contains(&retry),
+        "the debt of 4 and the cost of 1 at one a second: {retry}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charge_never_delays_the_answer_even_when_redis_is_gone() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(ocr().fail_open(100_000_000))
+        .start();
+    assert_eq!(ocr_call(&gw, "t", "1").await.status(), 200);
+    // Freeze Redis: decisions degrade (fail_open admits on the emergency bucket); no charge
+    // is attempted for an admission Redis did not make, and no answer waits for one.
+    redis.proc.signal("STOP");
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let r = ocr_call(&gw, "t", "2").await;
+        assert_eq!(r.status(), 200);
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(!r.headers().contains_key("x-ocr-pages"));
+    }
+    redis.proc.signal("CONT");
+    assert_eq!(
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}"),
+        1.0
+    );
+}

@@ -1,6 +1,8 @@
 //! A small backend for the demo, the tests and the benchmarks. It answers every request with
 //! JSON describing what it received (method, path, query, headers, body size), and
-//! `/slow?ms=N` waits N milliseconds first.
+//! `/slow?ms=N` waits N milliseconds first. A request header `X-Demo-Reply-<Name>: <value>`
+//! comes back as the answer's header `<Name>: <value>` (to play a backend that reports a
+//! cost, such as `X-OCR-Pages`).
 //!
 //! Usage: `demo-upstream [ADDR] [NAME]` (default `127.0.0.1:9001`, name `demo`).
 
@@ -62,6 +64,13 @@ async fn handle(
         "x-upstream",
         name.parse().expect("name is a valid header value"),
     );
+    for (k, v) in &parts.headers {
+        if let Some(reply) = k.as_str().strip_prefix("x-demo-reply-") {
+            if let Ok(reply) = hyper::header::HeaderName::from_bytes(reply.as_bytes()) {
+                resp.headers_mut().append(reply, v.clone());
+            }
+        }
+    }
     Ok(resp)
 }
 

@@ -327,6 +327,16 @@ pub struct Policy {
     pub ratelimit_headers: bool,
     /// One emergency bucket for the endpoint, or one per identity.
     pub emergency_per_identity: bool,
+    /// Charge what the upstream's answer reports to the token buckets that admitted it.
+    pub cost_from_response: Option<CostFromResponse>,
+}
+
+/// `cost_from_response`: the header the upstream reports a cost in, and what one unit of it
+/// is in micro-tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CostFromResponse {
+    pub header: http::HeaderName,
+    pub unit_micro: u64,
 }
 
 #[derive(Debug, Clone)]

@@ -165,6 +165,15 @@ pub struct RawRoute {
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
     #[serde(default)]
     pub limits: Vec<Spanned<RawLimit>>,
+    pub cost_from_response: Option<Spanned<RawCostFromResponse>>,
+}
+
+/// `cost_from_response = { header = "...", unit_micro = ... }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCostFromResponse {
+    pub header: Spanned<String>,
+    pub unit_micro: Option<Spanned<i64>>,
 }
 
 /// One `[[routes.limits]]` entry.
@@ -206,4 +215,5 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "max_body_bytes",
     "exempt_client_cidrs",
     "limits",
+    "cost_from_response",
 ];

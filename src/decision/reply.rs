@@ -5,8 +5,9 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScriptReply {
     pub allowed: bool,
-    /// What is left after this request: micro-tokens (token bucket) or requests (window).
-    pub remaining: u64,
+    /// What is left after this request: micro-tokens (token bucket; negative while a
+    /// response charge is being paid back) or requests (window).
+    pub remaining: i64,
     /// Seconds until the cost is available; `None` when the bucket never refills.
     pub retry_after: Option<u64>,
     /// Seconds until the bucket is full or the window ends; `None` when never.
@@ -31,7 +32,7 @@ impl ScriptReply {
         let opt = |x: i64| u64::try_from(x).ok();
         Some(Self {
             allowed: allowed == 1,
-            remaining: opt(remaining)?,
+            remaining,
             retry_after: opt(retry),
             reset: opt(reset),
             now_us: opt(now)?,

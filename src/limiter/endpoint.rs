@@ -156,6 +156,7 @@ mod tests {
             mode: Enforcement::Enforce,
             ratelimit_headers: false,
             emergency_per_identity: false,
+            cost_from_response: None,
         };
         let metrics = crate::metrics::Metrics::new();
         let endpoint = Endpoint::new(

@@ -64,27 +64,38 @@ async fn view(
             refill_micro_per_sec,
         } => {
             let (fields, now) = store.read_fields(key, &["t", "f", "ts"]).await?;
+            // The model counts from zero; a bucket paying back a response charge holds down
+            // to minus its capacity, so it is read shifted up by one capacity (refilling is
+            // the same arithmetic until the bucket is full).
+            let shift = capacity_micro;
             let state = match fields[..] {
                 // Read from Redis: kept within what the script could have written, so a
                 // corrupted bucket reads as nonsense at worst, never overflows.
                 [Some(tokens), Some(frac), Some(at_us)] => Some(BucketState {
-                    tokens: tokens.min(capacity_micro),
-                    frac: frac.min(999_999),
-                    at_us: at_us.min(now),
+                    tokens: (tokens.clamp(-(capacity_micro as i64), capacity_micro as i64)
+                        + shift as i64) as u64,
+                    frac: frac.clamp(0, 999_999) as u64,
+                    at_us: (at_us.max(0) as u64).min(now),
                 }),
                 _ => None,
             };
             let bucket = Bucket {
-                capacity: capacity_micro,
+                capacity: capacity_micro + shift,
                 rate_per_sec: refill_micro_per_sec,
             };
-            let (tokens, frac) = bucket.refill(state, now);
+            // A bucket that was full stays full: the shifted one must not refill past it.
+            let (shifted, frac) = bucket.refill(state, now);
+            let shifted = shifted.min(capacity_micro + shift);
+            let tokens = shifted as i64 - shift as i64;
+            // The distance to full is the same in both; the shifted bucket is full at
+            // capacity + shift.
+            let reset_seconds = bucket.full_in_us(shifted, frac).map(secs);
             LimitView {
                 name: limit.name.clone(),
                 algorithm: "token_bucket",
-                remaining: (tokens / policy.cost_micro) as i64,
+                remaining: tokens.div_euclid(policy.cost_micro as i64),
                 capacity: capacity_micro / policy.cost_micro,
-                reset_seconds: bucket.full_in_us(tokens, frac).map(secs),
+                reset_seconds,
             }
         }
         Algorithm::SlidingWindow {
@@ -94,9 +105,9 @@ async fn view(
             let (fields, now) = store.read_fields(key, &["w", "c", "p"]).await?;
             let state = match fields[..] {
                 [Some(index), Some(current), Some(previous)] => Some(WindowState {
-                    index,
-                    current: current.min(count),
-                    previous: previous.min(count),
+                    index: index.max(0) as u64,
+                    current: (current.max(0) as u64).min(count),
+                    previous: (previous.max(0) as u64).min(count),
                 }),
                 _ => None,
             };

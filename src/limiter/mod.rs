@@ -194,7 +194,11 @@ async fn two_calls(
     // The second call has what the first left of the one budget.
     let left = store.budget().saturating_sub(started.elapsed());
     let second = store
-        .evaluate_limits(&pick(&ceilings), &args_of(&ceilings, mode::DECIDE), Some(left))
+        .evaluate_limits(
+            &pick(&ceilings),
+            &args_of(&ceilings, mode::DECIDE),
+            Some(left),
+        )
         .await;
     let refund = |store: &Store| {
         let store = store.clone();
@@ -227,11 +231,51 @@ async fn two_calls(
     }
 }
 
+/// Charges `micro` micro-tokens, a cost the upstream reported for a request that was
+/// admitted, to every token-bucket limit of `endpoint` for the caller: one `EVALSHA`
+/// (two on a cluster where a ceiling lives on another slot than the caller's limits). A
+/// bucket may go down to minus its capacity. Goes through the node's breaker as a decision
+/// does; a failure is not retried.
+pub async fn charge(
+    store: &Store,
+    endpoint: &Endpoint,
+    identity_hash: &str,
+    micro: u64,
+) -> Result<(), crate::decision::Degradation> {
+    let policy = &endpoint.policy;
+    let keys = if policy.several {
+        endpoint.limit_keys(identity_hash)
+    } else {
+        vec![endpoint.bucket_key(identity_hash)]
+    };
+    let buckets: Vec<usize> = (0..policy.limits.len())
+        .filter(|i| matches!(policy.limits[*i].algorithm, Algorithm::TokenBucket { .. }))
+        .collect();
+    let (own, ceilings): (Vec<usize>, Vec<usize>) =
+        buckets.iter().partition(|i| !policy.limits[**i].global);
+    let all_keys: Vec<&str> = buckets.iter().map(|i| keys[*i].as_str()).collect();
+    let groups = if store.one_call(&all_keys) {
+        vec![buckets]
+    } else {
+        vec![own, ceilings]
+    };
+    for group in groups.iter().filter(|g| !g.is_empty()) {
+        let refs: Vec<&str> = group.iter().map(|i| keys[*i].as_str()).collect();
+        let mut args = Vec::with_capacity(1 + 4 * group.len());
+        args.push(mode::CHARGE);
+        for i in group {
+            args.extend(limit_args(&policy.limits[*i], micro));
+        }
+        store.evaluate_limits(&refs, &args, None).await.outcome?;
+    }
+    Ok(())
+}
+
 /// The item of a limit that was not asked: admitted, full, nothing known.
 fn untouched(limit: &Limit) -> ScriptReply {
     let remaining = match limit.algorithm {
-        Algorithm::TokenBucket { capacity_micro, .. } => capacity_micro,
-        Algorithm::SlidingWindow { limit, .. } => limit,
+        Algorithm::TokenBucket { capacity_micro, .. } => capacity_micro as i64,
+        Algorithm::SlidingWindow { limit, .. } => limit as i64,
         Algorithm::None => 0,
     };
     ScriptReply {

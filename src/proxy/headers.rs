@@ -72,7 +72,7 @@ fn item(
             (
                 capacity_micro / cost_micro,
                 window,
-                reply.remaining / cost_micro,
+                reply.remaining.max(0) as u64 / cost_micro,
             )
         }
         Algorithm::SlidingWindow {
@@ -81,7 +81,7 @@ fn item(
         } => {
             let cost = (cost_micro / ONE_TOKEN_MICRO).max(1);
             let window = Some(window_micro.div_ceil(ONE_TOKEN_MICRO));
-            (limit / cost, window, reply.remaining / cost)
+            (limit / cost, window, reply.remaining.max(0) as u64 / cost)
         }
     };
     let mut policy_item = format!("\"{name}\";q={quota}");
@@ -114,6 +114,7 @@ mod tests {
             mode: Enforcement::Enforce,
             ratelimit_headers: true,
             emergency_per_identity: false,
+            cost_from_response: None,
         }
     }
 

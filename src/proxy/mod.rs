@@ -18,7 +18,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
-use crate::decision::Decision;
+use crate::decision::{Decision, DecisionReason};
 use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
@@ -68,6 +68,9 @@ pub struct RequestCtx {
     body_too_large: bool,
     /// Forwarded unlimited: the client is in the route's `exempt_client_cidrs`.
     exempt: bool,
+    /// `cost_from_response`: the micro-tokens the upstream's answer reported (`Some(None)`:
+    /// a malformed value), charged once the answer has gone.
+    charge: Option<Option<u64>>,
     _in_flight: Option<InFlight>,
 }
 
@@ -96,7 +99,47 @@ impl RequestCtx {
     }
 }
 
+/// Micro-tokens of a reported cost: a non-negative decimal integer of units, at most
+/// 10^15 micro-tokens in all (a bucket never goes below minus its capacity anyway); `None`
+/// for anything else.
+fn charge_of(value: &[u8], unit_micro: u64) -> Option<u64> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let units: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(
+        units
+            .saturating_mul(unit_micro)
+            .min(crate::config::MAX_CAPACITY_MICRO),
+    )
+}
+
 impl Gateway {
+    /// Charges a reported cost after the answer has gone, in a task of its own: the answer
+    /// never waits for it.
+    fn charge(&self, route: &Arc<Route>, ctx: &RequestCtx, charge: Option<u64>) {
+        let counters = route.endpoint.metrics.charges.clone();
+        let (Some(micro), Some(hash)) = (charge, ctx.identity_hash.clone()) else {
+            counters.invalid.inc();
+            return;
+        };
+        if micro == 0 {
+            counters.charged.inc();
+            return;
+        }
+        let (store, route) = (self.store.clone(), Arc::clone(route));
+        tokio::spawn(async move {
+            match limiter::charge(&store, &route.endpoint, &hash, micro).await {
+                Ok(()) => counters.charged.inc(),
+                Err(cause) => {
+                    tracing::debug!(cause = ?cause, endpoint_id = route.endpoint.policy.endpoint_id.as_str(), "a reported cost could not be charged");
+                    counters.failed.inc()
+                }
+            }
+        });
+    }
+
     async fn answer(
         &self,
         session: &mut Session,
@@ -161,8 +204,8 @@ impl Gateway {
             decision
         };
         ctx.decision_time = started.elapsed();
-        // Kept only for the access log: no copy per request without one.
-        if snapshot.config.access_log.is_some() {
+        // Kept only for the access log and response charges: no copy per request without.
+        if snapshot.config.access_log.is_some() || policy.cost_from_response.is_some() {
             ctx.identity_hash = Some(hash.clone());
         }
         ctx.decision = Some(decision);
@@ -381,6 +424,20 @@ impl ProxyHttp for Gateway {
             upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
             upstream_response.insert_header("ratelimit", f.state.as_str())?;
         }
+        let cost = ctx
+            .route
+            .as_ref()
+            .and_then(|r| r.endpoint.policy.cost_from_response.clone());
+        if let Some(cost) = cost {
+            // Never shown to the client, charged or not.
+            let reported = upstream_response.remove_header(&cost.header);
+            let admitted_by_redis = ctx
+                .decision
+                .is_some_and(|d| d.allowed() && d.reason() == DecisionReason::Allowed);
+            if let (Some(value), true) = (reported, admitted_by_redis) {
+                ctx.charge = Some(charge_of(value.as_bytes(), cost.unit_micro));
+            }
+        }
         Ok(())
     }
 
@@ -542,6 +599,9 @@ impl ProxyHttp for Gateway {
             }
             if let Some(denials) = ctx.denied_by.and_then(|i| m.limit_denials.get(i)) {
                 denials.inc();
+            }
+            if let Some(charge) = ctx.charge.take() {
+                self.charge(route, ctx, charge);
             }
             if !d.allowed() && route.endpoint.policy.mode == Enforcement::Shadow {
                 m.shadow_denials.inc();

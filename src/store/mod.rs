@@ -306,7 +306,7 @@ impl Store {
         &self,
         key: &str,
         fields: &[&str],
-    ) -> Result<(Vec<Option<u64>>, u64), StoreFailure> {
+    ) -> Result<(Vec<Option<i64>>, u64), StoreFailure> {
         let conn = self
             .link_for(key)
             .and_then(|l| l.conn.load_full())

@@ -640,6 +640,39 @@ fn policy(
             None
         }
     };
+    let cost_from_response = r.cost_from_response.as_ref().and_then(|spanned| {
+        let raw = spanned.get_ref();
+        let header = match http::HeaderName::from_bytes(raw.header.get_ref().as_bytes()) {
+            Ok(h) => Some(h),
+            Err(_) => {
+                c.push(Some(&raw.header.span()), label, format!("cost_from_response.header = \"{}\" is not a header name", raw.header.get_ref()));
+                None
+            }
+        };
+        let unit = int_in(
+            c,
+            label,
+            "cost_from_response.unit_micro",
+            raw.unit_micro.as_ref(),
+            ONE_TOKEN_MICRO as i64,
+            (1, MAX_CAPACITY_MICRO as i64),
+            " micro-tokens per unit",
+        );
+        let buckets = every
+            .iter()
+            .any(|(_, a)| matches!(a, Algorithm::TokenBucket { .. }));
+        if !buckets {
+            c.push(Some(&spanned.span()), label, "cost_from_response charges token buckets, and this route has none: give it a token_bucket limit, or remove cost_from_response".into());
+            return None;
+        }
+        Some(CostFromResponse {
+            header: header?,
+            unit_micro: unit?,
+        })
+    });
+    if r.cost_from_response.is_some() && cost_from_response.is_none() {
+        return None;
+    }
     let (limits, several) = limits?;
     Some(Policy {
         endpoint_id: endpoint_id?,
@@ -654,6 +687,7 @@ fn policy(
         mode: mode?,
         ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
         emergency_per_identity: per_identity?,
+        cost_from_response,
     })
 }
 
