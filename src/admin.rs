@@ -179,6 +179,31 @@ impl Admin {
             );
         };
         let hash = identity_hash(&identity);
+        // A tiered route: `tier` picks the tier to read (default: default_tier).
+        let asked = query.and_then(|q| query_param(q, "tier"));
+        let (tier, view_of) = match &endpoint.tiers {
+            None if asked.is_some() => {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"detail": "this endpoint has no tiers"}),
+                )
+            }
+            None => (None, Some(Arc::clone(&endpoint))),
+            Some(tiers) => {
+                if asked.as_deref().is_some_and(|t| !tiers.knows(t)) {
+                    return json(
+                        StatusCode::BAD_REQUEST,
+                        serde_json::json!({"detail": "no such tier"}),
+                    );
+                }
+                let (name, chosen) = tiers.choose(asked.as_deref());
+                let view_of = match chosen {
+                    None => Some(Arc::clone(&endpoint)),
+                    Some(tier_endpoint) => tier_endpoint,
+                };
+                (Some(name), view_of)
+            }
+        };
         let unavailable = || {
             json(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -186,7 +211,19 @@ impl Admin {
             )
         };
         if method == Method::DELETE {
-            return match inspect::reset(&self.store, &endpoint, &hash).await {
+            // Every tier's buckets: the caller may have changed tier since.
+            let mut all = vec![Arc::clone(&endpoint)];
+            if let Some(tiers) = &endpoint.tiers {
+                all.extend(tiers.endpoints());
+            }
+            let mut result = Ok(0);
+            for e in &all {
+                match inspect::reset(&self.store, e, &hash).await {
+                    Ok(n) => result = result.map(|total| total + n),
+                    Err(e) => result = Err(e),
+                }
+            }
+            return match result {
                 Ok(deleted) => {
                     tracing::info!(
                         endpoint_id,
@@ -202,13 +239,18 @@ impl Admin {
                 Err(_) => unavailable(),
             };
         }
-        match inspect::peek(&self.store, &endpoint, &hash).await {
+        let peeked = match &view_of {
+            Some(e) => inspect::peek(&self.store, e, &hash).await,
+            // An unlimited tier has no limits to show.
+            None => Ok(Vec::new()),
+        };
+        match peeked {
             Ok(limits) => json(
                 StatusCode::OK,
                 serde_json::json!({
                     "endpoint_id": endpoint_id,
                     "identity_hash": hash,
-                    "tier": null,
+                    "tier": tier.as_deref(),
                     "limits": limits,
                 }),
             ),

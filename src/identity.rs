@@ -11,7 +11,7 @@ use pingora_http::RequestHeader;
 
 use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 
-use crate::config::{ApiKeysConfig, IdentitySource, JwtConfig};
+use crate::config::{ApiKeysConfig, IdentitySource, JwtConfig, TierFrom};
 
 /// Longest header value accepted as an identity, in bytes.
 pub const MAX_HEADER_IDENTITY_BYTES: usize = 1024;
@@ -125,6 +125,12 @@ impl JwtVerifier {
 
     /// The verified identity claim of a bearer token.
     pub fn subject(&self, token: &str) -> Option<String> {
+        self.subject_and(token, None).map(|(id, _)| id)
+    }
+
+    /// The verified identity claim of a bearer token, and the string claim `also` of the same
+    /// token when asked for (`None` when the token has no such string claim).
+    pub fn subject_and(&self, token: &str, also: Option<&str>) -> Option<(String, Option<String>)> {
         let header = jsonwebtoken::decode_header(token).ok()?;
         let alg = header.alg;
         let (_, validation) = self.validations.iter().find(|(a, _)| *a == alg)?;
@@ -149,7 +155,12 @@ impl JwtVerifier {
                 .find_map(|(_, _, key)| verify(key))?
         };
         let id = claims.claims.get(&self.identity_claim)?.as_str()?;
-        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| id.to_owned())
+        let extra = also
+            .and_then(|c| claims.claims.get(c))
+            .and_then(|v| v.as_str())
+            .filter(|v| v.len() <= MAX_SUBJECT_BYTES)
+            .map(str::to_owned);
+        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| (id.to_owned(), extra))
     }
 }
 
@@ -204,8 +215,23 @@ pub fn identify(
     jwt: Option<&JwtVerifier>,
     api_keys: Option<&ApiKeysConfig>,
 ) -> Result<String, IdentityError> {
+    identify_with_tier(source, req, peer, trusted_proxies, jwt, api_keys, None).map(|(id, _)| id)
+}
+
+/// [`identify`], and the caller's tier as `tier_from` names its source: the key file's
+/// `tier`, or a string claim of the token (`None` when the caller has none).
+pub fn identify_with_tier(
+    source: &IdentitySource,
+    req: &RequestHeader,
+    peer: Option<IpAddr>,
+    trusted_proxies: &[IpNet],
+    jwt: Option<&JwtVerifier>,
+    api_keys: Option<&ApiKeysConfig>,
+    tier_from: Option<&TierFrom>,
+) -> Result<(String, Option<String>), IdentityError> {
+    let plain = |id: String| Ok((id, None));
     match source {
-        IdentitySource::Global => Ok("global".to_owned()),
+        IdentitySource::Global => plain("global".to_owned()),
         IdentitySource::Header(name) => {
             let value = single(req, name.as_str())?
                 .map(|v| v.as_bytes())
@@ -213,11 +239,11 @@ pub fn identify(
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .filter(|v| !v.trim().is_empty())
                 .ok_or(IdentityError::MissingHeader)?;
-            Ok(format!("header:{name}:{value}"))
+            plain(format!("header:{name}:{value}"))
         }
         IdentitySource::ClientIp => {
             let peer = peer.ok_or(IdentityError::NoPeerAddress)?;
-            Ok(format!("ip:{}", client_ip(req, peer, trusted_proxies)?))
+            plain(format!("ip:{}", client_ip(req, peer, trusted_proxies)?))
         }
         IdentitySource::ApiKey => {
             let keys = api_keys.ok_or(IdentityError::UnknownApiKey)?;
@@ -226,7 +252,11 @@ pub fn identify(
                 .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
                 .ok_or(IdentityError::UnknownApiKey)?;
             let owner = keys.keys.owner(key).ok_or(IdentityError::UnknownApiKey)?;
-            Ok(format!("tenant:{}", owner.tenant))
+            let tier = match tier_from {
+                Some(TierFrom::ApiKey) => owner.tier.as_deref().map(str::to_owned),
+                _ => None,
+            };
+            Ok((format!("tenant:{}", owner.tenant), tier))
         }
         IdentitySource::Jwt => {
             let verifier = jwt.ok_or(IdentityError::InvalidToken)?;
@@ -234,8 +264,14 @@ pub fn identify(
             let token = authorization
                 .and_then(bearer)
                 .ok_or(IdentityError::InvalidToken)?;
-            let sub = verifier.subject(token).ok_or(IdentityError::InvalidToken)?;
-            Ok(format!("jwt:{sub}"))
+            let claim = match tier_from {
+                Some(TierFrom::Claim(c)) => Some(c.as_str()),
+                _ => None,
+            };
+            let (sub, tier) = verifier
+                .subject_and(token, claim)
+                .ok_or(IdentityError::InvalidToken)?;
+            Ok((format!("jwt:{sub}"), tier))
         }
     }
 }

@@ -42,6 +42,7 @@ pub struct Metrics {
     exempt_requests: IntCounterVec,
     limit_denials: IntCounterVec,
     response_charges: IntCounterVec,
+    tier_decisions: IntCounterVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
@@ -190,6 +191,11 @@ impl Metrics {
             "Costs reported by upstream answers (cost_from_response): charged, invalid (a malformed value: nothing charged) or failed (Redis could not take it).",
             &["endpoint_id", "result"],
         );
+        let tier_decisions = counter(
+            "sentinel_tier_decisions_total",
+            "Decisions on tiered routes, by endpoint, the tier the caller counted under, and outcome.",
+            &["endpoint_id", "tier", "allowed"],
+        );
         let decision_duration = register(
             &r,
             HistogramVec::new(
@@ -315,6 +321,7 @@ impl Metrics {
             exempt_requests,
             limit_denials,
             response_charges,
+            tier_decisions,
             in_flight,
             fleet_instances,
             access_log_dropped,
@@ -375,6 +382,14 @@ impl Metrics {
                 .collect(),
             requests: self.requests(endpoint_id),
         }
+    }
+
+    /// `sentinel_tier_decisions_total` of one tier: denied, then allowed.
+    pub fn tier_decisions(&self, endpoint_id: &str, tier: &str) -> [IntCounter; 2] {
+        ["false", "true"].map(|allowed| {
+            self.tier_decisions
+                .with_label_values(&[endpoint_id, tier, allowed])
+        })
     }
 
     pub fn requests(&self, endpoint_label: &str) -> RequestCounters {

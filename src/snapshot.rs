@@ -12,12 +12,13 @@ use pingora_load_balancing::selection::RoundRobin;
 use pingora_load_balancing::LoadBalancer;
 
 use crate::clock::SharedClock;
-use crate::config::{Config, EndpointId, IdentitySource, UpstreamConfig};
+use crate::config::{Config, EndpointId, IdentitySource, Policy, TierLimits, UpstreamConfig};
 use crate::decision::emergency::{
     Emergency, EmergencyBucket, IdentityBuckets, Rate, IDENTITY_CAPACITY,
 };
 use crate::decision::fleet::Fleet;
 use crate::identity::JwtVerifier;
+use crate::limiter::endpoint::Tiers;
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
 use crate::routing::RouteTable;
@@ -109,22 +110,65 @@ impl Snapshot {
                             })
                         })
                     });
-                    Arc::new(Endpoint::new(
+                    let handles = |p: &Policy| {
+                        metrics.endpoint(
+                            p.endpoint_id.as_str(),
+                            p.fail_mode,
+                            p.mode,
+                            &p.limits.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+                        )
+                    };
+                    let mut endpoint = Endpoint::new(
                         Arc::clone(policy),
                         &config.redis.key_prefix,
-                        emergency,
-                        metrics.endpoint(
-                            policy.endpoint_id.as_str(),
-                            policy.fail_mode,
-                            policy.mode,
-                            &policy
-                                .limits
-                                .iter()
-                                .map(|l| l.name.as_str())
-                                .collect::<Vec<_>>(),
-                        ),
+                        emergency.clone(),
+                        handles(policy),
                         Arc::clone(clock),
-                    ))
+                    );
+                    if let Some(plan) = &policy.tiers {
+                        let choices = plan
+                            .tiers
+                            .iter()
+                            .map(|(name, limits)| {
+                                let tier_endpoint = match limits {
+                                    TierLimits::Unlimited => None,
+                                    TierLimits::Limits(own) => {
+                                        let mut limits = own.clone();
+                                        limits.extend(
+                                            policy.limits.iter().filter(|l| l.global).cloned(),
+                                        );
+                                        let tier_policy = Arc::new(Policy {
+                                            limits,
+                                            several: true,
+                                            tiers: None,
+                                            ..(**policy).clone()
+                                        });
+                                        Some(Arc::new(Endpoint::for_tier(
+                                            Arc::clone(&tier_policy),
+                                            name,
+                                            &config.redis.key_prefix,
+                                            emergency.clone(),
+                                            handles(&tier_policy),
+                                            Arc::clone(clock),
+                                        )))
+                                    }
+                                };
+                                (name.clone(), tier_endpoint)
+                            })
+                            .collect();
+                        let id = policy.endpoint_id.as_str();
+                        let decisions = std::iter::once(plan.default.as_str())
+                            .chain(plan.tiers.keys().map(String::as_str))
+                            .map(|t| (Arc::from(t), metrics.tier_decisions(id, t)))
+                            .collect();
+                        endpoint.tiers = Some(Tiers::new(
+                            plan.from.clone(),
+                            &plan.default,
+                            choices,
+                            decisions,
+                        ));
+                    }
+                    Arc::new(endpoint)
                 })
                 .clone();
             let route = Route {

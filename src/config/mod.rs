@@ -329,6 +329,35 @@ pub struct Policy {
     pub emergency_per_identity: bool,
     /// Charge what the upstream's answer reports to the token buckets that admitted it.
     pub cost_from_response: Option<CostFromResponse>,
+    /// `tier_from`: the caller's tier chooses the limits on its own identity.
+    pub tiers: Option<TierPlan>,
+}
+
+/// Where a caller's tier comes from, and what each tier gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierPlan {
+    pub from: TierFrom,
+    /// The tier of callers without one, or with one not listed; the name the route's own
+    /// limits count under.
+    pub default: String,
+    pub tiers: BTreeMap<String, TierLimits>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierFrom {
+    /// The key file's `tier`.
+    ApiKey,
+    /// A string claim of the JWT.
+    Claim(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierLimits {
+    /// Forwarded without any limit and without a Redis call.
+    Unlimited,
+    /// These replace the route's limits on the caller's identity; the route's ceilings
+    /// still apply.
+    Limits(Vec<Limit>),
 }
 
 /// `cost_from_response`: the header the upstream reports a cost in, and what one unit of it

@@ -166,6 +166,27 @@ pub struct RawRoute {
     #[serde(default)]
     pub limits: Vec<Spanned<RawLimit>>,
     pub cost_from_response: Option<Spanned<RawCostFromResponse>>,
+    pub tier_from: Option<Spanned<RawTierFrom>>,
+    pub default_tier: Option<Spanned<String>>,
+    #[serde(default)]
+    pub tiers: BTreeMap<String, Spanned<RawTier>>,
+}
+
+/// `tier_from = "api_key"` or `{ claim = "plan" }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawTierFrom {
+    Named(String),
+    Claim { claim: String },
+}
+
+/// `[routes.tiers.<name>]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTier {
+    #[serde(default)]
+    pub limits: Vec<Spanned<RawLimit>>,
+    pub unlimited: Option<bool>,
 }
 
 /// `cost_from_response = { header = "...", unit_micro = ... }`.
@@ -216,4 +237,7 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "exempt_client_cidrs",
     "limits",
     "cost_from_response",
+    "tier_from",
+    "default_tier",
+    "tiers",
 ];

@@ -13,6 +13,8 @@ use crate::metrics::EndpointMetrics;
 
 pub struct Endpoint {
     pub policy: Arc<Policy>,
+    /// With `tier_from`: which limits each tier gets.
+    pub tiers: Option<Tiers>,
     /// `{key_prefix}:v1:`
     key_head: String,
     /// `:{endpoint_id}:{policy_version}`
@@ -46,6 +48,7 @@ impl Endpoint {
             })
             .collect();
         Self {
+            tiers: None,
             key_head: format!("{key_prefix}:v1:"),
             key_tail: format!(":{}:{}", policy.endpoint_id, policy.policy_version),
             limit_tails,
@@ -68,7 +71,97 @@ impl Endpoint {
     }
 }
 
+/// A tiered endpoint's tiers: where a caller's tier comes from, and what each one gets.
+pub struct Tiers {
+    pub from: crate::config::TierFrom,
+    /// The tier of callers without one, or with one not listed.
+    pub default: Arc<str>,
+    choices: std::collections::HashMap<String, (Arc<str>, Option<Arc<Endpoint>>)>,
+    /// `sentinel_tier_decisions_total` by tier name, then by allowed.
+    pub decisions: std::collections::HashMap<Arc<str>, [prometheus::IntCounter; 2]>,
+}
+
+impl Tiers {
+    pub fn new(
+        from: crate::config::TierFrom,
+        default: &str,
+        choices: Vec<(String, Option<Arc<Endpoint>>)>,
+        decisions: std::collections::HashMap<Arc<str>, [prometheus::IntCounter; 2]>,
+    ) -> Self {
+        Self {
+            from,
+            default: Arc::from(default),
+            choices: choices
+                .into_iter()
+                .map(|(name, e)| {
+                    let shared: Arc<str> = Arc::from(name.as_str());
+                    (name, (shared, e))
+                })
+                .collect(),
+            decisions,
+        }
+    }
+
+    /// Whether `tier` is the default or listed.
+    pub fn knows(&self, tier: &str) -> bool {
+        tier == &*self.default || self.choices.contains_key(tier)
+    }
+
+    /// The endpoints of the listed tiers that have limits.
+    pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
+        self.choices
+            .values()
+            .filter_map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// The tier a caller with `tier` counts under (the default when it has none or one
+    /// not listed), and its endpoint: `Some(None)` for an unlimited tier, `None` for the
+    /// route's own limits (the default tier, when it is not listed).
+    pub fn choose(&self, tier: Option<&str>) -> (Arc<str>, Option<Option<Arc<Endpoint>>>) {
+        let listed = tier
+            .and_then(|t| self.choices.get(t))
+            .or_else(|| self.choices.get(&*self.default));
+        match listed {
+            Some((name, endpoint)) => (Arc::clone(name), Some(endpoint.clone())),
+            None => (Arc::clone(&self.default), None),
+        }
+    }
+}
+
 impl Endpoint {
+    /// The endpoint of one tier's limits: `policy` holds the tier's limits and the route's
+    /// ceilings; the keys of the tier's own limits carry the tier's name, so that tiers never
+    /// share a bucket, while the ceilings' keys are the route's.
+    pub fn for_tier(
+        policy: Arc<Policy>,
+        tier: &str,
+        key_prefix: &str,
+        emergency: Option<Arc<Emergency>>,
+        metrics: EndpointMetrics,
+        clock: SharedClock,
+    ) -> Self {
+        let mut endpoint = Self::new(Arc::clone(&policy), key_prefix, emergency, metrics, clock);
+        endpoint.limit_tails = policy
+            .limits
+            .iter()
+            .map(|l| {
+                if l.global {
+                    format!(
+                        ":{}:{}:{}",
+                        policy.endpoint_id, policy.policy_version, l.name
+                    )
+                } else {
+                    format!(
+                        ":{}:{}:{tier}:{}",
+                        policy.endpoint_id, policy.policy_version, l.name
+                    )
+                }
+            })
+            .collect();
+        endpoint
+    }
+
     /// With `[[routes.limits]]`, each limit's key, in the policy's order:
     /// `{key_prefix}:v1:{<hash>}:{endpoint_id}:{policy_version}:{limit}`, the hash the
     /// caller's, or that of `global` for a ceiling. The braces are a Redis Cluster hash tag:
@@ -157,6 +250,7 @@ mod tests {
             ratelimit_headers: false,
             emergency_per_identity: false,
             cost_from_response: None,
+            tiers: None,
         };
         let metrics = crate::metrics::Metrics::new();
         let endpoint = Endpoint::new(

@@ -6,7 +6,7 @@
 //! The limiter owns no connection and no clock: the store brings Redis's answer, the
 //! decision room turns answers and failures into a [`Decision`].
 
-mod endpoint;
+pub mod endpoint;
 pub mod heartbeat;
 pub mod inspect;
 

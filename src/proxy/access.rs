@@ -47,7 +47,7 @@ pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
         "endpoint_id": route.map(|r| r.endpoint.policy.endpoint_id.as_str()),
         "decision_reason": decision.map(|d| d.reason().as_str()),
         "allowed": decision.map(|d| d.allowed()),
-        "tier": Value::Null,
+        "tier": ctx.tier.as_deref(),
         "limit": route.and_then(|r| ctx.denied_limit(r)).or_else(|| {
             // A denial the over-limit cache repeated: a single-limit route has one limit.
             decision

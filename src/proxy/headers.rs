@@ -115,10 +115,11 @@ mod tests {
             ratelimit_headers: true,
             emergency_per_identity: false,
             cost_from_response: None,
+            tiers: None,
         }
     }
 
-    fn reply(remaining: u64, reset: Option<u64>) -> ScriptReply {
+    fn reply(remaining: i64, reset: Option<u64>) -> ScriptReply {
         ScriptReply {
             allowed: true,
             remaining,

@@ -71,13 +71,22 @@ pub struct RequestCtx {
     /// `cost_from_response`: the micro-tokens the upstream's answer reported (`Some(None)`:
     /// a malformed value), charged once the answer has gone.
     charge: Option<Option<u64>>,
+    /// A tiered route: the tier the caller counted under, and that tier's endpoint when it
+    /// is not the route's own.
+    tier: Option<Arc<str>>,
+    tier_endpoint: Option<Arc<limiter::Endpoint>>,
     _in_flight: Option<InFlight>,
 }
 
 impl RequestCtx {
+    /// The endpoint that decided: a tier's, or the route's.
+    fn deciding<'r>(&'r self, route: &'r Route) -> &'r Arc<limiter::Endpoint> {
+        self.tier_endpoint.as_ref().unwrap_or(&route.endpoint)
+    }
+
     /// The name of the limit that denied, when Redis said which.
-    pub(super) fn denied_limit<'r>(&self, route: &'r Route) -> Option<&'r str> {
-        let limits = &route.endpoint.policy.limits;
+    pub(super) fn denied_limit<'r>(&'r self, route: &'r Route) -> Option<&'r str> {
+        let limits = &self.deciding(route).policy.limits;
         self.denied_by
             .and_then(|i| limits.get(i))
             .map(|l| l.name.as_str())
@@ -119,7 +128,8 @@ impl Gateway {
     /// Charges a reported cost after the answer has gone, in a task of its own: the answer
     /// never waits for it.
     fn charge(&self, route: &Arc<Route>, ctx: &RequestCtx, charge: Option<u64>) {
-        let counters = route.endpoint.metrics.charges.clone();
+        let endpoint = Arc::clone(ctx.deciding(route));
+        let counters = endpoint.metrics.charges.clone();
         let (Some(micro), Some(hash)) = (charge, ctx.identity_hash.clone()) else {
             counters.invalid.inc();
             return;
@@ -128,12 +138,12 @@ impl Gateway {
             counters.charged.inc();
             return;
         }
-        let (store, route) = (self.store.clone(), Arc::clone(route));
+        let store = self.store.clone();
         tokio::spawn(async move {
-            match limiter::charge(&store, &route.endpoint, &hash, micro).await {
+            match limiter::charge(&store, &endpoint, &hash, micro).await {
                 Ok(()) => counters.charged.inc(),
                 Err(cause) => {
-                    tracing::debug!(cause = ?cause, endpoint_id = route.endpoint.policy.endpoint_id.as_str(), "a reported cost could not be charged");
+                    tracing::debug!(cause = ?cause, endpoint_id = endpoint.policy.endpoint_id.as_str(), "a reported cost could not be charged");
                     counters.failed.inc()
                 }
             }
@@ -167,15 +177,17 @@ impl Gateway {
     ) -> Option<Answer> {
         let peer = ctx.origin.as_ref().and_then(|o| o.peer);
         let trusted = &snapshot.config.server.trusted_proxies;
-        let identity = match identity::identify(
+        let tiers = route.endpoint.tiers.as_ref();
+        let (identity, caller_tier) = match identity::identify_with_tier(
             &route.identity,
             session.req_header(),
             peer,
             trusted,
             snapshot.jwt.as_ref(),
             snapshot.config.api_keys.as_ref(),
+            tiers.map(|t| &t.from),
         ) {
-            Ok(identity) => identity,
+            Ok(found) => found,
             Err(identity::IdentityError::UnusableForwardedFor) => return Some(Answer::BadRequest),
             Err(_) => {
                 return Some(Answer::Unauthenticated {
@@ -184,17 +196,37 @@ impl Gateway {
             }
         };
         let hash = identity_hash(&identity);
+        // A tiered route: the caller's tier picks the limits (an unlimited tier: none).
+        let mut endpoint = Arc::clone(&route.endpoint);
+        if let Some(tiers) = tiers {
+            let (tier, chosen) = tiers.choose(caller_tier.as_deref());
+            ctx.tier = Some(tier);
+            match chosen {
+                None => {}
+                Some(Some(e)) => {
+                    endpoint = Arc::clone(&e);
+                    ctx.tier_endpoint = Some(e);
+                }
+                Some(None) => {
+                    ctx.decision = Some(Decision::unlimited(self.store.breaker_state()));
+                    if snapshot.config.access_log.is_some() {
+                        ctx.identity_hash = Some(hash);
+                    }
+                    return None;
+                }
+            }
+        }
         let started = Instant::now();
-        let policy = &route.endpoint.policy;
+        let policy = &endpoint.policy;
         let decision = if policy.several {
-            let several = limiter::decide_limits(&self.store, &route.endpoint, &hash).await;
+            let several = limiter::decide_limits(&self.store, &endpoint, &hash).await;
             ctx.denied_by = several.denied_by;
             if policy.ratelimit_headers {
                 ctx.ratelimit = headers::several(policy, &several.replies);
             }
             several.decision
         } else {
-            let decision = limiter::decide(&self.store, &route.endpoint, &hash).await;
+            let decision = limiter::decide(&self.store, &endpoint, &hash).await;
             if decision.reply().is_some_and(|r| !r.allowed) {
                 ctx.denied_by = Some(0);
             }
@@ -597,8 +629,14 @@ impl ProxyHttp for Gateway {
             if d.cached() {
                 m.overlimit_hits.inc();
             }
-            if let Some(denials) = ctx.denied_by.and_then(|i| m.limit_denials.get(i)) {
+            let deciding = &ctx.deciding(route).metrics;
+            if let Some(denials) = ctx.denied_by.and_then(|i| deciding.limit_denials.get(i)) {
                 denials.inc();
+            }
+            if let (Some(tier), Some(tiers)) = (&ctx.tier, &route.endpoint.tiers) {
+                if let Some(counters) = tiers.decisions.get(tier) {
+                    counters[usize::from(d.allowed())].inc();
+                }
             }
             if let Some(charge) = ctx.charge.take() {
                 self.charge(route, ctx, charge);

@@ -92,7 +92,8 @@ pub(super) fn route(
     // An unknown algorithm is already an error; do not pile an identity error on it.
     let limited = algorithm.is_some_and(|a| a != Algorithm::None);
     let identity = identity(c, label, r, limited, raw);
-    let policy = policy(c, label, r, endpoint_id, limits);
+    let tiers = tiers(c, label, spanned, identity.as_ref(), limits.as_ref());
+    let policy = policy(c, label, r, endpoint_id, limits, tiers);
 
     if c.errors.len() > before {
         return None;
@@ -449,37 +450,56 @@ fn limits(
             ok = false;
         }
     }
-    if r.limits.len() > MAX_LIMITS {
+    let out = named_limits(c, label, &r.limits, "limits", true);
+    (ok && out.is_some()).then(|| (out.unwrap_or_default(), true))
+}
+
+/// `[[routes.limits]]` entries (or a tier's, under `at`), each checked; `ceilings`: whether
+/// an entry may have `identity = "global"`.
+fn named_limits(
+    c: &mut Collector,
+    label: Option<&str>,
+    entries: &[Spanned<crate::config::raw::RawLimit>],
+    at: &str,
+    ceilings: bool,
+) -> Option<Vec<Limit>> {
+    let mut ok = true;
+    if entries.len() > MAX_LIMITS {
         c.push(
-            Some(&r.limits[MAX_LIMITS].span()),
+            Some(&entries[MAX_LIMITS].span()),
             label,
             format!(
-                "{} [[routes.limits]]: a route has at most {MAX_LIMITS}",
-                r.limits.len()
+                "{} limits in {at}: a route has at most {MAX_LIMITS}",
+                entries.len()
             ),
         );
         ok = false;
     }
     let mut out: Vec<Limit> = Vec::new();
-    for (i, l) in r.limits.iter().enumerate() {
+    for (i, l) in entries.iter().enumerate() {
         let l = l.get_ref();
         let name = l.name.get_ref();
-        let at = format!("limits[{i}] ({name}).");
+        let at = format!("{at}[{i}] ({name}).");
         let valid = !name.is_empty()
             && name.len() <= 64
             && name.bytes().all(|b| {
                 b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
             });
         if !valid {
-            c.push(Some(&l.name.span()), label, format!("limits[{i}].name = \"{name}\" is not valid: use 1 to 64 of a-z, 0-9, '.', '_', '-'"));
+            c.push(Some(&l.name.span()), label, format!("{at}[{i}].name = \"{name}\" is not valid: use 1 to 64 of a-z, 0-9, '.', '_', '-'"));
             ok = false;
         } else if out.iter().any(|o| o.name == *name) {
-            c.push(Some(&l.name.span()), label, format!("limits[{i}].name = \"{name}\" is used twice: each limit of a route has a name of its own"));
+            c.push(Some(&l.name.span()), label, format!("{at}[{i}].name = \"{name}\" is used twice: each limit of a route has a name of its own"));
             ok = false;
         }
         let global = match l.identity.as_ref().map(|v| (v, v.get_ref().as_str())) {
             None => false,
-            Some((_, "global")) => true,
+            Some((_, "global")) if ceilings => true,
+            Some((v, _)) if !ceilings => {
+                c.push(Some(&v.span()), label, format!("{at}identity is set: a tier's limits count on the caller's identity; a ceiling (identity = \"global\") belongs in the route's [[routes.limits]], where it applies to every tier"));
+                ok = false;
+                false
+            }
             Some((v, other)) => {
                 c.push(Some(&v.span()), label, format!("{at}identity = \"{other}\" is not supported: a limit counts on the route's identity (leave identity out) or on one bucket for every caller (identity = \"global\")"));
                 ok = false;
@@ -504,7 +524,7 @@ fn limits(
             None => ok = false,
         }
     }
-    ok.then_some((out, true))
+    ok.then_some(out)
 }
 
 fn policy(
@@ -513,6 +533,7 @@ fn policy(
     r: &RawRoute,
     endpoint_id: Option<EndpointId>,
     limits: Option<(Vec<Limit>, bool)>,
+    tiers: Option<Option<TierPlan>>,
 ) -> Option<Policy> {
     let algorithm = limits.as_ref().map(|(l, _)| match l.first() {
         Some(first) => first.algorithm,
@@ -688,7 +709,125 @@ fn policy(
         ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
         emergency_per_identity: per_identity?,
         cost_from_response,
+        tiers: tiers?,
     })
+}
+
+/// `tier_from`, `default_tier` and `[routes.tiers.*]`: `Some(None)` for a route without
+/// tiers.
+fn tiers(
+    c: &mut Collector,
+    label: Option<&str>,
+    spanned: &Spanned<RawRoute>,
+    identity: Option<&IdentitySource>,
+    limits: Option<&(Vec<Limit>, bool)>,
+) -> Option<Option<TierPlan>> {
+    let r = spanned.get_ref();
+    let Some(from) = &r.tier_from else {
+        if let Some(d) = &r.default_tier {
+            c.push(Some(&d.span()), label, "default_tier is set without tier_from: name where the caller's tier comes from (tier_from = \"api_key\" or { claim = \"plan\" })".into());
+            return None;
+        }
+        if let Some((name, t)) = r.tiers.iter().next() {
+            c.push(Some(&t.span()), label, format!("tiers.{name} is set without tier_from: name where the caller's tier comes from (tier_from = \"api_key\" or {{ claim = \"plan\" }})"));
+            return None;
+        }
+        return Some(None);
+    };
+    let mut ok = true;
+    let from_kind = match from.get_ref() {
+        crate::config::raw::RawTierFrom::Named(n) if n == "api_key" => {
+            if identity.is_some_and(|i| *i != IdentitySource::ApiKey) {
+                c.push(Some(&from.span()), label, "tier_from = \"api_key\" needs identity = \"api_key\": the tier is the key file's".into());
+                ok = false;
+            }
+            Some(TierFrom::ApiKey)
+        }
+        crate::config::raw::RawTierFrom::Claim { claim } if !claim.is_empty() => {
+            if identity.is_some_and(|i| *i != IdentitySource::Jwt) {
+                c.push(Some(&from.span()), label, format!("tier_from = {{ claim = \"{claim}\" }} needs identity = \"jwt\": the tier is a claim of the caller's token"));
+                ok = false;
+            }
+            Some(TierFrom::Claim(claim.clone()))
+        }
+        _ => {
+            c.push(
+                Some(&from.span()),
+                label,
+                "tier_from is not usable: write \"api_key\" or { claim = \"<claim>\" }".into(),
+            );
+            None
+        }
+    };
+    let valid_name = |n: &str| {
+        !n.is_empty()
+            && n.len() <= 64
+            && n.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            })
+    };
+    let default = match &r.default_tier {
+        None => {
+            c.push(Some(&from.span()), label, "tier_from needs default_tier: the tier of callers without one (or with one not listed), under which the route's own limits count".into());
+            None
+        }
+        Some(d) if !valid_name(d.get_ref()) => {
+            c.push(Some(&d.span()), label, format!("default_tier = \"{}\" is not a tier name: use 1 to 64 of a-z, 0-9, '.', '_', '-'", d.get_ref()));
+            None
+        }
+        Some(d) => Some(d.get_ref().clone()),
+    };
+    if limits.is_some_and(|(l, _)| l.is_empty()) {
+        c.push(Some(&from.span()), label, "tier_from on a route without limits: tiers choose limits, so give the route its own (the default tier's) limits".into());
+        ok = false;
+    }
+    let mut plan = std::collections::BTreeMap::new();
+    for (name, t) in &r.tiers {
+        let at = format!("tiers.{name}");
+        if !valid_name(name) {
+            c.push(
+                Some(&t.span()),
+                label,
+                format!(
+                    "{at}: \"{name}\" is not a tier name: use 1 to 64 of a-z, 0-9, '.', '_', '-'"
+                ),
+            );
+            ok = false;
+            continue;
+        }
+        let raw_tier = t.get_ref();
+        match (raw_tier.unlimited, raw_tier.limits.is_empty()) {
+            (Some(true), true) => {
+                plan.insert(name.clone(), TierLimits::Unlimited);
+            }
+            (Some(true), false) => {
+                c.push(
+                    Some(&t.span()),
+                    label,
+                    format!("{at} is unlimited and has limits: keep one"),
+                );
+                ok = false;
+            }
+            (_, true) => {
+                c.push(Some(&t.span()), label, format!("{at} has no limits: give it [[routes.tiers.{name}.limits]], or unlimited = true"));
+                ok = false;
+            }
+            (_, false) => {
+                match named_limits(c, label, &raw_tier.limits, &format!("{at}.limits"), false) {
+                    Some(l) => {
+                        plan.insert(name.clone(), TierLimits::Limits(l));
+                    }
+                    None => ok = false,
+                }
+            }
+        }
+    }
+    let plan = TierPlan {
+        from: from_kind?,
+        default: default?,
+        tiers: plan,
+    };
+    ok.then_some(Some(plan))
 }
 
 /// Whether the route's cost can ever be admitted by one limit (`at` names it in messages).

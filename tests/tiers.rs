@@ -1,0 +1,204 @@
+//! Tiers against the real binary and a real redis-server: the key file's `tier` picks the
+//! limits on the caller's own identity, `default_tier` stands for callers without one (or
+//! with one not listed), an `unlimited` tier makes no Redis call, ceilings apply to every
+//! tier, and tiers never share a bucket.
+
+mod common;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{blocking_get, client, free_port, Redis, Upstream};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+fn entry(key: &str, tenant: &str, tier: Option<&str>) -> String {
+    let sha = hex::encode(Sha256::digest(key.as_bytes()));
+    let tier = tier.map_or(String::new(), |t| format!("tier = \"{t}\"\n"));
+    format!("[[keys]]\nsha256 = \"{sha}\"\ntenant = \"{tenant}\"\n{tier}")
+}
+
+/// free (the route's own): burst 2; pro: burst 4; internal: unlimited; a ceiling of 9 a
+/// minute for everyone.
+fn tiered() -> Route {
+    Route::new("t.ocr")
+        .prefix("/ocr")
+        .identity("api_key")
+        .fail_closed()
+        .set("tier_from", quoted("api_key"))
+        .set("default_tier", quoted("free"))
+        .bucket_limit("burst", 2, 0)
+        .limit(
+            "backend",
+            "identity = \"global\"\nalgorithm = \"sliding_window\"\nlimit = 9\nwindow_size_micro = 60_000_000",
+        )
+}
+
+const TIERS: &str = "
+[[routes.tiers.pro.limits]]
+name = \"burst\"
+algorithm = \"token_bucket\"
+capacity_micro = 4_000_000
+refill_rate_micro_per_sec = 0
+
+[routes.tiers.internal]
+unlimited = true
+";
+
+async fn admitted(gw: &common::Gateway, key: &str, n: usize) -> usize {
+    let http = client();
+    let mut ok = 0;
+    for _ in 0..n {
+        let r = http
+            .get(gw.url("/ocr/doc"))
+            .header("X-API-Key", key)
+            .send()
+            .await
+            .unwrap();
+        ok += usize::from(r.status() == 200);
+    }
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(
+        &keys,
+        [
+            entry("free-key", "a", None),
+            entry("pro-key", "b", Some("pro")),
+            entry("internal-key", "c", Some("internal")),
+            entry("gold-key", "d", Some("gold")),
+            entry("x-free-key", "x", None),
+            entry("x-pro-key", "x", Some("pro")),
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(tiered())
+        .section(TIERS)
+        .start();
+
+    assert_eq!(
+        admitted(&gw, "free-key", 3).await,
+        2,
+        "free: the route's own burst"
+    );
+    assert_eq!(admitted(&gw, "pro-key", 5).await, 4, "pro: its own burst");
+    assert_eq!(
+        admitted(&gw, "gold-key", 3).await,
+        2,
+        "an unlisted tier counts as free"
+    );
+
+    // Unlimited: forwarded without a Redis call, and not counted by the ceiling.
+    redis.reset_stats();
+    assert_eq!(admitted(&gw, "internal-key", 12).await, 12);
+    assert_eq!(redis.limiter_calls(), 0);
+
+    // One tenant, two keys of two tiers: two buckets.
+    assert_eq!(admitted(&gw, "x-free-key", 1).await, 1);
+    // The ceiling (9 a minute for everyone, 8 + 1 spent) now denies every tier.
+    assert_eq!(admitted(&gw, "x-pro-key", 2).await, 0);
+    assert_eq!(
+        gw.metric(
+            "sentinel_tier_decisions_total{allowed=\"true\",endpoint_id=\"t.ocr\",tier=\"pro\"}"
+        ),
+        4.0
+    );
+    assert_eq!(
+        gw.metric(
+            "sentinel_tier_decisions_total{allowed=\"true\",endpoint_id=\"t.ocr\",tier=\"free\"}"
+        ),
+        5.0
+    );
+    assert_eq!(
+        gw.metric("sentinel_tier_decisions_total{allowed=\"true\",endpoint_id=\"t.ocr\",tier=\"internal\"}"),
+        12.0
+    );
+
+    // /limits per tier.
+    let view = |query: &str| {
+        let (status, body) =
+            blocking_get(&gw.admin(&format!("/limits/t.ocr?identity=tenant%3Ab{query}"))).unwrap();
+        (
+            status,
+            serde_json::from_str::<Value>(&body).unwrap_or(Value::Null),
+        )
+    };
+    let (status, pro) = view("&tier=pro");
+    assert_eq!(status, 200);
+    assert_eq!(pro["tier"], "pro");
+    let burst = &pro["limits"][0];
+    assert_eq!(
+        (
+            burst["name"].as_str(),
+            burst["capacity"].as_u64(),
+            burst["remaining"].as_i64()
+        ),
+        (Some("burst"), Some(4), Some(0)),
+        "{pro}"
+    );
+    let (_, free) = view("");
+    assert_eq!(free["tier"], "free");
+    assert_eq!(free["limits"][0]["capacity"], 2, "{free}");
+    assert_eq!(view("&tier=platinum").0, 400);
+}
+
+#[test]
+fn check_refuses_tiers_that_cannot_work() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.toml"), entry("k", "a", None)).unwrap();
+    let run = |route: &str| {
+        let path = dir.path().join("g.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[auth.api_keys]\nfile = \"keys.toml\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}",
+                free_port()
+            ),
+        )
+        .unwrap();
+        let out = common::check_config(&path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = run(&(tiered().toml() + TIERS));
+    assert!(ok, "{out}");
+
+    let no_default = tiered().set("default_tier", "\"\"").toml();
+    let (ok, out) = run(&no_default);
+    assert!(
+        !ok && out.contains("default_tier = \"\" is not a tier name"),
+        "{out}"
+    );
+
+    let claim_on_keys = tiered().set("tier_from", "{ claim = \"plan\" }").toml();
+    let (ok, out) = run(&claim_on_keys);
+    assert!(!ok && out.contains("needs identity = \"jwt\""), "{out}");
+
+    let ceiling_in_tier = tiered().toml()
+        + "\n[[routes.tiers.pro.limits]]\nname = \"c\"\nidentity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
+    let (ok, out) = run(&ceiling_in_tier);
+    assert!(
+        !ok && out.contains("tiers.pro.limits[0] (c).identity is set"),
+        "{out}"
+    );
+
+    let both = tiered().toml() + "\n[routes.tiers.pro]\nunlimited = true\n[[routes.tiers.pro.limits]]\nname = \"b\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
+    let (ok, out) = run(&both);
+    assert!(
+        !ok && out.contains("tiers.pro is unlimited and has limits"),
+        "{out}"
+    );
+}
