@@ -5,6 +5,7 @@
 //! identities never leave this module except hashed.
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use pingora_http::RequestHeader;
@@ -12,6 +13,7 @@ use pingora_http::RequestHeader;
 use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 
 use crate::config::{ApiKeysConfig, IdentitySource, JwtConfig, TierFrom};
+use crate::remote_jwks::{verify_keys, JwksCache, VerifyKey};
 
 /// Longest header value accepted as an identity, in bytes.
 pub const MAX_HEADER_IDENTITY_BYTES: usize = 1024;
@@ -32,25 +34,17 @@ pub struct JwtVerifier {
     /// its own `alg` only).
     validations: Vec<(Algorithm, Validation)>,
     secret: Option<DecodingKey>,
-    /// Public keys: `kid`, the `alg` the JWKS pins (if any), the key.
-    keys: Vec<(Option<String>, Option<Algorithm>, DecodingKey)>,
+    /// Public keys: `kid`, the `alg` the JWKS pins (if any), the key; from `jwks_path`.
+    keys: Vec<VerifyKey>,
+    /// With `jwks_url`: the fetched keys.
+    remote: Option<Arc<JwksCache>>,
     identity_claim: String,
 }
 
-/// The family of keys a JWKS key is; `None` for kinds that verify no configured algorithm.
-fn jwk_family(jwk: &jsonwebtoken::jwk::Jwk) -> Option<AlgorithmFamily> {
-    use jsonwebtoken::jwk::AlgorithmParameters as P;
-    match &jwk.algorithm {
-        P::RSA(_) => Some(AlgorithmFamily::Rsa),
-        P::EllipticCurve(_) => Some(AlgorithmFamily::Ec),
-        P::OctetKeyPair(_) => Some(AlgorithmFamily::Ed),
-        _ => None,
-    }
-}
-
 impl JwtVerifier {
-    /// `None` when the config holds nothing to verify with (no route uses jwt).
-    pub fn new(config: &JwtConfig) -> Option<Self> {
+    /// `None` when the config holds nothing to verify with (no route uses jwt). `remote`:
+    /// the fetched keys, with `jwks_url`.
+    pub fn new(config: &JwtConfig, remote: Option<&Arc<JwksCache>>) -> Option<Self> {
         let algorithms: Vec<Algorithm> = config
             .algorithms
             .iter()
@@ -60,32 +54,9 @@ impl JwtVerifier {
             .secret
             .as_ref()
             .and_then(|s| DecodingKey::from_secret(&s.0).ok());
-        let keys: Vec<_> = config
-            .jwks
-            .iter()
-            .flat_map(|set| set.keys.iter())
-            .filter(|jwk| jwk_family(jwk).is_some())
-            // A key for encryption, or pinned to an algorithm that signs nothing, verifies
-            // nothing.
-            .filter(|jwk| {
-                !matches!(
-                    jwk.common.public_key_use,
-                    Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
-                )
-            })
-            .filter_map(|jwk| {
-                let pinned = match jwk.common.key_algorithm {
-                    Some(a) => Some(a.to_string().parse::<Algorithm>().ok()?),
-                    None => None,
-                };
-                Some((
-                    jwk.common.key_id.clone(),
-                    pinned,
-                    DecodingKey::from_jwk(jwk).ok()?,
-                ))
-            })
-            .collect();
-        if secret.is_none() && keys.is_empty() {
+        let keys = config.jwks.as_deref().map(verify_keys).unwrap_or_default();
+        let remote = config.jwks_url.as_ref().and(remote).cloned();
+        if secret.is_none() && keys.is_empty() && remote.is_none() {
             return None;
         }
         let mut validation = Validation::new(*algorithms.first()?);
@@ -119,6 +90,7 @@ impl JwtVerifier {
             validations,
             secret,
             keys,
+            remote,
             identity_claim: config.identity_claim.clone(),
         })
     }
@@ -145,13 +117,23 @@ impl JwtVerifier {
         } else {
             // The token's kid picks the key; without one, every key of its type is tried. A key
             // of another type is never tried (the library refuses the pairing too).
-            self.keys
-                .iter()
-                .filter(|(kid, pinned, key)| {
-                    header.kid.as_ref().is_none_or(|k| kid.as_ref() == Some(k))
-                        && pinned.is_none_or(|p| p == alg)
-                        && key.family() == alg.family()
-                })
+            let fetched = self.remote.as_ref().map(|r| r.keys());
+            let keys = fetched.as_deref().unwrap_or(&self.keys);
+            let usable = |(kid, pinned, key): &&VerifyKey| {
+                header.kid.as_ref().is_none_or(|k| kid.as_ref() == Some(k))
+                    && pinned.is_none_or(|p| p == alg)
+                    && key.family() == alg.family()
+            };
+            if let (Some(remote), Some(_)) = (&self.remote, &header.kid) {
+                if !keys.iter().any(|k| usable(&k)) {
+                    // A kid the keys do not have: the provider may have rotated. Refused now,
+                    // fetched again soon.
+                    remote.unknown_kid();
+                    return None;
+                }
+            }
+            keys.iter()
+                .filter(usable)
                 .find_map(|(_, _, key)| verify(key))?
         };
         let id = claims.claims.get(&self.identity_claim)?.as_str()?;
@@ -517,6 +499,8 @@ mod tests {
                 secret: Some(Secret(Arc::from(SECRET))),
                 jwks: None,
                 jwks_path: None,
+                jwks_url: None,
+                jwks_refresh: std::time::Duration::from_secs(300),
                 issuer: None,
                 audiences: Vec::new(),
                 leeway_secs: 30,
@@ -525,7 +509,7 @@ mod tests {
         }
 
         fn verifier(algs: &[&str]) -> JwtVerifier {
-            JwtVerifier::new(&config(algs)).unwrap()
+            JwtVerifier::new(&config(algs), None).unwrap()
         }
 
         fn fixture(name: &str) -> Vec<u8> {
@@ -545,7 +529,7 @@ mod tests {
             c.secret = None;
             c.jwks = Some(Arc::new(set));
             adjust(&mut c);
-            JwtVerifier::new(&c).unwrap()
+            JwtVerifier::new(&c, None).unwrap()
         }
 
         fn signed(

@@ -13,6 +13,7 @@ pub mod limiter;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
+pub mod remote_jwks;
 pub mod routing;
 pub mod server;
 pub mod snapshot;

@@ -43,6 +43,7 @@ pub struct Metrics {
     limit_denials: IntCounterVec,
     response_charges: IntCounterVec,
     tier_decisions: IntCounterVec,
+    pub jwks_refresh: crate::remote_jwks::RefreshCounters,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     pub fleet_instances: IntGauge,
@@ -196,6 +197,15 @@ impl Metrics {
             "Decisions on tiered routes, by endpoint, the tier the caller counted under, and outcome.",
             &["endpoint_id", "tier", "allowed"],
         );
+        let jwks_refreshes = counter(
+            "sentinel_jwks_refresh_total",
+            "Fetches of [auth.jwt] jwks_url, by result (success, failure: the last good keys stay in use).",
+            &["result"],
+        );
+        let jwks_refresh = crate::remote_jwks::RefreshCounters {
+            success: jwks_refreshes.with_label_values(&["success"]),
+            failure: jwks_refreshes.with_label_values(&["failure"]),
+        };
         let decision_duration = register(
             &r,
             HistogramVec::new(
@@ -322,6 +332,7 @@ impl Metrics {
             limit_denials,
             response_charges,
             tier_decisions,
+            jwks_refresh,
             in_flight,
             fleet_instances,
             access_log_dropped,

@@ -88,6 +88,12 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)
         .map_err(StartError::Upstreams)?;
     metrics.config_generation.set(1);
+    let jwks = Arc::clone(&snapshot.jwks);
+    let jwks_target = snapshot
+        .config
+        .jwt
+        .as_ref()
+        .and_then(|j| j.jwks_url.clone());
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
     let lifecycle = Arc::new(Lifecycle::default());
     let reloader = Arc::new(Reloader::new(
@@ -154,6 +160,41 @@ pub fn run(config: Config) -> Result<(), StartError> {
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
+    let watched = Arc::clone(&live);
+    if let Some(url) = jwks_target {
+        // Fetched once before the gateway turns ready, so the first tokens verify; a provider
+        // that cannot answer now is tried again in the background.
+        let first = control.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), async {
+                let client = crate::remote_jwks::http_client();
+                crate::remote_jwks::fetch(&client, &url).await
+            })
+            .await
+        });
+        match first {
+            Ok(Ok(keys)) => {
+                metrics.jwks_refresh.success.inc();
+                jwks.install(keys);
+            }
+            Ok(Err(e)) => {
+                metrics.jwks_refresh.failure.inc();
+                tracing::warn!(url = %url, error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
+            }
+            Err(_) => {
+                metrics.jwks_refresh.failure.inc();
+                tracing::warn!(url = %url, "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
+            }
+        }
+    }
+    control.spawn(crate::remote_jwks::keep_fresh(
+        jwks,
+        move || {
+            let snapshot = watched.load();
+            let jwt = snapshot.config.jwt.as_ref()?;
+            Some((jwt.jwks_url.clone()?, jwt.jwks_refresh))
+        },
+        metrics.jwks_refresh.clone(),
+    ));
     let beating = Arc::clone(&live);
     control.spawn(heartbeat(
         fleet,

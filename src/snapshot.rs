@@ -21,6 +21,7 @@ use crate::identity::JwtVerifier;
 use crate::limiter::endpoint::Tiers;
 use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
+use crate::remote_jwks::JwksCache;
 use crate::routing::RouteTable;
 
 /// An upstream's addresses behind round robin, with its timeouts.
@@ -48,6 +49,8 @@ pub struct Snapshot {
     /// `sentinel_requests_total{endpoint_id="_unmatched"}`.
     pub unmatched: RequestCounters,
     pub jwt: Option<JwtVerifier>,
+    /// The keys fetched from `[auth.jwt] jwks_url`, carried from snapshot to snapshot.
+    pub jwks: Arc<JwksCache>,
     /// Some route has a fleet-wide emergency rate: the heartbeat runs.
     pub uses_fleet: bool,
 }
@@ -61,6 +64,14 @@ impl Snapshot {
         fleet: &Arc<Fleet>,
         previous: Option<&Snapshot>,
     ) -> std::io::Result<Snapshot> {
+        // The fetched JWKS outlives every snapshot: a reload keeps the last good keys.
+        let jwks = previous.map_or_else(Default::default, |p| Arc::clone(&p.jwks));
+        if let (Some(p), Some(j)) = (previous, &config.jwt) {
+            let before = p.config.jwt.as_ref().and_then(|j| j.jwks_url.as_ref());
+            if j.jwks_url.is_some() && j.jwks_url.as_ref() != before {
+                jwks.refresh_now();
+            }
+        }
         let mut pools = HashMap::new();
         for (name, up) in &config.upstreams {
             let balancer = LoadBalancer::try_from_iter(up.addrs.iter().copied())?;
@@ -182,7 +193,11 @@ impl Snapshot {
         }
         Ok(Snapshot {
             uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),
-            jwt: config.jwt.as_ref().and_then(JwtVerifier::new),
+            jwt: config
+                .jwt
+                .as_ref()
+                .and_then(|j| JwtVerifier::new(j, Some(&jwks))),
+            jwks,
             generation,
             routes: RouteTable::new(entries),
             endpoints,

@@ -26,11 +26,13 @@ fn verifier() -> &'static JwtVerifier {
             secret: Some(Secret(Arc::from(&b"0123456789abcdef0123456789abcdef"[..]))),
             jwks: Some(Arc::new(serde_json::from_slice(&jwks).expect("a JWKS"))),
             jwks_path: None,
+            jwks_url: None,
+            jwks_refresh: std::time::Duration::from_secs(300),
             issuer: None,
             audiences: Vec::new(),
             leeway_secs: 30,
             identity_claim: "sub".into(),
-        })
+        }, None)
         .expect("a verifier")
     })
 }

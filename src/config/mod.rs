@@ -160,6 +160,9 @@ pub struct JwtConfig {
     /// load.
     pub jwks: Option<Arc<jsonwebtoken::jwk::JwkSet>>,
     pub jwks_path: Option<PathBuf>,
+    /// A JWKS fetched over HTTPS (or HTTP on loopback) in the background, instead of a file.
+    pub jwks_url: Option<String>,
+    pub jwks_refresh: Duration,
     /// When given, `iss` must equal it.
     pub issuer: Option<String>,
     /// When not empty, `aud` must contain one of them.

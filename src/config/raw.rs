@@ -117,6 +117,8 @@ pub struct RawJwt {
     pub secret_env: Option<Spanned<String>>,
     pub algorithms: Option<Spanned<Vec<String>>>,
     pub jwks_path: Option<Spanned<String>>,
+    pub jwks_url: Option<Spanned<String>>,
+    pub jwks_refresh_seconds: Option<Spanned<i64>>,
     pub issuer: Option<Spanned<String>>,
     pub audiences: Option<Spanned<Vec<String>>>,
     pub leeway_seconds: Option<Spanned<i64>>,

@@ -110,6 +110,12 @@ mod tests {
     }
 
     #[test]
+    fn a_bucket_in_debt_reads_negative() {
+        let r = ScriptReply::parse(b"0 -2000000 3 4 5 6").unwrap();
+        assert_eq!(r.remaining, -2_000_000);
+    }
+
+    #[test]
     fn refuses_any_other_shape() {
         for bad in [
             &b""[..],
@@ -118,7 +124,6 @@ mod tests {
             b"1 2 3 4 5 6 ",
             b"1  2 3 4 5 6",
             b"1 2 3 4 x 6",
-            b"1 -2 3 4 5 6",
             b"1 2 3 4 -5 6",
             b"1 2 3 4 - 6",
             b"1 2 3 4 +5 6",

@@ -688,7 +688,48 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
             .parent()
             .map_or_else(|| PathBuf::from(p.get_ref()), |dir| dir.join(p.get_ref()))
     });
+    let jwks_url = match (&j.jwks_url, &j.jwks_path) {
+        (Some(u), Some(_)) => {
+            c.push(Some(&u.span()), None, "auth.jwt.jwks_url and auth.jwt.jwks_path are both set: keep one (a file, or the identity provider's URL)".into());
+            None
+        }
+        (Some(u), None) => {
+            let text = u.get_ref();
+            let loopback_http = text
+                .strip_prefix("http://")
+                .and_then(|rest| rest.split(['/', '?']).next())
+                .map(|authority| {
+                    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+                    let host = host.trim_start_matches('[').trim_end_matches(']');
+                    host == "localhost"
+                        || host
+                            .parse::<std::net::IpAddr>()
+                            .is_ok_and(|ip| ip.is_loopback())
+                })
+                .unwrap_or(false);
+            let parsed = reqwest::Url::parse(text)
+                .ok()
+                .filter(|url| url.host().is_some());
+            if parsed.is_none() || !(text.starts_with("https://") || loopback_http) {
+                c.push(Some(&u.span()), None, format!("auth.jwt.jwks_url = \"{text}\" is not usable: give an https:// URL (http:// only to a loopback address)"));
+                None
+            } else {
+                Some(text.clone())
+            }
+        }
+        (None, _) => None,
+    };
+    let jwks_refresh = int_in(
+        c,
+        None,
+        "auth.jwt.jwks_refresh_seconds",
+        j.jwks_refresh_seconds.as_ref(),
+        300,
+        (10, 86_400),
+        " seconds",
+    );
     let jwks = match (&j.jwks_path, &jwks_path) {
+        _ if j.jwks_url.is_some() => None,
         (Some(p), Some(file)) => match super::super::jwks::load(file, &algorithms) {
             Ok(set) => Some(Arc::new(set)),
             Err(errors) => {
@@ -773,6 +814,8 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         secret,
         jwks,
         jwks_path,
+        jwks_url,
+        jwks_refresh: Duration::from_secs(jwks_refresh?),
         issuer,
         audiences,
         leeway_secs: leeway?,

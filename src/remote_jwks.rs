@@ -1,0 +1,226 @@
+//! A JWKS fetched from the identity provider (`[auth.jwt] jwks_url`): at start, every
+//! `jwks_refresh_seconds`, and soon after a token names a `kid` the keys do not have (at most
+//! once per 10 s). The keys live in a [`JwksCache`] the JWT verifier reads on every token;
+//! a fetch that fails keeps the last good keys. Nothing here runs on the request path: a
+//! token with an unknown `kid` is refused at once (401) and only asks for a refresh, so no
+//! request ever waits for the identity provider.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use jsonwebtoken::jwk::JwkSet;
+use prometheus::IntCounter;
+use tokio::sync::Notify;
+
+/// The fewest seconds between two refreshes asked for by unknown `kid`s.
+pub const UNKNOWN_KID_REFRESH_GAP: Duration = Duration::from_secs(10);
+
+/// The longest a fetch may take, and the largest JWKS accepted.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_JWKS_BYTES: usize = 1 << 20;
+
+/// A public key ready to verify with: its `kid`, the `alg` the JWKS pins (if any), the key.
+pub type VerifyKey = (
+    Option<String>,
+    Option<jsonwebtoken::Algorithm>,
+    jsonwebtoken::DecodingKey,
+);
+
+/// The family of keys a JWKS key is; `None` for kinds that verify no configured algorithm.
+fn jwk_family(jwk: &jsonwebtoken::jwk::Jwk) -> Option<jsonwebtoken::AlgorithmFamily> {
+    use jsonwebtoken::jwk::AlgorithmParameters as P;
+    use jsonwebtoken::AlgorithmFamily as F;
+    match &jwk.algorithm {
+        P::RSA(_) => Some(F::Rsa),
+        P::EllipticCurve(_) => Some(F::Ec),
+        P::OctetKeyPair(_) => Some(F::Ed),
+        _ => None,
+    }
+}
+
+/// The keys of a JWKS that can verify a signature: a key for encryption, of a kind that
+/// signs nothing configured, or pinned to an unknown algorithm verifies nothing.
+pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
+    set.keys
+        .iter()
+        .filter(|jwk| jwk_family(jwk).is_some())
+        .filter(|jwk| {
+            !matches!(
+                jwk.common.public_key_use,
+                Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
+            )
+        })
+        .filter_map(|jwk| {
+            let pinned = match jwk.common.key_algorithm {
+                Some(a) => Some(a.to_string().parse::<jsonwebtoken::Algorithm>().ok()?),
+                None => None,
+            };
+            Some((
+                jwk.common.key_id.clone(),
+                pinned,
+                jsonwebtoken::DecodingKey::from_jwk(jwk).ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// The process's copy of the remote JWKS, kept across reloads.
+pub struct JwksCache {
+    keys: ArcSwap<Vec<VerifyKey>>,
+    wake: Notify,
+    started: Instant,
+    /// Milliseconds since `started` of the last refresh an unknown kid asked for.
+    last_asked_ms: AtomicU64,
+}
+
+impl Default for JwksCache {
+    fn default() -> Self {
+        Self {
+            keys: ArcSwap::from_pointee(Vec::new()),
+            wake: Notify::new(),
+            started: Instant::now(),
+            last_asked_ms: AtomicU64::new(0),
+        }
+    }
+}
+
+impl JwksCache {
+    /// The keys of the last good fetch (none before the first).
+    pub fn keys(&self) -> Arc<Vec<VerifyKey>> {
+        self.keys.load_full()
+    }
+
+    /// A token named a `kid` the keys do not have: fetch again soon, unless that was asked
+    /// for less than 10 s ago.
+    pub fn unknown_kid(&self) {
+        let now = self.started.elapsed().as_millis() as u64 + 1;
+        let last = self.last_asked_ms.load(Ordering::Relaxed);
+        let gap = UNKNOWN_KID_REFRESH_GAP.as_millis() as u64;
+        if (last == 0 || now >= last + gap)
+            && self
+                .last_asked_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Keys fetched outside the refresh loop (at start).
+    pub fn install(&self, keys: Vec<VerifyKey>) {
+        self.keys.store(Arc::new(keys));
+    }
+
+    /// A reload changed the URL: fetch now.
+    pub fn refresh_now(&self) {
+        self.wake.notify_one();
+    }
+}
+
+/// `sentinel_jwks_refresh_total` by result.
+#[derive(Clone)]
+pub struct RefreshCounters {
+    pub success: IntCounter,
+    pub failure: IntCounter,
+}
+
+/// An HTTP client for the identity provider: the system's roots, rustls with ring.
+pub fn http_client() -> reqwest::Client {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _ = roots.add(cert);
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("ring supports the default versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    reqwest::Client::builder()
+        .tls_backend_preconfigured(tls)
+        .timeout(FETCH_TIMEOUT)
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::limited(3))
+        .build()
+        .expect("an HTTP client")
+}
+
+/// One fetch: the JWKS at `url`, parsed.
+pub async fn fetch(client: &reqwest::Client, url: &str) -> Result<Vec<VerifyKey>, String> {
+    let mut response = client
+        .get(url)
+        .header("accept", "application/json")
+        .send()
+        .await
+        .map_err(|e| format!("cannot fetch it: {e}"))?;
+    if !response.status().is_success() {
+        return Err(format!("answered {}", response.status()));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| format!("cannot read it: {e}"))?
+    {
+        body.extend_from_slice(&chunk);
+        if body.len() > MAX_JWKS_BYTES {
+            return Err(format!("is larger than {MAX_JWKS_BYTES} bytes"));
+        }
+    }
+    let set: JwkSet = serde_json::from_slice(&body).map_err(|e| format!("is not a JWKS: {e}"))?;
+    let keys = verify_keys(&set);
+    if keys.is_empty() {
+        return Err("holds no key that verifies signatures".into());
+    }
+    Ok(keys)
+}
+
+/// Keeps `cache` filled from the URL `target` returns (read again before every fetch, so a
+/// reload's new URL is followed); runs for the life of the process.
+pub async fn keep_fresh(
+    cache: Arc<JwksCache>,
+    target: impl Fn() -> Option<(String, Duration)>,
+    counters: RefreshCounters,
+) {
+    let client = http_client();
+    let mut failing = false;
+    loop {
+        let Some((url, every)) = target() else {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = cache.wake.notified() => {}
+            }
+            continue;
+        };
+        match fetch(&client, &url).await {
+            Ok(keys) => {
+                counters.success.inc();
+                if failing {
+                    tracing::info!(keys = keys.len(), "the JWKS is fetched again");
+                }
+                failing = false;
+                cache.keys.store(Arc::new(keys));
+            }
+            Err(e) => {
+                counters.failure.inc();
+                if !failing {
+                    tracing::warn!(url = %url, error = %e, "cannot refresh the JWKS; the last good keys stay in use");
+                }
+                failing = true;
+            }
+        }
+        // After a failure, try again sooner than the refresh period.
+        let wait = if failing {
+            every.min(Duration::from_secs(30))
+        } else {
+            every
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = cache.wake.notified() => {}
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! `[auth.jwt] jwks_url` against the binary: the JWKS of a real HTTP server on loopback is
+//! fetched at start, fetched again soon after a token names an unknown `kid` (a key
+//! rotation), and kept when the provider stops answering; `sentinel_jwks_refresh_total`
+//! counts both outcomes.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{client, wait_until, Redis, Upstream};
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/jwt")
+        .join(name)
+}
+
+/// The fixture JWKS with only the keys named.
+fn jwks_with(kids: &[&str]) -> String {
+    let all: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("jwks.json")).unwrap()).unwrap();
+    let keys: Vec<_> = all["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| kids.contains(&k["kid"].as_str().unwrap_or("")))
+        .cloned()
+        .collect();
+    serde_json::json!({ "keys": keys }).to_string()
+}
+
+/// An identity provider on loopback: answers every request with `body`, or 503 when it
+/// is `None`; counts the requests.
+struct Provider {
+    port: u16,
+    body: Arc<Mutex<Option<String>>>,
+    hits: Arc<Mutex<u32>>,
+}
+
+impl Provider {
+    async fn start(body: String) -> Provider {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let body = Arc::new(Mutex::new(Some(body)));
+        let hits = Arc::new(Mutex::new(0));
+        let (served, counted) = (Arc::clone(&body), Arc::clone(&hits));
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (served, counted) = (Arc::clone(&served), Arc::clone(&counted));
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let _ = socket.read(&mut buf).await;
+                    *counted.lock().unwrap() += 1;
+                    let answer = match served.lock().unwrap().clone() {
+                        Some(b) => format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{b}",
+                            b.len()
+                        ),
+                        None => "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into(),
+                    };
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        Provider { port, body, hits }
+    }
+
+    fn hits(&self) -> u32 {
+        *self.hits.lock().unwrap()
+    }
+}
+
+fn token(kid: &str, key_file: &str) -> String {
+    let der = std::fs::read(fixture(key_file)).unwrap();
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = Some(kid.to_owned());
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 300;
+    encode(
+        &header,
+        &serde_json::json!({"sub": "user-1", "exp": exp}),
+        &EncodingKey::from_rsa_der(&der),
+    )
+    .unwrap()
+}
+
+async fn status(gw: &common::Gateway, token: &str) -> u16 {
+    client()
+        .get(gw.url("/api"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provider_fails() {
+    let provider = Provider::start(jwks_with(&["rsa-1"])).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = 3600\n",
+            quoted(&url)
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .token_bucket(100_000_000, 0),
+        )
+        .start();
+    // Fetched at start: the first token verifies.
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    assert!(gw.metric("sentinel_jwks_refresh_total{result=\"success\"}") >= 1.0);
+
+    // The provider rotates to rsa-2. A token with the new kid is refused at once (the
+    // request never waits for the provider), and asks for a refresh; soon it verifies.
+    *provider.body.lock().unwrap() = Some(jwks_with(&["rsa-1", "rsa-2"]));
+    let rotated = token("rsa-2", "rsa2.der");
+    let before = provider.hits();
+    let started = std::time::Instant::now();
+    assert_eq!(status(&gw, &rotated).await, 401);
+    assert!(started.elapsed() < Duration::from_secs(1));
+    let mut verified = false;
+    for _ in 0..50 {
+        if status(&gw, &rotated).await == 200 {
+            verified = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(verified, "the rotated key is fetched");
+    assert_eq!(
+        provider.hits(),
+        before + 1,
+        "one refresh for the unknown kid"
+    );
+
+    // Unknown kids ask for at most one refresh per 10 s.
+    let stranger = token("nobody", "other-rsa.der");
+    for _ in 0..5 {
+        assert_eq!(status(&gw, &stranger).await, 401);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(provider.hits() <= before + 2, "{}", provider.hits());
+
+    // The provider fails: the keys in hand stay in use, and the failure is counted. (An
+    // unknown kid asks again once 10 s have passed since the last ask.)
+    *provider.body.lock().unwrap() = None;
+    let wait = Duration::from_millis(10_500).saturating_sub(started.elapsed());
+    tokio::time::sleep(wait).await;
+    assert_eq!(status(&gw, &stranger).await, 401);
+    wait_until(Duration::from_secs(5), "the failed refresh", || {
+        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}") >= 1.0
+    });
+    assert_eq!(status(&gw, &rotated).await, 200);
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+}
+
+#[test]
+fn check_refuses_plain_http_to_another_host_and_both_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |jwt: &str| {
+        let path = dir.path().join("g.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[auth.jwt]\nalgorithms = [\"RS256\"]\n{jwt}\n",
+                common::free_port()
+            ),
+        )
+        .unwrap();
+        let out = common::check_config(&path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = run("jwks_url = \"http://idp.example/jwks.json\"");
+    assert!(
+        !ok && out.contains("http:// only to a loopback address"),
+        "{out}"
+    );
+    let (ok, out) = run("jwks_url = \"https://idp.example/jwks.json\"");
+    assert!(ok, "{out}");
+    let (ok, out) = run(&format!(
+        "jwks_url = \"https://idp.example/jwks.json\"\njwks_path = {}",
+        quoted(fixture("jwks.json").to_str().unwrap())
+    ));
+    assert!(!ok && out.contains("are both set"), "{out}");
+    let (ok, out) = run("jwks_url = \"https://idp.example/j\"\njwks_refresh_seconds = 1");
+    assert!(
+        !ok && out.contains("auth.jwt.jwks_refresh_seconds = 1 is out of range"),
+        "{out}"
+    );
+}
