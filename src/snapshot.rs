@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use pingora_core::utils::tls::{parse_x509, WrappedX509};
 use pingora_load_balancing::selection::RoundRobin;
 use pingora_load_balancing::LoadBalancer;
 
@@ -28,6 +29,43 @@ use crate::routing::RouteTable;
 pub struct UpstreamPool {
     pub config: Arc<UpstreamConfig>,
     pub balancer: LoadBalancer<RoundRobin>,
+    /// `tls = true`: what each connection's handshake needs.
+    pub tls: Option<PeerTls>,
+}
+
+/// TLS towards one upstream, ready for Pingora's connector.
+pub struct PeerTls {
+    /// The SNI name (and the name the certificate must carry) of each address.
+    pub sni: HashMap<std::net::SocketAddr, String>,
+    pub ca: Option<Arc<pingora_core::protocols::tls::CaType>>,
+    pub verify: bool,
+}
+
+impl PeerTls {
+    fn new(up: &UpstreamConfig) -> Option<Self> {
+        let tls = up.tls.as_ref()?;
+        if !tls.verify {
+            tracing::warn!(upstream = up.name.as_str(), "upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", up.name);
+        }
+        let sni = up
+            .addrs
+            .iter()
+            .zip(&up.hosts)
+            .map(|(addr, host)| (*addr, tls.sni.clone().unwrap_or_else(|| host.clone())))
+            .collect();
+        let ca = tls.ca.as_ref().map(|certs| {
+            let wrapped: Vec<WrappedX509> = certs
+                .iter()
+                .map(|der| WrappedX509::new(der.clone(), |raw| parse_x509(raw)))
+                .collect();
+            Arc::from(wrapped.into_boxed_slice())
+        });
+        Some(Self {
+            sni,
+            ca,
+            verify: tls.verify,
+        })
+    }
 }
 
 /// A matched route: whose bucket, keyed by what, forwarded where.
@@ -80,6 +118,7 @@ impl Snapshot {
                 Arc::new(UpstreamPool {
                     config: Arc::clone(up),
                     balancer,
+                    tls: PeerTls::new(up),
                 }),
             );
         }

@@ -210,8 +210,23 @@ impl fmt::Debug for Secret {
 pub struct UpstreamConfig {
     pub name: String,
     pub addrs: Vec<SocketAddr>,
+    /// The host of each address as written (a name or an IP), in the order of `addrs`.
+    pub hosts: Vec<String>,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
+    /// `tls = true`: HTTPS to the upstream.
+    pub tls: Option<UpstreamTls>,
+}
+
+/// How the gateway speaks TLS to an upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamTls {
+    /// The SNI name and the name the certificate must carry; `None`: each address's host.
+    pub sni: Option<String>,
+    /// The CA certificates (DER) of `ca_path`; `None`: the system's roots.
+    pub ca: Option<Vec<Vec<u8>>>,
+    /// `false` only when written: the certificate is not checked at all.
+    pub verify: bool,
 }
 
 /// An endpoint id as written in the config: `^[a-z0-9._-]+$`, never derived from a URL.

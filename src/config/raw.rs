@@ -131,6 +131,10 @@ pub struct RawUpstream {
     pub addrs: Spanned<Vec<Spanned<String>>>,
     pub connect_timeout_ms: Option<Spanned<i64>>,
     pub read_timeout_ms: Option<Spanned<i64>>,
+    pub tls: Option<bool>,
+    pub sni: Option<Spanned<String>>,
+    pub ca_path: Option<Spanned<String>>,
+    pub verify: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

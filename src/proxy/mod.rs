@@ -389,7 +389,17 @@ impl ProxyHttp for Gateway {
             .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
         ctx.connect_attempts += 1;
         ctx.upstream_addr = backend.addr.as_inet().copied();
-        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        let mut peer = match (&pool.tls, backend.addr.as_inet()) {
+            (Some(tls), Some(addr)) => {
+                let sni = tls.sni.get(addr).cloned().unwrap_or_default();
+                let mut peer = HttpPeer::new(backend.addr, true, sni);
+                peer.options.verify_cert = tls.verify;
+                peer.options.verify_hostname = tls.verify;
+                peer.options.ca = tls.ca.clone();
+                peer
+            }
+            _ => HttpPeer::new(backend.addr, false, String::new()),
+        };
         let up = &pool.config;
         peer.options.connection_timeout = Some(up.connect_timeout);
         peer.options.total_connection_timeout = Some(up.connect_timeout);

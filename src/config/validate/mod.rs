@@ -43,7 +43,7 @@ pub fn validate(
         .upstreams
         .iter()
         .filter_map(|(name, up)| {
-            sections::upstream(&mut c, name, up).map(|u| (name.clone(), Arc::new(u)))
+            sections::upstream(&mut c, name, up, path).map(|u| (name.clone(), Arc::new(u)))
         })
         .collect();
     let mut routes = Vec::new();

@@ -479,7 +479,7 @@ fn named_limits(
     for (i, l) in entries.iter().enumerate() {
         let l = l.get_ref();
         let name = l.name.get_ref();
-        let at = format!("{at}[{i}] ({name}).");
+        let here = format!("{at}[{i}] ({name}).");
         let valid = !name.is_empty()
             && name.len() <= 64
             && name.bytes().all(|b| {
@@ -496,18 +496,18 @@ fn named_limits(
             None => false,
             Some((_, "global")) if ceilings => true,
             Some((v, _)) if !ceilings => {
-                c.push(Some(&v.span()), label, format!("{at}identity is set: a tier's limits count on the caller's identity; a ceiling (identity = \"global\") belongs in the route's [[routes.limits]], where it applies to every tier"));
+                c.push(Some(&v.span()), label, format!("{here}identity is set: a tier's limits count on the caller's identity; a ceiling (identity = \"global\") belongs in the route's [[routes.limits]], where it applies to every tier"));
                 ok = false;
                 false
             }
             Some((v, other)) => {
-                c.push(Some(&v.span()), label, format!("{at}identity = \"{other}\" is not supported: a limit counts on the route's identity (leave identity out) or on one bucket for every caller (identity = \"global\")"));
+                c.push(Some(&v.span()), label, format!("{here}identity = \"{other}\" is not supported: a limit counts on the route's identity (leave identity out) or on one bucket for every caller (identity = \"global\")"));
                 ok = false;
                 false
             }
         };
         let fields = AlgorithmFields {
-            at: at.clone(),
+            at: here.clone(),
             algorithm: &l.algorithm,
             limit: &l.limit,
             window_size_micro: &l.window_size_micro,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
+use rustls::pki_types::pem::PemObject;
 use toml::Spanned;
 
 use super::int_in;
@@ -827,10 +828,12 @@ pub(super) fn upstream(
     c: &mut Collector,
     name: &str,
     up: &Spanned<RawUpstream>,
+    config: &Path,
 ) -> Option<UpstreamConfig> {
     let u = up.get_ref();
     let field = |f: &str| format!("upstreams.{name}.{f}");
     let mut addrs = Vec::new();
+    let mut hosts = Vec::new();
     if u.addrs.get_ref().is_empty() {
         c.push(
             Some(&u.addrs.span()),
@@ -848,7 +851,18 @@ pub(super) fn upstream(
             .ok()
             .and_then(|mut it| it.next())
         {
-            Some(addr) => addrs.push(addr),
+            Some(addr) => {
+                addrs.push(addr);
+                let written = a.get_ref();
+                let host = written
+                    .rsplit_once(':')
+                    .map_or(written.as_str(), |(h, _)| h);
+                hosts.push(
+                    host.trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_owned(),
+                );
+            }
             None => c.push(
                 Some(&a.span()),
                 None,
@@ -878,11 +892,92 @@ pub(super) fn upstream(
         (1, 3_600_000),
         " ms",
     );
+    let tls = upstream_tls(c, name, u, config);
     (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
     Some(UpstreamConfig {
         name: name.to_owned(),
         addrs,
+        hosts,
         connect_timeout: Duration::from_millis(connect?),
         read_timeout: Duration::from_millis(read?),
+        tls: tls?,
     })
+}
+
+/// `tls`, `sni`, `ca_path` and `verify` of one upstream: `Some(None)` without TLS.
+fn upstream_tls(
+    c: &mut Collector,
+    name: &str,
+    u: &RawUpstream,
+    config: &Path,
+) -> Option<Option<UpstreamTls>> {
+    if u.tls != Some(true) {
+        for (field, set) in [
+            ("sni", u.sni.as_ref().map(|s| s.span())),
+            ("ca_path", u.ca_path.as_ref().map(|s| s.span())),
+        ] {
+            if let Some(span) = set {
+                c.push(Some(&span), None, format!("upstreams.{name}.{field} is set without tls = true: the upstream is spoken to in plain HTTP"));
+                return None;
+            }
+        }
+        if u.verify.is_some() {
+            c.push(None, None, format!("upstreams.{name}.verify is set without tls = true: the upstream is spoken to in plain HTTP"));
+            return None;
+        }
+        return Some(None);
+    }
+    let sni = match &u.sni {
+        Some(s) if s.get_ref().is_empty() => {
+            c.push(
+                Some(&s.span()),
+                None,
+                format!("upstreams.{name}.sni is empty: leave it out to send each address's host"),
+            );
+            return None;
+        }
+        Some(s) => Some(s.get_ref().clone()),
+        None => None,
+    };
+    let ca = match &u.ca_path {
+        None => None,
+        Some(p) => {
+            let file = config
+                .parent()
+                .map_or_else(|| PathBuf::from(p.get_ref()), |dir| dir.join(p.get_ref()));
+            let read = std::fs::read(&file).map_err(|e| format!("cannot be read: {e}"));
+            let certs = read.and_then(|pem| {
+                rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+                    .map(|c| c.map(|c| c.to_vec()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| format!("is not a PEM certificate file: {e}"))
+            });
+            let certs = certs.and_then(|certs| {
+                if certs.is_empty() {
+                    return Err("holds no certificate".to_owned());
+                }
+                for der in &certs {
+                    x509_parser::parse_x509_certificate(der)
+                        .map_err(|e| format!("holds a certificate that cannot be parsed: {e}"))?;
+                }
+                Ok(certs)
+            });
+            match certs {
+                Ok(certs) => Some(certs),
+                Err(why) => {
+                    c.push(
+                        Some(&p.span()),
+                        None,
+                        format!("upstreams.{name}.ca_path = \"{}\" {why}", p.get_ref()),
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    Some(Some(UpstreamTls {
+        sni,
+        ca,
+        verify: u.verify.unwrap_or(true),
+    }))
 }

@@ -1,0 +1,132 @@
+//! HTTPS to upstreams, against the binary: the upstream here is a second gateway with a TLS
+//! listener (its certificate from a test CA) in front of the demo backend. The certificate is
+//! checked against `ca_path` and the `sni` name; a failed handshake is 502 with the reason in
+//! the log; `verify = false` skips the check, with a WARN.
+
+mod common;
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::tls::Ca;
+use common::{client, free_port, Gateway, Redis, Upstream};
+use serde_json::Value;
+
+/// A TLS front for the demo backend, its certificate for `localhost` from `ca`.
+fn tls_front(redis: &Redis, up: &Upstream, ca: &Ca, dir: &std::path::Path) -> (Gateway, u16) {
+    let (cert, key) = ca.leaf(&["localhost"]).write(dir, "front");
+    let tls_port = free_port();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {}\nkey_path = {}\n",
+            quoted(&cert.display().to_string()),
+            quoted(&key.display().to_string())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("front").prefix("/").unlimited())
+        .start();
+    (gw, tls_port)
+}
+
+fn edge(redis: &Redis, front_port: u16, tls_fields: &str) -> Gateway {
+    GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.secure]\naddrs = [\"127.0.0.1:{front_port}\"]\ntls = true\n{tls_fields}\n"
+        ))
+        .route(
+            Route::new("edge")
+                .prefix("/")
+                .unlimited()
+                .upstream("secure"),
+        )
+        .start()
+}
+
+async fn get(gw: &Gateway) -> (u16, String) {
+    let r = client().get(gw.url("/x")).send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_over_tls_is_verified_against_ca_path_and_the_sni_name() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let (_front, front_port) = tls_front(&redis, &up, &ca, dir.path());
+    let ca_field = format!("ca_path = {}", quoted(&ca_file.display().to_string()));
+
+    // Trusted CA and the right name: through, and the front saw TLS.
+    let good = edge(
+        &redis,
+        front_port,
+        &format!("{ca_field}\nsni = \"localhost\""),
+    );
+    let (status, body) = get(&good).await;
+    assert_eq!(status, 200, "{body}\n{}", good.logs());
+    let echo: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(echo["upstream"], "app");
+
+    // The system roots do not know the test CA: 502, the reason in the log.
+    let untrusted = edge(&redis, front_port, "sni = \"localhost\"");
+    let (status, body) = get(&untrusted).await;
+    assert_eq!(status, 502);
+    assert_eq!(body, "{\"detail\":\"upstream unavailable\"}");
+    common::wait_until(std::time::Duration::from_secs(3), "the reason", || {
+        untrusted.logs().contains("upstream failed")
+    });
+
+    // The right CA, a name the certificate does not carry: 502.
+    let wrong_name = edge(
+        &redis,
+        front_port,
+        &format!("{ca_field}\nsni = \"other.example\""),
+    );
+    assert_eq!(get(&wrong_name).await.0, 502);
+
+    // verify = false: through, whatever the certificate, with a WARN at start.
+    let unchecked = edge(
+        &redis,
+        front_port,
+        "sni = \"other.example\"\nverify = false",
+    );
+    assert_eq!(get(&unchecked).await.0, 200);
+    assert!(
+        unchecked.logs().contains("verify = false"),
+        "{}",
+        unchecked.logs()
+    );
+}
+
+#[test]
+fn check_refuses_tls_fields_without_tls_and_a_bad_ca_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |upstream: &str| {
+        let path = dir.path().join("g.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[upstreams.u]\naddrs = [\"127.0.0.1:1\"]\n{upstream}\n",
+                free_port()
+            ),
+        )
+        .unwrap();
+        let out = common::check_config(&path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = run("sni = \"a.example\"");
+    assert!(
+        !ok && out.contains("upstreams.u.sni is set without tls = true"),
+        "{out}"
+    );
+    let (ok, out) = run("tls = true\nca_path = \"missing.pem\"");
+    assert!(
+        !ok && out.contains("upstreams.u.ca_path = \"missing.pem\" cannot be read"),
+        "{out}"
+    );
+    let (ok, out) = run("tls = true\nsni = \"a.example\"");
+    assert!(ok, "{out}");
+}
