@@ -56,7 +56,7 @@ impl PeerTls {
         let ca = tls.ca.as_ref().map(|certs| {
             let wrapped: Vec<WrappedX509> = certs
                 .iter()
-                .map(|der| WrappedX509::new(der.clone(), |raw| parse_x509(raw)))
+                .map(|der| WrappedX509::new(der.clone(), parse_x509))
                 .collect();
             Arc::from(wrapped.into_boxed_slice())
         });
