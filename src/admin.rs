@@ -273,6 +273,12 @@ impl Admin {
             "config_generation": self.reloader.live.load().generation,
             "redis_maxmemory_policy": store.eviction_policy(),
         });
+        if let Some(target) = self.reloader.live.load().config.redis.target.sentinel() {
+            body["redis_sentinel_master"] = serde_json::json!({
+                "name": target.master,
+                "addr": store.sentinel_master(),
+            });
+        }
         let nodes = store.nodes();
         if !nodes.is_empty() {
             body["redis_nodes"] = nodes

@@ -131,14 +131,35 @@ pub enum RedisTarget {
     Single(String),
     /// Redis Cluster, discovered from these seed nodes (`[redis] cluster_urls`).
     Cluster(Vec<String>),
+    /// The master Redis Sentinel names (`[redis] sentinel_urls`, `sentinel_master`).
+    Sentinel(SentinelTarget),
+}
+
+/// Where the sentinels are, which master to ask them for, and how to reach them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentinelTarget {
+    pub sentinels: Vec<String>,
+    pub master: String,
+    /// `sentinel_password_env`: the sentinels' own password.
+    pub password: Option<Secret>,
 }
 
 impl RedisTarget {
+    pub fn sentinel(&self) -> Option<&SentinelTarget> {
+        match self {
+            RedisTarget::Sentinel(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// How the target is named in messages: the URL, or the seeds joined by commas.
     pub fn describe(&self) -> String {
         match self {
             RedisTarget::Single(url) => url.clone(),
             RedisTarget::Cluster(seeds) => format!("cluster {}", seeds.join(",")),
+            RedisTarget::Sentinel(s) => {
+                format!("sentinel master {} via {}", s.master, s.sentinels.join(","))
+            }
         }
     }
 }

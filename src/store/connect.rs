@@ -89,6 +89,19 @@ impl Connector {
         link
     }
 
+    /// The one link of a Sentinel layout: a lost connection wakes the watcher (`ask`), which
+    /// asks the sentinels whether the master moved.
+    pub(super) fn single_following(
+        self: &Arc<Self>,
+        target: Target,
+        ask: Arc<Notify>,
+    ) -> Arc<Link> {
+        let link = Arc::new(Link::new(target, self.breakers.breaker(None), Some(ask)));
+        self.runtime
+            .spawn(Arc::clone(self).keep_connected(Arc::clone(&link)));
+        link
+    }
+
     /// A cluster primary's link, with a breaker of its own, connected in the background from
     /// now on; a lost connection wakes `refresh`.
     pub(super) fn node(self: &Arc<Self>, target: Target, refresh: &Arc<Notify>) -> Arc<Link> {
@@ -311,6 +324,8 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
     let urls = match &config.target {
         crate::config::RedisTarget::Single(url) => std::slice::from_ref(url),
         crate::config::RedisTarget::Cluster(seeds) => seeds.as_slice(),
+        // The master is checked once the sentinels name it, by the store.
+        crate::config::RedisTarget::Sentinel(_) => &[],
     };
     for url in urls {
         let Ok(dial) = Dial::new(url, &config.access) else {

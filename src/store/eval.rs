@@ -276,6 +276,9 @@ impl Store {
                 // 5 s.
                 if let Layout::Cluster(cluster) = &self.inner.layout {
                     cluster.ask_refresh();
+                } else if let Some(sentinel) = &self.inner.sentinel {
+                    // READONLY from what was the master: ask the sentinels where it went.
+                    sentinel.ask.notify_one();
                 }
             }
         }

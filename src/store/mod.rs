@@ -20,6 +20,7 @@ mod dial;
 mod eval;
 mod link;
 pub mod script;
+mod sentinel;
 mod slots;
 
 use std::borrow::Cow;
@@ -38,6 +39,7 @@ use connect::Connector;
 use eval::Call;
 use link::{Link, Target};
 use script::{Scripts, HEARTBEAT_LUA};
+use sentinel::Sentinel;
 
 use crate::clock::SharedClock;
 use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
@@ -60,6 +62,8 @@ struct Inner {
     connector: Arc<Connector>,
     layout: Layout,
     broken_keys: BrokenKeys,
+    /// With `sentinel_urls`: the watcher that keeps the one link on the master.
+    sentinel: Option<Arc<Sentinel>>,
 }
 
 /// A cluster primary as `/readyz` reports it.
@@ -110,9 +114,35 @@ impl Store {
             board,
             runtime.handle().clone(),
         ));
+        let mut sentinel_watcher = None;
         let layout = match &config.target {
             RedisTarget::Single(url) => {
                 Layout::Single(connector.single(Target::new(url, &config.access)?))
+            }
+            RedisTarget::Sentinel(s) => {
+                let watcher = Arc::new(Sentinel::new(s.clone(), config.access.clone()));
+                // Asked before the link exists, so it starts on the master when one answers;
+                // otherwise on an address that refuses, until the watcher finds one.
+                let found = runtime.block_on(async {
+                    tokio::time::timeout(Duration::from_secs(2), watcher.discover())
+                        .await
+                        .ok()
+                        .flatten()
+                });
+                let initial = match found {
+                    Some(t) => {
+                        watcher.started_on(&t);
+                        t
+                    }
+                    None => {
+                        tracing::warn!("redis sentinel: no sentinel names a reachable master yet; routes follow their fail modes until one does");
+                        Target::new("redis://127.0.0.1:1/0", &config.access)?
+                    }
+                };
+                let link = connector.single_following(initial, Arc::clone(&watcher.ask));
+                runtime.spawn(sentinel::follow(Arc::clone(&watcher), Arc::clone(&link)));
+                sentinel_watcher = Some(watcher);
+                Layout::Single(link)
             }
             RedisTarget::Cluster(seeds) => {
                 let cluster = Arc::new(Cluster::new(seeds.clone(), config.access.clone()));
@@ -129,6 +159,7 @@ impl Store {
             connector,
             layout,
             broken_keys: BrokenKeys::default(),
+            sentinel: sentinel_watcher,
         });
         Ok(Self {
             inner,
@@ -149,6 +180,19 @@ impl Store {
         let connector = &self.inner.connector;
         connector.set_require_noeviction(config.require_noeviction);
         match (&self.inner.layout, &config.target) {
+            (Layout::Single(_), RedisTarget::Sentinel(s)) => match &self.inner.sentinel {
+                Some(watcher) => {
+                    if watcher.retarget(s, &config.access) {
+                        tracing::info!("redis.sentinel_* or the credentials changed; asking the sentinels again");
+                    }
+                    Ok(None)
+                }
+                None => Ok(Some("redis.sentinel_urls")),
+            },
+            (Layout::Single(_), RedisTarget::Single(_)) if self.inner.sentinel.is_some() => {
+                Ok(Some("redis.url"))
+            }
+            (Layout::Cluster(_), RedisTarget::Sentinel(_)) => Ok(Some("redis.sentinel_urls")),
             (Layout::Single(link), RedisTarget::Single(url)) => {
                 let current = link.target.load();
                 if current.url != *url || current.access != config.access {
@@ -225,6 +269,11 @@ impl Store {
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
+    }
+
+    /// With Redis Sentinel: the master in use (`host:port`), once the sentinels named one.
+    pub fn sentinel_master(&self) -> Option<String> {
+        self.inner.sentinel.as_ref().and_then(|s| s.master())
     }
 
     /// Whether `keys` can be decided by one script call: always on one Redis; on a cluster

@@ -185,7 +185,8 @@ impl GatewayConfig {
         GatewayConfig::empty().redis("cluster_urls", string_list(seeds))
     }
 
-    fn empty() -> GatewayConfig {
+    /// No `[redis]` field at all: the test sets the target (Sentinel, say).
+    pub fn empty() -> GatewayConfig {
         GatewayConfig {
             server: Fields::default(),
             redis: Fields::default(),

@@ -348,7 +348,24 @@ pub(super) fn redis(
     let r = raw.redis.as_ref().map(|r| r.get_ref());
     let url = r.and_then(|r| r.url.as_ref());
     let cluster = r.and_then(|r| r.cluster_urls.as_ref());
+    let sentinel = r.and_then(|r| r.sentinel_urls.as_ref());
+    if let (Some(s), true) = (sentinel, url.is_some() || cluster.is_some()) {
+        c.push(Some(&s.span()), None, "redis.sentinel_urls is set beside redis.url or redis.cluster_urls: keep exactly one of the three".into());
+        return None;
+    }
+    if let (None, Some(m)) = (sentinel, r.and_then(|r| r.sentinel_master.as_ref())) {
+        c.push(
+            Some(&m.span()),
+            None,
+            "redis.sentinel_master is set without redis.sentinel_urls: list the sentinels to ask"
+                .into(),
+        );
+        return None;
+    }
     let target = match (url_override, url, cluster) {
+        (None, None, None) if sentinel.is_some() => {
+            sentinel_target(c, r.expect("a [redis] section"))
+        }
         (Some(env), _, _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\""))
             .map(RedisTarget::Single),
         (None, Some(u), Some(_)) => {
@@ -418,6 +435,9 @@ fn redis_access(
     let urls = match target {
         RedisTarget::Single(u) => std::slice::from_ref(u),
         RedisTarget::Cluster(seeds) => seeds.as_slice(),
+        // The master's address comes from the sentinels, reached in plain TCP; TLS towards
+        // the master is not offered with Sentinel.
+        RedisTarget::Sentinel(_) => &[],
     };
     let tls_urls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
     let mut ok = true;
@@ -523,6 +543,71 @@ fn redis_access(
         password,
         tls,
     })
+}
+
+/// `sentinel_urls`, `sentinel_master` and `sentinel_password_env`.
+fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Option<RedisTarget> {
+    let urls = r.sentinel_urls.as_ref()?;
+    let mut ok = true;
+    if urls.get_ref().is_empty() || urls.get_ref().len() > 16 {
+        c.push(
+            Some(&urls.span()),
+            None,
+            "redis.sentinel_urls must list 1 to 16 sentinels, such as [\"redis://10.0.1.1:26379\"]"
+                .into(),
+        );
+        ok = false;
+    }
+    let mut sentinels = Vec::new();
+    for u in urls.get_ref() {
+        let what = format!("redis.sentinel_urls entry \"{}\"", u.get_ref());
+        match check_redis_url(c, Some(&u.span()), u.get_ref(), &what) {
+            Some(url) if url.starts_with("redis://") => sentinels.push(url),
+            Some(_) => {
+                c.push(
+                    Some(&u.span()),
+                    None,
+                    format!("{what}: a sentinel is reached as redis://host:port"),
+                );
+                ok = false;
+            }
+            None => ok = false,
+        }
+    }
+    let master = match &r.sentinel_master {
+        None => {
+            c.push(Some(&urls.span()), None, "redis.sentinel_urls needs redis.sentinel_master: the name the sentinels monitor the master under".into());
+            None
+        }
+        Some(m) if m.get_ref().is_empty() || m.get_ref().chars().any(char::is_whitespace) => {
+            c.push(
+                Some(&m.span()),
+                None,
+                format!(
+                    "redis.sentinel_master = \"{}\" is not a master name",
+                    m.get_ref()
+                ),
+            );
+            None
+        }
+        Some(m) => Some(m.get_ref().clone()),
+    };
+    let password = match &r.sentinel_password_env {
+        None => Some(None),
+        Some(var) => match std::env::var(var.get_ref()) {
+            Ok(v) if !v.is_empty() => Some(Some(Secret(Arc::from(v.as_bytes())))),
+            _ => {
+                c.push(Some(&var.span()), None, format!("redis.sentinel_password_env: the environment variable {} is not set (or empty, or not UTF-8): set it to the sentinels' password", var.get_ref()));
+                None
+            }
+        },
+    };
+    let target = RedisTarget::Sentinel(crate::config::SentinelTarget {
+        sentinels,
+        master: master?,
+        password: password?,
+    });
+    ok.then_some(target)
 }
 
 /// Seed nodes of a Redis Cluster: 1 to 64 `redis://host:port` URLs, database 0 (a cluster

@@ -1,0 +1,227 @@
+//! Redis Sentinel: which Redis is the master, and following it through a failover.
+//!
+//! The store keeps one link, as with one Redis; this watcher points it at the master the
+//! sentinels name. It asks them (`SENTINEL get-master-addr-by-name`) at start, every second,
+//! whenever a sentinel publishes `+switch-master` for the master (a subscription kept on one
+//! sentinel), and whenever the link loses its connection or Redis answers `READONLY` (the
+//! node was demoted). An address is used only once it answers `ROLE` as a master, so a
+//! sentinel with a stale view never points the gateway at a replica.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use futures_util::StreamExt;
+use tokio::sync::Notify;
+
+use super::connect;
+use super::dial::Dial;
+use super::link::{Link, Target};
+use crate::config::{RedisAccess, SentinelTarget};
+
+/// How long one question to one sentinel (or the master's `ROLE`) may take.
+const ASK_TIMEOUT: Duration = Duration::from_millis(500);
+/// How often the sentinels are asked when nothing else asks.
+const POLL_EVERY: Duration = Duration::from_secs(1);
+
+pub(super) struct Sentinel {
+    target: ArcSwap<SentinelTarget>,
+    access: ArcSwap<RedisAccess>,
+    /// The master in use, `host:port`.
+    master: ArcSwapOption<String>,
+    /// Ask the sentinels again now.
+    pub(super) ask: Arc<Notify>,
+}
+
+impl Sentinel {
+    pub(super) fn new(target: SentinelTarget, access: RedisAccess) -> Self {
+        Self {
+            target: ArcSwap::from_pointee(target),
+            access: ArcSwap::from_pointee(access),
+            master: ArcSwapOption::empty(),
+            ask: Arc::new(Notify::new()),
+        }
+    }
+
+    /// The master in use, as `/readyz` names it.
+    pub(super) fn master(&self) -> Option<String> {
+        self.master.load().as_deref().cloned()
+    }
+
+    /// A reload: new sentinels, master name or credentials; asked again at once.
+    pub(super) fn retarget(&self, target: &SentinelTarget, access: &RedisAccess) -> bool {
+        let changed = **self.target.load() != *target || **self.access.load() != *access;
+        if changed {
+            self.target.store(Arc::new(target.clone()));
+            self.access.store(Arc::new(access.clone()));
+            self.master.store(None);
+            self.ask.notify_one();
+        }
+        changed
+    }
+
+    /// A sentinel's connection settings (its own password, no ACL user).
+    fn sentinel_dial(&self, url: &str) -> Option<Dial> {
+        let access = RedisAccess {
+            username: None,
+            password: self.target.load().password.clone(),
+            tls: None,
+        };
+        Dial::new(url, &access).ok()
+    }
+
+    /// The master's address as the first sentinel that answers names it.
+    pub(super) async fn ask_sentinels(&self) -> Option<(String, u16)> {
+        let target = self.target.load_full();
+        for url in &target.sentinels {
+            let Some(dial) = self.sentinel_dial(url) else {
+                continue;
+            };
+            let asked = async {
+                let mut opened = connect::open(&dial).await.ok()?;
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&target.master)
+                    .query_async::<Option<(String, u16)>>(&mut opened.conn)
+                    .await
+                    .ok()
+                    .flatten()
+            };
+            if let Ok(Some(addr)) = tokio::time::timeout(ASK_TIMEOUT, asked).await {
+                return Some(addr);
+            }
+        }
+        None
+    }
+
+    /// The link's target for the master at `host:port`, with `[redis]`'s credentials.
+    pub(super) fn target_for(&self, host: &str, port: u16) -> Option<Target> {
+        let url = format!("redis://{}/0", super::slots::node_name(host, port));
+        Target::new(&url, &self.access.load()).ok()
+    }
+
+    /// Whether `target` answers `ROLE` as a master.
+    async fn is_master(target: &Target) -> bool {
+        let check = async {
+            let mut opened = connect::open(&target.dial).await.ok()?;
+            let role: redis::Value = redis::cmd("ROLE")
+                .query_async(&mut opened.conn)
+                .await
+                .ok()?;
+            match role {
+                redis::Value::Array(items) => match items.first() {
+                    Some(redis::Value::BulkString(b)) => Some(b.as_slice() == b"master"),
+                    _ => None,
+                },
+                _ => None,
+            }
+        };
+        tokio::time::timeout(ASK_TIMEOUT, check)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    }
+
+    /// Points `link` at `target`, dropping the connection to the old master.
+    fn switch(&self, link: &Link, target: Target) {
+        let node = target.node.clone();
+        let before = self.master.swap(Some(Arc::new(node.clone())));
+        link.target.store(Arc::new(target));
+        link.conn.store(None);
+        link.wake.notify_one();
+        match before {
+            Some(old) => {
+                tracing::warn!(old = %old, new = %node, "redis sentinel: the master changed; following it")
+            }
+            None => {
+                tracing::info!(master = %node, "redis sentinel: using the master the sentinels name")
+            }
+        }
+    }
+
+    /// The master's target, once a sentinel names it and it answers as a master.
+    pub(super) async fn discover(&self) -> Option<Target> {
+        let (host, port) = self.ask_sentinels().await?;
+        let target = self.target_for(&host, port)?;
+        if self.master().as_deref() != Some(target.node.as_str()) && !Self::is_master(&target).await
+        {
+            tracing::debug!(node = %target.node, "the sentinels name a node that is not a master (yet)");
+            return None;
+        }
+        Some(target)
+    }
+
+    /// The master found at start: the link is made pointing at it.
+    pub(super) fn started_on(&self, target: &Target) {
+        self.master.store(Some(Arc::new(target.node.clone())));
+        tracing::info!(master = %target.node, "redis sentinel: using the master the sentinels name");
+    }
+
+    /// Asks once and follows the answer; whether the link points at a master now.
+    pub(super) async fn follow_once(&self, link: &Link) -> bool {
+        let Some(target) = self.discover().await else {
+            return false;
+        };
+        if self.master().as_deref() != Some(target.node.as_str()) {
+            self.switch(link, target);
+        }
+        true
+    }
+}
+
+/// Keeps `link` on the master for the life of the store.
+pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
+    tokio::spawn(watch_switches(Arc::clone(&sentinel)));
+    let mut warned = false;
+    loop {
+        if sentinel.follow_once(&link).await {
+            warned = false;
+        } else if !warned {
+            warned = true;
+            tracing::warn!(
+                "redis sentinel: no sentinel names a reachable master; asking again every second"
+            );
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(POLL_EVERY) => {}
+            _ = sentinel.ask.notified() => {}
+        }
+    }
+}
+
+/// Subscribes to `+switch-master` on the first sentinel that takes the subscription, and
+/// asks the sentinels again on every switch of this master; resubscribes when the sentinel
+/// goes away.
+async fn watch_switches(sentinel: Arc<Sentinel>) {
+    loop {
+        let target = sentinel.target.load_full();
+        for url in &target.sentinels {
+            let Some(dial) = sentinel.sentinel_dial(url) else {
+                continue;
+            };
+            let Ok(client) = redis::Client::open(dial.info.clone()) else {
+                continue;
+            };
+            let Ok(Ok(mut pubsub)) =
+                tokio::time::timeout(ASK_TIMEOUT, client.get_async_pubsub()).await
+            else {
+                continue;
+            };
+            if pubsub.subscribe("+switch-master").await.is_err() {
+                continue;
+            }
+            let mut messages = pubsub.into_on_message();
+            while let Some(msg) = messages.next().await {
+                let payload: String = msg.get_payload().unwrap_or_default();
+                if payload.split(' ').next() == Some(target.master.as_str()) {
+                    sentinel.ask.notify_one();
+                }
+                if **sentinel.target.load() != *target {
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(POLL_EVERY).await;
+    }
+}

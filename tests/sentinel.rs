@@ -1,0 +1,193 @@
+//! Redis Sentinel against the binary: a real master, its replica and a sentinel. The
+//! gateway asks the sentinel for the master, decides on it, and follows a failover after the
+//! master is killed (`kill -9`): decisions are Redis's again within a few seconds of the
+//! promotion, on the promoted replica, and `/readyz` names it.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::config::{quoted, GatewayConfig, Route};
+use common::{blocking_get, client, free_port, wait_until, Proc, Redis, Upstream};
+
+/// A sentinel monitoring `master_port` as `mymaster`, quorum 1, down after 1 s.
+fn sentinel(master_port: u16, dir: &std::path::Path) -> (Proc, u16) {
+    let port = free_port();
+    let conf = dir.join("sentinel.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new("redis-server")
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server --sentinel starts");
+    let proc = Proc {
+        child,
+        name: "redis-sentinel",
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the sentinel to know the master",
+        || {
+            redis::Client::open(format!("redis://127.0.0.1:{port}"))
+                .ok()
+                .and_then(|c| c.get_connection().ok())
+                .and_then(|mut c| {
+                    redis::cmd("SENTINEL")
+                        .arg("get-master-addr-by-name")
+                        .arg("mymaster")
+                        .query::<Option<(String, u16)>>(&mut c)
+                        .ok()
+                        .flatten()
+                })
+                .is_some()
+        },
+    );
+    (proc, port)
+}
+
+async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
+    let http = client();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = http
+            .get(gw.url("/api/x"))
+            .header("X-API-Key", key)
+            .send()
+            .await
+            .unwrap();
+        out.push(r.status().as_u16());
+    }
+    out
+}
+
+fn readyz(gw: &common::Gateway) -> serde_json::Value {
+    let (_, body) = blocking_get(&gw.admin("/readyz")).unwrap();
+    serde_json::from_str(&body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
+    let mut master = Redis::start();
+    let replica = Redis::start_with(
+        free_port(),
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    wait_until(Duration::from_secs(10), "the replica to sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.conn())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::empty()
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .redis(
+            "sentinel_urls",
+            format!(
+                "[{}]",
+                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
+            ),
+        )
+        .redis("sentinel_master", quoted("mymaster"))
+        .breaker(3, 1)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("s.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        )
+        .start();
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    assert_eq!(
+        readyz(&gw)["redis_sentinel_master"]["addr"],
+        format!("127.0.0.1:{}", master.port)
+    );
+    assert!(master.limiter_calls() >= 4, "decided on the master");
+
+    // The master dies; the sentinel promotes the replica.
+    master.proc.signal("KILL");
+    master.proc.wait_exit(Duration::from_secs(5));
+    let killed = Instant::now();
+    wait_until(Duration::from_secs(20), "the promotion", || {
+        redis::cmd("ROLE")
+            .query::<redis::Value>(&mut replica.conn())
+            .ok()
+            .is_some_and(|v| format!("{v:?}").contains("master"))
+    });
+    let promoted = Instant::now();
+    // Decisions are Redis's again soon after: a new caller's exact sequence.
+    let mut recovered = None;
+    while promoted.elapsed() < Duration::from_secs(10) {
+        if statuses(&gw, "probe", 1).await == [200] {
+            recovered = Some(promoted.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let recovered = recovered.expect("decisions on the promoted replica");
+    // About 2 s are promised; 5 s here leaves room for a loaded machine.
+    assert!(
+        recovered < Duration::from_secs(5),
+        "{recovered:?} after the promotion ({:?} after the kill)",
+        killed.elapsed()
+    );
+    assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
+    assert_eq!(
+        readyz(&gw)["redis_sentinel_master"]["addr"],
+        format!("127.0.0.1:{}", replica.port)
+    );
+    assert!(
+        replica.limiter_calls() >= 4,
+        "decided on the promoted replica"
+    );
+    // The bucket of `a` was replicated before the kill: still exhausted.
+    assert_eq!(statuses(&gw, "a", 1).await, [429]);
+}
+
+#[test]
+fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |redis: &str| {
+        let path = dir.path().join("g.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\n{redis}\n",
+                free_port()
+            ),
+        )
+        .unwrap();
+        let out = common::check_config(&path, &[]);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = run("url = \"redis://127.0.0.1:6379\"\nsentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"m\"");
+    assert!(
+        !ok && out.contains("keep exactly one of the three"),
+        "{out}"
+    );
+    let (ok, out) = run("sentinel_urls = [\"redis://127.0.0.1:26379\"]");
+    assert!(!ok && out.contains("needs redis.sentinel_master"), "{out}");
+    let (ok, out) =
+        run("sentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
+    assert!(ok, "{out}");
+}
