@@ -151,13 +151,15 @@ fn sliding_window_script_equals_the_model() {
             let mut written: Option<(std::time::Instant, u64)> = None;
             for step in &steps {
                 std::thread::sleep(Duration::from_micros(step.pause_us));
+                // Redis set the expiry during the call, so no earlier than this: a key can
+                // only have expired once its lifetime has passed since.
+                let answered = std::time::Instant::now();
                 let reply = eval(
                     &mut conn,
                     SLIDING_WINDOW_LUA,
                     &key,
                     [limit, window_us, step.cost],
                 );
-                let answered = std::time::Instant::now();
                 let now = reply[4] as u64;
                 match window.take(state, step.cost, now) {
                     Outcome::Admitted { state: next, left } => {
