@@ -54,6 +54,8 @@ pub struct Metrics {
     redis_node_breaker_state: IntGaugeVec,
     /// Redis Cluster only: 1 while the gateway holds a connection to the primary, else 0.
     redis_node_up: IntGaugeVec,
+    /// `sentinel_upstream_healthy{upstream, addr}`: 1 or 0, for upstreams with health checks.
+    pub upstream_healthy: IntGaugeVec,
 }
 
 /// Store error counters by cause.
@@ -303,6 +305,17 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let upstream_healthy = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_upstream_healthy",
+                    "Upstreams with health_check: 1 while the address passes its checks (in rotation), 0 while not.",
+                ),
+                &["upstream", "addr"],
+            )
+            .expect("valid"),
+        );
         for cause in ["timeout", "connection_error", "noscript"] {
             store_errors.with_label_values(&[cause]);
         }
@@ -323,6 +336,7 @@ impl Metrics {
             breaker_transitions,
             redis_node_breaker_state,
             redis_node_up,
+            upstream_healthy,
             requests,
             config_reloads,
             config_generation,

@@ -137,6 +137,18 @@ impl Reloader {
         self.edge
             .connections
             .set_header_timeout(header_read_timeout);
+        for (name, pool) in &snapshot.upstreams {
+            let kept = current
+                .upstreams
+                .get(name)
+                .is_some_and(|old| Arc::ptr_eq(old, pool));
+            if !kept && pool.needs_tending() {
+                self.store.runtime().spawn(crate::upstream::tend(
+                    Arc::downgrade(pool),
+                    self.metrics.upstream_healthy.clone(),
+                ));
+            }
+        }
         self.live.store(Arc::new(snapshot));
         self.metrics.config_generation.set(generation as i64);
         Ok(Reloaded {

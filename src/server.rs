@@ -195,6 +195,12 @@ pub fn run(config: Config) -> Result<(), StartError> {
         },
         metrics.jwks_refresh.clone(),
     ));
+    for pool in live.load().upstreams.values().filter(|p| p.needs_tending()) {
+        control.spawn(crate::upstream::tend(
+            Arc::downgrade(pool),
+            metrics.upstream_healthy.clone(),
+        ));
+    }
     let beating = Arc::clone(&live);
     control.spawn(heartbeat(
         fleet,

@@ -8,12 +8,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use pingora_core::utils::tls::{parse_x509, WrappedX509};
-use pingora_load_balancing::selection::RoundRobin;
-use pingora_load_balancing::LoadBalancer;
-
 use crate::clock::SharedClock;
-use crate::config::{Config, EndpointId, IdentitySource, Policy, TierLimits, UpstreamConfig};
+use crate::config::{Config, EndpointId, IdentitySource, Policy, TierLimits};
 use crate::decision::emergency::{
     Emergency, EmergencyBucket, IdentityBuckets, Rate, IDENTITY_CAPACITY,
 };
@@ -24,49 +20,7 @@ use crate::limiter::Endpoint;
 use crate::metrics::{Metrics, RequestCounters, UNMATCHED};
 use crate::remote_jwks::JwksCache;
 use crate::routing::RouteTable;
-
-/// An upstream's addresses behind round robin, with its timeouts.
-pub struct UpstreamPool {
-    pub config: Arc<UpstreamConfig>,
-    pub balancer: LoadBalancer<RoundRobin>,
-    /// `tls = true`: what each connection's handshake needs.
-    pub tls: Option<PeerTls>,
-}
-
-/// TLS towards one upstream, ready for Pingora's connector.
-pub struct PeerTls {
-    /// The SNI name (and the name the certificate must carry) of each address.
-    pub sni: HashMap<std::net::SocketAddr, String>,
-    pub ca: Option<Arc<pingora_core::protocols::tls::CaType>>,
-    pub verify: bool,
-}
-
-impl PeerTls {
-    fn new(up: &UpstreamConfig) -> Option<Self> {
-        let tls = up.tls.as_ref()?;
-        if !tls.verify {
-            tracing::warn!(upstream = up.name.as_str(), "upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", up.name);
-        }
-        let sni = up
-            .addrs
-            .iter()
-            .zip(&up.hosts)
-            .map(|(addr, host)| (*addr, tls.sni.clone().unwrap_or_else(|| host.clone())))
-            .collect();
-        let ca = tls.ca.as_ref().map(|certs| {
-            let wrapped: Vec<WrappedX509> = certs
-                .iter()
-                .map(|der| WrappedX509::new(der.clone(), parse_x509))
-                .collect();
-            Arc::from(wrapped.into_boxed_slice())
-        });
-        Some(Self {
-            sni,
-            ca,
-            verify: tls.verify,
-        })
-    }
-}
+pub use crate::upstream::UpstreamPool;
 
 /// A matched route: whose bucket, keyed by what, forwarded where.
 pub struct Route {
@@ -87,6 +41,8 @@ pub struct Snapshot {
     /// `sentinel_requests_total{endpoint_id="_unmatched"}`.
     pub unmatched: RequestCounters,
     pub jwt: Option<JwtVerifier>,
+    /// Every upstream's pool, by name.
+    pub upstreams: HashMap<String, Arc<UpstreamPool>>,
     /// The keys fetched from `[auth.jwt] jwks_url`, carried from snapshot to snapshot.
     pub jwks: Arc<JwksCache>,
     /// Some route has a fleet-wide emergency rate: the heartbeat runs.
@@ -112,15 +68,17 @@ impl Snapshot {
         }
         let mut pools = HashMap::new();
         for (name, up) in &config.upstreams {
-            let balancer = LoadBalancer::try_from_iter(up.addrs.iter().copied())?;
-            pools.insert(
-                name.clone(),
-                Arc::new(UpstreamPool {
-                    config: Arc::clone(up),
-                    balancer,
-                    tls: PeerTls::new(up),
-                }),
-            );
+            // An upstream the reload did not change keeps its pool: its health, its
+            // resolved addresses and its connections.
+            let kept = previous
+                .and_then(|p| p.upstreams.get(name))
+                .filter(|pool| *pool.config == **up)
+                .cloned();
+            let pool = match kept {
+                Some(pool) => pool,
+                None => Arc::new(UpstreamPool::new(up)?),
+            };
+            pools.insert(name.clone(), pool);
         }
         let mut endpoints: HashMap<EndpointId, Arc<Endpoint>> = HashMap::new();
         let mut entries = Vec::new();
@@ -237,6 +195,7 @@ impl Snapshot {
                 .as_ref()
                 .and_then(|j| JwtVerifier::new(j, Some(&jwks))),
             jwks,
+            upstreams: pools,
             generation,
             routes: RouteTable::new(entries),
             endpoints,

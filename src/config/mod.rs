@@ -237,6 +237,18 @@ pub struct UpstreamConfig {
     pub read_timeout: Duration,
     /// `tls = true`: HTTPS to the upstream.
     pub tls: Option<UpstreamTls>,
+    /// Active health checks of every address.
+    pub health_check: Option<HealthCheck>,
+}
+
+/// `health_check`: a GET of `path` on each address, on a timer of its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
 }
 
 /// How the gateway speaks TLS to an upstream.

@@ -138,6 +138,18 @@ pub struct RawUpstream {
     pub sni: Option<Spanned<String>>,
     pub ca_path: Option<Spanned<String>>,
     pub verify: Option<bool>,
+    pub health_check: Option<Spanned<RawHealthCheck>>,
+}
+
+/// `health_check = { path = "/healthz", ... }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    pub path: Spanned<String>,
+    pub interval_ms: Option<Spanned<i64>>,
+    pub timeout_ms: Option<Spanned<i64>>,
+    pub unhealthy_after: Option<Spanned<i64>>,
+    pub healthy_after: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

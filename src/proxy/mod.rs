@@ -384,15 +384,13 @@ impl ProxyHttp for Gateway {
             .ok_or_else(|| Error::new(ErrorType::InternalError))?;
         let pool = &route.upstream;
         let backend = pool
-            .balancer
-            .select(b"", 256)
+            .select()
             .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
         ctx.connect_attempts += 1;
         ctx.upstream_addr = backend.addr.as_inet().copied();
         let mut peer = match (&pool.tls, backend.addr.as_inet()) {
-            (Some(tls), Some(addr)) => {
-                let sni = tls.sni.get(addr).cloned().unwrap_or_default();
-                let mut peer = HttpPeer::new(backend.addr, true, sni);
+            (Some(tls), Some(_)) => {
+                let mut peer = HttpPeer::new(backend.addr.clone(), true, tls.sni_for(&backend));
                 peer.options.verify_cert = tls.verify;
                 peer.options.verify_hostname = tls.verify;
                 peer.options.ca = tls.ca.clone();

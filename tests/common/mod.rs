@@ -203,7 +203,11 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn start(name: &str) -> Upstream {
-        let port = free_port();
+        Self::start_on(free_port(), name)
+    }
+
+    /// On a given port (a restart on the port it had).
+    pub fn start_on(port: u16, name: &str) -> Upstream {
         let child = Command::new(env!("CARGO_BIN_EXE_demo-upstream"))
             .args([format!("127.0.0.1:{port}"), name.to_owned()])
             .stdout(Stdio::null())

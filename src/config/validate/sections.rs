@@ -978,6 +978,68 @@ pub(super) fn upstream(
         " ms",
     );
     let tls = upstream_tls(c, name, u, config);
+    let health_check = match &u.health_check {
+        None => Some(None),
+        Some(hc) => {
+            let h = hc.get_ref();
+            let path = h.path.get_ref();
+            let path_ok = path.starts_with('/') && path.parse::<http::Uri>().is_ok();
+            if !path_ok {
+                c.push(
+                    Some(&h.path.span()),
+                    None,
+                    format!(
+                        "{}.path = \"{path}\" is not a path: write one such as \"/healthz\"",
+                        field("health_check")
+                    ),
+                );
+            }
+            let n = |c: &mut Collector,
+                     f: &str,
+                     v: &Option<Spanned<i64>>,
+                     d: i64,
+                     r: (i64, i64),
+                     unit: &str| {
+                int_in(
+                    c,
+                    None,
+                    &format!("{}.{f}", field("health_check")),
+                    v.as_ref(),
+                    d,
+                    r,
+                    unit,
+                )
+            };
+            let interval = n(
+                c,
+                "interval_ms",
+                &h.interval_ms,
+                2000,
+                (100, 3_600_000),
+                " ms",
+            );
+            let timeout = n(c, "timeout_ms", &h.timeout_ms, 1000, (10, 60_000), " ms");
+            let unhealthy = n(
+                c,
+                "unhealthy_after",
+                &h.unhealthy_after,
+                3,
+                (1, 100),
+                " checks",
+            );
+            let healthy = n(c, "healthy_after", &h.healthy_after, 2, (1, 100), " checks");
+            match (path_ok, interval, timeout, unhealthy, healthy) {
+                (true, Some(i), Some(t), Some(u), Some(h)) => Some(Some(HealthCheck {
+                    path: path.clone(),
+                    interval: Duration::from_millis(i),
+                    timeout: Duration::from_millis(t),
+                    unhealthy_after: u as u32,
+                    healthy_after: h as u32,
+                })),
+                _ => None,
+            }
+        }
+    };
     (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
     Some(UpstreamConfig {
         name: name.to_owned(),
@@ -986,6 +1048,7 @@ pub(super) fn upstream(
         connect_timeout: Duration::from_millis(connect?),
         read_timeout: Duration::from_millis(read?),
         tls: tls?,
+        health_check: health_check?,
     })
 }
 

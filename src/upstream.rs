@@ -1,0 +1,320 @@
+//! An upstream at run time: its addresses behind round robin (host names resolved again
+//! every 30 s, every address of a name used), active health checks, and TLS.
+//!
+//! Pingora's load balancer does the rotation and the health checks (`HttpHealthCheck` with
+//! its consecutive-failure and consecutive-success hysteresis); this module feeds it
+//! addresses and runs both on timers of their own, off the request path ([`tend`]).
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use futures_util::FutureExt;
+use pingora_core::utils::tls::{parse_x509, WrappedX509};
+use pingora_load_balancing::discovery::ServiceDiscovery;
+use pingora_load_balancing::health_check::HttpHealthCheck;
+use pingora_load_balancing::selection::RoundRobin;
+use pingora_load_balancing::{Backend, Backends, LoadBalancer};
+use prometheus::IntGaugeVec;
+
+use crate::config::UpstreamConfig;
+
+/// How often host names are resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(30);
+
+/// The host an address came from, as written in `addrs`: the SNI name of a TLS upstream.
+#[derive(Debug, Clone)]
+pub struct UpstreamHost(pub String);
+
+/// An upstream's addresses behind round robin, with its timeouts.
+pub struct UpstreamPool {
+    pub config: Arc<UpstreamConfig>,
+    pub balancer: LoadBalancer<RoundRobin>,
+    /// `tls = true`: what each connection's handshake needs.
+    pub tls: Option<PeerTls>,
+    addresses: Arc<Addresses>,
+    /// Logged once while every address is unhealthy.
+    all_down: AtomicBool,
+}
+
+/// TLS towards one upstream, ready for Pingora's connector.
+pub struct PeerTls {
+    /// The configured SNI name; `None`: each address's host.
+    pub sni: Option<String>,
+    pub ca: Option<Arc<pingora_core::protocols::tls::CaType>>,
+    pub verify: bool,
+}
+
+impl PeerTls {
+    fn new(up: &UpstreamConfig) -> Option<Self> {
+        let tls = up.tls.as_ref()?;
+        if !tls.verify {
+            tracing::warn!(upstream = up.name.as_str(), "upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", up.name);
+        }
+        let ca = tls.ca.as_ref().map(|certs| {
+            let wrapped: Vec<WrappedX509> = certs
+                .iter()
+                .map(|der| WrappedX509::new(der.clone(), parse_x509))
+                .collect();
+            Arc::from(wrapped.into_boxed_slice())
+        });
+        Some(Self {
+            sni: tls.sni.clone(),
+            ca,
+            verify: tls.verify,
+        })
+    }
+
+    /// The SNI name for `backend`.
+    pub fn sni_for(&self, backend: &Backend) -> String {
+        self.sni.clone().unwrap_or_else(|| {
+            backend
+                .ext
+                .get::<UpstreamHost>()
+                .map(|h| h.0.clone())
+                .unwrap_or_default()
+        })
+    }
+}
+
+/// The addresses the last resolution found; what the load balancer's discovery answers.
+struct Addresses {
+    latest: Mutex<BTreeSet<Backend>>,
+}
+
+struct Discovery(Arc<Addresses>);
+
+#[async_trait]
+impl ServiceDiscovery for Discovery {
+    async fn discover(&self) -> pingora_core::Result<(BTreeSet<Backend>, HashMap<u64, bool>)> {
+        let latest = self.0.latest.lock().unwrap_or_else(|p| p.into_inner());
+        Ok((latest.clone(), HashMap::new()))
+    }
+}
+
+/// Every address of every `host:port` of `up`, each tagged with its host; `None` when a name
+/// does not resolve (the caller keeps what it has).
+fn resolve(up: &UpstreamConfig) -> Option<BTreeSet<Backend>> {
+    let mut set = BTreeSet::new();
+    for (host, written) in up.hosts.iter().zip(&up.addrs) {
+        let port = written.port();
+        let found: Vec<SocketAddr> = if host.parse::<std::net::IpAddr>().is_ok() {
+            vec![*written]
+        } else {
+            (host.as_str(), port).to_socket_addrs().ok()?.collect()
+        };
+        for addr in found {
+            let mut backend = Backend {
+                addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(addr),
+                weight: 1,
+                ext: http::Extensions::new(),
+            };
+            backend.ext.insert(UpstreamHost(host.clone()));
+            set.insert(backend);
+        }
+    }
+    (!set.is_empty()).then_some(set)
+}
+
+impl UpstreamPool {
+    pub fn new(up: &Arc<UpstreamConfig>) -> std::io::Result<Self> {
+        // At load: every address of every name (validation checked they resolve).
+        let initial = resolve(up).unwrap_or_else(|| {
+            up.addrs
+                .iter()
+                .zip(&up.hosts)
+                .map(|(addr, host)| {
+                    let mut b = Backend {
+                        addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(*addr),
+                        weight: 1,
+                        ext: http::Extensions::new(),
+                    };
+                    b.ext.insert(UpstreamHost(host.clone()));
+                    b
+                })
+                .collect()
+        });
+        let addresses = Arc::new(Addresses {
+            latest: Mutex::new(initial),
+        });
+        let backends = Backends::new(Box::new(Discovery(Arc::clone(&addresses))));
+        let mut balancer = LoadBalancer::<RoundRobin>::from_backends(backends);
+        let tls = PeerTls::new(up);
+        if let Some(hc) = &up.health_check {
+            let host = tls
+                .as_ref()
+                .and_then(|t| t.sni.clone())
+                .or_else(|| up.hosts.first().cloned())
+                .unwrap_or_default();
+            let mut check = HttpHealthCheck::new(&host, up.tls.is_some());
+            check.consecutive_failure = hc.unhealthy_after as usize;
+            check.consecutive_success = hc.healthy_after as usize;
+            check.reuse_connection = false;
+            check.req.set_uri(
+                hc.path
+                    .parse()
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            );
+            let options = &mut check.peer_template.options;
+            options.connection_timeout = Some(hc.timeout);
+            options.total_connection_timeout = Some(hc.timeout);
+            options.read_timeout = Some(hc.timeout);
+            options.write_timeout = Some(hc.timeout);
+            if let Some(t) = &tls {
+                options.verify_cert = t.verify;
+                options.verify_hostname = t.verify;
+                options.ca = t.ca.clone();
+            }
+            // Any 2xx passes; connect errors, timeouts and other statuses fail.
+            check.validator = Some(Box::new(|resp| {
+                if resp.status.is_success() {
+                    Ok(())
+                } else {
+                    pingora_core::Error::e_explain(
+                        pingora_core::ErrorType::CustomCode("unhealthy status", 0),
+                        format!("health check answered {}", resp.status),
+                    )
+                }
+            }));
+            balancer.set_health_check(Box::new(check));
+        }
+        balancer
+            .update()
+            .now_or_never()
+            .expect("the discovery answers at once")
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok(Self {
+            config: Arc::clone(up),
+            balancer,
+            tls,
+            addresses,
+            all_down: AtomicBool::new(false),
+        })
+    }
+
+    /// The next address: round robin over the healthy ones; when none is healthy, over all
+    /// of them (logged once until one is healthy again).
+    pub fn select(&self) -> Option<Backend> {
+        if let Some(b) = self.balancer.select(b"", 256) {
+            if self.all_down.swap(false, Ordering::Relaxed) {
+                tracing::info!(
+                    upstream = self.config.name.as_str(),
+                    "an upstream address is healthy again"
+                );
+            }
+            return Some(b);
+        }
+        if !self.all_down.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                upstream = self.config.name.as_str(),
+                "every address of the upstream is unhealthy; trying them all"
+            );
+        }
+        self.balancer.select_with(b"", 256, |_, _| true)
+    }
+
+    /// Whether this pool needs [`tend`]: a host name to resolve again, or health checks.
+    pub fn needs_tending(&self) -> bool {
+        self.config.health_check.is_some()
+            || self
+                .config
+                .hosts
+                .iter()
+                .any(|h| h.parse::<std::net::IpAddr>().is_err())
+    }
+}
+
+/// Resolves the pool's names every 30 s and runs its health checks every `interval_ms`,
+/// until the pool is dropped (a reload replaced it); `healthy` is
+/// `sentinel_upstream_healthy{upstream, addr}`.
+pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
+    let mut next_resolve = Instant::now() + RESOLVE_EVERY;
+    let mut shown: BTreeSet<String> = BTreeSet::new();
+    let Some(name) = pool.upgrade().map(|p| p.config.name.clone()) else {
+        return;
+    };
+    loop {
+        let Some(p) = pool.upgrade() else {
+            // Replaced by a reload: its series go unless the new pool shows them again.
+            for addr in &shown {
+                let _ = healthy.remove_label_values(&[&name, addr]);
+            }
+            return;
+        };
+        if Instant::now() >= next_resolve {
+            let config = Arc::clone(&p.config);
+            if let Ok(Some(set)) = tokio::task::spawn_blocking(move || resolve(&config)).await {
+                *p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner()) = set;
+                if let Err(e) = p.balancer.update().await {
+                    tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
+                }
+            }
+            next_resolve = Instant::now() + RESOLVE_EVERY;
+        }
+        let wait = match &p.config.health_check {
+            Some(hc) => {
+                p.balancer.backends().run_health_check(true).await;
+                let name = name.as_str();
+                let now: BTreeSet<String> = p
+                    .balancer
+                    .backends()
+                    .get_backend()
+                    .iter()
+                    .map(|b| {
+                        let addr = b.addr.to_string();
+                        healthy
+                            .with_label_values(&[name, &addr])
+                            .set(i64::from(p.balancer.backends().ready(b)));
+                        addr
+                    })
+                    .collect();
+                for gone in shown.difference(&now) {
+                    let _ = healthy.remove_label_values(&[name, gone]);
+                }
+                shown = now;
+                hc.interval
+            }
+            None => RESOLVE_EVERY,
+        };
+        drop(p);
+        tokio::time::sleep(wait.min(next_resolve.saturating_duration_since(Instant::now()))).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_address_of_a_name_is_used_and_tagged_with_its_host() {
+        let up = UpstreamConfig {
+            name: "u".into(),
+            addrs: vec![
+                "127.0.0.1:9".parse().unwrap(),
+                "127.0.0.1:8".parse().unwrap(),
+            ],
+            hosts: vec!["localhost".into(), "127.0.0.1".into()],
+            connect_timeout: Duration::from_secs(1),
+            read_timeout: Duration::from_secs(1),
+            tls: None,
+            health_check: None,
+        };
+        let set = resolve(&up).expect("localhost resolves");
+        let named: Vec<_> = set
+            .iter()
+            .filter(|b| {
+                b.ext
+                    .get::<UpstreamHost>()
+                    .is_some_and(|h| h.0 == "localhost")
+            })
+            .collect();
+        assert!(!named.is_empty());
+        assert!(named
+            .iter()
+            .all(|b| b.addr.as_inet().is_some_and(|a| a.port() == 9)));
+        assert!(set.iter().any(|b| b.addr.to_string() == "127.0.0.1:8"));
+    }
+}

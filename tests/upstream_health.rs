@@ -1,0 +1,99 @@
+//! Active health checks of upstream addresses, against the binary and real demo backends: a
+//! dead address leaves the rotation after `unhealthy_after` failed checks and comes back
+//! after `healthy_after` passes, `sentinel_upstream_healthy` says which, and when every
+//! address is down all are tried anyway.
+
+mod common;
+
+use std::time::Duration;
+
+use common::config::{GatewayConfig, Route};
+use common::{client, wait_until, Gateway, Redis, Upstream};
+
+fn healthy(gw: &Gateway, up: &Upstream) -> f64 {
+    gw.metric(&format!(
+        "sentinel_upstream_healthy{{addr=\"127.0.0.1:{}\",upstream=\"app\"}}",
+        up.port
+    ))
+}
+
+async fn served_by(gw: &Gateway, n: usize) -> Vec<String> {
+    let http = client();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = http.get(gw.url("/x")).send().await.unwrap();
+        out.push(match r.status().as_u16() {
+            200 => r.headers()["x-upstream"].to_str().unwrap().to_owned(),
+            other => other.to_string(),
+        });
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_address_leaves_the_rotation_and_comes_back() {
+    let redis = Redis::start();
+    let a = Upstream::start("a");
+    let b = Upstream::start("b");
+    let b_port = b.port;
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.app]\naddrs = [\"{}\", \"{}\"]\nhealth_check = {{ path = \"/healthz\", interval_ms = 200, timeout_ms = 200, unhealthy_after = 2, healthy_after = 2 }}\n",
+            a.addr(),
+            b.addr()
+        ))
+        .route(Route::new("all").prefix("/").unlimited())
+        .start();
+    wait_until(Duration::from_secs(5), "both healthy", || {
+        healthy(&gw, &a) == 1.0 && healthy(&gw, &b) == 1.0
+    });
+    let both = served_by(&gw, 6).await;
+    assert!(
+        both.contains(&"a".to_owned()) && both.contains(&"b".to_owned()),
+        "{both:?}"
+    );
+
+    drop(b);
+    wait_until(Duration::from_secs(5), "b unhealthy", || {
+        healthy(&gw, &a) == 1.0 && healthy_port(&gw, b_port) == 0.0
+    });
+    assert_eq!(
+        served_by(&gw, 10).await,
+        vec!["a"; 10],
+        "only the healthy address"
+    );
+
+    let b = Upstream::start_on(b_port, "b");
+    wait_until(Duration::from_secs(5), "b healthy again", || {
+        healthy(&gw, &b) == 1.0
+    });
+    let again = served_by(&gw, 6).await;
+    assert!(again.contains(&"b".to_owned()), "{again:?}");
+
+    // Every address down: all are tried anyway (and fail), logged once.
+    drop((a, b));
+    wait_until(Duration::from_secs(5), "all unhealthy", || all_down(&gw));
+    let down = served_by(&gw, 3).await;
+    assert_eq!(down, vec!["502"; 3]);
+    assert_eq!(
+        gw.logs()
+            .matches("every address of the upstream is unhealthy")
+            .count(),
+        1
+    );
+}
+
+fn healthy_port(gw: &Gateway, port: u16) -> f64 {
+    gw.metric(&format!(
+        "sentinel_upstream_healthy{{addr=\"127.0.0.1:{port}\",upstream=\"app\"}}"
+    ))
+}
+
+fn all_down(gw: &Gateway) -> bool {
+    let (_, body) = common::blocking_get(&gw.admin("/metrics")).unwrap();
+    let lines: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("sentinel_upstream_healthy{"))
+        .collect();
+    !lines.is_empty() && lines.iter().all(|l| l.ends_with(" 0"))
+}
