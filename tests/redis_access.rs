@@ -101,6 +101,12 @@ async fn a_redis_over_tls_decides_exactly_and_survives_a_restart() {
     .start();
     assert_eq!(statuses(&gw, "a", 5).await, [200, 200, 200, 429, 429]);
     assert!(t.redis.limiter_calls() >= 5, "the decisions were Redis's");
+    // NOSCRIPT over TLS: the scripts are loaded again within the request's budget.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut t.redis.conn())
+        .unwrap();
+    assert_eq!(statuses(&gw, "n", 2).await, [200, 200]);
     assert!(redis_up(&gw));
 
     // kill -9 and restart on the same ports: the socket watch notices over TLS too, and

@@ -202,3 +202,70 @@ fn check_refuses_tiers_that_cannot_work() {
         "{out}"
     );
 }
+
+/// `tier_from = { claim = "plan" }`: the token's string claim picks the tier; a token
+/// without it, or with a plan not listed (or not a string), counts as the default tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_claim_picks_the_tier() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let secret = "tier-test-secret-tier-test-secret-0123";
+    let gw = GatewayConfig::new(&redis.url())
+        .section("[auth.jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"TEST_TIER_JWT_SECRET\"\n")
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.jwt")
+                .prefix("/ocr")
+                .identity("jwt")
+                .fail_closed()
+                .set("tier_from", "{ claim = \"plan\" }")
+                .set("default_tier", quoted("free"))
+                .bucket_limit("burst", 2, 0),
+        )
+        .section(TIERS)
+        .start_with_env(&[("TEST_TIER_JWT_SECRET", secret)]);
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 300;
+    let token = |sub: &str, plan: serde_json::Value| {
+        let mut claims = serde_json::json!({"sub": sub, "exp": exp});
+        if !plan.is_null() {
+            claims["plan"] = plan;
+        }
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap(),
+        )
+        .unwrap()
+    };
+    let admitted = |t: String| {
+        let gw = &gw;
+        async move {
+            let http = client();
+            let mut ok = 0;
+            for _ in 0..6 {
+                let r = http
+                    .get(gw.url("/ocr/doc"))
+                    .bearer_auth(&t)
+                    .send()
+                    .await
+                    .unwrap();
+                ok += usize::from(r.status() == 200);
+            }
+            ok
+        }
+    };
+    assert_eq!(admitted(token("u1", serde_json::json!("pro"))).await, 4);
+    assert_eq!(admitted(token("u2", Value::Null)).await, 2);
+    assert_eq!(
+        admitted(token("u3", serde_json::json!("platinum"))).await,
+        2
+    );
+    assert_eq!(admitted(token("u4", serde_json::json!(7))).await, 2);
+    assert_eq!(
+        admitted(token("u5", serde_json::json!("internal"))).await,
+        6
+    );
+}
