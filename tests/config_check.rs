@@ -86,6 +86,7 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
                         "SENTINEL_JWT_SECRET",
                         Some("example-secret-example-secret-0123"),
                     ),
+                    ("SENTINEL_REDIS_PASSWORD", Some("example-password")),
                 ],
             );
             let (code, stderr) = (
