@@ -81,6 +81,15 @@ fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    if cli.command.is_some() {
+        // `check | head` and the like: a closed pipe ends a command quietly, as it does any
+        // Unix tool. (The gateway itself keeps ignoring SIGPIPE: a client that goes away
+        // must never stop it.)
+        // SAFETY: restoring a signal's default disposition before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let check = match &cli.command {
         Some(Command::HashKey { tenant, tier }) => {
             return hash_key(tenant.as_deref(), tier.as_deref())
@@ -285,13 +294,47 @@ pub fn describe(route: &RouteConfig) -> String {
         }
         (_, _, mode) => format!("; {}", mode.as_str()),
     };
+    let tiers = match &p.tiers {
+        None => String::new(),
+        Some(plan) => {
+            let from = match &plan.from {
+                crate::config::TierFrom::ApiKey => "the key file".to_owned(),
+                crate::config::TierFrom::Claim(c) => format!("the token's {c} claim"),
+            };
+            let each: Vec<String> = plan
+                .tiers
+                .iter()
+                .map(|(name, t)| match t {
+                    crate::config::TierLimits::Unlimited => format!("{name}: not limited"),
+                    crate::config::TierLimits::Limits(limits) => {
+                        let l: Vec<String> = limits
+                            .iter()
+                            .map(|l| {
+                                format!(
+                                    "limit {}: {}",
+                                    l.name,
+                                    describe_algorithm(l.algorithm, p.cost_micro)
+                                )
+                            })
+                            .collect();
+                        format!("{name}: {}", l.join(", "))
+                    }
+                })
+                .collect();
+            format!(
+                "; tiers from {from} (the limits above are tier {}): {}",
+                plan.default,
+                each.join("; ")
+            )
+        }
+    };
     let shadow = if p.mode == crate::config::Enforcement::Shadow {
         "; shadow mode"
     } else {
         ""
     };
     format!(
-        "{}: {methods} {path}{host} -> {}; {limit}{fail}{shadow}; policy v{}",
+        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{fail}{shadow}; policy v{}",
         p.endpoint_id, route.upstream.name, p.policy_version
     )
 }

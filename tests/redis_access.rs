@@ -4,12 +4,11 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
 use common::config::{quoted, GatewayConfig, Route};
 use common::tls::Ca;
-use common::{check_config, client, free_port, wait_until, Redis, Upstream};
+use common::{client, free_port, wait_until, Redis, Upstream};
 
 struct TlsRedis {
     redis: Redis,
@@ -233,64 +232,42 @@ async fn an_acl_user_with_the_password_from_the_environment() {
 #[test]
 fn check_refuses_tls_settings_that_would_not_be_used_and_unreadable_files() {
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, redis: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(
-            &path,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\n{redis}\n",
-                free_port()
-            ),
-        )
-        .unwrap();
-        path
+    let check = |redis: &str, env: &[(&str, Option<&str>)]| {
+        common::check_body(dir.path(), &format!("[redis]\n{redis}\n"), env)
     };
-    let text = |path: &Path, env: &[(&str, Option<&str>)]| {
-        let out = check_config(path, env);
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
-    let plain_with_ca = write(
-        "a.toml",
+    let (ok, out) = check(
         "url = \"redis://127.0.0.1:6379/0\"\ntls_ca_path = \"ca.pem\"",
+        &[],
     );
-    let (ok, out) = text(&plain_with_ca, &[]);
     assert!(
         !ok && out.contains("redis.tls_ca_path") && out.contains("not rediss://"),
         "{out}"
     );
 
-    let missing_ca = write(
-        "b.toml",
+    let (ok, out) = check(
         "url = \"rediss://127.0.0.1:6380/0\"\ntls_ca_path = \"nope.pem\"",
+        &[],
     );
-    let (ok, out) = text(&missing_ca, &[]);
     assert!(
         !ok && out.contains("redis.tls_ca_path = \"nope.pem\" cannot be read"),
         "{out}"
     );
 
-    let half_pair = write(
-        "c.toml",
+    let (ok, out) = check(
         "url = \"rediss://127.0.0.1:6380/0\"\ntls_cert_path = \"client.pem\"",
+        &[],
     );
-    let (ok, out) = text(&half_pair, &[]);
     assert!(!ok && out.contains("go together"), "{out}");
 
-    let no_password = write(
-        "d.toml",
+    let (ok, out) = check(
         "url = \"redis://127.0.0.1:6379/0\"\npassword_env = \"TEST_UNSET_REDIS_PASSWORD\"",
+        &[("TEST_UNSET_REDIS_PASSWORD", None)],
     );
-    let (ok, out) = text(&no_password, &[("TEST_UNSET_REDIS_PASSWORD", None)]);
     assert!(
         !ok && out.contains("redis.password_env") && out.contains("is not set"),
         "{out}"
     );
 
-    let tls_ok = write("e.toml", "url = \"rediss://127.0.0.1:6380/0\"");
-    let (ok, out) = text(&tls_ok, &[]);
+    let (ok, out) = check("url = \"rediss://127.0.0.1:6380/0\"", &[]);
     assert!(ok, "rediss:// with the system roots: {out}");
 }

@@ -163,23 +163,7 @@ async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
 #[test]
 fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |redis: &str| {
-        let path = dir.path().join("g.toml");
-        std::fs::write(
-            &path,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\n{redis}\n",
-                free_port()
-            ),
-        )
-        .unwrap();
-        let out = common::check_config(&path, &[]);
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
+    let run = |redis: &str| common::check_body(dir.path(), &format!("[redis]\n{redis}\n"), &[]);
     let (ok, out) = run("url = \"redis://127.0.0.1:6379\"\nsentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"m\"");
     assert!(
         !ok && out.contains("keep exactly one of the three"),

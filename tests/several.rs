@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::cluster::RedisCluster;
 use common::config::{GatewayConfig, Route};
-use common::{blocking_get, check_config, client, free_port, Redis, Upstream};
+use common::{blocking_get, client, Redis, Upstream};
 use sentinel_gateway::config::{Algorithm, Limit};
 use sentinel_gateway::limiter::limit_keys;
 use serde_json::Value;
@@ -225,6 +225,14 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
         .redis("timeout_ms", "200")
         .upstream("app", &[up.addr()])
         .route(route(ceiling))
+        .route(
+            Route::new("e.two")
+                .prefix("/two")
+                .identity_header("X-API-Key")
+                .fail_closed()
+                .bucket_limit("burst", 5, 0)
+                .bucket_limit("daily", 9, 0),
+        )
         .start();
     let limits = [
         Limit {
@@ -283,33 +291,40 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
         3,
         "refunded: never charged"
     );
+
+    // One identity's limits share a hash tag: one EVALSHA per decision on the cluster too.
+    for node in &cluster.nodes {
+        node.reset_stats();
+    }
+    let http = client();
+    for _ in 0..4 {
+        let r = http
+            .get(gw.url("/two/x"))
+            .header("X-API-Key", "solo")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let calls: u64 = cluster
+        .nodes
+        .iter()
+        .map(|n| n.command_calls("evalsha"))
+        .sum();
+    assert_eq!(calls, 4, "one EVALSHA per request");
 }
 
 #[test]
 fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
     let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, route: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(
-            &path,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}",
-                free_port()
-            ),
-        )
-        .unwrap();
-        path
-    };
-    let text = |path: &std::path::Path| {
-        let out = check_config(path, &[]);
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr),
+    let check = |route: &str| {
+        common::check_body(
+            dir.path(),
+            &format!("[redis]\nurl = \"redis://127.0.0.1:1\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}"),
+            &[],
         )
     };
-    let ok = write("ok.toml", &route(ceiling).toml());
-    let (success, out) = text(&ok);
+    let (success, out) = check(&route(ceiling).toml());
     assert!(success, "{out}");
     assert!(out.contains("2 limits, each must admit"), "{out}");
     assert!(
@@ -323,37 +338,27 @@ fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
         "{out}"
     );
 
-    let mixed = write(
-        "mixed.toml",
-        &route(|r| r.token_bucket(1_000_000, 0).bucket_limit("burst", 3, 0)).toml(),
-    );
-    let (success, out) = text(&mixed);
+    let (success, out) =
+        check(&route(|r| r.token_bucket(1_000_000, 0).bucket_limit("burst", 3, 0)).toml());
     assert!(
         !success && out.contains("is set beside [[routes.limits]]"),
         "{out}"
     );
 
-    let twice = write(
-        "twice.toml",
-        &route(|r| r.bucket_limit("burst", 3, 0).bucket_limit("burst", 4, 0)).toml(),
-    );
-    let (success, out) = text(&twice);
+    let (success, out) =
+        check(&route(|r| r.bucket_limit("burst", 3, 0).bucket_limit("burst", 4, 0)).toml());
     assert!(
         !success && out.contains("limits[1].name = \"burst\" is used twice"),
         "{out}"
     );
 
-    let bad = write(
-        "bad.toml",
-        &route(|r| {
+    let (success, out) = check(&route(|r| {
             r.limit(
                 "x",
                 "identity = \"client_ip\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000\nrefill_rate_micro_per_sec = 0",
             )
         })
-        .toml(),
-    );
-    let (success, out) = text(&bad);
+        .toml());
     assert!(!success, "{out}");
     assert!(
         out.contains("limits[0] (x).identity = \"client_ip\" is not supported"),

@@ -6,7 +6,7 @@
 mod common;
 
 use common::config::{quoted, GatewayConfig, Route};
-use common::{blocking_get, client, free_port, Redis, Upstream};
+use common::{blocking_get, client, Redis, Upstream};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -157,20 +157,10 @@ fn check_refuses_tiers_that_cannot_work() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("keys.toml"), entry("k", "a", None)).unwrap();
     let run = |route: &str| {
-        let path = dir.path().join("g.toml");
-        std::fs::write(
-            &path,
-            format!(
-                "[server]\nlisten = \"127.0.0.1:{}\"\n[redis]\nurl = \"redis://127.0.0.1:1\"\n[auth.api_keys]\nfile = \"keys.toml\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}",
-                free_port()
-            ),
-        )
-        .unwrap();
-        let out = common::check_config(&path, &[]);
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr),
+        common::check_body(
+            dir.path(),
+            &format!("[redis]\nurl = \"redis://127.0.0.1:1\"\n[auth.api_keys]\nfile = \"keys.toml\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{route}"),
+            &[],
         )
     };
     let (ok, out) = run(&(tiered().toml() + TIERS));
@@ -267,5 +257,31 @@ async fn a_token_claim_picks_the_tier() {
     assert_eq!(
         admitted(token("u5", serde_json::json!("internal"))).await,
         6
+    );
+}
+
+/// A tenant moved to another tier in the key file counts under the new tier after a reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_in_the_key_file_takes_effect_on_reload() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(&keys, entry("tenant-key", "a", None)).unwrap();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(tiered())
+        .section(TIERS)
+        .start();
+    assert_eq!(admitted(&gw, "tenant-key", 3).await, 2, "free");
+    std::fs::write(&keys, entry("tenant-key", "a", Some("pro"))).unwrap();
+    assert_eq!(gw.reload(), 200);
+    assert_eq!(
+        admitted(&gw, "tenant-key", 5).await,
+        4,
+        "pro: a bucket of its own"
     );
 }

@@ -50,6 +50,9 @@ pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigErro
             ));
         }
     }
+    if errors.is_empty() && crate::remote_jwks::verify_keys(&set).is_empty() {
+        errors.push(error(None, None, "the JWKS holds no key that verifies signatures (every key is marked \"use\": \"enc\", or pinned to an algorithm that signs nothing)".into()));
+    }
     if errors.is_empty() {
         Ok(set)
     } else {

@@ -470,6 +470,22 @@ pub fn blocking_get(url: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
+/// Runs `check` on a config of `[server] listen` (a free port) and `body`, written in `dir`
+/// (so files it names can sit beside it); whether it passed, and everything it printed.
+pub fn check_body(dir: &Path, body: &str, env: &[(&str, Option<&str>)]) -> (bool, String) {
+    let path = dir.join("check.toml");
+    std::fs::write(
+        &path,
+        format!("[server]\nlisten = \"127.0.0.1:{}\"\n{body}", free_port()),
+    )
+    .expect("write the config");
+    let out = check_config(&path, env);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
 /// Sends raw bytes and returns the status line's code, for requests a client library would
 /// refuse to build.
 pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
