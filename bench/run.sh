@@ -2,6 +2,7 @@
 # Load-test sentinel-gateway with oha, side by side with nginx, on loopback only.
 #
 #   bench/run.sh [SECONDS_PER_CELL] [ROUNDS]      (defaults 5 and 3)
+#   CELLS="2 2l 2t" CONNS=64 bench/run.sh 5 3      (only these cells, at these connection counts)
 #
 # Installs what it lacks (oha through cargo, nginx and redis-server through apt), builds in
 # release, starts every process on 127.0.0.1, runs each cell for a fixed time at 64 and 256
@@ -14,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-5}
 rounds=${2:-3}
+cells_wanted=${CELLS:-}
+conns_wanted=${CONNS:-64 256}
 work=$(mktemp -d /tmp/sentinel-bench.XXXXXX)
 pids=()
 cleanup() {
@@ -44,8 +47,8 @@ wait_port "$redis_port"; wait_port "$up_port"; wait_port "$hole_port"
 limited() { # endpoint_id path capacity_micro refill_micro [extra line] -> a token-bucket route
   printf '[[routes]]\nendpoint_id = "%s"\npath = "%s"\nupstream = "app"\nidentity = { header = "X-API-Key" }\nalgorithm = "token_bucket"\ncapacity_micro = %s\nrefill_rate_micro_per_sec = %s\n%b\n' "$@"
 }
-gateway() { # name redis_port failure_threshold [dedicated_io_thread] -> prints the proxy port
-  local name=$1 rport=$2 threshold=$3 dedicated=${4:-false} port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
+gateway() { # name redis_port failure_threshold [dedicated_io_thread] [extra toml] -> prints the proxy port
+  local name=$1 rport=$2 threshold=$3 dedicated=${4:-false} extra=${5:-} port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
   port=$(free_port); admin=$(free_port)
   {
     cat <<TOML
@@ -72,6 +75,7 @@ TOML
     limited bench.hot /hot 1_000_000 1_000_000 ""
     limited bench.open /fail-open "$big" "$fast" 'fail_mode = "fail_open"\nfallback_rate_per_process_micro = 1_000_000_000_000'
     limited bench.closed /fail-closed "$big" "$fast" 'fail_mode = "fail_closed"'
+    printf '%b\n' "$extra"
   } >"$work/$name.toml"
   RUST_LOG=error target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
   echo $! >"$work/$name.pid"
@@ -108,11 +112,23 @@ wait_port "$nginx_port"
 
 evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
 
-run() { # round cell label target path conns [oha args]; target: a port, or healthy/dedicated/dead/hole for a fresh gateway
+run() { # round cell label target path conns [oha args]; target: a port, or healthy/dedicated/dead/hole/logged/tls for a fresh gateway
   local round=$1 cell=$2 label=$3 target=$4 path=$5 conns=$6 port before after
   shift 6
+  if [[ -n $cells_wanted && " $cells_wanted " != *" $cell "* ]]; then return 0; fi
+  local scheme=http
   case $target in
     healthy) port=$(gateway healthy "$redis_port" 5) ;;
+    logged)
+      # The access log on: one JSON line per request to a file.
+      port=$(gateway logged "$redis_port" 5 false "[access_log]\npath = \"$work/access.log\"") ;;
+    tls)
+      # A TLS listener (the demo certificate for 127.0.0.1); oha does not verify it.
+      local tls_port
+      tls_port=$(free_port)
+      gateway tls "$redis_port" 5 false "[[server.tls]]\nlisten = \"127.0.0.1:$tls_port\"\ncert_path = \"$PWD/examples/tls/default.pem\"\nkey_path = \"$PWD/examples/tls/default.key\"" >/dev/null
+      wait_port "$tls_port"
+      port=$tls_port scheme=https ;;
     dedicated) port=$(gateway dedicated "$redis_port" 5 true) ;;
     dead)
       port=$(gateway dead "$dead_port" 5)
@@ -126,18 +142,20 @@ run() { # round cell label target path conns [oha args]; target: a port, or heal
       redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null ;;
     *) port=$target ;;
   esac
-  [[ $target == healthy || $target == dedicated ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
+  [[ $target == healthy || $target == dedicated || $target == logged ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
   before=$(evalsha)
-  oha -z "${secs}s" -c "$conns" "$@" --no-tui --output-format json -H 'X-API-Key: bench' "http://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
+  oha -z "${secs}s" -c "$conns" "$@" --insecure --no-tui --output-format json -H 'X-API-Key: bench' "$scheme://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
   after=$(evalsha)
-  case $target in healthy | dedicated | dead | hole) stop_gateway "$target" ;; esac
+  case $target in healthy | dedicated | dead | hole | logged | tls) stop_gateway "$target" ;; esac
   if [[ $target == hole ]]; then redis-cli -p "$hole_port" client unpause >/dev/null; fi
   echo "$round|$cell|$label|$conns|$((after - before))" >>"$work/cells"
 }
 for round in $(seq 1 "$rounds"); do
-  for conns in 64 256; do
+  for conns in $conns_wanted; do
     run "$round" 1 "demo upstream directly" "$up_port" /none "$conns"
     run "$round" 2 "gateway, algorithm none" healthy /none "$conns"
+    run "$round" 2l "gateway, none, access log on" logged /none "$conns"
+    run "$round" 2t "gateway, none, over TLS (HTTP/1.1)" tls /none "$conns"
     run "$round" 3 "gateway, token bucket, all allowed" healthy /allowed "$conns"
     run "$round" 3d "gateway, token bucket, dedicated io" dedicated /allowed "$conns"
     run "$round" 4 "gateway, hot identity over limit" healthy /hot "$conns"
@@ -148,6 +166,8 @@ for round in $(seq 1 "$rounds"); do
     # connections are not all held at once; latency counted from each request's scheduled
     # start). In cell 6 every connection's request is released on the same millisecond tick,
     # and its tail is the time it takes to forward that whole wave.
+    rate=1
+    [[ -z $cells_wanted || " $cells_wanted " == *" 6q "* ]] &&
     rate=$(python3 -c 'import json,sys; print(max(1, int(json.load(open(sys.argv[1]))["summary"]["requestsPerSec"]) // 2))' "$work/cell-$round-6-$conns.json")
     run "$round" 6q "gateway, black-holed, steady arrivals" hole /fail-open "$conns" -q "$rate" --latency-correction
     run "$round" 7 "nginx proxy_pass + limit_req" "$nginx_port" /none "$conns"

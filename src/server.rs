@@ -82,6 +82,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let connections = Arc::new(Connections::new(
         max_connections,
         server_cfg.header_read_timeout,
+        server_cfg.keepalive_timeout,
     ));
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
@@ -157,6 +158,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     })?;
     let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
+    control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader)));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));

@@ -123,7 +123,14 @@ impl AccessLog {
     }
 }
 
-/// The writer: lines in, written in batches, flushed whenever the queue runs dry.
+/// How long the writer rests between batches. It never blocks on the queue while requests
+/// come: a worker's `try_send` to a writer parked on the channel would wake it, a system call
+/// and a context switch per line; measured, that cost about a fifth of the plain proxy's
+/// throughput on two cores. Lines reach the file within this long.
+const WRITE_EVERY: Duration = Duration::from_millis(20);
+
+/// The writer: lines in, written in batches every `WRITE_EVERY` (and flushed), or as soon
+/// as a line comes after the queue was quiet for a while.
 fn write_lines(
     queue: Receiver<String>,
     mut sink: Option<Sink>,
@@ -131,12 +138,25 @@ fn write_lines(
     dropped: prometheus::IntCounter,
 ) {
     let mut failing = false;
+    let mut busy = false;
     loop {
-        let first = match queue.recv_timeout(Duration::from_millis(250)) {
-            Ok(line) => Some(line),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return,
+        // While lines come, take them in batches without waiting on the queue; once it has
+        // been quiet, wait on it (a lone request's line is written at once).
+        let first = if busy {
+            std::thread::sleep(WRITE_EVERY);
+            match queue.try_recv() {
+                Ok(line) => Some(line),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+        } else {
+            match queue.recv_timeout(Duration::from_millis(250)) {
+                Ok(line) => Some(line),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
         };
+        busy = first.is_some();
         if let Some(new) = next.lock().unwrap_or_else(|p| p.into_inner()).take() {
             if let Some(old) = sink.as_mut() {
                 let _ = old.flush();

@@ -291,10 +291,10 @@ impl ProxyHttp for Gateway {
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.head_complete();
         }
-        // The wait for the next request on this connection (HTTP/1.1); 0: no keep-alive.
-        match server.keepalive_timeout.as_secs() {
-            0 => session.set_keepalive(None),
-            idle => session.set_keepalive(Some(idle)),
+        // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs);
+        // 0: no keep-alive.
+        if server.keepalive_timeout.is_zero() {
+            session.set_keepalive(None);
         }
         let peer = session
             .client_addr()
