@@ -11,14 +11,24 @@ use std::time::{Duration, Instant};
 use common::config::{quoted, GatewayConfig, Route};
 use common::{blocking_get, client, free_port, wait_until, Proc, Redis, Upstream};
 
-/// A sentinel monitoring `master_port` as `mymaster`, quorum 1, down after 1 s.
+/// A sentinel monitoring `master_port` as `mymaster`, quorum 1, down after 1 s; with
+/// `password`, the sentinel itself requires it.
 fn sentinel(master_port: u16, dir: &std::path::Path) -> (Proc, u16) {
+    sentinel_with(master_port, dir, None)
+}
+
+fn sentinel_with(master_port: u16, dir: &std::path::Path, password: Option<&str>) -> (Proc, u16) {
     let port = free_port();
     let conf = dir.join("sentinel.conf");
+    let auth = password.map_or(String::new(), |p| format!("requirepass {p}\n"));
+    let url = match password {
+        Some(p) => format!("redis://:{p}@127.0.0.1:{port}"),
+        None => format!("redis://127.0.0.1:{port}"),
+    };
     std::fs::write(
         &conf,
         format!(
-            "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
+            "port {port}\nbind 127.0.0.1\ndir {}\n{auth}sentinel monitor mymaster 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
             dir.display()
         ),
     )
@@ -38,7 +48,7 @@ fn sentinel(master_port: u16, dir: &std::path::Path) -> (Proc, u16) {
         Duration::from_secs(10),
         "the sentinel to know the master",
         || {
-            redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            redis::Client::open(url.as_str())
                 .ok()
                 .and_then(|c| c.get_connection().ok())
                 .and_then(|mut c| {
@@ -158,6 +168,79 @@ async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
     );
     // The bucket of `a` was replicated before the kill: still exhausted.
     assert_eq!(statuses(&gw, "a", 1).await, [429]);
+}
+
+/// A manual failover (`SENTINEL FAILOVER`) while the old master stays up, with a sentinel
+/// that requires a password (`sentinel_password_env`): the gateway follows the switch, by the
+/// `+switch-master` message or the old master's READONLY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_failover_is_followed_through_a_password_protected_sentinel() {
+    let master = Redis::start();
+    let replica = Redis::start_with(
+        free_port(),
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    wait_until(Duration::from_secs(10), "the replica to sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.conn())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel_with(master.port, dir.path(), Some("s3ntinel-pw"));
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::empty()
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .redis(
+            "sentinel_urls",
+            format!(
+                "[{}]",
+                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
+            ),
+        )
+        .redis("sentinel_master", quoted("mymaster"))
+        .redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("s.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        )
+        .start_with_env(&[("TEST_SENTINEL_PASSWORD", "s3ntinel-pw")]);
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    let mut sentinel_conn =
+        redis::Client::open(format!("redis://:s3ntinel-pw@127.0.0.1:{sentinel_port}"))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+    // The sentinel must have discovered the replica before it can promote it.
+    wait_until(Duration::from_secs(15), "the sentinel to fail over", || {
+        redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg("mymaster")
+            .query::<String>(&mut sentinel_conn)
+            .is_ok()
+    });
+    wait_until(
+        Duration::from_secs(20),
+        "the gateway on the promoted replica",
+        || readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{}", replica.port),
+    );
+    let mut recovered = false;
+    for _ in 0..50 {
+        if statuses(&gw, "b", 1).await == [200] {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "decisions on the new master");
+    assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
+    assert!(replica.limiter_calls() >= 3);
 }
 
 #[test]
