@@ -65,6 +65,55 @@ fn sentinel_with(master_port: u16, dir: &std::path::Path, password: Option<&str>
     (proc, port)
 }
 
+/// A master and its replica, once the replica has synced.
+fn replicated() -> (Redis, Redis) {
+    let master = Redis::start();
+    let replica = Redis::start_with(
+        free_port(),
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    wait_until(Duration::from_secs(10), "the replica to sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.conn())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    });
+    (master, replica)
+}
+
+/// A gateway on the master `sentinel_port`'s sentinel names, with one limited route: 3
+/// requests per `X-API-Key`, never refilled, fail_closed.
+fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common::Gateway {
+    let mut config = GatewayConfig::empty()
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .redis(
+            "sentinel_urls",
+            format!(
+                "[{}]",
+                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
+            ),
+        )
+        .redis("sentinel_master", quoted("mymaster"))
+        .breaker(3, 1)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("s.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        );
+    match password {
+        None => config.start(),
+        Some(p) => {
+            config = config.redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"));
+            config.start_with_env(&[("TEST_SENTINEL_PASSWORD", p)])
+        }
+    }
+}
+
 async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
     let http = client();
     let mut out = Vec::new();
@@ -87,42 +136,11 @@ fn readyz(gw: &common::Gateway) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
-    let mut master = Redis::start();
-    let replica = Redis::start_with(
-        free_port(),
-        &["--replicaof", "127.0.0.1", &master.port.to_string()],
-    );
-    wait_until(Duration::from_secs(10), "the replica to sync", || {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut replica.conn())
-            .unwrap_or_default();
-        info.contains("master_link_status:up")
-    });
+    let (mut master, replica) = replicated();
     let dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
-    let gw = GatewayConfig::empty()
-        .server("threads", "2")
-        .redis("timeout_ms", "50")
-        .redis(
-            "sentinel_urls",
-            format!(
-                "[{}]",
-                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
-            ),
-        )
-        .redis("sentinel_master", quoted("mymaster"))
-        .breaker(3, 1)
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("s.api")
-                .prefix("/api")
-                .identity_header("X-API-Key")
-                .token_bucket(3_000_000, 0)
-                .fail_closed(),
-        )
-        .start();
+    let gw = gateway(sentinel_port, &up, None);
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
     assert_eq!(
         readyz(&gw)["redis_sentinel_master"]["addr"],
@@ -175,42 +193,11 @@ async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
 /// `+switch-master` message or the old master's READONLY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manual_failover_is_followed_through_a_password_protected_sentinel() {
-    let master = Redis::start();
-    let replica = Redis::start_with(
-        free_port(),
-        &["--replicaof", "127.0.0.1", &master.port.to_string()],
-    );
-    wait_until(Duration::from_secs(10), "the replica to sync", || {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut replica.conn())
-            .unwrap_or_default();
-        info.contains("master_link_status:up")
-    });
+    let (master, replica) = replicated();
     let dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_port) = sentinel_with(master.port, dir.path(), Some("s3ntinel-pw"));
     let up = Upstream::start("app");
-    let gw = GatewayConfig::empty()
-        .server("threads", "2")
-        .redis("timeout_ms", "50")
-        .redis(
-            "sentinel_urls",
-            format!(
-                "[{}]",
-                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
-            ),
-        )
-        .redis("sentinel_master", quoted("mymaster"))
-        .redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"))
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("s.api")
-                .prefix("/api")
-                .identity_header("X-API-Key")
-                .token_bucket(3_000_000, 0)
-                .fail_closed(),
-        )
-        .start_with_env(&[("TEST_SENTINEL_PASSWORD", "s3ntinel-pw")]);
+    let gw = gateway(sentinel_port, &up, Some("s3ntinel-pw"));
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
     let mut sentinel_conn =
         redis::Client::open(format!("redis://:s3ntinel-pw@127.0.0.1:{sentinel_port}"))

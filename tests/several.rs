@@ -494,6 +494,11 @@ async fn the_charge_never_delays_the_answer_even_when_redis_is_gone() {
         .route(ocr().fail_open(100_000_000))
         .start();
     assert_eq!(ocr_call(&gw, "t", "1").await.status(), 200);
+    // Its charge is sent after the answer: let it land before Redis is frozen.
+    common::wait_until(Duration::from_secs(2), "the first charge", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
+            == 1.0
+    });
     // Freeze Redis: decisions degrade (fail_open admits on the emergency bucket); no charge
     // is attempted for an admission Redis did not make, and no answer waits for one.
     redis.proc.signal("STOP");
