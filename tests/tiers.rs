@@ -191,6 +191,14 @@ fn check_refuses_tiers_that_cannot_work() {
         !ok && out.contains("tiers.pro is unlimited and has limits"),
         "{out}"
     );
+
+    // A tier limit the route's cost can never fit.
+    let too_small = tiered().set("cost_micro", "2_000_000").toml() + "\n[[routes.tiers.pro.limits]]\nname = \"b\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
+    let (ok, out) = run(&too_small);
+    assert!(
+        !ok && out.contains("(tiers.pro limits b) can never be admitted"),
+        "{out}"
+    );
 }
 
 /// `tier_from = { claim = "plan" }`: the token's string claim picks the tier; a token

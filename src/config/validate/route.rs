@@ -640,6 +640,17 @@ fn policy(
     for (at, algorithm) in &every {
         cost_fits(c, label, r, cost, *algorithm, at);
     }
+    // Each tier's own limits take the route's cost too.
+    if let Some(Some(plan)) = &tiers {
+        for (name, t) in &plan.tiers {
+            if let TierLimits::Limits(limits) = t {
+                for l in limits {
+                    let at = format!(" (tiers.{name} limits {})", l.name);
+                    cost_fits(c, label, r, cost, l.algorithm, &at);
+                }
+            }
+        }
+    }
     let version = int_in(
         c,
         label,
