@@ -180,3 +180,71 @@ local function sw_adjust(key, limit, window, amount, now)
   local left = math.max(0, idiv(limit * window - p * (window - elapsed) - c * window, window))
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
+
+-- Several limits of one request, decided together (lua/limits_multi.lua says what the
+-- modes do): keys KEYS[k0 + 1 .. k0 + n], the mode at ARGV[a0 + 1], then four arguments
+-- per key. Returns one reply() group per key, joined by spaces.
+local function several(k0, n, a0, now)
+  local mode = tonumber(ARGV[a0 + 1])
+  local out = {}
+
+  local function arg(i, j) return tonumber(ARGV[a0 + 1 + 4 * (i - 1) + j]) end
+  local function key(i) return KEYS[k0 + i] end
+
+  if mode == 0 then
+    local results = {}
+    local admitted = true
+    for i = 1, n do
+      local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
+      local r
+      if kind == 1 then
+        r = { token_bucket(key(i), a, b, cost, now) }
+      else
+        r = { sliding_window(key(i), a, b, cost, now) }
+      end
+      results[i] = r
+      if r[1] == 0 then admitted = false end
+    end
+    for i = 1, n do
+      local r = results[i]
+      if admitted then
+        r[6]()
+      elseif r[1] == 1 then
+        -- Not charged: what is there now is what it would have had before this request.
+        r[2] = r[2] + arg(i, 4)
+      end
+      out[i] = reply(r[1], r[2], r[3], r[4], now, r[5])
+    end
+  else
+    for i = 1, n do
+      local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
+      local allowed, left, retry, reset, wait
+      if kind == 1 then
+        local amount = cost
+        if mode == 2 then amount = -cost end
+        allowed, left, retry, reset, wait = tb_adjust(key(i), a, b, amount, now)
+      elseif mode == 1 then
+        allowed, left, retry, reset, wait = sw_adjust(key(i), a, b, cost, now)
+      else
+        local index, elapsed, c, p = sw_read(key(i), b, now)
+        allowed, left, retry, reset, wait = 1, math.max(0, a - c), 0, ceil_div(b - elapsed, MICRO), 0
+      end
+      out[i] = reply(allowed, left, retry, reset, now, wait)
+    end
+  end
+  return table.concat(out, ' ')
+end
+
+-- One decision of the single-limit scripts: kind 1 token bucket (capacity, refill, cost),
+-- kind 2 sliding window (limit, window, cost); writes when admitted. Returns its reply().
+local function decide(kind, key, x, y, z, now)
+  local allowed, left, retry, reset, wait, write
+  if kind == 1 then
+    allowed, left, retry, reset, wait, write = token_bucket(key, x, y, z, now)
+    if write then reset = write() end
+  else
+    allowed, left, retry, reset, wait, write = sliding_window(key, x, y, z, now)
+    if write then write() end
+  end
+  return reply(allowed, left, retry, reset, now, wait)
+end

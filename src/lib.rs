@@ -20,3 +20,10 @@ pub mod snapshot;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+
+/// The global allocator of the gateway's binaries (`src/main.rs`, and the bare proxy it is
+/// measured against, `bench/bare_proxy.rs`): mimalloc, chosen by measurement
+/// (docs/benchmarks.md, "The allocator").
+pub type Allocator = mimalloc::MiMalloc;
+/// The allocator's value, for `#[global_allocator]`.
+pub const ALLOCATOR: Allocator = mimalloc::MiMalloc;

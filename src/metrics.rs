@@ -32,6 +32,7 @@ pub struct Metrics {
     degraded: IntCounterVec,
     store_errors: IntCounterVec,
     pub redis_duration: Histogram,
+    pub redis_batch_size: Histogram,
     pub breaker_state: IntGauge,
     breaker_transitions: IntCounterVec,
     requests: IntCounterVec,
@@ -231,6 +232,17 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let redis_batch_size = register(
+            &r,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "sentinel_redis_batch_size",
+                    "Decisions carried by one batched Redis call.",
+                )
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+            )
+            .expect("valid"),
+        );
         let breaker_state = register(
             &r,
             IntGauge::new(
@@ -332,6 +344,7 @@ impl Metrics {
             degraded,
             store_errors,
             redis_duration,
+            redis_batch_size,
             breaker_state,
             breaker_transitions,
             redis_node_breaker_state,

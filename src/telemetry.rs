@@ -25,7 +25,8 @@ pub fn init() {
 /// Pingora logs at ERROR what a client alone causes: a connection closed in the middle of a
 /// request head, a reset, a failed TLS or HTTP/2 handshake, a malformed chunk. A client can
 /// produce those at will, so they would drown the lines that need an operator; they are
-/// passed on at DEBUG. Everything else from Pingora keeps its level.
+/// passed on at DEBUG, as is one line about Pingora's own upstream pool that is no fault (see
+/// [`client_caused`]). Everything else from Pingora keeps its level.
 struct PingoraLog(tracing_log::LogTracer);
 
 impl log::Log for PingoraLog {
@@ -61,9 +62,12 @@ impl log::Log for PingoraLog {
 }
 
 /// Whether a Pingora message is about something the client did: Pingora marks errors that
-/// come from the downstream side with "Downstream", and names the handshakes.
+/// come from the downstream side with "Downstream", and names the handshakes. Also "failed to
+/// acquire reusable stream": an idle upstream connection that Pingora's pool was still
+/// watching when a request asked for it; the request opens a new one and nothing fails.
 fn client_caused(message: &str) -> bool {
     const CLIENT: &[&str] = &[
+        "failed to acquire reusable stream",
         "Downstream ",
         "downstream handshake",
         "Downstream handshake",
@@ -85,6 +89,7 @@ mod tests {
             "Downstream handshake error from 127.0.0.1:45012:  TLSHandshakeFailure",
             "H2 handshake error  HandshakeError context: while h2 handshaking with client cause: Broken pipe",
             "failed to send error response to downstream: Broken pipe",
+            "failed to acquire reusable stream",
         ] {
             assert!(client_caused(m), "{m}");
         }

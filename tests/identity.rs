@@ -83,7 +83,6 @@ async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis(
     keys.sort();
     assert_eq!(redis.keys("sentinel:*"), keys);
 
-    gw.wait_connection_moved();
     redis.reset_stats();
     let forged = [
         format!(

@@ -12,7 +12,9 @@ use proptest::test_runner::{Config, TestRunner};
 use sentinel_gateway::decision::sliding_window::{Outcome, Window, WindowState};
 use sentinel_gateway::decision::token_bucket::{Bucket, BucketState, Take};
 use sentinel_gateway::decision::ScriptReply;
-use sentinel_gateway::store::script::{LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use sentinel_gateway::store::script::{
+    BATCH_LUA, LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+};
 
 /// Runs a script and returns its six integers; the gateway's parser must read the same answer.
 fn eval(conn: &mut redis::Connection, script: &str, key: &str, args: [u64; 3]) -> Vec<i64> {
@@ -390,4 +392,176 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         [limit, window, 1],
     );
     assert_eq!(r[0], 0);
+}
+
+/// One decision of a batch in the batch test: which of the two token buckets, the sliding
+/// window, or both buckets together as a several-limits decision, and its cost in requests.
+#[derive(Debug, Clone, Copy)]
+enum Member {
+    Bucket(usize, u64),
+    Window(u64),
+    Both,
+    /// A key that holds a string: its decision fails alone.
+    Broken,
+}
+
+fn member() -> impl Strategy<Value = Member> {
+    prop_oneof![
+        4 => (0usize..2, 1u64..3).prop_map(|(b, c)| Member::Bucket(b, c)),
+        2 => (1u64..3).prop_map(Member::Window),
+        2 => Just(Member::Both),
+        1 => Just(Member::Broken),
+    ]
+}
+
+/// The batch script against the models: decisions that waited together are decided in
+/// order at one Redis TIME, each as its own script would have (several-limits all or
+/// nothing included), and a broken key fails its own decision only.
+#[test]
+fn batch_script_decides_in_order_as_the_models() {
+    let redis = common::Redis::start();
+    let conn = std::cell::RefCell::new(redis.conn());
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        ..Config::default()
+    });
+    let strategy = (
+        (1u64..8, prop_oneof![Just(0u64), 1u64..3_000_000_000]),
+        (1u64..8, 1_000u64..40_000),
+        prop::collection::vec((0u64..3_000, prop::collection::vec(member(), 1..12)), 1..8),
+    );
+    let case = std::cell::Cell::new(0u64);
+    runner
+        .run(
+            &strategy,
+            |((capacity, rate), (limit, window_us), batches)| {
+                case.set(case.get() + 1);
+                let mut conn = conn.borrow_mut();
+                let key = |name: &str| format!("model:batch:{}:{name}", case.get());
+                let (buckets, window, broken) = ([key("b0"), key("b1")], key("w"), key("x"));
+                let _: () = redis::cmd("SET")
+                    .arg(&broken)
+                    .arg("x")
+                    .query(&mut *conn)
+                    .unwrap();
+                let bucket = Bucket {
+                    capacity: capacity * 1_000_000,
+                    rate_per_sec: rate,
+                };
+                let model_window = Window { limit, window_us };
+                let mut states: [Option<BucketState>; 2] = [None, None];
+                let mut window_state: Option<WindowState> = None;
+                for (pause_us, members) in &batches {
+                    std::thread::sleep(Duration::from_micros(*pause_us));
+                    let (mut keys, mut args): (Vec<&str>, Vec<u64>) = (Vec::new(), Vec::new());
+                    for m in members {
+                        match *m {
+                            Member::Bucket(b, cost) => {
+                                keys.push(&buckets[b]);
+                                args.extend([1, bucket.capacity, rate, cost * 1_000_000]);
+                            }
+                            Member::Window(cost) => {
+                                keys.push(&window);
+                                args.extend([2, limit, window_us, cost]);
+                            }
+                            Member::Both => {
+                                keys.extend([buckets[0].as_str(), buckets[1].as_str()]);
+                                args.extend([3, 2, 0]);
+                                args.extend([1, bucket.capacity, rate, 1_000_000]);
+                                args.extend([1, bucket.capacity, rate, 1_000_000]);
+                            }
+                            Member::Broken => {
+                                keys.push(&broken);
+                                args.extend([1, bucket.capacity, rate, 1_000_000]);
+                            }
+                        }
+                    }
+                    let reply: String = redis::cmd("EVAL")
+                        .arg(BATCH_LUA)
+                        .arg(keys.len())
+                        .arg(&keys)
+                        .arg(&args)
+                        .query(&mut *conn)
+                        .expect("the batch script runs");
+                    let answers: Vec<&str> = reply.split('\n').collect();
+                    prop_assert_eq!(
+                        answers.len(),
+                        members.len(),
+                        "one answer per decision: {:?}",
+                        reply
+                    );
+                    let mut now = None;
+                    for (m, answer) in members.iter().zip(&answers) {
+                        if let Member::Broken = m {
+                            prop_assert!(answer.starts_with("E WRONGTYPE"), "{}", answer);
+                            continue;
+                        }
+                        let n = if let Member::Both = m { 2 } else { 1 };
+                        let parsed = ScriptReply::parse_many(answer.as_bytes(), n)
+                            .unwrap_or_else(|| panic!("the gateway reads {answer:?}"));
+                        let at = parsed[0].now_us;
+                        prop_assert!(now.is_none_or(|t| t == at), "one TIME for the batch");
+                        now = Some(at);
+                        match *m {
+                            Member::Bucket(b, cost) => {
+                                match bucket.take(states[b], cost * 1_000_000, at) {
+                                    Take::Admitted { state } => {
+                                        prop_assert!(parsed[0].allowed, "bucket {} admits", b);
+                                        prop_assert_eq!(parsed[0].remaining, state.tokens as i64);
+                                        states[b] = Some(state);
+                                    }
+                                    Take::Denied { tokens, .. } => {
+                                        prop_assert!(!parsed[0].allowed, "bucket {} denies", b);
+                                        prop_assert_eq!(parsed[0].remaining, tokens as i64);
+                                    }
+                                }
+                            }
+                            Member::Window(cost) => match model_window.take(window_state, cost, at)
+                            {
+                                Outcome::Admitted { state, left } => {
+                                    prop_assert!(parsed[0].allowed, "the window admits");
+                                    prop_assert_eq!(parsed[0].remaining, left as i64);
+                                    window_state = Some(state);
+                                }
+                                Outcome::Denied { .. } => {
+                                    prop_assert!(!parsed[0].allowed, "the window denies")
+                                }
+                            },
+                            Member::Both => {
+                                let t = [
+                                    bucket.take(states[0], 1_000_000, at),
+                                    bucket.take(states[1], 1_000_000, at),
+                                ];
+                                let all = t.iter().all(|t| matches!(t, Take::Admitted { .. }));
+                                for (i, t) in t.iter().enumerate() {
+                                    prop_assert_eq!(
+                                        parsed[i].allowed,
+                                        matches!(t, Take::Admitted { .. })
+                                    );
+                                    if let (true, Take::Admitted { state }) = (all, t) {
+                                        states[i] = Some(*state);
+                                    }
+                                }
+                            }
+                            Member::Broken => unreachable!(),
+                        }
+                    }
+                    for (b, key) in buckets.iter().enumerate() {
+                        let stored: Option<u64> = redis::cmd("HGET")
+                            .arg(key)
+                            .arg("t")
+                            .query(&mut *conn)
+                            .unwrap();
+                        prop_assert_eq!(
+                            stored,
+                            states[b].map(|s| s.tokens),
+                            "bucket {}'s stored state",
+                            b
+                        );
+                    }
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
 }

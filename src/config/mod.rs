@@ -109,6 +109,8 @@ pub struct RedisConfig {
     /// Drive the Redis connections on a thread of their own rather than on the proxy's
     /// workers: a decision then never queues behind saturated workers for its reply.
     pub dedicated_io_thread: bool,
+    /// The most decisions one batched call carries; 1 sends each decision alone.
+    pub batch_max: usize,
     /// Credentials and TLS, for every node.
     pub access: RedisAccess,
 }

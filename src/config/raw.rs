@@ -83,6 +83,7 @@ pub struct RawRedis {
     pub key_prefix: Option<Spanned<String>>,
     pub require_noeviction: Option<bool>,
     pub dedicated_io_thread: Option<bool>,
+    pub batch_max: Option<Spanned<i64>>,
     pub username: Option<Spanned<String>>,
     pub password_env: Option<Spanned<String>>,
     pub sentinel_urls: Option<Spanned<Vec<Spanned<String>>>>,

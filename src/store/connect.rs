@@ -108,7 +108,9 @@ impl Connector {
         let node = target.node.clone();
         self.breakers.metrics().redis_node(&node, Some(false));
         let breaker = self.breakers.breaker(Some(node));
-        let link = Arc::new(Link::new(target, breaker, Some(Arc::clone(refresh))));
+        let mut link = Link::new(target, breaker, Some(Arc::clone(refresh)));
+        link.in_cluster = true;
+        let link = Arc::new(link);
         self.runtime
             .spawn(Arc::clone(self).keep_connected(Arc::clone(&link)));
         link
@@ -371,9 +373,14 @@ impl Connector {
                 // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
                 Err(e) => {
                     tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
-                    break;
+                    return Ok(opened);
                 }
             }
+        }
+        match self.scripts.batch(link.in_cluster).load(conn).await {
+            Ok(_) => link.turns.accept(),
+            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+            Err(e) => link.turns.refuse(&target.node, &e),
         }
         Ok(opened)
     }

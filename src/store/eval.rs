@@ -77,10 +77,39 @@ pub(super) struct Call<'a> {
 }
 
 /// Where one evaluation stands after asking one node.
-enum Step {
-    Reply(Value),
+pub(super) enum Step {
+    Reply(Reply),
     Failed(Failure),
     Redirect(Redirect),
+}
+
+/// A script's answer: a call's own, or one decision's part of a batch's answer.
+pub(super) enum Reply {
+    Value(Value),
+    Part(Arc<Vec<u8>>, std::ops::Range<usize>),
+}
+
+impl Reply {
+    /// The answer's bytes, when it is the one bulk string every script answers.
+    fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            Reply::Value(Value::BulkString(bytes)) => Some(bytes),
+            Reply::Value(_) => None,
+            Reply::Part(bytes, range) => bytes.get(range.clone()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.bytes() {
+            Some(bytes) => write!(f, "{:?}", String::from_utf8_lossy(bytes)),
+            None => match self {
+                Reply::Value(v) => write!(f, "{v:?}"),
+                Reply::Part(..) => write!(f, "(a part out of range)"),
+            },
+        }
+    }
 }
 
 impl Store {
@@ -111,16 +140,12 @@ impl Store {
         let started = Instant::now();
         let result = self.eval(link, script, call, probe).await;
         link.suspect
-            .store(result == Err(Failure::Timeout), Ordering::Relaxed);
+            .store(matches!(result, Err(Failure::Timeout)), Ordering::Relaxed);
         self.inner
             .redis_duration
             .observe(started.elapsed().as_secs_f64());
         let reply = result.and_then(|v| {
-            let parsed = match &v {
-                Value::BulkString(bytes) => parse(bytes),
-                _ => None,
-            };
-            parsed.ok_or_else(|| {
+            v.bytes().and_then(parse).ok_or_else(|| {
                 tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
                 Failure::Rejected
             })
@@ -166,17 +191,29 @@ impl Store {
         script: &Script,
         call: Call<'_>,
         probe: bool,
-    ) -> Result<Value, Failure> {
+    ) -> Result<Reply, Failure> {
         let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
+        let timer = timer_for(budget);
+        let deadline = Instant::now() + timer;
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
             let mut asking = false;
             for hop in 0..=MAX_REDIRECTS {
-                let redirect = match self
-                    .eval_on(&link, script, call, probe && hop == 0, asking)
-                    .await
-                {
+                // The first ask takes its turn on the node's connection (batch.rs); a probe
+                // goes alone, as does a decision a batch could not carry.
+                let batched = match probe && hop == 0 {
+                    false if hop == 0 => self.in_turn(&link, call, deadline).await,
+                    _ => None,
+                };
+                let step = match batched {
+                    Some(step) => step,
+                    None => {
+                        self.eval_on(&link, script, call, probe && hop == 0, asking)
+                            .await
+                    }
+                };
+                let redirect = match step {
                     Step::Reply(v) => return Ok(v),
                     Step::Failed(f) => return Err(f),
                     Step::Redirect(r) => r,
@@ -207,13 +244,13 @@ impl Store {
             );
             Err(Failure::Unavailable)
         };
-        tokio::time::timeout(timer_for(budget), attempt)
+        tokio::time::timeout(timer, attempt)
             .await
             .unwrap_or(Err(Failure::Timeout))
     }
 
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
-    async fn eval_on(
+    pub(super) async fn eval_on(
         &self,
         link: &Arc<Link>,
         script: &Script,
@@ -228,7 +265,7 @@ impl Store {
         };
         let mut c = (*conn).clone();
         let step = |r: redis::RedisResult<Value>| match r {
-            Ok(v) => Step::Reply(v),
+            Ok(v) => Step::Reply(Reply::Value(v)),
             Err(e) => match redirect(&e) {
                 Some(r) => Step::Redirect(r),
                 None => Step::Failed(self.failed(link, &conn, key, &e)),
@@ -254,7 +291,7 @@ impl Store {
     /// Acts on what an error means: a broken connection is forgotten (its loss counted
     /// once), a broken key logged for the operator, a rejected command logged as the bug it
     /// is, a node that cannot serve makes a cluster look at its map again.
-    fn failed(
+    pub(super) fn failed(
         &self,
         link: &Link,
         conn: &Arc<MultiplexedConnection>,
@@ -262,9 +299,29 @@ impl Store {
         e: &RedisError,
     ) -> Failure {
         let failure = classify(e);
+        if failure == Failure::ConnectionLost {
+            link.forget(conn, e);
+        }
+        self.report(link, failure, key, e)
+    }
+
+    /// As [`Store::failed`], for the error one decision of a batch met (`"CODE detail"`).
+    pub(super) fn failed_reply(&self, link: &Link, key: &str, error: &str) -> Failure {
+        let (code, detail) = error.split_once(' ').unwrap_or((error, ""));
+        self.report(link, Failure::of_reply(code, detail), key, &error)
+    }
+
+    /// Logs what an error reply means for the operator, and acts on it.
+    fn report(
+        &self,
+        link: &Link,
+        failure: Failure,
+        key: &str,
+        e: &dyn std::fmt::Display,
+    ) -> Failure {
         match failure {
             Failure::Timeout | Failure::Noscript | Failure::NotConnected => {}
-            Failure::ConnectionLost => link.forget(conn, e),
+            Failure::ConnectionLost => {}
             Failure::BrokenKey => self.inner.broken_keys.report(key, e),
             Failure::Rejected => {
                 tracing::error!(error = %e, "redis rejected the limiter's command: this is a bug, not an outage");

@@ -92,6 +92,10 @@ pub(super) struct Link {
     unavailable_logged: std::sync::atomic::AtomicU64,
     made: std::time::Instant,
     pub(super) breaker: Breaker,
+    /// Whose turn it is on the connection, and the decisions waiting for the next call.
+    pub(super) turns: super::batch::Turns,
+    /// A primary of a Redis Cluster (its batches may span several slots).
+    pub(super) in_cluster: bool,
     /// In a cluster, the slot map's refresher: woken when the connection is lost (a replica
     /// may be taking over).
     refresh: Option<Arc<Notify>>,
@@ -112,6 +116,8 @@ impl Link {
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
             made: std::time::Instant::now(),
             breaker,
+            turns: Default::default(),
+            in_cluster: false,
             refresh,
         }
     }

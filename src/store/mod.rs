@@ -12,6 +12,7 @@
 //! `cluster.rs` + `slots.rs` (the slot map), `eval.rs` (the evaluation loop and the
 //! classification of failures), `script.rs` (the Lua), `breakers.rs` (the breakers' sum).
 
+mod batch;
 mod breakers;
 mod broken_keys;
 mod cluster;
@@ -59,6 +60,10 @@ struct Inner {
     heartbeat: redis::Script,
     errors: StoreErrorCounters,
     redis_duration: prometheus::Histogram,
+    /// `sentinel_redis_batch_size`: decisions per batched call.
+    batch_size: prometheus::Histogram,
+    /// `[redis] batch_max`: the most decisions one call carries (1: no batching).
+    batch_max: std::sync::atomic::AtomicUsize,
     connector: Arc<Connector>,
     layout: Layout,
     broken_keys: BrokenKeys,
@@ -156,6 +161,8 @@ impl Store {
             heartbeat: redis::Script::new(HEARTBEAT_LUA),
             errors: metrics.store_errors(),
             redis_duration: metrics.redis_duration.clone(),
+            batch_size: metrics.redis_batch_size.clone(),
+            batch_max: std::sync::atomic::AtomicUsize::new(config.batch_max),
             connector,
             layout,
             broken_keys: BrokenKeys::default(),
@@ -177,6 +184,9 @@ impl Store {
     /// the field that says so, and keeps the current store.
     pub fn retarget(&self, config: &RedisConfig) -> std::io::Result<Option<&'static str>> {
         self.set_budget(config.timeout);
+        self.inner
+            .batch_max
+            .store(config.batch_max, Ordering::Relaxed);
         let connector = &self.inner.connector;
         connector.set_require_noeviction(config.require_noeviction);
         match (&self.inner.layout, &config.target) {
@@ -231,6 +241,11 @@ impl Store {
     /// The budget of one evaluation (`[redis] timeout_ms`).
     pub fn budget(&self) -> Duration {
         Duration::from_micros(self.inner.budget_us.load(Ordering::Relaxed))
+    }
+
+    /// `[redis] batch_max`.
+    fn batch_max(&self) -> usize {
+        self.inner.batch_max.load(Ordering::Relaxed)
     }
 
     fn set_budget(&self, budget: Duration) {

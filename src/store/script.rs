@@ -18,6 +18,19 @@ pub const LIMITS_LUA: &str = concat!(
     include_str!("../../lua/limits.lua"),
     include_str!("../../lua/limits_multi.lua")
 );
+pub const BATCH_LUA: &str = concat!(
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
+    include_str!("../../lua/batch.lua")
+);
+/// The batch script as a cluster node runs it: its decisions' keys may lie in several slots
+/// of the node (Redis 7).
+pub const BATCH_CLUSTER_LUA: &str = concat!(
+    "#!lua flags=allow-cross-slot-keys\n",
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
+    include_str!("../../lua/batch.lua")
+);
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
 
 /// The limiter scripts.
@@ -37,12 +50,14 @@ pub(super) struct Script {
     body: &'static str,
 }
 
-/// The two limiter scripts, their hashes computed once.
+/// The limiter scripts, their hashes computed once.
 #[derive(Clone)]
 pub(super) struct Scripts {
     pub(super) token_bucket: Script,
     pub(super) sliding_window: Script,
     pub(super) limits: Script,
+    batch: Script,
+    batch_cluster: Script,
 }
 
 impl Scripts {
@@ -51,6 +66,17 @@ impl Scripts {
             token_bucket: Script::new(TOKEN_BUCKET_LUA),
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
             limits: Script::new(LIMITS_LUA),
+            batch: Script::new(BATCH_LUA),
+            batch_cluster: Script::new(BATCH_CLUSTER_LUA),
+        }
+    }
+
+    /// `lua/batch.lua`, for one Redis or for a cluster node.
+    pub(super) fn batch(&self, cluster: bool) -> &Script {
+        if cluster {
+            &self.batch_cluster
+        } else {
+            &self.batch
         }
     }
 

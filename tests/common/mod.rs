@@ -385,20 +385,6 @@ impl Gateway {
             .unwrap_or(0)
     }
 
-    /// After the first limited request the gateway moves its Redis connection onto the proxy
-    /// workers (a new connection, which loads the scripts again); tests that count Redis
-    /// commands wait for that first.
-    pub fn wait_connection_moved(&self) {
-        wait_until(
-            Duration::from_secs(5),
-            "the Redis connection to move",
-            || {
-                self.logs()
-                    .contains("redis connection now driven by the proxy workers")
-            },
-        );
-    }
-
     pub fn proc_alive(&mut self) -> bool {
         matches!(self.proc.child.try_wait(), Ok(None))
     }

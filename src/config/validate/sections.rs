@@ -410,7 +410,17 @@ pub(super) fn redis(
         }
     };
     let require_noeviction = r.and_then(|r| r.require_noeviction).unwrap_or(true);
-    let dedicated_io_thread = r.and_then(|r| r.dedicated_io_thread).unwrap_or(false);
+    let dedicated_io_thread = r.and_then(|r| r.dedicated_io_thread).unwrap_or(true);
+    let batch_max = int_in(
+        c,
+        None,
+        "redis.batch_max",
+        r.and_then(|r| r.batch_max.as_ref()),
+        64,
+        (1, 256),
+        " decisions per call (1 sends each decision alone)",
+    )
+    .map(|n| n as usize);
     let access = target.as_ref().and_then(|t| redis_access(c, r, t, config));
     Some(RedisConfig {
         target: target?,
@@ -419,6 +429,7 @@ pub(super) fn redis(
         key_prefix: key_prefix?,
         require_noeviction,
         dedicated_io_thread,
+        batch_max: batch_max?,
         access: access?,
     })
 }

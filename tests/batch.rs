@@ -1,0 +1,244 @@
+//! Decisions in flight together on one Redis share one `EVALSHA` (contract section 14), and
+//! each keeps its own exact outcome, reason and budget: many identities under concurrency are
+//! admitted exactly, a broken key fails its own decisions only, a stall fails each decision
+//! at its own deadline, and `batch_max = 1` sends every decision alone.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::config::{GatewayConfig, Route};
+use common::{client, Gateway, Redis, Upstream};
+use sentinel_gateway::limiter::bucket_key;
+
+/// `/closed` (fail_closed) and `/open` (fail_open) keyed by `X-API-Key`, `capacity` requests
+/// each that never refill.
+fn config(redis: &Redis, up: &Upstream, capacity: u64) -> GatewayConfig {
+    GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_closed(),
+        )
+        .route(
+            Route::new("t.open")
+                .prefix("/open")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_open(1_000_000_000),
+        )
+}
+
+/// `clients` connections at once, each sending `each` requests to `path` with the keys
+/// `key(client, i)`; every (key, status) answered.
+async fn load(
+    gw: &Gateway,
+    path: &str,
+    clients: usize,
+    each: usize,
+    key: fn(usize, usize) -> String,
+) -> Vec<(String, u16)> {
+    let url = gw.url(path);
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let http = client();
+                let mut seen = Vec::new();
+                for i in 0..each {
+                    let k = key(c, i);
+                    let r = http.get(&url).header("X-API-Key", &k).send().await;
+                    seen.push((k, r.map(|r| r.status().as_u16()).unwrap_or(0)));
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("client task"));
+    }
+    all
+}
+
+fn admitted_per_key(answers: &[(String, u16)]) -> std::collections::BTreeMap<String, usize> {
+    let mut per = std::collections::BTreeMap::new();
+    for (k, s) in answers {
+        assert!(matches!(s, 200 | 429), "{k}: {s}");
+        *per.entry(k.clone()).or_default() += usize::from(*s == 200);
+    }
+    per
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_identities_in_flight_together_share_calls_and_are_admitted_exactly() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis, &up, 5).start();
+    // A Redis that stalls now and then makes decisions queue behind the call in flight:
+    // the batches they then share must stay exact.
+    let stall = {
+        let mut c = redis.conn();
+        std::thread::spawn(move || {
+            for _ in 0..10 {
+                std::thread::sleep(Duration::from_millis(40));
+                let _: redis::RedisResult<()> =
+                    redis::cmd("DEBUG").arg("SLEEP").arg("0.005").query(&mut c);
+            }
+        })
+    };
+    // 48 connections, 12 requests each, over 24 identities: 24 requests per identity, of
+    // which exactly 5 are admitted.
+    let answers = load(&gw, "/closed", 48, 12, |c, i| {
+        format!("id-{}", (c + i) % 24)
+    })
+    .await;
+    stall.join().unwrap();
+    let per = admitted_per_key(&answers);
+    assert_eq!(per.len(), 24);
+    for (k, n) in &per {
+        assert_eq!(*n, 5, "{k} admitted exactly its capacity");
+    }
+    let decisions = answers.len() as f64;
+    assert_eq!(gw.metric("sentinel_redis_batch_size_sum"), decisions);
+    let calls = redis.command_calls("evalsha") as f64;
+    assert_eq!(gw.metric("sentinel_redis_batch_size_count"), calls);
+    assert!(
+        calls < decisions,
+        "decisions waiting together shared calls: {calls} calls for {decisions}"
+    );
+    assert!(
+        gw.metric(r#"sentinel_redis_batch_size_bucket{le="4"}"#) < calls,
+        "a stall gathers batches of more than 4"
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_key_in_a_batch_fails_its_own_decisions_only() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis, &up, 6).start();
+    let victim = bucket_key("sentinel", "header:x-api-key:victim", "t.closed", 1);
+    let _: () = redis::cmd("SET")
+        .arg(&victim)
+        .arg("x")
+        .query(&mut redis.conn())
+        .unwrap();
+    // Every fourth client is the victim; the others share 16 identities.
+    let answers = load(&gw, "/closed", 32, 10, |c, i| {
+        if c % 4 == 0 {
+            "victim".to_owned()
+        } else {
+            format!("ok-{}", (c + i) % 16)
+        }
+    })
+    .await;
+    let (victim_answers, others): (Vec<_>, Vec<_>) =
+        answers.into_iter().partition(|(k, _)| k == "victim");
+    assert_eq!(victim_answers.len(), 80);
+    assert!(
+        victim_answers.iter().all(|(_, s)| *s == 503),
+        "the victim fails closed, every time"
+    );
+    for (k, n) in admitted_per_key(&others) {
+        assert_eq!(n, 6, "{k}: decided exactly beside the broken key");
+    }
+    let calls = redis.command_calls("evalsha") as f64;
+    assert!(
+        calls < 320.0,
+        "the victim shared calls with the others: {calls}"
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
+        0.0,
+        "a broken key never counts for the breaker"
+    );
+    assert_eq!(
+        gw.metric(
+            r#"sentinel_decisions_total{allowed="false",decision_reason="fail_closed",endpoint_id="t.closed"}"#
+        ),
+        80.0
+    );
+    let logs = gw.logs();
+    assert_eq!(
+        logs.lines()
+            .filter(|l| l.contains("a bucket key holds data") && l.contains(&victim))
+            .count(),
+        1,
+        "the broken key logged once, by its hash: {logs}"
+    );
+    assert!(!logs.contains("victim"), "never the raw identity");
+}
+
+/// A Redis that stops answering mid-batch: each waiting decision gives up at its own
+/// deadline (about the budget after it started), follows its fail mode, and counts as one
+/// timeout; nothing waits for the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_batch_fails_each_decision_at_its_own_deadline() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis, &up, 100).breaker(1000, 30).start();
+    let http = client();
+    // Warm: the connection and the scripts.
+    assert_eq!(
+        http.get(gw.url("/open"))
+            .header("X-API-Key", "warm")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("ALL")
+        .query(&mut redis.conn())
+        .unwrap();
+    let started = Instant::now();
+    let answers = load(&gw, "/open", 16, 4, |c, _| format!("o-{c}")).await;
+    let took = started.elapsed();
+    assert!(answers.iter().all(|(_, s)| *s == 200), "fail_open admits");
+    // 4 requests in a row per connection, each held for the 20 ms budget: far less than the
+    // 1.5 s pause (a decision that waited for the batch would take the whole pause). The
+    // bound is generous for a loaded two-core machine.
+    assert!(
+        took < Duration::from_millis(900),
+        "each decision gave up at its own deadline: {took:?}"
+    );
+    assert_eq!(
+        gw.metric(
+            r#"sentinel_decisions_total{allowed="true",decision_reason="redis_timeout",endpoint_id="t.open"}"#
+        ),
+        64.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        64.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_max_one_sends_every_decision_alone() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis, &up, 5).redis("batch_max", "1").start();
+    let answers = load(&gw, "/closed", 24, 10, |c, i| {
+        format!("id-{}", (c * 10 + i) % 12)
+    })
+    .await;
+    for (k, n) in admitted_per_key(&answers) {
+        assert_eq!(n, 5, "{k}");
+    }
+    assert_eq!(redis.command_calls("evalsha"), 240, "one call per decision");
+    assert_eq!(gw.metric("sentinel_redis_batch_size_count"), 0.0);
+}
