@@ -149,7 +149,7 @@ algorithm = "token_bucket"
 capacity_micro = $big
 refill_rate_micro_per_sec = $fast
 TOML
-  RUST_LOG=warn target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.log" 2>&1 &
+  RUST_LOG=warn target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
   echo $! >"$work/$name.pid"
   wait_port "$port"
   curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port/allowed"
@@ -175,7 +175,7 @@ cell() { # round conns cell
     o) port=$o_port; procs=$(nginx_pids "$work/openresty") ;;
     b) port=$b_port; procs=$(cat "$work/bare.pid") ;;
     2 | 3 | 3w)
-      gw=gw$cell
+      gw=gw$cell tag=$round.$conns
       read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)")
       procs=$(cat "$work/$gw.pid")
       path=$([[ $cell == 2 ]] && echo /none || echo /allowed) ;;

@@ -11,12 +11,14 @@
 -- 2^53, where Lua's doubles are exact: see the comments of each algorithm.
 
 -- Token bucket. Hash: t = micro-tokens (negative while a response charge is being paid
--- back, down to -capacity), f = refill remainder (< 10^6), ts = last write (us).
+-- back, down to -capacity), f = refill remainder (< 10^6), ts = last write (us), e = when
+-- the key's time to live ends (Redis TIME, whole seconds; -1: it has none).
 -- capacity 10^6 .. 10^15 micro-tokens, rate 0 .. 10^12 per second, cost 1 .. capacity.
 local function tb_read(key, capacity, rate, now)
-  local state = redis.call('HMGET', key, 't', 'f', 'ts')
+  local state = redis.call('HMGET', key, 't', 'f', 'ts', 'e')
   local tokens = capacity
   local frac = 0
+  local e = tonumber(state[4])
   if state[1] then
     tokens = tonumber(state[1])
     frac = tonumber(state[2])
@@ -48,7 +50,7 @@ local function tb_read(key, capacity, rate, now)
       end
     end
   end
-  return tokens, frac
+  return tokens, frac, e
 end
 
 -- Seconds until `left` micro-tokens are `capacity` again; -1 when never.
@@ -58,50 +60,82 @@ local function tb_until_full(capacity, rate, left)
   return ceil_div(capacity - left, rate)
 end
 
--- Writes `left` micro-tokens; the key expires once the bucket would be full again.
-local function tb_write(key, capacity, rate, left, frac, now)
+-- Writes `left` micro-tokens; the key expires once the bucket would be full again, or a
+-- little later: a full bucket reads the same as a missing key, so a key may outlive its use
+-- by up to a quarter of its time to live. That room is what saves an EXPIRE on most writes
+-- (it is a sixth of a decision's cost in Redis): the time to live is set again only when the
+-- bucket now needs longer than the key has (`e`, as tb_read found it).
+local function tb_write(key, capacity, rate, left, frac, now, e)
   -- string.format('%d') writes these integers exactly, and faster than Redis formats them.
-  redis.call('HSET', key, 't', string.format('%d', left), 'f', frac, 'ts', string.format('%d', now))
+  local t, ts = string.format('%d', left), string.format('%d', now)
   local full = tb_until_full(capacity, rate, left)
   if full > 0 then
-    redis.call('EXPIRE', key, full + 1)
+    local now_s = idiv(now, MICRO)
+    if e and e >= now_s + full + 1 then
+      redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts)
+    else
+      local ttl = full + 1 + math.max(1, idiv(full, 4))
+      redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts, 'e', now_s + ttl)
+      redis.call('EXPIRE', key, ttl)
+    end
   elseif full < 0 then
-    redis.call('PERSIST', key)
+    redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts, 'e', -1)
+    if e ~= -1 then redis.call('PERSIST', key) end
+  else
+    redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts)
   end
   return full
 end
 
-local function token_bucket(key, capacity, rate, cost, now)
-  local tokens, frac = tb_read(key, capacity, rate, now)
-  if tokens < cost then
-    local retry = -1
-    -- Microseconds until `cost` is there, when exact in doubles (the deficit times 10^6 must
-    -- stay below 2^53, about 9000 requests); the gateway's over-limit cache uses it.
-    local wait = -1
-    if rate > 0 then
-      retry = ceil_div(cost - tokens, rate)
-      if cost - tokens < 9000000000 then
-        wait = ceil_div((cost - tokens) * MICRO - frac, rate)
-      end
+-- A denial's retry (seconds) and wait (microseconds) until `cost` is there.
+local function tb_denial(capacity, rate, cost, tokens, frac)
+  local retry = -1
+  -- Microseconds until `cost` is there, when exact in doubles (the deficit times 10^6 must
+  -- stay below 2^53, about 9000 requests); the gateway's over-limit cache uses it.
+  local wait = -1
+  if rate > 0 then
+    retry = ceil_div(cost - tokens, rate)
+    if cost - tokens < 9000000000 then
+      wait = ceil_div((cost - tokens) * MICRO - frac, rate)
     end
+  end
+  return retry, wait
+end
+
+local function token_bucket(key, capacity, rate, cost, now)
+  local tokens, frac, e = tb_read(key, capacity, rate, now)
+  if tokens < cost then
+    local retry, wait = tb_denial(capacity, rate, cost, tokens, frac)
     return 0, tokens, retry, tb_until_full(capacity, rate, tokens), wait, nil
   end
   local left = tokens - cost
   return 1, left, 0, tb_until_full(capacity, rate, left), 0,
-    function() return tb_write(key, capacity, rate, left, frac, now) end
+    function() return tb_write(key, capacity, rate, left, frac, now, e) end
+end
+
+-- One token-bucket decision, written when admitted; its reply(). The same as token_bucket
+-- and its write, without making a function per decision (the batch script runs many).
+local function tb_decide(key, capacity, rate, cost, now)
+  local tokens, frac, e = tb_read(key, capacity, rate, now)
+  if tokens < cost then
+    local retry, wait = tb_denial(capacity, rate, cost, tokens, frac)
+    return reply(0, tokens, retry, tb_until_full(capacity, rate, tokens), now, wait)
+  end
+  local left = tokens - cost
+  return reply(1, left, 0, tb_write(key, capacity, rate, left, frac, now, e), now, 0)
 end
 
 -- Adds `amount` micro-tokens (a refund; minus a response charge), kept within
 -- -capacity .. capacity. Answers as an admission.
 local function tb_adjust(key, capacity, rate, amount, now)
-  local tokens, frac = tb_read(key, capacity, rate, now)
+  local tokens, frac, e = tb_read(key, capacity, rate, now)
   local left = tokens + amount
   if left >= capacity then
     left = capacity
     frac = 0
   end
   if left < -capacity then left = -capacity end
-  local full = tb_write(key, capacity, rate, left, frac, now)
+  local full = tb_write(key, capacity, rate, left, frac, now, e)
   return 1, left, 0, full, 0
 end
 
@@ -238,13 +272,8 @@ end
 -- One decision of the single-limit scripts: kind 1 token bucket (capacity, refill, cost),
 -- kind 2 sliding window (limit, window, cost); writes when admitted. Returns its reply().
 local function decide(kind, key, x, y, z, now)
-  local allowed, left, retry, reset, wait, write
-  if kind == 1 then
-    allowed, left, retry, reset, wait, write = token_bucket(key, x, y, z, now)
-    if write then reset = write() end
-  else
-    allowed, left, retry, reset, wait, write = sliding_window(key, x, y, z, now)
-    if write then write() end
-  end
+  if kind == 1 then return tb_decide(key, x, y, z, now) end
+  local allowed, left, retry, reset, wait, write = sliding_window(key, x, y, z, now)
+  if write then write() end
   return reply(allowed, left, retry, reset, now, wait)
 end

@@ -10,12 +10,9 @@
 -- full (-1 when never), now in microseconds, and on a denial microseconds until the cost is
 -- available (-1 when not exact; 0 when allowed). A denied request writes nothing.
 
--- MICRO, idiv, ceil_div, reply (lua/int.lua) and token_bucket (lua/limits.lua) are
+-- MICRO, idiv, ceil_div, reply (lua/int.lua) and tb_decide (lua/limits.lua) are
 -- prepended by the gateway.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
-local allowed, left, retry, reset, wait, write =
-  token_bucket(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), now)
-if write then reset = write() end
-return reply(allowed, left, retry, reset, now, wait)
+return tb_decide(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), now)

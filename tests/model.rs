@@ -565,3 +565,29 @@ fn batch_script_decides_in_order_as_the_models() {
         )
         .unwrap();
 }
+
+/// A token bucket's key lives at least until the bucket is full again (a key that expired
+/// early would hand out a full bucket), and at most a quarter longer (plus the second's
+/// rounding): the room that lets most writes skip their EXPIRE.
+#[test]
+fn a_bucket_key_lives_until_full_and_not_much_longer() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    let (capacity, rate) = (40_000_000u64, 1_000_000u64);
+    for (i, cost) in [1u64, 5, 1, 1, 10, 2, 20].into_iter().enumerate() {
+        let reply = eval(
+            &mut conn,
+            TOKEN_BUCKET_LUA,
+            "model:ttl",
+            [capacity, rate, cost * 1_000_000],
+        );
+        assert_eq!(reply[0], 1, "step {i} admitted");
+        let full = reply[3];
+        let ttl: i64 = redis::cmd("TTL").arg("model:ttl").query(&mut conn).unwrap();
+        assert!(ttl >= full, "step {i}: ttl {ttl} < {full} s until full");
+        assert!(
+            ttl <= full + 2 + (full / 4).max(1),
+            "step {i}: ttl {ttl} far beyond {full} s until full"
+        );
+    }
+}

@@ -416,8 +416,8 @@ pub(super) fn redis(
         None,
         "redis.batch_max",
         r.and_then(|r| r.batch_max.as_ref()),
-        64,
-        (1, 256),
+        256,
+        (1, 1024),
         " decisions per call (1 sends each decision alone)",
     )
     .map(|n| n as usize);
