@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the request path's local work: path normalization, route matching,
-//! key building, the decision with the breaker open, the emergency limiter, answer headers.
+//! key building, the decision with the breaker open, the emergency limiter, answer headers,
+//! and a batch's command and answer.
 //! Compare them as ratios within one run; absolute numbers depend on the machine.
 
 use std::hint::black_box;
@@ -100,5 +101,39 @@ fn answers(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, routing, keys, failure_path, answers);
+/// A batch of 32 decisions: the command that carries it, and reading its answer.
+fn batches(c: &mut Criterion) {
+    use sentinel_gateway::store::batch::{answer_parts, command};
+    let keys: Vec<String> = (0..32)
+        .map(|i| {
+            format!(
+                "sentinel:v1:{}:pdftalk.ingest:1",
+                identity_hash(&format!("k{i}"))
+            )
+        })
+        .collect();
+    let args: Vec<[u64; 4]> = (0..32)
+        .map(|_| [1, 1_000_000_000_000_000, 1_000_000_000_000, 1_000_000])
+        .collect();
+    c.bench_function("batch_command_32", |b| {
+        b.iter(|| {
+            let cmd = command(
+                black_box("f5fcfa7a7caeeac3195be4e8e4aa698b45499974"),
+                keys.iter().map(|k| k.as_bytes()),
+                args.iter().map(|a| &a[..]),
+            );
+            black_box(cmd.get_packed_command())
+        })
+    });
+    let answer = vec!["1 999999999000000 0 2 1764470000123456 0"; 32].join("\n");
+    c.bench_function("batch_answer_32", |b| {
+        b.iter(|| {
+            let bytes = black_box(answer.as_bytes());
+            let parts = answer_parts(bytes, 32).expect("32 parts");
+            parts.filter_map(|r| ScriptReply::parse(&bytes[r])).count()
+        })
+    });
+}
+
+criterion_group!(benches, routing, keys, failure_path, answers, batches);
 criterion_main!(benches);

@@ -48,7 +48,7 @@ limited() { # endpoint_id path capacity_micro refill_micro [extra line] -> a tok
   printf '[[routes]]\nendpoint_id = "%s"\npath = "%s"\nupstream = "app"\nidentity = { header = "X-API-Key" }\nalgorithm = "token_bucket"\ncapacity_micro = %s\nrefill_rate_micro_per_sec = %s\n%b\n' "$@"
 }
 gateway() { # name redis_port failure_threshold [dedicated_io_thread] [extra toml] -> prints the proxy port
-  local name=$1 rport=$2 threshold=$3 dedicated=${4:-false} extra=${5:-} port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
+  local name=$1 rport=$2 threshold=$3 dedicated=${4:-true} extra=${5:-} port admin big=1_000_000_000_000_000 fast=1_000_000_000_000
   port=$(free_port); admin=$(free_port)
   {
     cat <<TOML
@@ -112,7 +112,7 @@ wait_port "$nginx_port"
 
 evalsha() { redis-cli -p "$redis_port" info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),.*/\1/p' | tr -d '\r' | grep . || echo 0; }
 
-run() { # round cell label target path conns [oha args]; target: a port, or healthy/dedicated/dead/hole/logged/tls for a fresh gateway
+run() { # round cell label target path conns [oha args]; target: a port, or healthy/workers/dead/hole/logged/tls for a fresh gateway
   local round=$1 cell=$2 label=$3 target=$4 path=$5 conns=$6 port before after
   shift 6
   if [[ -n $cells_wanted && " $cells_wanted " != *" $cell "* ]]; then return 0; fi
@@ -129,7 +129,7 @@ run() { # round cell label target path conns [oha args]; target: a port, or heal
       gateway tls "$redis_port" 5 false "[[server.tls]]\nlisten = \"127.0.0.1:$tls_port\"\ncert_path = \"$PWD/examples/tls/default.pem\"\nkey_path = \"$PWD/examples/tls/default.key\"" >/dev/null
       wait_port "$tls_port"
       port=$tls_port scheme=https ;;
-    dedicated) port=$(gateway dedicated "$redis_port" 5 true) ;;
+    workers) port=$(gateway workers "$redis_port" 5 false) ;;
     dead)
       port=$(gateway dead "$dead_port" 5)
       # Open its breaker: its Redis is dead, five failures.
@@ -142,11 +142,11 @@ run() { # round cell label target path conns [oha args]; target: a port, or heal
       redis-cli -p "$hole_port" client pause $(((secs + 3) * 1000)) all >/dev/null ;;
     *) port=$target ;;
   esac
-  [[ $target == healthy || $target == dedicated || $target == logged ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
+  [[ $target == healthy || $target == workers || $target == logged ]] && curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port$path" && sleep 0.2
   before=$(evalsha)
   oha -z "${secs}s" -c "$conns" "$@" --insecure --no-tui --output-format json -H 'X-API-Key: bench' "$scheme://127.0.0.1:$port$path" >"$work/cell-$round-$cell-$conns.json"
   after=$(evalsha)
-  case $target in healthy | dedicated | dead | hole | logged | tls) stop_gateway "$target" ;; esac
+  case $target in healthy | workers | dead | hole | logged | tls) stop_gateway "$target" ;; esac
   if [[ $target == hole ]]; then redis-cli -p "$hole_port" client unpause >/dev/null; fi
   echo "$round|$cell|$label|$conns|$((after - before))" >>"$work/cells"
 }
@@ -157,7 +157,7 @@ for round in $(seq 1 "$rounds"); do
     run "$round" 2l "gateway, none, access log on" logged /none "$conns"
     run "$round" 2t "gateway, none, over TLS (HTTP/1.1)" tls /none "$conns"
     run "$round" 3 "gateway, token bucket, all allowed" healthy /allowed "$conns"
-    run "$round" 3d "gateway, token bucket, dedicated io" dedicated /allowed "$conns"
+    run "$round" 3w "gateway, token bucket, io on the workers" workers /allowed "$conns"
     run "$round" 4 "gateway, hot identity over limit" healthy /hot "$conns"
     run "$round" 5a "gateway, breaker open, fail_open" dead /fail-open "$conns"
     run "$round" 5b "gateway, breaker open, fail_closed" dead /fail-closed "$conns"

@@ -108,6 +108,14 @@ impl Queue {
     fn is_empty(&self) -> bool {
         self.waiting.is_empty()
     }
+
+    /// Empties the queue, keeping what it allocated for the next batch.
+    fn clear(&mut self) {
+        self.waiting.clear();
+        self.keys.clear();
+        self.key_ends.clear();
+        self.args.clear();
+    }
 }
 
 /// A link's turn-taking: whether a call is in flight, and who waits for the next one.
@@ -122,6 +130,8 @@ pub(super) struct Turns {
 struct TurnState {
     busy: bool,
     queue: Queue,
+    /// The last batch's queue, emptied: the next one fills it without allocating.
+    spare: Queue,
 }
 
 impl Turns {
@@ -181,60 +191,65 @@ impl Store {
 
     /// Sends what waits, batch after batch, until nothing does.
     async fn send_batches(&self, link: &Arc<Link>) {
+        let mut used: Option<Queue> = None;
         loop {
             let batch = {
                 let mut state = link.turns.lock();
+                if let Some(q) = used.take() {
+                    state.spare = q;
+                }
                 if state.queue.is_empty() {
                     state.busy = false;
                     return;
                 }
-                take(&mut state.queue, self.batch_max())
+                let state = &mut *state;
+                take(&mut state.queue, &mut state.spare, self.batch_max())
             };
-            self.send_batch(link, batch).await;
+            used = Some(self.send_batch(link, batch).await);
         }
     }
 
     /// One batch: one `EVALSHA` (and on `NOSCRIPT` one load and one retry), each decision
     /// told its answer.
-    async fn send_batch(&self, link: &Arc<Link>, mut queue: Queue) {
+    async fn send_batch(&self, link: &Arc<Link>, mut queue: Queue) -> Queue {
         // Decisions that gave up while waiting are not sent: nobody would read their answer.
-        let live: Vec<Waiting> = std::mem::take(&mut queue.waiting)
-            .into_iter()
-            .filter(|w| !w.tx.is_closed())
-            .collect();
-        let Some(latest) = live.iter().map(|w| w.deadline).max() else {
-            return;
+        queue.waiting.retain(|w| !w.tx.is_closed());
+        let Some(latest) = queue.waiting.iter().map(|w| w.deadline).max() else {
+            queue.clear();
+            return queue;
         };
-        self.inner.batch_size.observe(live.len() as f64);
+        self.inner.batch_size.observe(queue.waiting.len() as f64);
         let script = self.inner.scripts.batch(link.in_cluster);
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&script.sha)
-            .arg(live.iter().map(|w| w.keys.len()).sum::<usize>());
-        for w in &live {
-            for k in w.keys.clone() {
-                cmd.arg(queue.key(k));
-            }
-        }
-        for w in &live {
-            cmd.arg(&queue.args[w.args.clone()]);
-        }
-        let first_key = String::from_utf8_lossy(queue.key(live[0].keys.start)).into_owned();
+        let keys = queue
+            .waiting
+            .iter()
+            .flat_map(|w| w.keys.clone())
+            .map(|k| queue.key(k));
+        let args = queue.waiting.iter().map(|w| &queue.args[w.args.clone()]);
+        let cmd = command(&script.sha, keys, args);
+        let first_key = queue.key(queue.waiting[0].keys.start);
         let outcome = tokio::time::timeout_at(
             latest.into(),
-            self.call_batch(link, script, &cmd, &first_key),
+            self.call_batch(link, script, &cmd, first_key),
         )
         .await;
-        let answers = match outcome {
+        match outcome {
             // Every decision's own deadline has passed: each already counted its timeout.
-            Err(_) => return,
-            Ok(Batched::Reply(bytes)) => self.split(link, &queue, &live, bytes),
-            Ok(Batched::Failed(f)) => live.iter().map(|_| Answer::Failed(f)).collect(),
-            Ok(Batched::Alone) => live.iter().map(|_| Answer::Alone).collect(),
-        };
-        for (w, answer) in live.into_iter().zip(answers) {
-            // A decision that gave up meanwhile has dropped its receiver.
-            let _ = w.tx.send(answer);
+            Err(_) => {}
+            Ok(Batched::Reply(bytes)) => self.answer_each(link, &mut queue, bytes),
+            Ok(Batched::Failed(f)) => {
+                for w in queue.waiting.drain(..) {
+                    let _ = w.tx.send(Answer::Failed(f));
+                }
+            }
+            Ok(Batched::Alone) => {
+                for w in queue.waiting.drain(..) {
+                    let _ = w.tx.send(Answer::Alone);
+                }
+            }
         }
+        queue.clear();
+        queue
     }
 
     async fn call_batch(
@@ -242,8 +257,9 @@ impl Store {
         link: &Arc<Link>,
         script: &Script,
         cmd: &redis::Cmd,
-        first_key: &str,
+        first_key: &[u8],
     ) -> Batched {
+        let first_key = &String::from_utf8_lossy(first_key);
         let Some(conn) = link.conn.load_full() else {
             return Batched::Failed(Failure::NotConnected);
         };
@@ -278,45 +294,33 @@ impl Store {
         }
     }
 
-    /// Each decision's part of the batch's answer, or its own error.
-    fn split(&self, link: &Link, queue: &Queue, live: &[Waiting], bytes: Vec<u8>) -> Vec<Answer> {
+    /// Tells each decision its part of the batch's answer, or its own error. (A decision
+    /// that gave up meanwhile has dropped its receiver: its answer goes nowhere.)
+    fn answer_each(&self, link: &Link, queue: &mut Queue, bytes: Vec<u8>) {
         let bytes = Arc::new(bytes);
-        let mut parts = Vec::with_capacity(live.len());
-        let mut start = 0;
-        let ends = bytes
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| **b == b'\n')
-            .map(|(i, _)| i);
-        for end in ends.chain([bytes.len()]) {
-            parts.push(start..end);
-            start = end + 1;
-        }
-        if parts.len() != live.len() {
+        let Some(parts) = answer_parts(&bytes, queue.waiting.len()) else {
             tracing::error!(
-                answers = parts.len(),
-                decisions = live.len(),
+                decisions = queue.waiting.len(),
                 "the batch script answered a different number of decisions: this is a bug"
             );
-            return live
-                .iter()
-                .map(|_| Answer::Failed(Failure::Rejected))
-                .collect();
+            for w in queue.waiting.drain(..) {
+                let _ = w.tx.send(Answer::Failed(Failure::Rejected));
+            }
+            return;
+        };
+        let mut waiting = std::mem::take(&mut queue.waiting);
+        for (range, w) in parts.zip(waiting.drain(..)) {
+            let answer = match bytes[range.clone()].strip_prefix(b"E ") {
+                None => Answer::Reply(Arc::clone(&bytes), range),
+                Some(error) => {
+                    let error = String::from_utf8_lossy(error);
+                    let key = String::from_utf8_lossy(queue.key(w.keys.start));
+                    Answer::Failed(self.failed_reply(link, &key, &error))
+                }
+            };
+            let _ = w.tx.send(answer);
         }
-        parts
-            .into_iter()
-            .zip(live)
-            .map(
-                |(range, w)| match bytes[range.clone()].strip_prefix(b"E ") {
-                    None => Answer::Reply(Arc::clone(&bytes), range),
-                    Some(error) => {
-                        let error = String::from_utf8_lossy(error);
-                        let key = String::from_utf8_lossy(queue.key(w.keys.start));
-                        Answer::Failed(self.failed_reply(link, &key, &error))
-                    }
-                },
-            )
-            .collect()
+        queue.waiting = waiting;
     }
 }
 
@@ -327,13 +331,14 @@ enum Batched {
     Alone,
 }
 
-/// The first `max` waiting decisions, taken out of the queue with their keys and arguments.
-fn take(queue: &mut Queue, max: usize) -> Queue {
+/// The first `max` waiting decisions, taken out of the queue with their keys and arguments;
+/// `spare` (empty) takes their place.
+fn take(queue: &mut Queue, spare: &mut Queue, max: usize) -> Queue {
     if queue.waiting.len() <= max {
-        return std::mem::take(queue);
+        return std::mem::replace(queue, std::mem::take(spare));
     }
     let rest = queue.waiting.split_off(max);
-    let mut kept = Queue::default();
+    let mut kept = std::mem::take(spare);
     for w in rest {
         let first_key = kept.key_ends.len();
         for k in w.keys.clone() {
@@ -349,4 +354,87 @@ fn take(queue: &mut Queue, max: usize) -> Queue {
         });
     }
     std::mem::replace(queue, kept)
+}
+
+/// The batch's `EVALSHA` of the script `sha`: every decision's keys, then every decision's
+/// arguments (each led by its kind, as `lua/batch.lua` reads them).
+pub fn command<'a>(
+    sha: &str,
+    keys: impl Iterator<Item = &'a [u8]> + Clone,
+    args: impl Iterator<Item = &'a [u64]>,
+) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(keys.clone().count());
+    for key in keys {
+        cmd.arg(key);
+    }
+    for a in args {
+        cmd.arg(a);
+    }
+    cmd
+}
+
+/// Where each of the `n` decisions' answers lies in a batch's answer (they are joined by
+/// newlines), in order; `None` when there are not `n` of them.
+pub fn answer_parts(bytes: &[u8], n: usize) -> Option<impl Iterator<Item = Range<usize>> + '_> {
+    let newlines = bytes.iter().filter(|b| **b == b'\n').count();
+    if newlines + 1 != n {
+        return None;
+    }
+    let mut start = 0;
+    let ends = bytes
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'\n')
+        .map(|(i, _)| i)
+        .chain([bytes.len()]);
+    Some(ends.map(move |end| {
+        let part = start..end;
+        start = end + 1;
+        part
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_answer_splits_into_one_part_per_decision() {
+        let answer = b"1 5 0 1 100 0\nE WRONGTYPE Operation\n0 0 3 9 100 2500000 1 4 0 1 100 0";
+        let parts = answer_parts(answer, 3).expect("three parts");
+        let text: Vec<&[u8]> = parts.map(|r| &answer[r]).collect();
+        assert_eq!(
+            text,
+            [
+                &b"1 5 0 1 100 0"[..],
+                b"E WRONGTYPE Operation",
+                b"0 0 3 9 100 2500000 1 4 0 1 100 0"
+            ]
+        );
+        assert!(
+            answer_parts(answer, 2).is_none(),
+            "a count that differs is refused"
+        );
+        let empty: Vec<Range<usize>> = answer_parts(b"", 1).unwrap().collect();
+        assert_eq!(empty.len(), 1);
+        assert!(empty[0].is_empty(), "one empty answer");
+    }
+
+    #[test]
+    fn the_command_carries_every_key_before_every_argument() {
+        let keys = [&b"k1"[..], b"k2", b"k3"];
+        let args = [&[1u64, 10, 20, 30][..], &[3, 2, 0, 1, 1, 1, 1, 2, 1, 1, 1]];
+        let cmd = command("abc", keys.iter().copied(), args.iter().copied());
+        let packed = String::from_utf8(cmd.get_packed_command()).unwrap();
+        let words: Vec<&str> = packed
+            .split("\r\n")
+            .filter(|w| !w.starts_with(['*', '$']))
+            .collect();
+        assert_eq!(&words[..6], ["EVALSHA", "abc", "3", "k1", "k2", "k3"]);
+        assert_eq!(
+            words[6..words.len() - 1].join(" "),
+            "1 10 20 30 3 2 0 1 1 1 1 2 1 1 1"
+        );
+    }
 }

@@ -12,7 +12,7 @@
 //! `cluster.rs` + `slots.rs` (the slot map), `eval.rs` (the evaluation loop and the
 //! classification of failures), `script.rs` (the Lua), `breakers.rs` (the breakers' sum).
 
-mod batch;
+pub mod batch;
 mod breakers;
 mod broken_keys;
 mod cluster;
