@@ -7,29 +7,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::config::{GatewayConfig, Route};
+use common::config::{closed_and_open, GatewayConfig};
 use common::{client, Gateway, Redis, Upstream};
 use sentinel_gateway::limiter::bucket_key;
 
-/// `/closed` (fail_closed) and `/open` (fail_open) keyed by `X-API-Key`, `capacity` requests
-/// each that never refill.
 fn config(redis: &Redis, up: &Upstream, capacity: u64) -> GatewayConfig {
-    GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("t.closed")
-                .prefix("/closed")
-                .identity_header("X-API-Key")
-                .token_bucket(capacity * 1_000_000, 0)
-                .fail_closed(),
-        )
-        .route(
-            Route::new("t.open")
-                .prefix("/open")
-                .identity_header("X-API-Key")
-                .token_bucket(capacity * 1_000_000, 0)
-                .fail_open(1_000_000_000),
-        )
+    closed_and_open(&redis.url(), &up.addr(), capacity)
 }
 
 /// `clients` connections at once, each sending `each` requests to `path` with the keys

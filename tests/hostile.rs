@@ -7,30 +7,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::config::{GatewayConfig, Route};
+use common::config::{closed_and_open, GatewayConfig, Route};
 use common::{client, wait_until, Gateway, Redis, Upstream};
 use sentinel_gateway::limiter::bucket_key;
 
-/// A fail_closed route keyed by `X-API-Key` with `capacity` requests that never refill, and
-/// its fail_open twin on `/open`.
+/// The fault tests' pair of routes (`common::config::closed_and_open`), started.
 fn limited(redis: &Redis, up: &Upstream, capacity: u64) -> Gateway {
-    GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("t.closed")
-                .prefix("/closed")
-                .identity_header("X-API-Key")
-                .token_bucket(capacity * 1_000_000, 0)
-                .fail_closed(),
-        )
-        .route(
-            Route::new("t.open")
-                .prefix("/open")
-                .identity_header("X-API-Key")
-                .token_bucket(capacity * 1_000_000, 0)
-                .fail_open(1_000_000_000),
-        )
-        .start()
+    closed_and_open(&redis.url(), &up.addr(), capacity).start()
 }
 
 async fn status(http: &reqwest::Client, url: &str, key: &str) -> u16 {

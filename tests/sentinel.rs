@@ -105,13 +105,19 @@ fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common:
                 .token_bucket(3_000_000, 0)
                 .fail_closed(),
         );
-    match password {
+    let gw = match password {
         None => config.start(),
         Some(p) => {
             config = config.redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"));
             config.start_with_env(&[("TEST_SENTINEL_PASSWORD", p)])
         }
-    }
+    };
+    // Until the master's connection is up, routes follow their fail modes (contract
+    // section 4); the tests start from a connected gateway.
+    common::wait_until(Duration::from_secs(5), "the master connected", || {
+        readyz(&gw)["redis"] == "up"
+    });
+    gw
 }
 
 async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {

@@ -280,3 +280,25 @@ impl GatewayConfig {
         Gateway::start_with_env(port, admin_port, &self.render(port, admin_port), env)
     }
 }
+
+/// `/closed` (fail_closed) and `/open` (fail_open through a generous emergency rate), keyed by
+/// `X-API-Key`, `capacity` requests each that never refill, in front of `upstream`: the pair
+/// of routes the fault tests share.
+pub fn closed_and_open(redis_url: &str, upstream: &str, capacity: u64) -> GatewayConfig {
+    GatewayConfig::new(redis_url)
+        .upstream("app", &[upstream])
+        .route(
+            Route::new("t.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_closed(),
+        )
+        .route(
+            Route::new("t.open")
+                .prefix("/open")
+                .identity_header("X-API-Key")
+                .token_bucket(capacity * 1_000_000, 0)
+                .fail_open(1_000_000_000),
+        )
+}
