@@ -13,6 +13,7 @@
 #       the same header (lua-nginx-redis, OpenResty style)
 #   b   a bare Pingora proxy (bench/bare_proxy.rs: upstream_peer only, default settings)
 #   2   the gateway, algorithm = "none"
+#   2l  the same with the access log on ([access_log] path, a file)
 #   3   the gateway, Redis token bucket, every request allowed, the default config
 #   3w  the same with [redis] dedicated_io_thread = false
 #
@@ -25,12 +26,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-8}
 rounds=${2:-3}
-cells_wanted=${CELLS:-n o b 2 3 3w}
+cells_wanted=${CELLS:-n o b 2 2l 3 3w}
 conns_wanted=${CONNS:-64 256}
 work=$(mktemp -d /tmp/sentinel-speed.XXXXXX)
 pids=()
 cleanup() {
-  for f in "$work"/*.pid "$work"/*/*.pid; do [[ -f $f ]] && kill "$(cat "$f")" 2>/dev/null || true; done
+  for f in "$work"/*.pid "$work"/*/*.pid; do [[ -f $f ]] && kill "$(cat "$f" 2>/dev/null)" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
@@ -123,8 +124,8 @@ target/release/bare-proxy "127.0.0.1:$b_port" "127.0.0.1:$up_port" 2 >"$work/bar
 echo $! >"$work/bare.pid"
 wait_port "$b_port"
 
-gateway() { # name dedicated_io_thread -> starts a fresh gateway, prints its port and admin port
-  local name=$1 dedicated=$2 port admin
+gateway() { # name dedicated_io_thread [access log path] -> starts a fresh gateway, prints its port and admin port
+  local name=$1 dedicated=$2 log=${3:-} port admin
   port=$(free_port); admin=$(free_port)
   cat >"$work/$name.toml" <<TOML
 [server]
@@ -151,6 +152,7 @@ algorithm = "token_bucket"
 capacity_micro = $big
 refill_rate_micro_per_sec = $fast
 TOML
+  [[ -n $log ]] && printf '[access_log]\npath = "%s"\n' "$log" >>"$work/$name.toml"
   RUST_LOG=warn target/release/sentinel-gateway --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
   echo $! >"$work/$name.pid"
   wait_port "$port"
@@ -176,11 +178,11 @@ cell() { # round conns cell
     n) port=$n_port; procs=$(nginx_pids "$work/nginx") ;;
     o) port=$o_port; procs=$(nginx_pids "$work/openresty") ;;
     b) port=$b_port; procs=$(cat "$work/bare.pid") ;;
-    2 | 3 | 3w)
+    2 | 2l | 3 | 3w)
       gw=gw$cell tag=$round.$conns
-      read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)")
+      read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)" "$([[ $cell == 2l ]] && echo "$work/access.log")")
       procs=$(cat "$work/$gw.pid")
-      path=$([[ $cell == 2 ]] && echo /none || echo /allowed) ;;
+      path=$([[ $cell == 2* ]] && echo /none || echo /allowed) ;;
   esac
   local before_p before_r before_up calls0 usec0 calls1 usec1 out
   before_p=$(ticks_all $procs); before_r=$(ticks "$redis_pid"); read -r calls0 usec0 < <(evalsha_stats)
@@ -208,7 +210,7 @@ cell() { # round conns cell
 
 for round in $(seq 1 "$rounds"); do
   for conns in $conns_wanted; do
-    for c in n o b 2 3 3w; do cell "$round" "$conns" "$c"; done
+    for c in n o b 2 2l 3 3w; do cell "$round" "$conns" "$c"; done
   done
 done
 
@@ -231,6 +233,9 @@ measures = [
     ("   2/n (gateway none / nginx proxy_pass)", lambda c: ratio(c, "2", "n")),
     ("   2/b (gateway none / bare Pingora)", lambda c: ratio(c, "2", "b")),
     ("   3/2 (limited / unlimited)", lambda c: ratio(c, "3", "2")),
+    ("   2l/2 (access log on / off), throughput", lambda c: ratio(c, "2l", "2")),
+    ("   2l - 2, gateway CPU us per request", lambda c: float(c["2l"][7]) - float(c["2"][7]) if "2l" in c and "2" in c else None),
+    ("   2l / 2, gateway CPU per request", lambda c: float(c["2l"][7]) / float(c["2"][7]) if "2l" in c and "2" in c else None),
     ("   3w/3 (workers / dedicated thread)", lambda c: ratio(c, "3w", "3")),
     ("   Redis CPU us per limited request (cell 3)", lambda c: float(c["3"][8]) if "3" in c else None),
     ("   Redis CPU us per limited request (cell o)", lambda c: float(c["o"][8]) if "o" in c else None),
