@@ -106,15 +106,7 @@ fn resolve(up: &UpstreamConfig) -> Option<BTreeSet<Backend>> {
         } else {
             (host.as_str(), port).to_socket_addrs().ok()?.collect()
         };
-        for addr in found {
-            let mut backend = Backend {
-                addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(addr),
-                weight: 1,
-                ext: http::Extensions::new(),
-            };
-            backend.ext.insert(UpstreamHost(host.clone()));
-            set.insert(backend);
-        }
+        set.extend(found.into_iter().map(|addr| backend(host, addr)));
     }
     (!set.is_empty()).then_some(set)
 }
@@ -126,15 +118,7 @@ impl UpstreamPool {
             up.addrs
                 .iter()
                 .zip(&up.hosts)
-                .map(|(addr, host)| {
-                    let mut b = Backend {
-                        addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(*addr),
-                        weight: 1,
-                        ext: http::Extensions::new(),
-                    };
-                    b.ext.insert(UpstreamHost(host.clone()));
-                    b
-                })
+                .map(|(addr, host)| backend(host, *addr))
                 .collect()
         });
         let addresses = Arc::new(Addresses {
@@ -231,7 +215,44 @@ impl UpstreamPool {
 /// until the pool is dropped (a reload replaced it); `healthy` is
 /// `sentinel_upstream_healthy{upstream, addr}`.
 pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
-    let mut next_resolve = Instant::now() + RESOLVE_EVERY;
+    tend_with(pool, healthy, Resolver::system()).await
+}
+
+/// Every address of every name of an upstream; `None` when one does not resolve.
+pub type ResolveFn = dyn Fn(&UpstreamConfig) -> Option<BTreeSet<Backend>> + Send + Sync;
+
+/// How a pool's names become addresses, and how often it asks: the system's resolver every
+/// [`RESOLVE_EVERY`] in the gateway; tests put one of their own in its place.
+#[derive(Clone)]
+pub struct Resolver {
+    pub resolve: Arc<ResolveFn>,
+    pub every: Duration,
+}
+
+impl Resolver {
+    pub fn system() -> Self {
+        Self {
+            resolve: Arc::new(resolve),
+            every: RESOLVE_EVERY,
+        }
+    }
+}
+
+/// A backend of `host` at `addr`, as the resolution makes them.
+pub fn backend(host: &str, addr: SocketAddr) -> Backend {
+    let mut backend = Backend {
+        addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(addr),
+        weight: 1,
+        ext: http::Extensions::new(),
+    };
+    backend.ext.insert(UpstreamHost(host.to_owned()));
+    backend
+}
+
+/// [`tend`] with `resolver` in place of the system's.
+pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver: Resolver) {
+    let every = resolver.every;
+    let mut next_resolve = Instant::now() + every;
     let mut shown: BTreeSet<String> = BTreeSet::new();
     let Some(name) = pool.upgrade().map(|p| p.config.name.clone()) else {
         return;
@@ -246,13 +267,14 @@ pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
         };
         if Instant::now() >= next_resolve {
             let config = Arc::clone(&p.config);
+            let resolve = Arc::clone(&resolver.resolve);
             if let Ok(Some(set)) = tokio::task::spawn_blocking(move || resolve(&config)).await {
                 *p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner()) = set;
                 if let Err(e) = p.balancer.update().await {
                     tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
                 }
             }
-            next_resolve = Instant::now() + RESOLVE_EVERY;
+            next_resolve = Instant::now() + every;
         }
         let wait = match &p.config.health_check {
             Some(hc) => {
@@ -277,7 +299,7 @@ pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
                 shown = now;
                 hc.interval
             }
-            None => RESOLVE_EVERY,
+            None => every,
         };
         drop(p);
         tokio::time::sleep(wait.min(next_resolve.saturating_duration_since(Instant::now()))).await;
@@ -288,20 +310,110 @@ pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn every_address_of_a_name_is_used_and_tagged_with_its_host() {
-        let up = UpstreamConfig {
+    fn config(addrs: Vec<SocketAddr>, hosts: Vec<String>) -> Arc<UpstreamConfig> {
+        Arc::new(UpstreamConfig {
             name: "u".into(),
-            addrs: vec![
-                "127.0.0.1:9".parse().unwrap(),
-                "127.0.0.1:8".parse().unwrap(),
-            ],
-            hosts: vec!["localhost".into(), "127.0.0.1".into()],
+            addrs,
+            hosts,
             connect_timeout: Duration::from_secs(1),
             read_timeout: Duration::from_secs(1),
             tls: None,
             health_check: None,
+        })
+    }
+
+    /// The addresses `n` selections choose, each connected to as a request would.
+    async fn chosen(pool: &UpstreamPool, n: usize) -> BTreeSet<SocketAddr> {
+        let mut seen = BTreeSet::new();
+        for _ in 0..n {
+            let backend = pool.select().expect("an address");
+            let addr = *backend.addr.as_inet().expect("an inet address");
+            tokio::net::TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("{addr} chosen but refused: {e}"));
+            seen.insert(addr);
+        }
+        seen
+    }
+
+    /// A name whose addresses change while the pool is in use: a new address is used from the
+    /// next resolution on, one that went is no longer chosen, a resolution that fails keeps
+    /// what there was, and no selection comes back empty or names an address that refuses.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_name_whose_addresses_change_is_followed_without_a_refused_connection() {
+        let mut listeners = Vec::new();
+        for _ in 0..2 {
+            listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        }
+        let (a, b) = (
+            listeners[0].local_addr().unwrap(),
+            listeners[1].local_addr().unwrap(),
+        );
+        let servers: Vec<_> = listeners
+            .into_iter()
+            .map(|l| tokio::spawn(async move { while l.accept().await.is_ok() {} }))
+            .collect();
+        let answer = Arc::new(Mutex::new(Some(vec![a])));
+        let resolver = Resolver {
+            resolve: Arc::new({
+                let answer = Arc::clone(&answer);
+                move |_: &UpstreamConfig| {
+                    let found = answer.lock().unwrap().clone()?;
+                    Some(
+                        found
+                            .into_iter()
+                            .map(|x| backend("app.internal", x))
+                            .collect(),
+                    )
+                }
+            }),
+            every: Duration::from_millis(50),
         };
+        // The name does not resolve here: at load the pool starts from the written address.
+        let pool =
+            Arc::new(UpstreamPool::new(&config(vec![a], vec!["app.internal".into()])).unwrap());
+        assert!(pool.needs_tending());
+        let healthy =
+            IntGaugeVec::new(prometheus::Opts::new("h", "h"), &["upstream", "addr"]).unwrap();
+        tokio::spawn(tend_with(Arc::downgrade(&pool), healthy, resolver));
+        let within = |want: BTreeSet<SocketAddr>| {
+            let pool = Arc::clone(&pool);
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                loop {
+                    let seen = chosen(&pool, 16).await;
+                    if seen == want {
+                        return;
+                    }
+                    assert!(Instant::now() < deadline, "chose {seen:?}, want {want:?}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        assert_eq!(chosen(&pool, 16).await, BTreeSet::from([a]));
+        *answer.lock().unwrap() = Some(vec![a, b]);
+        within(BTreeSet::from([a, b])).await;
+        // The resolver fails for a while: both stay.
+        *answer.lock().unwrap() = None;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(chosen(&pool, 16).await, BTreeSet::from([a, b]));
+        // `a` leaves the name, then goes away: never chosen again.
+        *answer.lock().unwrap() = Some(vec![b]);
+        within(BTreeSet::from([b])).await;
+        servers[0].abort();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(chosen(&pool, 64).await, BTreeSet::from([b]));
+    }
+
+    #[test]
+    fn every_address_of_a_name_is_used_and_tagged_with_its_host() {
+        let up = config(
+            vec![
+                "127.0.0.1:9".parse().unwrap(),
+                "127.0.0.1:8".parse().unwrap(),
+            ],
+            vec!["localhost".into(), "127.0.0.1".into()],
+        );
         let set = resolve(&up).expect("localhost resolves");
         let named: Vec<_> = set
             .iter()

@@ -143,6 +143,53 @@ async fn a_redis_over_tls_decides_exactly_and_survives_a_restart() {
     drop(restarted);
 }
 
+/// `require_noeviction` and the fleet heartbeat over TLS: an evicting Redis stops the start
+/// (exit 2, the policy named); on a noeviction one two gateways count each other and
+/// `/readyz` shows the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_eviction_policy_is_checked_and_the_fleet_heartbeat_beats() {
+    let t = tls_redis(false);
+    let up = Upstream::start("app");
+    let set_policy = |policy: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg(&["SET", "maxmemory-policy", policy])
+            .query(&mut t.redis.conn())
+            .unwrap();
+    };
+    let config = GatewayConfig::new(&t.url())
+        .redis("tls_ca_path", quoted(&t.ca_path()))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("f.open")
+                .path("/open")
+                .identity("global")
+                .token_bucket(1_000_000_000, 1_000_000_000)
+                .fail_open_fleet(3_000_000),
+        );
+    set_policy("allkeys-lru");
+    let (code, stderr) = config.start_refused();
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("redis maxmemory-policy is allkeys-lru"),
+        "{stderr}"
+    );
+
+    set_policy("noeviction");
+    let gateways = [config.start(), config.start()];
+    for gw in &gateways {
+        wait_until(
+            Duration::from_secs(10),
+            "both gateways in the fleet",
+            || gw.metric("sentinel_fleet_instances") == 2.0,
+        );
+        let (_, body) = common::blocking_get(&gw.admin("/readyz")).unwrap();
+        assert!(
+            body.contains(r#""redis_maxmemory_policy":"noeviction""#),
+            "{body}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_redis_certificate_is_a_connection_error_never_a_plain_connection() {
     let t = tls_redis(false);

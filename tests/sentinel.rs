@@ -85,18 +85,7 @@ fn replicated() -> (Redis, Redis) {
 /// A gateway on the master `sentinel_port`'s sentinel names, with one limited route: 3
 /// requests per `X-API-Key`, never refilled, fail_closed.
 fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common::Gateway {
-    let mut config = GatewayConfig::empty()
-        .server("threads", "2")
-        .redis("timeout_ms", "50")
-        .redis(
-            "sentinel_urls",
-            format!(
-                "[{}]",
-                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
-            ),
-        )
-        .redis("sentinel_master", quoted("mymaster"))
-        .breaker(3, 1)
+    let mut config = on_sentinel(sentinel_port)
         .upstream("app", &[up.addr()])
         .route(
             Route::new("s.api")
@@ -118,6 +107,22 @@ fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common:
         readyz(&gw)["redis"] == "up"
     });
     gw
+}
+
+/// A config whose Redis is the master `sentinel_port`'s sentinel names as `mymaster`.
+fn on_sentinel(sentinel_port: u16) -> GatewayConfig {
+    GatewayConfig::empty()
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .redis(
+            "sentinel_urls",
+            format!(
+                "[{}]",
+                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
+            ),
+        )
+        .redis("sentinel_master", quoted("mymaster"))
+        .breaker(3, 1)
 }
 
 async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
@@ -234,6 +239,119 @@ async fn a_manual_failover_is_followed_through_a_password_protected_sentinel() {
     assert!(recovered, "decisions on the new master");
     assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
     assert!(replica.limiter_calls() >= 3);
+}
+
+/// The master is swapped by hand, without a failover of the sentinel's (so no
+/// `+switch-master` is published): the replica becomes a master, the old master its replica,
+/// and the sentinel is pointed at the new one. The gateway learns it from the old master's
+/// `READONLY` and the sentinel's answer; meanwhile the fail_closed route admits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_names() {
+    let (master, replica) = replicated();
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let gw = gateway(sentinel_port, &up, None);
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+
+    let role = |conn: &mut redis::Connection, args: &[&str]| {
+        let _: () = redis::cmd("REPLICAOF").arg(args).query(conn).unwrap();
+    };
+    role(&mut replica.conn(), &["NO", "ONE"]);
+    role(
+        &mut master.conn(),
+        &["127.0.0.1", &replica.port.to_string()],
+    );
+    // The old master answers READONLY now: fail_closed, never an admission.
+    let meanwhile = statuses(&gw, "m", 5).await;
+    assert!(
+        meanwhile.iter().all(|s| *s == 503 || *s == 200),
+        "{meanwhile:?}"
+    );
+    let mut sentinel_conn = redis::Client::open(format!("redis://127.0.0.1:{sentinel_port}"))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("SENTINEL")
+        .arg(&["REMOVE", "mymaster"])
+        .query(&mut sentinel_conn)
+        .unwrap();
+    let _: () = redis::cmd("SENTINEL")
+        .arg(&[
+            "MONITOR",
+            "mymaster",
+            "127.0.0.1",
+            &replica.port.to_string(),
+            "1",
+        ])
+        .query(&mut sentinel_conn)
+        .unwrap();
+    let pointed = Instant::now();
+    wait_until(
+        Duration::from_secs(10),
+        "the gateway on the new master",
+        || readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{}", replica.port),
+    );
+    // Asked every second and at every READONLY: about 2 s are promised.
+    assert!(
+        pointed.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        pointed.elapsed()
+    );
+    let mut recovered = false;
+    for _ in 0..50 {
+        if statuses(&gw, "b", 1).await == [200] {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "decisions on the new master");
+    assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
+    // The bucket of `a` was replicated before the swap: still exhausted.
+    assert_eq!(statuses(&gw, "a", 1).await, [429]);
+    let logs = gw.logs();
+    assert!(logs.contains("READONLY"), "the reason is logged: {logs}");
+}
+
+/// `require_noeviction` and the fleet heartbeat on the master the sentinels name: an evicting
+/// master stops the start (exit 2, the policy named); on a noeviction one two gateways count
+/// each other and `/readyz` shows the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbeat() {
+    let master = Redis::start_with(free_port(), &["--maxmemory-policy", "allkeys-lru"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let config = on_sentinel(sentinel_port)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("f.open")
+                .path("/open")
+                .identity("global")
+                .token_bucket(1_000_000_000, 1_000_000_000)
+                .fail_open_fleet(3_000_000),
+        );
+    let (code, stderr) = config.start_refused();
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("redis maxmemory-policy is allkeys-lru"),
+        "{stderr}"
+    );
+
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "maxmemory-policy", "noeviction"])
+        .query(&mut master.conn())
+        .unwrap();
+    let gateways = [config.start(), config.start()];
+    for gw in &gateways {
+        wait_until(
+            Duration::from_secs(10),
+            "both gateways in the fleet",
+            || gw.metric("sentinel_fleet_instances") == 2.0,
+        );
+        assert_eq!(readyz(gw)["redis_maxmemory_policy"], "noeviction");
+    }
 }
 
 #[test]

@@ -323,16 +323,23 @@ fn reason(e: &RedisError) -> String {
 /// gateway requiring noeviction must refuse (every seed of a cluster is asked). A Redis that
 /// is down is not an error here: the routes follow their fail modes until it comes.
 pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
-    let urls = match &config.target {
-        crate::config::RedisTarget::Single(url) => std::slice::from_ref(url),
-        crate::config::RedisTarget::Cluster(seeds) => seeds.as_slice(),
-        // The master is checked once the sentinels name it, by the store.
-        crate::config::RedisTarget::Sentinel(_) => &[],
+    let dials: Vec<Dial> = match &config.target {
+        crate::config::RedisTarget::Single(url) => {
+            Dial::new(url, &config.access).ok().into_iter().collect()
+        }
+        crate::config::RedisTarget::Cluster(seeds) => seeds
+            .iter()
+            .filter_map(|url| Dial::new(url, &config.access).ok())
+            .collect(),
+        // The master the sentinels name now, if they answer (else the store checks it once
+        // they do, and says so in the log and `/readyz`).
+        crate::config::RedisTarget::Sentinel(target) => {
+            let sentinel = super::sentinel::Sentinel::new(target.clone(), config.access.clone());
+            let found = tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await;
+            found.ok().flatten().map(|t| t.dial).into_iter().collect()
+        }
     };
-    for url in urls {
-        let Ok(dial) = Dial::new(url, &config.access) else {
-            continue;
-        };
+    for dial in dials {
         let check = async {
             let mut opened = open(&dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok()

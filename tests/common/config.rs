@@ -274,6 +274,36 @@ impl GatewayConfig {
         self.start_with_env(&[])
     }
 
+    /// Runs a gateway with this config that must refuse to start: its exit code and standard
+    /// error. One that starts anyway is stopped after 20 s and fails the test.
+    pub fn start_refused(&self) -> (Option<i32>, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gateway.toml");
+        let [port, admin_port] = free_ports();
+        std::fs::write(&path, self.render(port, admin_port)).unwrap();
+        let mut child = super::Proc {
+            child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+                .arg("--config")
+                .arg(&path)
+                .env_remove("SENTINEL_REDIS_URL")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("the binary runs"),
+            name: "sentinel-gateway",
+        };
+        let code = child.wait_exit(std::time::Duration::from_secs(20));
+        assert!(
+            code.is_some(),
+            "the gateway started, and was meant to refuse"
+        );
+        let mut stderr = String::new();
+        if let Some(mut pipe) = child.child.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
+        }
+        (code, stderr)
+    }
+
     /// Like `start`, with these variables set for the process.
     pub fn start_with_env(&self, env: &[(&str, &str)]) -> Gateway {
         let [port, admin_port] = free_ports();
