@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::config::{quoted, GatewayConfig, Route};
+use common::tls::Ca;
 use common::{blocking_get, client, free_port, wait_until, Proc, Redis, Upstream};
 
 /// A sentinel monitoring `master_port` as `mymaster`, quorum 1, down after 1 s; with
@@ -18,9 +19,19 @@ fn sentinel(master_port: u16, dir: &std::path::Path) -> (Proc, u16) {
 }
 
 fn sentinel_with(master_port: u16, dir: &std::path::Path, password: Option<&str>) -> (Proc, u16) {
+    let auth = password.map_or(String::new(), |p| format!("requirepass {p}\n"));
+    sentinel_conf(master_port, dir, password, &auth)
+}
+
+/// A sentinel as [`sentinel_with`], with `extra` lines in its config; its plain port.
+fn sentinel_conf(
+    master_port: u16,
+    dir: &std::path::Path,
+    password: Option<&str>,
+    extra: &str,
+) -> (Proc, u16) {
     let port = free_port();
     let conf = dir.join("sentinel.conf");
-    let auth = password.map_or(String::new(), |p| format!("requirepass {p}\n"));
     let url = match password {
         Some(p) => format!("redis://:{p}@127.0.0.1:{port}"),
         None => format!("redis://127.0.0.1:{port}"),
@@ -28,7 +39,7 @@ fn sentinel_with(master_port: u16, dir: &std::path::Path, password: Option<&str>
     std::fs::write(
         &conf,
         format!(
-            "port {port}\nbind 127.0.0.1\ndir {}\n{auth}sentinel monitor mymaster 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
+            "port {port}\nbind 127.0.0.1\ndir {}\n{extra}sentinel monitor mymaster 127.0.0.1 {master_port} 1\nsentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
             dir.display()
         ),
     )
@@ -354,6 +365,137 @@ async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbea
     }
 }
 
+/// Sentinels, master and replica all over TLS (`rediss://` sentinels, `tls-replication`):
+/// the gateway asks the sentinel over TLS, decides on the master over TLS, and follows the
+/// promotion after the master is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_master_is_found_decided_on_and_followed() {
+    let ca = Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["127.0.0.1"]).write(dir.path(), "redis");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let tls_files = format!(
+        "tls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+        cert.display(),
+        key.display(),
+        ca_file.display()
+    );
+    let tls_args = |tls_port: u16| -> Vec<String> {
+        let mut args = vec!["--tls-port".to_owned(), tls_port.to_string()];
+        for line in tls_files.lines() {
+            let (k, v) = line.split_once(' ').unwrap();
+            args.push(format!("--{k}"));
+            args.push(v.to_owned());
+        }
+        args
+    };
+    let start = |tls_port: u16, more: &[String]| {
+        let mut args = tls_args(tls_port);
+        args.extend_from_slice(more);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Redis::start_with(free_port(), &args)
+    };
+    let (master_tls, replica_tls, sentinel_tls) = (free_port(), free_port(), free_port());
+    let mut master = start(master_tls, &[]);
+    let replica = start(
+        replica_tls,
+        &[
+            "--replicaof".to_owned(),
+            "127.0.0.1".to_owned(),
+            master_tls.to_string(),
+        ],
+    );
+    wait_until(Duration::from_secs(10), "the replica to sync", || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut replica.conn())
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    });
+    let sentinel_dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_plain) = sentinel_conf(
+        master_tls,
+        sentinel_dir.path(),
+        None,
+        &format!("tls-port {sentinel_tls}\n{tls_files}"),
+    );
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::empty()
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .redis(
+            "sentinel_urls",
+            format!(
+                "[{}]",
+                quoted(&format!("rediss://127.0.0.1:{sentinel_tls}"))
+            ),
+        )
+        .redis("sentinel_master", quoted("mymaster"))
+        .redis("tls_ca_path", quoted(&ca_file.display().to_string()))
+        .breaker(3, 1)
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("s.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        )
+        .start();
+    wait_until(Duration::from_secs(10), "the master connected", || {
+        readyz(&gw)["redis"] == "up"
+    });
+    assert_eq!(
+        readyz(&gw)["redis_sentinel_master"]["addr"],
+        format!("127.0.0.1:{master_tls}")
+    );
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    assert!(master.limiter_calls() >= 4, "decided on the master");
+    // The `+switch-master` subscription is held over TLS too.
+    let mut sentinel_conn = redis::Client::open(format!("redis://127.0.0.1:{sentinel_plain}"))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    wait_until(Duration::from_secs(5), "the gateway subscribed", || {
+        redis::cmd("CLIENT")
+            .arg("LIST")
+            .query::<String>(&mut sentinel_conn)
+            .unwrap_or_default()
+            .lines()
+            .any(|c| {
+                c.contains(" sub=1 ") && c.contains(&format!("laddr=127.0.0.1:{sentinel_tls}"))
+            })
+    });
+
+    master.proc.signal("KILL");
+    master.proc.wait_exit(Duration::from_secs(5));
+    wait_until(
+        Duration::from_secs(30),
+        "the gateway on the promoted replica",
+        || readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{replica_tls}"),
+    );
+    let mut recovered = false;
+    for _ in 0..50 {
+        if statuses(&gw, "b", 1).await == [200] {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "decisions on the promoted replica");
+    assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
+    assert!(
+        replica.limiter_calls() >= 3,
+        "decided on the promoted replica"
+    );
+    assert_eq!(
+        statuses(&gw, "a", 1).await,
+        [429],
+        "replicated before the kill"
+    );
+}
+
 #[test]
 fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     let dir = tempfile::tempdir().unwrap();
@@ -367,5 +509,15 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     assert!(!ok && out.contains("needs redis.sentinel_master"), "{out}");
     let (ok, out) =
         run("sentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
+    assert!(ok, "{out}");
+    let (ok, out) = run("sentinel_urls = [\"rediss://127.0.0.1:26379\", \"redis://127.0.0.1:26380\"]\nsentinel_master = \"mymaster\"");
+    assert!(
+        !ok && out.contains("redis.sentinel_urls mixes redis:// and rediss:// sentinels"),
+        "{out}"
+    );
+    let (ok, out) = run("sentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"\ntls_ca_path = \"ca.pem\"");
+    assert!(!ok && out.contains("redis.tls_ca_path is set but"), "{out}");
+    let (ok, out) =
+        run("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
     assert!(ok, "{out}");
 }

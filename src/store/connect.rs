@@ -161,33 +161,10 @@ pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
     let info = &dial.info;
     let (closed_tx, closed) = watch::channel(false);
     let setup = async {
-        match info.addr() {
-            ConnectionAddr::Tcp(host, port) => {
-                let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
-                socket.set_nodelay(true)?;
-                match &dial.tls {
-                    None => drive(info, socket, closed_tx).await,
-                    Some(tls) => {
-                        let name = rustls::pki_types::ServerName::try_from(host.clone())
-                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                        let stream = tokio_rustls::TlsConnector::from(Arc::clone(tls))
-                            .connect(name, socket)
-                            .await
-                            .map_err(|e| {
-                                io::Error::new(e.kind(), format!("TLS handshake with redis: {e}"))
-                            })?;
-                        drive(info, stream, closed_tx).await
-                    }
-                }
-            }
-            ConnectionAddr::Unix(path) => {
-                let socket = tokio::net::UnixStream::connect(path).await?;
-                drive(info, socket, closed_tx).await
-            }
-            other => Err(redis::RedisError::from(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!("unsupported redis address {other}"),
-            ))),
+        match socket(dial).await? {
+            Socket::Tcp(s) => drive(info, s, closed_tx).await,
+            Socket::Tls(s) => drive(info, s, closed_tx).await,
+            Socket::Unix(s) => drive(info, s, closed_tx).await,
         }
     };
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, setup)
@@ -199,6 +176,62 @@ pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
             ))
         })??;
     Ok(Opened { conn, closed })
+}
+
+/// A socket to a node, TLS made when the dial says so.
+enum Socket {
+    Tcp(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
+    Unix(tokio::net::UnixStream),
+}
+
+/// Connects to the node of `dial` (`TCP_NODELAY` on) and makes the TLS handshake of a
+/// `rediss://` one; unbounded: callers bound it.
+async fn socket(dial: &Dial) -> io::Result<Socket> {
+    match dial.info.addr() {
+        ConnectionAddr::Tcp(host, port) => {
+            let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+            socket.set_nodelay(true)?;
+            let Some(tls) = &dial.tls else {
+                return Ok(Socket::Tcp(socket));
+            };
+            let name = rustls::pki_types::ServerName::try_from(host.clone())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let stream = tokio_rustls::TlsConnector::from(Arc::clone(tls))
+                .connect(name, socket)
+                .await
+                .map_err(|e| io::Error::new(e.kind(), format!("TLS handshake with redis: {e}")))?;
+            Ok(Socket::Tls(Box::new(stream)))
+        }
+        ConnectionAddr::Unix(path) => {
+            Ok(Socket::Unix(tokio::net::UnixStream::connect(path).await?))
+        }
+        other => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("unsupported redis address {other}"),
+        )),
+    }
+}
+
+/// A RESP2 subscriber connection to the node of `dial` (a sentinel's `+switch-master`),
+/// over TLS for `rediss://`; connect and handshake within 1 s.
+pub(super) async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub> {
+    let settings = dial.info.redis_settings();
+    let setup = async {
+        match socket(dial).await? {
+            Socket::Tcp(s) => redis::aio::PubSub::new(settings, s).await,
+            Socket::Tls(s) => redis::aio::PubSub::new(settings, s).await,
+            Socket::Unix(s) => redis::aio::PubSub::new(settings, s).await,
+        }
+    };
+    tokio::time::timeout(CONNECT_TIMEOUT, setup)
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the sentinel did not accept the subscription within 1 s",
+            ))
+        })?
 }
 
 /// The handshake over a watched socket, and the connection's driver task, which runs until

@@ -60,12 +60,13 @@ impl Sentinel {
         changed
     }
 
-    /// A sentinel's connection settings (its own password, no ACL user).
+    /// A sentinel's connection settings (its own password, no ACL user; `[redis]`'s TLS
+    /// settings for `rediss://` sentinels).
     fn sentinel_dial(&self, url: &str) -> Option<Dial> {
         let access = RedisAccess {
             username: None,
             password: self.target.load().password.clone(),
-            tls: None,
+            tls: self.access.load().tls.clone(),
         };
         Dial::new(url, &access).ok()
     }
@@ -94,9 +95,17 @@ impl Sentinel {
         None
     }
 
-    /// The link's target for the master at `host:port`, with `[redis]`'s credentials.
+    /// The link's target for the master at `host:port`, with `[redis]`'s credentials; over
+    /// TLS when the sentinels are.
     pub(super) fn target_for(&self, host: &str, port: u16) -> Option<Target> {
-        let url = format!("redis://{}/0", super::slots::node_name(host, port));
+        let tls = self
+            .target
+            .load()
+            .sentinels
+            .iter()
+            .all(|u| u.starts_with("rediss://"));
+        let scheme = if tls { "rediss" } else { "redis" };
+        let url = format!("{scheme}://{}/0", super::slots::node_name(host, port));
         Target::new(&url, &self.access.load()).ok()
     }
 
@@ -200,12 +209,7 @@ async fn watch_switches(sentinel: Arc<Sentinel>) {
             let Some(dial) = sentinel.sentinel_dial(url) else {
                 continue;
             };
-            let Ok(client) = redis::Client::open(dial.info.clone()) else {
-                continue;
-            };
-            let Ok(Ok(mut pubsub)) =
-                tokio::time::timeout(ASK_TIMEOUT, client.get_async_pubsub()).await
-            else {
+            let Ok(mut pubsub) = connect::pubsub(&dial).await else {
                 continue;
             };
             if pubsub.subscribe("+switch-master").await.is_err() {

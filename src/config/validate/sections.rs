@@ -446,15 +446,23 @@ fn redis_access(
     let urls = match target {
         RedisTarget::Single(u) => std::slice::from_ref(u),
         RedisTarget::Cluster(seeds) => seeds.as_slice(),
-        // The master's address comes from the sentinels, reached in plain TCP; TLS towards
-        // the master is not offered with Sentinel.
-        RedisTarget::Sentinel(_) => &[],
+        // `rediss://` sentinels: the sentinels and the master they name are reached over TLS.
+        RedisTarget::Sentinel(s) => s.sentinels.as_slice(),
     };
     let tls_urls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
     let mut ok = true;
     if tls_urls != 0 && tls_urls != urls.len() {
-        let span = r.and_then(|r| r.cluster_urls.as_ref()).map(|s| s.span());
-        c.push(span.as_ref(), None, "redis.cluster_urls mixes redis:// and rediss:// seeds: a cluster is reached one way, write every seed with the same scheme".into());
+        let (field, what) = match target {
+            RedisTarget::Sentinel(_) => ("sentinel_urls", "sentinels"),
+            _ => ("cluster_urls", "seeds"),
+        };
+        let span = r
+            .and_then(|r| match target {
+                RedisTarget::Sentinel(_) => r.sentinel_urls.as_ref(),
+                _ => r.cluster_urls.as_ref(),
+            })
+            .map(|s| s.span());
+        c.push(span.as_ref(), None, format!("redis.{field} mixes redis:// and rediss:// {what}: they are reached one way, write every one with the same scheme"));
         ok = false;
     }
     let username = match r.and_then(|r| r.username.as_ref()) {
@@ -573,12 +581,16 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
     for u in urls.get_ref() {
         let what = format!("redis.sentinel_urls entry \"{}\"", u.get_ref());
         match check_redis_url(c, Some(&u.span()), u.get_ref(), &what) {
-            Some(url) if url.starts_with("redis://") => sentinels.push(url),
+            Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                sentinels.push(url)
+            }
             Some(_) => {
                 c.push(
                     Some(&u.span()),
                     None,
-                    format!("{what}: a sentinel is reached as redis://host:port"),
+                    format!(
+                        "{what}: a sentinel is reached as redis://host:port (rediss:// for TLS)"
+                    ),
                 );
                 ok = false;
             }
