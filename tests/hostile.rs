@@ -385,3 +385,93 @@ async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
     assert_eq!(why.len(), 1, "said once, not per request: {logs}");
     assert!(why[0].contains("OOM"), "{}", why[0]);
 }
+
+/// An upstream on a free port that answers every request head with 200 and the request's path
+/// as the body, counting the heads it received.
+fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let received = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = std::sync::Arc::clone(&received);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let count = std::sync::Arc::clone(&count);
+            std::thread::spawn(move || {
+                let mut writer = stream.try_clone().unwrap();
+                let mut path = String::new();
+                for line in BufReader::new(stream).lines() {
+                    let Ok(line) = line else { return };
+                    if let Some(rest) = line.strip_prefix("GET ") {
+                        path = rest.split(' ').next().unwrap_or_default().to_owned();
+                    } else if line.is_empty() {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        let answer = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{path}",
+                            path.len()
+                        );
+                        if writer.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, received)
+}
+
+/// Three HTTP/1.1 requests in one write (pipelined): they are answered in order, or the
+/// connection is closed after an answer and every request left unanswered was neither
+/// forwarded nor charged, so the client may send it again (contract section 8a).
+#[test]
+fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = closed_and_open(&redis.url(), &upstream, 100).start();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let pipelined: String = (0..3)
+        .map(|i| format!("GET /closed/{i} HTTP/1.1\r\nHost: gw\r\nX-API-Key: pipe{i}\r\n\r\n"))
+        .collect();
+    conn.write_all(pipelined.as_bytes()).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = conn.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        if String::from_utf8_lossy(&seen).matches("HTTP/1.1 ").count() == 3
+            && seen.ends_with(b"/closed/2")
+        {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&seen);
+    let answered = text.matches("HTTP/1.1 200 OK").count();
+    assert!(answered >= 1, "the first request is answered: {text}");
+    assert_eq!(text.matches("HTTP/1.1 ").count(), answered, "{text}");
+    // In order: the bodies are the paths, the answered ones first.
+    let mut from = 0;
+    for i in 0..answered {
+        let at = text[from..]
+            .find(&format!("/closed/{i}"))
+            .unwrap_or_else(|| panic!("answer {i} in order: {text}"));
+        from += at + 1;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        received.load(std::sync::atomic::Ordering::SeqCst),
+        answered,
+        "forwarded exactly the answered requests"
+    );
+    assert_eq!(
+        redis.keys("sentinel:*").len(),
+        answered,
+        "charged exactly the answered requests"
+    );
+}
