@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine with only the Rust toolchain lacks.
-#   scripts/deps.sh        cmake (C dependencies of the build), redis-server and redis-cli, curl
+#   scripts/deps.sh        cmake and make (C dependencies of the build: jemalloc is built with
+#                          make), redis-server and redis-cli, curl
 #   scripts/deps.sh test   the same, plus promtool (package prometheus) for the alert rules' tests
 set -euo pipefail
 
 missing=()
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v make >/dev/null 2>&1 || missing+=(make)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
