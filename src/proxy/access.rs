@@ -16,7 +16,7 @@ use crate::limiter::inspect::DEFAULT_LIMIT;
 /// request already holds (borrowed), into one string: no map of values is built per line.
 #[derive(Serialize)]
 struct Line<'a> {
-    timestamp: String,
+    timestamp: Timestamp,
     request_id: Option<&'a str>,
     client_ip: Option<IpAddr>,
     method: &'a str,
@@ -39,10 +39,47 @@ struct Line<'a> {
     user_agent: Option<Cow<'a, str>>,
 }
 
-/// The JSON line (without its newline) for a request answered with `status`.
-pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
+/// When the request started, written as RFC 3339 in UTC with milliseconds
+/// (`2026-12-01T17:30:05.042Z`). The date and time of day are formatted once a second per
+/// thread; each line adds its milliseconds.
+struct Timestamp(SystemTime);
+
+thread_local! {
+    /// The second last formatted on this thread, and its `YYYY-MM-DDTHH:MM:SS.`.
+    static SECOND: std::cell::RefCell<(u64, String)> = const { std::cell::RefCell::new((u64::MAX, String::new())) };
+}
+
+impl Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let since = self
+            .0
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let (secs, millis) = (since.as_secs(), since.subsec_millis());
+        SECOND.with_borrow_mut(|(second, prefix)| {
+            if *second != secs {
+                let at = chrono::DateTime::<chrono::Utc>::from(
+                    SystemTime::UNIX_EPOCH + Duration::from_secs(secs),
+                );
+                *prefix = at.format("%Y-%m-%dT%H:%M:%S.").to_string();
+                *second = secs;
+            }
+            let mut text = [0u8; 32];
+            let n = prefix.len().min(27);
+            text[..n].copy_from_slice(&prefix.as_bytes()[..n]);
+            text[n] = b'0' + (millis / 100) as u8;
+            text[n + 1] = b'0' + (millis / 10 % 10) as u8;
+            text[n + 2] = b'0' + (millis % 10) as u8;
+            text[n + 3] = b'Z';
+            s.serialize_str(std::str::from_utf8(&text[..n + 4]).unwrap_or_default())
+        })
+    }
+}
+
+/// Writes the access log line of a request answered with `status`.
+pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &RequestCtx, status: u16) {
     let took = ctx.started.map_or(Duration::ZERO, |s| s.elapsed());
-    let started: chrono::DateTime<chrono::Utc> = (SystemTime::now() - took).into();
+    let started = SystemTime::now() - took;
     let req = session.req_header();
     let header = |name: http::header::HeaderName| {
         req.headers
@@ -63,7 +100,7 @@ pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
     let forwarded = ctx.upstream_addr.is_some();
     let origin = ctx.origin.as_ref();
     let line = Line {
-        timestamp: started.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        timestamp: Timestamp(started),
         request_id: origin.map(|o| o.request_id.as_str()),
         client_ip: origin.and_then(|o| o.client),
         method: req.method.as_str(),
@@ -94,5 +131,31 @@ pub(super) fn line(session: &Session, ctx: &RequestCtx, status: u16) -> String {
         identity_hash: ctx.identity_hash.as_deref(),
         user_agent: header(http::header::USER_AGENT),
     };
-    serde_json::to_string(&line).unwrap_or_default()
+    log.log(&line);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc_with_milliseconds_across_seconds() {
+        let at = |ms: u64| {
+            serde_json::to_string(&Timestamp(
+                SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
+            ))
+            .unwrap()
+        };
+        assert_eq!(at(1_796_146_205_042), "\"2026-12-01T17:30:05.042Z\"");
+        assert_eq!(at(1_796_146_205_999), "\"2026-12-01T17:30:05.999Z\"");
+        assert_eq!(at(1_796_146_206_000), "\"2026-12-01T17:30:06.000Z\"");
+        assert_eq!(at(0), "\"1970-01-01T00:00:00.000Z\"");
+        let now = SystemTime::now();
+        let chrono_said = chrono::DateTime::<chrono::Utc>::from(now)
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        assert_eq!(
+            serde_json::to_string(&Timestamp(now)).unwrap(),
+            format!("\"{chrono_said}\"")
+        );
+    }
 }

@@ -614,7 +614,7 @@ impl ProxyHttp for Gateway {
             .unwrap_or(0);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
-                self.access_log.log(access::line(session, ctx, status));
+                access::log(&self.access_log, session, ctx, status);
             }
         }
         let Some(route) = &ctx.route else {
