@@ -11,9 +11,12 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::Method;
 use sentinel_gateway::clock::{MonotonicClock, SharedClock};
+use sentinel_gateway::config::AccessLogTarget;
 use sentinel_gateway::config::{BreakerConfig, FailMode};
 use sentinel_gateway::decision::emergency::{Emergency, EmergencyBucket};
 use sentinel_gateway::decision::{degrade, Breaker, Degradation, ScriptReply};
+use sentinel_gateway::edge::access_log::{Line, Lossy, Timestamp};
+use sentinel_gateway::edge::AccessLog;
 use sentinel_gateway::limiter::identity_hash;
 use sentinel_gateway::proxy::respond::Answer;
 use sentinel_gateway::routing::{normalize_path, Matcher, PathMatch, RouteTable};
@@ -135,5 +138,48 @@ fn batches(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, routing, keys, failure_path, answers, batches);
+fn access_log(c: &mut Criterion) {
+    let dropped = prometheus::IntCounter::new("d", "d").unwrap();
+    let log = AccessLog::start(Some(&AccessLogTarget::File("/dev/null".into())), dropped).unwrap();
+    let hash = identity_hash("k1");
+    // What a request's worker does for its line: build it and hand it over. The writer's
+    // share (the JSON, the write) is `access_log_json`.
+    c.bench_function("access_log_line", |b| {
+        b.iter(|| {
+            log.log(&Line {
+                timestamp: Timestamp::of(std::time::SystemTime::now()),
+                request_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+                client_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
+                method: "POST",
+                host: Some(Lossy(b"api.pdftalk.example")),
+                path: Some(black_box("/pdftalk/ingest/doc")),
+                protocol: "HTTP/1.1",
+                tls: true,
+                status: 200,
+                endpoint_id: Some("pdftalk.ingest"),
+                decision_reason: Some("allowed"),
+                allowed: Some(true),
+                tier: Some("pro"),
+                limit: None,
+                upstream: Some("pdftalk"),
+                upstream_addr: Some("127.0.0.1:9001".parse().unwrap()),
+                duration_ms: 1.234,
+                bytes_received: 5120,
+                bytes_sent: 312,
+                identity_hash: Some(hash.as_str()),
+                user_agent: Some(Lossy(b"curl/8.5.0")),
+            })
+        })
+    });
+}
+
+criterion_group!(
+    benches,
+    routing,
+    keys,
+    failure_path,
+    answers,
+    batches,
+    access_log
+);
 criterion_main!(benches);
