@@ -143,7 +143,7 @@ fn access_log(c: &mut Criterion) {
     let log = AccessLog::start(Some(&AccessLogTarget::File("/dev/null".into())), dropped).unwrap();
     let hash = identity_hash("k1");
     // What a request's worker does for its line: build it and hand it over. The writer's
-    // share (the JSON, the write) is `access_log_json`.
+    // share (the JSON, the write) is read from /proc by bench/access_log.sh's runs.
     c.bench_function("access_log_line", |b| {
         b.iter(|| {
             log.log(&Line {
