@@ -159,13 +159,7 @@ async fn over_tls_the_eviction_policy_is_checked_and_the_fleet_heartbeat_beats()
     let config = GatewayConfig::new(&t.url())
         .redis("tls_ca_path", quoted(&t.ca_path()))
         .upstream("app", &[up.addr()])
-        .route(
-            Route::new("f.open")
-                .path("/open")
-                .identity("global")
-                .token_bucket(1_000_000_000, 1_000_000_000)
-                .fail_open_fleet(3_000_000),
-        );
+        .route(common::config::fleet_route());
     set_policy("allkeys-lru");
     let (code, stderr) = config.start_refused();
     assert_eq!(code, Some(2), "{stderr}");

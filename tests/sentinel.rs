@@ -122,16 +122,15 @@ fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common:
 
 /// A config whose Redis is the master `sentinel_port`'s sentinel names as `mymaster`.
 fn on_sentinel(sentinel_port: u16) -> GatewayConfig {
+    on_sentinel_at(&format!("redis://127.0.0.1:{sentinel_port}"))
+}
+
+/// The same, with the sentinel at `url` (`rediss://` for TLS).
+fn on_sentinel_at(url: &str) -> GatewayConfig {
     GatewayConfig::empty()
         .server("threads", "2")
         .redis("timeout_ms", "50")
-        .redis(
-            "sentinel_urls",
-            format!(
-                "[{}]",
-                quoted(&format!("redis://127.0.0.1:{sentinel_port}"))
-            ),
-        )
+        .redis("sentinel_urls", format!("[{}]", quoted(url)))
         .redis("sentinel_master", quoted("mymaster"))
         .breaker(3, 1)
 }
@@ -336,13 +335,7 @@ async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbea
     let up = Upstream::start("app");
     let config = on_sentinel(sentinel_port)
         .upstream("app", &[up.addr()])
-        .route(
-            Route::new("f.open")
-                .path("/open")
-                .identity("global")
-                .token_bucket(1_000_000_000, 1_000_000_000)
-                .fail_open_fleet(3_000_000),
-        );
+        .route(common::config::fleet_route());
     let (code, stderr) = config.start_refused();
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
@@ -421,19 +414,8 @@ async fn over_tls_the_master_is_found_decided_on_and_followed() {
         &format!("tls-port {sentinel_tls}\n{tls_files}"),
     );
     let up = Upstream::start("app");
-    let gw = GatewayConfig::empty()
-        .server("threads", "2")
-        .redis("timeout_ms", "50")
-        .redis(
-            "sentinel_urls",
-            format!(
-                "[{}]",
-                quoted(&format!("rediss://127.0.0.1:{sentinel_tls}"))
-            ),
-        )
-        .redis("sentinel_master", quoted("mymaster"))
+    let gw = on_sentinel_at(&format!("rediss://127.0.0.1:{sentinel_tls}"))
         .redis("tls_ca_path", quoted(&ca_file.display().to_string()))
-        .breaker(3, 1)
         .upstream("app", &[up.addr()])
         .route(
             Route::new("s.api")

@@ -311,6 +311,16 @@ impl GatewayConfig {
     }
 }
 
+/// `/open`, one bucket for every caller that Redis never runs dry, fail_open with a fleet-wide
+/// emergency rate: a route that makes the fleet heartbeat beat.
+pub fn fleet_route() -> Route {
+    Route::new("f.open")
+        .path("/open")
+        .identity("global")
+        .token_bucket(1_000_000_000, 1_000_000_000)
+        .fail_open_fleet(3_000_000)
+}
+
 /// `/closed` (fail_closed) and `/open` (fail_open through a generous emergency rate), keyed by
 /// `X-API-Key`, `capacity` requests each that never refill, in front of `upstream`: the pair
 /// of routes the fault tests share.
