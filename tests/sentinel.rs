@@ -150,6 +150,17 @@ async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
     out
 }
 
+/// Whether `key`'s first request is admitted (Redis decides again) within about 5 s.
+async fn admitted_within_5_s(gw: &common::Gateway, key: &str) -> bool {
+    for _ in 0..50 {
+        if statuses(gw, key, 1).await == [200] {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
 fn readyz(gw: &common::Gateway) -> serde_json::Value {
     let (_, body) = blocking_get(&gw.admin("/readyz")).unwrap();
     serde_json::from_str(&body).unwrap()
@@ -238,14 +249,7 @@ async fn a_manual_failover_is_followed_through_a_password_protected_sentinel() {
         "the gateway on the promoted replica",
         || readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{}", replica.port),
     );
-    let mut recovered = false;
-    for _ in 0..50 {
-        if statuses(&gw, "b", 1).await == [200] {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let recovered = admitted_within_5_s(&gw, "b").await;
     assert!(recovered, "decisions on the new master");
     assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
     assert!(replica.limiter_calls() >= 3);
@@ -308,14 +312,7 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
         "{:?}",
         pointed.elapsed()
     );
-    let mut recovered = false;
-    for _ in 0..50 {
-        if statuses(&gw, "b", 1).await == [200] {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let recovered = admitted_within_5_s(&gw, "b").await;
     assert!(recovered, "decisions on the new master");
     assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
     // The bucket of `a` was replicated before the swap: still exhausted.
@@ -457,14 +454,7 @@ async fn over_tls_the_master_is_found_decided_on_and_followed() {
         "the gateway on the promoted replica",
         || readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{replica_tls}"),
     );
-    let mut recovered = false;
-    for _ in 0..50 {
-        if statuses(&gw, "b", 1).await == [200] {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let recovered = admitted_within_5_s(&gw, "b").await;
     assert!(recovered, "decisions on the promoted replica");
     assert_eq!(statuses(&gw, "b", 3).await, [200, 200, 429]);
     assert!(
