@@ -1,16 +1,21 @@
 //! An upstream at run time: its addresses behind round robin (host names resolved again
 //! every 30 s, every address of a name used), active health checks, and TLS.
 //!
-//! Pingora's load balancer does the rotation and the health checks (`HttpHealthCheck` with
-//! its consecutive-failure and consecutive-success hysteresis); this module feeds it
-//! addresses and runs both on timers of their own, off the request path ([`tend`]).
+//! Pingora's load balancer keeps the addresses and runs the health checks (`HttpHealthCheck`
+//! with its consecutive-failure and consecutive-success hysteresis); this module feeds it
+//! addresses and runs both on timers of their own, off the request path ([`tend`]). After
+//! each, the pool makes the list requests choose from ([`Pick`]s, the healthy ones apart), so
+//! the rotation itself is an atomic add on a list: measured, Pingora's own `select` cost
+//! about 2 000 instructions a request (a set of tried backends, a hash per backend, a clone
+//! of the chosen backend's extensions).
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 use pingora_core::utils::tls::{parse_x509, WrappedX509};
@@ -36,8 +41,51 @@ pub struct UpstreamPool {
     /// `tls = true`: what each connection's handshake needs.
     pub tls: Option<PeerTls>,
     addresses: Arc<Addresses>,
+    /// What requests choose from: the balancer's addresses and their health as last seen,
+    /// made again after each resolution and health check (off the request path).
+    picks: ArcSwap<Picks>,
+    /// The round robin's position.
+    next: AtomicUsize,
     /// Logged once while every address is unhealthy.
     all_down: AtomicBool,
+}
+
+/// An address a request can be sent to.
+#[derive(Debug)]
+pub struct Pick {
+    pub addr: pingora_core::protocols::l4::socket::SocketAddr,
+    /// The host it came from, as written in `addrs`: the SNI name of a TLS upstream without
+    /// `sni`.
+    pub host: String,
+}
+
+/// Every address, and the healthy ones.
+#[derive(Default)]
+struct Picks {
+    all: Vec<Arc<Pick>>,
+    healthy: Vec<Arc<Pick>>,
+}
+
+impl Picks {
+    fn of(balancer: &LoadBalancer<RoundRobin>) -> Self {
+        let backends = balancer.backends();
+        let mut picks = Picks::default();
+        for b in backends.get_backend().iter() {
+            let pick = Arc::new(Pick {
+                addr: b.addr.clone(),
+                host: b
+                    .ext
+                    .get::<UpstreamHost>()
+                    .map(|h| h.0.clone())
+                    .unwrap_or_default(),
+            });
+            if backends.ready(b) {
+                picks.healthy.push(Arc::clone(&pick));
+            }
+            picks.all.push(pick);
+        }
+        picks
+    }
 }
 
 /// TLS towards one upstream, ready for Pingora's connector.
@@ -69,14 +117,8 @@ impl PeerTls {
     }
 
     /// The SNI name for `backend`.
-    pub fn sni_for(&self, backend: &Backend) -> String {
-        self.sni.clone().unwrap_or_else(|| {
-            backend
-                .ext
-                .get::<UpstreamHost>()
-                .map(|h| h.0.clone())
-                .unwrap_or_default()
-        })
+    pub fn sni_for(&self, pick: &Pick) -> String {
+        self.sni.clone().unwrap_or_else(|| pick.host.clone())
     }
 }
 
@@ -172,32 +214,49 @@ impl UpstreamPool {
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok(Self {
             config: Arc::clone(up),
+            picks: ArcSwap::from_pointee(Picks::of(&balancer)),
             balancer,
             tls,
             addresses,
+            next: AtomicUsize::new(0),
             all_down: AtomicBool::new(false),
         })
     }
 
+    /// Makes the addresses requests choose from again, from the balancer's.
+    fn refresh_picks(&self) {
+        self.picks.store(Arc::new(Picks::of(&self.balancer)));
+    }
+
     /// The next address: round robin over the healthy ones; when none is healthy, over all
-    /// of them (logged once until one is healthy again).
-    pub fn select(&self) -> Option<Backend> {
-        if let Some(b) = self.balancer.select(b"", 256) {
-            if self.all_down.swap(false, Ordering::Relaxed) {
+    /// of them (logged once until one is healthy again). A load, an atomic add and a
+    /// reference count: no allocation, no hashing (Pingora's own `select` builds a set and
+    /// clones the backend with its extensions on every call).
+    pub fn select(&self) -> Option<Arc<Pick>> {
+        let picks = self.picks.load();
+        let list = if picks.healthy.is_empty() {
+            if !picks.all.is_empty() && !self.all_down.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    upstream = self.config.name.as_str(),
+                    "every address of the upstream is unhealthy; trying them all"
+                );
+            }
+            &picks.all
+        } else {
+            if self.all_down.load(Ordering::Relaxed) && self.all_down.swap(false, Ordering::Relaxed)
+            {
                 tracing::info!(
                     upstream = self.config.name.as_str(),
                     "an upstream address is healthy again"
                 );
             }
-            return Some(b);
+            &picks.healthy
+        };
+        if list.is_empty() {
+            return None;
         }
-        if !self.all_down.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                upstream = self.config.name.as_str(),
-                "every address of the upstream is unhealthy; trying them all"
-            );
-        }
-        self.balancer.select_with(b"", 256, |_, _| true)
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % list.len();
+        Some(Arc::clone(&list[i]))
     }
 
     /// Whether this pool needs [`tend`]: a host name to resolve again, or health checks.
@@ -273,12 +332,14 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
                 if let Err(e) = p.balancer.update().await {
                     tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
                 }
+                p.refresh_picks();
             }
             next_resolve = Instant::now() + every;
         }
         let wait = match &p.config.health_check {
             Some(hc) => {
                 p.balancer.backends().run_health_check(true).await;
+                p.refresh_picks();
                 let name = name.as_str();
                 let now: BTreeSet<String> = p
                     .balancer

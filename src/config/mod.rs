@@ -93,6 +93,8 @@ pub struct ServerConfig {
     pub max_body_bytes: Option<u64>,
     /// The request id's header, on upstream requests and on every answer.
     pub request_id_header: http::HeaderName,
+    /// The same name as the bytes Pingora's `insert_header` takes without copying them.
+    pub request_id_wire: bytes::Bytes,
     /// `admin_token_env`'s value: every admin request but `/healthz` and `/readyz` needs it
     /// as a bearer token.
     pub admin_token: Option<Secret>,

@@ -2,9 +2,10 @@
 //! `X-Forwarded-Host`, `X-Real-IP` and the request id. A client's own values are believed only
 //! from a peer in `trusted_proxies`; from anyone else they are replaced.
 
-use std::fmt::Write as _;
 use std::net::IpAddr;
 
+use bytes::Bytes;
+use http::HeaderValue;
 use ipnet::IpNet;
 use pingora::prelude::*;
 use pingora_http::RequestHeader;
@@ -57,18 +58,17 @@ impl Origin {
     }
 
     /// Sets the forwarded headers and the request id on the request sent upstream
-    /// (`upstream` starts as a copy of the client's request).
-    pub fn apply(
-        &self,
-        upstream: &mut RequestHeader,
-        request_id_header: &http::HeaderName,
-    ) -> Result<()> {
+    /// (`upstream` starts as a copy of the client's request). `request_id_header` is the
+    /// header's name, lower case. Every value is made without the formatter and every name
+    /// is static: this runs on every forwarded request.
+    pub fn apply(&self, upstream: &mut RequestHeader, request_id_header: &Bytes) -> Result<()> {
         let Some(peer) = self.peer else {
             upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;
             return Ok(());
         };
-        let mut xff = String::new();
-        if self.trusted {
+        let peer_value = ip_value(peer);
+        let xff = if self.trusted {
+            let mut xff = String::new();
             for value in upstream.headers.get_all("x-forwarded-for") {
                 if let Ok(text) = value.to_str() {
                     let text = text.trim();
@@ -78,25 +78,32 @@ impl Origin {
                     }
                 }
             }
-        }
-        let _ = write!(xff, "{peer}");
+            xff.push_str(peer_value.to_str().unwrap_or_default());
+            HeaderValue::try_from(xff).or_err(
+                InvalidHTTPHeader,
+                "the forwarded-for chain is not a header value",
+            )?
+        } else {
+            peer_value.clone()
+        };
         upstream.insert_header("x-forwarded-for", xff)?;
         let keep = |name: &str, upstream: &RequestHeader| {
             self.trusted && upstream.headers.get(name).is_some()
         };
         if !keep("x-forwarded-proto", upstream) {
             let proto = if self.tls { "https" } else { "http" };
-            upstream.insert_header("x-forwarded-proto", proto)?;
+            upstream.insert_header("x-forwarded-proto", HeaderValue::from_static(proto))?;
         }
         if !keep("x-forwarded-host", upstream) {
             // HTTP/2 carries the host in the authority, HTTP/1 in `Host`: as received.
-            let host = upstream.uri.authority().map(without_userinfo).or_else(|| {
-                upstream
+            let host = match upstream.uri.authority() {
+                Some(authority) => HeaderValue::try_from(without_userinfo(authority)).ok(),
+                None => upstream
                     .headers
                     .get(http::header::HOST)
-                    .and_then(|h| h.to_str().ok())
-                    .map(str::to_owned)
-            });
+                    .filter(|h| h.to_str().is_ok())
+                    .cloned(),
+            };
             match host {
                 Some(host) => upstream.insert_header("x-forwarded-host", host)?,
                 None => {
@@ -105,7 +112,8 @@ impl Origin {
             }
         }
         match self.client {
-            Some(client) => upstream.insert_header("x-real-ip", client.to_string())?,
+            Some(client) if client == peer => upstream.insert_header("x-real-ip", peer_value)?,
+            Some(client) => upstream.insert_header("x-real-ip", ip_value(client))?,
             None => {
                 upstream.remove_header("x-real-ip");
             }
@@ -113,6 +121,33 @@ impl Origin {
         upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;
         Ok(())
     }
+}
+
+/// An address as a header value. IPv4 is written digit by digit: `Display` goes through the
+/// formatter, and this runs for every forwarded request.
+pub fn ip_value(ip: IpAddr) -> HeaderValue {
+    let IpAddr::V4(v4) = ip else {
+        return HeaderValue::try_from(ip.to_string()).unwrap_or(HeaderValue::from_static(""));
+    };
+    let mut text = [0u8; 15];
+    let mut n = 0;
+    for (i, octet) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            text[n] = b'.';
+            n += 1;
+        }
+        if octet >= 100 {
+            text[n] = b'0' + octet / 100;
+            n += 1;
+        }
+        if octet >= 10 {
+            text[n] = b'0' + octet / 10 % 10;
+            n += 1;
+        }
+        text[n] = b'0' + octet % 10;
+        n += 1;
+    }
+    HeaderValue::from_bytes(&text[..n]).unwrap_or(HeaderValue::from_static(""))
 }
 
 /// An authority's `host[:port]`, without any `user:password@` an absolute-form target sent.
@@ -130,7 +165,13 @@ fn is_request_id(v: &[u8]) -> bool {
 
 /// A new request id: 32 lower-case hex digits of randomness.
 pub fn new_request_id() -> String {
-    format!("{:032x}", rand::rng().random::<u128>())
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bits = rand::rng().random::<u128>();
+    let mut id = [0u8; 32];
+    for (i, digit) in id.iter_mut().enumerate() {
+        *digit = HEX[(bits >> (4 * (31 - i))) as usize & 15];
+    }
+    String::from_utf8_lossy(&id).into_owned()
 }
 
 #[cfg(test)]
@@ -163,6 +204,27 @@ mod tests {
         http::HeaderName::from_static("x-request-id")
     }
 
+    fn id_wire() -> Bytes {
+        Bytes::from_static(b"x-request-id")
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn addresses_read_as_display_writes_them(bits: u32, v6: u128) {
+            for ip in [IpAddr::from(bits.to_be_bytes()), IpAddr::from(v6.to_be_bytes())] {
+                let value = ip_value(ip);
+                proptest::prop_assert_eq!(value.to_str().unwrap(), ip.to_string());
+            }
+        }
+
+        #[test]
+        fn request_ids_are_32_lower_case_hex_digits(_n in 0..8u8) {
+            let id = new_request_id();
+            proptest::prop_assert_eq!(id.len(), 32);
+            proptest::prop_assert!(id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        }
+    }
+
     #[test]
     fn an_untrusted_peers_own_words_are_replaced() {
         let trusted: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap()];
@@ -188,7 +250,7 @@ mod tests {
             .bytes()
             .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
         let mut up = client.clone();
-        origin.apply(&mut up, &id_header()).unwrap();
+        origin.apply(&mut up, &id_wire()).unwrap();
         assert_eq!(
             header(&up, "x-forwarded-for").as_deref(),
             Some("203.0.113.9")
@@ -223,7 +285,7 @@ mod tests {
         assert_eq!(origin.client, Some(ip("1.2.3.4")));
         assert_eq!(origin.request_id, "edge-4711");
         let mut up = via_proxy.clone();
-        origin.apply(&mut up, &id_header()).unwrap();
+        origin.apply(&mut up, &id_wire()).unwrap();
         assert_eq!(
             header(&up, "x-forwarded-for").as_deref(),
             Some("1.2.3.4, 10.0.0.7, 10.0.0.1")
@@ -250,7 +312,7 @@ mod tests {
         let o = Origin::of(&r, Some(ip("10.0.0.1")), &trusted, &id_header(), true);
         assert_eq!(o.request_id, &long[..128]);
         let mut up = r.clone();
-        o.apply(&mut up, &id_header()).unwrap();
+        o.apply(&mut up, &id_wire()).unwrap();
         assert_eq!(header(&up, "x-forwarded-proto").as_deref(), Some("https"));
     }
 
@@ -264,7 +326,7 @@ mod tests {
         let o = Origin::of(&r, Some(ip("10.0.0.1")), &trusted, &id_header(), false);
         assert_eq!(o.client, None);
         let mut up = r.clone();
-        o.apply(&mut up, &id_header()).unwrap();
+        o.apply(&mut up, &id_wire()).unwrap();
         assert_eq!(
             header(&up, "x-real-ip"),
             None,

@@ -24,7 +24,7 @@ use crate::edge::AccessLog;
 use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
 use crate::limiter::{self, identity_hash};
-use crate::routing::{normalize_path, request_host};
+use crate::routing::{normalized, request_host};
 use crate::snapshot::{Route, Snapshot};
 use crate::store::Store;
 use forwarded::Origin;
@@ -100,7 +100,7 @@ impl RequestCtx {
     fn tag(&self, header: &mut pingora_http::ResponseHeader) -> Result<()> {
         if let (Some(o), Some(s)) = (&self.origin, &self.snapshot) {
             header.insert_header(
-                s.config.server.request_id_header.clone(),
+                s.config.server.request_id_wire.clone(),
                 o.request_id.as_str(),
             )?;
         }
@@ -317,11 +317,11 @@ impl ProxyHttp for Gateway {
         if header_bytes > respond::MAX_HEADER_BYTES {
             return self.answer(session, ctx, Answer::HeadersTooLarge).await;
         }
-        let Ok(path) = normalize_path(req.uri.path()) else {
+        let Ok(path) = normalized(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
         if snapshot.config.access_log.is_some() {
-            ctx.path = Some(path.clone());
+            ctx.path = Some(path.clone().into_owned());
         }
         let host_header = req
             .headers
@@ -340,7 +340,7 @@ impl ProxyHttp for Gateway {
         if path != req.uri.path() || req.uri.authority().is_some() {
             ctx.upstream_uri = Some(match req.uri.query() {
                 Some(q) => format!("{path}?{q}"),
-                None => path,
+                None => path.into_owned(),
             });
         }
         ctx.route = Some(Arc::clone(&route));
@@ -366,7 +366,9 @@ impl ProxyHttp for Gateway {
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
         }
-        match self.limit(session, ctx, &snapshot, &route).await {
+        // Boxed: the decision's future is large, and only limited routes need it; inline,
+        // every request's filter future would carry (and copy) its size.
+        match Box::pin(self.limit(session, ctx, &snapshot, &route)).await {
             Some(answer) => self.answer(session, ctx, answer).await,
             None => Ok(false),
         }
@@ -396,7 +398,7 @@ impl ProxyHttp for Gateway {
                 peer.options.ca = tls.ca.clone();
                 peer
             }
-            _ => HttpPeer::new(backend.addr, false, String::new()),
+            _ => HttpPeer::new(backend.addr.clone(), false, String::new()),
         };
         let up = &pool.config;
         peer.options.connection_timeout = Some(up.connect_timeout);
@@ -415,7 +417,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
-            origin.apply(upstream_request, &snapshot.config.server.request_id_header)?;
+            origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
         }
         if let Some(uri) = ctx.upstream_uri.as_deref() {
             let uri = uri

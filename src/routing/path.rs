@@ -4,6 +4,7 @@
 //! `..` segments are resolved; a path that escapes the root, encodes a separator or NUL, or is
 //! not UTF-8 once decoded is refused (the proxy answers 400).
 
+use std::borrow::Cow;
 use std::fmt;
 
 /// Longest request path accepted, in bytes, before normalization.
@@ -53,6 +54,43 @@ fn hex_value(b: u8) -> Option<u8> {
 /// decoded, other escapes are kept in upper-case hex, duplicate slashes collapse, and `.` and
 /// `..` segments are resolved. A trailing slash is kept.
 pub fn normalize_path(raw: &str) -> Result<String, PathError> {
+    normalized(raw).map(Cow::into_owned)
+}
+
+/// [`normalize_path`], borrowing the path when it is already in normal form (most are):
+/// one pass over its bytes and no allocation.
+pub fn normalized(raw: &str) -> Result<Cow<'_, str>, PathError> {
+    if is_normal(raw) {
+        Ok(Cow::Borrowed(raw))
+    } else {
+        normalize_slow(raw).map(Cow::Owned)
+    }
+}
+
+/// Whether `normalize_slow` would answer `raw` itself: absolute, not too long, printable
+/// ASCII without `%` or a backslash, and no empty (but the last), `.` or `..` segment.
+fn is_normal(raw: &str) -> bool {
+    let bytes = raw.as_bytes();
+    if bytes.first() != Some(&b'/') || bytes.len() > MAX_PATH_BYTES {
+        return false;
+    }
+    if !bytes
+        .iter()
+        .all(|&b| (0x20..0x7f).contains(&b) && b != b'%' && b != b'\\')
+    {
+        return false;
+    }
+    let mut segments = raw[1..].split('/').peekable();
+    while let Some(segment) = segments.next() {
+        let last = segments.peek().is_none();
+        if matches!(segment, "." | "..") || (segment.is_empty() && !last) {
+            return false;
+        }
+    }
+    true
+}
+
+fn normalize_slow(raw: &str) -> Result<String, PathError> {
     let bytes = raw.as_bytes();
     if bytes.first() != Some(&b'/') {
         return Err(PathError::NotAbsolute);
@@ -139,6 +177,18 @@ fn resolve_segments(text: &str) -> Result<String, PathError> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The borrowed fast path answers what the full normalization does, for every path
+        /// it takes.
+        #[test]
+        fn a_path_already_normal_is_borrowed_unchanged(raw in "(/|/\\.|/\\.\\.|/a|/%2[eEfF]|/%41|\\\\|/b\\.c|/~| |\\?){0,8}") {
+            prop_assert_eq!(normalized(&raw).map(Cow::into_owned), normalize_slow(&raw));
+            if is_normal(&raw) {
+                prop_assert_eq!(normalize_slow(&raw), Ok(raw.clone()));
+            }
+        }
+    }
 
     #[test]
     fn normalization_cases() {

@@ -191,6 +191,9 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
         max_body_bytes: max_body_bytes?,
+        request_id_wire: request_id_header
+            .as_ref()
+            .map(|h| bytes::Bytes::copy_from_slice(h.as_str().as_bytes()))?,
         request_id_header: request_id_header?,
         admin_token: admin_token?,
     })
