@@ -466,6 +466,22 @@ mod tests {
         assert_eq!(chosen(&pool, 64).await, BTreeSet::from([b]));
     }
 
+    /// Round robin over healthy addresses: 300 selections over three choose each 100 times.
+    #[tokio::test]
+    async fn the_rotation_takes_every_address_in_turn() {
+        let addrs: Vec<SocketAddr> = (1..=3)
+            .map(|port| SocketAddr::from(([127, 0, 0, 1], port)))
+            .collect();
+        let pool = UpstreamPool::new(&config(addrs.clone(), vec!["127.0.0.1".into(); 3])).unwrap();
+        let mut counts: HashMap<SocketAddr, usize> = HashMap::new();
+        for _ in 0..300 {
+            let pick = pool.select().expect("an address");
+            *counts.entry(*pick.addr.as_inet().unwrap()).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 3, "{counts:?}");
+        assert!(counts.values().all(|&n| n == 100), "{counts:?}");
+    }
+
     #[test]
     fn every_address_of_a_name_is_used_and_tagged_with_its_host() {
         let up = config(
