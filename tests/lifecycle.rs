@@ -220,7 +220,11 @@ async fn a_reload_can_move_the_gateway_to_another_redis() {
 async fn reloads_under_load_drop_nothing() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(1_000_000)).start();
+    // A budget of 1 s: what this test asks is that reloads drop nothing. With 20 ms, a debug
+    // build on a busy machine now and then answers 503 for a decision Redis answered late:
+    // the budget doing its job, not a reload losing a request.
+    let config = GatewayConfig::new(&redis.url()).redis("timeout_ms", "1000");
+    let gw = routes(config, &up.addr(), api(1_000_000)).start();
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let workers: Vec<_> = (0..8)
@@ -261,7 +265,7 @@ async fn reloads_under_load_drop_nothing() {
     assert!(
         all.iter().all(|s| *s == 200),
         "non-200 during reloads: {:?}",
-        all.iter().filter(|s| **s != 200).count()
+        all.iter().filter(|s| **s != 200).collect::<Vec<_>>()
     );
     assert_eq!(gw.metric("sentinel_config_generation"), 11.0);
     assert_eq!(
