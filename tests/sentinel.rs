@@ -267,6 +267,21 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
     let up = Upstream::start("app");
     let gw = gateway(sentinel_port, &up, None);
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    // Replication is asynchronous: the bucket of `a` must be on the replica before the swap,
+    // or the new master starts it afresh (what the last assertion below relies on). A write
+    // of this connection's own, acknowledged by the replica, comes after the gateway's in the
+    // replication stream.
+    let mut fence = master.conn();
+    let _: () = redis::cmd("SET")
+        .arg(&["test:fence", "1"])
+        .query(&mut fence)
+        .unwrap();
+    let acked: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(2000)
+        .query(&mut fence)
+        .unwrap();
+    assert_eq!(acked, 1, "the replica acknowledged the writes");
 
     let role = |conn: &mut redis::Connection, args: &[&str]| {
         let _: () = redis::cmd("REPLICAOF").arg(args).query(conn).unwrap();
