@@ -235,7 +235,12 @@ impl UpstreamPool {
     pub fn select(&self) -> Option<Arc<Pick>> {
         let picks = self.picks.load();
         let list = if picks.healthy.is_empty() {
-            if !picks.all.is_empty() && !self.all_down.swap(true, Ordering::Relaxed) {
+            // Read before the swap: while everything is down, requests do not all write the
+            // flag's cache line.
+            if !picks.all.is_empty()
+                && !self.all_down.load(Ordering::Relaxed)
+                && !self.all_down.swap(true, Ordering::Relaxed)
+            {
                 tracing::warn!(
                     upstream = self.config.name.as_str(),
                     "every address of the upstream is unhealthy; trying them all"
