@@ -64,6 +64,10 @@ redis_pid=$(cat "$work/redis.pid")
 [[ -n ${REDIS_NICE:-} ]] && renice -n "$REDIS_NICE" -p "$redis_pid" >/dev/null
 # Anything that holds Redis for 5 ms or more is recorded, and printed at the end.
 redis-cli -p "$redis_port" config set latency-monitor-threshold 5 >/dev/null
+# SLOWLOG counts the commands that took Redis 2 ms or more of wall time in each cell: on a
+# shared machine, mostly a Redis taken off the CPU in the middle of one (column slow2ms).
+redis-cli -p "$redis_port" config set slowlog-log-slower-than 2000 >/dev/null
+redis-cli -p "$redis_port" config set slowlog-max-len 100000 >/dev/null
 
 nginx_conf() { # dir workers body -> starts nginx with that http body
   local dir=$1 workers=$2 body=$3
@@ -190,10 +194,13 @@ cell() { # round conns cell
       path=$([[ $cell == 2* ]] && echo /none || echo /allowed) ;;
   esac
   local before_p before_r before_up calls0 usec0 calls1 usec1 out
+  redis-cli -p "$redis_port" slowlog reset >/dev/null
   before_p=$(ticks_all $procs); before_r=$(ticks "$redis_pid"); read -r calls0 usec0 < <(evalsha_stats)
   out=$(/usr/bin/time -f 'WRKCPU %U %S' wrk -t2 -c"$conns" -d"${secs}s" --latency -s bench/keys.lua "http://127.0.0.1:$port$path" 2>&1)
   local after_p after_r
   after_p=$(ticks_all $procs); after_r=$(ticks "$redis_pid"); read -r calls1 usec1 < <(evalsha_stats)
+  local slow
+  slow=$(redis-cli -p "$redis_port" slowlog len)
   local total rps p50 p99 non2xx wrk_cpu transitions=-
   total=$(awk '/requests in/ {print $1}' <<<"$out")
   rps=$(awk '/Requests\/sec/ {printf "%d", $2}' <<<"$out")
@@ -207,10 +214,10 @@ cell() { # round conns cell
   fi
   awk -v r="$round" -v c="$conns" -v cell="$cell" -v total="$total" -v rps="$rps" -v p50="$p50" -v p99="$p99" \
     -v bad="$non2xx" -v pt=$((after_p - before_p)) -v rt=$((after_r - before_r)) -v hz="$hz" -v wrk="$wrk_cpu" \
-    -v calls=$((calls1 - calls0)) -v usec=$((usec1 - usec0)) -v tr="$transitions" 'BEGIN {
+    -v calls=$((calls1 - calls0)) -v usec=$((usec1 - usec0)) -v tr="$transitions" -v slow="$slow" 'BEGIN {
       us = 1e6 / hz / total
-      printf "%s %s %s %s %.2f %.2f %s %.1f %.1f %.2f %.3f %.1f %s\n", r, c, cell, rps, p50, p99, bad,
-        pt * us, rt * us, (calls ? usec / total : 0), calls / total, wrk * 1e6 / total, tr }' >>"$results"
+      printf "%s %s %s %s %.2f %.2f %s %.1f %.1f %.2f %.3f %.1f %s %s\n", r, c, cell, rps, p50, p99, bad,
+        pt * us, rt * us, (calls ? usec / total : 0), calls / total, wrk * 1e6 / total, tr, slow }' >>"$results"
 }
 
 for round in $(seq 1 "$rounds"); do
@@ -219,9 +226,9 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s\n' round conns cell req/s p50ms p99ms non2xx proxy_us redis_us evalsha_us calls/req wrk_us breaker
-while read -r r c cell rps p50 p99 bad pus rus eus cpr wus tr; do
-  printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s\n' "$r" "$c" "$cell" "$rps" "$p50" "$p99" "$bad" "$pus" "$rus" "$eus" "$cpr" "$wus" "$tr"
+printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s\n' round conns cell req/s p50ms p99ms non2xx proxy_us redis_us evalsha_us calls/req wrk_us breaker slow2ms
+while read -r r c cell rps p50 p99 bad pus rus eus cpr wus tr slow; do
+  printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s\n' "$r" "$c" "$cell" "$rps" "$p50" "$p99" "$bad" "$pus" "$rus" "$eus" "$cpr" "$wus" "$tr" "$slow"
 done <"$results"
 echo
 # Per round and connection count: the ratios of the targets, then their medians.
@@ -247,6 +254,8 @@ measures = [
     ("   gateway CPU us, limited - unlimited (3 - 2)", lambda c: float(c["3"][7]) - float(c["2"][7]) if "3" in c and "2" in c else None),
     ("   non-2xx answers of cell 3", lambda c: float(c["3"][6]) if "3" in c else None),
     ("   breaker transitions of cell 3", lambda c: float(c["3"][12]) if "3" in c else None),
+    ("   Redis commands of 2 ms or more (cell 3)", lambda c: float(c["3"][13]) if "3" in c else None),
+    ("   Redis commands of 2 ms or more (cell o)", lambda c: float(c["o"][13]) if "o" in c else None),
 ]
 for conns in sorted({k[1] for k in by}, key=int):
     print(f"{conns} connections")
