@@ -7,8 +7,9 @@
 #
 #   bench/redis_floor.sh [CALLS_PER_CELL] [ROUNDS]     (defaults 20000 and 3; BATCH=8)
 #
-# Scripts: batch (the gateway's lua/batch.lua, as the gateway loads it) and bench/floor/*.lua
-# (the arithmetic skipped: what the Redis commands of each bucket layout cost on their own).
+# Scripts: batch (the gateway's lua/batch.lua, as the gateway loads it) and each layout of
+# bench/floor/ (its `bucket`, inside bench/floor/loop.lua's batch; the arithmetic skipped:
+# what the Redis commands of each bucket layout cost on their own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 calls=${1:-20000}
@@ -23,7 +24,12 @@ trap 'kill "$redis_pid" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for _ in $(seq 1 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.05; done
 cat lua/int.lua lua/limits.lua lua/batch.lua >"$work/batch.lua"
 names=(batch)
-for f in bench/floor/*.lua; do n=$(basename "$f" .lua); cp "$f" "$work/$n.lua"; names+=("$n"); done
+for f in bench/floor/*.lua; do
+  n=$(basename "$f" .lua)
+  [[ $n == loop ]] && continue
+  cat "$f" bench/floor/loop.lua >"$work/$n.lua"
+  names+=("$n")
+done
 big=1000000000000000 fast=1000000000000
 keys=() args=()
 for i in $(seq 1 "$batch"); do keys+=("k$i:__rand_int__"); args+=(1 "$big" "$fast" 1000000); done
@@ -33,6 +39,7 @@ ticks() { awk '{print $14 + $15}' "/proc/$redis_pid/stat"; }
 for round in $(seq 1 "$rounds"); do
   for n in "${names[@]}"; do
     sha=$(redis-cli -p "$port" script load "$(cat "$work/$n.lua")")
+    [[ $sha =~ ^[0-9a-f]{40}$ ]] || { echo "$n.lua does not load: $sha" >&2; exit 1; }
     redis-cli -p "$port" flushall >/dev/null
     redis-cli -p "$port" config resetstat >/dev/null
     t0=$(ticks)

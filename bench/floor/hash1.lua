@@ -1,23 +1,10 @@
--- Floor: a hash with one field s = "t f ts e", HGET and HSET per decision (PEXPIRE on a new key).
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local out = {}
-local a = 0
-for i = 1, #KEYS do
-  local kind = tonumber(ARGV[a + 1])
-  local cap, rate, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  a = a + 4
-  local v = redis.call('HGET', KEYS[i], 's')
-  local tokens = cap
-  if v then
-    local sp = string.find(v, ' ', 1, true)
-    tokens = tonumber(string.sub(v, 1, sp - 1))
-    redis.call('HSET', KEYS[i], 's', string.format('%d 0 %d 5', tokens - cost, now))
-  else
-    redis.call('HSET', KEYS[i], 's', string.format('%d 0 %d 5', tokens - cost, now))
-    redis.call('PEXPIRE', KEYS[i], 3000)
-  end
-  tokens = tokens - cost
-  out[i] = string.format('%d %d %d %d %d %d', 1, tokens, 0, 1, now, 0)
+-- Floor: a hash of one field s = "t f ts e", HGET and HSET per decision (PEXPIRE on a new
+-- key).
+local function prepare() return {} end
+local function bucket(key, _, capacity, cost, now)
+  local v = redis.call('HGET', key, 's')
+  local left = (v and tonumber(string.match(v, '^(-?%d+)')) or capacity) - cost
+  redis.call('HSET', key, 's', string.format('%d 0 %d 5', left, now))
+  if not v then redis.call('PEXPIRE', key, 3000) end
+  return left
 end
-return table.concat(out, '\n')

@@ -1,20 +1,8 @@
--- Floor: one string per bucket ("tokens frac ts"), GET and SET PX per decision, no arithmetic.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local out = {}
-local a = 0
-for i = 1, #KEYS do
-  local kind = tonumber(ARGV[a + 1])
-  local cap, rate, cost = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  a = a + 4
-  local v = redis.call('GET', KEYS[i])
-  local tokens = cap
-  if v then
-    local sp = string.find(v, ' ', 1, true)
-    tokens = tonumber(string.sub(v, 1, sp - 1))
-  end
-  tokens = tokens - cost
-  redis.call('SET', KEYS[i], string.format('%d 0 %d', tokens, now), 'PX', 3000)
-  out[i] = string.format('%d %d %d %d %d %d', 1, tokens, 0, 1, now, 0)
+-- Floor: one string per bucket ("t f ts"), GET and SET PX per decision.
+local function prepare() return {} end
+local function bucket(key, _, capacity, cost, now)
+  local v = redis.call('GET', key)
+  local left = (v and tonumber(string.match(v, '^(-?%d+)')) or capacity) - cost
+  redis.call('SET', key, string.format('%d 0 %d', left, now), 'PX', 3000)
+  return left
 end
-return table.concat(out, '\n')
