@@ -157,6 +157,12 @@ impl Redis {
         self.client().get_connection().expect("redis connection")
     }
 
+    /// A connection, or `None` while this Redis refuses or resets one (a replica during a
+    /// failover, say): for polls that wait for a state and try again.
+    pub fn try_conn(&self) -> Option<redis::Connection> {
+        self.client().get_connection().ok()
+    }
+
     /// Calls of one command so far, from `INFO commandstats` (0 if never called).
     pub fn command_calls(&self, command: &str) -> u64 {
         let info: String = redis::cmd("INFO")
