@@ -140,7 +140,10 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
 async fn concurrent_clients_on_one_bucket_admit_exactly_its_capacity() {
     let redis = Redis::start();
     let up = Upstream::start("app");
+    // A 1 s budget: this test counts admissions under concurrency; a decision of a debug
+    // build answered after 20 ms on a busy machine would be a 503 by design, not a miscount.
     let gw = app_config(&redis.url(), &up)
+        .redis("timeout_ms", "1000")
         .route(bucket("t.shared", "/api", 50, 0).identity("global"))
         .start();
     let url = gw.url("/api/doc");
@@ -650,8 +653,10 @@ async fn ratelimit_headers_are_absent_when_redis_did_not_decide() {
 async fn three_gateways_on_one_redis_admit_exactly_one_bucket() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config =
-        app_config(&redis.url(), &up).route(bucket("t.fleet", "/api", 50, 0).identity("global"));
+    // A 1 s budget, as in concurrent_clients_on_one_bucket_admit_exactly_its_capacity.
+    let config = app_config(&redis.url(), &up)
+        .redis("timeout_ms", "1000")
+        .route(bucket("t.fleet", "/api", 50, 0).identity("global"));
     let gateways: Vec<Gateway> = (0..3).map(|_| config.start()).collect();
     let urls: Vec<String> = gateways.iter().map(|g| g.url("/api")).collect();
     let admitted = common::admitted_over(&urls, 30, 10, ("x-api-key", "any")).await;
