@@ -16,7 +16,8 @@ calls=${1:-20000}
 rounds=${2:-3}
 batch=${BATCH:-8}
 command -v redis-benchmark >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+. bench/lib.sh
+port=$(free_port)
 work=$(mktemp -d /tmp/sentinel-floor.XXXXXX)
 redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
 redis_pid=$!
@@ -33,8 +34,6 @@ done
 big=1000000000000000 fast=1000000000000
 keys=() args=()
 for i in $(seq 1 "$batch"); do keys+=("k$i:__rand_int__"); args+=(1 "$big" "$fast" 1000000); done
-hz=$(getconf CLK_TCK)
-ticks() { awk '{print $14 + $15}' "/proc/$redis_pid/stat"; }
 : >"$work/results"
 for round in $(seq 1 "$rounds"); do
   for n in "${names[@]}"; do
@@ -42,9 +41,9 @@ for round in $(seq 1 "$rounds"); do
     [[ $sha =~ ^[0-9a-f]{40}$ ]] || { echo "$n.lua does not load: $sha" >&2; exit 1; }
     redis-cli -p "$port" flushall >/dev/null
     redis-cli -p "$port" config resetstat >/dev/null
-    t0=$(ticks)
+    t0=$(ticks "$redis_pid")
     timeout 300 redis-benchmark -p "$port" -n "$calls" -c 4 -r 10000 -q evalsha "$sha" "$batch" "${keys[@]}" "${args[@]}" >/dev/null
-    t1=$(ticks)
+    t1=$(ticks "$redis_pid")
     usec=$(redis-cli -p "$port" info commandstats | tr -d '\r' | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
     awk -v n="$n" -v t=$((t1 - t0)) -v hz="$hz" -v calls="$calls" -v b="$batch" -v u="${usec:-0}" \
       'BEGIN { printf "%s %.2f %.2f\n", n, t * 1e6 / hz / calls / b, u / b }' >>"$work/results"

@@ -33,9 +33,8 @@ command -v redis-server >/dev/null || need+=(redis-server redis-tools)
 if ((${#need[@]})); then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; fi
 cargo build --release --locked --bins
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. bench/lib.sh
 bg() { "$@" >"$work/$(basename "$1").$RANDOM.log" 2>&1 & pids+=($!); }
-wait_port() { for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
 
 redis_port=$(free_port); up_port=$(free_port); hole_port=$(free_port); dead_port=$(free_port)
 bg redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no

@@ -47,12 +47,8 @@ if ((${#need[@]})); then apt-get update -qq && DEBIAN_FRONTEND=noninteractive ap
 # The profile operators deploy (Cargo.toml, [profile.production]), for the bare proxy too.
 cargo build --profile production --locked --bins
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; exit 1; }
+. bench/lib.sh
 # CPU ticks (utime + stime) of a process and its children's threads, by PID.
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-ticks_all() { local t=0; for p in "$@"; do t=$((t + $(ticks "$p"))); done; echo "$t"; }
-hz=$(getconf CLK_TCK)
 
 redis_port=$(free_port)
 redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &

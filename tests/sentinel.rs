@@ -77,12 +77,9 @@ fn sentinel_conf(
 }
 
 /// A master and its replica, once the replica has synced.
-fn replicated() -> (Redis, Redis) {
-    let master = Redis::start();
-    let replica = Redis::start_with(
-        free_port(),
-        &["--replicaof", "127.0.0.1", &master.port.to_string()],
-    );
+/// Waits until `replica` has synced with its master (a connection it resets meanwhile is
+/// tried again).
+fn wait_for_sync(replica: &Redis) {
     wait_until(Duration::from_secs(10), "the replica to sync", || {
         let info: String = replica
             .try_conn()
@@ -90,6 +87,15 @@ fn replicated() -> (Redis, Redis) {
             .unwrap_or_default();
         info.contains("master_link_status:up")
     });
+}
+
+fn replicated() -> (Redis, Redis) {
+    let master = Redis::start();
+    let replica = Redis::start_with(
+        free_port(),
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    wait_for_sync(&replica);
     (master, replica)
 }
 
@@ -412,13 +418,7 @@ async fn over_tls_the_master_is_found_decided_on_and_followed() {
             master_tls.to_string(),
         ],
     );
-    wait_until(Duration::from_secs(10), "the replica to sync", || {
-        let info: String = replica
-            .try_conn()
-            .and_then(|mut c| redis::cmd("INFO").arg("replication").query(&mut c).ok())
-            .unwrap_or_default();
-        info.contains("master_link_status:up")
-    });
+    wait_for_sync(&replica);
     let sentinel_dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_plain) = sentinel_conf(
         master_tls,
