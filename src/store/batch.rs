@@ -161,7 +161,6 @@ impl Store {
         call: Call<'_>,
         deadline: Instant,
     ) -> Option<super::eval::Step> {
-        use super::eval::{Reply, Step};
         let turns = &link.turns;
         if self.batch_max() <= 1 || turns.refused.load(Ordering::Relaxed) {
             return None;
@@ -182,11 +181,7 @@ impl Store {
                 _ => drop(self.runtime.spawn(sender)),
             }
         }
-        match answer.await {
-            Ok(Answer::Reply(bytes, range)) => Some(Step::Reply(Reply::Part(bytes, range))),
-            Ok(Answer::Failed(f)) => Some(Step::Failed(f)),
-            Ok(Answer::Alone) | Err(_) => None,
-        }
+        step_of(answer.await)
     }
 
     /// Sends what waits, batch after batch, until nothing does.
@@ -324,6 +319,20 @@ impl Store {
     }
 }
 
+/// What a waiting decision does with what it was told: `None`, go alone, only when the
+/// batch was never run. A batch that gave up at its last deadline drops its channels while
+/// its `EVALSHA` may still run in Redis: a member whose own timer has not fired yet (it is
+/// set a moment later) is a timeout, never sent a second time, or it would spend twice.
+fn step_of(answer: Result<Answer, oneshot::error::RecvError>) -> Option<super::eval::Step> {
+    use super::eval::{Reply, Step};
+    match answer {
+        Ok(Answer::Reply(bytes, range)) => Some(Step::Reply(Reply::Part(bytes, range))),
+        Ok(Answer::Failed(f)) => Some(Step::Failed(f)),
+        Ok(Answer::Alone) => None,
+        Err(_) => Some(Step::Failed(Failure::Timeout)),
+    }
+}
+
 /// What a batch's call came to.
 enum Batched {
     Reply(Vec<u8>),
@@ -419,6 +428,24 @@ mod tests {
         let empty: Vec<Range<usize>> = answer_parts(b"", 1).unwrap().collect();
         assert_eq!(empty.len(), 1);
         assert!(empty[0].is_empty(), "one empty answer");
+    }
+
+    #[test]
+    fn a_batch_that_gave_up_never_sends_its_decisions_again() {
+        use super::super::eval::Step;
+        let (tx, rx) = oneshot::channel::<Answer>();
+        drop(tx);
+        let told = rx.blocking_recv();
+        assert!(
+            matches!(step_of(told), Some(Step::Failed(Failure::Timeout))),
+            "a dropped answer is a timeout: the batch may still run in Redis"
+        );
+        let (tx, rx) = oneshot::channel();
+        let _ = tx.send(Answer::Alone);
+        assert!(
+            step_of(rx.blocking_recv()).is_none(),
+            "a batch never run (redirected, refused) sends its decisions alone"
+        );
     }
 
     #[test]
