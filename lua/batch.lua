@@ -42,7 +42,8 @@ while a < argc do
     -- code; anything else is the script failing on data it cannot read.
     local e = answer
     if type(e) == 'table' then e = e.err or e.message or '' end
-    e = tostring(e)
+    -- One line per answer: an error's own newlines would shift every answer after it.
+    e = (string.gsub(tostring(e), '\n', ' '))
     if string.match(e, '^%u+ ') then
       out[i] = 'E ' .. e
     else

@@ -601,3 +601,47 @@ fn a_bucket_key_lives_until_full_and_not_much_longer() {
         );
     }
 }
+
+/// An error whose text runs over several lines (a Lua error can; a Redis error reply cannot)
+/// still fails its own decision only: the batch's answer keeps one line per decision.
+#[test]
+fn a_multi_line_error_in_a_batch_keeps_one_answer_per_decision() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    // The batch script as the gateway runs it, with `decide` shadowed for one key so that
+    // it fails with a message of three lines.
+    let (prelude, batch) = BATCH_LUA
+        .rsplit_once("local t = redis.call('TIME')")
+        .expect("the batch's loop");
+    let script = format!(
+        "{prelude}local real_decide = decide\n\
+         local function decide(kind, key, ...)\n\
+           if key == 'model:multi:bad' then error('one\\ntwo\\nthree') end\n\
+           return real_decide(kind, key, ...)\n\
+         end\n\
+         local t = redis.call('TIME'){batch}"
+    );
+    let keys = ["model:multi:a", "model:multi:bad", "model:multi:b"];
+    let mut args = Vec::new();
+    for _ in keys {
+        args.extend([1u64, 5_000_000, 0, 1_000_000]);
+    }
+    let reply: String = redis::cmd("EVAL")
+        .arg(&script)
+        .arg(keys.len())
+        .arg(&keys[..])
+        .arg(&args)
+        .query(&mut conn)
+        .expect("the batch script runs");
+    let answers: Vec<&str> = reply.split('\n').collect();
+    assert_eq!(answers.len(), 3, "one answer per decision: {reply:?}");
+    assert!(
+        answers[1].starts_with("E ERR Error running script: ")
+            && answers[1].contains("one two three"),
+        "{reply:?}"
+    );
+    for i in [0, 2] {
+        let parsed = ScriptReply::parse(answers[i].as_bytes()).expect("the gateway reads it");
+        assert!(parsed.allowed, "decision {i} decided beside the error");
+    }
+}
