@@ -313,11 +313,34 @@ pub fn backend(host: &str, addr: SocketAddr) -> Backend {
     backend
 }
 
+/// Whether an upstream's names stopped resolving: said once when they stop, once when they
+/// resolve again, not at every look.
+#[derive(Debug, Default)]
+struct Failing(bool);
+
+#[derive(Debug, PartialEq, Eq)]
+enum Change {
+    Failing,
+    Resolved,
+}
+
+impl Failing {
+    fn saw(&mut self, resolved: bool) -> Option<Change> {
+        let was = std::mem::replace(&mut self.0, !resolved);
+        match (was, resolved) {
+            (false, false) => Some(Change::Failing),
+            (true, true) => Some(Change::Resolved),
+            _ => None,
+        }
+    }
+}
+
 /// [`tend`] with `resolver` in place of the system's.
 pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver: Resolver) {
     let every = resolver.every;
     let mut next_resolve = Instant::now() + every;
     let mut shown: BTreeSet<String> = BTreeSet::new();
+    let mut failing = Failing::default();
     let Some(name) = pool.upgrade().map(|p| p.config.name.clone()) else {
         return;
     };
@@ -332,12 +355,28 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
         if Instant::now() >= next_resolve {
             let config = Arc::clone(&p.config);
             let resolve = Arc::clone(&resolver.resolve);
-            if let Ok(Some(set)) = tokio::task::spawn_blocking(move || resolve(&config)).await {
+            let found = tokio::task::spawn_blocking(move || resolve(&config))
+                .await
+                .ok()
+                .flatten();
+            let resolved = found.is_some();
+            if let Some(set) = found {
                 *p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner()) = set;
                 if let Err(e) = p.balancer.update().await {
                     tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
                 }
                 p.refresh_picks();
+            }
+            match failing.saw(resolved) {
+                Some(Change::Failing) => tracing::warn!(
+                    upstream = p.config.name.as_str(),
+                    "the upstream's host names do not resolve; it keeps the addresses it had until they do"
+                ),
+                Some(Change::Resolved) => tracing::info!(
+                    upstream = p.config.name.as_str(),
+                    "the upstream's host names resolve again"
+                ),
+                None => {}
             }
             next_resolve = Instant::now() + every;
         }
@@ -469,6 +508,27 @@ mod tests {
         servers[0].abort();
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(chosen(&pool, 64).await, BTreeSet::from([b]));
+    }
+
+    #[test]
+    fn a_resolution_that_stops_and_comes_back_is_said_once_each_way() {
+        let mut failing = Failing::default();
+        let seen: Vec<Option<Change>> = [true, false, false, false, true, true, false]
+            .into_iter()
+            .map(|resolved| failing.saw(resolved))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                None,
+                Some(Change::Failing),
+                None,
+                None,
+                Some(Change::Resolved),
+                None,
+                Some(Change::Failing)
+            ]
+        );
     }
 
     /// Round robin over healthy addresses: 300 selections over three choose each 100 times.
