@@ -95,6 +95,47 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
     });
 }
 
+/// A client on IPv6 loopback: its address is written as an IPv6 address in the forwarded
+/// headers, and an IPv6 proxy in `trusted_proxies` is skipped like an IPv4 one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv6_client_and_an_ipv6_trusted_proxy_are_forwarded_as_written() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["::1/128"]"#)
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/open").unlimited());
+    let [port, admin_port] = common::free_ports();
+    let v4 = format!("listen = {}", quoted(&format!("127.0.0.1:{port}")));
+    let both = format!(
+        "listen = {}",
+        common::config::string_list(&[format!("127.0.0.1:{port}"), format!("[::1]:{port}")])
+    );
+    let text = config.render(port, admin_port).replacen(&v4, &both, 1);
+    assert_ne!(
+        text,
+        config.render(port, admin_port),
+        "the listen line replaced"
+    );
+    let _gw = common::Gateway::start_with_env(port, admin_port, &text, &[]);
+    let http = client();
+    let url = format!("http://[::1]:{port}/open");
+    let seen = echo_headers(&http.get(&url).send().await.unwrap().text().await.unwrap());
+    assert_eq!(seen["x-forwarded-for"], "::1");
+    assert_eq!(seen["x-real-ip"], "::1");
+    assert_eq!(seen["x-forwarded-host"], format!("[::1]:{port}"));
+    // Behind the trusted IPv6 proxy, the client is the address it names.
+    let r = http
+        .get(&url)
+        .header("X-Forwarded-For", "2001:db8::7")
+        .send()
+        .await
+        .unwrap();
+    let seen = echo_headers(&r.text().await.unwrap());
+    assert_eq!(seen["x-forwarded-for"], "2001:db8::7, ::1");
+    assert_eq!(seen["x-real-ip"], "2001:db8::7");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     let redis = Redis::start();
