@@ -293,3 +293,91 @@ async fn an_upgrade_in_the_key_file_takes_effect_on_reload() {
         "pro: a bucket of its own"
     );
 }
+
+/// A caller on an `unlimited` tier of a route whose upstream reports costs: the reported cost
+/// is stripped from the answer and charged to nothing (no limit of any tier, no ceiling, no
+/// Redis call), also with the access log on (which keeps the caller's identity hash).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlimited_tier_is_never_charged_a_reported_cost() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(
+        &keys,
+        [
+            entry("internal-key", "c", Some("internal")),
+            entry("free-key", "c", None),
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .section(&format!(
+            "[access_log]\npath = {}\n",
+            quoted(log.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(tiered().set(
+            "cost_from_response",
+            "{ header = \"X-OCR-Pages\", unit_micro = 1_000_000 }",
+        ))
+        .section(TIERS)
+        .start();
+    let http = client();
+    redis.reset_stats();
+    for _ in 0..3 {
+        let r = http
+            .get(gw.url("/ocr/doc"))
+            .header("X-API-Key", "internal-key")
+            .header("X-Demo-Reply-X-OCR-Pages", "50")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!r.headers().contains_key("x-ocr-pages"), "never shown");
+    }
+    // A free caller's charge afterwards shows the charge path is alive and shows nothing
+    // of the unlimited calls: the tenant's free bucket is 2 - 1 - 1 = 0, not in debt.
+    let r = http
+        .get(gw.url("/ocr/doc"))
+        .header("X-API-Key", "free-key")
+        .header("X-Demo-Reply-X-OCR-Pages", "1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    common::wait_until(
+        std::time::Duration::from_secs(2),
+        "the free caller's charge",
+        || {
+            gw.metric("sentinel_response_charges_total{endpoint_id=\"t.ocr\",result=\"charged\"}")
+                == 1.0
+        },
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for result in ["charged", "invalid", "failed"] {
+        let want = if result == "charged" { 1.0 } else { 0.0 };
+        assert_eq!(
+            gw.metric(&format!(
+                "sentinel_response_charges_total{{endpoint_id=\"t.ocr\",result=\"{result}\"}}"
+            )),
+            want,
+            "{result}: only the free caller's one charge"
+        );
+    }
+    let (status, body) = blocking_get(&gw.admin("/limits/t.ocr?identity=tenant%3Ac")).unwrap();
+    assert_eq!(status, 200, "{body}");
+    let view: Value = serde_json::from_str(&body).unwrap();
+    let burst = view["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "burst")
+        .expect("the burst limit");
+    assert_eq!(burst["remaining"], 0, "{body}");
+}
