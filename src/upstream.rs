@@ -50,6 +50,14 @@ pub struct UpstreamPool {
     all_down: AtomicBool,
 }
 
+/// One attempt's address: its place in the rotation (to continue from on a retry), how many
+/// addresses the rotation held, and the address.
+pub struct Turn {
+    pub place: usize,
+    pub of: usize,
+    pub pick: Arc<Pick>,
+}
+
 /// An address a request can be sent to.
 #[derive(Debug)]
 pub struct Pick {
@@ -233,6 +241,15 @@ impl UpstreamPool {
     /// reference count: no allocation, no hashing (Pingora's own `select` builds a set and
     /// clones the backend with its extensions on every call).
     pub fn select(&self) -> Option<Arc<Pick>> {
+        self.select_turn(None).map(|t| t.pick)
+    }
+
+    /// [`select`](Self::select) for one request's attempts: the first (`after = None`) takes
+    /// the rotation's next place; a retry after a failed connect passes its first place plus
+    /// the attempts so far and takes the place after its last, so one request goes round the
+    /// list in order whatever other requests take meanwhile, and tries no address twice
+    /// before it has tried them all.
+    pub fn select_turn(&self, after: Option<usize>) -> Option<Turn> {
         let picks = self.picks.load();
         let list = if picks.healthy.is_empty() {
             // Read before the swap: while everything is down, requests do not all write the
@@ -260,8 +277,12 @@ impl UpstreamPool {
         if list.is_empty() {
             return None;
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % list.len();
-        Some(Arc::clone(&list[i]))
+        let place = after.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
+        Some(Turn {
+            place,
+            of: list.len(),
+            pick: Arc::clone(&list[place % list.len()]),
+        })
     }
 
     /// Whether this pool needs [`tend`]: a host name to resolve again, or health checks.

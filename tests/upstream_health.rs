@@ -97,3 +97,40 @@ fn all_down(gw: &Gateway) -> bool {
         .collect();
     !lines.is_empty() && lines.iter().all(|l| l.ends_with(" 0"))
 }
+
+/// Without health checks, a dead address stays in rotation and a failed connect tries the
+/// next one: with three addresses, two of them refusing, every request of 8 concurrent
+/// clients is answered by the live one, however the other requests move the rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_tries_every_other_address_under_concurrency() {
+    let redis = Redis::start();
+    let live = Upstream::start("live");
+    let [dead1, dead2] = common::free_ports();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.app]\naddrs = [\"127.0.0.1:{dead1}\", \"{}\", \"127.0.0.1:{dead2}\"]\n",
+            live.addr()
+        ))
+        .route(Route::new("all").prefix("/").unlimited())
+        .start();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let url = gw.url("/x");
+            tokio::spawn(async move {
+                let http = client();
+                let mut statuses = Vec::new();
+                for _ in 0..25 {
+                    let r = http.get(&url).send().await.unwrap();
+                    statuses.push(r.status().as_u16());
+                }
+                statuses
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.extend(t.await.unwrap());
+    }
+    let failed = statuses.iter().filter(|s| **s != 200).count();
+    assert_eq!(failed, 0, "{failed} of {} not served", statuses.len());
+}

@@ -61,6 +61,10 @@ pub struct RequestCtx {
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
     connect_attempts: usize,
+    /// The rotation's place of the first attempt, and how many addresses it held at the last:
+    /// a failed connect is retried while untried addresses remain.
+    first_place: Option<usize>,
+    rotation: usize,
     /// The upstream address the request was last sent to.
     upstream_addr: Option<std::net::SocketAddr>,
     /// Request body bytes passed upstream so far, and whether the body outgrew its limit.
@@ -385,9 +389,16 @@ impl ProxyHttp for Gateway {
             .as_ref()
             .ok_or_else(|| Error::new(ErrorType::InternalError))?;
         let pool = &route.upstream;
-        let backend = pool
-            .select()
+        // A retry goes on from the place the request's first attempt took.
+        let after = ctx
+            .first_place
+            .map(|p| p.wrapping_add(ctx.connect_attempts));
+        let turn = pool
+            .select_turn(after)
             .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
+        ctx.first_place.get_or_insert(turn.place);
+        ctx.rotation = turn.of;
+        let backend = turn.pick;
         ctx.connect_attempts += 1;
         ctx.upstream_addr = backend.addr.as_inet().copied();
         let mut peer = match (&pool.tls, backend.addr.as_inet()) {
@@ -493,11 +504,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        let addrs = ctx
-            .route
-            .as_ref()
-            .map_or(0, |r| r.upstream.config.addrs.len());
-        if ctx.connect_attempts < addrs {
+        if ctx.connect_attempts < ctx.rotation {
             e.set_retry(true);
         }
         e
