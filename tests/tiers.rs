@@ -92,6 +92,22 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
         "free: the route's own burst"
     );
     assert_eq!(admitted(&gw, "pro-key", 5).await, 4, "pro: its own burst");
+    // Each denial's log line names the tier it counted under; the route's own limits count
+    // as `default_tier`.
+    common::wait_until(
+        std::time::Duration::from_secs(2),
+        "the tiers in the deny lines",
+        || {
+            let logs = gw.logs();
+            let denied: Vec<&str> = logs
+                .lines()
+                .filter(|l| l.contains("request denied"))
+                .collect();
+            denied.len() == 2
+                && denied[0].contains(r#""tier":"free""#)
+                && denied[1].contains(r#""tier":"pro""#)
+        },
+    );
     assert_eq!(
         admitted(&gw, "gold-key", 3).await,
         2,

@@ -266,6 +266,7 @@ impl Gateway {
             status = answer.status(),
             shadow,
             limit = ctx.denied_limit(route),
+            tier = ctx.tier.as_deref(),
             request_id = ctx.request_id(),
             "request denied"
         );
