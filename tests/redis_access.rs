@@ -83,7 +83,7 @@ async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
             .header("X-API-Key", key)
             .send()
             .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("{e:?}\nLOGS:\n{}", gw.logs()));
         out.push(r.status().as_u16());
     }
     out
