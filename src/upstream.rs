@@ -236,19 +236,15 @@ impl UpstreamPool {
         self.picks.store(Arc::new(Picks::of(&self.balancer)));
     }
 
-    /// The next address: round robin over the healthy ones; when none is healthy, over all
-    /// of them (logged once until one is healthy again). A load, an atomic add and a
-    /// reference count: no allocation, no hashing (Pingora's own `select` builds a set and
+    /// The address of one attempt: round robin over the healthy ones; when none is healthy,
+    /// over all of them (logged once until one is healthy again). A load, an atomic add and
+    /// a reference count: no allocation, no hashing (Pingora's own `select` builds a set and
     /// clones the backend with its extensions on every call).
-    pub fn select(&self) -> Option<Arc<Pick>> {
-        self.select_turn(None).map(|t| t.pick)
-    }
-
-    /// [`select`](Self::select) for one request's attempts: the first (`after = None`) takes
-    /// the rotation's next place; a retry after a failed connect passes its first place plus
-    /// the attempts so far and takes the place after its last, so one request goes round the
-    /// list in order whatever other requests take meanwhile, and tries no address twice
-    /// before it has tried them all.
+    ///
+    /// A request's first attempt (`after = None`) takes the rotation's next place; a retry
+    /// after a failed connect passes its first place plus the attempts so far and takes the
+    /// place after its last, so one request goes round the list in order whatever other
+    /// requests take meanwhile, and tries no address twice before it has tried them all.
     pub fn select_turn(&self, after: Option<usize>) -> Option<Turn> {
         let picks = self.picks.load();
         let list = if picks.healthy.is_empty() {
@@ -452,7 +448,7 @@ mod tests {
     async fn chosen(pool: &UpstreamPool, n: usize) -> BTreeSet<SocketAddr> {
         let mut seen = BTreeSet::new();
         for _ in 0..n {
-            let backend = pool.select().expect("an address");
+            let backend = pool.select_turn(None).expect("an address").pick;
             let addr = *backend.addr.as_inet().expect("an inet address");
             tokio::net::TcpStream::connect(addr)
                 .await
@@ -552,6 +548,28 @@ mod tests {
         );
     }
 
+    /// A retry goes round the list from its own first place, whatever other requests take
+    /// meanwhile: each address once.
+    #[test]
+    fn a_retry_takes_the_places_after_its_own_first() {
+        let addrs: Vec<SocketAddr> = (1..=3)
+            .map(|port| SocketAddr::from(([127, 0, 0, 1], port)))
+            .collect();
+        let pool = UpstreamPool::new(&config(addrs.clone(), vec!["127.0.0.1".into(); 3])).unwrap();
+        let first = pool.select_turn(None).unwrap();
+        assert_eq!(first.of, 3);
+        let mut tried = vec![*first.pick.addr.as_inet().unwrap()];
+        for attempt in 1..3 {
+            // Two other requests move the rotation between this request's attempts.
+            pool.select_turn(None).unwrap();
+            pool.select_turn(None).unwrap();
+            let retry = pool.select_turn(Some(first.place + attempt)).unwrap();
+            tried.push(*retry.pick.addr.as_inet().unwrap());
+        }
+        tried.sort();
+        assert_eq!(tried, addrs, "each address once");
+    }
+
     /// Round robin over healthy addresses: 300 selections over three choose each 100 times.
     #[tokio::test]
     async fn the_rotation_takes_every_address_in_turn() {
@@ -561,7 +579,7 @@ mod tests {
         let pool = UpstreamPool::new(&config(addrs.clone(), vec!["127.0.0.1".into(); 3])).unwrap();
         let mut counts: HashMap<SocketAddr, usize> = HashMap::new();
         for _ in 0..300 {
-            let pick = pool.select().expect("an address");
+            let pick = pool.select_turn(None).expect("an address").pick;
             *counts.entry(*pick.addr.as_inet().unwrap()).or_default() += 1;
         }
         assert_eq!(counts.len(), 3, "{counts:?}");

@@ -212,6 +212,12 @@ impl Decision {
         )
     }
 
+    /// Admitted by Redis's own answer: not by the emergency limiter, and not a pass with no
+    /// limit at all (an `unlimited` tier, `algorithm = "none"`), which has nothing to charge.
+    pub fn admitted_by_redis(&self) -> bool {
+        matches!(self.verdict, Verdict::Admitted { reply: Some(_) })
+    }
+
     pub fn breaker(&self) -> BreakerState {
         self.breaker
     }

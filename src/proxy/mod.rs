@@ -18,7 +18,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
-use crate::decision::{Decision, DecisionReason};
+use crate::decision::Decision;
 use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
@@ -485,11 +485,7 @@ impl ProxyHttp for Gateway {
         if let Some(cost) = cost {
             // Never shown to the client, charged or not.
             let reported = upstream_response.remove_header(&cost.header);
-            // Admitted by Redis's own answer: not by the emergency limiter, and not an
-            // `unlimited` tier's pass, which has no limit to charge.
-            let admitted_by_redis = ctx.decision.is_some_and(|d| {
-                d.allowed() && d.reason() == DecisionReason::Allowed && d.reply().is_some()
-            });
+            let admitted_by_redis = ctx.decision.is_some_and(|d| d.admitted_by_redis());
             if let (Some(value), true) = (reported, admitted_by_redis) {
                 ctx.charge = Some(charge_of(value.as_bytes(), cost.unit_micro));
             }
