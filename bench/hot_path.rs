@@ -118,14 +118,17 @@ fn batches(c: &mut Criterion) {
     let args: Vec<[u64; 4]> = (0..32)
         .map(|_| [1, 1_000_000_000_000_000, 1_000_000_000_000, 1_000_000])
         .collect();
+    let mut out = Vec::new();
     c.bench_function("batch_command_32", |b| {
         b.iter(|| {
-            let cmd = command(
+            out.clear();
+            command(
+                &mut out,
                 black_box("f5fcfa7a7caeeac3195be4e8e4aa698b45499974"),
                 keys.iter().map(|k| k.as_bytes()),
                 args.iter().map(|a| &a[..]),
             );
-            black_box(cmd.get_packed_command())
+            black_box(out.len())
         })
     });
     let answer = vec!["1 999999999000000 0 2 1764470000123456 0"; 32].join("\n");

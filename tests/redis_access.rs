@@ -20,6 +20,11 @@ struct TlsRedis {
 /// A redis-server with a TLS port whose certificate names 127.0.0.1; `clients` asks it to
 /// require client certificates signed by the same CA.
 fn tls_redis(require_client_certs: bool) -> TlsRedis {
+    tls_redis_with(require_client_certs, &[])
+}
+
+/// As [`tls_redis`], with `extra` arguments for redis-server (ACL users, say).
+fn tls_redis_with(require_client_certs: bool, extra: &[&str]) -> TlsRedis {
     let ca = Ca::new();
     let dir = tempfile::tempdir().unwrap();
     let (cert, key) = ca.leaf(&["127.0.0.1"]).write(dir.path(), "redis");
@@ -39,7 +44,8 @@ fn tls_redis(require_client_certs: bool) -> TlsRedis {
         "--tls-auth-clients".to_owned(),
         auth.to_owned(),
     ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+    args.extend_from_slice(extra);
     let redis = Redis::start_with(free_port(), &args);
     TlsRedis {
         redis,
@@ -52,6 +58,10 @@ fn tls_redis(require_client_certs: bool) -> TlsRedis {
 impl TlsRedis {
     fn url(&self) -> String {
         format!("rediss://127.0.0.1:{}/0", self.tls_port)
+    }
+
+    fn url_db(&self, db: u8) -> String {
+        format!("rediss://127.0.0.1:{}/{db}", self.tls_port)
     }
 
     fn ca_path(&self) -> String {
@@ -141,6 +151,105 @@ async fn a_redis_over_tls_decides_exactly_and_survives_a_restart() {
     });
     assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
     drop(restarted);
+}
+
+/// The decisions' own connection (beside redis-rs's) makes the same TLS handshake, logs in as
+/// the same ACL user and selects the URL's database: decisions in flight together over it
+/// share calls and are admitted exactly, before and after a `SCRIPT FLUSH`, and the buckets
+/// are written in that database only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_as_an_acl_user_batched_decisions_are_exact_in_the_urls_database() {
+    let acl = [
+        "--user",
+        "gateway",
+        "on",
+        ">s3cret-Pa55word",
+        "~*",
+        "&*",
+        "+@all",
+    ];
+    let t = tls_redis_with(false, &acl);
+    let up = Upstream::start("app");
+    // 1 s budget: this test counts admissions; a late decision of a debug build on a busy
+    // machine would be a 503 by design (the budget has tests of its own).
+    let config = GatewayConfig::new(&t.url_db(3))
+        .redis("tls_ca_path", quoted(&t.ca_path()))
+        .redis("username", quoted("gateway"))
+        .redis("password_env", quoted("TEST_REDIS_PASSWORD"))
+        .redis("timeout_ms", "1000")
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("e.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(20_000_000, 0)
+                .fail_closed(),
+        );
+    let gw = config.start_with_env(&[("TEST_REDIS_PASSWORD", "s3cret-Pa55word")]);
+    let urls = [gw.url("/api/x")];
+    // 24 connections, 4 requests each, one identity: exactly its 20 tokens are spent.
+    assert_eq!(
+        common::admitted_over(&urls, 24, 4, ("X-API-Key", "a")).await,
+        20
+    );
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut t.redis.conn())
+        .unwrap();
+    let as_gateway = clients
+        .lines()
+        .filter(|l| l.contains("user=gateway"))
+        .count();
+    assert!(
+        as_gateway >= 2,
+        "both connections log in as the ACL user: {clients}"
+    );
+    assert!(
+        clients
+            .lines()
+            .filter(|l| l.contains("user=gateway"))
+            .all(|l| l.contains(" db=3 ")),
+        "both connections use the URL's database: {clients}"
+    );
+
+    // The scripts are gone: the first batch after it loads the batch script once, on the
+    // decisions' connection, and is sent again behind it within the budget.
+    let loads = t.redis.command_calls("script|load");
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut t.redis.conn())
+        .unwrap();
+    assert_eq!(
+        common::admitted_over(&urls, 24, 4, ("X-API-Key", "b")).await,
+        20
+    );
+    assert!(t.redis.command_calls("script|load") > loads);
+    let decisions = 2.0 * 24.0 * 4.0;
+    assert_eq!(gw.metric("sentinel_redis_batch_size_sum"), decisions);
+    assert!(
+        gw.metric("sentinel_redis_batch_size_count") < decisions,
+        "decisions in flight together shared calls"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="noscript"}"#),
+        0.0
+    );
+
+    let mut plain = t.redis.conn();
+    let in_db0: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut plain).unwrap();
+    assert!(
+        in_db0.is_empty(),
+        "nothing written in database 0: {in_db0:?}"
+    );
+    let _: () = redis::cmd("SELECT").arg(3).query(&mut plain).unwrap();
+    let in_db3: Vec<String> = redis::cmd("KEYS")
+        .arg("sentinel:*")
+        .query(&mut plain)
+        .unwrap();
+    assert!(
+        in_db3.len() >= 2,
+        "both identities' buckets in database 3: {in_db3:?}"
+    );
 }
 
 /// `require_noeviction` and the fleet heartbeat over TLS: an evicting Redis stops the start

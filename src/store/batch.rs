@@ -1,37 +1,42 @@
 //! Decisions in flight together on one node share one call (contract section 14).
 //!
-//! Each link has a queue and at most one call in flight. A decision joins the queue; when no
-//! call is in flight it also starts the link's sender, a task that takes everything waiting
-//! and sends it as one `EVALSHA` of `lua/batch.lua`, which decides the decisions in order and
-//! answers each; when the answer is in, it takes what queued meanwhile, and so on until the
-//! queue is empty. A decision alone goes out at once, in a batch of one: nothing waits for
-//! company, no timer.
+//! Each link's decision connection (`wire.rs`) has a queue and at most one call in flight. A
+//! decision joins the queue; when no call is in flight it also sends what waits, from its own
+//! task, as one `EVALSHA` of `lua/batch.lua`, which decides the decisions in order and
+//! answers each. A decision alone goes out at once, in a batch of one: nothing waits for
+//! company, no timer. Every decision then waits for its answer or for the socket to be
+//! readable, whichever comes first: the one that runs first after the answer came in reads
+//! it, tells each decision of the batch its part, and sends what queued meanwhile. A reader
+//! task on the connection does the same when no decision is waiting, and notices the node
+//! closing the connection while it is idle.
 //!
-//! The sender runs where the connections are driven: on the store's own thread by default
-//! (`[redis] dedicated_io_thread`), so that on saturated proxy workers a batch's answer is
-//! read and handed out the moment Redis gives it, and only each request's own wake-up
-//! queues; otherwise on the proxy's workers.
+//! The connection is registered with the proxy's workers by default, so a decision needs no
+//! other thread; with `[redis] dedicated_io_thread = true` with the store's own thread,
+//! whose reader task then reads each answer the moment it comes.
 //!
 //! Each decision keeps its own deadline (it stops waiting at it and is a timeout, whatever
 //! the batch does after), its own reason (a broken key fails its own decision only: the
 //! script runs each under `pcall`) and its own exact outcome. A failure of the call itself
-//! (a lost connection, `OOM`, a timeout) is each waiting decision's failure. `NOSCRIPT` loads
-//! the batch script once per batch. A redirect (`MOVED`, `ASK`) sends every decision of the
-//! batch its own way, as if it had been alone; so does a Redis that refuses the batch script
-//! (a cluster older than Redis 7, which cannot declare `allow-cross-slot-keys`).
+//! (a lost connection, `OOM`) is each of its decisions' failure. `NOSCRIPT` loads the batch
+//! script once per batch, on the same connection, and sends the batch again behind the load.
+//! A redirect (`MOVED`, `ASK`) sends every decision of the batch its own way, as if it had
+//! been alone; so does a Redis that refuses the batch script (a cluster older than Redis 7,
+//! which cannot declare `allow-cross-slot-keys`). A call whose answer never comes (a Redis
+//! that stopped answering) keeps its connection's turn: the decisions queued behind it time
+//! out at their own deadlines, and the breaker's probe opens a fresh connection.
 
+use std::collections::VecDeque;
+use std::io;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::sync::{Arc, MutexGuard, Weak};
 
-use redis::Value;
 use tokio::sync::oneshot;
 
-use super::connect::is_transport;
-use super::eval::{classify, redirect, Call};
-use super::link::Link;
-use super::script::{Script, ScriptKind};
+use super::eval::{Call, Step};
+use super::link::{Conn, Link};
+use super::script::ScriptKind;
+use super::wire::{self, next_reply, Resp, Wire, WireState};
 use super::Store;
 use crate::decision::Failure;
 
@@ -53,18 +58,17 @@ pub(super) enum Answer {
     Alone,
 }
 
-/// A decision waiting for the next call.
+/// A decision waiting for its answer.
 struct Waiting {
     tx: oneshot::Sender<Answer>,
-    deadline: Instant,
     /// Its keys in [`Queue::keys`] (by index into `key_ends`) and its arguments in
     /// [`Queue::args`], kind first.
     keys: Range<usize>,
     args: Range<usize>,
 }
 
-/// The decisions waiting for the next call, their keys and arguments back to back: nothing
-/// is allocated per decision but its answer's channel.
+/// Decisions waiting for a call or for its answer, their keys and arguments back to back:
+/// nothing is allocated per decision but its answer's channel.
 #[derive(Default)]
 pub(super) struct Queue {
     waiting: Vec<Waiting>,
@@ -74,7 +78,7 @@ pub(super) struct Queue {
 }
 
 impl Queue {
-    fn push(&mut self, call: Call<'_>, deadline: Instant) -> oneshot::Receiver<Answer> {
+    fn push(&mut self, call: Call<'_>) -> oneshot::Receiver<Answer> {
         let (tx, rx) = oneshot::channel();
         let first_key = self.key_ends.len();
         for key in call.keys {
@@ -89,7 +93,6 @@ impl Queue {
         self.args.extend_from_slice(call.args);
         self.waiting.push(Waiting {
             tx,
-            deadline,
             keys: first_key..self.key_ends.len(),
             args: first_arg..self.args.len(),
         });
@@ -116,177 +119,315 @@ impl Queue {
         self.key_ends.clear();
         self.args.clear();
     }
+
+    /// Moves `w` (a decision of `from`) to the end of this queue, with its keys and
+    /// arguments.
+    fn adopt(&mut self, from: &Queue, w: Waiting) {
+        let first_key = self.key_ends.len();
+        for k in w.keys.clone() {
+            self.keys.extend_from_slice(from.key(k));
+            self.key_ends.push(self.keys.len());
+        }
+        let first_arg = self.args.len();
+        self.args.extend_from_slice(&from.args[w.args.clone()]);
+        self.waiting.push(Waiting {
+            keys: first_key..self.key_ends.len(),
+            args: first_arg..self.args.len(),
+            ..w
+        });
+    }
+
+    /// Tells every decision the same thing, and empties the queue.
+    fn tell_all(&mut self, answer: impl Fn() -> Answer) {
+        for w in self.waiting.drain(..) {
+            let _ = w.tx.send(answer());
+        }
+        self.clear();
+    }
+
+    /// The batch's `EVALSHA` of the script `sha`, appended to `out`.
+    fn command(&self, out: &mut Vec<u8>, sha: &str) {
+        let keys = self
+            .waiting
+            .iter()
+            .flat_map(|w| w.keys.clone())
+            .map(|k| self.key(k));
+        let args = self.waiting.iter().map(|w| &self.args[w.args.clone()]);
+        command(out, sha, keys, args);
+    }
 }
 
-/// A link's turn-taking: whether a call is in flight, and who waits for the next one.
+/// A reply expected on the decision connection, in the order they come.
+enum Expect {
+    /// The batch script's `SCRIPT LOAD` after a `NOSCRIPT`.
+    Load,
+    /// The answer of the batch in flight; `reloaded`: sent again behind a load.
+    Batch { reloaded: bool },
+}
+
+/// One decision connection's turn-taking: whether a call is in flight, the decisions it
+/// carries, those waiting for the next one, and the replies expected.
+#[derive(Default)]
+pub(super) struct Batches {
+    busy: bool,
+    in_flight: Queue,
+    queue: Queue,
+    /// An emptied queue: the next batch fills it without allocating.
+    spare: Queue,
+    expect: VecDeque<Expect>,
+    /// The command being sent.
+    out: Vec<u8>,
+    /// The queue's length at which the decisions that gave up are dropped next (0: at
+    /// [`QUEUE_COMPACT_AT`]).
+    compact_at: usize,
+}
+
+impl Batches {
+    /// A connection let go (replaced, retired) with decisions on it: those in flight have no
+    /// answer to wait for (their call may still run in Redis: dropped, they are timeouts,
+    /// never sent twice); those never sent go on their own.
+    pub(super) fn let_go(mut self) {
+        self.in_flight.clear();
+        self.queue.tell_all(|| Answer::Alone);
+    }
+}
+
+/// Queued behind a call in flight, at most this many decisions are kept before the ones that
+/// gave up are dropped (a Redis that stopped answering while the breaker stays closed).
+const QUEUE_COMPACT_AT: usize = 4096;
+
+/// A link's willingness to batch: whether its node refused the batch script.
 #[derive(Default)]
 pub(super) struct Turns {
-    state: Mutex<TurnState>,
     /// Redis refused the batch script: every decision on this link goes alone.
     refused: AtomicBool,
 }
 
-#[derive(Default)]
-struct TurnState {
-    busy: bool,
-    queue: Queue,
-    /// The last batch's queue, emptied: the next one fills it without allocating.
-    spare: Queue,
-}
-
 impl Turns {
-    fn lock(&self) -> MutexGuard<'_, TurnState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The node loaded the batch script (again: a Redis upgraded meanwhile, say).
     pub(super) fn accept(&self) {
         self.refused.store(false, Ordering::Relaxed);
     }
 
     /// The node refused the batch script: decisions on it are sent one by one.
-    pub(super) fn refuse(&self, node: &str, error: &redis::RedisError) {
+    pub(super) fn refuse(&self, node: &str, error: &dyn std::fmt::Display) {
         if !self.refused.swap(true, Ordering::Relaxed) {
             tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one");
         }
+    }
+
+    fn is_refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
     }
 }
 
 impl Store {
     /// Decides `call` in `link`'s next call. `None`: it must go on its own (see
     /// [`Answer::Alone`]; also when batching is off).
-    pub(super) async fn in_turn(
-        &self,
-        link: &Arc<Link>,
-        call: Call<'_>,
-        deadline: Instant,
-    ) -> Option<super::eval::Step> {
-        let turns = &link.turns;
-        if self.batch_max() <= 1 || turns.refused.load(Ordering::Relaxed) {
+    pub(super) async fn in_turn(&self, link: &Arc<Link>, call: Call<'_>) -> Option<Step> {
+        if self.batch_max() <= 1 || link.turns.is_refused() {
             return None;
         }
-        let (answer, start) = {
-            let mut state = turns.lock();
-            let start = !state.busy;
-            state.busy = true;
-            (state.queue.push(call, deadline), start)
+        let Some(conn) = link.conn.load_full() else {
+            return Some(Step::Failed(Failure::NotConnected));
         };
-        if start {
-            let store = self.clone();
-            let link = Arc::clone(link);
-            let sender = async move { store.send_batches(&link).await };
-            let proxy = tokio::runtime::Handle::try_current();
-            match proxy {
-                Ok(handle) if self.inner.connector.on_proxy_runtime() => drop(handle.spawn(sender)),
-                _ => drop(self.runtime.spawn(sender)),
-            }
+        let wire = &conn.wire;
+        if wire.start_reading() {
+            let reader = read_on(self.clone(), Arc::clone(link), Arc::downgrade(&conn));
+            drop(wire.runtime.spawn(reader));
         }
-        step_of(answer.await)
-    }
-
-    /// Sends what waits, batch after batch, until nothing does.
-    async fn send_batches(&self, link: &Arc<Link>) {
-        let mut used: Option<Queue> = None;
+        let mut told = {
+            let mut state = wire.lock();
+            if state.bytes.dead {
+                return Some(Step::Failed(Failure::NotConnected));
+            }
+            let batches = &mut state.batches;
+            if batches.busy
+                && batches.queue.waiting.len() >= batches.compact_at.max(QUEUE_COMPACT_AT)
+            {
+                compact(batches);
+                // Decisions that still wait stay; the next look is when as many more came.
+                batches.compact_at = 2 * batches.queue.waiting.len();
+            }
+            let told = batches.queue.push(call);
+            if !state.batches.busy {
+                if let Err(cause) = self.send_next(link, wire, &mut state) {
+                    self.lose(link, &conn, state, cause);
+                }
+            }
+            told
+        };
+        // A connection registered with another runtime (the store's thread) is read by its
+        // reader task there the moment the answer comes; waiting on its readiness from here
+        // would only wake this task once more, from that thread.
+        let here = tokio::runtime::Handle::try_current().is_ok_and(|h| h.id() == wire.runtime.id());
+        if !here {
+            return step_of(told.await);
+        }
         loop {
-            let batch = {
-                let mut state = link.turns.lock();
-                if let Some(q) = used.take() {
-                    state.spare = q;
-                }
-                if state.queue.is_empty() {
-                    state.busy = false;
-                    return;
-                }
-                let state = &mut *state;
-                take(&mut state.queue, &mut state.spare, self.batch_max())
-            };
-            used = Some(self.send_batch(link, batch).await);
+            tokio::select! {
+                biased;
+                answer = &mut told => return step_of(answer),
+                ready = wire.readable() => match ready {
+                    Ok(()) => self.pump(link, &conn),
+                    Err(_) => return Some(Step::Failed(Failure::ConnectionLost)),
+                },
+            }
         }
     }
 
-    /// One batch: one `EVALSHA` (and on `NOSCRIPT` one load and one retry), each decision
-    /// told its answer.
-    async fn send_batch(&self, link: &Arc<Link>, mut queue: Queue) -> Queue {
-        // Decisions that gave up while waiting are not sent: nobody would read their answer.
-        queue.waiting.retain(|w| !w.tx.is_closed());
-        let Some(latest) = queue.waiting.iter().map(|w| w.deadline).max() else {
-            queue.clear();
-            return queue;
-        };
-        self.inner.batch_size.observe(queue.waiting.len() as f64);
-        let script = self.inner.scripts.batch(link.in_cluster);
-        let keys = queue
-            .waiting
-            .iter()
-            .flat_map(|w| w.keys.clone())
-            .map(|k| queue.key(k));
-        let args = queue.waiting.iter().map(|w| &queue.args[w.args.clone()]);
-        let cmd = command(&script.sha, keys, args);
-        let first_key = queue.key(queue.waiting[0].keys.start);
-        let outcome = tokio::time::timeout_at(
-            latest.into(),
-            self.call_batch(link, script, &cmd, first_key),
-        )
-        .await;
-        match outcome {
-            // Every decision's own deadline has passed: each already counted its timeout.
-            Err(_) => {}
-            Ok(Batched::Reply(bytes)) => self.answer_each(link, &mut queue, bytes),
-            Ok(Batched::Failed(f)) => {
-                for w in queue.waiting.drain(..) {
-                    let _ = w.tx.send(Answer::Failed(f));
-                }
-            }
-            Ok(Batched::Alone) => {
-                for w in queue.waiting.drain(..) {
-                    let _ = w.tx.send(Answer::Alone);
-                }
-            }
+    /// Reads what the node answered, tells each decision of an answered batch its part, and
+    /// sends what waits. Whoever runs first after the socket turns readable calls it; the
+    /// others find the connection's lock free and nothing to read.
+    fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>) {
+        let wire = &conn.wire;
+        let mut state = wire.lock();
+        if state.bytes.dead {
+            return;
         }
-        queue.clear();
-        queue
+        if let Err(cause) = self.take_replies(link, wire, &mut state) {
+            self.lose(link, conn, state, cause);
+        }
     }
 
-    async fn call_batch(
+    fn take_replies(
         &self,
         link: &Arc<Link>,
-        script: &Script,
-        cmd: &redis::Cmd,
-        first_key: &[u8],
-    ) -> Batched {
-        let first_key = &String::from_utf8_lossy(first_key);
-        let Some(conn) = link.conn.load_full() else {
-            return Batched::Failed(Failure::NotConnected);
-        };
-        let mut c = (*conn).clone();
-        let mut reloaded = false;
-        loop {
-            let e = match cmd.query_async::<Value>(&mut c).await {
-                Ok(Value::BulkString(bytes)) => return Batched::Reply(bytes),
-                Ok(other) => {
-                    tracing::error!(reply = ?other, "the batch script answered an unexpected shape: this is a bug");
-                    return Batched::Failed(Failure::Rejected);
-                }
-                Err(e) => e,
+        wire: &Arc<Wire>,
+        state: &mut WireState,
+    ) -> io::Result<()> {
+        if !wire.receive(&mut state.bytes)? {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "redis closed the connection",
+            ));
+        }
+        let broken = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+        while let Some((reply, used)) = next_reply(&state.bytes.input).map_err(broken)? {
+            let got = Got::of(reply);
+            state.bytes.input.drain(..used);
+            let Some(expect) = state.batches.expect.pop_front() else {
+                return Err(broken("redis answered a call that was not made".into()));
             };
-            if redirect(&e).is_some() {
-                return Batched::Alone;
-            }
-            if classify(&e) != Failure::Noscript || reloaded {
-                return Batched::Failed(self.failed(link, &conn, first_key, &e));
-            }
-            reloaded = true;
-            match script.load(&mut c).await {
-                Ok(()) => {}
-                Err(e) if is_transport(&e) => {
-                    return Batched::Failed(self.failed(link, &conn, first_key, &e))
+            self.answered(link, wire, state, expect, got)?;
+        }
+        if !state.batches.busy {
+            self.send_next(link, wire, state)?;
+        }
+        Ok(())
+    }
+
+    /// Acts on one reply.
+    fn answered(
+        &self,
+        link: &Arc<Link>,
+        wire: &Arc<Wire>,
+        state: &mut WireState,
+        expect: Expect,
+        got: Got,
+    ) -> io::Result<()> {
+        let batches = &mut state.batches;
+        let reloaded = match expect {
+            Expect::Load => {
+                match got {
+                    Got::Bulk(_) => link.turns.accept(),
+                    Got::Error(e) => link.turns.refuse(&link.node(), &e),
+                    Got::Line(l) => link.turns.refuse(&link.node(), &l),
                 }
-                Err(e) => {
-                    link.turns.refuse(&link.node(), &e);
-                    return Batched::Alone;
+                return Ok(());
+            }
+            Expect::Batch { reloaded } => reloaded,
+        };
+        let in_flight = &mut batches.in_flight;
+        match got {
+            Got::Bulk(bytes) => self.answer_each(link, in_flight, bytes),
+            Got::Error(e) => {
+                let code = e.split(' ').next().unwrap_or("");
+                if code == "MOVED" || code == "ASK" {
+                    in_flight.tell_all(|| Answer::Alone);
+                } else if code == "NOSCRIPT" && link.turns.is_refused() {
+                    in_flight.tell_all(|| Answer::Alone);
+                } else if code == "NOSCRIPT" && !reloaded {
+                    // One load, and the same batch again behind it, on this connection.
+                    let script = self.inner.scripts.batch(link.in_cluster);
+                    batches.out.clear();
+                    wire::encode(
+                        &mut batches.out,
+                        [&b"SCRIPT"[..], b"LOAD", script.body().as_bytes()].into_iter(),
+                    );
+                    batches.in_flight.command(&mut batches.out, &script.sha);
+                    batches.expect.push_back(Expect::Load);
+                    batches.expect.push_back(Expect::Batch { reloaded: true });
+                    return wire.send(&mut state.bytes, &batches.out);
+                } else {
+                    let key =
+                        String::from_utf8_lossy(in_flight.key(in_flight.waiting[0].keys.start))
+                            .into_owned();
+                    let failure = self.failed_reply(link, &key, &e);
+                    in_flight.tell_all(|| Answer::Failed(failure));
                 }
+            }
+            Got::Line(line) => {
+                tracing::error!(reply = %line, "the batch script answered an unexpected shape: this is a bug");
+                in_flight.tell_all(|| Answer::Failed(Failure::Rejected));
             }
         }
+        in_flight.clear();
+        batches.busy = false;
+        Ok(())
+    }
+
+    /// Sends the decisions that wait, up to `batch_max`, as one call; with none, the
+    /// connection's turn is free.
+    fn send_next(&self, link: &Link, wire: &Arc<Wire>, state: &mut WireState) -> io::Result<()> {
+        let batches = &mut state.batches;
+        let max = self.batch_max().max(1);
+        loop {
+            if batches.queue.is_empty() {
+                batches.busy = false;
+                return Ok(());
+            }
+            let taken = take(&mut batches.queue, &mut batches.spare, max);
+            batches.compact_at = 0;
+            batches.spare = std::mem::replace(&mut batches.in_flight, taken);
+            // Decisions that gave up while waiting are not sent: nobody would read their
+            // answer.
+            batches.in_flight.waiting.retain(|w| !w.tx.is_closed());
+            if !batches.in_flight.is_empty() {
+                break;
+            }
+            batches.in_flight.clear();
+        }
+        self.inner
+            .batch_size
+            .observe(batches.in_flight.waiting.len() as f64);
+        let script = self.inner.scripts.batch(link.in_cluster);
+        batches.out.clear();
+        batches.in_flight.command(&mut batches.out, &script.sha);
+        batches.expect.push_back(Expect::Batch { reloaded: false });
+        batches.busy = true;
+        wire.send(&mut state.bytes, &batches.out)
+    }
+
+    /// The connection broke under its decisions: each one fails as a lost connection (its
+    /// loss counted once, by [`Link::forget`]).
+    fn lose(
+        &self,
+        link: &Link,
+        conn: &Arc<Conn>,
+        mut state: MutexGuard<'_, WireState>,
+        cause: io::Error,
+    ) {
+        state.bytes.dead = true;
+        let mut batches = std::mem::take(&mut state.batches);
+        drop(state);
+        batches
+            .in_flight
+            .tell_all(|| Answer::Failed(Failure::ConnectionLost));
+        batches
+            .queue
+            .tell_all(|| Answer::Failed(Failure::ConnectionLost));
+        link.forget(conn, &cause);
     }
 
     /// Tells each decision its part of the batch's answer, or its own error. (A decision
@@ -298,9 +439,7 @@ impl Store {
                 decisions = queue.waiting.len(),
                 "the batch script answered a different number of decisions: this is a bug"
             );
-            for w in queue.waiting.drain(..) {
-                let _ = w.tx.send(Answer::Failed(Failure::Rejected));
-            }
+            queue.tell_all(|| Answer::Failed(Failure::Rejected));
             return;
         };
         let mut waiting = std::mem::take(&mut queue.waiting);
@@ -319,25 +458,72 @@ impl Store {
     }
 }
 
+/// The connection's reader task: reads answers when no decision is waiting for one, and
+/// notices the node closing the connection while it is idle. Ends when the connection is
+/// let go or breaks.
+async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
+    let Some(wire) = conn.upgrade().map(|c| Arc::clone(&c.wire)) else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            ready = wire.readable() => if ready.is_err() { return },
+            _ = wire.closing.notified() => return,
+        }
+        let Some(conn) = conn.upgrade() else {
+            return;
+        };
+        store.pump(&link, &conn);
+        if wire.is_dead() {
+            return;
+        }
+    }
+}
+
+/// A reply, owned.
+enum Got {
+    Bulk(Vec<u8>),
+    /// `CODE detail`.
+    Error(String),
+    Line(String),
+}
+
+impl Got {
+    fn of(reply: Resp<'_>) -> Self {
+        match reply {
+            Resp::Bulk(b) => Got::Bulk(b.to_vec()),
+            Resp::Error(e) => Got::Error(String::from_utf8_lossy(e).into_owned()),
+            Resp::Line(l) => Got::Line(String::from_utf8_lossy(l).into_owned()),
+        }
+    }
+}
+
+/// Drops the queued decisions that gave up, keeping the others in order.
+fn compact(batches: &mut Batches) {
+    let mut kept = std::mem::take(&mut batches.spare);
+    let mut queue = std::mem::take(&mut batches.queue);
+    for w in std::mem::take(&mut queue.waiting) {
+        if !w.tx.is_closed() {
+            kept.adopt(&queue, w);
+        }
+    }
+    queue.clear();
+    batches.queue = kept;
+    batches.spare = queue;
+}
+
 /// What a waiting decision does with what it was told: `None`, go alone, only when the
-/// batch was never run. A batch that gave up at its last deadline drops its channels while
-/// its `EVALSHA` may still run in Redis: a member whose own timer has not fired yet (it is
-/// set a moment later) is a timeout, never sent a second time, or it would spend twice.
-fn step_of(answer: Result<Answer, oneshot::error::RecvError>) -> Option<super::eval::Step> {
-    use super::eval::{Reply, Step};
+/// batch was never run. A connection let go with a batch in flight drops its decisions'
+/// channels while the `EVALSHA` may still run in Redis: each of them is a timeout, never sent
+/// a second time, or it would spend twice.
+fn step_of(answer: Result<Answer, oneshot::error::RecvError>) -> Option<Step> {
+    use super::eval::Reply;
     match answer {
         Ok(Answer::Reply(bytes, range)) => Some(Step::Reply(Reply::Part(bytes, range))),
         Ok(Answer::Failed(f)) => Some(Step::Failed(f)),
         Ok(Answer::Alone) => None,
         Err(_) => Some(Step::Failed(Failure::Timeout)),
     }
-}
-
-/// What a batch's call came to.
-enum Batched {
-    Reply(Vec<u8>),
-    Failed(Failure),
-    Alone,
 }
 
 /// The first `max` waiting decisions, taken out of the queue with their keys and arguments;
@@ -349,38 +535,31 @@ fn take(queue: &mut Queue, spare: &mut Queue, max: usize) -> Queue {
     let rest = queue.waiting.split_off(max);
     let mut kept = std::mem::take(spare);
     for w in rest {
-        let first_key = kept.key_ends.len();
-        for k in w.keys.clone() {
-            kept.keys.extend_from_slice(queue.key(k));
-            kept.key_ends.push(kept.keys.len());
-        }
-        let first_arg = kept.args.len();
-        kept.args.extend_from_slice(&queue.args[w.args.clone()]);
-        kept.waiting.push(Waiting {
-            keys: first_key..kept.key_ends.len(),
-            args: first_arg..kept.args.len(),
-            ..w
-        });
+        kept.adopt(queue, w);
     }
     std::mem::replace(queue, kept)
 }
 
-/// The batch's `EVALSHA` of the script `sha`: every decision's keys, then every decision's
-/// arguments (each led by its kind, as `lua/batch.lua` reads them).
+/// Appends the batch's `EVALSHA` of the script `sha` to `out`: every decision's keys, then
+/// every decision's arguments (each led by its kind, as `lua/batch.lua` reads them).
 pub fn command<'a>(
+    out: &mut Vec<u8>,
     sha: &str,
     keys: impl Iterator<Item = &'a [u8]> + Clone,
-    args: impl Iterator<Item = &'a [u64]>,
-) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(sha).arg(keys.clone().count());
+    args: impl Iterator<Item = &'a [u64]> + Clone,
+) {
+    let n_keys = keys.clone().count() as u64;
+    let n_args: usize = args.clone().map(<[u64]>::len).sum();
+    wire::header(out, b'*', 3 + n_keys + n_args as u64);
+    wire::bulk(out, b"EVALSHA");
+    wire::bulk(out, sha.as_bytes());
+    wire::bulk_u64(out, n_keys);
     for key in keys {
-        cmd.arg(key);
+        wire::bulk(out, key);
     }
-    for a in args {
-        cmd.arg(a);
+    for a in args.flatten() {
+        wire::bulk_u64(out, *a);
     }
-    cmd
 }
 
 /// Where each of the `n` decisions' answers lies in a batch's answer (they are joined by
@@ -452,8 +631,9 @@ mod tests {
     fn the_command_carries_every_key_before_every_argument() {
         let keys = [&b"k1"[..], b"k2", b"k3"];
         let args = [&[1u64, 10, 20, 30][..], &[3, 2, 0, 1, 1, 1, 1, 2, 1, 1, 1]];
-        let cmd = command("abc", keys.iter().copied(), args.iter().copied());
-        let packed = String::from_utf8(cmd.get_packed_command()).unwrap();
+        let mut out = Vec::new();
+        command(&mut out, "abc", keys.iter().copied(), args.iter().copied());
+        let packed = String::from_utf8(out).unwrap();
         let words: Vec<&str> = packed
             .split("\r\n")
             .filter(|w| !w.starts_with(['*', '$']))

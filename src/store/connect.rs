@@ -24,6 +24,7 @@ use super::breakers::BreakerBoard;
 use super::dial::Dial;
 use super::link::{Link, Opened, Target};
 use super::script::Scripts;
+use super::wire::Wire;
 
 /// Makes the store's links and keeps each one connected: what every connection is set up
 /// with (the scripts to load, the eviction check), the breakers links get, and the runtime
@@ -178,8 +179,16 @@ pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
     Ok(Opened { conn, closed })
 }
 
+/// A link's two connections to the node of `dial`, opened on the current runtime: redis-rs's
+/// (watched) and the decisions' own.
+pub(super) async fn open_both(dial: &Dial) -> redis::RedisResult<(Opened, Wire)> {
+    let opened = open(dial).await?;
+    let wire = super::wire::open(dial, Default::default()).await?;
+    Ok((opened, wire))
+}
+
 /// A socket to a node, TLS made when the dial says so.
-enum Socket {
+pub(super) enum Socket {
     Tcp(tokio::net::TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
     Unix(tokio::net::UnixStream),
@@ -187,7 +196,7 @@ enum Socket {
 
 /// Connects to the node of `dial` (`TCP_NODELAY` on) and makes the TLS handshake of a
 /// `rediss://` one; unbounded: callers bound it.
-async fn socket(dial: &Dial) -> io::Result<Socket> {
+pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
     match dial.info.addr() {
         ConnectionAddr::Tcp(host, port) => {
             let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
@@ -391,17 +400,18 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
 impl Connector {
     /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
     /// scripts.
-    async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<Opened> {
-        let mut opened = match self.proxy_runtime.get() {
-            // Spawned there, the connection's driver task runs on the proxy's workers.
+    async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<(Opened, Wire)> {
+        let (mut opened, wire) = match self.proxy_runtime.get() {
+            // Opened there, the connection's driver task runs on the proxy's workers and the
+            // decision connection is registered with them.
             Some(proxy) => {
                 let dial = target.dial.clone();
                 proxy
-                    .spawn(async move { open(&dial).await })
+                    .spawn(async move { open_both(&dial).await })
                     .await
                     .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
             }
-            None => open(&target.dial).await?,
+            None => open_both(&target.dial).await?,
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;
@@ -413,7 +423,7 @@ impl Connector {
                 // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
                 Err(e) => {
                     tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
-                    return Ok(opened);
+                    return Ok((opened, wire));
                 }
             }
         }
@@ -422,7 +432,7 @@ impl Connector {
             Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
             Err(e) => link.turns.refuse(&target.node, &e),
         }
-        Ok(opened)
+        Ok((opened, wire))
     }
 }
 
@@ -461,7 +471,7 @@ impl Connector {
         let Some(conn) = link.conn.load_full() else {
             return;
         };
-        let mut c = (*conn).clone();
+        let mut c = conn.redis.clone();
         if let Ok(Ok(policy)) = tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
         {
             self.note_policy(link, &link.node(), policy, true);
@@ -496,9 +506,9 @@ impl Connector {
                 // A reload may have changed the target while this one was connecting.
                 Ok(_) if !Arc::ptr_eq(&target, &link.target.load_full()) => continue,
                 Ok(_) if link.retired.load(Ordering::Relaxed) => break,
-                Ok(conn) => {
+                Ok((opened, wire)) => {
                     // Swapping is seamless: requests on the old connection finish on it.
-                    link.install(conn, self.proxy_runtime.get().is_some());
+                    link.install(opened, wire, self.proxy_runtime.get().is_some());
                     if connected {
                         tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                         continue;

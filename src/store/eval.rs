@@ -14,7 +14,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::connect::{self, is_transport};
-use super::link::Link;
+use super::link::{Conn, Link};
 use super::script::{Script, ScriptKind};
 use super::{Layout, Store};
 use crate::decision::{Failure, StoreFailure};
@@ -166,20 +166,16 @@ impl Store {
     }
 
     /// The connection to use: the link's, or, for a probe after a timeout, a new one.
-    async fn connection(
-        &self,
-        link: &Arc<Link>,
-        probe: bool,
-    ) -> Result<Arc<MultiplexedConnection>, Failure> {
+    async fn connection(&self, link: &Arc<Link>, probe: bool) -> Result<Arc<Conn>, Failure> {
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }
         let target = link.target.load_full();
-        let fresh = connect::open(&target.dial).await.map_err(|e| {
+        let (fresh, wire) = connect::open_both(&target.dial).await.map_err(|e| {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
             Failure::NotConnected
         })?;
-        link.install(fresh, self.inner.connector.on_proxy_runtime());
+        link.install(fresh, wire, self.inner.connector.on_proxy_runtime());
         tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
         link.conn.load_full().ok_or(Failure::NotConnected)
     }
@@ -194,7 +190,6 @@ impl Store {
     ) -> Result<Reply, Failure> {
         let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
         let timer = timer_for(budget);
-        let deadline = Instant::now() + timer;
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
@@ -203,7 +198,7 @@ impl Store {
                 // The first ask takes its turn on the node's connection (batch.rs); a probe
                 // goes alone, as does a decision a batch could not carry.
                 let batched = match probe && hop == 0 {
-                    false if hop == 0 => self.in_turn(&link, call, deadline).await,
+                    false if hop == 0 => self.in_turn(&link, call).await,
                     _ => None,
                 };
                 let step = match batched {
@@ -263,7 +258,7 @@ impl Store {
             Ok(c) => c,
             Err(f) => return Step::Failed(f),
         };
-        let mut c = (*conn).clone();
+        let mut c = conn.redis.clone();
         let step = |r: redis::RedisResult<Value>| match r {
             Ok(v) => Step::Reply(Reply::Value(v)),
             Err(e) => match redirect(&e) {
@@ -294,7 +289,7 @@ impl Store {
     pub(super) fn failed(
         &self,
         link: &Link,
-        conn: &Arc<MultiplexedConnection>,
+        conn: &Arc<Conn>,
         key: &str,
         e: &RedisError,
     ) -> Failure {

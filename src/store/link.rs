@@ -16,6 +16,7 @@ use tokio::sync::{watch, Notify};
 
 use super::dial::Dial;
 use super::slots::node_name;
+use super::wire::Wire;
 use crate::config::RedisAccess;
 use crate::decision::Breaker;
 
@@ -25,6 +26,20 @@ use crate::decision::Breaker;
 pub(super) struct Opened {
     pub(super) conn: MultiplexedConnection,
     pub(super) closed: watch::Receiver<bool>,
+}
+
+/// A link's connection: redis-rs's multiplexed connection for everything but the decisions,
+/// and the decisions' own (`wire.rs`), opened and let go together.
+pub(super) struct Conn {
+    pub(super) redis: MultiplexedConnection,
+    pub(super) wire: Arc<Wire>,
+}
+
+impl Drop for Conn {
+    /// Let go (replaced, forgotten, retired): the decision connection closes with it.
+    fn drop(&mut self) {
+        self.wire.close().let_go();
+    }
 }
 
 /// Where a link connects.
@@ -69,7 +84,7 @@ impl Target {
 
 /// One Redis node: its connection, the state of keeping it up, and its breaker.
 pub(super) struct Link {
-    pub(super) conn: ArcSwapOption<MultiplexedConnection>,
+    pub(super) conn: ArcSwapOption<Conn>,
     /// Wakes the connector: the connection was dropped, or the target changed.
     pub(super) wake: Notify,
     /// Woken each time a connection is installed.
@@ -92,7 +107,7 @@ pub(super) struct Link {
     unavailable_logged: std::sync::atomic::AtomicU64,
     made: std::time::Instant,
     pub(super) breaker: Breaker,
-    /// Whose turn it is on the connection, and the decisions waiting for the next call.
+    /// Whether the node takes batches.
     pub(super) turns: super::batch::Turns,
     /// A primary of a Redis Cluster (its batches may span several slots).
     pub(super) in_cluster: bool,
@@ -146,8 +161,11 @@ impl Link {
 
     /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
     /// when Redis closes it, it is forgotten at once, in use or not.
-    pub(super) fn install(self: &Arc<Self>, opened: Opened, on_proxy_runtime: bool) {
-        let conn = Arc::new(opened.conn);
+    pub(super) fn install(self: &Arc<Self>, opened: Opened, wire: Wire, on_proxy_runtime: bool) {
+        let conn = Arc::new(Conn {
+            redis: opened.conn,
+            wire: Arc::new(wire),
+        });
         let watched = Arc::downgrade(&conn);
         self.conn.store(Some(conn));
         self.on_proxy_runtime
@@ -179,7 +197,7 @@ impl Link {
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it
     /// break), counts the loss as one failure of the node, and wakes the connector; in a
     /// cluster, also asks for a fresh slot map.
-    pub(super) fn forget(&self, conn: &Arc<MultiplexedConnection>, cause: &dyn std::fmt::Display) {
+    pub(super) fn forget(&self, conn: &Arc<Conn>, cause: &dyn std::fmt::Display) {
         let prev = self.conn.compare_and_swap(conn, None);
         if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
             tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
@@ -202,11 +220,7 @@ impl Link {
 
 /// Waits for an installed connection's socket to close, then forgets the connection if the
 /// link still holds it. Ends quietly when the connection was replaced and let go.
-async fn forget_when_closed(
-    link: Weak<Link>,
-    conn: Weak<MultiplexedConnection>,
-    mut closed: watch::Receiver<bool>,
-) {
+async fn forget_when_closed(link: Weak<Link>, conn: Weak<Conn>, mut closed: watch::Receiver<bool>) {
     // Ok: the socket ended; Err: the socket was dropped with the connection.
     let _ = closed.wait_for(|ended| *ended).await;
     if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {

@@ -23,6 +23,7 @@ mod link;
 pub mod script;
 mod sentinel;
 mod slots;
+mod wire;
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -350,7 +351,7 @@ impl Store {
         let Some(conn) = self.link_for(key).and_then(|l| l.conn.load_full()) else {
             return Err(StoreFailure::ConnectionError);
         };
-        let mut c = (*conn).clone();
+        let mut c = conn.redis.clone();
         let mut invocation = self.inner.heartbeat.key(key);
         invocation.arg(instance).arg(ttl_ms);
         let call = invocation.invoke_async::<u64>(&mut c);
@@ -375,7 +376,7 @@ impl Store {
             .link_for(key)
             .and_then(|l| l.conn.load_full())
             .ok_or(StoreFailure::ConnectionError)?;
-        let mut c = (*conn).clone();
+        let mut c = conn.redis.clone();
         let mut pipe = redis::pipe();
         pipe.cmd("TIME").cmd("HMGET").arg(key).arg(fields);
         let call = pipe.query_async::<((u64, u64), Vec<Option<String>>)>(&mut c);
@@ -402,7 +403,7 @@ impl Store {
             .link_for(first)
             .and_then(|l| l.conn.load_full())
             .ok_or(StoreFailure::ConnectionError)?;
-        let mut c = (*conn).clone();
+        let mut c = conn.redis.clone();
         let mut del = redis::cmd("DEL");
         del.arg(keys);
         let call = del.query_async::<u64>(&mut c);

@@ -97,6 +97,11 @@ impl Script {
         }
     }
 
+    /// The script's source, as `SCRIPT LOAD` takes it.
+    pub(super) fn body(&self) -> &'static str {
+        self.body
+    }
+
     /// `SCRIPT LOAD` on one connection.
     pub(super) async fn load(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
         redis::cmd("SCRIPT")
