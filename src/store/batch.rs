@@ -183,6 +183,14 @@ pub(super) struct Batches {
 }
 
 impl Batches {
+    /// Takes back a queue emptied by telling its decisions, for the next batch, unless the
+    /// spare one already holds as much.
+    fn recycle(&mut self, emptied: Queue) {
+        if emptied.waiting.capacity() > self.spare.waiting.capacity() {
+            self.spare = emptied;
+        }
+    }
+
     /// A connection let go (replaced, retired) with decisions on it: those in flight have no
     /// answer to wait for (their call may still run in Redis: dropped, they are timeouts,
     /// never sent twice); those never sent go on their own.
@@ -285,8 +293,20 @@ impl Store {
         if state.bytes.dead {
             return;
         }
-        if let Err(cause) = self.take_replies(link, wire, &mut state) {
-            self.lose(link, conn, state, cause);
+        let mut answered = None;
+        if let Err(cause) = self.take_replies(link, wire, &mut state, &mut answered) {
+            drop(state);
+            if let Some(batch) = answered {
+                self.deliver(link, batch);
+            }
+            return self.lose(link, conn, wire.lock(), cause);
+        }
+        drop(state);
+        // The decisions are told outside the lock: waking each one (on another thread, as
+        // often as not) must not keep the workers from queueing the next batch meanwhile.
+        if let Some(batch) = answered {
+            let emptied = self.deliver(link, batch);
+            wire.lock().batches.recycle(emptied);
         }
     }
 
@@ -295,6 +315,7 @@ impl Store {
         link: &Arc<Link>,
         wire: &Arc<Wire>,
         state: &mut WireState,
+        answered: &mut Option<Answered>,
     ) -> io::Result<()> {
         if !wire.receive(&mut state.bytes)? {
             return Err(io::Error::new(
@@ -309,7 +330,13 @@ impl Store {
             let Some(expect) = state.batches.expect.pop_front() else {
                 return Err(broken("redis answered a call that was not made".into()));
             };
-            self.answered(link, wire, state, expect, got)?;
+            if let Some(batch) = self.answered(link, wire, state, expect, got)? {
+                // One call is in flight at a time: a second answer in one read would be a
+                // reply to a call never made.
+                if answered.replace(batch).is_some() {
+                    return Err(broken("redis answered two batches at once".into()));
+                }
+            }
         }
         if !state.batches.busy {
             self.send_next(link, wire, state)?;
@@ -317,7 +344,7 @@ impl Store {
         Ok(())
     }
 
-    /// Acts on one reply.
+    /// Acts on one reply; an answered batch is returned, to be told outside the lock.
     fn answered(
         &self,
         link: &Arc<Link>,
@@ -325,7 +352,7 @@ impl Store {
         state: &mut WireState,
         expect: Expect,
         got: Got,
-    ) -> io::Result<()> {
+    ) -> io::Result<Option<Answered>> {
         let batches = &mut state.batches;
         let reloaded = match expect {
             Expect::Load => {
@@ -334,19 +361,18 @@ impl Store {
                     Got::Error(e) => link.turns.refuse(&link.node(), &e),
                     Got::Line(l) => link.turns.refuse(&link.node(), &l),
                 }
-                return Ok(());
+                return Ok(None);
             }
             Expect::Batch { reloaded } => reloaded,
         };
-        let in_flight = &mut batches.in_flight;
-        match got {
-            Got::Bulk(bytes) => self.answer_each(link, in_flight, bytes),
+        let told = match got {
+            Got::Bulk(bytes) => Told::Parts(bytes),
             Got::Error(e) => {
                 let code = e.split(' ').next().unwrap_or("");
                 if code == "MOVED" || code == "ASK" {
-                    in_flight.tell_all(|| Answer::Alone);
+                    Told::Alone
                 } else if code == "NOSCRIPT" && link.turns.is_refused() {
-                    in_flight.tell_all(|| Answer::Alone);
+                    Told::Alone
                 } else if code == "NOSCRIPT" && !reloaded {
                     // One load, and the same batch again behind it, on this connection.
                     let script = self.inner.scripts.batch(link.in_cluster);
@@ -358,23 +384,38 @@ impl Store {
                     batches.in_flight.command(&mut batches.out, &script.sha);
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
-                    return wire.send(&mut state.bytes, &batches.out);
+                    wire.send(&mut state.bytes, &batches.out)?;
+                    return Ok(None);
                 } else {
-                    let key =
-                        String::from_utf8_lossy(in_flight.key(in_flight.waiting[0].keys.start))
-                            .into_owned();
-                    let failure = self.failed_reply(link, &key, &e);
-                    in_flight.tell_all(|| Answer::Failed(failure));
+                    Told::Error(e)
                 }
             }
             Got::Line(line) => {
                 tracing::error!(reply = %line, "the batch script answered an unexpected shape: this is a bug");
-                in_flight.tell_all(|| Answer::Failed(Failure::Rejected));
+                Told::Failed(Failure::Rejected)
+            }
+        };
+        batches.busy = false;
+        let queue = std::mem::take(&mut batches.in_flight);
+        Ok(Some(Answered { queue, told }))
+    }
+
+    /// Tells each decision of an answered batch what it came to; returns the emptied queue.
+    fn deliver(&self, link: &Link, batch: Answered) -> Queue {
+        let Answered { mut queue, told } = batch;
+        match told {
+            Told::Parts(bytes) => self.answer_each(link, &mut queue, bytes),
+            Told::Alone => queue.tell_all(|| Answer::Alone),
+            Told::Failed(f) => queue.tell_all(|| Answer::Failed(f)),
+            Told::Error(e) => {
+                let key =
+                    String::from_utf8_lossy(queue.key(queue.waiting[0].keys.start)).into_owned();
+                let failure = self.failed_reply(link, &key, &e);
+                queue.tell_all(|| Answer::Failed(failure));
             }
         }
-        in_flight.clear();
-        batches.busy = false;
-        Ok(())
+        queue.clear();
+        queue
     }
 
     /// Sends the decisions that wait, up to `batch_max`, as one call; with none, the
@@ -478,6 +519,21 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
             return;
         }
     }
+}
+
+/// A batch whose answer came, and what its decisions are to be told.
+struct Answered {
+    queue: Queue,
+    told: Told,
+}
+
+enum Told {
+    /// The answer: each decision its part.
+    Parts(Vec<u8>),
+    /// The call's error (`CODE detail`): each decision fails by it.
+    Error(String),
+    Failed(Failure),
+    Alone,
 }
 
 /// A reply, owned.

@@ -394,7 +394,11 @@ pub(super) async fn open(dial: &Dial, batches: Batches) -> io::Result<Wire> {
             }
             Socket::Tls(mut s) => {
                 let input = handshake(&mut *s, &hello, replies).await?;
-                let (tcp, session) = s.into_inner();
+                let (tcp, mut session) = s.into_inner();
+                // What waits to be written is bounded by the batches themselves (one call in
+                // flight, and a script load behind a NOSCRIPT): rustls's own bound would turn a
+                // congested socket into a failed write.
+                session.set_buffer_limit(None);
                 (Io::Tcp(tcp), Some(Box::new(session)), input)
             }
             Socket::Unix(mut s) => {
