@@ -369,9 +369,9 @@ impl Store {
             Got::Bulk(bytes) => Told::Parts(bytes),
             Got::Error(e) => {
                 let code = e.split(' ').next().unwrap_or("");
-                if code == "MOVED" || code == "ASK" {
-                    Told::Alone
-                } else if code == "NOSCRIPT" && link.turns.is_refused() {
+                // A redirect, or a script the node refused to load: each goes its own way.
+                let refused = code == "NOSCRIPT" && link.turns.is_refused();
+                if code == "MOVED" || code == "ASK" || refused {
                     Told::Alone
                 } else if code == "NOSCRIPT" && !reloaded {
                     // One load, and the same batch again behind it, on this connection.
