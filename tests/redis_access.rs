@@ -69,6 +69,17 @@ impl TlsRedis {
     }
 }
 
+/// redis-server's arguments for the ACL user `gateway` (password `s3cret-Pa55word`).
+const ACL_USER: [&str; 7] = [
+    "--user",
+    "gateway",
+    "on",
+    ">s3cret-Pa55word",
+    "~*",
+    "&*",
+    "+@all",
+];
+
 fn limited(config: GatewayConfig, up: &Upstream) -> GatewayConfig {
     config.upstream("app", &[up.addr()]).route(
         Route::new("e.api")
@@ -159,16 +170,7 @@ async fn a_redis_over_tls_decides_exactly_and_survives_a_restart() {
 /// are written in that database only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_tls_as_an_acl_user_batched_decisions_are_exact_in_the_urls_database() {
-    let acl = [
-        "--user",
-        "gateway",
-        "on",
-        ">s3cret-Pa55word",
-        "~*",
-        "&*",
-        "+@all",
-    ];
-    let t = tls_redis_with(false, &acl);
+    let t = tls_redis_with(false, &ACL_USER);
     let up = Upstream::start("app");
     // 1 s budget: this test counts admissions; a late decision of a debug build on a busy
     // machine would be a 503 by design (the budget has tests of its own).
@@ -333,18 +335,7 @@ async fn mutual_tls_needs_the_client_certificate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acl_user_with_the_password_from_the_environment() {
-    let redis = Redis::start_with(
-        free_port(),
-        &[
-            "--user",
-            "gateway",
-            "on",
-            ">s3cret-Pa55word",
-            "~*",
-            "&*",
-            "+@all",
-        ],
-    );
+    let redis = Redis::start_with(free_port(), &ACL_USER);
     let up = Upstream::start("app");
     let config = limited(
         GatewayConfig::new(&redis.url())
