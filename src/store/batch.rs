@@ -277,7 +277,10 @@ impl Store {
                 biased;
                 answer = &mut told => return step_of(answer),
                 ready = wire.readable() => match ready {
-                    Ok(()) => self.pump(link, &conn),
+                    // A connection that broke stays readable (its end): whoever saw it break
+                    // tells every decision, this one included.
+                    Ok(()) if !self.pump(link, &conn) => return step_of(told.await),
+                    Ok(()) => {}
                     Err(_) => return Some(Step::Failed(Failure::ConnectionLost)),
                 },
             }
@@ -287,11 +290,12 @@ impl Store {
     /// Reads what the node answered, tells each decision of an answered batch its part, and
     /// sends what waits. Whoever runs first after the socket turns readable calls it; the
     /// others find the connection's lock free and nothing to read.
-    fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>) {
+    /// Whether the connection is still up.
+    fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>) -> bool {
         let wire = &conn.wire;
         let mut state = wire.lock();
         if state.bytes.dead {
-            return;
+            return false;
         }
         let mut answered = None;
         if let Err(cause) = self.take_replies(link, wire, &mut state, &mut answered) {
@@ -299,7 +303,8 @@ impl Store {
             if let Some(batch) = answered {
                 self.deliver(link, batch);
             }
-            return self.lose(link, conn, wire.lock(), cause);
+            self.lose(link, conn, wire.lock(), cause);
+            return false;
         }
         drop(state);
         // The decisions are told outside the lock: waking each one (on another thread, as
@@ -308,6 +313,7 @@ impl Store {
             let emptied = self.deliver(link, batch);
             wire.lock().batches.recycle(emptied);
         }
+        true
     }
 
     fn take_replies(
@@ -317,12 +323,8 @@ impl Store {
         state: &mut WireState,
         answered: &mut Option<Answered>,
     ) -> io::Result<()> {
-        if !wire.receive(&mut state.bytes)? {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "redis closed the connection",
-            ));
-        }
+        // An answer read together with the connection's end is still an answer.
+        let open = wire.receive(&mut state.bytes)?;
         let broken = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
         while let Some((reply, used)) = next_reply(&state.bytes.input).map_err(broken)? {
             let got = Got::of(reply);
@@ -337,6 +339,12 @@ impl Store {
                     return Err(broken("redis answered two batches at once".into()));
                 }
             }
+        }
+        if !open {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "redis closed the connection",
+            ));
         }
         if !state.batches.busy {
             self.send_next(link, wire, state)?;
@@ -514,8 +522,7 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
         let Some(conn) = conn.upgrade() else {
             return;
         };
-        store.pump(&link, &conn);
-        if wire.is_dead() {
+        if !store.pump(&link, &conn) {
             return;
         }
     }

@@ -136,7 +136,7 @@ impl Wire {
 
     /// Reads everything the socket holds into `bytes.input` (through the TLS session on a
     /// `rediss://` connection). `Ok(false)`: the node closed the connection.
-    pub(super) fn receive(&self, bytes: &mut Bytes) -> io::Result<bool> {
+    pub(super) fn receive(self: &std::sync::Arc<Self>, bytes: &mut Bytes) -> io::Result<bool> {
         let Some(tls) = bytes.tls.as_deref_mut() else {
             loop {
                 bytes.input.reserve(16 * 1024);
@@ -170,9 +170,18 @@ impl Wire {
         }
         // An alert or a key update rustls wants to answer.
         if tls.wants_write() {
-            self.flush_tls(tls)?;
+            let pending = self.flush_tls(tls)?;
+            self.flush_later_if(bytes, pending);
         }
         Ok(true)
+    }
+
+    /// Starts the task that writes what the socket could not take, unless one runs.
+    fn flush_later_if(self: &std::sync::Arc<Self>, bytes: &mut Bytes, pending: bool) {
+        if pending && !bytes.flushing {
+            bytes.flushing = true;
+            self.runtime.spawn(flush_later(std::sync::Arc::clone(self)));
+        }
     }
 
     /// Writes `data` (after whatever waits), as far as the socket takes it now; the rest is
@@ -197,10 +206,7 @@ impl Wire {
                 self.flush_plain(bytes)?
             }
         };
-        if pending && !bytes.flushing {
-            bytes.flushing = true;
-            self.runtime.spawn(flush_later(std::sync::Arc::clone(self)));
-        }
+        self.flush_later_if(bytes, pending);
         Ok(())
     }
 
@@ -222,11 +228,6 @@ impl Wire {
         }
         Ok(false)
     }
-
-    /// Whether the connection broke or was let go.
-    pub(super) fn is_dead(&self) -> bool {
-        self.lock().bytes.dead
-    }
 }
 
 /// Writes as much of `data` as the socket takes without waiting.
@@ -247,10 +248,12 @@ fn write_some(io: &Io, data: &[u8]) -> io::Result<usize> {
 /// to the next read, which sees the same broken socket.
 async fn flush_later(wire: std::sync::Arc<Wire>) {
     loop {
-        if wire.io.writable().await.is_err() {
+        let ready = wire.io.writable().await;
+        let mut state = wire.lock();
+        if ready.is_err() {
+            state.bytes.flushing = false;
             return;
         }
-        let mut state = wire.lock();
         let bytes = &mut state.bytes;
         let pending = match bytes.tls.as_deref_mut() {
             _ if bytes.dead => Ok(false),
@@ -367,7 +370,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1)
 
 /// Opens the decision connection to the node of `dial`, on the current runtime: the socket
 /// (TLS for `rediss://`), then `AUTH` with `[redis]`'s credentials and `SELECT` of the URL's
-/// database, as redis-rs's own connection does. Bounded at 1 s.
+/// database, as redis-rs's own connection does, and a `PING`. Bounded at 1 s.
 pub(super) async fn open(dial: &Dial, batches: Batches) -> io::Result<Wire> {
     let settings = dial.info.redis_settings();
     let mut hello = Vec::new();
@@ -386,6 +389,10 @@ pub(super) async fn open(dial: &Dial, batches: Batches) -> io::Result<Wire> {
         encode(&mut hello, [&b"SELECT"[..], db.as_bytes()].into_iter());
         replies += 1;
     }
+    // Last, always: a node that accepted the socket only to refuse the client (`maxclients`)
+    // says so here, not as the first batch's answer.
+    encode(&mut hello, [&b"PING"[..]].into_iter());
+    replies += 1;
     let setup = async {
         let (io, tls, input) = match socket(dial).await? {
             Socket::Tcp(mut s) => {
@@ -440,9 +447,6 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let mut input = Vec::new();
-    if replies == 0 {
-        return Ok(input);
-    }
     s.write_all(hello).await?;
     s.flush().await?;
     let mut read = 0;
