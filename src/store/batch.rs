@@ -10,9 +10,10 @@
 //! task on the connection does the same when no decision is waiting, and notices the node
 //! closing the connection while it is idle.
 //!
-//! The connection is registered with the proxy's workers by default, so a decision needs no
-//! other thread; with `[redis] dedicated_io_thread = true` with the store's own thread,
-//! whose reader task then reads each answer the moment it comes.
+//! By default (`[redis] dedicated_io_thread = true`) the connection is registered with the
+//! store's own thread, whose reader task reads each answer the moment it comes, however busy
+//! the proxy's workers are; with `false` it is registered with the workers, and the waiting
+//! decisions read the answers themselves, with no other thread in between.
 //!
 //! Each decision keeps its own deadline (it stops waiting at it and is a timeout, whatever
 //! the batch does after), its own reason (a broken key fails its own decision only: the
@@ -268,8 +269,7 @@ impl Store {
         // A connection registered with another runtime (the store's thread) is read by its
         // reader task there the moment the answer comes; waiting on its readiness from here
         // would only wake this task once more, from that thread.
-        let here = tokio::runtime::Handle::try_current().is_ok_and(|h| h.id() == wire.runtime.id());
-        if !here {
+        if !wire.on_workers {
             return step_of(told.await);
         }
         loop {
@@ -289,8 +289,8 @@ impl Store {
 
     /// Reads what the node answered, tells each decision of an answered batch its part, and
     /// sends what waits. Whoever runs first after the socket turns readable calls it; the
-    /// others find the connection's lock free and nothing to read.
-    /// Whether the connection is still up.
+    /// others find the connection's lock free and nothing to read. False when the connection
+    /// is broken.
     fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>) -> bool {
         let wire = &conn.wire;
         let mut state = wire.lock();

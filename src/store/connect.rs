@@ -180,10 +180,11 @@ pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
 }
 
 /// A link's two connections to the node of `dial`, opened on the current runtime: redis-rs's
-/// (watched) and the decisions' own.
-pub(super) async fn open_both(dial: &Dial) -> redis::RedisResult<(Opened, Wire)> {
+/// (watched) and the decisions' own. `on_workers`: the current runtime is the one requests
+/// run on.
+pub(super) async fn open_both(dial: &Dial, on_workers: bool) -> redis::RedisResult<(Opened, Wire)> {
     let opened = open(dial).await?;
-    let wire = super::wire::open(dial, Default::default()).await?;
+    let wire = super::wire::open(dial, on_workers).await?;
     Ok((opened, wire))
 }
 
@@ -407,11 +408,11 @@ impl Connector {
             Some(proxy) => {
                 let dial = target.dial.clone();
                 proxy
-                    .spawn(async move { open_both(&dial).await })
+                    .spawn(async move { open_both(&dial, true).await })
                     .await
                     .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
             }
-            None => open_both(&target.dial).await?,
+            None => open_both(&target.dial, false).await?,
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;

@@ -171,7 +171,7 @@ impl Store {
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }
         let target = link.target.load_full();
-        let (fresh, wire) = connect::open_both(&target.dial).await.map_err(|e| {
+        let (fresh, wire) = connect::open_both(&target.dial, true).await.map_err(|e| {
             tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
             Failure::NotConnected
         })?;

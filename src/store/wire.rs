@@ -118,6 +118,9 @@ pub(super) struct Wire {
     state: Mutex<WireState>,
     /// The runtime the socket is registered with: its reader and flusher run there.
     pub(super) runtime: Handle,
+    /// That runtime is the one requests run on (the proxy's workers): a waiting decision can
+    /// read the answer itself.
+    pub(super) on_workers: bool,
     /// The reader task is running (it starts with the first decision).
     pub(super) reading: AtomicBool,
     /// Wakes the reader task when the connection is let go.
@@ -371,7 +374,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1)
 /// Opens the decision connection to the node of `dial`, on the current runtime: the socket
 /// (TLS for `rediss://`), then `AUTH` with `[redis]`'s credentials and `SELECT` of the URL's
 /// database, as redis-rs's own connection does, and a `PING`. Bounded at 1 s.
-pub(super) async fn open(dial: &Dial, batches: Batches) -> io::Result<Wire> {
+pub(super) async fn open(dial: &Dial, on_workers: bool) -> io::Result<Wire> {
     let settings = dial.info.redis_settings();
     let mut hello = Vec::new();
     let mut replies = 0;
@@ -423,9 +426,10 @@ pub(super) async fn open(dial: &Dial, batches: Batches) -> io::Result<Wire> {
                     flushing: false,
                     dead: false,
                 },
-                batches,
+                batches: Batches::default(),
             }),
             runtime: Handle::current(),
+            on_workers,
             reading: AtomicBool::new(false),
             closing: Notify::new(),
         })
