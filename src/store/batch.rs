@@ -10,10 +10,13 @@
 //! task on the connection does the same when no decision is waiting, and notices the node
 //! closing the connection while it is idle.
 //!
-//! By default (`[redis] dedicated_io_thread = true`) the connection is registered with the
-//! store's own thread, whose reader task reads each answer the moment it comes, however busy
-//! the proxy's workers are; with `false` it is registered with the workers, and the waiting
-//! decisions read the answers themselves, with no other thread in between.
+//! The connection is registered with the proxy's workers (from the first limited request on;
+//! before, with the store's own thread), so the waiting decisions read the answers themselves,
+//! with no other thread in between. By default (`[redis] dedicated_io_thread = true`) the
+//! store's thread also watches it ([`watch_over`]): a call still in flight a millisecond
+//! after it was last seen is read from there, so an answer that came while every worker is
+//! busy is told, and the next call sent, within a millisecond or two, not after the workers'
+//! queue. With `false`, nothing but the workers reads it.
 //!
 //! Each decision keeps its own deadline (it stops waiting at it and is a timeout, whatever
 //! the batch does after), its own reason (a broken key fails its own decision only: the
@@ -37,7 +40,7 @@ use tokio::sync::oneshot;
 use super::eval::{Call, Step};
 use super::link::{Conn, Link};
 use super::script::ScriptKind;
-use super::wire::{self, next_reply, Resp, Wire, WireState};
+use super::wire::{self, next_reply, Look, Resp, Wire, WireState};
 use super::Store;
 use crate::decision::Failure;
 
@@ -181,6 +184,10 @@ pub(super) struct Batches {
     /// The queue's length at which the decisions that gave up are dropped next (0: at
     /// [`QUEUE_COMPACT_AT`]).
     compact_at: usize,
+    /// Calls sent so far: the watch tells a call still in flight from the next one by it.
+    sent: u64,
+    /// The watch sleeps until the next call (see [`watch_over`]).
+    watch_asleep: bool,
 }
 
 impl Batches {
@@ -244,6 +251,10 @@ impl Store {
         if wire.start_reading() {
             let reader = read_on(self.clone(), Arc::clone(link), Arc::downgrade(&conn));
             drop(wire.runtime.spawn(reader));
+            if let Some(watcher) = &wire.watcher {
+                let watch = watch_over(self.clone(), Arc::clone(link), Arc::downgrade(&conn));
+                drop(watcher.spawn(watch));
+            }
         }
         let mut told = {
             let mut state = wire.lock();
@@ -266,9 +277,9 @@ impl Store {
             }
             told
         };
-        // A connection registered with another runtime (the store's thread) is read by its
-        // reader task there the moment the answer comes; waiting on its readiness from here
-        // would only wake this task once more, from that thread.
+        // A connection still registered with the store's thread (opened before a decision
+        // showed the proxy's runtime) is read by its reader task there the moment the answer
+        // comes; waiting on its readiness from here would only wake this task once more.
         if !wire.on_workers {
             return step_of(told.await);
         }
@@ -279,7 +290,7 @@ impl Store {
                 ready = wire.readable() => match ready {
                     // A connection that broke stays readable (its end): whoever saw it break
                     // tells every decision, this one included.
-                    Ok(()) if !self.pump(link, &conn) => return step_of(told.await),
+                    Ok(()) if !self.pump(link, &conn, Look::Ready) => return step_of(told.await),
                     Ok(()) => {}
                     Err(_) => return Some(Step::Failed(Failure::ConnectionLost)),
                 },
@@ -291,14 +302,14 @@ impl Store {
     /// sends what waits. Whoever runs first after the socket turns readable calls it; the
     /// others find the connection's lock free and nothing to read. False when the connection
     /// is broken.
-    fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>) -> bool {
+    fn pump(&self, link: &Arc<Link>, conn: &Arc<Conn>, look: Look) -> bool {
         let wire = &conn.wire;
         let mut state = wire.lock();
         if state.bytes.dead {
             return false;
         }
         let mut answered = None;
-        if let Err(cause) = self.take_replies(link, wire, &mut state, &mut answered) {
+        if let Err(cause) = self.take_replies(link, wire, &mut state, &mut answered, look) {
             drop(state);
             if let Some(batch) = answered {
                 self.deliver(link, batch);
@@ -322,9 +333,10 @@ impl Store {
         wire: &Arc<Wire>,
         state: &mut WireState,
         answered: &mut Option<Answered>,
+        look: Look,
     ) -> io::Result<()> {
         // An answer read together with the connection's end is still an answer.
-        let open = wire.receive(&mut state.bytes)?;
+        let open = wire.receive(&mut state.bytes, look)?;
         let broken = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
         while let Some((reply, used)) = next_reply(&state.bytes.input).map_err(broken)? {
             let got = Got::of(reply);
@@ -455,6 +467,11 @@ impl Store {
         batches.in_flight.command(&mut batches.out, &script.sha);
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
+        batches.sent = batches.sent.wrapping_add(1);
+        if batches.watch_asleep {
+            batches.watch_asleep = false;
+            wire.watch.notify_one();
+        }
         wire.send(&mut state.bytes, &batches.out)
     }
 
@@ -522,8 +539,66 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
         let Some(conn) = conn.upgrade() else {
             return;
         };
-        if !store.pump(&link, &conn) {
+        if !store.pump(&link, &conn, Look::Ready) {
             return;
+        }
+    }
+}
+
+/// How often the store's thread looks at a connection the workers read (the default, with
+/// the socket on the workers): a call in flight at one look and still in flight at the next
+/// may have its answer waiting behind the workers' queue, and is read from here. A
+/// decision's timer fires only after its own task is polled, which polls its answer
+/// first: an answer read in time is never a timeout, however long the workers' queue.
+pub(super) const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Looks without a call in flight after which the watch sleeps until the next call.
+const WATCH_IDLE_LOOKS: u32 = 100;
+
+/// The watch over a connection the workers read, on the store's thread: every
+/// [`WATCH_EVERY`], a call in flight since the previous look is read from here. Sleeps while
+/// the connection is idle (the next call wakes it); ends when the connection is let go or
+/// breaks.
+async fn watch_over(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
+    let Some(wire) = conn.upgrade().map(|c| Arc::clone(&c.wire)) else {
+        return;
+    };
+    let mut seen = None;
+    let mut idle = 0;
+    loop {
+        let (late, asleep) = {
+            let mut state = wire.lock();
+            if state.bytes.dead {
+                return;
+            }
+            let batches = &mut state.batches;
+            if batches.busy {
+                idle = 0;
+                let late = seen == Some(batches.sent);
+                seen = Some(batches.sent);
+                (late, false)
+            } else {
+                seen = None;
+                idle += 1;
+                if idle >= WATCH_IDLE_LOOKS {
+                    batches.watch_asleep = true;
+                }
+                (false, batches.watch_asleep)
+            }
+        };
+        if late {
+            let Some(conn) = conn.upgrade() else {
+                return;
+            };
+            if !store.pump(&link, &conn, Look::Now) {
+                return;
+            }
+        }
+        if asleep {
+            wire.watch.notified().await;
+            idle = 0;
+        } else {
+            tokio::time::sleep(WATCH_EVERY).await;
         }
     }
 }

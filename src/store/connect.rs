@@ -2,9 +2,11 @@
 //! eviction policy, load the scripts; on loss, reconnect in the background with capped,
 //! jittered backoff.
 //!
-//! A connection is first driven on the store's own runtime; once the first request shows the
-//! proxy's runtime, a new one is opened there and swapped in (a decision then needs no hop to
-//! another thread), unless `[redis] dedicated_io_thread` keeps them on the store's thread.
+//! A link's connections are first driven on the store's own runtime; once the first request
+//! shows the proxy's runtime, a new decision connection is opened there and swapped in (a
+//! decision then needs no hop to another thread), watched from the store's thread
+//! (`batch::watch_over`). With `[redis] dedicated_io_thread = false` redis-rs's connection
+//! moves too, and nothing watches from elsewhere.
 
 use std::io;
 use std::pin::Pin;
@@ -35,7 +37,8 @@ pub(super) struct Connector {
     /// The proxy's runtime, learnt from the first request: connections' driver tasks are
     /// moved there so a decision does not hop to another thread and back.
     proxy_runtime: OnceLock<Handle>,
-    /// `[redis] dedicated_io_thread`: the connections stay on the store's own thread.
+    /// `[redis] dedicated_io_thread`: redis-rs's connection stays on the store's own thread,
+    /// which also watches the decision connection.
     dedicated_io_thread: bool,
     breakers: Arc<BreakerBoard>,
     /// The store's own runtime: connectors and the cluster refresher run there.
@@ -68,9 +71,16 @@ impl Connector {
         self.require_noeviction.store(required, Ordering::Relaxed);
     }
 
-    /// Whether connections are moved to the proxy's runtime and it is not known yet.
+    /// Whether the proxy's runtime, where the decision connections are moved, is not known
+    /// yet.
     pub(super) fn wants_proxy_runtime(&self) -> bool {
-        !self.dedicated_io_thread && self.proxy_runtime.get().is_none()
+        self.proxy_runtime.get().is_none()
+    }
+
+    /// The thread that watches a decision connection on the workers: the store's own, unless
+    /// `dedicated_io_thread = false` moved everything onto the workers.
+    pub(super) fn watcher(&self) -> Option<Handle> {
+        self.dedicated_io_thread.then(|| self.runtime.clone())
     }
 
     /// Learns the proxy's runtime (the first time only); true when it was new.
@@ -181,10 +191,14 @@ pub(super) async fn open(dial: &Dial) -> redis::RedisResult<Opened> {
 
 /// A link's two connections to the node of `dial`, opened on the current runtime: redis-rs's
 /// (watched) and the decisions' own. `on_workers`: the current runtime is the one requests
-/// run on.
-pub(super) async fn open_both(dial: &Dial, on_workers: bool) -> redis::RedisResult<(Opened, Wire)> {
+/// run on; `watcher`: the store's thread, which watches the decisions' connection there.
+pub(super) async fn open_both(
+    dial: &Dial,
+    on_workers: bool,
+    watcher: Option<Handle>,
+) -> redis::RedisResult<(Opened, Wire)> {
     let opened = open(dial).await?;
-    let wire = super::wire::open(dial, on_workers).await?;
+    let wire = super::wire::open(dial, on_workers, watcher).await?;
     Ok((opened, wire))
 }
 
@@ -399,20 +413,47 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
 }
 
 impl Connector {
+    /// Opens a new decision connection to `target` on the proxy's runtime, watched from this
+    /// thread, and gives it to `link`'s current connection. False when there was none.
+    async fn move_wire(&self, link: &Arc<Link>, target: &Target) -> io::Result<bool> {
+        let Some(proxy) = self.proxy_runtime.get() else {
+            return Ok(false);
+        };
+        let dial = target.dial.clone();
+        let watcher = self.runtime.clone();
+        let wire = proxy
+            .spawn(async move { super::wire::open(&dial, true, Some(watcher)).await })
+            .await
+            .map_err(io::Error::other)??;
+        Ok(link.install_wire(wire))
+    }
+
     /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
     /// scripts.
     async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<(Opened, Wire)> {
         let (mut opened, wire) = match self.proxy_runtime.get() {
-            // Opened there, the connection's driver task runs on the proxy's workers and the
-            // decision connection is registered with them.
+            // The decision connection is registered with the proxy's workers (whose waiting
+            // decisions read its answers); redis-rs's stays here, and this thread watches
+            // the decisions' one (`batch::watch_over`).
+            Some(proxy) if self.dedicated_io_thread => {
+                let opened = open(&target.dial).await?;
+                let dial = target.dial.clone();
+                let watcher = self.runtime.clone();
+                let wire = proxy
+                    .spawn(async move { super::wire::open(&dial, true, Some(watcher)).await })
+                    .await
+                    .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??;
+                (opened, wire)
+            }
+            // Both on the workers: redis-rs's driver task too.
             Some(proxy) => {
                 let dial = target.dial.clone();
                 proxy
-                    .spawn(async move { open_both(&dial, true).await })
+                    .spawn(async move { open_both(&dial, true, None).await })
                     .await
                     .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??
             }
-            None => open_both(&target.dial, false).await?,
+            None => open_both(&target.dial, false, None).await?,
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;
@@ -496,6 +537,26 @@ impl Connector {
                 continue;
             }
             let target = link.target.load_full();
+            if connected && self.dedicated_io_thread {
+                // Only the decisions' connection moves; redis-rs's stays on this thread.
+                match tokio::time::timeout(SETUP_TIMEOUT, self.move_wire(&link, &target)).await {
+                    Ok(Ok(true)) => {
+                        tracing::info!(node = %target.node, "redis decision connection now read by the proxy workers");
+                        attempt = 0;
+                    }
+                    Ok(Ok(false)) => {}
+                    outcome => {
+                        let error = match outcome {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "timed out".to_owned(),
+                        };
+                        tracing::debug!(node = %target.node, %error, "cannot open the decision connection on the proxy runtime yet");
+                        tokio::time::sleep(backoff(attempt)).await;
+                        attempt = attempt.saturating_add(1);
+                    }
+                }
+                continue;
+            }
             let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target));
             let outcome = setup.await.unwrap_or_else(|_| {
                 Err(redis::RedisError::from(std::io::Error::new(

@@ -171,10 +171,13 @@ impl Store {
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }
         let target = link.target.load_full();
-        let (fresh, wire) = connect::open_both(&target.dial, true).await.map_err(|e| {
-            tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
-            Failure::NotConnected
-        })?;
+        let watcher = self.inner.connector.watcher();
+        let (fresh, wire) = connect::open_both(&target.dial, true, watcher)
+            .await
+            .map_err(|e| {
+                tracing::debug!(error = %e, "the probe could not open a fresh redis connection");
+                Failure::NotConnected
+            })?;
         link.install(fresh, wire, self.inner.connector.on_proxy_runtime());
         tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
         link.conn.load_full().ok_or(Failure::NotConnected)

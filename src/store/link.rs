@@ -33,6 +33,8 @@ pub(super) struct Opened {
 pub(super) struct Conn {
     pub(super) redis: MultiplexedConnection,
     pub(super) wire: Arc<Wire>,
+    /// redis-rs's socket closed (see [`Opened`]).
+    closed: watch::Receiver<bool>,
 }
 
 impl Drop for Conn {
@@ -165,6 +167,7 @@ impl Link {
         let conn = Arc::new(Conn {
             redis: opened.conn,
             wire: Arc::new(wire),
+            closed: opened.closed.clone(),
         });
         let watched = Arc::downgrade(&conn);
         self.conn.store(Some(conn));
@@ -176,6 +179,32 @@ impl Link {
             watched,
             opened.closed,
         ));
+    }
+
+    /// Gives the current connection a new decision connection (opened on the proxy's
+    /// runtime), keeping redis-rs's. False when the connection went meanwhile (the connector
+    /// opens both again).
+    pub(super) fn install_wire(self: &Arc<Self>, wire: Wire) -> bool {
+        let Some(old) = self.conn.load_full() else {
+            return false;
+        };
+        let conn = Arc::new(Conn {
+            redis: old.redis.clone(),
+            wire: Arc::new(wire),
+            closed: old.closed.clone(),
+        });
+        let watched = Arc::downgrade(&conn);
+        let prev = self.conn.compare_and_swap(&old, Some(conn));
+        if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
+            return false;
+        }
+        self.on_proxy_runtime.store(true, Ordering::Relaxed);
+        tokio::spawn(forget_when_closed(
+            Arc::downgrade(self),
+            watched,
+            old.closed.clone(),
+        ));
+        true
     }
 
     /// Logs a reply that says the node cannot serve (`OOM`, `READONLY`, `LOADING`...) with

@@ -70,14 +70,36 @@ impl Io {
             Io::Unix(s) => s.try_write(buf),
         }
     }
+
+    /// Reads what the socket holds whatever the runtime it is registered with last saw:
+    /// from another thread, whose look must not wait for that runtime to poll its events.
+    fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let socket = match self {
+            Io::Tcp(s) => socket2::SockRef::from(s),
+            Io::Unix(s) => socket2::SockRef::from(s),
+        };
+        (&*socket).read(buf)
+    }
+
+    fn read_now_buf(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        let at = buf.len();
+        buf.resize(at + 16 * 1024, 0);
+        let read = self.read_now(&mut buf[at..]);
+        buf.truncate(at + *read.as_ref().unwrap_or(&0));
+        read
+    }
 }
 
-/// The socket as rustls reads and writes it: without waiting (`WouldBlock` when it would).
-struct NoWait<'a>(&'a Io);
+/// The socket as rustls reads and writes it: without waiting (`WouldBlock` when it would);
+/// `Look::Now` reads past the runtime's readiness.
+struct NoWait<'a>(&'a Io, Look);
 
 impl Read for NoWait<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.0.try_read(buf)
+        match self.1 {
+            Look::Ready => self.0.try_read(buf),
+            Look::Now => self.0.read_now(buf),
+        }
     }
 }
 
@@ -121,10 +143,25 @@ pub(super) struct Wire {
     /// That runtime is the one requests run on (the proxy's workers): a waiting decision can
     /// read the answer itself.
     pub(super) on_workers: bool,
+    /// The store's thread, which watches a connection the workers read
+    /// (`dedicated_io_thread` and the socket on the workers): see `batch::watch_over`.
+    pub(super) watcher: Option<Handle>,
     /// The reader task is running (it starts with the first decision).
     pub(super) reading: AtomicBool,
     /// Wakes the reader task when the connection is let go.
     pub(super) closing: Notify,
+    /// Wakes the watch: a batch went out while it slept, or the connection is let go.
+    pub(super) watch: Notify,
+}
+
+/// How a read looks at the socket.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Look {
+    /// As the socket's runtime last saw it readable (it clears what it saw when nothing is
+    /// there): the way of whoever was woken by that runtime.
+    Ready,
+    /// At the socket itself, whatever its runtime saw: the watch's way, from another thread.
+    Now,
 }
 
 impl Wire {
@@ -139,11 +176,21 @@ impl Wire {
 
     /// Reads everything the socket holds into `bytes.input` (through the TLS session on a
     /// `rediss://` connection). `Ok(false)`: the node closed the connection.
-    pub(super) fn receive(self: &std::sync::Arc<Self>, bytes: &mut Bytes) -> io::Result<bool> {
+    pub(super) fn receive(
+        self: &std::sync::Arc<Self>,
+        bytes: &mut Bytes,
+        look: Look,
+    ) -> io::Result<bool> {
         let Some(tls) = bytes.tls.as_deref_mut() else {
             loop {
-                bytes.input.reserve(16 * 1024);
-                match self.io.try_read_buf(&mut bytes.input) {
+                let read = match look {
+                    Look::Ready => {
+                        bytes.input.reserve(16 * 1024);
+                        self.io.try_read_buf(&mut bytes.input)
+                    }
+                    Look::Now => self.io.read_now_buf(&mut bytes.input),
+                };
+                match read {
                     Ok(0) => return Ok(false),
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
@@ -152,7 +199,7 @@ impl Wire {
             }
         };
         loop {
-            match tls.read_tls(&mut NoWait(&self.io)) {
+            match tls.read_tls(&mut NoWait(&self.io, look)) {
                 Ok(0) => return Ok(false),
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -223,7 +270,7 @@ impl Wire {
     /// Writes the TLS records the socket takes now; true when some are left.
     fn flush_tls(&self, tls: &mut rustls::ClientConnection) -> io::Result<bool> {
         while tls.wants_write() {
-            match tls.write_tls(&mut NoWait(&self.io)) {
+            match tls.write_tls(&mut NoWait(&self.io, Look::Ready)) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
                 Err(e) => return Err(e),
@@ -373,8 +420,13 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1)
 
 /// Opens the decision connection to the node of `dial`, on the current runtime: the socket
 /// (TLS for `rediss://`), then `AUTH` with `[redis]`'s credentials and `SELECT` of the URL's
-/// database, as redis-rs's own connection does, and a `PING`. Bounded at 1 s.
-pub(super) async fn open(dial: &Dial, on_workers: bool) -> io::Result<Wire> {
+/// database, as redis-rs's own connection does, and a `PING`. Bounded at 1 s. `watcher`: the
+/// store's thread, to watch a connection opened on the workers.
+pub(super) async fn open(
+    dial: &Dial,
+    on_workers: bool,
+    watcher: Option<Handle>,
+) -> io::Result<Wire> {
     let settings = dial.info.redis_settings();
     let mut hello = Vec::new();
     let mut replies = 0;
@@ -430,8 +482,10 @@ pub(super) async fn open(dial: &Dial, on_workers: bool) -> io::Result<Wire> {
             }),
             runtime: Handle::current(),
             on_workers,
+            watcher: watcher.filter(|_| on_workers),
             reading: AtomicBool::new(false),
             closing: Notify::new(),
+            watch: Notify::new(),
         })
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, setup)
@@ -491,6 +545,7 @@ impl Wire {
         let batches = std::mem::take(&mut state.batches);
         drop(state);
         self.closing.notify_one();
+        self.watch.notify_one();
         batches
     }
 
