@@ -7,18 +7,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::config::{closed_and_open, GatewayConfig};
+use common::stall::two_decisions_behind_a_stalled_worker;
 use common::{client, Gateway, Redis, Upstream};
-use futures_util::FutureExt;
-use sentinel_gateway::clock::{MonotonicClock, SharedClock};
-use sentinel_gateway::decision::fleet::Fleet;
-use sentinel_gateway::limiter::{self, bucket_key, identity_hash};
-use sentinel_gateway::metrics::Metrics;
-use sentinel_gateway::snapshot::Snapshot;
-use sentinel_gateway::store::Store;
+use sentinel_gateway::limiter::bucket_key;
 
 fn config(redis: &Redis, up: &Upstream, capacity: u64) -> GatewayConfig {
     closed_and_open(&redis.url(), &up.addr(), capacity)
@@ -246,106 +240,17 @@ async fn batch_max_one_sends_every_decision_alone() {
     assert_eq!(gw.metric("sentinel_redis_batch_size_count"), 0.0);
 }
 
-/// Two decisions on a proxy runtime of one worker, the second queued behind the first's call,
-/// and then the worker stalled for twice the budget (a request's work that does not yield, or
-/// a saturated worker). Returns whether each was admitted by Redis's own answer.
-fn two_decisions_behind_a_stalled_worker(dedicated_io_thread: bool) -> (bool, bool) {
-    let redis = Redis::start();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gateway.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[redis]
-url = "{}"
-require_noeviction = false
-dedicated_io_thread = {dedicated_io_thread}
-# A budget far above this machine's noise: the stall below is twice it.
-timeout_ms = 250
-[upstreams.app]
-addrs = ["127.0.0.1:9"]
-[[routes]]
-endpoint_id = "a.open"
-path = "/a"
-upstream = "app"
-identity = {{ header = "X-API-Key" }}
-algorithm = "token_bucket"
-capacity_micro = 1_000_000_000_000
-refill_rate_micro_per_sec = 1_000_000_000
-"#,
-            redis.url()
-        ),
-    )
-    .unwrap();
-    let config = sentinel_gateway::config::Config::load(&path).expect("a valid config");
-    let metrics = Arc::new(Metrics::new());
-    let clock: SharedClock = Arc::new(MonotonicClock::default());
-    let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics).unwrap();
-    let snapshot = Snapshot::build(
-        config,
-        1,
-        &metrics,
-        &clock,
-        &Arc::new(Fleet::default()),
-        None,
-    )
-    .unwrap();
-    let id = sentinel_gateway::config::EndpointId::parse("a.open").unwrap();
-    let endpoint = Arc::clone(&snapshot.endpoints[&id]);
-    let proxy = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    common::wait_until(Duration::from_secs(5), "redis connected", || {
-        store.is_connected()
-    });
-    // The first decisions show the store the proxy's runtime; the connection the decisions
-    // use is then opened again there (a few milliseconds on loopback; a second is generous).
-    let warm = |store: &Store| {
-        proxy.block_on(async {
-            for i in 0..8 {
-                let hash = identity_hash(&format!("header:x-api-key:warm{i}"));
-                assert!(limiter::decide(store, &endpoint, &hash)
-                    .await
-                    .admitted_by_redis());
-            }
-        })
-    };
-    warm(&store);
-    std::thread::sleep(Duration::from_secs(1));
-    warm(&store);
-    let (a, b) = (
-        identity_hash("header:x-api-key:a"),
-        identity_hash("header:x-api-key:b"),
-    );
-    let endpoint = Arc::clone(&endpoint);
-    proxy.block_on(async move {
-        tokio::spawn(async move {
-            let mut first = Box::pin(limiter::decide(&store, &endpoint, &a));
-            let mut second = Box::pin(limiter::decide(&store, &endpoint, &b));
-            // The first one's call goes out; the second queues behind it.
-            assert!((&mut first).now_or_never().is_none());
-            assert!((&mut second).now_or_never().is_none());
-            // Nothing else runs on the proxy's worker for twice the budget.
-            std::thread::sleep(Duration::from_millis(500));
-            (
-                first.await.admitted_by_redis(),
-                second.await.admitted_by_redis(),
-            )
-        })
-        .await
-        .unwrap()
-    })
-}
-
 /// By default the store's thread watches the decisions' connection: the first call's answer
 /// is read, and the second call sent and its answer read, while the worker is stalled, so
 /// both decisions find Redis's answer when their task runs again, past their deadline.
 #[test]
 fn by_default_answers_are_read_while_the_workers_are_stalled() {
-    assert_eq!(two_decisions_behind_a_stalled_worker(true), (true, true));
+    let redis = Redis::start();
+    let redis_section = format!("url = \"{}\"", redis.url());
+    assert_eq!(
+        two_decisions_behind_a_stalled_worker(&redis_section),
+        (true, true)
+    );
 }
 
 /// With `dedicated_io_thread = false` the workers alone read the connection: the first
@@ -353,5 +258,10 @@ fn by_default_answers_are_read_while_the_workers_are_stalled() {
 /// call, too late for its budget: a timeout (the route fails closed).
 #[test]
 fn without_the_store_thread_a_stalled_worker_delays_the_next_call_past_its_budget() {
-    assert_eq!(two_decisions_behind_a_stalled_worker(false), (true, false));
+    let redis = Redis::start();
+    let redis_section = format!("url = \"{}\"\ndedicated_io_thread = false", redis.url());
+    assert_eq!(
+        two_decisions_behind_a_stalled_worker(&redis_section),
+        (true, false)
+    );
 }

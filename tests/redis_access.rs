@@ -412,3 +412,20 @@ fn check_refuses_tls_settings_that_would_not_be_used_and_unreadable_files() {
     let (ok, out) = check("url = \"rediss://127.0.0.1:6380/0\"", &[]);
     assert!(ok, "rediss:// with the system roots: {out}");
 }
+
+/// Over TLS too, the store's thread reads a batch's answer while the proxy's only worker is
+/// stalled (through the TLS session, whatever the workers' runtime last saw of the socket),
+/// and sends the next batch.
+#[test]
+fn over_tls_answers_are_read_while_the_workers_are_stalled() {
+    let t = tls_redis_with(false, &[]);
+    let section = format!(
+        "url = \"{}\"\ntls_ca_path = {}",
+        t.url(),
+        quoted(&t.ca_path())
+    );
+    assert_eq!(
+        common::stall::two_decisions_behind_a_stalled_worker(&section),
+        (true, true)
+    );
+}

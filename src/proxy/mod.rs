@@ -112,6 +112,22 @@ impl RequestCtx {
     }
 }
 
+/// Pingora's own bodiless answer with `code` (what `respond_error` writes), with the request id
+/// on it: every answer carries it (contract section 9), these too. The connection is not
+/// reused.
+async fn respond_bare(session: &mut Session, ctx: &RequestCtx, code: u16) {
+    let mut header = pingora_core::protocols::http::ServerSession::generate_error(code);
+    let written = match ctx.tag(&mut header) {
+        Ok(()) => {
+            session
+                .write_error_response(header, bytes::Bytes::new())
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    written.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+}
+
 /// Micro-tokens of a reported cost: a non-negative decimal integer of units, at most
 /// 10^15 micro-tokens in all (a bucket never goes below minus its capacity anyway); `None`
 /// for anything else.
@@ -520,10 +536,7 @@ impl ProxyHttp for Gateway {
             (_, ErrorType::HTTPStatus(code)) => {
                 let code = *code;
                 if code > 0 {
-                    session
-                        .respond_error(code)
-                        .await
-                        .unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+                    respond_bare(session, ctx, code).await;
                 }
                 return FailToProxy {
                     error_code: code,
@@ -585,10 +598,7 @@ impl ProxyHttp for Gateway {
             }
             Some(answer) => answer.status(),
             None if answering && !matches!(e.esource(), ErrorSource::Downstream) => {
-                session
-                    .respond_error(500)
-                    .await
-                    .unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
+                respond_bare(session, ctx, 500).await;
                 500
             }
             None => 0,
