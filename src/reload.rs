@@ -25,6 +25,15 @@ pub struct Reloader {
     pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
+    /// The settings the process started with, of those only a restart changes: a reload is
+    /// told a restart is required while the file differs from them (and no longer once it is
+    /// back to them).
+    running: Running,
+}
+
+struct Running {
+    server: crate::config::ServerConfig,
+    dedicated_io_thread: bool,
 }
 
 impl Reloader {
@@ -37,7 +46,14 @@ impl Reloader {
         fleet: Arc<Fleet>,
         edge: Edge,
     ) -> Self {
+        let started = live.load();
+        let running = Running {
+            server: started.config.server.clone(),
+            dedicated_io_thread: started.config.redis.dedicated_io_thread,
+        };
+        drop(started);
         Self {
+            running,
             path,
             live,
             store,
@@ -78,7 +94,7 @@ impl Reloader {
     fn try_reload(&self) -> Result<Reloaded, String> {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
-        let (old, new) = (&current.config.server, &config.server);
+        let (old, new) = (&self.running.server, &config.server);
         let mut restart_required: Vec<&'static str> = [
             ("server.listen", old.listen != new.listen),
             ("server.admin_listen", old.admin_listen != new.admin_listen),
@@ -98,7 +114,7 @@ impl Reloader {
             ),
             (
                 "redis.dedicated_io_thread",
-                current.config.redis.dedicated_io_thread != config.redis.dedicated_io_thread,
+                self.running.dedicated_io_thread != config.redis.dedicated_io_thread,
             ),
         ]
         .into_iter()

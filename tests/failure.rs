@@ -522,7 +522,7 @@ async fn a_redis_on_a_unix_socket_decides_and_its_loss_is_noticed() {
 /// `[redis] dedicated_io_thread = false`: after the first limited request the connection is
 /// opened again on the proxy's workers (the default keeps it on the store's own thread);
 /// decisions are exact either way, and turning it back on at reload is reported as needing
-/// a restart.
+/// a restart, until the file says again what the process runs with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_dedicated_io_thread_the_connection_moves_onto_the_workers() {
     let redis = Redis::start();
@@ -551,6 +551,17 @@ async fn without_a_dedicated_io_thread_the_connection_moves_onto_the_workers() {
         body["restart_required"],
         serde_json::json!(["redis.dedicated_io_thread"])
     );
+    // Back to what the process runs with: nothing waits for a restart any more.
+    gw.rewrite_config(
+        &config(&redis.url(), &up.addr(), 30)
+            .redis("dedicated_io_thread", "false")
+            .render(gw.port, gw.admin_port),
+    );
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(body["reloaded"], serde_json::json!(true));
+    assert!(body.get("restart_required").is_none(), "{body}");
 }
 
 /// `/readyz`'s `redis` field, with no request in flight.
