@@ -550,7 +550,7 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
 /// may have its answer waiting behind the workers' queue, and is read from here. A
 /// decision's timer fires only after its own task is polled, which polls its answer
 /// first: an answer read in time is never a timeout, however long the workers' queue.
-pub(super) const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Looks without a call in flight after which the watch sleeps until the next call.
 const WATCH_IDLE_LOOKS: u32 = 100;

@@ -419,13 +419,19 @@ impl Connector {
         let Some(proxy) = self.proxy_runtime.get() else {
             return Ok(false);
         };
-        let dial = target.dial.clone();
+        let wire = self.wire_on(proxy, &target.dial).await?;
+        Ok(link.install_wire(wire))
+    }
+
+    /// Opens a decision connection to the node of `dial` registered with `proxy`'s workers,
+    /// watched from this thread.
+    async fn wire_on(&self, proxy: &Handle, dial: &Dial) -> io::Result<Wire> {
+        let dial = dial.clone();
         let watcher = self.runtime.clone();
-        let wire = proxy
+        proxy
             .spawn(async move { super::wire::open(&dial, true, Some(watcher)).await })
             .await
-            .map_err(io::Error::other)??;
-        Ok(link.install_wire(wire))
+            .map_err(io::Error::other)?
     }
 
     /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
@@ -437,13 +443,7 @@ impl Connector {
             // the decisions' one (`batch::watch_over`).
             Some(proxy) if self.dedicated_io_thread => {
                 let opened = open(&target.dial).await?;
-                let dial = target.dial.clone();
-                let watcher = self.runtime.clone();
-                let wire = proxy
-                    .spawn(async move { super::wire::open(&dial, true, Some(watcher)).await })
-                    .await
-                    .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))??;
-                (opened, wire)
+                (opened, self.wire_on(proxy, &target.dial).await?)
             }
             // Both on the workers: redis-rs's driver task too.
             Some(proxy) => {
