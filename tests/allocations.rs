@@ -7,15 +7,8 @@ mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
-use sentinel_gateway::clock::{MonotonicClock, SharedClock};
-use sentinel_gateway::config::Config;
-use sentinel_gateway::decision::fleet::Fleet;
 use sentinel_gateway::limiter::{self, identity_hash};
-use sentinel_gateway::metrics::Metrics;
-use sentinel_gateway::snapshot::Snapshot;
-use sentinel_gateway::store::Store;
 
 struct Counting;
 
@@ -48,11 +41,8 @@ const MOST_PER_DECISION: f64 = 6.0;
 #[test]
 fn one_decision_allocates_a_bounded_number_of_times() {
     let redis = common::Redis::start();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gateway.toml");
-    std::fs::write(
-        &path,
-        format!(
+    let (store, endpoint) = common::inproc::store_and_endpoint(
+        &format!(
             r#"
 [redis]
 url = "{}"
@@ -73,23 +63,8 @@ refill_rate_micro_per_sec = 1_000_000_000_000
 "#,
             redis.url()
         ),
-    )
-    .unwrap();
-    let config = Config::load(&path).expect("a valid config");
-    let metrics = Arc::new(Metrics::new());
-    let clock: SharedClock = Arc::new(MonotonicClock::default());
-    let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics).unwrap();
-    let snapshot = Snapshot::build(
-        config,
-        1,
-        &metrics,
-        &clock,
-        &Arc::new(Fleet::default()),
-        None,
-    )
-    .unwrap();
-    let id = sentinel_gateway::config::EndpointId::parse("a.limited").unwrap();
-    let endpoint = Arc::clone(&snapshot.endpoints[&id]);
+        "a.limited",
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

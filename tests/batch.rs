@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::config::{closed_and_open, GatewayConfig};
-use common::stall::two_decisions_behind_a_stalled_worker;
+use common::inproc::two_decisions_behind_a_stalled_worker;
 use common::{client, Gateway, Redis, Upstream};
 use sentinel_gateway::limiter::bucket_key;
 

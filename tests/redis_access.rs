@@ -425,7 +425,7 @@ fn over_tls_answers_are_read_while_the_workers_are_stalled() {
         quoted(&t.ca_path())
     );
     assert_eq!(
-        common::stall::two_decisions_behind_a_stalled_worker(&section),
+        common::inproc::two_decisions_behind_a_stalled_worker(&section),
         (true, true)
     );
 }

@@ -6,7 +6,7 @@
 pub mod cluster;
 pub mod config;
 pub mod fault;
-pub mod stall;
+pub mod inproc;
 pub mod tls;
 
 use std::ffi::OsStr;

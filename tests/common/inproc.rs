@@ -1,27 +1,49 @@
-//! Decisions behind a stalled proxy worker, in-process: the store and the limiter as the
-//! gateway runs them, on a runtime of one worker this test stalls.
+//! The store and the limiter in-process, as the gateway builds and runs them: for what a
+//! test must hold in its own hands (the allocator, the proxy's runtime).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use sentinel_gateway::clock::{MonotonicClock, SharedClock};
+use sentinel_gateway::config::{Config, EndpointId};
 use sentinel_gateway::decision::fleet::Fleet;
+use sentinel_gateway::limiter::endpoint::Endpoint;
 use sentinel_gateway::limiter::{self, identity_hash};
 use sentinel_gateway::metrics::Metrics;
 use sentinel_gateway::snapshot::Snapshot;
 use sentinel_gateway::store::Store;
+
+/// The store started from `config` (a gateway.toml's text) and the endpoint `endpoint_id`.
+pub fn store_and_endpoint(config: &str, endpoint_id: &str) -> (Store, Arc<Endpoint>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, config).unwrap();
+    let config = Config::load(&path).expect("a valid config");
+    let metrics = Arc::new(Metrics::new());
+    let clock: SharedClock = Arc::new(MonotonicClock::default());
+    let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics).unwrap();
+    let snapshot = Snapshot::build(
+        config,
+        1,
+        &metrics,
+        &clock,
+        &Arc::new(Fleet::default()),
+        None,
+    )
+    .unwrap();
+    let id = EndpointId::parse(endpoint_id).unwrap();
+    let endpoint = Arc::clone(&snapshot.endpoints[&id]);
+    (store, endpoint)
+}
 
 /// Two decisions on a proxy runtime of one worker, the second queued behind the first's call,
 /// and then the worker stalled for twice the budget (a request's work that does not yield, or
 /// a saturated worker). Returns whether each was admitted by Redis's own answer.
 /// `redis_section`: the `[redis]` lines that say where Redis is (and how to reach it).
 pub fn two_decisions_behind_a_stalled_worker(redis_section: &str) -> (bool, bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gateway.toml");
-    std::fs::write(
-        &path,
-        format!(
+    let (store, endpoint) = store_and_endpoint(
+        &format!(
             r#"
 [redis]
 {redis_section}
@@ -40,23 +62,8 @@ capacity_micro = 1_000_000_000_000
 refill_rate_micro_per_sec = 1_000_000_000
 "#
         ),
-    )
-    .unwrap();
-    let config = sentinel_gateway::config::Config::load(&path).expect("a valid config");
-    let metrics = Arc::new(Metrics::new());
-    let clock: SharedClock = Arc::new(MonotonicClock::default());
-    let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics).unwrap();
-    let snapshot = Snapshot::build(
-        config,
-        1,
-        &metrics,
-        &clock,
-        &Arc::new(Fleet::default()),
-        None,
-    )
-    .unwrap();
-    let id = sentinel_gateway::config::EndpointId::parse("a.stalled").unwrap();
-    let endpoint = Arc::clone(&snapshot.endpoints[&id]);
+        "a.stalled",
+    );
     let proxy = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
