@@ -539,18 +539,17 @@ impl Connector {
             let target = link.target.load_full();
             if connected && self.dedicated_io_thread {
                 // Only the decisions' connection moves; redis-rs's stays on this thread.
-                match tokio::time::timeout(SETUP_TIMEOUT, self.move_wire(&link, &target)).await {
-                    Ok(Ok(true)) => {
+                let moved = tokio::time::timeout(SETUP_TIMEOUT, self.move_wire(&link, &target))
+                    .await
+                    .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()));
+                match moved {
+                    Ok(true) => {
                         tracing::info!(node = %target.node, "redis decision connection now read by the proxy workers");
                         attempt = 0;
                     }
-                    Ok(Ok(false)) => {}
-                    outcome => {
-                        let error = match outcome {
-                            Ok(Err(e)) => e.to_string(),
-                            _ => "timed out".to_owned(),
-                        };
-                        tracing::debug!(node = %target.node, %error, "cannot open the decision connection on the proxy runtime yet");
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::debug!(node = %target.node, error = %e, "cannot open the decision connection on the proxy runtime yet");
                         tokio::time::sleep(backoff(attempt)).await;
                         attempt = attempt.saturating_add(1);
                     }

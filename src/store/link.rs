@@ -167,17 +167,23 @@ impl Link {
         let conn = Arc::new(Conn {
             redis: opened.conn,
             wire: Arc::new(wire),
-            closed: opened.closed.clone(),
+            closed: opened.closed,
         });
-        let watched = Arc::downgrade(&conn);
-        self.conn.store(Some(conn));
+        self.conn.store(Some(Arc::clone(&conn)));
         self.on_proxy_runtime
             .store(on_proxy_runtime, Ordering::Relaxed);
         self.ready.notify_waiters();
+        // Once installed: a socket already closed is then forgotten at once.
+        self.forget_when_closed(&conn);
+    }
+
+    /// Watches `conn`'s redis-rs socket: when Redis closes it, the connection is forgotten
+    /// if the link still holds it.
+    fn forget_when_closed(self: &Arc<Self>, conn: &Arc<Conn>) {
         tokio::spawn(forget_when_closed(
             Arc::downgrade(self),
-            watched,
-            opened.closed,
+            Arc::downgrade(conn),
+            conn.closed.clone(),
         ));
     }
 
@@ -193,17 +199,13 @@ impl Link {
             wire: Arc::new(wire),
             closed: old.closed.clone(),
         });
-        let watched = Arc::downgrade(&conn);
+        let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(&old, Some(conn));
         if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
             return false;
         }
         self.on_proxy_runtime.store(true, Ordering::Relaxed);
-        tokio::spawn(forget_when_closed(
-            Arc::downgrade(self),
-            watched,
-            old.closed.clone(),
-        ));
+        self.forget_when_closed(&watched);
         true
     }
 
