@@ -106,7 +106,7 @@ fn answers(c: &mut Criterion) {
 
 /// A batch of 32 decisions: the command that carries it, and reading its answer.
 fn batches(c: &mut Criterion) {
-    use sentinel_gateway::store::batch::{answer_parts, command};
+    use sentinel_gateway::store::batch::{answer_parts, command, Argv};
     let keys: Vec<String> = (0..32)
         .map(|i| {
             format!(
@@ -119,6 +119,7 @@ fn batches(c: &mut Criterion) {
         .map(|_| [1, 1_000_000_000_000_000, 1_000_000_000_000, 1_000_000])
         .collect();
     let mut out = Vec::new();
+    let mut argv = Argv::default();
     c.bench_function("batch_command_32", |b| {
         b.iter(|| {
             out.clear();
@@ -126,7 +127,7 @@ fn batches(c: &mut Criterion) {
                 &mut out,
                 black_box("f5fcfa7a7caeeac3195be4e8e4aa698b45499974"),
                 keys.iter().map(|k| k.as_bytes()),
-                args.iter().map(|a| &a[..]),
+                argv.of(args.iter().map(|a| &a[..])),
             );
             black_box(out.len())
         })

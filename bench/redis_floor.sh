@@ -32,8 +32,13 @@ for f in bench/floor/*.lua; do
   names+=("$n")
 done
 big=1000000000000000 fast=1000000000000
-keys=() args=()
-for i in $(seq 1 "$batch"); do keys+=("k$i:__rand_int__"); args+=(1 "$big" "$fast" 1000000); done
+# Keys of the gateway's shape and length (a SHA-256 in hex, redis-benchmark's 12 random
+# digits at its end); one limit, named by every decision (lua/batch.lua's arguments).
+keys=() args=(1 1 "$big" "$fast" 1000000)
+for i in $(seq 1 "$batch"); do
+  keys+=("sentinel:v1:$(printf '%052d' "$i")__rand_int__:bench.allowed:1")
+  args+=(1)
+done
 : >"$work/results"
 for round in $(seq 1 "$rounds"); do
   for n in "${names[@]}"; do

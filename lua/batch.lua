@@ -1,11 +1,12 @@
 -- Decisions that waited together for one Redis connection, decided in order in one call.
 --
 -- KEYS     every decision's keys, one after another
--- ARGV     every decision's arguments, one after another, each led by its kind:
---          1 token bucket, 2 sliding window: one key, then the three arguments of
---            token_bucket.lua / sliding_window.lua;
---          3 several limits: the number of keys n, then limits_multi.lua's arguments (the
---            mode and four per key).
+-- ARGV     the batch's limits, each sent once: their number s, then four arguments each:
+--          kind (1 token bucket, 2 sliding window), then as the single-limit scripts take
+--          them: capacity, refill, cost (micro-tokens) or limit, window, cost (requests).
+--          Then every decision in order: a single limit is the index of its limit (1 ..
+--          s), one key; several limits (lua/limits_multi.lua) are 0, the mode, their
+--          number n and the index of each one's limit, n keys.
 --
 -- Returns one answer per decision, joined by newlines, in their order: what the decision's
 -- own script would have answered, or "E " and the error it met (a broken key's WRONGTYPE,
@@ -17,22 +18,32 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
+-- A batch's decisions mostly share a few limits: each is sent and read once, and a
+-- decision names its own by index.
+local limits = {}
+local s = tonumber(ARGV[1])
+for j = 1, s do
+  local b = 1 + 4 * (j - 1)
+  limits[j] = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]) }
+end
 local out = {}
-local k, a, i = 0, 0, 0
+local k, a, i = 0, 1 + 4 * s, 0
 local argc = #ARGV
 while a < argc do
-  local kind = tonumber(ARGV[a + 1])
+  local index = tonumber(ARGV[a + 1])
   local ok, answer
-  if kind == 3 then
-    local n = tonumber(ARGV[a + 2])
-    ok, answer = pcall(several, k, n, a + 2, now)
+  if index == 0 then
+    local mode, n = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local of = {}
+    for j = 1, n do of[j] = limits[tonumber(ARGV[a + 3 + j])] end
+    ok, answer = pcall(several, k, mode, of, now)
     k = k + n
-    a = a + 3 + 4 * n
+    a = a + 3 + n
   else
-    ok, answer = pcall(decide, kind, KEYS[k + 1],
-      tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), now)
+    local l = limits[index]
+    ok, answer = pcall(decide, l[1], KEYS[k + 1], l[2], l[3], l[4], now)
     k = k + 1
-    a = a + 4
+    a = a + 1
   end
   i = i + 1
   if ok then

@@ -65,12 +65,17 @@ end
 -- by up to a quarter of its time to live. That room is what saves an EXPIRE on most writes
 -- (it is a sixth of a decision's cost in Redis): the time to live is set again only when the
 -- bucket now needs longer than the key has (`e`, as tb_read found it).
+local last_now, last_ts, last_s
 local function tb_write(key, capacity, rate, left, frac, now, e)
   -- string.format('%d') writes these integers exactly, and faster than Redis formats them.
-  local t, ts = string.format('%d', left), string.format('%d', now)
+  -- Every decision of a batch has the same `now`: its text and seconds are made once.
+  if now ~= last_now then
+    last_now, last_ts, last_s = now, string.format('%d', now), idiv(now, MICRO)
+  end
+  local t, ts = string.format('%d', left), last_ts
   local full = tb_until_full(capacity, rate, left)
   if full > 0 then
-    local now_s = idiv(now, MICRO)
+    local now_s = last_s
     if e and e >= now_s + full + 1 then
       redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts)
     else
@@ -216,13 +221,13 @@ local function sw_adjust(key, limit, window, amount, now)
 end
 
 -- Several limits of one request, decided together (lua/limits_multi.lua says what the
--- modes do): keys KEYS[k0 + 1 .. k0 + n], the mode at ARGV[a0 + 1], then four arguments
--- per key. Returns one reply() group per key, joined by spaces.
-local function several(k0, n, a0, now)
-  local mode = tonumber(ARGV[a0 + 1])
+-- modes do): keys KEYS[k0 + 1 .. k0 + #limits], each with its limit in `limits`, a list of
+-- {kind, a, b, cost}. Returns one reply() group per key, joined by spaces.
+local function several(k0, mode, limits, now)
+  local n = #limits
   local out = {}
 
-  local function arg(i, j) return tonumber(ARGV[a0 + 1 + 4 * (i - 1) + j]) end
+  local function arg(i, j) return limits[i][j] end
   local function key(i) return KEYS[k0 + i] end
 
   if mode == 0 then

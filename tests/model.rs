@@ -12,6 +12,7 @@ use proptest::test_runner::{Config, TestRunner};
 use sentinel_gateway::decision::sliding_window::{Outcome, Window, WindowState};
 use sentinel_gateway::decision::token_bucket::{Bucket, BucketState, Take};
 use sentinel_gateway::decision::ScriptReply;
+use sentinel_gateway::store::batch::Argv;
 use sentinel_gateway::store::script::{
     BATCH_LUA, LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
 };
@@ -463,29 +464,31 @@ fn batch_script_decides_in_order_as_the_models() {
                         .collect();
                     let members = &members;
                     std::thread::sleep(Duration::from_micros(*pause_us));
-                    let (mut keys, mut args): (Vec<&str>, Vec<u64>) = (Vec::new(), Vec::new());
+                    // Each decision's arguments as the gateway's queue keeps them (kind first); the
+                    // batch's arguments are put together from them as the gateway does.
+                    let (mut keys, mut each): (Vec<&str>, Vec<Vec<u64>>) = (Vec::new(), Vec::new());
                     for m in members {
                         match *m {
                             Member::Bucket(b, cost) => {
                                 keys.push(&buckets[b]);
-                                args.extend([1, bucket.capacity, rate, cost * 1_000_000]);
+                                each.push(vec![1, bucket.capacity, rate, cost * 1_000_000]);
                             }
                             Member::Window(cost) => {
                                 keys.push(&window);
-                                args.extend([2, limit, window_us, cost]);
+                                each.push(vec![2, limit, window_us, cost]);
                             }
                             Member::Both => {
                                 keys.extend([buckets[0].as_str(), buckets[1].as_str()]);
-                                args.extend([3, 2, 0]);
-                                args.extend([1, bucket.capacity, rate, 1_000_000]);
-                                args.extend([1, bucket.capacity, rate, 1_000_000]);
+                                let limit = [1, bucket.capacity, rate, 1_000_000];
+                                each.push([&[3, 2, 0][..], &limit, &limit].concat());
                             }
                             Member::Broken => {
                                 keys.push(&broken);
-                                args.extend([1, bucket.capacity, rate, 1_000_000]);
+                                each.push(vec![1, bucket.capacity, rate, 1_000_000]);
                             }
                         }
                     }
+                    let args = Argv::default().of(each.iter().map(Vec::as_slice)).to_vec();
                     let reply: String = redis::cmd("EVAL")
                         .arg(BATCH_LUA)
                         .arg(keys.len())
@@ -622,10 +625,8 @@ fn a_multi_line_error_in_a_batch_keeps_one_answer_per_decision() {
          local t = redis.call('TIME'){batch}"
     );
     let keys = ["model:multi:a", "model:multi:bad", "model:multi:b"];
-    let mut args = Vec::new();
-    for _ in keys {
-        args.extend([1u64, 5_000_000, 0, 1_000_000]);
-    }
+    // One limit, named by each of the three decisions.
+    let args = [1u64, 1, 5_000_000, 0, 1_000_000, 1, 1, 1];
     let reply: String = redis::cmd("EVAL")
         .arg(&script)
         .arg(keys.len())

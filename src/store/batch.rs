@@ -149,15 +149,16 @@ impl Queue {
         self.clear();
     }
 
-    /// The batch's `EVALSHA` of the script `sha`, appended to `out`.
-    fn command(&self, out: &mut Vec<u8>, sha: &str) {
+    /// The batch's `EVALSHA` of the script `sha`, appended to `out`; `argv` is where its
+    /// arguments are put together.
+    fn command(&self, out: &mut Vec<u8>, argv: &mut Argv, sha: &str) {
         let keys = self
             .waiting
             .iter()
             .flat_map(|w| w.keys.clone())
             .map(|k| self.key(k));
         let args = self.waiting.iter().map(|w| &self.args[w.args.clone()]);
-        command(out, sha, keys, args);
+        command(out, sha, keys, argv.of(args));
     }
 }
 
@@ -179,8 +180,9 @@ pub(super) struct Batches {
     /// An emptied queue: the next batch fills it without allocating.
     spare: Queue,
     expect: VecDeque<Expect>,
-    /// The command being sent.
+    /// The command being sent, and its arguments put together.
     out: Vec<u8>,
+    argv: Argv,
     /// The queue's length at which the decisions that gave up are dropped next (0: at
     /// [`QUEUE_COMPACT_AT`]).
     compact_at: usize,
@@ -401,7 +403,9 @@ impl Store {
                         &mut batches.out,
                         [&b"SCRIPT"[..], b"LOAD", script.body().as_bytes()].into_iter(),
                     );
-                    batches.in_flight.command(&mut batches.out, &script.sha);
+                    batches
+                        .in_flight
+                        .command(&mut batches.out, &mut batches.argv, &script.sha);
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
                     wire.send(&mut state.bytes, &batches.out)?;
@@ -464,7 +468,9 @@ impl Store {
             .observe(batches.in_flight.waiting.len() as f64);
         let script = self.inner.scripts.batch(link.in_cluster);
         batches.out.clear();
-        batches.in_flight.command(&mut batches.out, &script.sha);
+        batches
+            .in_flight
+            .command(&mut batches.out, &mut batches.argv, &script.sha);
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
         batches.sent = batches.sent.wrapping_add(1);
@@ -678,24 +684,78 @@ fn take(queue: &mut Queue, spare: &mut Queue, max: usize) -> Queue {
     std::mem::replace(queue, kept)
 }
 
+/// `lua/batch.lua`'s arguments, put together from each decision's own (its kind first, as
+/// the queue keeps them): every distinct limit of the batch once, then each decision as the
+/// index of its limit (several limits: 0, the mode, their number and an index each). Kept
+/// between batches, so that making them allocates nothing once it has held a large batch.
+#[derive(Default)]
+pub struct Argv {
+    /// The batch's limits: kind, the two numbers of the limit, cost.
+    limits: Vec<[u64; 4]>,
+    decisions: Vec<u64>,
+    argv: Vec<u64>,
+}
+
+impl Argv {
+    /// The arguments of a batch of these decisions.
+    pub fn of<'a>(&mut self, decisions: impl Iterator<Item = &'a [u64]>) -> &[u64] {
+        self.limits.clear();
+        self.decisions.clear();
+        for args in decisions {
+            match *args {
+                [3, n, mode, ref each @ ..] => {
+                    self.decisions.extend([0, mode, n]);
+                    for limit in each.chunks_exact(4) {
+                        let index = self.index_of([limit[0], limit[1], limit[2], limit[3]]);
+                        self.decisions.push(index);
+                    }
+                }
+                [kind, x, y, cost] => {
+                    let index = self.index_of([kind, x, y, cost]);
+                    self.decisions.push(index);
+                }
+                _ => unreachable!("the queue keeps four arguments a limit"),
+            }
+        }
+        self.argv.clear();
+        self.argv.push(self.limits.len() as u64);
+        self.argv.extend(self.limits.iter().flatten());
+        self.argv.extend_from_slice(&self.decisions);
+        &self.argv
+    }
+
+    /// The index (from 1) of `limit` among the batch's limits, added when new. A batch holds
+    /// as many distinct limits as the routes its decisions came from, mostly a few: a look
+    /// along the list beats a map.
+    fn index_of(&mut self, limit: [u64; 4]) -> u64 {
+        let at = match self.limits.iter().position(|l| *l == limit) {
+            Some(at) => at,
+            None => {
+                self.limits.push(limit);
+                self.limits.len() - 1
+            }
+        };
+        at as u64 + 1
+    }
+}
+
 /// Appends the batch's `EVALSHA` of the script `sha` to `out`: every decision's keys, then
-/// every decision's arguments (each led by its kind, as `lua/batch.lua` reads them).
+/// the arguments [`Argv::of`] put together.
 pub fn command<'a>(
     out: &mut Vec<u8>,
     sha: &str,
     keys: impl Iterator<Item = &'a [u8]> + Clone,
-    args: impl Iterator<Item = &'a [u64]> + Clone,
+    argv: &[u64],
 ) {
     let n_keys = keys.clone().count() as u64;
-    let n_args: usize = args.clone().map(<[u64]>::len).sum();
-    wire::header(out, b'*', 3 + n_keys + n_args as u64);
+    wire::header(out, b'*', 3 + n_keys + argv.len() as u64);
     wire::bulk(out, b"EVALSHA");
     wire::bulk(out, sha.as_bytes());
     wire::bulk_u64(out, n_keys);
     for key in keys {
         wire::bulk(out, key);
     }
-    for a in args.flatten() {
+    for a in argv {
         wire::bulk_u64(out, *a);
     }
 }
@@ -766,20 +826,38 @@ mod tests {
     }
 
     #[test]
-    fn the_command_carries_every_key_before_every_argument() {
-        let keys = [&b"k1"[..], b"k2", b"k3"];
-        let args = [&[1u64, 10, 20, 30][..], &[3, 2, 0, 1, 1, 1, 1, 2, 1, 1, 1]];
+    fn the_command_carries_every_key_then_each_limit_once_then_the_decisions() {
+        let keys = [&b"k1"[..], b"k2", b"k3", b"k4"];
+        let args = [
+            &[1u64, 10, 20, 30][..],
+            &[3, 2, 0, 1, 10, 20, 30, 2, 5, 6, 1],
+            &[2, 5, 6, 1],
+        ];
+        let mut argv = Argv::default();
         let mut out = Vec::new();
-        command(&mut out, "abc", keys.iter().copied(), args.iter().copied());
+        command(
+            &mut out,
+            "abc",
+            keys.iter().copied(),
+            argv.of(args.iter().copied()),
+        );
         let packed = String::from_utf8(out).unwrap();
+        assert!(packed.starts_with("*23\r\n"), "{packed}");
         let words: Vec<&str> = packed
             .split("\r\n")
             .filter(|w| !w.starts_with(['*', '$']))
             .collect();
-        assert_eq!(&words[..6], ["EVALSHA", "abc", "3", "k1", "k2", "k3"]);
+        assert_eq!(&words[..7], ["EVALSHA", "abc", "4", "k1", "k2", "k3", "k4"]);
         assert_eq!(
-            words[6..words.len() - 1].join(" "),
-            "1 10 20 30 3 2 0 1 1 1 1 2 1 1 1"
+            words[7..words.len() - 1].join(" "),
+            "2 1 10 20 30 2 5 6 1 1 0 0 2 1 2 2",
+            "two limits, each once; the decisions name them"
+        );
+        let again: Vec<u64> = argv.of([&[2u64, 5, 6, 1][..]].into_iter()).to_vec();
+        assert_eq!(
+            again,
+            [1, 2, 5, 6, 1, 1],
+            "nothing of the last batch is kept"
         );
     }
 }
