@@ -65,29 +65,27 @@ end
 -- by up to a quarter of its time to live. That room is what saves an EXPIRE on most writes
 -- (it is a sixth of a decision's cost in Redis): the time to live is set again only when the
 -- bucket now needs longer than the key has (`e`, as tb_read found it).
-local last_now, last_ts, last_s
 local function tb_write(key, capacity, rate, left, frac, now, e)
-  -- string.format('%d') writes these integers exactly, and faster than Redis formats them.
-  -- Every decision of a batch has the same `now`: its text and seconds are made once.
-  if now ~= last_now then
-    last_now, last_ts, last_s = now, string.format('%d', now), idiv(now, MICRO)
-  end
-  local t, ts = string.format('%d', left), last_ts
+  -- format('%d') writes these integers exactly, and faster than Redis formats them.
+  local ts, now_s = clock(now)
+  local t = format('%d', left)
+  -- A number handed to redis.call is written with '%.14g', which costs Redis more than the
+  -- whole HSET does: every integer is passed as text.
+  local f = frac == 0 and '0' or format('%d', frac)
   local full = tb_until_full(capacity, rate, left)
   if full > 0 then
-    local now_s = last_s
     if e and e >= now_s + full + 1 then
-      redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts)
+      redis.call('HSET', key, 't', t, 'f', f, 'ts', ts)
     else
-      local ttl = full + 1 + math.max(1, idiv(full, 4))
-      redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts, 'e', now_s + ttl)
-      redis.call('EXPIRE', key, ttl)
+      local ttl = full + 1 + max(1, idiv(full, 4))
+      redis.call('HSET', key, 't', t, 'f', f, 'ts', ts, 'e', format('%d', now_s + ttl))
+      redis.call('EXPIRE', key, format('%d', ttl))
     end
   elseif full < 0 then
-    redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts, 'e', -1)
+    redis.call('HSET', key, 't', t, 'f', f, 'ts', ts, 'e', '-1')
     if e ~= -1 then redis.call('PERSIST', key) end
   else
-    redis.call('HSET', key, 't', t, 'f', frac, 'ts', ts)
+    redis.call('HSET', key, 't', t, 'f', f, 'ts', ts)
   end
   return full
 end
@@ -127,7 +125,7 @@ local function tb_decide(key, capacity, rate, cost, now)
     return reply(0, tokens, retry, tb_until_full(capacity, rate, tokens), now, wait)
   end
   local left = tokens - cost
-  return reply(1, left, 0, tb_write(key, capacity, rate, left, frac, now, e), now, 0)
+  return admitted(left, tb_write(key, capacity, rate, left, frac, now, e), now)
 end
 
 -- Adds `amount` micro-tokens (a refund; minus a response charge), kept within
@@ -170,8 +168,9 @@ local function sw_read(key, window, now)
 end
 
 local function sw_write(key, window, index, elapsed, c, p)
-  redis.call('HSET', key, 'w', index, 'c', c, 'p', p)
-  redis.call('PEXPIRE', key, ceil_div(2 * window - elapsed, 1000))
+  redis.call('HSET', key, 'w', format('%d', index), 'c', format('%d', c),
+    'p', format('%d', p))
+  redis.call('PEXPIRE', key, format('%d', ceil_div(2 * window - elapsed, 1000)))
 end
 
 local function sliding_window(key, limit, window, cost, now)
@@ -212,11 +211,11 @@ local function sw_adjust(key, limit, window, amount, now)
   if c >= amount then
     c = c - amount
   else
-    p = math.max(0, p - (amount - c))
+    p = max(0, p - (amount - c))
     c = 0
   end
   sw_write(key, window, index, elapsed, c, p)
-  local left = math.max(0, idiv(limit * window - p * (window - elapsed) - c * window, window))
+  local left = max(0, idiv(limit * window - p * (window - elapsed) - c * window, window))
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
 
@@ -232,7 +231,7 @@ local function several(k0, mode, limits, now)
 
   if mode == 0 then
     local results = {}
-    local admitted = true
+    local every = true
     for i = 1, n do
       local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
       local r
@@ -242,11 +241,11 @@ local function several(k0, mode, limits, now)
         r = { sliding_window(key(i), a, b, cost, now) }
       end
       results[i] = r
-      if r[1] == 0 then admitted = false end
+      if r[1] == 0 then every = false end
     end
     for i = 1, n do
       local r = results[i]
-      if admitted then
+      if every then
         r[6]()
       elseif r[1] == 1 then
         -- Not charged: what is there now is what it would have had before this request.
@@ -266,7 +265,7 @@ local function several(k0, mode, limits, now)
         allowed, left, retry, reset, wait = sw_adjust(key(i), a, b, cost, now)
       else
         local index, elapsed, c, p = sw_read(key(i), b, now)
-        allowed, left, retry, reset, wait = 1, math.max(0, a - c), 0, ceil_div(b - elapsed, MICRO), 0
+        allowed, left, retry, reset, wait = 1, max(0, a - c), 0, ceil_div(b - elapsed, MICRO), 0
       end
       out[i] = reply(allowed, left, retry, reset, now, wait)
     end
