@@ -684,6 +684,9 @@ fn take(queue: &mut Queue, spare: &mut Queue, max: usize) -> Queue {
     std::mem::replace(queue, kept)
 }
 
+/// How many of a batch's limits a decision's own is looked for among (see [`Argv::index_of`]).
+const LIMITS_LOOKED_AT: usize = 16;
+
 /// `lua/batch.lua`'s arguments, put together from each decision's own (its kind first, as
 /// the queue keeps them): every distinct limit of the batch once, then each decision as the
 /// index of its limit (several limits: 0, the mode, their number and an index each). Kept
@@ -724,11 +727,14 @@ impl Argv {
         &self.argv
     }
 
-    /// The index (from 1) of `limit` among the batch's limits, added when new. A batch holds
-    /// as many distinct limits as the routes its decisions came from, mostly a few: a look
-    /// along the list beats a map.
+    /// The index (from 1) of `limit` among the batch's limits, added when new. A batch
+    /// mostly holds the limits of a few routes, so a look along the first
+    /// [`LIMITS_LOOKED_AT`] beats a map; past them (response charges, each of its own cost,
+    /// say) a limit is sent again rather than looked for, so that a batch of a thousand
+    /// distinct limits costs a thousand pushes, not half a million comparisons.
     fn index_of(&mut self, limit: [u64; 4]) -> u64 {
-        let at = match self.limits.iter().position(|l| *l == limit) {
+        let known = self.limits.len().min(LIMITS_LOOKED_AT);
+        let at = match self.limits[..known].iter().position(|l| *l == limit) {
             Some(at) => at,
             None => {
                 self.limits.push(limit);
@@ -853,6 +859,21 @@ mod tests {
             "2 1 10 20 30 2 5 6 1 1 0 0 2 1 2 2",
             "two limits, each once; the decisions name them"
         );
+        let many: Vec<[u64; 4]> = (0..40).map(|cost| [1, 10, 20, cost % 20]).collect();
+        let sent = argv.of(many.iter().map(|l| &l[..])).to_vec();
+        let limits = sent[0] as usize;
+        assert!(
+            limits > 20 && limits <= 40,
+            "past the first ones a limit may be sent again: {limits}"
+        );
+        for (d, index) in sent[1 + 4 * limits..].iter().enumerate() {
+            let at = 1 + 4 * (*index as usize - 1);
+            assert_eq!(
+                sent[at..at + 4],
+                many[d],
+                "decision {d} names its own limit"
+            );
+        }
         let again: Vec<u64> = argv.of([&[2u64, 5, 6, 1][..]].into_iter()).to_vec();
         assert_eq!(
             again,
