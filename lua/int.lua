@@ -3,8 +3,8 @@
 -- division of integers goes through idiv, which corrects the rounding.
 
 local MICRO = 1000000
--- The library functions every decision calls, as locals: a global's lookup costs more than
--- most of what they do.
+-- The library functions every decision calls, as locals: a global costs two table lookups
+-- a call (the library, then the function), a local none.
 local floor, max, format, tonumber = math.floor, math.max, string.format, tonumber
 
 -- floor(a / b) for non-negative integers below 2^53.
@@ -37,7 +37,8 @@ local function reply(allowed, left, retry, reset, now, wait)
   return format('%d %d %d %d %s %d', allowed, left, retry, reset, (clock(now)), wait)
 end
 
--- reply() of an admission: each number formatted costs the script more than its arithmetic.
+-- reply() of an admission: three of its six numbers are constants, written as text, not
+-- formatted.
 local function admitted(left, reset, now)
   return format('1 %d 0 %d %s 0', left, reset, (clock(now)))
 end

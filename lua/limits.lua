@@ -66,11 +66,11 @@ end
 -- (it is a sixth of a decision's cost in Redis): the time to live is set again only when the
 -- bucket now needs longer than the key has (`e`, as tb_read found it).
 local function tb_write(key, capacity, rate, left, frac, now, e)
-  -- format('%d') writes these integers exactly, and faster than Redis formats them.
+  -- Every integer is handed to redis.call as text, written by format('%d'): Redis writes a
+  -- Lua number with '%.17g', through the C library's floating-point printer, several times
+  -- the cost.
   local ts, now_s = clock(now)
   local t = format('%d', left)
-  -- A number handed to redis.call is written with '%.14g', which costs Redis more than the
-  -- whole HSET does: every integer is passed as text.
   local f = frac == 0 and '0' or format('%d', frac)
   local full = tb_until_full(capacity, rate, left)
   if full > 0 then
