@@ -151,6 +151,9 @@ fn accept_loop(port: u16, redis_port: u16, st: Arc<State>) {
         match listener.as_ref().expect("bound").accept() {
             Ok((client, _)) => {
                 client.set_nonblocking(false).expect("blocking");
+                // As the gateway and every proxy made for Redis do: a command split over two
+                // reads (a script load of more than a read's 16 KiB) must not wait for an ACK.
+                client.set_nodelay(true).expect("nodelay");
                 handle(client, redis_port, &st);
             }
             Err(_) => thread::sleep(Duration::from_millis(2)),
@@ -165,7 +168,10 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
     let server = match mode {
         Mode::Blackhole => None,
         _ => match TcpStream::connect(("127.0.0.1", redis_port)) {
-            Ok(s) => Some(s),
+            Ok(s) => {
+                s.set_nodelay(true).expect("nodelay");
+                Some(s)
+            }
             Err(_) => {
                 let _ = client.shutdown(Shutdown::Both);
                 return;
