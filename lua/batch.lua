@@ -13,19 +13,15 @@
 -- say), which fails that decision alone: the others are decided and written as usual.
 -- All of them are decided at one Redis TIME.
 
--- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, several and decide
--- (lua/limits.lua) are prepended by the gateway.
+-- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several
+-- and decide (lua/limits.lua) are prepended by the gateway.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
 -- A batch's decisions mostly share a few limits: each is sent and read once, and a
 -- decision names its own by index.
-local limits = {}
 local s = tonumber(ARGV[1])
-for j = 1, s do
-  local b = 1 + 4 * (j - 1)
-  limits[j] = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]) }
-end
+local limits = limits_in_argv(s)
 local out = {}
 local k, a, i = 0, 1 + 4 * s, 0
 local argc = #ARGV

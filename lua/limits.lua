@@ -219,6 +219,18 @@ local function sw_adjust(key, limit, window, amount, now)
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
 
+-- The limits a script's arguments carry from ARGV[2] on, four each (the kind, then the
+-- single-limit script's three), as a list of {kind, a, b, cost}: lua/limits_multi.lua's, one
+-- per key, and lua/batch.lua's, each limit of the batch once.
+local function limits_in_argv(n)
+  local limits = {}
+  for i = 1, n do
+    local b = 1 + 4 * (i - 1)
+    limits[i] = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]) }
+  end
+  return limits
+end
+
 -- Several limits of one request, decided together (lua/limits_multi.lua says what the
 -- modes do): keys KEYS[k0 + 1 .. k0 + #limits], each with its limit in `limits`, a list of
 -- {kind, a, b, cost}. Returns one reply() group per key, joined by spaces.

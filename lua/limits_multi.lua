@@ -22,9 +22,4 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
-local limits = {}
-for i = 1, #KEYS do
-  local b = 1 + 4 * (i - 1)
-  limits[i] = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]) }
-end
-return several(0, tonumber(ARGV[1]), limits, now)
+return several(0, tonumber(ARGV[1]), limits_in_argv(#KEYS), now)
