@@ -157,6 +157,46 @@ fn assert_unavailable(a: &Answer) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_requests() {
+    let r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.refuse_and_cut();
+    // No request for 1.5 s: the loss and five or six failed connection attempts, none of
+    // them asked for by a request.
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert_eq!(
+        r.gw.metric("sentinel_breaker_state"),
+        0.0,
+        "a Redis nobody asked for opens nothing"
+    );
+    let a = send(&r.http, &r.gw.url("/open"), "a").await;
+    assert_eq!(a.status, 200, "fail_open forwards: {}", a.body);
+    assert_eq!(
+        r.gw.metric(&series("t.open", "redis_connection_error", true)),
+        1.0
+    );
+    let a = send(&r.http, &r.gw.url("/closed"), "a").await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(r.gw.metric(&series("t.closed", "fail_closed", false)), 1.0);
+    assert!(
+        a.elapsed < Duration::from_millis(100),
+        "a connection error fails at once: {:?}",
+        a.elapsed
+    );
+    // From now on each failed attempt counts: the loss and four more open the breaker with
+    // no further request (the backoff is at 0.8-2 s steps by now).
+    wait_until(Duration::from_secs(12), "the breaker to open", || {
+        r.gw.metric("sentinel_breaker_state") == 1.0
+    });
+    let a = send(&r.http, &r.gw.url("/open"), "b").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(r.gw.metric(&series("t.open", "circuit_open", true)), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_connections_fail_closed_and_open_as_the_table_says() {
     let r = rig(30);
     assert_eq!(

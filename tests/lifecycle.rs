@@ -343,12 +343,15 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
             v
         }
     };
-    // Redis is unreachable: the breaker opens (after two failed connection attempts); the
-    // emergency bucket (3) is spent.
-    assert_eq!(statuses(4).await, vec![200, 200, 200, 429]);
-    wait_until(Duration::from_secs(3), "the breaker to open", || {
+    // Redis is unreachable: once a request has found it down, the breaker opens after two
+    // failed connection attempts; then the emergency bucket (3, refilling 3 a second, so full
+    // again after 0.4 s) is spent.
+    assert_eq!(statuses(1).await, vec![200]);
+    wait_until(Duration::from_secs(5), "the breaker to open", || {
         gw.metric("sentinel_breaker_state") == 1.0
     });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(statuses(4).await, vec![200, 200, 200, 429]);
 
     gw.rewrite_config(
         &config(3_000_000)

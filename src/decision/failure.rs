@@ -7,7 +7,9 @@
 //!   counted once, when the connection is forgotten (by the request or the socket watch that
 //!   sees it first), and the requests that fail with it count nothing more.
 //! - While the connection is being made again, requests fail at once and count nothing; each
-//!   failed connection attempt counts one. A connection killed once and made again within
+//!   failed connection attempt counts one, once a request has found the node down (a node
+//!   that goes down while nothing asks for it opens no breaker: the first requests to find it
+//!   down are `redis_connection_error`). A connection killed once and made again within
 //!   milliseconds never opens the breaker.
 //! - An error reply that says the store cannot serve (`OOM`, `LOADING`, `BUSY`,
 //!   `MASTERDOWN`, `READONLY`, `CLUSTERDOWN`, `TRYAGAIN`, `MISCONF`, and any other the

@@ -574,7 +574,7 @@ impl Connector {
                         tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                         continue;
                     }
-                    link.outage_logged.store(false, Ordering::Relaxed);
+                    link.connected_again();
                     tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
                     attempt = 0;
                 }
@@ -584,8 +584,9 @@ impl Connector {
                     attempt = attempt.saturating_add(1);
                 }
                 Err(e) => {
-                    // Requests meanwhile fail at once and count nothing: the attempts do.
-                    link.breaker.count_failure();
+                    // Requests meanwhile fail at once and count nothing: the attempts do, once
+                    // a request has found the node down.
+                    link.attempt_failed();
                     if !link.outage_logged.swap(true, Ordering::Relaxed) {
                         tracing::warn!(node = %target.node, error = %reason(&e), "redis unavailable; reconnecting in the background");
                     }

@@ -95,6 +95,9 @@ pub(super) struct Link {
     pub(super) target: ArcSwap<Target>,
     /// Whether the last connection attempt failed; logs once per outage, not per retry.
     pub(super) outage_logged: AtomicBool,
+    /// A request found the node without a connection since it was last connected: from then
+    /// on each failed connection attempt counts for the breaker ([`Link::attempt_failed`]).
+    asked_while_down: AtomicBool,
     /// The node's `maxmemory-policy` as last read, when it could be read.
     pub(super) eviction_policy: ArcSwapOption<String>,
     /// Whether the current connection is driven on the proxy's runtime.
@@ -126,6 +129,7 @@ impl Link {
             ready: Notify::new(),
             target: ArcSwap::from_pointee(target),
             outage_logged: AtomicBool::new(false),
+            asked_while_down: AtomicBool::new(false),
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
@@ -223,6 +227,29 @@ impl Link {
         {
             tracing::warn!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
         }
+    }
+
+    /// A request failed at once: the node has no connection (it is being made again).
+    pub(super) fn failed_at_once(&self) {
+        if !self.asked_while_down.load(Ordering::Relaxed) {
+            self.asked_while_down.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// A connection attempt failed: one failure of the node, once a request has found it
+    /// down. A node that goes down while nothing asks for it opens no breaker, so the first
+    /// requests to find it down are answered `redis_connection_error` by their fail mode, as
+    /// the decision table's row says, not `circuit_open`.
+    pub(super) fn attempt_failed(&self) {
+        if self.asked_while_down.load(Ordering::Relaxed) {
+            self.breaker.count_failure();
+        }
+    }
+
+    /// A connection is up again: the next outage starts unasked.
+    pub(super) fn connected_again(&self) {
+        self.outage_logged.store(false, Ordering::Relaxed);
+        self.asked_while_down.store(false, Ordering::Relaxed);
     }
 
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it

@@ -45,7 +45,7 @@ use sentinel::Sentinel;
 
 use crate::clock::SharedClock;
 use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
-use crate::decision::{BreakerState, Degradation, ScriptReply, StoreFailure};
+use crate::decision::{BreakerState, Degradation, Failure, ScriptReply, StoreFailure};
 use crate::metrics::{Metrics, StoreErrorCounters};
 
 /// One Redis, or the primaries of a cluster.
@@ -333,7 +333,12 @@ impl Store {
         let result = self.run(&link, call, probe, parse).await;
         match &result {
             Ok(_) => permit.success(),
-            Err(failure) => permit.charge(failure.charge(probe)),
+            Err(failure) => {
+                if *failure == Failure::NotConnected {
+                    link.failed_at_once();
+                }
+                permit.charge(failure.charge(probe));
+            }
         }
         Evaluation {
             outcome: result.map_err(|f| Degradation::Store(f.cause())),
