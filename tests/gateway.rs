@@ -693,6 +693,22 @@ async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due(
         49.0
     );
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="t.hot"}"#), 50.0);
+    // Every denial, the cache's repeats too, is the one limit's, in the metric and the log.
+    assert_eq!(
+        gw.metric(r#"sentinel_limit_denials_total{endpoint_id="t.hot",limit="default"}"#),
+        50.0
+    );
+    let denied: Vec<String> = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains(r#""message":"request denied""#))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(denied.len(), 50);
+    assert!(
+        denied.iter().all(|l| l.contains(r#""limit":"default""#)),
+        "{denied:#?}"
+    );
     // Once the token is due, Redis decides again and admits exactly one.
     tokio::time::sleep(Duration::from_millis(1050)).await;
     assert_eq!(status_of(http.get(gw.url("/hot")).send().await).await, 200);

@@ -18,7 +18,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
-use crate::decision::Decision;
+use crate::decision::{Decision, DecisionReason};
 use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
@@ -247,7 +247,8 @@ impl Gateway {
             several.decision
         } else {
             let decision = limiter::decide(&self.store, &endpoint, &hash).await;
-            if decision.reply().is_some_and(|r| !r.allowed) {
+            // Redis's denial or the over-limit cache's repeat of it: the one limit denied.
+            if decision.reason() == DecisionReason::RateLimited {
                 ctx.denied_by = Some(0);
             }
             if policy.ratelimit_headers {
