@@ -6,6 +6,8 @@
 mod common;
 
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::config::{quoted, GatewayConfig, Route};
@@ -102,15 +104,18 @@ fn replicated() -> (Redis, Redis) {
 /// A gateway on the master `sentinel_port`'s sentinel names, with one limited route: 3
 /// requests per `X-API-Key`, never refilled, fail_closed.
 fn gateway(sentinel_port: u16, up: &Upstream, password: Option<&str>) -> common::Gateway {
-    let mut config = on_sentinel(sentinel_port)
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("s.api")
-                .prefix("/api")
-                .identity_header("X-API-Key")
-                .token_bucket(3_000_000, 0)
-                .fail_closed(),
-        );
+    gateway_on(on_sentinel(sentinel_port), up, password)
+}
+
+/// The same on `config`.
+fn gateway_on(config: GatewayConfig, up: &Upstream, password: Option<&str>) -> common::Gateway {
+    let mut config = config.upstream("app", &[up.addr()]).route(
+        Route::new("s.api")
+            .prefix("/api")
+            .identity_header("X-API-Key")
+            .token_bucket(3_000_000, 0)
+            .fail_closed(),
+    );
     let gw = match password {
         None => config.start(),
         Some(p) => {
@@ -133,12 +138,17 @@ fn on_sentinel(sentinel_port: u16) -> GatewayConfig {
 
 /// The same, with the sentinel at `url` (`rediss://` for TLS).
 fn on_sentinel_at(url: &str) -> GatewayConfig {
+    sentinel_quarantine(url, 1)
+}
+
+/// On the sentinel at `url`, the breaker open `open_seconds` after 3 failures.
+fn sentinel_quarantine(url: &str, open_seconds: u64) -> GatewayConfig {
     GatewayConfig::empty()
         .server("threads", "2")
         .redis("timeout_ms", "50")
         .redis("sentinel_urls", format!("[{}]", quoted(url)))
         .redis("sentinel_master", quoted("mymaster"))
-        .breaker(3, 1)
+        .breaker(3, open_seconds)
 }
 
 async fn statuses(gw: &common::Gateway, key: &str, n: usize) -> Vec<u16> {
@@ -178,13 +188,35 @@ async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
     let dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
-    let gw = gateway(sentinel_port, &up, None);
+    // The default quarantine (30 s): the old master's failures open the breaker, and the new
+    // master is still asked within seconds of its promotion.
+    let sentinel_url = format!("redis://127.0.0.1:{sentinel_port}");
+    let gw = gateway_on(sentinel_quarantine(&sentinel_url, 30), &up, None);
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
     assert_eq!(
         readyz(&gw)["redis_sentinel_master"]["addr"],
         format!("127.0.0.1:{}", master.port)
     );
     assert!(master.limiter_calls() >= 4, "decided on the master");
+
+    // Traffic all through the outage: requests find the old master gone.
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = {
+        let (stop, url) = (Arc::clone(&stop), gw.url("/api/x"));
+        tokio::spawn(async move {
+            let http = client();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let _ = http
+                    .get(&url)
+                    .header("X-API-Key", format!("outage-{i}"))
+                    .send()
+                    .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
 
     // The master dies; the sentinel promotes the replica.
     master.proc.signal("KILL");
@@ -198,6 +230,12 @@ async fn the_gateway_decides_on_the_master_and_follows_a_failover() {
             .is_some_and(|v| format!("{v:?}").contains("master"))
     });
     let promoted = Instant::now();
+    stop.store(true, Ordering::Relaxed);
+    traffic.await.unwrap();
+    assert!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#) >= 1.0,
+        "the requests to the dead master opened the breaker"
+    );
     // Decisions are Redis's again soon after: a new caller's exact sequence.
     let mut recovered = None;
     while promoted.elapsed() < Duration::from_secs(10) {

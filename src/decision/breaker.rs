@@ -46,6 +46,8 @@ pub struct Breaker {
     state: AtomicU8,
     failures: AtomicU32,
     opened_at_us: AtomicU64,
+    /// The quarantine was ended early ([`Breaker::end_quarantine`]).
+    cut_short: AtomicBool,
     probe_taken: AtomicBool,
     threshold: AtomicU32,
     open_for_us: AtomicU64,
@@ -75,6 +77,7 @@ impl Breaker {
             state: AtomicU8::new(BreakerState::Closed as u8),
             failures: AtomicU32::new(0),
             opened_at_us: AtomicU64::new(0),
+            cut_short: AtomicBool::new(false),
             probe_taken: AtomicBool::new(false),
             threshold: AtomicU32::new(config.failure_threshold.get()),
             open_for_us: AtomicU64::new(config.open_for.as_micros() as u64),
@@ -147,6 +150,9 @@ impl Breaker {
     }
 
     fn quarantine_left_us(&self) -> u64 {
+        if self.cut_short.load(Ordering::Acquire) {
+            return 0;
+        }
         let opened = self.opened_at_us.load(Ordering::Acquire);
         let open_for = self.open_for_us.load(Ordering::Relaxed);
         (opened + open_for).saturating_sub(self.clock.now_us())
@@ -166,6 +172,7 @@ impl Breaker {
     fn trip(&self, from: BreakerState) {
         self.opened_at_us
             .store(self.clock.now_us(), Ordering::Release);
+        self.cut_short.store(false, Ordering::Release);
         if self.transition(from, BreakerState::Open) {
             self.failures.store(0, Ordering::Relaxed);
         }
@@ -176,6 +183,16 @@ impl Breaker {
         if probe {
             self.transition(BreakerState::HalfOpen, BreakerState::Closed);
             self.probe_taken.store(false, Ordering::Release);
+        }
+    }
+
+    /// Ends an open quarantine now: the next request probes. For a store that was replaced
+    /// (a Sentinel failover's new master, connected): what opened the breaker was the old one,
+    /// and the contract wants decisions from the new one within about 2 s of the promotion.
+    /// The failure count stays; only a Redis answer resets it.
+    pub fn end_quarantine(&self) {
+        if self.state() == BreakerState::Open {
+            self.cut_short.store(true, Ordering::Release);
         }
     }
 
@@ -377,6 +394,47 @@ mod tests {
         );
         probe.charge(Charge::Failure);
         assert_eq!(b.state(), BreakerState::Open);
+    }
+
+    #[test]
+    fn an_ended_quarantine_lets_the_next_request_probe_and_a_failed_probe_restarts_it() {
+        let clock = ManualClock::default();
+        let (b, seen) = breaker(&clock);
+        b.end_quarantine();
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "a closed breaker is left alone"
+        );
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(1));
+        assert!(b.acquire().is_err(), "29 s of quarantine left");
+        b.end_quarantine();
+        let probe = b.acquire().expect("the next request probes at once");
+        assert!(probe.is_probe());
+        assert!(b.acquire().is_err(), "one probe at a time");
+        probe.failure();
+        let Err(short) = b.acquire() else {
+            panic!("open again")
+        };
+        assert_eq!(
+            short.retry_in,
+            Duration::from_secs(30),
+            "a whole quarantine again"
+        );
+        b.end_quarantine();
+        b.acquire().expect("probes again").success();
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Closed
+            ]
+        );
     }
 
     #[test]

@@ -98,6 +98,8 @@ pub(super) struct Link {
     /// A request found the node without a connection since it was last connected: from then
     /// on each failed connection attempt counts for the breaker ([`Link::attempt_failed`]).
     asked_while_down: AtomicBool,
+    /// The target is a new master (a Sentinel failover) not yet connected.
+    pub(super) new_master: AtomicBool,
     /// The node's `maxmemory-policy` as last read, when it could be read.
     pub(super) eviction_policy: ArcSwapOption<String>,
     /// Whether the current connection is driven on the proxy's runtime.
@@ -130,6 +132,7 @@ impl Link {
             target: ArcSwap::from_pointee(target),
             outage_logged: AtomicBool::new(false),
             asked_while_down: AtomicBool::new(false),
+            new_master: AtomicBool::new(false),
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
@@ -246,10 +249,15 @@ impl Link {
         }
     }
 
-    /// A connection is up again: the next outage starts unasked.
+    /// A connection is up again: the next outage starts unasked. When it is a new master's,
+    /// the breaker's quarantine (opened by the old master's failures) ends: the next request
+    /// probes the new master.
     pub(super) fn connected_again(&self) {
         self.outage_logged.store(false, Ordering::Relaxed);
         self.asked_while_down.store(false, Ordering::Relaxed);
+        if self.new_master.swap(false, Ordering::AcqRel) {
+            self.breaker.end_quarantine();
+        }
     }
 
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it

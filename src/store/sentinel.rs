@@ -7,6 +7,7 @@
 //! node was demoted). An address is used only once it answers `ROLE` as a master, so a
 //! sentinel with a stale view never points the gateway at a replica.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -136,6 +137,7 @@ impl Sentinel {
     fn switch(&self, link: &Link, target: Target) {
         let node = target.node.clone();
         let before = self.master.swap(Some(Arc::new(node.clone())));
+        link.new_master.store(before.is_some(), Ordering::Release);
         link.target.store(Arc::new(target));
         link.conn.store(None);
         link.wake.notify_one();
