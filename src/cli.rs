@@ -46,15 +46,28 @@ enum Command {
     },
 }
 
-/// `hash-key`: the key is one line of stdin (its line ending is not part of it).
+/// `hash-key`: the key is one line of stdin (its line ending is not part of it). Typed at a
+/// terminal, the line ends it; piped, the whole input must be that one line, so a file of
+/// several keys is refused rather than its first key hashed alone.
 fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
+    use std::io::{IsTerminal, Read};
     let mut input = String::new();
-    if let Err(e) = std::io::stdin().read_line(&mut input) {
+    let stdin = std::io::stdin();
+    let read = if stdin.is_terminal() {
+        stdin.read_line(&mut input).map(drop)
+    } else {
+        stdin.lock().read_to_string(&mut input).map(drop)
+    };
+    if let Err(e) = read {
         eprintln!("cannot read the key from stdin: {e}");
         return 1;
     }
     let key = input.strip_suffix('\n').unwrap_or(&input);
     let key = key.strip_suffix('\r').unwrap_or(key);
+    if key.contains(['\n', '\r']) {
+        eprintln!("stdin holds more than one line: hash-key hashes one key a run");
+        return 1;
+    }
     if key.is_empty() {
         eprintln!("no key on stdin: pipe the key in, e.g. `printf %s \"$KEY\" | sentinel-gateway hash-key`");
         return 1;

@@ -157,6 +157,15 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     assert!(!line.contains("secret-key"));
     let empty = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"\n");
     assert_eq!(empty.status.code(), Some(1));
+    // Two keys piped in: refused, not the first one hashed alone.
+    let two = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"key-a\nkey-b\n");
+    assert_eq!(two.status.code(), Some(1));
+    assert!(two.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&two.stderr).contains("more than one line"),
+        "{}",
+        String::from_utf8_lossy(&two.stderr)
+    );
 
     // A relative key file is found beside the config file.
     let dir = tempfile::tempdir().unwrap();
