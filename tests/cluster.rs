@@ -326,6 +326,52 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_identities_at_once_are_each_decided_exactly_on_their_primaries() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    // Decisions in flight together on one primary are other identities', in other slots: one
+    // call for them all would be CROSSSLOT. The 1 s budget as in the fleet test below.
+    let gw = connected(
+        cluster_config(&cluster.seed_urls(), &up.addr())
+            .redis("timeout_ms", "1000")
+            .start(),
+    );
+    let tenants: Vec<String> = (0..24).map(|i| format!("crowd-{i}")).collect();
+    for round in 0..2 {
+        let tasks: Vec<_> = tenants
+            .iter()
+            .map(|tenant| {
+                let (url, tenant) = (gw.url("/closed"), tenant.clone());
+                tokio::spawn(async move {
+                    let http = client();
+                    let mut seen = Vec::new();
+                    for _ in 0..3 {
+                        let r = http.get(&url).header("x-api-key", &tenant).send().await;
+                        seen.push(r.expect("gateway answers").status().as_u16());
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for (tenant, task) in tenants.iter().zip(tasks) {
+            let want = if round == 0 {
+                [200, 200, 200]
+            } else {
+                [429, 429, 429]
+            };
+            assert_eq!(task.await.unwrap(), want, "{tenant}, round {round}");
+        }
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
+        0.0
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert_eq!(decisions(&gw, "c.closed", "allowed", true), 72.0);
+    assert_eq!(decisions(&gw, "c.closed", "rate_limited", false), 72.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");

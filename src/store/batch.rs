@@ -24,8 +24,8 @@
 //! (a lost connection, `OOM`) is each of its decisions' failure. `NOSCRIPT` loads the batch
 //! script once per batch, on the same connection, and sends the batch again behind the load.
 //! A redirect (`MOVED`, `ASK`) sends every decision of the batch its own way, as if it had
-//! been alone; so does a Redis that refuses the batch script (a cluster older than Redis 7,
-//! which cannot declare `allow-cross-slot-keys`). A call whose answer never comes (a Redis
+//! been alone; so does a Redis that refuses the batch script. A Redis Cluster primary takes
+//! no batches at all (see [`Store::in_turn`]). A call whose answer never comes (a Redis
 //! that stopped answering) keeps its connection's turn: the decisions queued behind it time
 //! out at their own deadlines, and the breaker's probe opens a fresh connection.
 
@@ -243,7 +243,10 @@ impl Store {
     /// Decides `call` in `link`'s next call. `None`: it must go on its own (see
     /// [`Answer::Alone`]; also when batching is off).
     pub(super) async fn in_turn(&self, link: &Arc<Link>, call: Call<'_>) -> Option<Step> {
-        if self.batch_max() <= 1 || link.turns.is_refused() {
+        // A cluster node's decisions go alone: Redis answers `CROSSSLOT` to one call whose
+        // declared keys lie in several slots, whatever the script's flags (its
+        // `allow-cross-slot-keys` covers only keys a script did not declare).
+        if self.batch_max() <= 1 || link.in_cluster || link.turns.is_refused() {
             return None;
         }
         let Some(conn) = link.conn.load_full() else {
@@ -273,7 +276,7 @@ impl Store {
             }
             let told = batches.queue.push(call);
             if !state.batches.busy {
-                if let Err(cause) = self.send_next(link, wire, &mut state) {
+                if let Err(cause) = self.send_next(wire, &mut state) {
                     self.lose(link, &conn, state, cause);
                 }
             }
@@ -361,7 +364,7 @@ impl Store {
             ));
         }
         if !state.batches.busy {
-            self.send_next(link, wire, state)?;
+            self.send_next(wire, state)?;
         }
         Ok(())
     }
@@ -397,7 +400,7 @@ impl Store {
                     Told::Alone
                 } else if code == "NOSCRIPT" && !reloaded {
                     // One load, and the same batch again behind it, on this connection.
-                    let script = self.inner.scripts.batch(link.in_cluster);
+                    let script = self.inner.scripts.batch();
                     batches.out.clear();
                     wire::encode(
                         &mut batches.out,
@@ -444,7 +447,7 @@ impl Store {
 
     /// Sends the decisions that wait, up to `batch_max`, as one call; with none, the
     /// connection's turn is free.
-    fn send_next(&self, link: &Link, wire: &Arc<Wire>, state: &mut WireState) -> io::Result<()> {
+    fn send_next(&self, wire: &Arc<Wire>, state: &mut WireState) -> io::Result<()> {
         let batches = &mut state.batches;
         let max = self.batch_max().max(1);
         loop {
@@ -466,7 +469,7 @@ impl Store {
         self.inner
             .batch_size
             .observe(batches.in_flight.waiting.len() as f64);
-        let script = self.inner.scripts.batch(link.in_cluster);
+        let script = self.inner.scripts.batch();
         batches.out.clear();
         batches
             .in_flight

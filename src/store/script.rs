@@ -23,14 +23,6 @@ pub const BATCH_LUA: &str = concat!(
     include_str!("../../lua/limits.lua"),
     include_str!("../../lua/batch.lua")
 );
-/// The batch script as a cluster node runs it: its decisions' keys may lie in several slots
-/// of the node (Redis 7).
-pub const BATCH_CLUSTER_LUA: &str = concat!(
-    "#!lua flags=allow-cross-slot-keys\n",
-    include_str!("../../lua/int.lua"),
-    include_str!("../../lua/limits.lua"),
-    include_str!("../../lua/batch.lua")
-);
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
 
 /// The limiter scripts.
@@ -57,7 +49,6 @@ pub(super) struct Scripts {
     pub(super) sliding_window: Script,
     pub(super) limits: Script,
     batch: Script,
-    batch_cluster: Script,
 }
 
 impl Scripts {
@@ -67,17 +58,12 @@ impl Scripts {
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
             limits: Script::new(LIMITS_LUA),
             batch: Script::new(BATCH_LUA),
-            batch_cluster: Script::new(BATCH_CLUSTER_LUA),
         }
     }
 
-    /// `lua/batch.lua`, for one Redis or for a cluster node.
-    pub(super) fn batch(&self, cluster: bool) -> &Script {
-        if cluster {
-            &self.batch_cluster
-        } else {
-            &self.batch
-        }
+    /// `lua/batch.lua` (one Redis, or a Sentinel's master: a cluster node takes no batches).
+    pub(super) fn batch(&self) -> &Script {
+        &self.batch
     }
 
     pub(super) fn get(&self, kind: ScriptKind) -> &Script {
