@@ -125,6 +125,21 @@ async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither()
         0.0
     );
     assert!(gw.logs().contains("\"limit\":\"burst\""), "{}", gw.logs());
+
+    // A reset deletes both buckets in one command: no decision can run between the two.
+    redis.reset_stats();
+    let r = client()
+        .delete(gw.admin("/limits/e.api?identity=header%3Ax-api-key%3Ak1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(body["keys_deleted"], 2, "{body}");
+    assert_eq!(redis.command_calls("del"), 1, "one DEL for both limits");
+    let view = limits_of(&gw, "header:x-api-key:k1");
+    assert_eq!(remaining(&view, "burst"), 3, "{view}");
+    assert_eq!(remaining(&view, "daily"), 5, "{view}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

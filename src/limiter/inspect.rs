@@ -146,12 +146,21 @@ pub async fn reset(
     if keys.is_empty() {
         return Ok(0);
     }
-    let mut deleted = 0;
-    // One DEL per key: the keys of a several-limits endpoint may sit on different slots of a
-    // cluster (a ceiling's does).
-    for key in &keys {
-        deleted += store.delete(std::slice::from_ref(key)).await?;
-    }
+    // One `DEL` for them all, so no decision runs between two of them: a request admitted in
+    // between would be charged to a fresh bucket of one limit and to the old bucket of
+    // another, whose charge the next `DEL` would then erase. The keys share the identity's
+    // hash tag, so on a cluster too they are one slot; keys on several slots (none that this
+    // function is given today) go one `DEL` each.
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let deleted = if store.one_call(&refs) {
+        store.delete(&keys).await?
+    } else {
+        let mut deleted = 0;
+        for key in &keys {
+            deleted += store.delete(std::slice::from_ref(key)).await?;
+        }
+        deleted
+    };
     // The cache remembers a denial under the first key.
     for key in keyed(endpoint, identity_hash).iter().map(|(_, k)| k) {
         endpoint.overlimit.forget(key);
