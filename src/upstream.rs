@@ -177,6 +177,9 @@ impl UpstreamPool {
         let backends = Backends::new(Box::new(Discovery(Arc::clone(&addresses))));
         let mut balancer = LoadBalancer::<RoundRobin>::from_backends(backends);
         let tls = PeerTls::new(up);
+        if tls.is_none() && !up.inert_tls.is_empty() {
+            tracing::warn!(upstream = up.name.as_str(), fields = ?up.inert_tls, "upstreams.{} has TLS fields without tls = true: they do nothing, the upstream is spoken to in plain HTTP", up.name);
+        }
         if let Some(hc) = &up.health_check {
             let host = tls
                 .as_ref()
@@ -441,6 +444,7 @@ mod tests {
             read_timeout: Duration::from_secs(1),
             tls: None,
             health_check: None,
+            inert_tls: Vec::new(),
         })
     }
 

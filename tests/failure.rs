@@ -111,6 +111,18 @@ fn rig(open_seconds: u64) -> Rig {
     }
 }
 
+/// A rig (30 s quarantine) whose Redis answered once, then refuses connections and has cut
+/// the gateway's.
+async fn refused_after_warm_up() -> Rig {
+    let r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.refuse_and_cut();
+    r
+}
+
 impl Rig {
     /// Five failures: the breaker is open after them.
     async fn fail_five(
@@ -158,12 +170,7 @@ fn assert_unavailable(a: &Answer) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_requests() {
-    let r = rig(30);
-    assert_eq!(
-        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
-        200
-    );
-    r.proxy.refuse_and_cut();
+    let r = refused_after_warm_up().await;
     // No request for 1.5 s: the loss and five or six failed connection attempts, none of
     // them asked for by a request.
     std::thread::sleep(Duration::from_millis(1_500));
@@ -198,12 +205,7 @@ async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_req
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_connections_fail_closed_and_open_as_the_table_says() {
-    let r = rig(30);
-    assert_eq!(
-        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
-        200
-    );
-    r.proxy.refuse_and_cut();
+    let r = refused_after_warm_up().await;
     let times = r.fail_five("/closed", 503, "fail_closed", false).await;
     assert!(
         times.iter().all(|t| *t < Duration::from_millis(100)),

@@ -44,6 +44,20 @@ fn limits_of(gw: &common::Gateway, identity: &str) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// `DELETE /limits/e.api` for `identity`: the body of its 200.
+async fn reset(gw: &common::Gateway, identity: &str) -> Value {
+    let r = client()
+        .delete(gw.admin(&format!(
+            "/limits/e.api?identity={}",
+            percent_encode(identity)
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    serde_json::from_str(&r.text().await.unwrap()).unwrap()
+}
+
 fn percent_encode(s: &str) -> String {
     s.bytes()
         .map(|b| {
@@ -128,13 +142,7 @@ async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither()
 
     // A reset deletes both buckets in one command: no decision can run between the two.
     redis.reset_stats();
-    let r = client()
-        .delete(gw.admin("/limits/e.api?identity=header%3Ax-api-key%3Ak1"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    let body = reset(&gw, "header:x-api-key:k1").await;
     assert_eq!(body["keys_deleted"], 2, "{body}");
     assert_eq!(redis.command_calls("del"), 1, "one DEL for both limits");
     let view = limits_of(&gw, "header:x-api-key:k1");
@@ -219,13 +227,7 @@ async fn a_global_ceiling_caps_every_caller_together() {
     assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);
 
     // DELETE resets the caller's own limits, not the shared ceiling.
-    let r = client()
-        .delete(gw.admin("/limits/e.api?identity=header%3Ax-api-key%3Aa"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    let body = reset(&gw, "header:x-api-key:a").await;
     assert_eq!(body["keys_deleted"], 1, "{body}");
     assert_eq!(remaining(&limits_of(&gw, "header:x-api-key:a"), "burst"), 3);
     assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);

@@ -98,7 +98,7 @@ async fn an_upstream_over_tls_is_verified_against_ca_path_and_the_sni_name() {
 }
 
 #[test]
-fn check_refuses_tls_fields_without_tls_and_a_bad_ca_file() {
+fn check_takes_tls_fields_without_tls_as_inert_and_refuses_a_bad_ca_file() {
     let dir = tempfile::tempdir().unwrap();
     let run = |upstream: &str| {
         common::check_body(
@@ -107,11 +107,11 @@ fn check_refuses_tls_fields_without_tls_and_a_bad_ca_file() {
             &[],
         )
     };
-    let (ok, out) = run("sni = \"a.example\"");
-    assert!(
-        !ok && out.contains("upstreams.u.sni is set without tls = true"),
-        "{out}"
-    );
+    // The contract's own example writes them beside `tls = false`: they do nothing (the
+    // start logs them at WARN), and `ca_path` is not read.
+    let (ok, out) =
+        run("tls = false\nsni = \"a.example\"\nca_path = \"missing.pem\"\nverify = true");
+    assert!(ok, "{out}");
     let (ok, out) = run("tls = true\nca_path = \"missing.pem\"");
     assert!(
         !ok && out.contains("upstreams.u.ca_path = \"missing.pem\" cannot be read"),

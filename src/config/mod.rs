@@ -243,6 +243,9 @@ pub struct UpstreamConfig {
     pub tls: Option<UpstreamTls>,
     /// Active health checks of every address.
     pub health_check: Option<HealthCheck>,
+    /// TLS fields written without `tls = true` (`sni`, `ca_path`, `verify = false`): they do
+    /// nothing, and the start says so.
+    pub inert_tls: Vec<&'static str>,
 }
 
 /// `health_check`: a GET of `path` on each address, on a timer of its own.

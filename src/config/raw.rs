@@ -153,11 +153,25 @@ pub struct RawHealthCheck {
     pub healthy_after: Option<Spanned<i64>>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// `identity = "client_ip"` (a name) or `{ header = "X-API-Key" }`.
+#[derive(Debug)]
 pub enum RawIdentity {
     Named(String),
     Header { header: String },
+}
+
+impl<'de> Deserialize<'de> for RawIdentity {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        named_or_table(
+            d,
+            "header",
+            "\"jwt\", \"api_key\", \"client_ip\", \"global\" or { header = \"<name>\" }",
+        )
+        .map(|v| match v {
+            NamedOrTable::Named(n) => RawIdentity::Named(n),
+            NamedOrTable::Table(header) => RawIdentity::Header { header },
+        })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -195,11 +209,70 @@ pub struct RawRoute {
 }
 
 /// `tier_from = "api_key"` or `{ claim = "plan" }`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum RawTierFrom {
     Named(String),
     Claim { claim: String },
+}
+
+impl<'de> Deserialize<'de> for RawTierFrom {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        named_or_table(d, "claim", "\"api_key\" or { claim = \"<claim>\" }").map(|v| match v {
+            NamedOrTable::Named(n) => RawTierFrom::Named(n),
+            NamedOrTable::Table(claim) => RawTierFrom::Claim { claim },
+        })
+    }
+}
+
+/// A string, or an inline table of exactly one string field.
+enum NamedOrTable {
+    Named(String),
+    Table(String),
+}
+
+/// Reads a string or `{ <field> = "..." }`; any other key of the table is an error that
+/// says what would be valid (`expecting`), as every other table's unknown fields are.
+fn named_or_table<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    field: &'static str,
+    expecting: &'static str,
+) -> Result<NamedOrTable, D::Error> {
+    struct V {
+        field: &'static str,
+        expecting: &'static str,
+    }
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = NamedOrTable;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str(self.expecting)
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NamedOrTable, E> {
+            Ok(NamedOrTable::Named(v.to_owned()))
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<NamedOrTable, A::Error> {
+            use serde::de::Error;
+            let mut value = None;
+            while let Some(key) = map.next_key::<String>()? {
+                if key != self.field {
+                    return Err(A::Error::custom(format!(
+                        "unknown field `{key}`, expected `{}`",
+                        self.field
+                    )));
+                }
+                if value.is_some() {
+                    return Err(A::Error::duplicate_field(self.field));
+                }
+                value = Some(map.next_value::<String>()?);
+            }
+            value
+                .map(NamedOrTable::Table)
+                .ok_or_else(|| A::Error::custom(format!("expected {}", self.expecting)))
+        }
+    }
+    d.deserialize_any(V { field, expecting })
 }
 
 /// `[routes.tiers.<name>]`.

@@ -28,6 +28,12 @@ pub fn validate(
         Err(e) => {
             let route = e.span().and_then(|s| route_at(source, s.start));
             let message = e.message().trim().to_owned();
+            // TOML's own message names no field ("invalid type: string, expected i64"): the
+            // table and key the error points into do.
+            let message = match e.span().and_then(|s| field_at(source, s.start)) {
+                Some(field) => format!("{field}: {message}"),
+                None => message,
+            };
             c.push(e.span().as_ref(), route.as_deref(), message);
             return Err(ConfigErrors(c.errors));
         }
@@ -105,12 +111,65 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
         .filter(|&i| i == 0 || source.as_bytes()[i - 1] == b'\n')
         .collect();
     let index = header_starts.iter().rposition(|&start| start <= offset)?;
+    // A table after the last route (`[breaker]`, `[upstreams.x]`) is not that route's.
+    if table_header_before(source, offset)
+        .is_some_and(|t| t != "routes" && !t.starts_with("routes."))
+    {
+        return None;
+    }
     let id = loose
         .routes
         .get(index)
         .and_then(|t| t.get_ref().get("endpoint_id")?.as_str().map(str::to_owned))
         .unwrap_or_else(|| "?".to_owned());
     Some(route_label(index, &id))
+}
+
+/// The name of the table whose header is the last one at or before byte `offset`
+/// (`breaker`, `upstreams.app`, `routes`, `routes.limits`); `None` at the top level.
+fn table_header_before(source: &str, offset: usize) -> Option<&str> {
+    source[..offset.min(source.len())]
+        .lines()
+        .rev()
+        .map(str::trim_start)
+        .find(|l| l.starts_with('['))
+        .map(|l| {
+            let end = l.find(']').unwrap_or(l.len());
+            l[..end].trim_start_matches('[').trim()
+        })
+}
+
+/// The field a parse error at byte `offset` is about, as the other errors name it: the
+/// table's path (inside a route, from the route on: `limits`) and, when the error is in a
+/// value, its key (`breaker.failure_threshold`). `None` when there is nothing to name.
+fn field_at(source: &str, offset: usize) -> Option<String> {
+    let offset = offset.min(source.len());
+    let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = source[offset..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i);
+    let line = &source[line_start..line_end];
+    if line.trim_start().starts_with('[') {
+        // A table header itself (a syntax error in it): the message says all there is.
+        return None;
+    }
+    let key = match line.find('=') {
+        // The error is in the value: name its key (a quoted key keeps its quotes).
+        Some(eq) if line_start + eq < offset && !line.trim_start().starts_with('[') => {
+            Some(line[..eq].trim())
+        }
+        _ => None,
+    };
+    let table = table_header_before(source, line_start).unwrap_or("");
+    let table = match table {
+        "routes" => "",
+        t => t.strip_prefix("routes.").unwrap_or(t),
+    };
+    let path: Vec<&str> = [table, key.unwrap_or("")]
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect();
+    (!path.is_empty()).then(|| path.join("."))
 }
 
 /// Reads an optional integer within `lo..=hi`, naming the field and the valid range.

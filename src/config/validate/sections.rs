@@ -1075,6 +1075,18 @@ pub(super) fn upstream(
         read_timeout: Duration::from_millis(read?),
         tls: tls?,
         health_check: health_check?,
+        inert_tls: if u.tls == Some(true) {
+            Vec::new()
+        } else {
+            [
+                ("sni", u.sni.is_some()),
+                ("ca_path", u.ca_path.is_some()),
+                ("verify = false", u.verify == Some(false)),
+            ]
+            .into_iter()
+            .filter_map(|(field, set)| set.then_some(field))
+            .collect()
+        },
     })
 }
 
@@ -1085,20 +1097,10 @@ fn upstream_tls(
     u: &RawUpstream,
     config: &Path,
 ) -> Option<Option<UpstreamTls>> {
+    // Without TLS, `sni`, `ca_path` and `verify` do nothing (the contract's own example
+    // writes them beside `tls = false`, ready to switch on): the start logs them at WARN,
+    // and `ca_path` is not read.
     if u.tls != Some(true) {
-        for (field, set) in [
-            ("sni", u.sni.as_ref().map(|s| s.span())),
-            ("ca_path", u.ca_path.as_ref().map(|s| s.span())),
-        ] {
-            if let Some(span) = set {
-                c.push(Some(&span), None, format!("upstreams.{name}.{field} is set without tls = true: the upstream is spoken to in plain HTTP"));
-                return None;
-            }
-        }
-        if u.verify.is_some() {
-            c.push(None, None, format!("upstreams.{name}.verify is set without tls = true: the upstream is spoken to in plain HTTP"));
-            return None;
-        }
         return Some(None);
     }
     let sni = match &u.sni {
