@@ -879,13 +879,13 @@ pub(super) fn shared_endpoints(c: &mut Collector, routes: &[(Range<usize>, Route
     for (span, route) in routes {
         let id = &route.policy.endpoint_id;
         match first.get(id) {
-            Some(prev) if prev.policy != route.policy => c.push(
+            Some(prev) if prev.policy != route.policy || prev.identity != route.identity => c.push(
                 Some(span),
                 Some(&route_label(route.index, id.as_str())),
                 format!(
                     "shares endpoint_id with routes[{}] but not its limit fields: routes of one \
-                     endpoint share one bucket, so algorithm, limits, cost, fail mode, fallback, \
-                     mode and policy_version must be identical",
+                     endpoint share one bucket, so identity, algorithm, limits, cost, fail mode, \
+                     fallback, mode and policy_version must be identical",
                     prev.index
                 ),
             ),
