@@ -155,9 +155,7 @@ fn field_at(source: &str, offset: usize) -> Option<String> {
     }
     let key = match line.find('=') {
         // The error is in the value: name its key (a quoted key keeps its quotes).
-        Some(eq) if line_start + eq < offset && !line.trim_start().starts_with('[') => {
-            Some(line[..eq].trim())
-        }
+        Some(eq) if line_start + eq < offset => Some(line[..eq].trim()),
         _ => None,
     };
     let table = table_header_before(source, line_start).unwrap_or("");
