@@ -251,6 +251,24 @@ pub struct Gateway {
     _dir: tempfile::TempDir,
 }
 
+/// A failed test shows the end of its gateway's log, which its temporary directory takes
+/// with it: a dropped connection or a wrong answer is read there (a panic, a WARN).
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let logs = self.logs();
+            let lines: Vec<&str> = logs.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "--- the last {} lines of the gateway's log ({}) ---\n{}",
+                tail.len(),
+                self.log_path.display(),
+                tail.join("\n")
+            );
+        }
+    }
+}
+
 /// The `[server]` and `[redis]` sections for a test gateway; routes and upstreams follow.
 pub fn base_config(port: u16, admin_port: u16, redis_url: &str) -> String {
     config::GatewayConfig::new(redis_url).render(port, admin_port)
