@@ -4,27 +4,34 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use super::{free_port, wait_until, Redis};
+use super::{free_ports, wait_until, Redis};
 
 pub struct RedisCluster {
     pub nodes: Vec<Redis>,
+    /// Each node's cluster bus port, chosen free like its own port: Redis's default, the port
+    /// plus 10 000, could be a port another test has just been given for its gateway.
+    bus_ports: Vec<u16>,
 }
 
 /// Settings every node starts with: a dead primary must not stop the others from serving
 /// their own slots (`cluster-require-full-coverage no`).
-fn node_args(dir: &std::path::Path) -> Vec<String> {
+fn node_args(dir: &std::path::Path, bus_port: u16) -> Vec<String> {
+    let bus_port = bus_port.to_string();
+    let nodes_conf = dir.join("nodes.conf").display().to_string();
     [
         "--cluster-enabled",
         "yes",
+        "--cluster-port",
+        &bus_port,
         "--cluster-node-timeout",
         "1000",
         "--cluster-require-full-coverage",
         "no",
         "--cluster-config-file",
+        &nodes_conf,
     ]
     .iter()
     .map(|s| s.to_string())
-    .chain([dir.join("nodes.conf").display().to_string()])
     .collect()
 }
 
@@ -36,9 +43,12 @@ impl RedisCluster {
 
     /// Three primaries with `replicas` replicas each (`redis-cli` picks who replicates whom).
     pub fn start_with_replicas(replicas: usize) -> RedisCluster {
-        let nodes: Vec<Redis> = (0..3 * (1 + replicas))
-            .map(|_| Self::start_node(free_port(), None))
+        let ports: Vec<[u16; 2]> = (0..3 * (1 + replicas)).map(|_| free_ports()).collect();
+        let nodes: Vec<Redis> = ports
+            .iter()
+            .map(|&[port, bus]| Self::start_node(port, bus, None))
             .collect();
+        let bus_ports = ports.iter().map(|&[_, bus]| bus).collect();
         let mut create = Command::new("redis-cli");
         create.args(["--cluster", "create"]);
         for n in &nodes {
@@ -54,7 +64,7 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, bus_ports };
         cluster.wait_ok();
         // A replica that has not finished its first sync never stands for election.
         wait_until(Duration::from_secs(30), "every replica in sync", || {
@@ -75,10 +85,10 @@ impl RedisCluster {
     }
 
     /// A node on `port`; `conf_dir` keeps the node's identity across a restart.
-    fn start_node(port: u16, conf_dir: Option<&std::path::Path>) -> Redis {
+    fn start_node(port: u16, bus_port: u16, conf_dir: Option<&std::path::Path>) -> Redis {
         let dir = tempfile::tempdir().expect("temp dir");
         let conf = conf_dir.unwrap_or(dir.path()).to_owned();
-        let args = node_args(&conf);
+        let args = node_args(&conf, bus_port);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut redis = Redis::start_with(port, &args);
         redis.keep_dir(dir);
@@ -180,7 +190,7 @@ impl RedisCluster {
     pub fn restart(&mut self, i: usize) {
         let port = self.nodes[i].port;
         let dir = self.nodes[i].take_dir().expect("the node's directory");
-        let mut node = Self::start_node(port, Some(dir.path()));
+        let mut node = Self::start_node(port, self.bus_ports[i], Some(dir.path()));
         node.keep_dir(dir);
         self.nodes[i] = node;
         self.wait_ok();
