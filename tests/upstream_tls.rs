@@ -120,3 +120,28 @@ fn check_takes_tls_fields_without_tls_as_inert_and_refuses_a_bad_ca_file() {
     let (ok, out) = run("tls = true\nsni = \"a.example\"");
     assert!(ok, "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_fields_beside_tls_false_do_nothing_but_a_warn_at_start() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.plain]\naddrs = [\"{}\"]\ntls = false\nsni = \"a.example\"\nca_path = \"missing.pem\"\nverify = true\n",
+            up.addr()
+        ))
+        .route(Route::new("edge").prefix("/").unlimited().upstream("plain"))
+        .start();
+    // Plain HTTP to the demo backend, which speaks no TLS.
+    let (status, body) = get(&gw).await;
+    assert_eq!(status, 200, "{body}");
+    let warn = gw
+        .logs()
+        .lines()
+        .find(|l| l.contains("has TLS fields without tls = true"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no WARN for the inert fields:\n{}", gw.logs()));
+    assert!(warn.contains(r#""level":"WARN""#), "{warn}");
+    assert!(warn.contains(r#""upstream":"plain""#), "{warn}");
+    // `verify = true` is the default, so only the two that would change something are named.
+    assert!(warn.contains(r#""fields":"[\"sni\", \"ca_path\"]""#), "{warn}");
+}
