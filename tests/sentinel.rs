@@ -522,6 +522,43 @@ async fn over_tls_the_master_is_found_decided_on_and_followed() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_other_sentinels_moves_the_decisions_to_the_master_they_name() {
+    let (first, second) = (Redis::start(), Redis::start());
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_sentinel_a, port_a) = sentinel(first.port, dir_a.path());
+    let (_sentinel_b, port_b) = sentinel(second.port, dir_b.path());
+    let up = Upstream::start("app");
+    let config = |sentinel_port: u16| {
+        on_sentinel(sentinel_port)
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("s.api")
+                    .prefix("/api")
+                    .identity_header("X-API-Key")
+                    .token_bucket(3_000_000, 0)
+                    .fail_closed(),
+            )
+    };
+    let gw = config(port_a).start();
+    wait_until(Duration::from_secs(5), "the first master connected", || {
+        readyz(&gw)["redis"] == "up"
+    });
+    assert_eq!(statuses(&gw, "k", 4).await, [200, 200, 200, 429]);
+
+    gw.rewrite_config(&config(port_b).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    wait_until(Duration::from_secs(5), "the second master named", || {
+        readyz(&gw)["redis_sentinel_master"]["addr"] == format!("127.0.0.1:{}", second.port)
+    });
+    // The second master holds no bucket for `k` yet: it decides, and counts from full.
+    first.reset_stats();
+    assert!(admitted_within_5_s(&gw, "k").await, "{}", gw.logs());
+    assert_eq!(statuses(&gw, "k", 3).await, [200, 200, 429]);
+    assert_eq!(first.limiter_calls(), 0, "the first master is left alone");
+    assert!(second.limiter_calls() >= 4, "decided on the second master");
+}
+
 #[test]
 fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     let dir = tempfile::tempdir().unwrap();

@@ -143,5 +143,8 @@ async fn tls_fields_beside_tls_false_do_nothing_but_a_warn_at_start() {
     assert!(warn.contains(r#""level":"WARN""#), "{warn}");
     assert!(warn.contains(r#""upstream":"plain""#), "{warn}");
     // `verify = true` is the default, so only the two that would change something are named.
-    assert!(warn.contains(r#""fields":"[\"sni\", \"ca_path\"]""#), "{warn}");
+    assert!(
+        warn.contains(r#""fields":"[\"sni\", \"ca_path\"]""#),
+        "{warn}"
+    );
 }
