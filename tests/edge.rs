@@ -5,6 +5,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::config::{quoted, GatewayConfig, Route};
@@ -492,4 +493,72 @@ fn an_access_log_that_cannot_be_opened_stops_the_start() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("access_log.path"), "{text}");
+}
+
+/// An upstream on a free port that keeps every byte it receives, and answers 200 `ok` each
+/// time a chunked body ends.
+fn recording_upstream() -> (String, Arc<Mutex<Vec<u8>>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let kept = Arc::clone(&received);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let kept = Arc::clone(&kept);
+            std::thread::spawn(move || {
+                let (mut pending, mut buf) = (Vec::new(), [0u8; 4096]);
+                while let Ok(n @ 1..) = stream.read(&mut buf) {
+                    kept.lock().unwrap().extend_from_slice(&buf[..n]);
+                    pending.extend_from_slice(&buf[..n]);
+                    let end = b"\r\n0\r\n\r\n";
+                    if let Some(at) = pending.windows(end.len()).position(|w| w == end) {
+                        pending.drain(..at + end.len());
+                        let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                        if stream.write_all(answer).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, received)
+}
+
+/// An HTTP/2 body of unknown length whose end comes in an empty DATA frame (as `curl -T -`
+/// sends it) reaches the upstream chunked with one terminator: a second one would be read
+/// by the upstream as the start of another request, and its answer to that given to the
+/// next client on the pooled connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_body_ended_by_an_empty_frame_reaches_the_upstream_framed_once() {
+    let redis = Redis::start();
+    let (upstream, received) = recording_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[upstream])
+        .route(Route::new("open").prefix("/").unlimited())
+        .start();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    let (response, mut body) = h2.send_request(request, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"xxxxxxxxxx"), false)
+        .unwrap();
+    body.send_data(bytes::Bytes::new(), true).unwrap();
+    assert_eq!(response.await.unwrap().status(), 200);
+
+    // Whatever the gateway wrote after the terminator was written with it.
+    std::thread::sleep(Duration::from_millis(300));
+    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    let (head, body) = received.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "{head}"
+    );
+    assert_eq!(body, "A\r\nxxxxxxxxxx\r\n0\r\n\r\n");
 }

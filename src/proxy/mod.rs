@@ -463,12 +463,23 @@ impl ProxyHttp for Gateway {
         &self,
         _session: &mut Session,
         body: &mut Option<bytes::Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         let Some(chunk) = body else {
             return Ok(());
         };
+        // An HTTP/2 body of unknown length may end with an empty DATA frame. Pingora writes
+        // an empty last chunk upstream as chunked's terminator and then the terminator again,
+        // which the upstream reads as the start of another request and answers on the
+        // pooled connection, to whichever client's request comes next. No chunk at all
+        // ends the body with one terminator.
+        if chunk.is_empty() {
+            if end_of_stream {
+                *body = None;
+            }
+            return Ok(());
+        }
         ctx.body_bytes += chunk.len() as u64;
         let limit = ctx.route.as_ref().and_then(|r| r.max_body_bytes);
         if limit.is_some_and(|limit| ctx.body_bytes > limit) {
@@ -563,22 +574,31 @@ impl ProxyHttp for Gateway {
             ) => Some(Answer::UpstreamUnavailable),
             _ => None,
         };
-        if matches!(e.esource(), ErrorSource::Upstream) {
-            if let Some(route) = &ctx.route {
-                tracing::warn!(
-                    endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
-                    upstream = route.upstream.config.name.as_str(),
-                    status = answer.map_or(0, Answer::status),
-                    error = %e,
-                    request_id = ctx.request_id(),
-                    "upstream failed"
-                );
-            }
-        }
         // A `100 Continue` passed on from the upstream is not an answer yet.
         let answering = session
             .response_written()
             .is_none_or(|r| r.status.is_informational());
+        if matches!(e.esource(), ErrorSource::Upstream) {
+            if let Some(route) = &ctx.route {
+                // Once the upstream's own head went out, the client keeps its status and sees
+                // the body cut short: the line says that status, not the one not sent.
+                let (status, message) = match session.response_written() {
+                    Some(r) if !answering => (
+                        r.status.as_u16(),
+                        "upstream failed after its answer began; the body was cut short",
+                    ),
+                    _ => (answer.map_or(0, Answer::status), "upstream failed"),
+                };
+                tracing::warn!(
+                    endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
+                    upstream = route.upstream.config.name.as_str(),
+                    status,
+                    error = %e,
+                    request_id = ctx.request_id(),
+                    message
+                );
+            }
+        }
         let code = match answer {
             Some(answer) if answering => {
                 // The connection is not reused after a failed proxy attempt: say so, so the
