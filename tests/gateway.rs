@@ -787,3 +787,45 @@ async fn an_upstream_that_never_accepts_the_connection_is_504() {
     );
     drop(queued);
 }
+
+/// An upstream that hangs up halfway through its body: the client keeps the 200 already sent
+/// and sees the body cut short; the WARN says that status and what happened, not a 502 the
+/// client never got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_hangs_up_mid_body_is_logged_with_the_status_the_client_got() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut head = [0u8; 4096];
+            let _ = stream.read(&mut head);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nten bytes.");
+        }
+    });
+    let redis = Redis::start();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("cut", &[addr], Some(300), Some(1000))
+        .route(
+            Route::new("t.cut")
+                .prefix("/cut")
+                .upstream("cut")
+                .unlimited(),
+        )
+        .start();
+    let r = client().get(gw.url("/cut")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.bytes().await.is_err(), "the body is cut short");
+    common::wait_until(Duration::from_secs(3), "the WARN", || {
+        gw.logs().contains("the body was cut short")
+    });
+    let logs = gw.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("the body was cut short"))
+        .unwrap();
+    assert!(line.contains(r#""level":"WARN""#), "{line}");
+    assert!(line.contains(r#""status":200"#), "{line}");
+    assert!(line.contains(r#""endpoint_id":"t.cut""#), "{line}");
+}
