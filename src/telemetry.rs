@@ -1,11 +1,28 @@
 //! Logs: one JSON object per line on stdout; `RUST_LOG` filters; Pingora's `log` output is
 //! bridged in, with what a client causes turned down to DEBUG.
+//!
+//! No line carries what a request or an answer carried: Pingora's errors quote the bytes of
+//! a head they could not parse (`buf: ...`), which may hold a key, a token or a cookie, and
+//! are logged with those bytes left out ([`Redacted`], [`redact_buf`]). Pingora's own DEBUG
+//! and TRACE lines print whole headers and bodies; they are passed on only when `RUST_LOG`
+//! names a `pingora` target itself (`RUST_LOG=debug` alone does not). The `h2` library's
+//! WARN lines are about what clients did (a flood of resets, say) and are kept to ERROR
+//! unless `RUST_LOG` names `h2`.
+
+use std::borrow::Cow;
+use std::fmt;
 
 use tracing_log::AsLog;
 use tracing_subscriber::EnvFilter;
 
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let asked = std::env::var("RUST_LOG").unwrap_or_default();
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    if !asked.contains("h2") {
+        if let Ok(quiet) = "h2=error".parse() {
+            filter = filter.add_directive(quiet);
+        }
+    }
     let subscriber = tracing_subscriber::fmt()
         .json()
         .flatten_event(true)
@@ -17,7 +34,13 @@ pub fn init() {
     if tracing::subscriber::set_global_default(subscriber).is_err() {
         return;
     }
-    if log::set_boxed_logger(Box::new(PingoraLog(tracing_log::LogTracer::new()))).is_ok() {
+    let pingora_debug = asked.contains("pingora");
+    if log::set_boxed_logger(Box::new(PingoraLog(
+        tracing_log::LogTracer::new(),
+        pingora_debug,
+    )))
+    .is_ok()
+    {
         log::set_max_level(tracing::level_filters::LevelFilter::current().as_log());
     }
 }
@@ -26,36 +49,55 @@ pub fn init() {
 /// request head, a reset, a failed TLS or HTTP/2 handshake, a malformed chunk. A client can
 /// produce those at will, so they would drown the lines that need an operator; they are
 /// passed on at DEBUG, as is one line about Pingora's own upstream pool that is no fault (see
-/// [`client_caused`]). Everything else from Pingora keeps its level.
-struct PingoraLog(tracing_log::LogTracer);
+/// [`client_caused`]). Everything else from Pingora keeps its level, with the bytes it
+/// quotes left out. The flag: whether `RUST_LOG` names a `pingora` target, which lets
+/// Pingora's own DEBUG and TRACE lines through.
+struct PingoraLog(tracing_log::LogTracer, bool);
 
 impl log::Log for PingoraLog {
     fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        let pingora = metadata.target().starts_with("pingora");
+        if pingora && metadata.level() >= log::Level::Debug && !self.1 {
+            return false;
+        }
         // A record that may be turned down is let through here and filtered once its level
         // is known.
-        self.0.enabled(metadata) || metadata.target().starts_with("pingora")
+        self.0.enabled(metadata) || pingora
     }
 
     fn log(&self, record: &log::Record<'_>) {
-        if record.level() <= log::Level::Warn
-            && record.target().starts_with("pingora")
-            && client_caused(&record.args().to_string())
-        {
-            self.0.log(
-                &log::Record::builder()
-                    .args(*record.args())
-                    .level(log::Level::Debug)
-                    .target(record.target())
-                    .module_path(record.module_path())
-                    .file(record.file())
-                    .line(record.line())
-                    .build(),
-            );
+        if !record.target().starts_with("pingora") {
+            if self.0.enabled(record.metadata()) {
+                self.0.log(record);
+            }
             return;
         }
-        if self.0.enabled(record.metadata()) {
-            self.0.log(record);
+        if record.level() >= log::Level::Debug && !self.1 {
+            return;
         }
+        let message = record.args().to_string();
+        let level = if record.level() <= log::Level::Warn && client_caused(&message) {
+            log::Level::Debug
+        } else {
+            record.level()
+        };
+        let metadata = log::Metadata::builder()
+            .level(level)
+            .target(record.target())
+            .build();
+        if !self.0.enabled(&metadata) {
+            return;
+        }
+        let message = redact_buf(&message);
+        self.0.log(
+            &log::Record::builder()
+                .args(format_args!("{message}"))
+                .metadata(metadata)
+                .module_path(record.module_path())
+                .file(record.file())
+                .line(record.line())
+                .build(),
+        );
     }
 
     fn flush(&self) {}
@@ -78,9 +120,73 @@ fn client_caused(message: &str) -> bool {
     CLIENT.iter().any(|m| message.contains(m))
 }
 
+/// `message` without the bytes Pingora quotes after `buf: ` (a request or response head it
+/// could not parse, which may hold credentials): from there to its end.
+pub fn redact_buf(message: &str) -> Cow<'_, str> {
+    match message.find("buf: ") {
+        Some(at) => Cow::Owned(format!("{}buf: (not logged)", &message[..at])),
+        None => Cow::Borrowed(message),
+    }
+}
+
+/// A Pingora error displayed as Pingora does (source, type, context, then its causes), with
+/// any context that quotes a head's bytes (`buf: ...`) left out.
+pub struct Redacted<'a>(pub &'a pingora_core::Error);
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut error = self.0;
+        write!(f, "{} {}", error.esource.as_str(), error.etype.as_str())?;
+        loop {
+            if let Some(context) = &error.context {
+                write!(f, " context: {}", redact_buf(context.as_str()))?;
+            }
+            let Some(cause) = &error.cause else {
+                return Ok(());
+            };
+            match cause.downcast_ref::<Box<pingora_core::Error>>() {
+                Some(next) => {
+                    write!(
+                        f,
+                        " cause: {} {}",
+                        next.esource.as_str(),
+                        next.etype.as_str()
+                    )?;
+                    error = next;
+                }
+                None => return write!(f, " cause: {}", redact_buf(&cause.to_string())),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::client_caused;
+    use super::{client_caused, redact_buf, Redacted};
+
+    #[test]
+    fn quoted_bytes_never_reach_a_line() {
+        use pingora_core::{Error, ErrorType};
+        let parse = Error::because(
+            ErrorType::InvalidHTTPHeader,
+            "buf: HTTP/1.1 200 OK\\r\\nSet-Cookie: session=SECRET\\r\\n",
+            "invalid header value",
+        );
+        let error = Error::because(ErrorType::ReadError, "while reading the response", parse);
+        let shown = Redacted(&error).to_string();
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert_eq!(
+            shown,
+            " ReadError context: while reading the response cause:  InvalidHTTPHeader context: buf: (not logged) cause: invalid header value"
+        );
+        assert_eq!(
+            redact_buf(
+                "Fail to proxy: Downstream InvalidHTTPHeader context: buf: GET / X-API-Key: k"
+            ),
+            "Fail to proxy: Downstream InvalidHTTPHeader context: buf: (not logged)"
+        );
+        assert_eq!(redact_buf("nothing quoted"), "nothing quoted");
+    }
 
     #[test]
     fn what_clients_cause_and_what_they_do_not() {

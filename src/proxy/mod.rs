@@ -593,7 +593,7 @@ impl ProxyHttp for Gateway {
                     endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
                     upstream = route.upstream.config.name.as_str(),
                     status,
-                    error = %e,
+                    error = %crate::telemetry::Redacted(e),
                     request_id = ctx.request_id(),
                     message
                 );
@@ -637,7 +637,7 @@ impl ProxyHttp for Gateway {
     fn suppress_error_log(&self, _session: &Session, ctx: &RequestCtx, error: &Error) -> bool {
         let by_client = ctx.body_too_large || matches!(error.esource(), ErrorSource::Downstream);
         if by_client {
-            tracing::debug!(error = %error, request_id = ctx.request_id(), "the client ended the request");
+            tracing::debug!(error = %crate::telemetry::Redacted(error), request_id = ctx.request_id(), "the client ended the request");
         }
         by_client || matches!(error.esource(), ErrorSource::Upstream)
     }
