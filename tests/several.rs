@@ -233,6 +233,37 @@ async fn a_global_ceiling_caps_every_caller_together() {
     assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);
 }
 
+/// A ceiling listed before the caller's own limit: a caller who spent its own burst is
+/// denied, and its denial, repeated from the over-limit cache, is its own; every other caller
+/// is still decided by its own burst and the ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_denial_is_never_repeated_to_others_whatever_the_order_of_the_limits() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let ceiling_first = |r: Route| {
+        r.limit(
+            "backend",
+            "identity = \"global\"\nalgorithm = \"sliding_window\"\nlimit = 100\nwindow_size_micro = 60_000_000",
+        )
+        .bucket_limit("burst", 2, 10_000)
+    };
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling_first))
+        .start();
+    assert_eq!(total_over_keys(&gw, &["a"], 4).await, [2]);
+    assert_eq!(
+        total_over_keys(&gw, &["b", "c", "d"], 1).await,
+        [1, 1, 1],
+        "a's denials were a's own"
+    );
+    // a's third went to Redis; its fourth was the cache's, under a's own key.
+    assert_eq!(
+        gw.metric("sentinel_overlimit_cache_hits_total{endpoint_id=\"e.api\"}"),
+        1.0
+    );
+    assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 95);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_request() {
     let cluster = RedisCluster::start();

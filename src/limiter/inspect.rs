@@ -161,7 +161,7 @@ pub async fn reset(
         }
         deleted
     };
-    // The cache remembers a denial under the first key.
+    // The cache remembers a denial under the caller's own key, or a ceiling's.
     for key in keyed(endpoint, identity_hash).iter().map(|(_, k)| k) {
         endpoint.overlimit.forget(key);
     }

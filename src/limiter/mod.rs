@@ -100,7 +100,11 @@ fn combine(replies: &[ScriptReply]) -> (ScriptReply, Option<usize>) {
 pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> Several {
     let policy = &endpoint.policy;
     let keys = endpoint.limit_keys(identity_hash);
-    if let Some((left_us, limit)) = endpoint.overlimit.denied_for(&keys[0]) {
+    // A denial is remembered under the caller's own key, so that it is repeated to that
+    // caller only; a ceiling's key is everyone's. Where every limit is a ceiling, any denial
+    // is everyone's, and the first key is as good as any.
+    let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
+    if let Some((left_us, limit)) = endpoint.overlimit.denied_for(&keys[own]) {
         let mut cached = Several::of(Decision::cached_denial(
             Duration::from_micros(left_us),
             store.breaker_state(),
@@ -135,7 +139,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             if let (false, Some(wait), Some(limit)) =
                 (combined.allowed, combined.wait_us, denied_by)
             {
-                endpoint.overlimit.remember(&keys[0], wait, limit);
+                endpoint.overlimit.remember(&keys[own], wait, limit);
             }
             Several {
                 decision: Decision::by_redis(combined, breaker),
