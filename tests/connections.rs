@@ -166,21 +166,13 @@ fn a_thousand_idle_connections_do_not_slow_another_client() {
     drop((idle, trickling));
 }
 
-#[test]
-fn at_max_connections_the_oldest_idle_connection_makes_room() {
-    let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let gw = gateway(
-        &redis,
-        &up,
-        &[
-            ("max_connections", "50"),
-            ("header_read_timeout_ms", "60000"),
-        ],
-    );
-    // Fifty idle connections fill the bound; each of ten more closes the oldest idle one.
+/// Sixty connections to `port` that send nothing, against a bound of fifty: each of the last
+/// ten closes the oldest one waiting (for a first request, the h2c preface or a TLS client
+/// hello), and the admin still answers.
+fn the_oldest_make_room(gw: &common::Gateway, port: u16) {
     let mut idle: Vec<TcpStream> = Vec::new();
     for _ in 0..60 {
-        idle.push(open(gw.port));
+        idle.push(open(port));
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(300));
@@ -190,15 +182,64 @@ fn at_max_connections_the_oldest_idle_connection_makes_room() {
         !matches!(s.read(&mut [0u8; 16]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
     };
     let all: Vec<bool> = idle.iter_mut().map(closed).collect();
-    eprintln!("{all:?}");
     let first: Vec<bool> = all[..10].to_vec();
     assert!(
         first.iter().all(|c| *c),
-        "the ten oldest were closed: {first:?}"
+        "the ten oldest were closed: {all:?}"
     );
     let rest: Vec<bool> = idle.iter_mut().skip(12).map(closed).collect();
     assert!(rest.iter().all(|c| !*c), "younger ones stay open: {rest:?}");
     assert!(blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200));
+}
+
+const BOUND: [(&str, &str); 2] = [
+    ("max_connections", "50"),
+    ("header_read_timeout_ms", "60000"),
+];
+
+#[test]
+fn at_max_connections_the_oldest_idle_connection_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &BOUND);
+    the_oldest_make_room(&gw, gw.port);
+}
+
+/// With h2c on, Pingora waits for the 24 bytes of a preface before it reads a request; a
+/// connection waiting there is closed to make room too.
+#[test]
+fn with_h2c_a_connection_that_never_sends_its_preface_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[BOUND[0], BOUND[1], ("h2c", "true")]);
+    the_oldest_make_room(&gw, gw.port);
+    assert_eq!(blocking_get(&gw.url("/x")).map(|a| a.0), Some(200));
+}
+
+/// Connections still in their TLS handshake count against the bound from the accept, and
+/// the oldest make room: before, they were counted only once the handshake was done, and
+/// silent ones could take every descriptor.
+#[test]
+fn a_tls_handshake_that_never_comes_counts_and_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let ca = common::tls::Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
+    let tls_port = common::free_port();
+    let gw = GatewayConfig::new(&redis.url())
+        .server(BOUND[0].0, BOUND[0].1)
+        .server(BOUND[1].0, BOUND[1].1)
+        .section(&format!(
+            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    the_oldest_make_room(&gw, tls_port);
+    let mut config = ca.client_config(&[&rustls::version::TLS13]);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut conn = common::tls::Conn::open(config, tls_port, "localhost").unwrap();
+    assert_eq!(conn.get("localhost", "/x"), 200);
 }
 
 #[test]

@@ -2,11 +2,12 @@
 //! how many are open.
 //!
 //! Pingora accepts every listener's sockets and hands each to [`Guard`], which wraps the
-//! proxy. On a TLS listener the guard makes the handshake itself (Pingora's rustls acceptor,
-//! with the listener's certificates), so that it falls under the same deadline as a request
-//! head. Every connection is then wrapped in a [`Guarded`] stream that knows where the
-//! connection is:
+//! proxy. Every connection is counted from its accept. On a TLS listener the guard makes the
+//! handshake itself (Pingora's rustls acceptor, with the listener's certificates), so that it
+//! falls under the same deadline as a request head and the same bound. Every connection is
+//! then wrapped in a [`Guarded`] stream that knows where the connection is:
 //!
+//! - `Handshake`: its TLS handshake is under way (read through [`Handshaking`]).
 //! - `Head`: a request head is on its way. Its bytes must all be in before
 //!   `header_read_timeout_ms` from the first one (from the accept, on a new connection);
 //!   after that the read fails and the connection is closed (slowloris).
@@ -21,7 +22,8 @@
 //! throughput.)
 //!
 //! At `max_connections`, a new connection first closes the oldest connection that has no
-//! request in progress (`Head` or `Idle`), as nginx does; when every one is busy, the new
+//! request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
+//! `Idle`), as nginx does; when every one is busy, the new
 //! connection is closed at once. A connection asked to close reads end-of-file, which
 //! Pingora treats as a client that left.
 
@@ -153,6 +155,8 @@ const HEAD: u8 = 0;
 const BUSY: u8 = 1;
 const IDLE: u8 = 2;
 const MULTIPLEXED: u8 = 3;
+/// A TLS handshake is under way: it has a head's deadline, and no request is in progress.
+const HANDSHAKE: u8 = 4;
 
 /// The HTTP/2 connection preface, which an h2c client sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -261,7 +265,7 @@ impl Connections {
                     }
                     let since = now.saturating_sub(c.since_ms.load(Ordering::Relaxed));
                     match c.state.load(Ordering::Relaxed) {
-                        HEAD if since >= head => Some((Arc::clone(c), HEAD_TIMED_OUT)),
+                        HEAD | HANDSHAKE if since >= head => Some((Arc::clone(c), HEAD_TIMED_OUT)),
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
                         _ => None,
                     }
@@ -273,32 +277,30 @@ impl Connections {
         }
     }
 
-    /// Registers a new connection, making room when at the bound; `None`: every connection
-    /// is busy, close this one.
-    fn admit(self: &Arc<Self>, inner: Stream) -> Option<Guarded> {
+    /// Registers a new connection in `state`, making room when at the bound; `None`: every
+    /// connection is busy, close this one.
+    fn admit(self: &Arc<Self>, state: u8) -> Option<Registration> {
         let mut open = self.lock();
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
             let oldest_idle = open
                 .values()
                 .find(|c| {
                     c.close.load(Ordering::Relaxed) == KEEP
-                        && matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE)
+                        && matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE | HANDSHAKE)
                 })
                 .cloned()?;
             self.close(&oldest_idle, EVICTED);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let h2 = matches!(inner.selected_alpn_proto(), Some(ALPN::H2));
         let conn = Arc::new(Conn {
-            state: AtomicU8::new(if h2 { MULTIPLEXED } else { HEAD }),
+            state: AtomicU8::new(state),
             close: AtomicU8::new(KEEP),
             since_ms: AtomicU64::new(self.now_ms()),
             waker: AtomicWaker::new(),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
-        Some(Guarded {
-            inner,
+        Some(Registration {
             conn,
             id,
             connections: Arc::clone(self),
@@ -313,13 +315,25 @@ impl Connections {
     }
 }
 
+/// A connection's place among the open ones, given up when dropped.
+#[derive(Debug)]
+struct Registration {
+    conn: Arc<Conn>,
+    id: u64,
+    connections: Arc<Connections>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.connections.forget(self.id, &self.conn);
+    }
+}
+
 /// A downstream connection under watch.
 #[derive(Debug)]
 pub struct Guarded {
     inner: Stream,
-    conn: Arc<Conn>,
-    id: u64,
-    connections: Arc<Connections>,
+    reg: Registration,
 }
 
 impl Guarded {
@@ -338,21 +352,24 @@ impl Guarded {
 
     /// The request head is complete: no deadline until the next one.
     pub fn head_complete(&self) {
-        let _ = self
-            .conn
-            .state
-            .compare_exchange(HEAD, BUSY, Ordering::Relaxed, Ordering::Relaxed);
+        let _ =
+            self.reg
+                .conn
+                .state
+                .compare_exchange(HEAD, BUSY, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// The answer is finished: the connection waits for the next request.
     pub fn answered(&self) {
-        self.conn
-            .since_ms
-            .store(self.connections.now_ms(), Ordering::Relaxed);
-        let _ = self
+        self.reg
             .conn
-            .state
-            .compare_exchange(BUSY, IDLE, Ordering::Relaxed, Ordering::Relaxed);
+            .since_ms
+            .store(self.reg.connections.now_ms(), Ordering::Relaxed);
+        let _ =
+            self.reg
+                .conn
+                .state
+                .compare_exchange(BUSY, IDLE, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     fn header_timed_out() -> std::io::Error {
@@ -363,12 +380,6 @@ impl Guarded {
     }
 }
 
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        self.connections.forget(self.id, &self.conn);
-    }
-}
-
 impl AsyncRead for Guarded {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -376,26 +387,27 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
-        let state = this.conn.state.load(Ordering::Relaxed);
+        let state = this.reg.conn.state.load(Ordering::Relaxed);
         if matches!(state, BUSY | MULTIPLEXED) {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
-        match this.conn.close.load(Ordering::Relaxed) {
+        match this.reg.conn.close.load(Ordering::Relaxed) {
             KEEP => {}
             // Its head took too long (slowloris): the read fails, Pingora closes.
             HEAD_TIMED_OUT => return Poll::Ready(Err(Self::header_timed_out())),
             // Idle too long, or closed to make room: an end-of-file, as if the client left.
             _ => return Poll::Ready(Ok(())),
         }
-        this.conn.waker.register(cx.waker());
+        this.reg.conn.waker.register(cx.waker());
         let before = buf.filled().len();
         let read = Pin::new(&mut this.inner).poll_read(cx, buf);
         if state == IDLE && matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             // The first bytes of the next request: its head has the full time from now.
-            this.conn
+            this.reg
+                .conn
                 .since_ms
-                .store(this.connections.now_ms(), Ordering::Relaxed);
-            this.conn.state.store(HEAD, Ordering::Relaxed);
+                .store(this.reg.connections.now_ms(), Ordering::Relaxed);
+            this.reg.conn.state.store(HEAD, Ordering::Relaxed);
         }
         read
     }
@@ -403,36 +415,51 @@ impl AsyncRead for Guarded {
 
 delegate_io!(Guarded);
 
-/// A connection as Pingora accepted it, as a type the TLS handshake can take.
+/// A connection as Pingora accepted it, as the transport under TLS. While the handshake is
+/// under way (the connection's state is `HANDSHAKE`) a read sees what the watch decided, as
+/// [`Guarded`] does for a head: end-of-file when closed to make room, an error past the
+/// deadline. Afterwards the [`Guarded`] around the TLS stream watches, and reads pass
+/// through.
 #[derive(Debug)]
-struct Plain(Stream);
+struct Handshaking {
+    stream: Stream,
+    conn: Arc<Conn>,
+}
 
-impl Plain {
+impl Handshaking {
     fn inner(&mut self) -> &mut Stream {
-        &mut self.0
+        &mut self.stream
     }
 
     fn inner_ref(&self) -> &Stream {
-        &self.0
+        &self.stream
     }
 }
 
-impl AsyncRead for Plain {
+impl AsyncRead for Handshaking {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(self.inner()).poll_read(cx, buf)
+        let this = &mut *self;
+        if this.conn.state.load(Ordering::Relaxed) == HANDSHAKE {
+            match this.conn.close.load(Ordering::Relaxed) {
+                KEEP => this.conn.waker.register(cx.waker()),
+                HEAD_TIMED_OUT => return Poll::Ready(Err(Guarded::header_timed_out())),
+                _ => return Poll::Ready(Ok(())),
+            }
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
     }
 }
 
-delegate_io!(Plain);
+delegate_io!(Handshaking);
 
 #[async_trait]
-impl Peek for Plain {
+impl Peek for Handshaking {
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
-        self.0.try_peek(buf).await
+        self.stream.try_peek(buf).await
     }
 }
 
@@ -441,12 +468,29 @@ impl Peek for Guarded {
     /// Pingora peeks for the h2c preface before the first request: the wait is part of the
     /// head's time, and a preface turns the connection into a multiplexed one.
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
-        let timeout = self.connections.header_timeout();
-        let peeked = tokio::time::timeout(timeout, self.inner.try_peek(buf))
-            .await
-            .map_err(|_| Self::header_timed_out())??;
+        let timeout = self.reg.connections.header_timeout();
+        let conn = Arc::clone(&self.reg.conn);
+        // Closed to make room while it waits: Pingora closes a connection whose peek fails.
+        let closed = std::future::poll_fn(|cx| {
+            conn.waker.register(cx.waker());
+            match conn.close.load(Ordering::Relaxed) {
+                KEEP => Poll::Pending,
+                _ => Poll::Ready(()),
+            }
+        });
+        let peeked = tokio::select! {
+            peeked = tokio::time::timeout(timeout, self.inner.try_peek(buf)) => {
+                peeked.map_err(|_| Self::header_timed_out())??
+            }
+            () = closed => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "closed to make room at max_connections",
+                ))
+            }
+        };
         if peeked && buf.starts_with(H2_PREFACE) {
-            self.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
+            self.reg.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
         }
         Ok(peeked)
     }
@@ -473,13 +517,35 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 .get_socket_digest()
                 .and_then(|d| d.local_addr().and_then(|a| a.as_inet()).copied());
             let acceptor = local.and_then(|l| self.certificates.acceptor(l));
-            let stream = match acceptor {
+            // Counted from the accept, so that connections still in their TLS handshake are
+            // bounded (and closed to make room) like those waiting for a first request.
+            let state = if acceptor.is_some() { HANDSHAKE } else { HEAD };
+            let Some(reg) = self.connections.admit(state) else {
+                tracing::debug!(
+                    "max_connections reached and every connection busy: closing a new one"
+                );
+                return None;
+            };
+            let inner: Stream = match acceptor {
                 None => stream,
                 Some(acceptor) => {
                     let timeout = self.connections.header_timeout();
-                    match tokio::time::timeout(timeout, acceptor.tls_handshake(Plain(stream))).await
-                    {
-                        Ok(Ok(tls)) => Box::new(tls),
+                    let transport = Handshaking {
+                        stream,
+                        conn: Arc::clone(&reg.conn),
+                    };
+                    match tokio::time::timeout(timeout, acceptor.tls_handshake(transport)).await {
+                        Ok(Ok(tls)) => {
+                            let h2 = matches!(tls.selected_alpn_proto(), Some(ALPN::H2));
+                            // The request head has its full time from the end of the handshake.
+                            reg.conn
+                                .since_ms
+                                .store(self.connections.now_ms(), Ordering::Relaxed);
+                            reg.conn
+                                .state
+                                .store(if h2 { MULTIPLEXED } else { HEAD }, Ordering::Relaxed);
+                            Box::new(tls)
+                        }
                         Ok(Err(e)) => {
                             tracing::debug!(error = %e, "TLS handshake failed");
                             return None;
@@ -493,15 +559,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                     }
                 }
             };
-            match self.connections.admit(stream) {
-                Some(guarded) => Box::new(guarded),
-                None => {
-                    tracing::debug!(
-                        "max_connections reached and every connection busy: closing a new one"
-                    );
-                    return None;
-                }
-            }
+            Box::new(Guarded { inner, reg })
         };
         self.app.process_new(stream, shutdown).await
     }
