@@ -337,3 +337,44 @@ fn the_memory_of_closed_connections_is_given_back() {
         || rss_bytes(pid) < base + grown / 4,
     );
 }
+
+/// HTTP/2 connections without a request in progress are idle too: at the bound, the oldest
+/// makes room for a new client, whose request is answered. One with a request in progress is
+/// never closed to make room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_connections_an_idle_http2_connection_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
+    let h2 = || {
+        common::client_builder()
+            .http2_prior_knowledge()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    };
+    // One busy connection (a request of 3 s), nine idle ones after a request each.
+    let busy_client = h2();
+    let busy = tokio::spawn({
+        let url = gw.url("/slow?ms=3000");
+        async move {
+            busy_client
+                .get(url)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }
+    });
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        let client = h2();
+        let r = client.get(gw.url("/x")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        idle.push(client);
+    }
+    // Twelve new clients, each over a connection of its own, all answered.
+    for i in 0..12 {
+        let r = h2().get(gw.url("/x")).send().await;
+        assert_eq!(r.map(|r| r.status().as_u16()).ok(), Some(200), "client {i}");
+    }
+    assert_eq!(busy.await.unwrap().ok(), Some(200), "the busy one finished");
+}
