@@ -114,10 +114,15 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
         "an unlisted tier counts as free"
     );
 
-    // Unlimited: forwarded without a Redis call, and not counted by the ceiling.
+    // Unlimited: forwarded without a Redis call, and not counted by the ceiling. No
+    // decision either: `allowed` is Redis's answer, and Redis was not asked.
     redis.reset_stats();
+    let decided =
+        r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.ocr"}"#;
+    let before = gw.metric(decided);
     assert_eq!(admitted(&gw, "internal-key", 12).await, 12);
     assert_eq!(redis.limiter_calls(), 0);
+    assert_eq!(gw.metric(decided), before);
 
     // One tenant, two keys of two tiers: two buckets.
     assert_eq!(admitted(&gw, "x-free-key", 1).await, 1);

@@ -73,6 +73,8 @@ pub struct RequestCtx {
     body_too_large: bool,
     /// Forwarded unlimited: the client is in the route's `exempt_client_cidrs`.
     exempt: bool,
+    /// Forwarded unlimited: the caller's tier is `unlimited = true`.
+    unlimited_tier: bool,
     /// `cost_from_response`: the micro-tokens the upstream's answer reported (`Some(None)`:
     /// a malformed value), charged once the answer has gone.
     charge: Option<Option<u64>>,
@@ -231,7 +233,9 @@ impl Gateway {
                     ctx.tier_endpoint = Some(e);
                 }
                 Some(None) => {
-                    ctx.decision = Some(Decision::unlimited(self.store.breaker_state()));
+                    // No limit and no Redis call: no decision either, as for an exempt
+                    // client; the tier's own counter still counts it admitted.
+                    ctx.unlimited_tier = true;
                     if snapshot.config.access_log.is_some() {
                         ctx.identity_hash = Some(hash);
                     }
@@ -673,6 +677,13 @@ impl ProxyHttp for Gateway {
         m.requests.inc(status);
         if ctx.exempt {
             m.exempt.inc();
+        }
+        if ctx.unlimited_tier {
+            if let (Some(tier), Some(tiers)) = (&ctx.tier, &route.endpoint.tiers) {
+                if let Some(counters) = tiers.decisions.get(tier) {
+                    counters[1].inc();
+                }
+            }
         }
         if let Some(d) = ctx.decision {
             m.decision(d.reason(), d.allowed()).inc();
