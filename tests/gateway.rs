@@ -599,6 +599,24 @@ async fn sliding_window_cost_and_ratelimit_headers() {
         .to_str()
         .unwrap()
         .starts_with(r#""t.window";r=0"#));
+    // The over-limit cache repeats the denial with the same fields.
+    let repeated = http.get(gw.url("/window")).send().await.unwrap();
+    assert_eq!(repeated.status(), 429);
+    assert_eq!(
+        gw.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="t.window"}"#),
+        1.0
+    );
+    assert_eq!(
+        repeated.headers()["ratelimit-policy"],
+        r#""t.window";q=3;w=2"#
+    );
+    let fields = repeated.headers()["ratelimit"].to_str().unwrap();
+    let t: u64 = fields
+        .strip_prefix(r#""t.window";r=0;t="#)
+        .unwrap_or_else(|| panic!("{fields}"))
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&t), "the window ends within 2 s: {fields}");
 
     // A request costing two tokens: a burst of 5 tokens admits two such requests.
     let statuses = [

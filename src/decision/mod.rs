@@ -132,7 +132,7 @@ enum Verdict {
     /// Redis admitted (`allowed`).
     Admitted { reply: Option<ScriptReply> },
     /// Redis denied (`rate_limited`), or the over-limit cache repeated its denial (`cached`,
-    /// no reply).
+    /// with the reply the cache can give: nothing left, the wait, when the limit is full).
     Limited {
         wait: Duration,
         reply: Option<ScriptReply>,
@@ -172,11 +172,22 @@ impl Decision {
     }
 
     /// A denial the over-limit cache repeated for `wait` more: `rate_limited`, no Redis call.
-    pub fn cached_denial(wait: Duration, breaker: BreakerState) -> Self {
+    pub fn cached_denial(denied: overlimit::Denied, breaker: BreakerState) -> Self {
+        // What Redis would answer now, as far as the cache knows: nothing left, the same
+        // wait, and the limit full again when it said.
+        let wait = Duration::from_micros(denied.left_us);
+        let reply = ScriptReply {
+            allowed: false,
+            remaining: 0,
+            retry_after: Some(denied.left_us.div_ceil(1_000_000)),
+            reset: denied.full_in_s,
+            now_us: 0,
+            wait_us: Some(denied.left_us),
+        };
         Self {
             verdict: Verdict::Limited {
                 wait,
-                reply: None,
+                reply: Some(reply),
                 cached: true,
             },
             breaker,
@@ -428,11 +439,20 @@ mod tests {
         );
         let zero = Decision::by_redis(reply(false, Some(0)), BreakerState::Closed);
         assert_eq!(zero.retry_after_secs(), 1, "never below one second");
-        let d = Decision::cached_denial(Duration::from_micros(1_000_001), BreakerState::Open);
+        let d = Decision::cached_denial(
+            overlimit::Denied {
+                left_us: 1_000_001,
+                limit: 0,
+                full_in_s: Some(30),
+            },
+            BreakerState::Open,
+        );
         assert_eq!(
             (d.reason(), d.allowed(), d.retry_after_secs(), d.breaker()),
             (DecisionReason::RateLimited, false, 2, BreakerState::Open)
         );
-        assert!(d.cached() && d.reply().is_none());
+        assert!(d.cached());
+        let repeated = d.reply().expect("what the cache repeats");
+        assert_eq!((repeated.remaining, repeated.reset), (0, Some(30)));
     }
 }

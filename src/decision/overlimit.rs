@@ -22,9 +22,25 @@ use crate::clock::SharedClock;
 pub const CAPACITY: usize = 16_384;
 const SHARDS: usize = 16;
 
+/// A remembered denial, as the cache repeats it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Denied {
+    /// Microseconds until the request could be admitted.
+    pub left_us: u64,
+    /// The index of the limit that denied.
+    pub limit: usize,
+    /// Whole seconds until that limit is full again, rounded up (`None`: never), for the
+    /// `RateLimit` field of the repeated 429.
+    pub full_in_s: Option<u64>,
+}
+
+/// Never full again, in an entry.
+const NEVER: u64 = u64::MAX;
+
 pub struct OverlimitCache {
-    /// Key -> (until, the index of the limit that denied).
-    shards: Vec<Mutex<HashMap<String, (u64, u8)>>>,
+    /// Key -> (until, when the limit is full again or `NEVER`, the index of the limit that
+    /// denied), times in microseconds of the local clock.
+    shards: Vec<Mutex<HashMap<String, (u64, u64, u8)>>>,
     hasher: RandomState,
     clock: SharedClock,
 }
@@ -38,17 +54,21 @@ impl OverlimitCache {
         }
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, (u64, u8)>> {
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, (u64, u64, u8)>> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    /// Microseconds left of a remembered denial of `key`, and the index of the limit that
-    /// denied, if any.
-    pub fn denied_for(&self, key: &str) -> Option<(u64, usize)> {
+    /// The remembered denial of `key`, if it still holds.
+    pub fn denied_for(&self, key: &str) -> Option<Denied> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(key) {
-            Some(&(until, limit)) if until > now => Some((until - now, usize::from(limit))),
+            Some(&(until, full_at, limit)) if until > now => Some(Denied {
+                left_us: until - now,
+                limit: usize::from(limit),
+                full_in_s: (full_at != NEVER)
+                    .then(|| full_at.saturating_sub(now).div_ceil(1_000_000)),
+            }),
             Some(_) => {
                 shard.remove(key);
                 None
@@ -58,19 +78,24 @@ impl OverlimitCache {
     }
 
     /// Remembers that Redis denied `key` for the next `wait_us` microseconds, by the limit
-    /// of index `limit`.
-    pub fn remember(&self, key: &str, wait_us: u64, limit: usize) {
+    /// of index `limit`, which is full again in `full_in_s` seconds (`None`: never).
+    pub fn remember(&self, key: &str, wait_us: u64, limit: usize, full_in_s: Option<u64>) {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-            shard.retain(|_, (until, _)| *until > now);
+            shard.retain(|_, (until, _, _)| *until > now);
             if shard.len() >= CAPACITY / SHARDS {
                 return;
             }
         }
+        let full_at = full_in_s.map_or(NEVER, |s| now.saturating_add(s.saturating_mul(1_000_000)));
         shard.insert(
             key.to_owned(),
-            (now + wait_us, u8::try_from(limit).unwrap_or(u8::MAX)),
+            (
+                now + wait_us,
+                full_at,
+                u8::try_from(limit).unwrap_or(u8::MAX),
+            ),
         );
     }
 
@@ -106,10 +131,21 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         assert_eq!(cache.denied_for("k"), None);
-        cache.remember("k", 1_500_000, 2);
-        assert_eq!(cache.denied_for("k"), Some((1_500_000, 2)));
+        cache.remember("k", 1_500_000, 2, Some(10));
+        let denied = |left_us, full_in_s| {
+            Some(Denied {
+                left_us,
+                limit: 2,
+                full_in_s,
+            })
+        };
+        assert_eq!(cache.denied_for("k"), denied(1_500_000, Some(10)));
         clock.advance(Duration::from_millis(1_499));
-        assert_eq!(cache.denied_for("k"), Some((1_000, 2)));
+        assert_eq!(
+            cache.denied_for("k"),
+            denied(1_000, Some(9)),
+            "9.0015 s: 9 s"
+        );
         clock.advance(Duration::from_millis(1));
         assert_eq!(
             cache.denied_for("k"),
@@ -124,14 +160,14 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         for i in 0..3 * CAPACITY {
-            cache.remember(&format!("key-{i}"), 60_000_000, 0);
+            cache.remember(&format!("key-{i}"), 60_000_000, 0, None);
         }
         assert!(cache.len() <= CAPACITY);
         clock.advance(Duration::from_secs(61));
-        cache.remember("fresh", 1_000_000, 0);
+        cache.remember("fresh", 1_000_000, 0, None);
         assert_eq!(
-            cache.denied_for("fresh"),
-            Some((1_000_000, 0)),
+            cache.denied_for("fresh").map(|d| (d.left_us, d.full_in_s)),
+            Some((1_000_000, None)),
             "expired entries make room"
         );
     }

@@ -10,8 +10,6 @@ pub mod endpoint;
 pub mod heartbeat;
 pub mod inspect;
 
-use std::time::Duration;
-
 pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
 
 use crate::config::{Algorithm, Limit, Policy, ONE_TOKEN_MICRO};
@@ -104,12 +102,9 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     // caller only; a ceiling's key is everyone's. Where every limit is a ceiling, any denial
     // is everyone's, and the first key is as good as any.
     let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
-    if let Some((left_us, limit)) = endpoint.overlimit.denied_for(&keys[own]) {
-        let mut cached = Several::of(Decision::cached_denial(
-            Duration::from_micros(left_us),
-            store.breaker_state(),
-        ));
-        cached.denied_by = Some(limit);
+    if let Some(denied) = endpoint.overlimit.denied_for(&keys[own]) {
+        let mut cached = Several::of(Decision::cached_denial(denied, store.breaker_state()));
+        cached.denied_by = Some(denied.limit);
         return cached;
     }
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -139,7 +134,9 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             if let (false, Some(wait), Some(limit)) =
                 (combined.allowed, combined.wait_us, denied_by)
             {
-                endpoint.overlimit.remember(&keys[own], wait, limit);
+                endpoint
+                    .overlimit
+                    .remember(&keys[own], wait, limit, replies[limit].reset);
             }
             Several {
                 decision: Decision::by_redis(combined, breaker),
@@ -320,14 +317,14 @@ pub async fn decide(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> 
         return Decision::unlimited(store.breaker_state());
     };
     let key = endpoint.bucket_key(identity_hash);
-    if let Some((left_us, _)) = endpoint.overlimit.denied_for(&key) {
-        return Decision::cached_denial(Duration::from_micros(left_us), store.breaker_state());
+    if let Some(denied) = endpoint.overlimit.denied_for(&key) {
+        return Decision::cached_denial(denied, store.breaker_state());
     }
     let evaluation = store.evaluate(kind, &key, args).await;
     match evaluation.outcome {
         Ok(reply) => {
             if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {
-                endpoint.overlimit.remember(&key, wait, 0);
+                endpoint.overlimit.remember(&key, wait, 0, reply.reset);
             }
             Decision::by_redis(reply, evaluation.breaker)
         }

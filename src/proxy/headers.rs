@@ -1,6 +1,7 @@
 //! The IETF `RateLimit-Policy` and `RateLimit` header fields
-//! (draft-ietf-httpapi-ratelimit-headers-09), computed from the script's answer: never from
-//! a second Redis call, and never for a decision Redis did not make.
+//! (draft-ietf-httpapi-ratelimit-headers-09), computed from the script's answer (or, for a
+//! denial the over-limit cache repeats, from what it kept of that answer): never from a
+//! second Redis call, and never for a decision Redis did not make.
 //!
 //! Values are in requests of this route's cost:
 //! - token bucket: `q` = capacity / cost, `w` = seconds to refill the whole capacity,
@@ -51,6 +52,17 @@ pub fn several(policy: &Policy, replies: &[ScriptReply]) -> Option<RateLimitFiel
     Some(RateLimitFields {
         policy: policies.join(", "),
         state: states.join(", "),
+    })
+}
+
+/// With `[[routes.limits]]`, a denial repeated by the over-limit cache: the item of the
+/// limit that denied, the only one the cache knows about.
+pub fn one(policy: &Policy, limit: usize, reply: &ScriptReply) -> Option<RateLimitFields> {
+    let l = policy.limits.get(limit)?;
+    let (policy_item, state_item) = item(&l.name, l.algorithm, policy.cost_micro, reply)?;
+    Some(RateLimitFields {
+        policy: policy_item,
+        state: state_item,
     })
 }
 

@@ -249,7 +249,12 @@ impl Gateway {
             let several = limiter::decide_limits(&self.store, &endpoint, &hash).await;
             ctx.denied_by = several.denied_by;
             if policy.ratelimit_headers {
-                ctx.ratelimit = headers::several(policy, &several.replies);
+                ctx.ratelimit = match (several.decision.reply(), several.denied_by) {
+                    (Some(repeated), Some(limit)) if several.decision.cached() => {
+                        headers::one(policy, limit, repeated)
+                    }
+                    _ => headers::several(policy, &several.replies),
+                };
             }
             several.decision
         } else {
