@@ -37,10 +37,12 @@ pub struct Denied {
 /// Never full again, in an entry.
 const NEVER: u64 = u64::MAX;
 
+/// Key -> (until, when the limit is full again or `NEVER`, the index of the limit that
+/// denied), times in microseconds of the local clock.
+type Shard = Mutex<HashMap<String, (u64, u64, u8)>>;
+
 pub struct OverlimitCache {
-    /// Key -> (until, when the limit is full again or `NEVER`, the index of the limit that
-    /// denied), times in microseconds of the local clock.
-    shards: Vec<Mutex<HashMap<String, (u64, u64, u8)>>>,
+    shards: Vec<Shard>,
     hasher: RandomState,
     clock: SharedClock,
 }
@@ -54,7 +56,7 @@ impl OverlimitCache {
         }
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, (u64, u64, u8)>> {
+    fn shard(&self, key: &str) -> &Shard {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
