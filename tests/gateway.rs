@@ -349,6 +349,15 @@ async fn answers_before_the_limiter_never_reach_redis() {
         ),
         Some(400)
     );
+    // HTTP/1.1 without Host (RFC 9112, 3.2); HTTP/1.0 may leave it out.
+    assert_eq!(
+        raw_request(gw.port, b"GET /open HTTP/1.1\r\nConnection: close\r\n\r\n"),
+        Some(400)
+    );
+    assert_eq!(
+        raw_request(gw.port, b"GET /open HTTP/1.0\r\n\r\n"),
+        Some(200)
+    );
 
     for _ in 0..5 {
         assert_eq!(
@@ -371,7 +380,8 @@ async fn answers_before_the_limiter_never_reach_redis() {
     );
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.open",status="200"}"#),
-        5.0
+        6.0,
+        "five, and the HTTP/1.0 one"
     );
     let decisions: f64 = ["allowed", "rate_limited"].iter().map(|r| gw.metric(&format!(r#"sentinel_decisions_total{{allowed="{}",decision_reason="{r}",endpoint_id="t.limited"}}"#, r == &"allowed"))).sum();
     assert_eq!(decisions, 0.0, "a 401 produces no decision");

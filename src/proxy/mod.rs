@@ -355,6 +355,13 @@ impl ProxyHttp for Gateway {
         if header_bytes > respond::MAX_HEADER_BYTES {
             return self.answer(session, ctx, Answer::HeadersTooLarge).await;
         }
+        // RFC 9112, 3.2: an HTTP/1.1 request without `Host` is a 400 (HTTP/1.0 may omit it;
+        // HTTP/2 carries `:authority`).
+        let hostless =
+            req.version == http::Version::HTTP_11 && !req.headers.contains_key(http::header::HOST);
+        if hostless {
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        }
         let Ok(path) = normalized(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
