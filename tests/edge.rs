@@ -181,6 +181,33 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     );
 }
 
+/// A trusted proxy's `X-Forwarded-For` fields are passed on byte for byte, with the peer
+/// appended, whatever they hold: a field that is not text (a client's junk that the proxy
+/// passed on beside the real address) is not dropped, so no client can erase the address
+/// its proxy wrote.
+#[test]
+fn a_trusted_proxys_forwarded_for_is_kept_byte_for_byte() {
+    let redis = Redis::start();
+    let (upstream, received) = recording_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        .upstream("app", &[upstream])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let request = b"GET /x HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 1.2.3.4\r\nX-Forwarded-For: junk\xff, 5.6.7.8\r\n\r\n";
+    assert_eq!(common::raw_request(gw.port, request), Some(200));
+    let received = received.lock().unwrap().clone();
+    let expected = b"x-forwarded-for: 1.2.3.4, junk\xff, 5.6.7.8, 127.0.0.1\r\n";
+    assert!(
+        received
+            .to_ascii_lowercase()
+            .windows(expected.len())
+            .any(|w| w == expected),
+        "{}",
+        String::from_utf8_lossy(&received)
+    );
+}
+
 /// Sends a chunked POST of `total` bytes in 1000-byte chunks; the status, or `None` when
 /// the connection was closed without one.
 fn chunked_post(port: u16, path: &str, total: usize) -> Option<u16> {
@@ -495,9 +522,24 @@ fn an_access_log_that_cannot_be_opened_stops_the_start() {
     assert!(text.contains("access_log.path"), "{text}");
 }
 
-/// An upstream on a free port that keeps every byte it receives, and answers 200 `ok` each
-/// time a chunked body ends.
+/// An upstream on a free port that keeps every byte it receives, and answers 200 `ok` to
+/// each request: at the end of its head, or of its chunked body.
 fn recording_upstream() -> (String, Arc<Mutex<Vec<u8>>>) {
+    /// Where the first request in `pending` ends, when it is all there.
+    fn request_end(pending: &[u8]) -> Option<usize> {
+        let head = pending.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let chunked = String::from_utf8_lossy(&pending[..head])
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        if !chunked {
+            return Some(head);
+        }
+        let end = b"\r\n0\r\n\r\n";
+        let at = pending[head - 2..]
+            .windows(end.len())
+            .position(|w| w == end)?;
+        Some(head - 2 + at + end.len())
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let received = Arc::new(Mutex::new(Vec::new()));
@@ -511,9 +553,8 @@ fn recording_upstream() -> (String, Arc<Mutex<Vec<u8>>>) {
                 while let Ok(n @ 1..) = stream.read(&mut buf) {
                     kept.lock().unwrap().extend_from_slice(&buf[..n]);
                     pending.extend_from_slice(&buf[..n]);
-                    let end = b"\r\n0\r\n\r\n";
-                    if let Some(at) = pending.windows(end.len()).position(|w| w == end) {
-                        pending.drain(..at + end.len());
+                    while let Some(end) = request_end(&pending) {
+                        pending.drain(..end);
                         let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
                         if stream.write_all(answer).is_err() {
                             return;

@@ -68,18 +68,19 @@ impl Origin {
         };
         let peer_value = ip_value(peer);
         let xff = if self.trusted {
-            let mut xff = String::new();
+            // Byte for byte, whatever the trusted proxy passed on (a client's junk beside
+            // the real address, non-ASCII bytes included): a field that is not text is not
+            // dropped, or a client could erase the address the proxy wrote after its own.
+            let mut xff = Vec::new();
             for value in upstream.headers.get_all("x-forwarded-for") {
-                if let Ok(text) = value.to_str() {
-                    let text = text.trim();
-                    if !text.is_empty() {
-                        xff.push_str(text);
-                        xff.push_str(", ");
-                    }
+                let field = value.as_bytes().trim_ascii();
+                if !field.is_empty() {
+                    xff.extend_from_slice(field);
+                    xff.extend_from_slice(b", ");
                 }
             }
-            xff.push_str(peer_value.to_str().unwrap_or_default());
-            HeaderValue::try_from(xff).or_err(
+            xff.extend_from_slice(peer_value.as_bytes());
+            HeaderValue::from_bytes(&xff).or_err(
                 InvalidHTTPHeader,
                 "the forwarded-for chain is not a header value",
             )?
