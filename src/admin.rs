@@ -43,14 +43,42 @@ fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
 }
 
 /// A query parameter, percent-decoded (`%XX` is a byte; `+` is a plus, as API keys hold
-/// them); `None` when absent, empty or not UTF-8.
-fn query_param(query: &str, name: &str) -> Option<String> {
-    query.split('&').find_map(|pair| {
-        let (k, v) = pair.split_once('=')?;
-        (k == name).then_some(())?;
-        let decoded = percent_encoding::percent_decode_str(v).decode_utf8().ok()?;
-        (!decoded.is_empty()).then(|| decoded.into_owned())
-    })
+/// them): `Ok(None)` when absent or empty; an error saying why when it is sent twice, holds a
+/// `%` not followed by two hex digits, or is not UTF-8 once decoded.
+fn query_param(query: &str, name: &str) -> Result<Option<String>, String> {
+    let mut found = None;
+    for pair in query.split('&') {
+        let Some((k, v)) = pair.split_once('=') else {
+            continue;
+        };
+        if k != name {
+            continue;
+        }
+        if found.is_some() {
+            return Err(format!("{name} is sent more than once"));
+        }
+        let bytes = v.as_bytes();
+        let escapes_whole = bytes.iter().enumerate().all(|(i, b)| {
+            *b != b'%'
+                || (bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                    && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+        });
+        if !escapes_whole {
+            return Err(format!(
+                "{name} is not percent-encoded: a % must be followed by two hex digits (%25 for a %)"
+            ));
+        }
+        let decoded = percent_encoding::percent_decode_str(v)
+            .decode_utf8()
+            .map_err(|_| format!("{name} is not UTF-8 once percent-decoded"))?;
+        found = Some(decoded.into_owned());
+    }
+    Ok(found.filter(|v| !v.is_empty()))
+}
+
+/// [`query_param`] of the query, when there is one.
+fn param_of(query: Option<&str>, name: &str) -> Result<Option<String>, String> {
+    query.map_or(Ok(None), |q| query_param(q, name))
 }
 
 impl Admin {
@@ -172,15 +200,21 @@ impl Admin {
                 serde_json::json!({"detail": "no such endpoint"}),
             );
         };
-        let Some(identity) = query.and_then(|q| query_param(q, "identity")) else {
-            return json(
+        let bad = |detail: String| {
+            json(
                 StatusCode::BAD_REQUEST,
-                serde_json::json!({"detail": "identity is required: /limits/<endpoint_id>?identity=<identity string, percent-encoded>"}),
-            );
+                serde_json::json!({ "detail": detail }),
+            )
+        };
+        let (identity, asked) = match (param_of(query, "identity"), param_of(query, "tier")) {
+            (Ok(Some(identity)), Ok(tier)) => (identity, tier),
+            (Ok(None), _) => {
+                return bad("identity is required: /limits/<endpoint_id>?identity=<identity string, percent-encoded>".to_owned())
+            }
+            (Err(why), _) | (_, Err(why)) => return bad(why),
         };
         let hash = identity_hash(&identity);
         // A tiered route: `tier` picks the tier to read (default: default_tier).
-        let asked = query.and_then(|q| query_param(q, "tier"));
         let (tier, view_of) = match &endpoint.tiers {
             None if asked.is_some() => {
                 return json(
@@ -319,16 +353,30 @@ mod tests {
 
     #[test]
     fn identities_are_form_decoded_from_the_query() {
+        let identity = |q: &str| query_param(q, "identity");
         assert_eq!(
-            query_param("identity=header%3Ax-api-key%3Aab%2Bc&tier=pro", "identity").as_deref(),
-            Some("header:x-api-key:ab+c")
+            identity("identity=header%3Ax-api-key%3Aab%2Bc&tier=pro"),
+            Ok(Some("header:x-api-key:ab+c".to_owned()))
         );
         assert_eq!(
-            query_param("tier=pro&identity=a+b%20c", "identity").as_deref(),
-            Some("a+b c")
+            identity("tier=pro&identity=a+b%20c"),
+            Ok(Some("a+b c".to_owned()))
         );
-        assert_eq!(query_param("identity=", "identity"), None);
-        assert_eq!(query_param("identity=%ff", "identity"), None);
-        assert_eq!(query_param("other=x", "identity"), None);
+        assert_eq!(identity("identity="), Ok(None));
+        assert_eq!(identity("other=x"), Ok(None));
+        assert_eq!(
+            identity("identity=%ff"),
+            Err("identity is not UTF-8 once percent-decoded".to_owned())
+        );
+        for malformed in ["identity=%ZZ", "identity=a%2", "identity=100%"] {
+            assert!(
+                identity(malformed).is_err_and(|e| e.contains("two hex digits")),
+                "{malformed}"
+            );
+        }
+        assert_eq!(
+            identity("identity=a&identity=b"),
+            Err("identity is sent more than once".to_owned())
+        );
     }
 }

@@ -135,4 +135,24 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
     );
     assert_eq!(limits("GET", "l.tb", "").await.0, 400);
     assert_eq!(limits("POST", "l.tb", who).await.0, 405);
+    // A malformed identity is refused, saying why, rather than read some other way.
+    for (query, why) in [
+        (
+            "?identity=%ZZ",
+            "identity is not percent-encoded: a % must be followed by two hex digits (%25 for a %)",
+        ),
+        ("?identity=a&identity=b", "identity is sent more than once"),
+        (
+            "?identity=%FF%FE",
+            "identity is not UTF-8 once percent-decoded",
+        ),
+    ] {
+        for method in ["GET", "DELETE"] {
+            assert_eq!(
+                limits(method, "l.tb", query).await,
+                (400, json!({ "detail": why })),
+                "{method} {query}"
+            );
+        }
+    }
 }
