@@ -39,6 +39,8 @@ pub struct JwtVerifier {
     /// With `jwks_url`: the fetched keys.
     remote: Option<Arc<JwksCache>>,
     identity_claim: String,
+    /// `iss` is configured: it must be one string.
+    issuer: bool,
 }
 
 impl JwtVerifier {
@@ -92,17 +94,41 @@ impl JwtVerifier {
             keys,
             remote,
             identity_claim: config.identity_claim.clone(),
+            issuer: config.issuer.is_some(),
         })
     }
 
     /// The verified identity claim of a bearer token.
     pub fn subject(&self, token: &str) -> Option<String> {
-        self.subject_and(token, None).map(|(id, _)| id)
+        self.subject_and(token, None).ok().map(|(id, _)| id)
+    }
+
+    /// With `jwks_url`: a token named a `kid` the fetched keys do not have. Waits for the
+    /// refresh this asks for (see [`JwksCache::unknown_kid`]); the token is then verified
+    /// again, and refused if its `kid` is still unknown.
+    pub async fn unknown_kid(&self) {
+        if let Some(remote) = &self.remote {
+            remote.unknown_kid().await;
+        }
     }
 
     /// The verified identity claim of a bearer token, and the string claim `also` of the same
     /// token when asked for (`None` when the token has no such string claim).
-    pub fn subject_and(&self, token: &str, also: Option<&str>) -> Option<(String, Option<String>)> {
+    /// [`IdentityError::UnknownKid`]: the fetched keys have no key of the token's `kid`.
+    pub fn subject_and(
+        &self,
+        token: &str,
+        also: Option<&str>,
+    ) -> Result<(String, Option<String>), IdentityError> {
+        self.verified(token, also)
+            .unwrap_or(Err(IdentityError::InvalidToken))
+    }
+
+    fn verified(
+        &self,
+        token: &str,
+        also: Option<&str>,
+    ) -> Option<Result<(String, Option<String>), IdentityError>> {
         let header = jsonwebtoken::decode_header(token).ok()?;
         let alg = header.alg;
         let (_, validation) = self.validations.iter().find(|(a, _)| *a == alg)?;
@@ -124,25 +150,28 @@ impl JwtVerifier {
                     && pinned.is_none_or(|p| p == alg)
                     && key.family() == alg.family()
             };
-            if let (Some(remote), Some(_)) = (&self.remote, &header.kid) {
+            if let (Some(_), Some(_)) = (&self.remote, &header.kid) {
                 if !keys.iter().any(|k| usable(&k)) {
-                    // A kid the keys do not have: the provider may have rotated. Refused now,
-                    // fetched again soon.
-                    remote.unknown_kid();
-                    return None;
+                    // A kid the keys do not have: the provider may have rotated. The caller
+                    // asks for a refresh and tries again ([`Self::unknown_kid`]).
+                    return Some(Err(IdentityError::UnknownKid));
                 }
             }
             keys.iter()
                 .filter(usable)
                 .find_map(|(_, _, key)| verify(key))?
         };
+        // `iss` is one string (RFC 7519, 4.1.1): the library also takes a list holding it.
+        if self.issuer && !claims.claims.get("iss").is_some_and(|v| v.is_string()) {
+            return None;
+        }
         let id = claims.claims.get(&self.identity_claim)?.as_str()?;
         let extra = also
             .and_then(|c| claims.claims.get(c))
             .and_then(|v| v.as_str())
             .filter(|v| v.len() <= MAX_SUBJECT_BYTES)
             .map(str::to_owned);
-        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| (id.to_owned(), extra))
+        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| Ok((id.to_owned(), extra)))
     }
 }
 
@@ -179,6 +208,10 @@ pub enum IdentityError {
     InvalidToken,
     /// The peer is not an IP socket.
     NoPeerAddress,
+    /// A bearer token whose `kid` the fetched JWKS does not have (with `jwks_url`): the keys
+    /// are refreshed and the token verified again ([`JwtVerifier::unknown_kid`]); 401 when
+    /// it is still unknown.
+    UnknownKid,
     /// The identity header (or `Authorization`) is sent more than once.
     AmbiguousHeader,
     /// No key, or one the key file does not list.
@@ -250,9 +283,7 @@ pub fn identify_with_tier(
                 Some(TierFrom::Claim(c)) => Some(c.as_str()),
                 _ => None,
             };
-            let (sub, tier) = verifier
-                .subject_and(token, claim)
-                .ok_or(IdentityError::InvalidToken)?;
+            let (sub, tier) = verifier.subject_and(token, claim)?;
             Ok((format!("jwt:{sub}"), tier))
         }
     }
@@ -637,6 +668,11 @@ mod tests {
             assert_eq!(t(serde_json::json!({"org_id": "org-7", "iss": "https://idp.example/", "aud": "pdftalk-api", "exp": exp})).as_deref(), Some("org-7"), "aud as one string");
             for (field, value) in [
                 ("iss", serde_json::json!("https://evil.example/")),
+                // One string, not a list that holds it beside another.
+                (
+                    "iss",
+                    serde_json::json!(["https://evil.example/", "https://idp.example/"]),
+                ),
                 ("aud", serde_json::json!("another-service")),
                 ("org_id", serde_json::json!(7)),
                 ("org_id", serde_json::json!("")),

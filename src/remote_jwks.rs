@@ -1,18 +1,21 @@
 //! A JWKS fetched from the identity provider (`[auth.jwt] jwks_url`): at start, every
 //! `jwks_refresh_seconds`, and soon after a token names a `kid` the keys do not have (at most
 //! once per 10 s). The keys live in a [`JwksCache`] the JWT verifier reads on every token;
-//! a fetch that fails keeps the last good keys. Nothing here runs on the request path: a
-//! token with an unknown `kid` is refused at once (401) and only asks for a refresh, so no
-//! request ever waits for the identity provider.
+//! a fetch that fails keeps the last good keys. A token with an unknown `kid` asks for a
+//! refresh and waits for it (at most the fetch's own timeout), then is verified again: a
+//! provider's new key is accepted on its first token, and a `kid` still unknown after the
+//! refresh is 401. Within 10 s of a refresh, an unknown `kid` is refused at once: no token
+//! can make the gateway fetch more often, and only requests with an unknown `kid` ever
+//! wait for the identity provider.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use jsonwebtoken::jwk::JwkSet;
 use prometheus::IntCounter;
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 
 /// The fewest seconds between two refreshes asked for by unknown `kid`s.
 pub const UNKNOWN_KID_REFRESH_GAP: Duration = Duration::from_secs(10);
@@ -73,6 +76,10 @@ pub struct JwksCache {
     started: Instant,
     /// Milliseconds since `started` of the last refresh an unknown kid asked for.
     last_asked_ms: AtomicU64,
+    /// An unknown kid's refresh is asked for and not yet done.
+    asked: AtomicBool,
+    /// Fetches done (whatever their result), for the requests that wait for one.
+    fetched: watch::Sender<u64>,
 }
 
 impl Default for JwksCache {
@@ -82,6 +89,8 @@ impl Default for JwksCache {
             wake: Notify::new(),
             started: Instant::now(),
             last_asked_ms: AtomicU64::new(0),
+            asked: AtomicBool::new(false),
+            fetched: watch::Sender::new(0),
         }
     }
 }
@@ -92,9 +101,12 @@ impl JwksCache {
         self.keys.load_full()
     }
 
-    /// A token named a `kid` the keys do not have: fetch again soon, unless that was asked
-    /// for less than 10 s ago.
-    pub fn unknown_kid(&self) {
+    /// A token named a `kid` the keys do not have: fetch again now, unless that was asked
+    /// for less than 10 s ago, and wait until the fetch asked for is done (at most the
+    /// fetch's timeout). Returns at once when no fetch is under way: the keys are as fresh
+    /// as a token may make them.
+    pub async fn unknown_kid(&self) {
+        let mut done = self.fetched.subscribe();
         let now = self.started.elapsed().as_millis() as u64 + 1;
         let last = self.last_asked_ms.load(Ordering::Relaxed);
         let gap = UNKNOWN_KID_REFRESH_GAP.as_millis() as u64;
@@ -104,8 +116,19 @@ impl JwksCache {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
+            self.asked.store(true, Ordering::SeqCst);
             self.wake.notify_one();
         }
+        if self.asked.load(Ordering::SeqCst) {
+            let _ =
+                tokio::time::timeout(FETCH_TIMEOUT + Duration::from_secs(1), done.changed()).await;
+        }
+    }
+
+    /// A fetch is done, whatever its result: the requests waiting for it go on.
+    fn fetch_done(&self) {
+        self.asked.store(false, Ordering::SeqCst);
+        self.fetched.send_modify(|n| *n += 1);
     }
 
     /// Keys fetched outside the refresh loop (at start).
@@ -212,6 +235,7 @@ pub async fn keep_fresh(
                 failing = true;
             }
         }
+        cache.fetch_done();
         // After a failure, try again sooner than the refresh period.
         let wait = if failing {
             every.min(Duration::from_secs(30))

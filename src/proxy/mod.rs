@@ -203,15 +203,27 @@ impl Gateway {
         let peer = ctx.origin.as_ref().and_then(|o| o.peer);
         let trusted = &snapshot.config.server.trusted_proxies;
         let tiers = route.endpoint.tiers.as_ref();
-        let (identity, caller_tier) = match identity::identify_with_tier(
-            &route.identity,
-            session.req_header(),
-            peer,
-            trusted,
-            snapshot.jwt.as_ref(),
-            snapshot.config.api_keys.as_ref(),
-            tiers.map(|t| &t.from),
-        ) {
+        let identify = || {
+            identity::identify_with_tier(
+                &route.identity,
+                session.req_header(),
+                peer,
+                trusted,
+                snapshot.jwt.as_ref(),
+                snapshot.config.api_keys.as_ref(),
+                tiers.map(|t| &t.from),
+            )
+        };
+        let mut identified = identify();
+        if let (Err(identity::IdentityError::UnknownKid), Some(jwt)) =
+            (&identified, snapshot.jwt.as_ref())
+        {
+            // The provider may have rotated its keys: fetch them (at most once per 10 s)
+            // and verify again; a kid still unknown is refused below.
+            jwt.unknown_kid().await;
+            identified = identify();
+        }
+        let (identity, caller_tier) = match identified {
             Ok(found) => found,
             Err(identity::IdentityError::UnusableForwardedFor) => return Some(Answer::BadRequest),
             Err(_) => {
