@@ -43,8 +43,55 @@ fn jwk_family(jwk: &jsonwebtoken::jwk::Jwk) -> Option<jsonwebtoken::AlgorithmFam
     }
 }
 
+/// Why a public key cannot verify any signature, if it cannot: an elliptic-curve or
+/// Edwards point that is not on its curve, an RSA modulus shorter than 2048 bits (RFC 7518,
+/// 3.3) or an exponent of zero. The library would take such a key and refuse every token
+/// signed for it, saying nothing.
+pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -> Option<String> {
+    use jsonwebtoken::jwk::{AlgorithmParameters as P, EllipticCurve as C};
+    use jsonwebtoken::{Algorithm as A, DecodingKeyKind};
+    if let DecodingKeyKind::RsaModulusExponent { n, e } = key.kind() {
+        let significant = n.iter().skip_while(|b| **b == 0).count();
+        let bits = significant * 8
+            - n.iter()
+                .find(|b| **b != 0)
+                .map_or(0, |b| b.leading_zeros() as usize);
+        if bits < 2048 {
+            return Some(format!(
+                "an RSA modulus of {bits} bits: RS* and PS* keys have 2048 bits or more (RFC 7518, 3.3)"
+            ));
+        }
+        if e.iter().all(|b| *b == 0) {
+            return Some("an RSA exponent of zero".to_owned());
+        }
+        return None;
+    }
+    let alg = match &jwk.algorithm {
+        P::EllipticCurve(p) if p.curve == C::P256 => A::ES256,
+        P::EllipticCurve(p) if p.curve == C::P384 => A::ES384,
+        P::EllipticCurve(p) => {
+            return Some(format!(
+                "curve {:?} verifies no supported algorithm (ES256 is P-256, ES384 P-384)",
+                p.curve
+            ))
+        }
+        P::OctetKeyPair(_) => A::EdDSA,
+        _ => return None,
+    };
+    // The library slices an Ed25519 key to 32 bytes unchecked, and would panic on a
+    // shorter one in the middle of a request.
+    if alg == A::EdDSA && key.try_get_as_bytes().map_or(true, |k| k.len() != 32) {
+        return Some("an Ed25519 key is 32 bytes".to_owned());
+    }
+    // A signature that cannot match: only a key that is not a point of its curve errs.
+    jsonwebtoken::crypto::verify("AAAA", b"probe", key, alg)
+        .err()
+        .map(|_| "its point is not on its curve (a public key must be one)".to_owned())
+}
+
 /// The keys of a JWKS that can verify a signature: a key for encryption, of a kind that
-/// signs nothing configured, or pinned to an unknown algorithm verifies nothing.
+/// signs nothing configured, pinned to an unknown algorithm, or [`unusable`], verifies
+/// nothing.
 pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
     set.keys
         .iter()
@@ -60,11 +107,11 @@ pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
                 Some(a) => Some(a.to_string().parse::<jsonwebtoken::Algorithm>().ok()?),
                 None => None,
             };
-            Some((
-                jwk.common.key_id.clone(),
-                pinned,
-                jsonwebtoken::DecodingKey::from_jwk(jwk).ok()?,
-            ))
+            let key = jsonwebtoken::DecodingKey::from_jwk(jwk).ok()?;
+            if unusable(jwk, &key).is_some() {
+                return None;
+            }
+            Some((jwk.common.key_id.clone(), pinned, key))
         })
         .collect()
 }

@@ -39,12 +39,16 @@ pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigErro
             errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into()));
             continue;
         }
-        if let Err(e) = DecodingKey::from_jwk(jwk) {
+        let why = match DecodingKey::from_jwk(jwk) {
+            Err(e) => Some(e.to_string()),
+            Ok(key) => crate::remote_jwks::unusable(jwk, &key),
+        };
+        if let Some(why) = why {
             errors.push(error(
                 None,
                 Some(label),
                 format!(
-                    "cannot be used to verify tokens ({e}); auth.jwt.algorithms is [{}]",
+                    "cannot be used to verify tokens ({why}); auth.jwt.algorithms is [{}]",
                     algorithms.join(", ")
                 ),
             ));
@@ -101,5 +105,27 @@ mod tests {
         );
         let errors = check("{\"keys\": []}").unwrap_err();
         assert_eq!(errors, vec!["jwks.json: the JWKS holds no keys".to_owned()]);
+        // Keys the library would load and never verify with.
+        for (jwk, why) in [
+            (
+                r#"{"kty":"EC","crv":"P-256","kid":"e","x":"AAAA","y":"AAAA"}"#,
+                "its point is not on its curve",
+            ),
+            (
+                r#"{"kty":"RSA","kid":"r","n":"AQAB","e":"AQAB"}"#,
+                "an RSA modulus of 17 bits",
+            ),
+            (
+                r#"{"kty":"OKP","crv":"Ed25519","kid":"o","x":"AAAA"}"#,
+                "an Ed25519 key is 32 bytes",
+            ),
+        ] {
+            let errors = check(&format!("{{\"keys\": [{jwk}]}}")).unwrap_err();
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert!(
+                errors[0].contains("cannot be used to verify tokens") && errors[0].contains(why),
+                "{errors:?}"
+            );
+        }
     }
 }
