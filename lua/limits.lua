@@ -260,8 +260,10 @@ local function several(k0, mode, limits, now)
       if every then
         r[6]()
       elseif r[1] == 1 then
-        -- Not charged: what is there now is what it would have had before this request.
+        -- Not charged: what is there now is what it would have had before this request,
+        -- and so is when a bucket is full again.
         r[2] = r[2] + arg(i, 4)
+        if arg(i, 1) == 1 then r[4] = tb_until_full(arg(i, 2), arg(i, 3), r[2]) end
       end
       out[i] = reply(r[1], r[2], r[3], r[4], now, r[5])
     end

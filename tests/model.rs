@@ -303,6 +303,32 @@ fn several_limits_script_equals_the_models_all_or_nothing() {
                     for (i, admitted) in each.iter().enumerate() {
                         prop_assert_eq!(parsed[i].allowed, *admitted, "limit {} at {}", i, now);
                     }
+                    // A bucket that would have admitted a denied request reports what it has
+                    // now, and when that is full again: nothing was taken from it.
+                    if !each.iter().all(|a| *a) {
+                        for (i, (bucket, state)) in [(b1, s1), (b2, s2)].into_iter().enumerate() {
+                            if each[i] {
+                                let (tokens, _) = bucket.refill(state, now);
+                                let full = (tokens < bucket.capacity).then(|| {
+                                    (bucket.rate_per_sec > 0).then(|| {
+                                        (bucket.capacity - tokens).div_ceil(bucket.rate_per_sec)
+                                    })
+                                });
+                                prop_assert_eq!(
+                                    parsed[i].remaining,
+                                    tokens as i64,
+                                    "limit {} left",
+                                    i
+                                );
+                                prop_assert_eq!(
+                                    parsed[i].reset,
+                                    full.unwrap_or(Some(0)),
+                                    "limit {} full again in",
+                                    i
+                                );
+                            }
+                        }
+                    }
                     if each.iter().all(|a| *a) {
                         if let Take::Admitted { state } = t1 {
                             s1 = Some(state);
