@@ -371,6 +371,13 @@ impl Gateway {
             log_path,
             _dir: dir,
         };
+        // Every listener of the file: Pingora binds them one after another, and a TLS
+        // listener may still be unbound when the plain one answers.
+        let listeners: Vec<u16> = config
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("listen = \"127.0.0.1:"))
+            .filter_map(|rest| rest.trim_end_matches('"').parse().ok())
+            .collect();
         let ready = |gw: &mut Gateway| {
             if let Ok(Some(status)) = gw.proc.child.try_wait() {
                 panic!("gateway exited with {status}: {}", gw.logs());
@@ -378,6 +385,7 @@ impl Gateway {
             blocking_get(&format!("http://127.0.0.1:{}/readyz", gw.admin_port))
                 .is_some_and(|(s, _)| s == 200)
                 && port_open(gw.port)
+                && listeners.iter().all(|p| port_open(*p))
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while !ready(&mut gw) {
