@@ -130,6 +130,8 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);
     let mut options = pingora_core::apps::HttpServerOptions::default();
     options.h2c = server_cfg.h2c;
+    // CONNECT reaches request_filter, which refuses it with the gateway's JSON 405.
+    options.allow_connect_method_proxying = true;
     options.h2_idle_timeout = Some(server_cfg.keepalive_timeout.max(Duration::from_secs(1)));
     proxy.server_options = Some(options);
     let guard = Guard {

@@ -358,6 +358,24 @@ async fn answers_before_the_limiter_never_reach_redis() {
         raw_request(gw.port, b"GET /open HTTP/1.0\r\n\r\n"),
         Some(200)
     );
+    // CONNECT: the gateway is no tunnel, and says so as it says everything else.
+    {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conn.write_all(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        let lower = answer.to_ascii_lowercase();
+        assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+        assert!(lower.contains("content-type: application/json"), "{answer}");
+        assert!(lower.contains("x-request-id: "), "{answer}");
+        assert!(
+            answer.ends_with(r#"{"detail":"method not allowed"}"#),
+            "{answer}"
+        );
+    }
 
     for _ in 0..5 {
         assert_eq!(

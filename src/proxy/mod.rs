@@ -133,9 +133,10 @@ async fn respond_bare(session: &mut Session, ctx: &RequestCtx, code: u16) {
     written.unwrap_or_else(|e| tracing::debug!(error = %e, "cannot answer"));
 }
 
-/// Micro-tokens of a reported cost: a non-negative decimal integer of units, at most
-/// 10^15 micro-tokens in all (a bucket never goes below minus its capacity anyway); `None`
-/// for anything else.
+/// Micro-tokens of a reported cost: a non-negative decimal integer of units, at most twice
+/// the largest capacity in all, which takes a full bucket of any capacity to minus its
+/// capacity (where the script stops it), and stays exact in Lua's doubles; `None` for
+/// anything else.
 fn charge_of(value: &[u8], unit_micro: u64) -> Option<u64> {
     let digits = value.trim_ascii();
     if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
@@ -145,7 +146,7 @@ fn charge_of(value: &[u8], unit_micro: u64) -> Option<u64> {
     Some(
         units
             .saturating_mul(unit_micro)
-            .min(crate::config::MAX_CAPACITY_MICRO),
+            .min(2 * crate::config::MAX_CAPACITY_MICRO),
     )
 }
 
@@ -373,6 +374,12 @@ impl ProxyHttp for Gateway {
             req.version == http::Version::HTTP_11 && !req.headers.contains_key(http::header::HOST);
         if hostless {
             return self.answer(session, ctx, Answer::BadRequest).await;
+        }
+        // Pingora would answer CONNECT with a bare 405 before any hook; the server options
+        // let it through to here, where it gets the gateway's own answer.
+        if req.method == http::Method::CONNECT {
+            session.set_keepalive(None);
+            return self.answer(session, ctx, Answer::MethodNotAllowed).await;
         }
         let Ok(path) = normalized(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
@@ -734,5 +741,34 @@ impl ProxyHttp for Gateway {
                 m.shadow_denials.inc();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::charge_of;
+    use crate::config::MAX_CAPACITY_MICRO;
+
+    #[test]
+    fn a_reported_cost_is_whole_units_and_can_empty_any_bucket_twice_over() {
+        assert_eq!(charge_of(b" 3 ", 1_000_000), Some(3_000_000));
+        assert_eq!(charge_of(b"0", 1_000_000), Some(0));
+        for bad in [
+            &b""[..],
+            b"-1",
+            b"+3",
+            b"3.0",
+            b"1e3",
+            b"abc",
+            b"1234567890123456789",
+        ] {
+            assert_eq!(charge_of(bad, 1_000_000), None, "{bad:?}");
+        }
+        // From full to minus the capacity is twice the capacity: the largest one too.
+        assert_eq!(
+            charge_of(b"2000000000", 1_000_000),
+            Some(2 * MAX_CAPACITY_MICRO)
+        );
+        const { assert!(2 * MAX_CAPACITY_MICRO < 1 << 53, "exact in Lua's doubles") };
     }
 }

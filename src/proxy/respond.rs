@@ -20,6 +20,8 @@ pub enum Answer {
     /// The body is larger than the route's `max_body_bytes`.
     BodyTooLarge,
     NoRoute,
+    /// `CONNECT`: the gateway is no tunnel.
+    MethodNotAllowed,
     /// `bearer`: the route reads a JWT, so the answer names the scheme.
     Unauthenticated {
         bearer: bool,
@@ -43,6 +45,7 @@ impl Answer {
             Answer::HeadersTooLarge => 431,
             Answer::BodyTooLarge => 413,
             Answer::NoRoute => 404,
+            Answer::MethodNotAllowed => 405,
             Answer::Unauthenticated { .. } => 401,
             Answer::RateLimited { .. } => 429,
             Answer::LimiterUnavailable { .. } => 503,
@@ -57,6 +60,7 @@ impl Answer {
             Answer::HeadersTooLarge => r#"{"detail":"request header fields too large"}"#,
             Answer::BodyTooLarge => r#"{"detail":"request body too large"}"#,
             Answer::NoRoute => r#"{"detail":"no route"}"#,
+            Answer::MethodNotAllowed => r#"{"detail":"method not allowed"}"#,
             Answer::Unauthenticated { .. } => r#"{"detail":"authentication required"}"#,
             Answer::RateLimited { .. } => r#"{"detail":"rate limit exceeded"}"#,
             Answer::LimiterUnavailable { .. } => r#"{"detail":"rate limiter unavailable"}"#,
@@ -91,6 +95,9 @@ impl Answer {
         }
         if self == (Answer::Unauthenticated { bearer: true }) {
             h.insert_header("www-authenticate", "Bearer")?;
+        }
+        if self == Answer::MethodNotAllowed {
+            h.insert_header("allow", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")?;
         }
         Ok(h)
     }
