@@ -171,6 +171,7 @@ fn assert_unavailable(a: &Answer) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_requests() {
     let r = refused_after_warm_up().await;
+    let timed = r.gw.metric("sentinel_redis_duration_seconds_count");
     // No request for 1.5 s: the loss and five or six failed connection attempts, none of
     // them asked for by a request.
     std::thread::sleep(Duration::from_millis(1_500));
@@ -192,6 +193,11 @@ async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_req
         a.elapsed < Duration::from_millis(100),
         "a connection error fails at once: {:?}",
         a.elapsed
+    );
+    assert_eq!(
+        r.gw.metric("sentinel_redis_duration_seconds_count"),
+        timed,
+        "decisions that found no connection say nothing of Redis's speed"
     );
     // From now on each failed attempt counts: the loss and four more open the breaker with
     // no further request (the backoff is at 0.8-2 s steps by now).

@@ -141,9 +141,14 @@ impl Store {
         let result = self.eval(link, script, call, probe).await;
         link.suspect
             .store(matches!(result, Err(Failure::Timeout)), Ordering::Relaxed);
-        self.inner
-            .redis_duration
-            .observe(started.elapsed().as_secs_f64());
+        // How long Redis took to answer this decision (its batch's call, a NOSCRIPT reload
+        // included) or ran out of budget: a decision that never reached a connection says
+        // nothing about Redis's speed.
+        if !matches!(result, Err(Failure::NotConnected)) {
+            self.inner
+                .redis_duration
+                .observe(started.elapsed().as_secs_f64());
+        }
         let reply = result.and_then(|v| {
             v.bytes().and_then(parse).ok_or_else(|| {
                 tracing::error!(reply = ?v, "a limiter script answered an unexpected shape: this is a bug");
