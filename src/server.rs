@@ -84,6 +84,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         server_cfg.header_read_timeout,
         server_cfg.keepalive_timeout,
     ));
+    connections.set_request_id_header(server_cfg.request_id_header.as_str());
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)

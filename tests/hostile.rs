@@ -480,3 +480,57 @@ fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
         "charged exactly the answered requests"
     );
 }
+
+/// The whole answer to `request` sent on a new connection, until the gateway closes it.
+fn raw_answer(port: u16, request: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(request).unwrap();
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Request heads Pingora cannot parse are answered before any hook of the gateway runs; the
+/// answer is still the gateway's own: JSON, its content type, a request id, and the
+/// connection closed. A keep-alive connection whose next head is malformed gets the same.
+#[test]
+fn a_head_that_cannot_be_parsed_gets_the_gateways_own_400() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 100);
+    let is_the_gateways = |answer: &str| {
+        let lower = answer.to_ascii_lowercase();
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(lower.contains("content-type: application/json"), "{answer}");
+        assert!(lower.contains("x-request-id: "), "{answer}");
+        assert!(!lower.contains("server: pingora"), "{answer}");
+        assert!(
+            answer.ends_with(r#"{"detail":"bad request"}"#),
+            "{answer:?}"
+        );
+    };
+    let heads: [&[u8]; 3] = [
+        b"GET /open HTTP/1.1\r\nHost: a\r\nBad\x01Name: y\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    ];
+    for head in heads {
+        is_the_gateways(&raw_answer(gw.port, head));
+    }
+    // The second head of a keep-alive connection.
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let mut first = [0u8; 4096];
+    let n = conn.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 "));
+    conn.write_all(b"GET /open HTTP/1.1\r\nHost: a\r\nBad\x01Name: y\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer);
+    is_the_gateways(&String::from_utf8_lossy(&answer));
+}

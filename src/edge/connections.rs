@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use futures_util::task::AtomicWaker;
 use pingora_core::apps::ServerApp;
@@ -53,6 +54,14 @@ use crate::edge::tls::Certificates;
 
 /// The traits Pingora wants of a connection, passed through to `inner()`.
 macro_rules! delegate_io {
+    ($t:ty) => {
+        delegate_write!($t);
+        delegate_rest!($t);
+    };
+}
+
+/// Writes passed through to `inner()`.
+macro_rules! delegate_write {
     ($t:ty) => {
         impl AsyncWrite for $t {
             fn poll_write(
@@ -89,7 +98,12 @@ macro_rules! delegate_io {
                 self.inner_ref().is_write_vectored()
             }
         }
+    };
+}
 
+/// Every trait Pingora wants of a connection but the writes, passed through to `inner()`.
+macro_rules! delegate_rest {
+    ($t:ty) => {
         #[async_trait]
         impl Shutdown for $t {
             async fn shutdown(&mut self) {
@@ -190,6 +204,8 @@ pub struct Connections {
     closing: AtomicUsize,
     /// The clock of `Conn::since_ms`.
     epoch: Instant,
+    /// `request_id_header`, lower case, for the answers written here ([`Guarded`]).
+    request_id_header: ArcSwap<String>,
 }
 
 #[derive(Debug)]
@@ -237,7 +253,14 @@ impl Connections {
             multiplexed: Mutex::new(HashMap::new()),
             closing: AtomicUsize::new(0),
             epoch: Instant::now(),
+            request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
         }
+    }
+
+    /// The config's `request_id_header`, at start and on every reload.
+    pub fn set_request_id_header(&self, name: &str) {
+        self.request_id_header
+            .store(Arc::new(name.to_ascii_lowercase()));
     }
 
     /// A reload's `header_read_timeout_ms`, for heads that start from now on.
@@ -397,6 +420,9 @@ impl Drop for Registration {
 pub struct Guarded {
     inner: Stream,
     reg: Registration,
+    /// The gateway's own answer written in place of Pingora's bare 400, and how much of it
+    /// is written ([`Guarded::poll_write`]).
+    replacing: Option<(Vec<u8>, usize)>,
 }
 
 impl Guarded {
@@ -485,7 +511,87 @@ impl AsyncRead for Guarded {
     }
 }
 
-delegate_io!(Guarded);
+delegate_rest!(Guarded);
+
+/// Pingora answers a request head it cannot parse (a malformed header, a bad
+/// `Content-Length`, a head over its limits) itself, before any hook of the gateway runs:
+/// an empty 400 with its own `Server` header. Such an answer is the only thing written
+/// while a head is on its way (`Head`); it is replaced by the gateway's own, as every answer
+/// the gateway writes: JSON, `content-type`, a request id, and the connection closed.
+fn is_pingora_400(buf: &[u8]) -> bool {
+    buf.starts_with(b"HTTP/1.") && buf.get(8..13) == Some(b" 400 ")
+}
+
+impl Guarded {
+    fn bad_request(&self) -> Vec<u8> {
+        let body = r#"{"detail":"bad request"}"#;
+        format!(
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len(),
+            self.reg.connections.request_id_header.load(),
+            crate::proxy::forwarded::new_request_id(),
+        )
+        .into_bytes()
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = &mut *self;
+        if this.replacing.is_none()
+            && this.reg.conn.state.load(Ordering::Relaxed) == HEAD
+            && is_pingora_400(buf)
+        {
+            this.replacing = Some((this.bad_request(), 0));
+        }
+        let Some((answer, written)) = &mut this.replacing else {
+            return Pin::new(&mut this.inner).poll_write(cx, buf);
+        };
+        // Pingora's bytes (and anything after them: the connection closes) are taken as
+        // written once the gateway's answer is.
+        while *written < answer.len() {
+            match Pin::new(&mut this.inner).poll_write(cx, &answer[*written..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()))
+                }
+                Poll::Ready(Ok(n)) => *written += n,
+                other => return other,
+            }
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.replacing.is_some() || self.reg.conn.state.load(Ordering::Relaxed) == HEAD {
+            let first = bufs
+                .iter()
+                .find(|b| !b.is_empty())
+                .map_or(&[][..], |b| &**b);
+            return self.poll_write(cx, first);
+        }
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
 
 /// A connection as Pingora accepted it, as the transport under TLS. While the handshake is
 /// under way (the connection's state is `HANDSHAKE`) a read sees what the watch decided, as
@@ -636,7 +742,11 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                     }
                 }
             };
-            Box::new(Guarded { inner, reg })
+            Box::new(Guarded {
+                inner,
+                reg,
+                replacing: None,
+            })
         };
         self.app.process_new(stream, shutdown).await
     }
