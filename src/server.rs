@@ -126,7 +126,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
         store: store.clone(),
         lifecycle: Arc::clone(&lifecycle),
         access_log: Arc::clone(&access_log),
-        connections: Arc::clone(&connections),
     };
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);
     let mut options = pingora_core::apps::HttpServerOptions::default();

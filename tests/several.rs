@@ -233,6 +233,12 @@ async fn a_global_ceiling_caps_every_caller_together() {
     assert_eq!(body["keys_deleted"], 1, "{body}");
     assert_eq!(remaining(&limits_of(&gw, "header:x-api-key:a"), "burst"), 3);
     assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 0);
+
+    // Resetting the ceiling lets back in the callers it refused, though the over-limit
+    // cache remembers those denials under each caller's own key.
+    assert_eq!(get(&gw, "c").await.status(), 429);
+    reset(&gw, "global").await;
+    assert_eq!(get(&gw, "c").await.status(), 200);
 }
 
 /// A ceiling listed before the caller's own limit: a caller who spent its own burst is

@@ -109,6 +109,13 @@ impl OverlimitCache {
             .remove(key);
     }
 
+    /// Forgets every remembered denial (an operator reset a ceiling every caller shares).
+    pub fn clear(&self) {
+        for shard in &self.shards {
+            shard.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.shards
             .iter()

@@ -13,9 +13,7 @@
 //!   after that the read fails and the connection is closed (slowloris).
 //! - `Busy`: the head was read (the proxy says so), until the answer is finished.
 //! - `Idle`: between keep-alive requests; closed after `keepalive_timeout_seconds`.
-//! - `Multiplexed`: HTTP/2, whose streams Pingora's own idle timeout watches. Each request
-//!   holds an [`H2Request`] on its connection (found by its socket digest, which every
-//!   stream of the connection carries); with none, the connection counts as idle.
+//! - `Multiplexed`: HTTP/2, whose streams Pingora's own idle timeout watches.
 //!
 //! The deadlines are kept by one sweeper task for all connections ([`Connections::sweep`],
 //! every 100 ms), not by a timer per connection or per read: a request then costs two
@@ -24,12 +22,12 @@
 //! throughput.)
 //!
 //! At `max_connections`, a new connection first closes the oldest connection that has no
-//! request in progress (`Handshake`, `Head`, including a wait for the h2c preface, `Idle`,
-//! or `Multiplexed` without a request), as nginx does; when every one is busy, the new
+//! request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
+//! `Idle`), as nginx does; when every one is busy, the new
 //! connection is closed at once. A connection asked to close reads end-of-file, which
 //! Pingora treats as a client that left.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -197,9 +195,6 @@ pub struct Connections {
     keepalive_ms: AtomicU64,
     next_id: AtomicU64,
     open: Mutex<BTreeMap<u64, Arc<Conn>>>,
-    /// The `Multiplexed` ones by their socket digest (its address), which every HTTP/2
-    /// request of the connection carries: how a request finds its connection.
-    multiplexed: Mutex<HashMap<usize, Arc<Conn>>>,
     /// Connections asked to close that have not gone yet.
     closing: AtomicUsize,
     /// The clock of `Conn::since_ms`.
@@ -216,30 +211,6 @@ struct Conn {
     /// Milliseconds since the epoch when the current `Head` or `Idle` began.
     since_ms: AtomicU64,
     waker: AtomicWaker,
-    /// `Multiplexed`: its requests in progress; with none, it is idle.
-    streams: AtomicUsize,
-}
-
-impl Conn {
-    /// No request in progress: a handshake or a head on its way, between keep-alive
-    /// requests, or HTTP/2 without a request in progress.
-    fn idle(&self) -> bool {
-        match self.state.load(Ordering::Relaxed) {
-            HEAD | IDLE | HANDSHAKE => true,
-            MULTIPLEXED => self.streams.load(Ordering::Relaxed) == 0,
-            _ => false,
-        }
-    }
-}
-
-/// One HTTP/2 request in progress on its connection, until dropped.
-#[derive(Debug)]
-pub struct H2Request(Arc<Conn>);
-
-impl Drop for H2Request {
-    fn drop(&mut self) {
-        self.0.streams.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 impl Connections {
@@ -250,7 +221,6 @@ impl Connections {
             keepalive_ms: AtomicU64::new(keepalive.as_millis() as u64),
             next_id: AtomicU64::new(0),
             open: Mutex::new(BTreeMap::new()),
-            multiplexed: Mutex::new(HashMap::new()),
             closing: AtomicUsize::new(0),
             epoch: Instant::now(),
             request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
@@ -332,12 +302,15 @@ impl Connections {
 
     /// Registers a new connection in `state`, making room when at the bound; `None`: every
     /// connection is busy, close this one.
-    fn admit(self: &Arc<Self>, state: u8, digest: usize) -> Option<Registration> {
+    fn admit(self: &Arc<Self>, state: u8) -> Option<Registration> {
         let mut open = self.lock();
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
             let oldest_idle = open
                 .values()
-                .find(|c| c.close.load(Ordering::Relaxed) == KEEP && c.idle())
+                .find(|c| {
+                    c.close.load(Ordering::Relaxed) == KEEP
+                        && matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE | HANDSHAKE)
+                })
                 .cloned()?;
             self.close(&oldest_idle, EVICTED);
         }
@@ -347,52 +320,18 @@ impl Connections {
             close: AtomicU8::new(KEEP),
             since_ms: AtomicU64::new(self.now_ms()),
             waker: AtomicWaker::new(),
-            streams: AtomicUsize::new(0),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
         Some(Registration {
             conn,
             id,
-            digest,
             connections: Arc::clone(self),
         })
     }
 
-    /// `reg` speaks HTTP/2 from now on.
-    fn multiplex(&self, reg: &Registration) {
-        reg.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
-        if reg.digest != 0 {
-            self.multiplexed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(reg.digest, Arc::clone(&reg.conn));
-        }
-    }
-
-    /// An HTTP/2 request of the connection whose digest is `digest`: the connection is busy
-    /// until the returned guard is dropped. `None` for HTTP/1, whose connection says when a
-    /// request starts and ends itself.
-    pub fn stream(&self, digest: Option<&Arc<SocketDigest>>) -> Option<H2Request> {
-        let key = Arc::as_ptr(digest?) as usize;
-        let conn = Arc::clone(
-            self.multiplexed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&key)?,
-        );
-        conn.streams.fetch_add(1, Ordering::Relaxed);
-        Some(H2Request(conn))
-    }
-
-    fn forget(&self, id: u64, digest: usize, conn: &Conn) {
+    fn forget(&self, id: u64, conn: &Conn) {
         self.lock().remove(&id);
-        if conn.state.load(Ordering::Relaxed) == MULTIPLEXED && digest != 0 {
-            self.multiplexed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&digest);
-        }
         if conn.close.load(Ordering::Relaxed) != KEEP {
             self.closing.fetch_sub(1, Ordering::Relaxed);
         }
@@ -404,14 +343,12 @@ impl Connections {
 struct Registration {
     conn: Arc<Conn>,
     id: u64,
-    /// The address of the connection's socket digest (0: none).
-    digest: usize,
     connections: Arc<Connections>,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.connections.forget(self.id, self.digest, &self.conn);
+        self.connections.forget(self.id, &self.conn);
     }
 }
 
@@ -477,16 +414,7 @@ impl AsyncRead for Guarded {
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
         let state = this.reg.conn.state.load(Ordering::Relaxed);
-        if state == BUSY {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
-        }
-        if state == MULTIPLEXED {
-            // Closed to make room while it had no request in progress: an end-of-file ends
-            // the HTTP/2 connection.
-            if this.reg.conn.close.load(Ordering::Relaxed) != KEEP {
-                return Poll::Ready(Ok(()));
-            }
-            this.reg.conn.waker.register(cx.waker());
+        if matches!(state, BUSY | MULTIPLEXED) {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         match this.reg.conn.close.load(Ordering::Relaxed) {
@@ -668,7 +596,7 @@ impl Peek for Guarded {
             }
         };
         if peeked && buf.starts_with(H2_PREFACE) {
-            self.reg.connections.multiplex(&self.reg);
+            self.reg.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
         }
         Ok(peeked)
     }
@@ -698,10 +626,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
             // Counted from the accept, so that connections still in their TLS handshake are
             // bounded (and closed to make room) like those waiting for a first request.
             let state = if acceptor.is_some() { HANDSHAKE } else { HEAD };
-            let digest = stream
-                .get_socket_digest()
-                .map_or(0, |d| Arc::as_ptr(&d) as usize);
-            let Some(reg) = self.connections.admit(state, digest) else {
+            let Some(reg) = self.connections.admit(state) else {
                 tracing::debug!(
                     "max_connections reached and every connection busy: closing a new one"
                 );
@@ -722,11 +647,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                             reg.conn
                                 .since_ms
                                 .store(self.connections.now_ms(), Ordering::Relaxed);
-                            if h2 {
-                                self.connections.multiplex(&reg);
-                            } else {
-                                reg.conn.state.store(HEAD, Ordering::Relaxed);
-                            }
+                            reg.conn
+                                .state
+                                .store(if h2 { MULTIPLEXED } else { HEAD }, Ordering::Relaxed);
                             Box::new(tls)
                         }
                         Ok(Err(e)) => {

@@ -161,7 +161,12 @@ pub async fn reset(
         }
         deleted
     };
-    // The cache remembers a denial under the caller's own key, or a ceiling's.
+    // The cache remembers a denial under the caller's own key, or a ceiling's. A ceiling's
+    // denial is remembered under every caller's key it refused: resetting the ceiling
+    // forgets every denial of the endpoint.
+    if everyone && endpoint.policy.limits.iter().any(|l| l.global) {
+        endpoint.overlimit.clear();
+    }
     for key in keyed(endpoint, identity_hash).iter().map(|(_, k)| k) {
         endpoint.overlimit.forget(key);
     }

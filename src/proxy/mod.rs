@@ -19,7 +19,7 @@ use pingora_proxy::FailToProxy;
 
 use crate::config::{Enforcement, IdentitySource};
 use crate::decision::{Decision, DecisionReason};
-use crate::edge::connections::{Connections, Guarded, H2Request};
+use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
 use crate::lifecycle::{InFlight, Lifecycle};
@@ -36,7 +36,6 @@ pub struct Gateway {
     pub store: Store,
     pub lifecycle: Arc<Lifecycle>,
     pub access_log: Arc<AccessLog>,
-    pub connections: Arc<Connections>,
 }
 
 /// One request's state across the hooks. The snapshot loaded first is the one the whole
@@ -83,8 +82,6 @@ pub struct RequestCtx {
     tier: Option<Arc<str>>,
     tier_endpoint: Option<Arc<limiter::Endpoint>>,
     _in_flight: Option<InFlight>,
-    /// An HTTP/2 request keeps its connection from counting as idle until it ends.
-    _h2_request: Option<H2Request>,
 }
 
 impl RequestCtx {
@@ -335,12 +332,8 @@ impl ProxyHttp for Gateway {
         let snapshot = self.live.load_full();
         ctx.snapshot = Some(Arc::clone(&snapshot));
         let server = &snapshot.config.server;
-        match Guarded::of(session.stream()) {
-            Some(connection) => connection.head_complete(),
-            None => {
-                let digest = session.digest().and_then(|d| d.socket_digest.as_ref());
-                ctx._h2_request = self.connections.stream(digest);
-            }
+        if let Some(connection) = Guarded::of(session.stream()) {
+            connection.head_complete();
         }
         // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs);
         // 0: no keep-alive.
