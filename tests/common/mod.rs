@@ -16,19 +16,33 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// `n` free loopback ports, all different (two asks in a row can be given the same one).
+/// `N` distinct free loopback ports ([`free_port`]).
 pub fn free_ports<const N: usize>() -> [u16; N] {
-    let listeners: Vec<TcpListener> = (0..N)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
-        .collect();
-    std::array::from_fn(|i| listeners[i].local_addr().expect("bound").port())
+    std::array::from_fn(|_| free_port())
 }
 
+/// A loopback port nobody listens on, for a process a test starts. Taken below the
+/// kernel's ephemeral range (32768 and up), where the local ends of every test's outgoing
+/// connections come from: a port the kernel handed out as free could be given to such a
+/// connection before the process bound it ("Address already in use"). Each test process
+/// walks the range from a start of its own.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 10_000;
+    const SPAN: u32 = 20_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % SPAN,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    loop {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Polls `f` until it returns true or `within` passes.
