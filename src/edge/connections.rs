@@ -360,6 +360,8 @@ pub struct Guarded {
     /// The gateway's own answer written in place of Pingora's bare 400, and how much of it
     /// is written ([`Guarded::poll_write`]).
     replacing: Option<(Vec<u8>, usize)>,
+    /// Bytes read while looking for the h2c preface, given back to the first reads.
+    peeked: Vec<u8>,
 }
 
 impl Guarded {
@@ -413,6 +415,12 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        if !this.peeked.is_empty() {
+            let n = this.peeked.len().min(buf.remaining());
+            buf.put_slice(&this.peeked[..n]);
+            this.peeked.drain(..n);
+            return Poll::Ready(Ok(()));
+        }
         let state = this.reg.conn.state.load(Ordering::Relaxed);
         if matches!(state, BUSY | MULTIPLEXED) {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -585,7 +593,7 @@ impl Peek for Guarded {
             }
         });
         let peeked = tokio::select! {
-            peeked = tokio::time::timeout(timeout, self.inner.try_peek(buf)) => {
+            peeked = tokio::time::timeout(timeout, Self::read_preface(&mut self.inner, buf)) => {
                 peeked.map_err(|_| Self::header_timed_out())??
             }
             () = closed => {
@@ -595,10 +603,30 @@ impl Peek for Guarded {
                 ))
             }
         };
-        if peeked && buf.starts_with(H2_PREFACE) {
+        if buf.starts_with(H2_PREFACE) {
             self.reg.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
         }
-        Ok(peeked)
+        self.peeked.extend_from_slice(&buf[..peeked]);
+        Ok(true)
+    }
+}
+
+impl Guarded {
+    /// Reads into `buf` until it holds the preface, or what it holds cannot be one; says
+    /// how many bytes it read. Pingora's own peek waits for as many bytes as the preface
+    /// has, so an HTTP/1 request shorter than that (`GET / HTTP/1.0` and its blank line)
+    /// would wait for the header deadline.
+    async fn read_preface(inner: &mut Stream, buf: &mut [u8]) -> std::io::Result<usize> {
+        use tokio::io::AsyncReadExt;
+        let mut n = 0;
+        while n < buf.len() && H2_PREFACE.starts_with(&buf[..n]) {
+            match inner.read(&mut buf[n..]).await? {
+                0 if n == 0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                0 => break,
+                read => n += read,
+            }
+        }
+        Ok(n)
     }
 }
 
@@ -669,6 +697,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 inner,
                 reg,
                 replacing: None,
+                peeked: Vec::new(),
             })
         };
         self.app.process_new(stream, shutdown).await
