@@ -33,10 +33,11 @@ impl Lifecycle {
         self.in_flight.load(Ordering::Acquire)
     }
 
-    /// Counts one request until the guard drops.
-    pub fn track(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlight(Arc::clone(self))
+    /// Counts one request until the guard drops; also says how many are in flight with
+    /// it, itself included.
+    pub fn track(self: &Arc<Self>) -> (InFlight, usize) {
+        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        (InFlight(Arc::clone(self)), before + 1)
     }
 }
 

@@ -93,6 +93,12 @@ pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -
 /// signs nothing configured, pinned to an unknown algorithm, or [`unusable`], verifies
 /// nothing.
 pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
+    verify_keys_noting(set, &mut Vec::new())
+}
+
+/// [`verify_keys`], and in `left_out` each key that signs but is [`unusable`]: its `kid`
+/// (or `-`) and why.
+fn verify_keys_noting(set: &JwkSet, left_out: &mut Vec<String>) -> Vec<VerifyKey> {
     set.keys
         .iter()
         .filter(|jwk| jwk_family(jwk).is_some())
@@ -108,7 +114,9 @@ pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
                 None => None,
             };
             let key = jsonwebtoken::DecodingKey::from_jwk(jwk).ok()?;
-            if unusable(jwk, &key).is_some() {
+            if let Some(why) = unusable(jwk, &key) {
+                let kid = jwk.common.key_id.as_deref().unwrap_or("-");
+                left_out.push(format!("{kid}: {why}"));
                 return None;
             }
             Some((jwk.common.key_id.clone(), pinned, key))
@@ -127,6 +135,8 @@ pub struct JwksCache {
     asked: AtomicBool,
     /// Fetches done (whatever their result), for the requests that wait for one.
     fetched: watch::Sender<u64>,
+    /// The keys the last fetch left out as unusable.
+    left_out: std::sync::Mutex<Vec<String>>,
 }
 
 impl Default for JwksCache {
@@ -138,6 +148,7 @@ impl Default for JwksCache {
             last_asked_ms: AtomicU64::new(0),
             asked: AtomicBool::new(false),
             fetched: watch::Sender::new(0),
+            left_out: std::sync::Mutex::new(Vec::new()),
         }
     }
 }
@@ -170,6 +181,15 @@ impl JwksCache {
             let _ =
                 tokio::time::timeout(FETCH_TIMEOUT + Duration::from_secs(1), done.changed()).await;
         }
+    }
+
+    /// Logs the keys a fetch left out as unusable, once each time they change.
+    pub fn note_left_out(&self, url: &str, left_out: Vec<String>) {
+        let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
+        if *before != left_out && !left_out.is_empty() {
+            tracing::warn!(url = %url, left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+        }
+        *before = left_out;
     }
 
     /// A fetch is done, whatever its result: the requests waiting for it go on.
@@ -218,8 +238,12 @@ pub fn http_client() -> reqwest::Client {
         .expect("an HTTP client")
 }
 
-/// One fetch: the JWKS at `url`, parsed.
-pub async fn fetch(client: &reqwest::Client, url: &str) -> Result<Vec<VerifyKey>, String> {
+/// One fetch: the JWKS at `url`, parsed: the keys that verify, and the ones left out as
+/// [`unusable`] (`kid: why`).
+pub async fn fetch(
+    client: &reqwest::Client,
+    url: &str,
+) -> Result<(Vec<VerifyKey>, Vec<String>), String> {
     let mut response = client
         .get(url)
         .header("accept", "application/json")
@@ -241,11 +265,12 @@ pub async fn fetch(client: &reqwest::Client, url: &str) -> Result<Vec<VerifyKey>
         }
     }
     let set: JwkSet = serde_json::from_slice(&body).map_err(|e| format!("is not a JWKS: {e}"))?;
-    let keys = verify_keys(&set);
+    let mut left_out = Vec::new();
+    let keys = verify_keys_noting(&set, &mut left_out);
     if keys.is_empty() {
         return Err("holds no key that verifies signatures".into());
     }
-    Ok(keys)
+    Ok((keys, left_out))
 }
 
 /// Keeps `cache` filled from the URL `target` returns (read again before every fetch, so a
@@ -266,7 +291,8 @@ pub async fn keep_fresh(
             continue;
         };
         match fetch(&client, &url).await {
-            Ok(keys) => {
+            Ok((keys, left_out)) => {
+                cache.note_left_out(&url, left_out);
                 counters.success.inc();
                 if failing {
                     tracing::info!(keys = keys.len(), "the JWKS is fetched again");

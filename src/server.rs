@@ -126,6 +126,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         store: store.clone(),
         lifecycle: Arc::clone(&lifecycle),
         access_log: Arc::clone(&access_log),
+        max_in_flight: max_connections,
     };
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);
     let mut options = pingora_core::apps::HttpServerOptions::default();
@@ -134,6 +135,12 @@ pub fn run(config: Config) -> Result<(), StartError> {
     options.allow_connect_method_proxying = true;
     options.h2_idle_timeout = Some(server_cfg.keepalive_timeout.max(Duration::from_secs(1)));
     proxy.server_options = Some(options);
+    // Pingora's HTTP/2 defaults (100 streams a connection), with room for a header list
+    // past the gateway's own 64 KiB bound, so that one just over it gets the gateway's JSON
+    // 431 as over HTTP/1.1, rather than the h2 library's bodiless one.
+    let mut h2 = pingora_core::protocols::http::v2::server::default_h2_options();
+    h2.max_header_list_size(2 * crate::proxy::respond::MAX_HEADER_BYTES as u32);
+    proxy.h2_options = Some(h2);
     let guard = Guard {
         app: Arc::new(proxy),
         connections: Arc::clone(&connections),
@@ -184,7 +191,8 @@ pub fn run(config: Config) -> Result<(), StartError> {
             .await
         });
         match first {
-            Ok(Ok(keys)) => {
+            Ok(Ok((keys, left_out))) => {
+                jwks.note_left_out(&url, left_out);
                 metrics.jwks_refresh.success.inc();
                 jwks.install(keys);
             }

@@ -266,6 +266,52 @@ fn at_max_connections_with_every_connection_busy_a_new_one_is_closed_at_once() {
     assert_eq!(blocking_get(&gw.url("/x")).map(|a| a.0), Some(200));
 }
 
+/// HTTP/2 streams count as requests in flight: each holds an upstream connection, so at
+/// `max_connections` requests in flight a new stream is answered 503 instead of taking
+/// another descriptor. Before, one connection's streams could take every descriptor, and
+/// the upstreams, Redis and the admin starved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_in_flight_are_bounded_by_max_connections() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "5"), ("h2c", "true")]);
+    let h2 = common::client_builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    // One connection first, which the streams below share.
+    let r = h2.get(gw.url("/x")).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    // Its request leaves the count just after its answer.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let streams: Vec<_> = (0..12)
+        .map(|_| {
+            let (h2, url) = (h2.clone(), gw.url("/slow?ms=1500"));
+            tokio::spawn(async move {
+                let r = h2.get(url).send().await.unwrap();
+                let status = r.status().as_u16();
+                let retry = r.headers().get("retry-after").cloned();
+                (status, retry, r.text().await.unwrap())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for s in streams {
+        answers.push(s.await.unwrap());
+    }
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    let refused: Vec<_> = answers.iter().filter(|a| a.0 == 503).collect();
+    assert_eq!((ok, refused.len()), (5, 7), "{answers:?}");
+    for (_, retry, body) in refused {
+        assert_eq!(body, r#"{"detail":"gateway at capacity"}"#);
+        assert_eq!(retry.as_ref().map(|v| v.to_str().unwrap()), Some("1"));
+    }
+    // The bound is on what is in flight: once the slow ones are answered, streams pass.
+    let r = h2.get(gw.url("/x")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
 /// The gateway's resident memory, from /proc.
 fn rss_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

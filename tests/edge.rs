@@ -310,9 +310,16 @@ async fn h2c_answers_as_http1_does() {
     let up = Upstream::start("app");
     let gw = GatewayConfig::new(&redis.url())
         .server("h2c", "true")
+        .server("header_read_timeout_ms", "30000")
         .upstream("app", &[up.addr()])
         .route(limited(2))
         .start();
+    // A request shorter than the h2c preface's 24 bytes is answered at once, not when
+    // the header deadline (30 s here) ends the wait for more bytes; raw_request gives up
+    // after 5 s.
+    let short = b"GET / HTTP/1.0\r\n\r\n";
+    assert!(short.len() < 24);
+    assert_eq!(common::raw_request(gw.port, short), Some(404));
     let h2 = common::client_builder()
         .no_proxy()
         .http2_prior_knowledge()
@@ -345,6 +352,19 @@ async fn h2c_answers_as_http1_does() {
     );
     let r = h2.get(gw.url("/nowhere")).send().await.unwrap();
     assert_eq!(r.status(), 404);
+    // Headers over 64 KiB get the gateway's JSON 431 over HTTP/2 too, not the h2 library's
+    // bodiless one.
+    let r = h2
+        .get(gw.url("/api/x"))
+        .header("X-Big", "a".repeat(70_000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 431);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"detail":"request header fields too large"}"#
+    );
 
     // Without h2c, prior knowledge gets no HTTP/2 answer.
     let plain = GatewayConfig::new(&redis.url())

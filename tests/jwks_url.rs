@@ -165,6 +165,50 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
 }
 
+/// A fetched set may hold a key that cannot verify (here an Ed25519 key of 16 bytes, which
+/// made the JWT library panic on a token signed for it): it is left out, the others serve,
+/// and one WARN names it, not one for every fetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
+    let mut set: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1"])).unwrap();
+    set["keys"].as_array_mut().unwrap().push(serde_json::json!({
+        "kty": "OKP", "crv": "Ed25519", "kid": "short-ed", "x": "AAAAAAAAAAAAAAAAAAAAAA"
+    }));
+    let provider = Provider::start(set.to_string()).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\", \"EdDSA\"]\njwks_url = {}\n",
+            quoted(&url)
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .token_bucket(100_000_000, 0),
+        )
+        .start();
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    // An unknown kid fetches the same set again.
+    let before = provider.hits();
+    assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
+    assert_eq!(provider.hits(), before + 1);
+    let warned: Vec<_> = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("cannot verify a signature"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(
+        warned[0].contains("short-ed") && warned[0].contains("\"level\":\"WARN\""),
+        "{}",
+        warned[0]
+    );
+}
+
 #[test]
 fn check_refuses_plain_http_to_another_host_and_both_sources() {
     let dir = tempfile::tempdir().unwrap();

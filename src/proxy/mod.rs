@@ -36,6 +36,9 @@ pub struct Gateway {
     pub store: Store,
     pub lifecycle: Arc<Lifecycle>,
     pub access_log: Arc<AccessLog>,
+    /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
+    /// carries many, each holding an upstream connection of its own.
+    pub max_in_flight: usize,
 }
 
 /// One request's state across the hooks. The snapshot loaded first is the one the whole
@@ -82,6 +85,8 @@ pub struct RequestCtx {
     tier: Option<Arc<str>>,
     tier_endpoint: Option<Arc<limiter::Endpoint>>,
     _in_flight: Option<InFlight>,
+    /// More requests were in flight with this one than `max_connections`.
+    over_capacity: bool,
 }
 
 impl RequestCtx {
@@ -318,9 +323,11 @@ impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
+        let (in_flight, nth) = self.lifecycle.track();
         RequestCtx {
             started: Some(Instant::now()),
-            _in_flight: Some(self.lifecycle.track()),
+            _in_flight: Some(in_flight),
+            over_capacity: nth > self.max_in_flight,
             ..RequestCtx::default()
         }
     }
@@ -352,6 +359,13 @@ impl ProxyHttp for Gateway {
             &server.request_id_header,
             tls,
         ));
+        // Each request in flight holds an upstream connection: with HTTP/2's streams they
+        // could outnumber the connections `max_connections` bounds and take the
+        // descriptors Redis, the upstreams and the admin need. One HTTP/1 connection
+        // carries one at a time, so only streams meet this in practice.
+        if ctx.over_capacity {
+            return self.answer(session, ctx, Answer::AtCapacity).await;
+        }
         let req = session.req_header();
         let header_bytes: usize = req
             .headers

@@ -36,6 +36,8 @@ pub enum Answer {
     },
     UpstreamUnavailable,
     UpstreamTimeout,
+    /// 503: as many requests are in flight as `max_connections` allows (HTTP/2 streams).
+    AtCapacity,
 }
 
 impl Answer {
@@ -51,6 +53,7 @@ impl Answer {
             Answer::LimiterUnavailable { .. } => 503,
             Answer::UpstreamUnavailable => 502,
             Answer::UpstreamTimeout => 504,
+            Answer::AtCapacity => 503,
         }
     }
 
@@ -66,6 +69,7 @@ impl Answer {
             Answer::LimiterUnavailable { .. } => r#"{"detail":"rate limiter unavailable"}"#,
             Answer::UpstreamUnavailable => r#"{"detail":"upstream unavailable"}"#,
             Answer::UpstreamTimeout => r#"{"detail":"upstream timeout"}"#,
+            Answer::AtCapacity => r#"{"detail":"gateway at capacity"}"#,
         }
     }
 
@@ -80,6 +84,7 @@ impl Answer {
                 let base = retry_after_base_secs.max(1);
                 Some(base + rand::rng().random_range(0..=(base / 2).max(1)))
             }
+            Answer::AtCapacity => Some(1),
             _ => None,
         }
     }
