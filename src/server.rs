@@ -145,6 +145,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         app: Arc::new(proxy),
         connections: Arc::clone(&connections),
         certificates: Arc::clone(&certificates),
+        forwarding: std::sync::Once::new(),
     };
     let mut proxy = pingora_core::services::listening::Service::new("sentinel-proxy".into(), guard);
     // Pingora gives every accepted connection a 64 KiB read buffer, most of what an idle

@@ -383,3 +383,87 @@ fn the_memory_of_closed_connections_is_given_back() {
         || rss_bytes(pid) < base + grown / 4,
     );
 }
+
+/// HTTP/2 connections make room too: at the bound, with no HTTP/1 connection idle, the one
+/// that read last longest ago is sent a GOAWAY, and a new client's request is answered. A
+/// request in progress on a connection sent a GOAWAY is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_connections_an_idle_http2_connection_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
+    let h2 = || {
+        common::client_builder()
+            .http2_prior_knowledge()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    };
+    // One busy connection (a request of 3 s), nine idle ones after a request each.
+    let busy_client = h2();
+    let busy = tokio::spawn({
+        let url = gw.url("/slow?ms=3000");
+        async move {
+            busy_client
+                .get(url)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }
+    });
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        let client = h2();
+        let r = client.get(gw.url("/x")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        idle.push(client);
+    }
+    // Twelve new clients, each over a connection of its own, all answered.
+    for i in 0..12 {
+        let r = h2().get(gw.url("/x")).send().await;
+        assert_eq!(r.map(|r| r.status().as_u16()).ok(), Some(200), "client {i}");
+    }
+    assert_eq!(busy.await.unwrap().ok(), Some(200), "the busy one finished");
+}
+
+/// Clients churning over HTTP/2 at the bound: each new connection makes room by a GOAWAY to
+/// another, over and over. Every answer the gateway wrote reached its client: a GOAWAY lets
+/// the streams the client already sent finish (closing the connection instead lost the
+/// answers of streams on their way to the proxy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connections_that_make_room_lose_no_answer() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "4"), ("h2c", "true")]);
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let url = gw.url("/slow?ms=20");
+            tokio::spawn(async move {
+                let h2 = common::client_builder()
+                    .http2_prior_knowledge()
+                    .timeout(Duration::from_secs(10))
+                    .build()
+                    .unwrap();
+                let mut answered = 0u32;
+                for _ in 0..25 {
+                    if let Ok(r) = h2.get(&url).send().await {
+                        if r.status() == 200 && r.bytes().await.is_ok() {
+                            answered += 1;
+                        }
+                    }
+                }
+                answered
+            })
+        })
+        .collect();
+    let mut answered = 0;
+    for c in clients {
+        answered += c.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let written = gw.metric("sentinel_requests_total{endpoint_id=\"e.open\",status=\"200\"}");
+    assert!(answered > 0);
+    assert_eq!(
+        written,
+        f64::from(answered),
+        "answers written, answers received"
+    );
+}

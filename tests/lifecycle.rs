@@ -31,10 +31,23 @@ fn new_route() -> String {
 async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let mut gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100)).start();
+    let config = GatewayConfig::new(&redis.url()).server("h2c", "true");
+    let mut gw = routes(config, &up.addr(), api(100)).start();
     let http = client();
-    let slow = {
-        let (http, url) = (http.clone(), gw.url("/api/slow?ms=1500"));
+    let h2 = || {
+        common::client_builder()
+            .http2_prior_knowledge()
+            .build()
+            .unwrap()
+    };
+    // An idle HTTP/2 connection, which must not hold the exit.
+    let idle = h2();
+    assert_eq!(
+        idle.get(gw.url("/api/x")).send().await.unwrap().status(),
+        200
+    );
+    let slow_over = |http: reqwest::Client| {
+        let url = gw.url("/api/slow?ms=1500");
         tokio::spawn(async move {
             let r = http
                 .get(url)
@@ -44,6 +57,7 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
             (r.status().as_u16(), r.text().await.unwrap())
         })
     };
+    let (slow, slow_h2) = (slow_over(http.clone()), slow_over(h2()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let sent = Instant::now();
     gw.proc.signal("TERM");
@@ -51,9 +65,11 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
         blocking_get(&gw.admin("/readyz"))
             .is_some_and(|(s, b)| s == 503 && b.contains(r#""ready":false"#))
     });
-    let (status, body) = slow.await.unwrap();
-    assert_eq!(status, 200, "{body}");
-    assert!(body.contains("\"path\":\"/api/slow\""));
+    for slow in [slow, slow_h2] {
+        let (status, body) = slow.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("\"path\":\"/api/slow\""));
+    }
     let code = gw
         .proc
         .wait_exit(Duration::from_secs(5))

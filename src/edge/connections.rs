@@ -23,9 +23,12 @@
 //!
 //! At `max_connections`, a new connection first closes the oldest connection that has no
 //! request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
-//! `Idle`), as nginx does; when every one is busy, the new
-//! connection is closed at once. A connection asked to close reads end-of-file, which
-//! Pingora treats as a client that left.
+//! `Idle`), as nginx does. A connection asked to close reads end-of-file, which Pingora
+//! treats as a client that left. Failing those, the HTTP/2 connection that read last
+//! longest ago is sent a GOAWAY through its own shutdown watch: whatever streams the client
+//! sent before it are still answered (a stream can be on its way from the HTTP/2 layer to
+//! the proxy, where nothing here sees it), then the connection closes. When there is none
+//! of either, the new connection is closed at once.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -47,6 +50,7 @@ use pingora_core::protocols::{
 use pingora_core::protocols::{Ssl, Stream};
 use pingora_core::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::watch;
 
 use crate::edge::tls::Certificates;
 
@@ -208,9 +212,14 @@ struct Conn {
     state: AtomicU8,
     /// `KEEP`, or why it must close.
     close: AtomicU8,
-    /// Milliseconds since the epoch when the current `Head` or `Idle` began.
+    /// Milliseconds since the epoch when the current `Head` or `Idle` began; for a
+    /// `Multiplexed` one, when it last read.
     since_ms: AtomicU64,
     waker: AtomicWaker,
+    /// What Pingora watches for the shutdown of this connection: set at the process's
+    /// shutdown, and to close an HTTP/2 connection gracefully to make room (a GOAWAY, after
+    /// which every stream the client already sent is still answered).
+    goaway: watch::Sender<bool>,
 }
 
 impl Connections {
@@ -305,14 +314,26 @@ impl Connections {
     fn admit(self: &Arc<Self>, state: u8) -> Option<Registration> {
         let mut open = self.lock();
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
+            let keep = |c: &&Arc<Conn>| c.close.load(Ordering::Relaxed) == KEEP;
             let oldest_idle = open
                 .values()
-                .find(|c| {
-                    c.close.load(Ordering::Relaxed) == KEEP
-                        && matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE | HANDSHAKE)
-                })
-                .cloned()?;
-            self.close(&oldest_idle, EVICTED);
+                .filter(keep)
+                .find(|c| matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE | HANDSHAKE));
+            if let Some(idle) = oldest_idle {
+                self.close(idle, EVICTED);
+            } else {
+                // No HTTP/1 connection is idle: the HTTP/2 one that read last longest ago
+                // is sent a GOAWAY. Its streams, those in progress and those whose HEADERS
+                // are on their way to the proxy, are all answered before it closes; the
+                // client opens a new connection for its next request.
+                let quietest = open
+                    .values()
+                    .filter(keep)
+                    .filter(|c| c.state.load(Ordering::Relaxed) == MULTIPLEXED)
+                    .min_by_key(|c| c.since_ms.load(Ordering::Relaxed))?;
+                self.close(quietest, EVICTED);
+                quietest.goaway.send_replace(true);
+            }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
@@ -320,6 +341,7 @@ impl Connections {
             close: AtomicU8::new(KEEP),
             since_ms: AtomicU64::new(self.now_ms()),
             waker: AtomicWaker::new(),
+            goaway: watch::Sender::new(false),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
@@ -328,6 +350,18 @@ impl Connections {
             id,
             connections: Arc::clone(self),
         })
+    }
+
+    /// Passes the process's shutdown on to every connection's own watch, once.
+    async fn forward_shutdown(self: Arc<Self>, mut process: ShutdownWatch) {
+        while !*process.borrow_and_update() {
+            if process.changed().await.is_err() {
+                return;
+            }
+        }
+        for conn in self.lock().values() {
+            conn.goaway.send_replace(true);
+        }
     }
 
     fn forget(&self, id: u64, conn: &Conn) {
@@ -422,8 +456,18 @@ impl AsyncRead for Guarded {
             return Poll::Ready(Ok(()));
         }
         let state = this.reg.conn.state.load(Ordering::Relaxed);
-        if matches!(state, BUSY | MULTIPLEXED) {
+        if state == BUSY {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
+        if state == MULTIPLEXED {
+            // Its last read tells which HTTP/2 connection is quietest (`admit`).
+            let before = buf.filled().len();
+            let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+            if buf.filled().len() > before {
+                let now = this.reg.connections.now_ms();
+                this.reg.conn.since_ms.store(now, Ordering::Relaxed);
+            }
+            return read;
         }
         match this.reg.conn.close.load(Ordering::Relaxed) {
             KEEP => {}
@@ -635,6 +679,8 @@ pub struct Guard<A> {
     pub app: Arc<A>,
     pub connections: Arc<Connections>,
     pub certificates: Arc<Certificates>,
+    /// [`Connections::forward_shutdown`] started, on the first connection.
+    pub forwarding: std::sync::Once,
 }
 
 #[async_trait]
@@ -700,7 +746,24 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 peeked: Vec::new(),
             })
         };
-        self.app.process_new(stream, shutdown).await
+        let conn = match Guarded::of(Some(&stream)) {
+            Some(guarded) => Arc::clone(&guarded.reg.conn),
+            None => return None,
+        };
+        self.forwarding.call_once(|| {
+            let connections = Arc::clone(&self.connections);
+            drop(tokio::spawn(connections.forward_shutdown(shutdown.clone())));
+        });
+        // Pingora watches the connection's own watch, which the process's shutdown sets
+        // too (a connection registered after `forward_shutdown` went over them sees it here).
+        let mut watch = conn.goaway.subscribe();
+        if *shutdown.borrow() {
+            conn.goaway.send_replace(true);
+        }
+        if *watch.borrow() {
+            watch.mark_changed();
+        }
+        self.app.process_new(stream, &watch).await
     }
 
     async fn cleanup(&self) {
