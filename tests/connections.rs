@@ -274,12 +274,7 @@ fn at_max_connections_with_every_connection_busy_a_new_one_is_closed_at_once() {
 async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let gw = gateway(&redis, &up, &[("max_connections", "5"), ("h2c", "true")]);
-    let h2 = common::client_builder()
-        .no_proxy()
-        .http2_prior_knowledge()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
+    let h2 = common::h2c_client();
     // One connection first, which the streams below share.
     let r = h2.get(gw.url("/x")).send().await.unwrap();
     assert_eq!(r.version(), reqwest::Version::HTTP_2);
@@ -391,13 +386,7 @@ fn the_memory_of_closed_connections_is_given_back() {
 async fn at_max_connections_an_idle_http2_connection_makes_room() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
-    let h2 = || {
-        common::client_builder()
-            .http2_prior_knowledge()
-            .timeout(Duration::from_secs(10))
-            .build()
-            .unwrap()
-    };
+    let h2 = common::h2c_client;
     // One busy connection (a request of 3 s), nine idle ones after a request each.
     let busy_client = h2();
     let busy = tokio::spawn({
@@ -437,11 +426,7 @@ async fn http2_connections_that_make_room_lose_no_answer() {
         .map(|_| {
             let url = gw.url("/slow?ms=20");
             tokio::spawn(async move {
-                let h2 = common::client_builder()
-                    .http2_prior_knowledge()
-                    .timeout(Duration::from_secs(10))
-                    .build()
-                    .unwrap();
+                let h2 = common::h2c_client();
                 let mut answered = 0u32;
                 for _ in 0..25 {
                     if let Ok(r) = h2.get(&url).send().await {

@@ -320,12 +320,7 @@ async fn h2c_answers_as_http1_does() {
     let short = b"GET / HTTP/1.0\r\n\r\n";
     assert!(short.len() < 24);
     assert_eq!(common::raw_request(gw.port, short), Some(404));
-    let h2 = common::client_builder()
-        .no_proxy()
-        .http2_prior_knowledge()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
+    let h2 = common::h2c_client();
     let mut statuses = Vec::new();
     for _ in 0..3 {
         let r = h2

@@ -92,6 +92,21 @@ fn token(kid: &str, key_file: &str) -> String {
     .unwrap()
 }
 
+/// A gateway whose `/api` route is limited by the JWT's subject, with `jwt` as its
+/// `[auth.jwt]` section.
+fn start(redis: &Redis, up: &Upstream, jwt: &str) -> common::Gateway {
+    GatewayConfig::new(&redis.url())
+        .section(&format!("[auth.jwt]\n{jwt}\n"))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .token_bucket(100_000_000, 0),
+        )
+        .start()
+}
+
 async fn status(gw: &common::Gateway, token: &str) -> u16 {
     client()
         .get(gw.url("/api"))
@@ -108,19 +123,14 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
     let provider = Provider::start(jwks_with(&["rsa-1"])).await;
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = 3600\n",
+    let gw = start(
+        &redis,
+        &up,
+        &format!(
+            "algorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = 3600",
             quoted(&url)
-        ))
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("j.api")
-                .prefix("/api")
-                .identity("jwt")
-                .token_bucket(100_000_000, 0),
-        )
-        .start();
+        ),
+    );
     // Fetched at start: the first token verifies.
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     assert!(gw.metric("sentinel_jwks_refresh_total{result=\"success\"}") >= 1.0);
@@ -177,19 +187,14 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     let provider = Provider::start(set.to_string()).await;
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.jwt]\nalgorithms = [\"RS256\", \"EdDSA\"]\njwks_url = {}\n",
+    let gw = start(
+        &redis,
+        &up,
+        &format!(
+            "algorithms = [\"RS256\", \"EdDSA\"]\njwks_url = {}",
             quoted(&url)
-        ))
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("j.api")
-                .prefix("/api")
-                .identity("jwt")
-                .token_bucket(100_000_000, 0),
-        )
-        .start();
+        ),
+    );
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     // An unknown kid fetches the same set again.
     let before = provider.hits();

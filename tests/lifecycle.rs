@@ -34,12 +34,7 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let config = GatewayConfig::new(&redis.url()).server("h2c", "true");
     let mut gw = routes(config, &up.addr(), api(100)).start();
     let http = client();
-    let h2 = || {
-        common::client_builder()
-            .http2_prior_knowledge()
-            .build()
-            .unwrap()
-    };
+    let h2 = common::h2c_client;
     // An idle HTTP/2 connection, which must not hold the exit.
     let idle = h2();
     assert_eq!(

@@ -289,11 +289,7 @@ async fn a_limited_route_answers_the_same_over_http1_http2_tls_and_h2c() {
     let gw = s.config(&redis, &up, "").start();
     let h2 = s.ca.http_client(s.tls_port, &[PDFTALK], false);
     let h1 = s.ca.http_client(s.tls_port, &[PDFTALK], true);
-    let h2c = common::client_builder()
-        .http2_prior_knowledge()
-        .no_proxy()
-        .build()
-        .unwrap();
+    let h2c = common::h2c_client();
     let tls_url = |path: &str| format!("https://{PDFTALK}:{}{path}", s.tls_port);
     for (client, url, version, key) in [
         (&h2, tls_url("/api/x"), reqwest::Version::HTTP_2, "k-h2"),

@@ -578,3 +578,12 @@ pub fn client() -> reqwest::Client {
         .build()
         .expect("http client")
 }
+
+/// An HTTP/2 client with prior knowledge (h2c), one connection per client.
+pub fn h2c_client() -> reqwest::Client {
+    client_builder()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("http client")
+}
