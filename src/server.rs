@@ -14,7 +14,7 @@ use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
 use crate::config::Config;
 use crate::decision::fleet::Fleet;
-use crate::edge::connections::{Connections, Guard};
+use crate::edge::connections::{BadHeadHook, Connections, Guard};
 use crate::edge::tls::Certificates;
 use crate::edge::{AccessLog, Edge};
 use crate::lifecycle::Lifecycle;
@@ -97,6 +97,18 @@ pub fn run(config: Config) -> Result<(), StartError> {
         .as_ref()
         .and_then(|j| j.jwks_url.clone());
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
+    {
+        // A request head the HTTP/1 parser refused is answered by the connection watch; it
+        // is counted and logged as every other answer.
+        let (live, access_log) = (Arc::clone(&live), Arc::clone(&access_log));
+        connections.on_bad_head(BadHeadHook(Box::new(move |head| {
+            let snapshot = live.load();
+            snapshot.unmatched.inc(400);
+            if snapshot.config.access_log.is_some() {
+                crate::proxy::access::bad_head(&access_log, head);
+            }
+        })));
+    }
     let lifecycle = Arc::new(Lifecycle::default());
     let reloader = Arc::new(Reloader::new(
         path,

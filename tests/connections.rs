@@ -139,6 +139,62 @@ fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
     assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
 }
 
+/// An HTTP/2 connection has a request head's deadline until its first request's header
+/// block is complete: a TLS client that chose `h2` and sent nothing, and an h2c client whose
+/// `HEADERS` never end, are closed at `header_read_timeout_ms`. Before, the first was kept
+/// for good and the second until the keep-alive timeout. Requests that did arrive are not
+/// cut, however long they take.
+#[test]
+fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeout() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let ca = common::tls::Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
+    let tls_port = common::free_port();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("header_read_timeout_ms", "1000")
+        .server("h2c", "true")
+        .section(&format!(
+            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let mut config = ca.client_config(&[&rustls::version::TLS13]);
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let mut silent = common::tls::Conn::open(config, tls_port, "localhost").unwrap();
+    assert_eq!(silent.alpn().as_deref(), Some(&b"h2"[..]));
+    let took = silent.closed_after();
+    assert!(
+        (EARLIEST..LATEST).contains(&took),
+        "TLS h2, nothing sent: {took:?}"
+    );
+
+    // The preface, SETTINGS, then HEADERS for stream 1 without END_HEADERS.
+    let mut unfinished = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    unfinished.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    unfinished.extend_from_slice(&[0, 0, 3, 0x1, 0x1, 0, 0, 0, 1, 0x82, 0x86, 0x84]);
+    let mut s = open(gw.port);
+    s.write_all(&unfinished).unwrap();
+    let took = closed_after(s, b"");
+    assert!(
+        (EARLIEST..LATEST).contains(&took),
+        "h2c, HEADERS unfinished: {took:?}"
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let status = rt.block_on(async {
+        let h2 = common::h2c_client();
+        let r = h2.get(gw.url("/slow?ms=1500")).send().await.unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        r.status().as_u16()
+    });
+    assert_eq!(status, 200, "a request that arrived is answered");
+    assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
+}
+
 /// 1 000 idle connections and 200 trickling ones: another client's requests are still
 /// answered quickly. "Quickly" is 1 s here, against the few milliseconds they take: the
 /// point is that they are not queued behind the idle connections, which would take the

@@ -361,6 +361,29 @@ async fn h2c_answers_as_http1_does() {
         r#"{"detail":"request header fields too large"}"#
     );
 
+    // A stream the client resets while its answer is awaited is the client leaving, as a
+    // closed HTTP/1.1 connection is: no 400 is counted for it (none could be sent).
+    let impatient = common::client_builder()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let cancelled = impatient
+        .get(gw.url("/api/slow?ms=800"))
+        .header("X-API-Key", "k2")
+        .send()
+        .await;
+    assert!(cancelled.is_err());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="e.api",status="400"}"#),
+        0.0
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="e.api",status="0"}"#),
+        1.0
+    );
+
     // Without h2c, prior knowledge gets no HTTP/2 answer.
     let plain = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
@@ -415,8 +438,31 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         http.get(gw.url("/nowhere")).send().await.unwrap().status(),
         404
     );
-    wait_until(Duration::from_secs(3), "three access lines", || {
-        access_lines(&log).len() == 3
+    // A head the HTTP/1 parser refuses gets the gateway's 400, and its line: the request id
+    // the client got, no method or path (none was read).
+    let bad_id = {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        s.write_all(b"GET /api/doc HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        answer
+            .lines()
+            .find_map(|l| l.strip_prefix("x-request-id: "))
+            .expect("a request id")
+            .to_owned()
+    };
+    // Answered before its route was looked for, a request still has its path logged.
+    let big = http
+        .get(gw.url("/api/doc"))
+        .header("X-Big", "a".repeat(70_000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(big.status(), 431);
+    wait_until(Duration::from_secs(3), "five access lines", || {
+        access_lines(&log).len() == 5
     });
     let lines = access_lines(&log);
     let keys = [
@@ -448,6 +494,21 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         }
     }
     let (a, d, n) = (&lines[0], &lines[1], &lines[2]);
+    let (bad, big) = (&lines[3], &lines[4]);
+    assert_eq!(bad["request_id"], bad_id.as_str());
+    assert_eq!(
+        (&bad["status"], &bad["method"], &bad["path"]),
+        (&400.into(), &Value::Null, &Value::Null)
+    );
+    assert_eq!(bad["client_ip"], "127.0.0.1");
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="400"}"#),
+        1.0
+    );
+    assert_eq!(
+        (&big["status"], &big["path"]),
+        (&431.into(), &"/api/doc".into())
+    );
     assert_eq!(a["request_id"], ok_id.as_str());
     assert_eq!(a["status"], 200);
     assert_eq!(a["method"], "GET");
@@ -502,7 +563,7 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     wait_until(Duration::from_secs(3), "a line in the new file", || {
         access_lines(&log).len() == 1
     });
-    assert_eq!(access_lines(&rotated).len(), 3);
+    assert_eq!(access_lines(&rotated).len(), 5);
 
     // Turned off by a reload: no more lines.
     gw.rewrite_config(&config.render(gw.port, gw.admin_port));

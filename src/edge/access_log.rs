@@ -32,7 +32,8 @@ pub struct Line<'a> {
     pub timestamp: Timestamp,
     pub request_id: Option<&'a str>,
     pub client_ip: Option<IpAddr>,
-    pub method: &'a str,
+    /// `None` for a request head that could not be parsed.
+    pub method: Option<&'a str>,
     pub host: Option<Lossy<'a>>,
     pub path: Option<&'a str>,
     pub protocol: &'a str,
@@ -129,7 +130,7 @@ impl Line<'_> {
         out.extend_from_slice(&self.upstream_addr.map_or(0, |a| a.port()).to_le_bytes());
         for field in [
             self.request_id.map(str::as_bytes),
-            Some(self.method.as_bytes()),
+            self.method.map(str::as_bytes),
             self.host.map(|h| h.0),
             self.path.map(str::as_bytes),
             Some(self.protocol.as_bytes()),
@@ -174,7 +175,7 @@ impl Line<'_> {
                 .map(|b| b.and_then(|b| std::str::from_utf8(b).ok()))
         };
         let request_id = text()?;
-        let method = text()?.unwrap_or_default();
+        let method = text()?;
         let host = text_bytes(&mut r)?;
         let mut text = || {
             r.string()
@@ -494,7 +495,7 @@ mod tests {
             timestamp: Timestamp(1_796_146_205_042),
             request_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
             client_ip: Some("2001:db8::7".parse().unwrap()),
-            method: "POST",
+            method: Some("POST"),
             host: Some(Lossy(b"api.pdftalk.example")),
             path: Some("/pdftalk/ingest/doc"),
             protocol: "HTTP/2",
@@ -521,7 +522,7 @@ mod tests {
             timestamp: Timestamp(0),
             request_id: None,
             client_ip: None,
-            method: "GET",
+            method: Some("GET"),
             host: None,
             path: None,
             protocol: "HTTP/1.1",

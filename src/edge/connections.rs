@@ -175,6 +175,9 @@ const IDLE: u8 = 2;
 const MULTIPLEXED: u8 = 3;
 /// A TLS handshake is under way: it has a head's deadline, and no request is in progress.
 const HANDSHAKE: u8 = 4;
+/// HTTP/2, before its first request's header block is complete ([`H2Head`]): it has a
+/// head's deadline, and no request is in progress.
+const H2_HEAD: u8 = 5;
 
 /// The HTTP/2 connection preface, which an h2c client sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -205,6 +208,8 @@ pub struct Connections {
     epoch: Instant,
     /// `request_id_header`, lower case, for the answers written here ([`Guarded`]).
     request_id_header: ArcSwap<String>,
+    /// Told of the request heads answered 400 here (the access log, the metrics).
+    bad_head: std::sync::OnceLock<BadHeadHook>,
 }
 
 #[derive(Debug)]
@@ -233,7 +238,13 @@ impl Connections {
             closing: AtomicUsize::new(0),
             epoch: Instant::now(),
             request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
+            bad_head: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Sets what is told of each request head answered 400 here, once, at start.
+    pub fn on_bad_head(&self, hook: BadHeadHook) {
+        let _ = self.bad_head.set(hook);
     }
 
     /// The config's `request_id_header`, at start and on every reload.
@@ -297,7 +308,9 @@ impl Connections {
                     }
                     let since = now.saturating_sub(c.since_ms.load(Ordering::Relaxed));
                     match c.state.load(Ordering::Relaxed) {
-                        HEAD | HANDSHAKE if since >= head => Some((Arc::clone(c), HEAD_TIMED_OUT)),
+                        HEAD | HANDSHAKE | H2_HEAD if since >= head => {
+                            Some((Arc::clone(c), HEAD_TIMED_OUT))
+                        }
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
                         _ => None,
                     }
@@ -315,10 +328,12 @@ impl Connections {
         let mut open = self.lock();
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
             let keep = |c: &&Arc<Conn>| c.close.load(Ordering::Relaxed) == KEEP;
-            let oldest_idle = open
-                .values()
-                .filter(keep)
-                .find(|c| matches!(c.state.load(Ordering::Relaxed), HEAD | IDLE | HANDSHAKE));
+            let oldest_idle = open.values().filter(keep).find(|c| {
+                matches!(
+                    c.state.load(Ordering::Relaxed),
+                    HEAD | IDLE | HANDSHAKE | H2_HEAD
+                )
+            });
             if let Some(idle) = oldest_idle {
                 self.close(idle, EVICTED);
             } else {
@@ -396,6 +411,8 @@ pub struct Guarded {
     replacing: Option<(Vec<u8>, usize)>,
     /// Bytes read while looking for the h2c preface, given back to the first reads.
     peeked: Vec<u8>,
+    /// Where an HTTP/2 connection is in its first request's head (`H2_HEAD`).
+    h2_head: H2Head,
 }
 
 impl Guarded {
@@ -449,12 +466,6 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
-        if !this.peeked.is_empty() {
-            let n = this.peeked.len().min(buf.remaining());
-            buf.put_slice(&this.peeked[..n]);
-            this.peeked.drain(..n);
-            return Poll::Ready(Ok(()));
-        }
         let state = this.reg.conn.state.load(Ordering::Relaxed);
         if state == BUSY {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -476,18 +487,89 @@ impl AsyncRead for Guarded {
             // Idle too long, or closed to make room: an end-of-file, as if the client left.
             _ => return Poll::Ready(Ok(())),
         }
-        this.reg.conn.waker.register(cx.waker());
         let before = buf.filled().len();
-        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if state == IDLE && matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+        let read = if this.peeked.is_empty() {
+            this.reg.conn.waker.register(cx.waker());
+            Pin::new(&mut this.inner).poll_read(cx, buf)
+        } else {
+            let n = this.peeked.len().min(buf.remaining());
+            buf.put_slice(&this.peeked[..n]);
+            this.peeked.drain(..n);
+            Poll::Ready(Ok(()))
+        };
+        if !matches!(read, Poll::Ready(Ok(()))) || buf.filled().len() == before {
+            return read;
+        }
+        let conn = &this.reg.conn;
+        match state {
             // The first bytes of the next request: its head has the full time from now.
-            this.reg
-                .conn
-                .since_ms
-                .store(this.reg.connections.now_ms(), Ordering::Relaxed);
-            this.reg.conn.state.store(HEAD, Ordering::Relaxed);
+            IDLE => {
+                conn.since_ms
+                    .store(this.reg.connections.now_ms(), Ordering::Relaxed);
+                conn.state.store(HEAD, Ordering::Relaxed);
+            }
+            // The first request's header block is complete: from here on the HTTP/2 layer
+            // and its streams are the proxy's.
+            H2_HEAD if this.h2_head.ended_by(&buf.filled()[before..]) => {
+                conn.since_ms
+                    .store(this.reg.connections.now_ms(), Ordering::Relaxed);
+                conn.state.store(MULTIPLEXED, Ordering::Relaxed);
+            }
+            _ => {}
         }
         read
+    }
+}
+
+/// Follows an HTTP/2 connection's first bytes, frame by frame, until a header block ends
+/// (a `HEADERS` or `CONTINUATION` frame with `END_HEADERS`): until then no request has
+/// reached the HTTP/2 layer whole, and the connection has a request head's deadline and can
+/// be closed to make room like one waiting for an HTTP/1 request. Without it, a TLS client
+/// that chose `h2` and sent nothing, or one trickling a header block, kept its connection
+/// until the keep-alive timeout or for good.
+#[derive(Debug, Default)]
+struct H2Head {
+    /// Bytes to pass over before the next frame header (the preface, a frame's payload).
+    skip: usize,
+    /// The frame header read so far.
+    frame: [u8; 9],
+    have: usize,
+}
+
+impl H2Head {
+    const HEADERS: u8 = 0x1;
+    const CONTINUATION: u8 = 0x9;
+    const END_HEADERS: u8 = 0x4;
+
+    /// At the start of the connection, before the client's preface.
+    fn at_preface() -> Self {
+        Self {
+            skip: H2_PREFACE.len(),
+            ..Self::default()
+        }
+    }
+
+    /// Follows `bytes`, the next ones read; whether a header block ended in them.
+    fn ended_by(&mut self, mut bytes: &[u8]) -> bool {
+        loop {
+            let passed = self.skip.min(bytes.len());
+            self.skip -= passed;
+            bytes = &bytes[passed..];
+            let n = (self.frame.len() - self.have).min(bytes.len());
+            self.frame[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have < self.frame.len() {
+                return false;
+            }
+            self.have = 0;
+            let [l0, l1, l2, kind, flags, ..] = self.frame;
+            if matches!(kind, Self::HEADERS | Self::CONTINUATION) && flags & Self::END_HEADERS != 0
+            {
+                return true;
+            }
+            self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
+        }
     }
 }
 
@@ -502,14 +584,46 @@ fn is_pingora_400(buf: &[u8]) -> bool {
     buf.starts_with(b"HTTP/1.") && buf.get(8..13) == Some(b" 400 ")
 }
 
+/// A request head Pingora could not parse, answered with the gateway's 400 here: what the
+/// access log and the metrics are told of it ([`Connections::on_bad_head`]).
+pub struct BadHead<'a> {
+    pub request_id: &'a str,
+    /// The peer's address (the head was not read, so no forwarded header either).
+    pub peer: Option<std::net::IpAddr>,
+    pub tls: bool,
+    /// Body bytes of the answer.
+    pub bytes_sent: u64,
+}
+
+/// Told of every [`BadHead`].
+pub struct BadHeadHook(pub Box<dyn Fn(&BadHead<'_>) + Send + Sync>);
+
+impl std::fmt::Debug for BadHeadHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BadHeadHook")
+    }
+}
+
 impl Guarded {
     fn bad_request(&self) -> Vec<u8> {
         let body = r#"{"detail":"bad request"}"#;
+        let request_id = crate::proxy::forwarded::new_request_id();
+        if let Some(hook) = self.reg.connections.bad_head.get() {
+            let peer = self
+                .inner
+                .get_socket_digest()
+                .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+            (hook.0)(&BadHead {
+                request_id: &request_id,
+                peer,
+                tls: self.inner.get_ssl_digest().is_some(),
+                bytes_sent: body.len() as u64,
+            });
+        }
         format!(
-            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {}\r\nconnection: close\r\n\r\n{body}",
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
             body.len(),
             self.reg.connections.request_id_header.load(),
-            crate::proxy::forwarded::new_request_id(),
         )
         .into_bytes()
     }
@@ -648,7 +762,7 @@ impl Peek for Guarded {
             }
         };
         if buf.starts_with(H2_PREFACE) {
-            self.reg.conn.state.store(MULTIPLEXED, Ordering::Relaxed);
+            self.reg.conn.state.store(H2_HEAD, Ordering::Relaxed);
         }
         self.peeked.extend_from_slice(&buf[..peeked]);
         Ok(true)
@@ -723,7 +837,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                                 .store(self.connections.now_ms(), Ordering::Relaxed);
                             reg.conn
                                 .state
-                                .store(if h2 { MULTIPLEXED } else { HEAD }, Ordering::Relaxed);
+                                .store(if h2 { H2_HEAD } else { HEAD }, Ordering::Relaxed);
                             Box::new(tls)
                         }
                         Ok(Err(e)) => {
@@ -744,6 +858,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 reg,
                 replacing: None,
                 peeked: Vec::new(),
+                h2_head: H2Head::at_preface(),
             })
         };
         let conn = match Guarded::of(Some(&stream)) {

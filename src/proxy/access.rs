@@ -10,6 +10,34 @@ use crate::decision::DecisionReason;
 use crate::edge::access_log::{Line, Lossy, Timestamp};
 use crate::limiter::inspect::DEFAULT_LIMIT;
 
+/// Writes the access log line of a request head the HTTP/1 parser refused: only what the
+/// connection knows.
+pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::BadHead<'_>) {
+    log.log(&Line {
+        timestamp: Timestamp::of(SystemTime::now()),
+        request_id: Some(head.request_id),
+        client_ip: head.peer,
+        method: None,
+        host: None,
+        path: None,
+        protocol: "HTTP/1.1",
+        tls: head.tls,
+        status: 400,
+        endpoint_id: None,
+        decision_reason: None,
+        allowed: None,
+        tier: None,
+        limit: None,
+        upstream: None,
+        upstream_addr: None,
+        duration_ms: 0.0,
+        bytes_received: 0,
+        bytes_sent: head.bytes_sent,
+        identity_hash: None,
+        user_agent: None,
+    });
+}
+
 /// Writes the access log line of a request answered with `status`.
 pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &RequestCtx, status: u16) {
     let took = ctx.started.map_or(Duration::ZERO, |s| s.elapsed());
@@ -35,7 +63,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         timestamp: Timestamp::of(started),
         request_id: origin.map(|o| o.request_id.as_str()),
         client_ip: origin.and_then(|o| o.client),
-        method: req.method.as_str(),
+        method: Some(req.method.as_str()),
         host,
         path: ctx.path.as_deref(),
         protocol,

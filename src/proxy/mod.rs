@@ -1,7 +1,7 @@
 //! The gateway's request path, top to bottom: route -> identity -> decide -> answer or
 //! forward. Each hook below says when Pingora calls it and what its result means.
 
-mod access;
+pub mod access;
 pub mod forwarded;
 mod headers;
 pub mod respond;
@@ -185,6 +185,18 @@ impl Gateway {
         answer: Answer,
     ) -> Result<bool> {
         ctx.answered = Some(answer.status());
+        // Answered before the route was looked for (431, 503 at capacity, a request without
+        // `Host`): the access log still names a usable path.
+        if ctx.path.is_none()
+            && ctx
+                .snapshot
+                .as_ref()
+                .is_some_and(|s| s.config.access_log.is_some())
+        {
+            if let Ok(path) = normalized(session.req_header().uri.path()) {
+                ctx.path = Some(path.into_owned());
+            }
+        }
         let mut header = answer.header()?;
         ctx.tag(&mut header)?;
         if let Some(f) = &ctx.ratelimit {
@@ -609,9 +621,13 @@ impl ProxyHttp for Gateway {
                 ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout,
             ) => Some(Answer::UpstreamTimeout),
             (ErrorSource::Upstream, _) => Some(Answer::UpstreamUnavailable),
+            // The client left, or reset its HTTP/2 stream (which no answer can reach).
             (
                 ErrorSource::Downstream,
-                ErrorType::ReadError | ErrorType::WriteError | ErrorType::ConnectionClosed,
+                ErrorType::ReadError
+                | ErrorType::WriteError
+                | ErrorType::ConnectionClosed
+                | ErrorType::H2Error,
             ) => None,
             (ErrorSource::Downstream, _) => Some(Answer::BadRequest),
             (ErrorSource::Internal | ErrorSource::Unset, ErrorType::ConnectTimedout) => {

@@ -139,6 +139,19 @@ impl Conn {
         self.tls.conn.protocol_version()
     }
 
+    /// How long until the gateway closes this connection, sending nothing meanwhile
+    /// (whatever it writes is read and dropped).
+    pub fn closed_after(&mut self) -> std::time::Duration {
+        let start = std::time::Instant::now();
+        let mut buf = [0u8; 512];
+        while let Ok(n) = self.tls.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+        start.elapsed()
+    }
+
     /// `GET path` on this connection (keep-alive); the status.
     pub fn get(&mut self, host: &str, path: &str) -> u16 {
         let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
