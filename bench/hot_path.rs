@@ -154,7 +154,7 @@ fn access_log(c: &mut Criterion) {
                 timestamp: Timestamp::of(std::time::SystemTime::now()),
                 request_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
                 client_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
-                method: "POST",
+                method: Some("POST"),
                 host: Some(Lossy(b"api.pdftalk.example")),
                 path: Some(black_box("/pdftalk/ingest/doc")),
                 protocol: "HTTP/1.1",
