@@ -693,8 +693,12 @@ fn policy(
         let buckets = every
             .iter()
             .any(|(_, a)| matches!(a, Algorithm::TokenBucket { .. }));
-        if !buckets {
+        // Limits with errors of their own were reported already; whether the route has a
+        // token bucket is then not known.
+        if !buckets && limits.is_some() {
             c.push(Some(&spanned.span()), label, "cost_from_response charges token buckets, and this route has none: give it a token_bucket limit, or remove cost_from_response".into());
+        }
+        if !buckets {
             return None;
         }
         Some(CostFromResponse {
