@@ -110,7 +110,8 @@ async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither()
     assert_eq!(view["limits"].as_array().unwrap().len(), 2);
 
     // A denial by burst waits for burst (about 100 s). This one is repeated by the
-    // over-limit cache: Retry-After, and the RateLimit item of burst only.
+    // over-limit cache: Retry-After, and one RateLimit item per limit, as Redis's own denial
+    // had them (the contract asks one item per limit of every answer).
     let r = get(&gw, "k1").await;
     assert_eq!(r.status(), 429);
     let retry: u64 = r.headers()["retry-after"]
@@ -119,9 +120,15 @@ async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither()
         .parse()
         .unwrap();
     assert!((1..=100).contains(&retry), "{retry}");
-    assert_eq!(r.headers()["ratelimit-policy"], "\"burst\";q=3;w=300");
+    assert_eq!(
+        r.headers()["ratelimit-policy"],
+        "\"burst\";q=3;w=300, \"daily\";q=5;w=5000"
+    );
     let fields = r.headers()["ratelimit"].to_str().unwrap();
-    assert!(fields.starts_with("\"burst\";r=0;t="), "{fields}");
+    assert!(
+        fields.starts_with("\"burst\";r=0;t=") && fields.contains(", \"daily\";r=2;t="),
+        "{fields}"
+    );
     // A new caller's answer has one item per limit.
     let r = get(&gw, "k2").await;
     assert_eq!(r.status(), 200);

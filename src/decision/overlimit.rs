@@ -17,6 +17,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 
 use crate::clock::SharedClock;
+use crate::decision::ScriptReply;
 
 /// Keys remembered per endpoint per process.
 pub const CAPACITY: usize = 16_384;
@@ -37,14 +38,40 @@ pub struct Denied {
 /// Never full again, in an entry.
 const NEVER: u64 = u64::MAX;
 
-/// Key -> (until, when the limit is full again or `NEVER`, the index of the limit that
-/// denied), times in microseconds of the local clock.
-type Shard = Mutex<HashMap<String, (u64, u64, u8)>>;
+/// A remembered denial, times in microseconds of the local clock.
+struct Entry {
+    /// Denied until then.
+    until: u64,
+    /// When the limit that denied is full again, or `NEVER`.
+    full_at: u64,
+    /// The index of the limit that denied.
+    limit: u8,
+    /// With several limits, what each said ([`Other`]), for the `RateLimit` fields of the
+    /// repeated 429, which carry one item per limit.
+    limits: Option<Box<[Other]>>,
+}
+
+/// One limit's answer in a denial of several limits.
+struct Other {
+    remaining: i64,
+    /// When it is full again, or `NEVER`.
+    full_at: u64,
+    /// Redis was asked about it (a ceiling after the caller's own limits denied, on a
+    /// cluster, is not).
+    asked: bool,
+}
+
+type Shard = Mutex<HashMap<String, Entry>>;
 
 pub struct OverlimitCache {
     shards: Vec<Shard>,
     hasher: RandomState,
     clock: SharedClock,
+}
+
+/// Whole seconds from `now` until `at`, rounded up; `None` for `NEVER`.
+fn seconds_until(at: u64, now: u64) -> Option<u64> {
+    (at != NEVER).then(|| at.saturating_sub(now).div_ceil(1_000_000))
 }
 
 impl OverlimitCache {
@@ -62,15 +89,42 @@ impl OverlimitCache {
 
     /// The remembered denial of `key`, if it still holds.
     pub fn denied_for(&self, key: &str) -> Option<Denied> {
+        self.lookup(key, |_, _| ()).map(|(denied, ())| denied)
+    }
+
+    /// The remembered denial of `key` and, when it was remembered with several limits,
+    /// each limit's answer as Redis gave it, its reset counted down to now.
+    pub fn denied_with_replies(&self, key: &str) -> Option<(Denied, Vec<ScriptReply>)> {
+        self.lookup(key, |entry, now| {
+            let Some(limits) = &entry.limits else {
+                return Vec::new();
+            };
+            limits
+                .iter()
+                .map(|l| ScriptReply {
+                    allowed: false,
+                    remaining: l.remaining,
+                    retry_after: None,
+                    reset: seconds_until(l.full_at, now),
+                    now_us: u64::from(l.asked),
+                    wait_us: None,
+                })
+                .collect()
+        })
+    }
+
+    fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(key) {
-            Some(&(until, full_at, limit)) if until > now => Some(Denied {
-                left_us: until - now,
-                limit: usize::from(limit),
-                full_in_s: (full_at != NEVER)
-                    .then(|| full_at.saturating_sub(now).div_ceil(1_000_000)),
-            }),
+            Some(entry) if entry.until > now => Some((
+                Denied {
+                    left_us: entry.until - now,
+                    limit: usize::from(entry.limit),
+                    full_in_s: seconds_until(entry.full_at, now),
+                },
+                also(entry, now),
+            )),
             Some(_) => {
                 shard.remove(key);
                 None
@@ -82,22 +136,51 @@ impl OverlimitCache {
     /// Remembers that Redis denied `key` for the next `wait_us` microseconds, by the limit
     /// of index `limit`, which is full again in `full_in_s` seconds (`None`: never).
     pub fn remember(&self, key: &str, wait_us: u64, limit: usize, full_in_s: Option<u64>) {
+        self.remember_with(key, wait_us, limit, full_in_s, &[]);
+    }
+
+    /// [`remember`](Self::remember) with every limit's answer of a route with several.
+    pub fn remember_several(&self, key: &str, wait_us: u64, limit: usize, replies: &[ScriptReply]) {
+        let full_in_s = replies.get(limit).and_then(|r| r.reset);
+        self.remember_with(key, wait_us, limit, full_in_s, replies);
+    }
+
+    fn remember_with(
+        &self,
+        key: &str,
+        wait_us: u64,
+        limit: usize,
+        full_in_s: Option<u64>,
+        replies: &[ScriptReply],
+    ) {
         let now = self.clock.now_us();
+        let at =
+            |s: Option<u64>| s.map_or(NEVER, |s| now.saturating_add(s.saturating_mul(1_000_000)));
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-            shard.retain(|_, (until, _, _)| *until > now);
+            shard.retain(|_, e| e.until > now);
             if shard.len() >= CAPACITY / SHARDS {
                 return;
             }
         }
-        let full_at = full_in_s.map_or(NEVER, |s| now.saturating_add(s.saturating_mul(1_000_000)));
+        let limits = (!replies.is_empty()).then(|| {
+            replies
+                .iter()
+                .map(|r| Other {
+                    remaining: r.remaining,
+                    full_at: at(r.reset),
+                    asked: r.now_us > 0,
+                })
+                .collect()
+        });
         shard.insert(
             key.to_owned(),
-            (
-                now + wait_us,
-                full_at,
-                u8::try_from(limit).unwrap_or(u8::MAX),
-            ),
+            Entry {
+                until: now + wait_us,
+                full_at: at(full_in_s),
+                limit: u8::try_from(limit).unwrap_or(u8::MAX),
+                limits,
+            },
         );
     }
 
@@ -162,6 +245,44 @@ mod tests {
             "expired exactly at the deadline"
         );
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_denial_of_several_limits_keeps_each_answer_and_counts_its_reset_down() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        let reply = |remaining, reset, now_us| ScriptReply {
+            allowed: false,
+            remaining,
+            retry_after: None,
+            reset,
+            now_us,
+            wait_us: None,
+        };
+        let given = [
+            reply(0, Some(300), 7),
+            reply(2_000_000, Some(40), 7),
+            reply(0, None, 0),
+        ];
+        cache.remember_several("k", 60_000_000, 0, &given);
+        clock.advance(Duration::from_secs(10));
+        let (denied, replies) = cache.denied_with_replies("k").unwrap();
+        assert_eq!((denied.limit, denied.full_in_s), (0, Some(290)));
+        let seen: Vec<_> = replies
+            .iter()
+            .map(|r| (r.remaining, r.reset, r.now_us > 0))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (0, Some(290), true),
+                (2_000_000, Some(30), true),
+                (0, None, false)
+            ]
+        );
+        // A single limit's denial has no list.
+        cache.remember("one", 5_000_000, 0, Some(3));
+        assert!(cache.denied_with_replies("one").unwrap().1.is_empty());
     }
 
     #[test]

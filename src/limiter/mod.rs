@@ -102,9 +102,10 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     // caller only; a ceiling's key is everyone's. Where every limit is a ceiling, any denial
     // is everyone's, and the first key is as good as any.
     let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
-    if let Some(denied) = endpoint.overlimit.denied_for(&keys[own]) {
+    if let Some((denied, replies)) = endpoint.overlimit.denied_with_replies(&keys[own]) {
         let mut cached = Several::of(Decision::cached_denial(denied, store.breaker_state()));
         cached.denied_by = Some(denied.limit);
+        cached.replies = replies;
         return cached;
     }
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -136,7 +137,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             {
                 endpoint
                     .overlimit
-                    .remember(&keys[own], wait, limit, replies[limit].reset);
+                    .remember_several(&keys[own], wait, limit, &replies);
             }
             Several {
                 decision: Decision::by_redis(combined, breaker),

@@ -277,7 +277,9 @@ impl Gateway {
             ctx.denied_by = several.denied_by;
             if policy.ratelimit_headers {
                 ctx.ratelimit = match (several.decision.reply(), several.denied_by) {
-                    (Some(repeated), Some(limit)) if several.decision.cached() => {
+                    (Some(repeated), Some(limit))
+                        if several.decision.cached() && several.replies.is_empty() =>
+                    {
                         headers::one(policy, limit, repeated)
                     }
                     _ => headers::several(policy, &several.replies),
