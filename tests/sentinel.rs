@@ -559,6 +559,66 @@ async fn a_reload_to_other_sentinels_moves_the_decisions_to_the_master_they_name
     assert!(second.limiter_calls() >= 4, "decided on the second master");
 }
 
+/// A refused password is logged with its reason (contract section 11: "logged once per
+/// outage with the reason, e.g. `WRONGPASS`"), the master's or a sentinel's. Before, the
+/// master whose password was refused was not taken for the master at all, and the log named
+/// a made-up address refusing connections; a sentinel's refusal was not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_password_of_the_master_or_a_sentinel_is_logged_with_its_reason() {
+    let master = Redis::start_with(free_port(), &["--requirepass", "right-pw"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel_with(master.port, dir.path(), Some("s3ntinel-pw"));
+    let up = Upstream::start("app");
+    let route = || {
+        Route::new("s.api")
+            .prefix("/api")
+            .identity_header("X-API-Key")
+            .token_bucket(3_000_000, 0)
+            .fail_closed()
+    };
+    let sentinel_pw = ("TEST_SENTINEL_PASSWORD", "s3ntinel-pw");
+    let wrong_master = on_sentinel(sentinel_port)
+        .redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"))
+        .redis("password_env", quoted("TEST_REDIS_PASSWORD"))
+        .upstream("app", &[up.addr()])
+        .route(route())
+        .start_with_env(&[sentinel_pw, ("TEST_REDIS_PASSWORD", "wrong-pw")]);
+    assert_eq!(statuses(&wrong_master, "a", 2).await, [503, 503]);
+    let master_node = format!("127.0.0.1:{}", master.port);
+    wait_until(Duration::from_secs(5), "the master named", || {
+        readyz(&wrong_master)["redis_sentinel_master"]["addr"] == master_node.as_str()
+    });
+    let logs = wrong_master.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("WRONGPASS") && l.contains(&master_node)),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("wrong-pw") && !logs.contains("right-pw"),
+        "{logs}"
+    );
+
+    let wrong_sentinel = on_sentinel(sentinel_port)
+        .redis("sentinel_password_env", quoted("TEST_SENTINEL_PASSWORD"))
+        .upstream("app", &[up.addr()])
+        .route(route())
+        .start_with_env(&[("TEST_SENTINEL_PASSWORD", "not-it")]);
+    assert_eq!(statuses(&wrong_sentinel, "a", 1).await, [503]);
+    let logs = wrong_sentinel.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("no sentinel names a reachable master")
+                && l.contains("WRONGPASS")
+                && l.contains(&format!("127.0.0.1:{sentinel_port}"))),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("not-it") && !logs.contains("s3ntinel-pw"),
+        "{logs}"
+    );
+}
+
 #[test]
 fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     let dir = tempfile::tempdir().unwrap();

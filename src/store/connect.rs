@@ -368,7 +368,7 @@ async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult
 /// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` (Redis
 /// answers `WRONGPASS`, or `ERR invalid password` before Redis 6) becomes redis-rs's
 /// `AuthenticationFailed`, which is said here as Redis said it.
-fn reason(e: &RedisError) -> String {
+pub(super) fn reason(e: &RedisError) -> String {
     if e.kind() == redis::ErrorKind::AuthenticationFailed {
         format!("WRONGPASS: Redis refused the username or password, or the user is disabled ({e})")
     } else {
@@ -393,7 +393,12 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
         crate::config::RedisTarget::Sentinel(target) => {
             let sentinel = super::sentinel::Sentinel::new(target.clone(), config.access.clone());
             let found = tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await;
-            found.ok().flatten().map(|t| t.dial).into_iter().collect()
+            found
+                .ok()
+                .and_then(Result::ok)
+                .map(|t| t.dial)
+                .into_iter()
+                .collect()
         }
     };
     for dial in dials {

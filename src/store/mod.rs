@@ -132,16 +132,15 @@ impl Store {
                 let found = runtime.block_on(async {
                     tokio::time::timeout(Duration::from_secs(2), watcher.discover())
                         .await
-                        .ok()
-                        .flatten()
+                        .unwrap_or_else(|_| Err("the sentinels did not answer within 2 s".into()))
                 });
                 let initial = match found {
-                    Some(t) => {
+                    Ok(t) => {
                         watcher.started_on(&t);
                         t
                     }
-                    None => {
-                        tracing::warn!("redis sentinel: no sentinel names a reachable master yet; routes follow their fail modes until one does");
+                    Err(reason) => {
+                        tracing::warn!(reason = %reason, "redis sentinel: no sentinel names a reachable master yet; routes follow their fail modes until one does");
                         Target::new("redis://127.0.0.1:1/0", &config.access)?
                     }
                 };

@@ -72,28 +72,34 @@ impl Sentinel {
         Dial::new(url, &access).ok()
     }
 
-    /// The master's address as the first sentinel that answers names it.
-    pub(super) async fn ask_sentinels(&self) -> Option<(String, u16)> {
+    /// The master's address as the first sentinel that answers names it; else why the
+    /// last one asked did not (a refused password says `WRONGPASS`).
+    pub(super) async fn ask_sentinels(&self) -> Result<(String, u16), String> {
         let target = self.target.load_full();
+        let mut why = String::from("no sentinel to ask");
         for url in &target.sentinels {
             let Some(dial) = self.sentinel_dial(url) else {
                 continue;
             };
             let asked = async {
-                let mut opened = connect::open(&dial).await.ok()?;
+                let mut opened = connect::open(&dial)
+                    .await
+                    .map_err(|e| connect::reason(&e))?;
                 redis::cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
                     .arg(&target.master)
                     .query_async::<Option<(String, u16)>>(&mut opened.conn)
                     .await
-                    .ok()
-                    .flatten()
+                    .map_err(|e| connect::reason(&e))?
+                    .ok_or_else(|| format!("it knows no master named {}", target.master))
             };
-            if let Ok(Some(addr)) = tokio::time::timeout(ASK_TIMEOUT, asked).await {
-                return Some(addr);
+            match tokio::time::timeout(ASK_TIMEOUT, asked).await {
+                Ok(Ok(addr)) => return Ok(addr),
+                Ok(Err(e)) => why = format!("sentinel {}: {e}", dial.info.addr()),
+                Err(_) => why = format!("sentinel {}: no answer in time", dial.info.addr()),
             }
         }
-        None
+        Err(why)
     }
 
     /// The link's target for the master at `host:port`, with `[redis]`'s credentials; over
@@ -110,10 +116,17 @@ impl Sentinel {
         Target::new(&url, &self.access.load()).ok()
     }
 
-    /// Whether `target` answers `ROLE` as a master.
+    /// Whether `target` answers `ROLE` as a master. A node that refuses the gateway's
+    /// credentials is taken as the master the sentinels say it is: its role cannot be
+    /// read, and the decisions' own connection to it then fails with the reason
+    /// (`WRONGPASS`), logged, instead of on an address that means nothing.
     async fn is_master(target: &Target) -> bool {
         let check = async {
-            let mut opened = connect::open(&target.dial).await.ok()?;
+            let mut opened = match connect::open(&target.dial).await {
+                Ok(opened) => opened,
+                Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => return Some(true),
+                Err(_) => return None,
+            };
             let role: redis::Value = redis::cmd("ROLE")
                 .query_async(&mut opened.conn)
                 .await
@@ -151,16 +164,22 @@ impl Sentinel {
         }
     }
 
-    /// The master's target, once a sentinel names it and it answers as a master.
-    pub(super) async fn discover(&self) -> Option<Target> {
+    /// The master's target, once a sentinel names it and it answers as a master; else why
+    /// not.
+    pub(super) async fn discover(&self) -> Result<Target, String> {
         let (host, port) = self.ask_sentinels().await?;
-        let target = self.target_for(&host, port)?;
+        let target = self
+            .target_for(&host, port)
+            .ok_or_else(|| format!("the sentinels name {host}:{port}, which is no address"))?;
         if self.master().as_deref() != Some(target.node.as_str()) && !Self::is_master(&target).await
         {
             tracing::debug!(node = %target.node, "the sentinels name a node that is not a master (yet)");
-            return None;
+            return Err(format!(
+                "the sentinels name {}, which does not answer as a master",
+                target.node
+            ));
         }
-        Some(target)
+        Ok(target)
     }
 
     /// The master found at start: the link is made pointing at it.
@@ -169,15 +188,13 @@ impl Sentinel {
         tracing::info!(master = %target.node, "redis sentinel: using the master the sentinels name");
     }
 
-    /// Asks once and follows the answer; whether the link points at a master now.
-    pub(super) async fn follow_once(&self, link: &Link) -> bool {
-        let Some(target) = self.discover().await else {
-            return false;
-        };
+    /// Asks once and follows the answer; `Err`: why the link points at no master now.
+    pub(super) async fn follow_once(&self, link: &Link) -> Result<(), String> {
+        let target = self.discover().await?;
         if self.master().as_deref() != Some(target.node.as_str()) {
             self.switch(link, target);
         }
-        true
+        Ok(())
     }
 }
 
@@ -186,13 +203,13 @@ pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
     tokio::spawn(watch_switches(Arc::clone(&sentinel)));
     let mut warned = false;
     loop {
-        if sentinel.follow_once(&link).await {
-            warned = false;
-        } else if !warned {
-            warned = true;
-            tracing::warn!(
-                "redis sentinel: no sentinel names a reachable master; asking again every second"
-            );
+        match sentinel.follow_once(&link).await {
+            Ok(()) => warned = false,
+            Err(reason) if !warned => {
+                warned = true;
+                tracing::warn!(reason = %reason, "redis sentinel: no sentinel names a reachable master; asking again every second");
+            }
+            Err(_) => {}
         }
         tokio::select! {
             _ = tokio::time::sleep(POLL_EVERY) => {}
