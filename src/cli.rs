@@ -122,8 +122,12 @@ pub fn main() -> i32 {
             EXIT_INVALID_CONFIG
         }
         (true, Ok(config)) => {
+            let claim = config
+                .jwt
+                .as_ref()
+                .map_or("sub", |j| j.identity_claim.as_str());
             for route in &config.routes {
-                println!("{}", describe(route));
+                println!("{}", describe(route, claim));
             }
             for t in &config.server.tls {
                 println!("{}", describe_tls(t));
@@ -240,7 +244,8 @@ fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
     }
 }
 
-pub fn describe(route: &RouteConfig) -> String {
+/// The route in plain words; `claim` is the JWT claim that names a caller.
+pub fn describe(route: &RouteConfig, claim: &str) -> String {
     let p = &route.policy;
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
         m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
@@ -255,7 +260,8 @@ pub fn describe(route: &RouteConfig) -> String {
         .as_deref()
         .map_or(String::new(), |h| format!(" on {h}"));
     let identity = match &route.identity {
-        IdentitySource::Jwt => "per JWT subject".to_owned(),
+        IdentitySource::Jwt if claim == "sub" => "per JWT subject".to_owned(),
+        IdentitySource::Jwt => format!("per JWT {claim} claim"),
         IdentitySource::ClientIp => "per client IP".to_owned(),
         IdentitySource::Global => "shared by all clients".to_owned(),
         IdentitySource::Header(h) => format!("per {h} header"),
@@ -334,11 +340,16 @@ pub fn describe(route: &RouteConfig) -> String {
                     }
                 })
                 .collect();
-            format!(
-                "; tiers from {from} (the limits above are tier {}): {}",
-                plan.default,
-                each.join("; ")
-            )
+            // A listed default tier has limits of its own; otherwise the route's are its.
+            let default = if plan.tiers.iter().any(|(name, _)| *name == plan.default) {
+                format!("a caller without a listed tier is tier {}", plan.default)
+            } else {
+                format!(
+                    "the limits above are tier {}'s, and a caller's without a listed tier",
+                    plan.default
+                )
+            };
+            format!("; tiers from {from}; {default}: {}", each.join("; "))
         }
     };
     let shadow = if p.mode == crate::config::Enforcement::Shadow {

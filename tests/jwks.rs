@@ -171,6 +171,10 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
         err.contains("auth.jwt.algorithms lists RS256 but no jwks_path gives their public keys"),
         "{err}"
     );
-    let (code, _) = check(with(&jwt_section("")));
-    assert_eq!(code, Some(0), "the fixture JWKS is accepted");
+    std::fs::write(&path, with(&jwt_section(""))).unwrap();
+    let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+    assert_eq!(out.status.code(), Some(0), "the fixture JWKS is accepted");
+    // The plain words name the claim that names the caller.
+    let described = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(described.contains(", per JWT org_id claim;"), "{described}");
 }

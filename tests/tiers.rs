@@ -186,6 +186,19 @@ fn check_refuses_tiers_that_cannot_work() {
     };
     let (ok, out) = run(&(tiered().toml() + TIERS));
     assert!(ok, "{out}");
+    // The plain words say whose the route's own limits are.
+    assert!(
+        out.contains("; tiers from the key file; the limits above are tier free's, and a caller's without a listed tier: internal: not limited; pro: limit burst: token bucket of 4 requests, never refilled"),
+        "{out}"
+    );
+    // A default tier with limits of its own: they, not the route's, are a tierless caller's.
+    let (ok, out) = run(&(tiered().set("default_tier", "\"internal\"").toml() + TIERS));
+    assert!(
+        ok && out.contains(
+            "; tiers from the key file; a caller without a listed tier is tier internal: "
+        ),
+        "{out}"
+    );
 
     let no_default = tiered().set("default_tier", "\"\"").toml();
     let (ok, out) = run(&no_default);
