@@ -489,6 +489,18 @@ async fn noscript_that_cannot_be_reloaded_follows_the_fail_mode() {
         gw.metric(r#"sentinel_store_errors_total{cause="noscript"}"#),
         2.0
     );
+    // The refusal is logged once, not once per decision (contract section 8).
+    for _ in 0..3 {
+        send(&http, &gw.url("/open"), "k").await;
+    }
+    assert_eq!(
+        gw.logs()
+            .matches("refused SCRIPT LOAD after NOSCRIPT")
+            .count(),
+        1,
+        "{}",
+        gw.logs()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -281,10 +281,13 @@ impl Store {
         // One SCRIPT LOAD and one retry. A load Redis refuses (a managed Redis that
         // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
         match script.load(&mut c).await {
-            Ok(_) => {}
+            Ok(_) => link.load_refused.store(false, Ordering::Relaxed),
             Err(e) if is_transport(&e) => return Step::Failed(self.failed(link, &conn, key, &e)),
             Err(e) => {
-                tracing::warn!(error = %e, "redis refused SCRIPT LOAD after NOSCRIPT");
+                // Once until a load succeeds again: every decision meets the same refusal.
+                if !link.load_refused.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(node = %link.node(), error = %e, "redis refused SCRIPT LOAD after NOSCRIPT; decisions are redis_noscript_retry until it loads the script");
+                }
                 return Step::Failed(Failure::Noscript);
             }
         }

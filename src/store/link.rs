@@ -116,6 +116,8 @@ pub(super) struct Link {
     pub(super) breaker: Breaker,
     /// Whether the node takes batches.
     pub(super) turns: super::batch::Turns,
+    /// The node refused the last `SCRIPT LOAD` (logged once until a load succeeds).
+    pub(super) load_refused: AtomicBool,
     /// A primary of a Redis Cluster (its batches may span several slots).
     pub(super) in_cluster: bool,
     /// In a cluster, the slot map's refresher: woken when the connection is lost (a replica
@@ -141,6 +143,7 @@ impl Link {
             made: std::time::Instant::now(),
             breaker,
             turns: Default::default(),
+            load_refused: AtomicBool::new(false),
             in_cluster: false,
             refresh,
         }
