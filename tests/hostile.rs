@@ -481,6 +481,49 @@ fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
     );
 }
 
+/// A request sent while the one before it on the connection is being proxied (pipelined
+/// behind an answer still on its way): both are answered, in order, and each is decided
+/// once. Before, the first one's answer was replaced by a 400 and the connection reset,
+/// though it had been forwarded and charged, and the second was never read.
+#[test]
+fn a_request_pipelined_while_the_one_before_is_proxied_is_answered_after_it() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = closed_and_open(&redis.url(), &up.addr(), 100).start();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(b"GET /closed/slow?ms=500 HTTP/1.1\r\nHost: gw\r\nX-API-Key: p\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    conn.write_all(b"GET /closed/second HTTP/1.1\r\nHost: gw\r\nX-API-Key: p\r\n\r\n")
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = conn.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        if String::from_utf8_lossy(&seen).contains("/closed/second") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&seen);
+    assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
+    let (first, second) = (
+        text.find("\"path\":\"/closed/slow\"")
+            .expect("the first answer"),
+        text.find("\"path\":\"/closed/second\"")
+            .expect("the second answer"),
+    );
+    assert!(first < second, "in order: {text}");
+    assert_eq!(
+        gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.closed"}"#),
+        2.0
+    );
+}
+
 /// The whole answer to `request` sent on a new connection, until the gateway closes it.
 fn raw_answer(port: u16, request: &[u8]) -> String {
     use std::io::{Read, Write};

@@ -429,13 +429,13 @@ impl Guarded {
         stream.and_then(|s| (**s).as_any().downcast_ref::<Guarded>())
     }
 
-    /// The request head is complete: no deadline until the next one.
+    /// The request head is complete: no deadline until the next one. A pipelined request
+    /// whose head came with the previous one is read without a read of this connection:
+    /// it finds it `Idle`.
     pub fn head_complete(&self) {
-        let _ =
-            self.reg
-                .conn
-                .state
-                .compare_exchange(HEAD, BUSY, Ordering::Relaxed, Ordering::Relaxed);
+        let state = &self.reg.conn.state;
+        let _ = state.compare_exchange(HEAD, BUSY, Ordering::Relaxed, Ordering::Relaxed);
+        let _ = state.compare_exchange(IDLE, BUSY, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// The answer is finished: the connection waits for the next request.

@@ -356,6 +356,16 @@ impl ProxyHttp for Gateway {
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.head_complete();
         }
+        // Pipelined HTTP/1.1 requests are answered one after another, in order (RFC 9112,
+        // 9.3.2); without it, a request sent while the one before it was being proxied made
+        // Pingora drop that one's answer. It carries over to the connection's next requests.
+        if let pingora_core::protocols::http::ServerSession::H1(h1) =
+            &mut *session.downstream_session
+        {
+            if !h1.pipelining_enabled() {
+                h1.set_pipelining_enabled(true);
+            }
+        }
         // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs);
         // 0: no keep-alive.
         if server.keepalive_timeout.is_zero() {
