@@ -199,14 +199,47 @@ async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_req
         timed,
         "decisions that found no connection say nothing of Redis's speed"
     );
-    // From now on each failed attempt counts: the loss and four more open the breaker with
-    // no further request (the backoff is at 0.8-2 s steps by now).
+    // From now on each failed attempt counts: five open the breaker with no further
+    // request (the loss counted nothing: no request was in flight on it).
     wait_until(Duration::from_secs(12), "the breaker to open", || {
         r.gw.metric("sentinel_breaker_state") == 1.0
     });
     let a = send(&r.http, &r.gw.url("/open"), "b").await;
     assert_eq!(a.status, 200);
     assert_eq!(r.gw.metric(&series("t.open", "circuit_open", true)), 1.0);
+}
+
+/// Connections Redis drops while no request uses them (its idle `timeout`, `CLIENT KILL`, a
+/// restart between requests) count nothing for the breaker: a lost connection is one failure
+/// for the requests in flight on it (contract section 4), and here there were none. Before,
+/// each such loss counted one, and a quiet gateway's breaker opened on a healthy Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_dropped_while_nothing_uses_them_never_open_the_breaker() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis.url(), &up.addr(), 30).start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
+    let connected = || {
+        common::blocking_get(&gw.admin("/readyz"))
+            .is_some_and(|(_, b)| b.contains(r#""redis":"up""#))
+    };
+    // Six losses against a threshold of five.
+    for _ in 0..6 {
+        wait_until(Duration::from_secs(5), "the gateway connected", connected);
+        let _: i64 = redis::cmd("CLIENT")
+            .arg(&["KILL", "TYPE", "normal"])
+            .query(&mut redis.conn())
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    wait_until(Duration::from_secs(5), "the gateway connected", connected);
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
+        0.0
+    );
+    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,8 +260,8 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
         r.gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
         5.0
     );
-    // Requests fail at once while the connection is made again, and count nothing: the
-    // loss and each failed connection attempt do (0.3 to 0.8 s to the fifth with the backoff).
+    // Requests fail at once while the connection is made again, and count nothing: each
+    // failed connection attempt after them does (0.3 to 1 s to the fifth with the backoff).
     wait_until(Duration::from_secs(3), "the breaker to open", || {
         r.gw.metric("sentinel_breaker_state") == 1.0
     });

@@ -496,6 +496,9 @@ impl Store {
         state.bytes.dead = true;
         let mut batches = std::mem::take(&mut state.batches);
         drop(state);
+        if !batches.in_flight.waiting.is_empty() || !batches.queue.waiting.is_empty() {
+            link.lost_under(conn);
+        }
         batches
             .in_flight
             .tell_all(|| Answer::Failed(Failure::ConnectionLost));

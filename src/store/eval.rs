@@ -307,6 +307,7 @@ impl Store {
         let failure = classify(e);
         if failure == Failure::ConnectionLost {
             link.forget(conn, e);
+            link.lost_under(conn);
         }
         self.report(link, failure, key, e)
     }

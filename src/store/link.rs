@@ -35,6 +35,8 @@ pub(super) struct Conn {
     pub(super) wire: Arc<Wire>,
     /// redis-rs's socket closed (see [`Opened`]).
     closed: watch::Receiver<bool>,
+    /// Its loss was counted for the breaker ([`Link::lost_under`]).
+    loss_counted: AtomicBool,
 }
 
 impl Drop for Conn {
@@ -178,6 +180,7 @@ impl Link {
             redis: opened.conn,
             wire: Arc::new(wire),
             closed: opened.closed,
+            loss_counted: AtomicBool::new(false),
         });
         self.conn.store(Some(Arc::clone(&conn)));
         self.on_proxy_runtime
@@ -208,6 +211,7 @@ impl Link {
             redis: old.redis.clone(),
             wire: Arc::new(wire),
             closed: old.closed.clone(),
+            loss_counted: AtomicBool::new(false),
         });
         let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(&old, Some(conn));
@@ -270,12 +274,20 @@ impl Link {
         let prev = self.conn.compare_and_swap(conn, None);
         if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
             tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
-            // One failure for the loss, however many requests were in flight on it.
-            self.breaker.count_failure();
             self.wake.notify_one();
             if let Some(refresh) = &self.refresh {
                 refresh.notify_one();
             }
+        }
+    }
+
+    /// Decisions were in flight on `conn` when it was lost: one failure for the breaker,
+    /// however many they were. A connection lost while nothing used it (Redis's idle
+    /// `timeout`, a `CLIENT KILL`, a restart between requests) counts nothing: the next
+    /// request finds a new one, or finds none and counts that.
+    pub(super) fn lost_under(&self, conn: &Conn) {
+        if !conn.loss_counted.swap(true, Ordering::Relaxed) {
+            self.breaker.count_failure();
         }
     }
 
