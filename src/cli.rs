@@ -119,6 +119,15 @@ pub fn main() -> i32 {
                 cli.config.display(),
                 errors.0.len()
             );
+            if !check {
+                // Starting, the errors are also one JSON line on stdout, as every log line.
+                crate::telemetry::init();
+                tracing::error!(
+                    config = %cli.config.display(),
+                    errors = %errors,
+                    "the config is invalid; not started"
+                );
+            }
             EXIT_INVALID_CONFIG
         }
         (true, Ok(config)) => {

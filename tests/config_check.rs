@@ -146,6 +146,36 @@ fn a_missing_file_is_an_invalid_config() {
     );
 }
 
+/// Started (not `check`), an invalid config is also one JSON ERROR line on stdout, as the
+/// log's config errors are (contract section 8), besides the plain text on stderr.
+#[test]
+fn an_invalid_config_at_start_is_logged_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
+    let out = common::run_binary(
+        &[std::ffi::OsStr::new("--config"), path.as_os_str()],
+        &[("SENTINEL_REDIS_URL", None)],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert_eq!(line["level"], "ERROR");
+    assert_eq!(line["message"], "the config is invalid; not started");
+    assert!(
+        line["errors"]
+            .as_str()
+            .unwrap()
+            .contains("3:1: server: unknown field `bogus`"),
+        "{line}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("1 error(s); the config was not loaded"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn every_route_field_is_documented() {
     let doc = std::fs::read_to_string(
