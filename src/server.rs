@@ -139,6 +139,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         lifecycle: Arc::clone(&lifecycle),
         access_log: Arc::clone(&access_log),
         max_in_flight: max_connections,
+        connections: Arc::clone(&connections),
     };
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);
     let mut options = pingora_core::apps::HttpServerOptions::default();

@@ -363,6 +363,40 @@ async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     assert_eq!(r.status(), 200);
 }
 
+/// At the bound with every connection busy, an HTTP/2 one included (its stream is a request
+/// in progress), a new connection is closed at once. Before, the busy HTTP/2 connection was
+/// sent a GOAWAY to make room, and the new client was let in only to be answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_with_a_stream_in_progress_is_busy_at_the_bound() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "3"), ("h2c", "true")]);
+    let busy_h1: Vec<_> = (0..2)
+        .map(|_| {
+            let port = gw.port;
+            std::thread::spawn(move || {
+                raw_request(port, b"GET /slow?ms=2500 HTTP/1.1\r\nHost: a\r\n\r\n")
+            })
+        })
+        .collect();
+    let h2 = common::h2c_client();
+    let busy_h2 = tokio::spawn({
+        let url = gw.url("/slow?ms=2500");
+        async move { h2.get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let port = gw.port;
+    let refused = tokio::task::spawn_blocking(move || {
+        raw_request(port, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+    })
+    .await
+    .unwrap();
+    assert_eq!(refused, None, "closed without an answer");
+    for b in busy_h1 {
+        assert_eq!(b.join().unwrap(), Some(200), "the busy ones finish");
+    }
+    assert_eq!(busy_h2.await.unwrap().ok(), Some(200));
+}
+
 /// The gateway's resident memory, from /proc.
 fn rss_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

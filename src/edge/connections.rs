@@ -24,11 +24,11 @@
 //! At `max_connections`, a new connection first closes the oldest connection that has no
 //! request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
 //! `Idle`), as nginx does. A connection asked to close reads end-of-file, which Pingora
-//! treats as a client that left. Failing those, the HTTP/2 connection that read last
-//! longest ago is sent a GOAWAY through its own shutdown watch: whatever streams the client
-//! sent before it are still answered (a stream can be on its way from the HTTP/2 layer to
-//! the proxy, where nothing here sees it), then the connection closes. When there is none
-//! of either, the new connection is closed at once.
+//! treats as a client that left. Failing those, the HTTP/2 connection without a stream in
+//! the proxy ([`StreamSlot`]) that read last longest ago is sent a GOAWAY through its own
+//! shutdown watch: a stream still on its way from the HTTP/2 layer to the proxy, where
+//! nothing here sees it, is answered all the same, then the connection closes. When there is
+//! none of either, the new connection is closed at once.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -210,6 +210,9 @@ pub struct Connections {
     request_id_header: ArcSwap<String>,
     /// Told of the request heads answered 400 here (the access log, the metrics).
     bad_head: std::sync::OnceLock<BadHeadHook>,
+    /// The HTTP/2 connections by their socket digest (its address), which every stream's
+    /// session shares: how a stream finds its connection ([`Connections::stream_started`]).
+    h2: Mutex<std::collections::HashMap<usize, Arc<Conn>>>,
 }
 
 #[derive(Debug)]
@@ -225,6 +228,10 @@ struct Conn {
     /// shutdown, and to close an HTTP/2 connection gracefully to make room (a GOAWAY, after
     /// which every stream the client already sent is still answered).
     goaway: watch::Sender<bool>,
+    /// HTTP/2 streams in the proxy now ([`Connections::stream_started`]).
+    streams: AtomicUsize,
+    /// Its key among the HTTP/2 connections (`Connections::h2`), 0 when it has none.
+    h2_key: AtomicUsize,
 }
 
 impl Connections {
@@ -239,7 +246,22 @@ impl Connections {
             epoch: Instant::now(),
             request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
             bad_head: std::sync::OnceLock::new(),
+            h2: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// An HTTP/2 stream of the connection whose socket digest is `digest` reached the
+    /// proxy: it counts as the connection's request in progress until the slot drops.
+    pub fn stream_started(&self, digest: &Arc<SocketDigest>) -> Option<StreamSlot> {
+        let key = Arc::as_ptr(digest) as usize;
+        let conn = Arc::clone(
+            self.h2
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&key)?,
+        );
+        conn.streams.fetch_add(1, Ordering::Relaxed);
+        Some(StreamSlot(conn))
     }
 
     /// Sets what is told of each request head answered 400 here, once, at start.
@@ -337,14 +359,15 @@ impl Connections {
             if let Some(idle) = oldest_idle {
                 self.close(idle, EVICTED);
             } else {
-                // No HTTP/1 connection is idle: the HTTP/2 one that read last longest ago
-                // is sent a GOAWAY. Its streams, those in progress and those whose HEADERS
-                // are on their way to the proxy, are all answered before it closes; the
+                // No HTTP/1 connection is idle: the HTTP/2 one without a stream in the
+                // proxy that read last longest ago is sent a GOAWAY. A stream whose HEADERS
+                // are on their way to the proxy is still answered before it closes; the
                 // client opens a new connection for its next request.
                 let quietest = open
                     .values()
                     .filter(keep)
                     .filter(|c| c.state.load(Ordering::Relaxed) == MULTIPLEXED)
+                    .filter(|c| c.streams.load(Ordering::Relaxed) == 0)
                     .min_by_key(|c| c.since_ms.load(Ordering::Relaxed))?;
                 self.close(quietest, EVICTED);
                 quietest.goaway.send_replace(true);
@@ -357,6 +380,8 @@ impl Connections {
             since_ms: AtomicU64::new(self.now_ms()),
             waker: AtomicWaker::new(),
             goaway: watch::Sender::new(false),
+            streams: AtomicUsize::new(0),
+            h2_key: AtomicUsize::new(0),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
@@ -379,11 +404,46 @@ impl Connections {
         }
     }
 
-    fn forget(&self, id: u64, conn: &Conn) {
+    fn forget(&self, id: u64, conn: &Arc<Conn>) {
         self.lock().remove(&id);
+        let key = conn.h2_key.load(Ordering::Relaxed);
+        if key != 0 {
+            let mut h2 = self.h2.lock().unwrap_or_else(|p| p.into_inner());
+            if h2.get(&key).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+                h2.remove(&key);
+            }
+        }
         if conn.close.load(Ordering::Relaxed) != KEEP {
             self.closing.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// An HTTP/2 stream in the proxy, counted on its connection until dropped.
+#[derive(Debug)]
+pub struct StreamSlot(Arc<Conn>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Guarded {
+    /// Registers an HTTP/2 connection by its socket digest, which its streams' sessions
+    /// share ([`Connections::stream_started`]).
+    fn register_h2(&self) {
+        let Some(digest) = self.inner.get_socket_digest() else {
+            return;
+        };
+        let key = Arc::as_ptr(&digest) as usize;
+        self.reg.conn.h2_key.store(key, Ordering::Relaxed);
+        self.reg
+            .connections
+            .h2
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, Arc::clone(&self.reg.conn));
     }
 }
 
@@ -763,6 +823,7 @@ impl Peek for Guarded {
         };
         if buf.starts_with(H2_PREFACE) {
             self.reg.conn.state.store(H2_HEAD, Ordering::Relaxed);
+            self.register_h2();
         }
         self.peeked.extend_from_slice(&buf[..peeked]);
         Ok(true)
@@ -853,13 +914,17 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                     }
                 }
             };
-            Box::new(Guarded {
+            let guarded = Guarded {
                 inner,
                 reg,
                 replacing: None,
                 peeked: Vec::new(),
                 h2_head: H2Head::at_preface(),
-            })
+            };
+            if guarded.reg.conn.state.load(Ordering::Relaxed) == H2_HEAD {
+                guarded.register_h2();
+            }
+            Box::new(guarded)
         };
         let conn = match Guarded::of(Some(&stream)) {
             Some(guarded) => Arc::clone(&guarded.reg.conn),

@@ -39,6 +39,7 @@ pub struct Gateway {
     /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
     /// carries many, each holding an upstream connection of its own.
     pub max_in_flight: usize,
+    pub connections: Arc<crate::edge::connections::Connections>,
 }
 
 /// One request's state across the hooks. The snapshot loaded first is the one the whole
@@ -87,6 +88,8 @@ pub struct RequestCtx {
     _in_flight: Option<InFlight>,
     /// More requests were in flight with this one than `max_connections`.
     over_capacity: bool,
+    /// An HTTP/2 stream, counted on its connection while the request lasts.
+    h2_stream: Option<crate::edge::connections::StreamSlot>,
 }
 
 impl RequestCtx {
@@ -359,12 +362,20 @@ impl ProxyHttp for Gateway {
         // Pipelined HTTP/1.1 requests are answered one after another, in order (RFC 9112,
         // 9.3.2); without it, a request sent while the one before it was being proxied made
         // Pingora drop that one's answer. It carries over to the connection's next requests.
-        if let pingora_core::protocols::http::ServerSession::H1(h1) =
-            &mut *session.downstream_session
-        {
-            if !h1.pipelining_enabled() {
-                h1.set_pipelining_enabled(true);
+        match &mut *session.downstream_session {
+            pingora_core::protocols::http::ServerSession::H1(h1) => {
+                if !h1.pipelining_enabled() {
+                    h1.set_pipelining_enabled(true);
+                }
             }
+            // An HTTP/2 stream is its connection's request in progress, which is then not
+            // idle (`max_connections` makes room with idle ones only).
+            pingora_core::protocols::http::ServerSession::H2(_) => {
+                if let Some(digest) = session.digest().and_then(|d| d.socket_digest.as_ref()) {
+                    ctx.h2_stream = self.connections.stream_started(digest);
+                }
+            }
+            _ => {}
         }
         // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs);
         // 0: no keep-alive.
