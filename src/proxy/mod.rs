@@ -363,10 +363,8 @@ impl ProxyHttp for Gateway {
         // 9.3.2); without it, a request sent while the one before it was being proxied made
         // Pingora drop that one's answer. It carries over to the connection's next requests.
         match &mut *session.downstream_session {
-            pingora_core::protocols::http::ServerSession::H1(h1) => {
-                if !h1.pipelining_enabled() {
-                    h1.set_pipelining_enabled(true);
-                }
+            pingora_core::protocols::http::ServerSession::H1(h1) if !h1.pipelining_enabled() => {
+                h1.set_pipelining_enabled(true);
             }
             // An HTTP/2 stream is its connection's request in progress, which is then not
             // idle (`max_connections` makes room with idle ones only).
