@@ -27,10 +27,10 @@ pub fn validate(
         Ok(raw) => raw,
         Err(e) => {
             let route = e.span().and_then(|s| route_at(source, s.start));
-            let message = e.message().trim().to_owned();
+            let message = past_i64(e.message().trim());
             // TOML's own message names no field ("invalid type: string, expected i64"): the
             // table and key the error points into do.
-            let message = match e.span().and_then(|s| field_at(source, s.start)) {
+            let message = match e.span().and_then(|s| field_at(source, s.start, &message)) {
                 Some(field) => format!("{field}: {message}"),
                 None => message,
             };
@@ -93,6 +93,22 @@ pub fn validate(
     })
 }
 
+/// TOML's words for an integer it cannot hold (``invalid type: integer `N` as i128,
+/// expected i64``), said as what is wrong and what would do.
+fn past_i64(message: &str) -> String {
+    let too_big = message
+        .strip_prefix("invalid type: integer `")
+        .and_then(|rest| rest.split_once('`'))
+        .filter(|(_, tail)| tail.contains("as i128"));
+    match too_big {
+        Some((number, _)) => format!(
+            "{number} is out of range: no field takes an integer past {} (each field's range is in docs/configuration.md)",
+            i64::MAX
+        ),
+        None => message.to_owned(),
+    }
+}
+
 pub(super) fn route_label(index: usize, endpoint_id: &str) -> String {
     format!("routes[{index}] ({endpoint_id})")
 }
@@ -104,7 +120,7 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
         #[serde(default)]
         routes: Vec<Spanned<toml::Table>>,
     }
-    let loose: Loose = toml::from_str(source).ok()?;
+    let loose: Option<Loose> = toml::from_str(source).ok();
     let header_starts: Vec<usize> = source
         .match_indices("[[routes]]")
         .map(|(i, _)| i)
@@ -117,12 +133,34 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
     {
         return None;
     }
-    let id = loose
-        .routes
-        .get(index)
-        .and_then(|t| t.get_ref().get("endpoint_id")?.as_str().map(str::to_owned))
-        .unwrap_or_else(|| "?".to_owned());
+    // A file TOML cannot read at all (a duplicate key, an integer past i64) is read by line.
+    let id = match loose {
+        Some(loose) => loose
+            .routes
+            .get(index)
+            .and_then(|t| t.get_ref().get("endpoint_id")?.as_str().map(str::to_owned)),
+        None => {
+            let end = header_starts
+                .get(index + 1)
+                .copied()
+                .unwrap_or(source.len());
+            endpoint_id_in(&source[header_starts[index]..end])
+        }
+    }
+    .unwrap_or_else(|| "?".to_owned());
     Some(route_label(index, &id))
+}
+
+/// The `endpoint_id = "..."` line of one route's text, read without a TOML parser.
+fn endpoint_id_in(route: &str) -> Option<String> {
+    route.lines().find_map(|l| {
+        let (key, value) = l.split_once('=')?;
+        (key.trim() == "endpoint_id").then(|| {
+            let value = value.trim();
+            let value = value.split('#').next().unwrap_or(value).trim();
+            value.trim_matches('"').trim_matches('\'').to_owned()
+        })
+    })
 }
 
 /// The name of the table whose header is the last one at or before byte `offset`
@@ -142,7 +180,7 @@ fn table_header_before(source: &str, offset: usize) -> Option<&str> {
 /// The field a parse error at byte `offset` is about, as the other errors name it: the
 /// table's path (inside a route, from the route on: `limits`) and, when the error is in a
 /// value, its key (`breaker.failure_threshold`). `None` when there is nothing to name.
-fn field_at(source: &str, offset: usize) -> Option<String> {
+fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
     let offset = offset.min(source.len());
     let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
     let line_end = source[offset..]
@@ -154,8 +192,11 @@ fn field_at(source: &str, offset: usize) -> Option<String> {
         return None;
     }
     let key = match line.find('=') {
-        // The error is in the value: name its key (a quoted key keeps its quotes).
-        Some(eq) if line_start + eq < offset => Some(line[..eq].trim()),
+        // The error is in the value: name its key (a quoted key keeps its quotes); a key
+        // written twice is named too.
+        Some(eq) if line_start + eq < offset || message.contains("duplicate key") => {
+            Some(line[..eq].trim())
+        }
         _ => None,
     };
     let table = table_header_before(source, line_start).unwrap_or("");

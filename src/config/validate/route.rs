@@ -887,10 +887,11 @@ pub(super) fn shared_endpoints(c: &mut Collector, routes: &[(Range<usize>, Route
                 Some(span),
                 Some(&route_label(route.index, id.as_str())),
                 format!(
-                    "shares endpoint_id with routes[{}] but not its limit fields: routes of one \
-                     endpoint share one bucket, so identity, algorithm, limits, cost, fail mode, \
-                     fallback, mode and policy_version must be identical",
-                    prev.index
+                    "shares endpoint_id with routes[{}] but not its limit fields (different: {}): \
+                     routes of one endpoint share one bucket, so identity, algorithm, limits, \
+                     cost, fail mode, fallback, mode and policy_version must be identical",
+                    prev.index,
+                    differing(prev, route).join(", ")
                 ),
             ),
             Some(_) => {}
@@ -899,4 +900,40 @@ pub(super) fn shared_endpoints(c: &mut Collector, routes: &[(Range<usize>, Route
             }
         }
     }
+}
+
+/// What two routes of one `endpoint_id` write differently, by the fields' names.
+fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
+    let (p, q) = (&a.policy, &b.policy);
+    [
+        (a.identity != b.identity, "identity"),
+        (
+            p.algorithm != q.algorithm || p.limits != q.limits || p.several != q.several,
+            "algorithm or limits",
+        ),
+        (p.cost_micro != q.cost_micro, "cost_micro"),
+        (p.fail_mode != q.fail_mode, "fail_mode"),
+        (
+            p.fallback_rate_micro != q.fallback_rate_micro || p.fallback_fleet != q.fallback_fleet,
+            "fallback",
+        ),
+        (p.policy_version != q.policy_version, "policy_version"),
+        (p.mode != q.mode, "mode"),
+        (
+            p.ratelimit_headers != q.ratelimit_headers,
+            "ratelimit_headers",
+        ),
+        (
+            p.emergency_per_identity != q.emergency_per_identity,
+            "emergency_scope",
+        ),
+        (
+            p.cost_from_response != q.cost_from_response,
+            "cost_from_response",
+        ),
+        (p.tiers != q.tiers, "tiers"),
+    ]
+    .into_iter()
+    .filter_map(|(differs, name)| differs.then_some(name))
+    .collect()
 }
