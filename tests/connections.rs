@@ -51,6 +51,32 @@ fn gateway(redis: &Redis, up: &Upstream, server: &[(&str, &str)]) -> common::Gat
     config.start()
 }
 
+/// A gateway as [`gateway`] with a TLS listener too (a certificate for `localhost` of the
+/// returned CA); its port.
+fn with_tls(
+    redis: &Redis,
+    up: &Upstream,
+    server: &[(&str, &str)],
+) -> (common::Gateway, common::tls::Ca, u16) {
+    let ca = common::tls::Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
+    let tls_port = common::free_port();
+    let mut config = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited());
+    for (k, v) in server {
+        config = config.server(k, *v);
+    }
+    // The gateway reads the files at start; they may go with `dir` after.
+    (config.start(), ca, tls_port)
+}
+
 // Deadlines here are 1 s; a close is expected after it and well before 4 s (a loaded
 // two-core machine can delay a timer by a lot, never by seconds).
 const EARLIEST: Duration = Duration::from_millis(900);
@@ -120,20 +146,7 @@ fn an_idle_keep_alive_connection_is_closed_after_keepalive_timeout_seconds() {
 #[test]
 fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let ca = common::tls::Ca::new();
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
-    let tls_port = common::free_port();
-    let gw = GatewayConfig::new(&redis.url())
-        .server("header_read_timeout_ms", "1000")
-        .section(&format!(
-            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
-            cert.display().to_string(),
-            key.display().to_string()
-        ))
-        .upstream("app", &[up.addr()])
-        .route(Route::new("e.open").prefix("/").unlimited())
-        .start();
+    let (gw, _ca, tls_port) = with_tls(&redis, &up, &[("header_read_timeout_ms", "1000")]);
     let took = closed_after(open(tls_port), &[0x16, 0x03, 0x01]);
     assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
     assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
@@ -147,21 +160,8 @@ fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
 #[test]
 fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeout() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let ca = common::tls::Ca::new();
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
-    let tls_port = common::free_port();
-    let gw = GatewayConfig::new(&redis.url())
-        .server("header_read_timeout_ms", "1000")
-        .server("h2c", "true")
-        .section(&format!(
-            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
-            cert.display().to_string(),
-            key.display().to_string()
-        ))
-        .upstream("app", &[up.addr()])
-        .route(Route::new("e.open").prefix("/").unlimited())
-        .start();
+    let server = [("header_read_timeout_ms", "1000"), ("h2c", "true")];
+    let (gw, ca, tls_port) = with_tls(&redis, &up, &server);
     let mut config = ca.client_config(&[&rustls::version::TLS13]);
     config.alpn_protocols = vec![b"h2".to_vec()];
     let mut silent = common::tls::Conn::open(config, tls_port, "localhost").unwrap();
@@ -276,21 +276,7 @@ fn with_h2c_a_connection_that_never_sends_its_preface_makes_room() {
 #[test]
 fn a_tls_handshake_that_never_comes_counts_and_makes_room() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let ca = common::tls::Ca::new();
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = ca.leaf(&["localhost"]).write(dir.path(), "d");
-    let tls_port = common::free_port();
-    let gw = GatewayConfig::new(&redis.url())
-        .server(BOUND[0].0, BOUND[0].1)
-        .server(BOUND[1].0, BOUND[1].1)
-        .section(&format!(
-            "[[server.tls]]\nlisten = \"127.0.0.1:{tls_port}\"\ncert_path = {:?}\nkey_path = {:?}\n",
-            cert.display().to_string(),
-            key.display().to_string()
-        ))
-        .upstream("app", &[up.addr()])
-        .route(Route::new("e.open").prefix("/").unlimited())
-        .start();
+    let (gw, ca, tls_port) = with_tls(&redis, &up, &BOUND);
     the_oldest_make_room(&gw, tls_port);
     let mut config = ca.client_config(&[&rustls::version::TLS13]);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
