@@ -433,7 +433,7 @@ fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize
 /// forwarded nor charged, so the client may send it again (contract section 8a).
 #[test]
 fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let redis = Redis::start();
     let (upstream, received) = counting_upstream();
     let gw = closed_and_open(&redis.url(), &upstream, 100).start();
@@ -443,20 +443,9 @@ fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
         .collect();
     conn.write_all(pipelined.as_bytes()).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while let Ok(n) = conn.read(&mut buf) {
-        if n == 0 {
-            break;
-        }
-        seen.extend_from_slice(&buf[..n]);
-        if String::from_utf8_lossy(&seen).matches("HTTP/1.1 ").count() == 3
-            && seen.ends_with(b"/closed/2")
-        {
-            break;
-        }
-    }
-    let text = String::from_utf8_lossy(&seen);
+    let text = read_until(&mut conn, |t| {
+        t.matches("HTTP/1.1 ").count() == 3 && t.ends_with("/closed/2")
+    });
     let answered = text.matches("HTTP/1.1 200 OK").count();
     assert!(answered >= 1, "the first request is answered: {text}");
     assert_eq!(text.matches("HTTP/1.1 ").count(), answered, "{text}");
@@ -487,7 +476,7 @@ fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
 /// though it had been forwarded and charged, and the second was never read.
 #[test]
 fn a_request_pipelined_while_the_one_before_is_proxied_is_answered_after_it() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let redis = Redis::start();
     let up = Upstream::start("app");
     let gw = closed_and_open(&redis.url(), &up.addr(), 100).start();
@@ -498,18 +487,7 @@ fn a_request_pipelined_while_the_one_before_is_proxied_is_answered_after_it() {
     std::thread::sleep(Duration::from_millis(100));
     conn.write_all(b"GET /closed/second HTTP/1.1\r\nHost: gw\r\nX-API-Key: p\r\n\r\n")
         .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while let Ok(n) = conn.read(&mut buf) {
-        if n == 0 {
-            break;
-        }
-        seen.extend_from_slice(&buf[..n]);
-        if String::from_utf8_lossy(&seen).contains("/closed/second") {
-            break;
-        }
-    }
-    let text = String::from_utf8_lossy(&seen);
+    let text = read_until(&mut conn, |t| t.contains("/closed/second"));
     assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
     let (first, second) = (
         text.find("\"path\":\"/closed/slow\"")
@@ -522,6 +500,23 @@ fn a_request_pipelined_while_the_one_before_is_proxied_is_answered_after_it() {
         gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.closed"}"#),
         2.0
     );
+}
+
+/// What `conn` reads until `done` holds of it, the gateway closes, or the read times out.
+fn read_until(conn: &mut std::net::TcpStream, done: impl Fn(&str) -> bool) -> String {
+    use std::io::Read;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = conn.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        if done(&String::from_utf8_lossy(&seen)) {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&seen).into_owned()
 }
 
 /// The whole answer to `request` sent on a new connection, until the gateway closes it.
