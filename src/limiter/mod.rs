@@ -162,7 +162,8 @@ type Replies = Result<
 
 /// A cluster where the ceilings live on another slot than the caller's limits: the caller's
 /// limits are decided (and charged) first; when they admit, the ceilings are decided; when
-/// a ceiling denies or cannot answer, the caller's limits get their cost back.
+/// a ceiling denies or cannot answer, the caller's limits get their cost back before the
+/// answer, while the budget lasts.
 async fn two_calls(
     store: &Store,
     policy: &Policy,
@@ -202,21 +203,28 @@ async fn two_calls(
             Some(left),
         )
         .await;
+    // The refund is its own task, so that it is sent whatever becomes of this request; the
+    // answer waits for it while the budget lasts, so that the caller's next request (and an
+    // admin read) finds the cost given back.
     let refund = |store: &Store| {
         let store = store.clone();
         let keys: Vec<String> = pick(&own).into_iter().map(str::to_owned).collect();
         let args = args_of(&own, mode::REFUND);
-        tokio::spawn(async move {
+        let left = store.budget().saturating_sub(started.elapsed());
+        let task = tokio::spawn(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             if let Err(e) = store.evaluate_limits(&refs, &args, None).await.outcome {
                 tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");
             }
         });
+        async move {
+            let _ = tokio::time::timeout(left, task).await;
+        }
     };
     match second.outcome {
         Ok(second_replies) => {
             if !second_replies.iter().all(|r| r.allowed) {
-                refund(store);
+                refund(store).await;
             }
             for (i, r) in ceilings.iter().zip(second_replies) {
                 replies[*i] = Some(r);
@@ -227,7 +235,7 @@ async fn two_calls(
             ))
         }
         Err(cause) => {
-            refund(store);
+            refund(store).await;
             Err((cause, second.breaker))
         }
     }
