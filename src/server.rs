@@ -138,7 +138,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
         store: store.clone(),
         lifecycle: Arc::clone(&lifecycle),
         access_log: Arc::clone(&access_log),
-        max_in_flight: max_connections,
         connections: Arc::clone(&connections),
     };
     let mut proxy = pingora_proxy::http_proxy(&server.configuration, gateway);

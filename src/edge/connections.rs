@@ -250,6 +250,12 @@ impl Connections {
         }
     }
 
+    /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
+    /// carries many, each holding an upstream connection of its own.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
     /// An HTTP/2 stream of the connection whose socket digest is `digest` reached the
     /// proxy: it counts as the connection's request in progress until the slot drops.
     pub fn stream_started(&self, digest: &Arc<SocketDigest>) -> Option<StreamSlot> {

@@ -36,9 +36,6 @@ pub struct Gateway {
     pub store: Store,
     pub lifecycle: Arc<Lifecycle>,
     pub access_log: Arc<AccessLog>,
-    /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
-    /// carries many, each holding an upstream connection of its own.
-    pub max_in_flight: usize,
     pub connections: Arc<crate::edge::connections::Connections>,
 }
 
@@ -344,7 +341,7 @@ impl ProxyHttp for Gateway {
         RequestCtx {
             started: Some(Instant::now()),
             _in_flight: Some(in_flight),
-            over_capacity: nth > self.max_in_flight,
+            over_capacity: nth > self.connections.max(),
             ..RequestCtx::default()
         }
     }
