@@ -506,8 +506,10 @@ async fn noscript_that_cannot_be_reloaded_follows_the_fail_mode() {
         .query(&mut admin)
         .unwrap();
     let up = Upstream::start("app");
-    let url = format!("redis://limiter:secret@127.0.0.1:{}/0", redis.port);
-    let gw = config(&url, &up.addr(), 30).start();
+    let url = format!("redis://limiter@127.0.0.1:{}/0", redis.port);
+    let gw = config(&url, &up.addr(), 30)
+        .redis("password_env", "\"TEST_REDIS_PASSWORD\"")
+        .start_with_env(&[("TEST_REDIS_PASSWORD", "secret")]);
     let http = client();
     let a = send(&http, &gw.url("/closed"), "k").await;
     assert_unavailable(&a);

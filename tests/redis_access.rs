@@ -413,6 +413,64 @@ fn check_refuses_tls_settings_that_would_not_be_used_and_unreadable_files() {
     assert!(ok, "rediss:// with the system roots: {out}");
 }
 
+/// Contract section 11: the password is read from `password_env`, never from the file; and no
+/// message shows one, whether the file or `SENTINEL_REDIS_URL` held it.
+#[test]
+fn a_password_is_never_read_from_the_file_nor_shown_in_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |redis: &str, env: &[(&str, Option<&str>)]| {
+        common::check_body(dir.path(), &format!("[redis]\n{redis}\n"), env)
+    };
+    let no_env = [("SENTINEL_REDIS_URL", None)];
+    for (redis, field) in [
+        (
+            "url = \"redis://gateway:Hunter2-pw@127.0.0.1:6379/0\"",
+            "redis.password_env",
+        ),
+        (
+            "url = \"rediss://:Hunter2-pw@127.0.0.1:6380/0\"",
+            "redis.password_env",
+        ),
+        (
+            "cluster_urls = [\"redis://127.0.0.1:7000\", \"redis://u:Hunter2-pw@127.0.0.1:7001\"]",
+            "redis.password_env",
+        ),
+        (
+            "sentinel_urls = [\"redis://:Hunter2-pw@127.0.0.1:26379\"]\nsentinel_master = \"m\"",
+            "redis.sentinel_password_env",
+        ),
+    ] {
+        let (ok, out) = check(redis, &no_env);
+        assert!(!ok, "{redis}: {out}");
+        assert!(
+            out.contains("holds a password") && out.contains(field),
+            "{redis}: {out}"
+        );
+        assert!(!out.contains("Hunter2"), "{redis}: {out}");
+    }
+    // A user name in the URL is no secret.
+    let (ok, out) = check("url = \"redis://gateway@127.0.0.1:6379/0\"", &no_env);
+    assert!(ok, "{out}");
+    // The environment may hold the whole URL, password and all; a message never shows it.
+    let (ok, out) = check(
+        "url = \"redis://127.0.0.1:6379/0\"",
+        &[(
+            "SENTINEL_REDIS_URL",
+            Some("redis://u:Hunter2-pw@127.0.0.1:6379/0"),
+        )],
+    );
+    assert!(ok, "{out}");
+    let (ok, out) = check(
+        "url = \"redis://127.0.0.1:6379/0\"",
+        &[(
+            "SENTINEL_REDIS_URL",
+            Some("redis://u:Hunter2-pw@127.0.0.1:99999/0"),
+        )],
+    );
+    assert!(!ok && out.contains("SENTINEL_REDIS_URL"), "{out}");
+    assert!(!out.contains("Hunter2"), "{out}");
+}
+
 /// Over TLS too, the store's thread reads a batch's answer while the proxy's only worker is
 /// stalled (through the TLS session, whatever the workers' runtime last saw of the socket),
 /// and sends the next batch.

@@ -29,6 +29,25 @@ use crate::routing::{Matcher, PathMatch};
 /// The environment variable that overrides `[redis] url`.
 pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 
+/// `url` as it may be shown in a message or a log line: a password in it (`user:password@`)
+/// is written `***`; the user name stays.
+pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some(scheme) = url.find("://") else {
+        return url.into();
+    };
+    let start = scheme + 3;
+    let authority_end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    let Some(at) = url[start..authority_end].rfind('@').map(|i| start + i) else {
+        return url.into();
+    };
+    match url[start..at].find(':') {
+        Some(colon) => format!("{}:***{}", &url[..start + colon], &url[at..]).into(),
+        None => url.into(),
+    }
+}
+
 /// Largest accepted `max_body_bytes` (1 TiB); 0 means no limit.
 pub const MAX_BODY_BYTES: i64 = 1 << 40;
 

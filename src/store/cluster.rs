@@ -18,7 +18,7 @@ use rand::seq::SliceRandom;
 use redis::Value;
 
 use super::dial::Dial;
-use crate::config::RedisAccess;
+use crate::config::{redact_url, RedisAccess};
 use tokio::sync::Notify;
 
 use super::connect::{open, Connector};
@@ -198,8 +198,8 @@ impl Cluster {
             };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
                 Ok(Ok(ranges)) => return self.apply(connector, epoch, ranges),
-                Ok(Err(e)) => last_error = format!("{}: {e}", redact(seed)),
-                Err(_) => last_error = format!("{}: timed out", redact(seed)),
+                Ok(Err(e)) => last_error = format!("{}: {e}", redact_url(seed)),
+                Err(_) => last_error = format!("{}: timed out", redact_url(seed)),
             }
         }
         Err(last_error)
@@ -293,23 +293,17 @@ async fn query_slots(
         .ok_or_else(|| "CLUSTER SLOTS answered an unexpected shape".into())
 }
 
-/// A seed URL without its password, for logs.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}***{}", &url[..scheme + 3], &url[at..])
-        }
-        _ => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn seed_urls_are_logged_without_their_password() {
-        assert_eq!(redact("redis://u:secret@h:1"), "redis://***@h:1");
-        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("redis://u:secret@h:1"), "redis://u:***@h:1");
+        assert_eq!(redact_url("redis://:secret@h:1/0"), "redis://:***@h:1/0");
+        assert_eq!(redact_url("rediss://gateway@h:1"), "rediss://gateway@h:1");
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("https://a:b@h/p@q"), "https://a:***@h/p@q");
+        assert_eq!(redact_url("not a url"), "not a url");
     }
 }

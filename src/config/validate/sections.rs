@@ -369,8 +369,14 @@ pub(super) fn redis(
         (None, None, None) if sentinel.is_some() => {
             sentinel_target(c, r.expect("a [redis] section"))
         }
-        (Some(env), _, _) => check_redis_url(c, None, env, &format!("{REDIS_URL_ENV} = \"{env}\""))
-            .map(RedisTarget::Single),
+        (Some(env), _, _) => check_redis_url(
+            c,
+            None,
+            env,
+            &format!("{REDIS_URL_ENV} = \"{}\"", redact_url(env)),
+            None,
+        )
+        .map(RedisTarget::Single),
         (None, Some(u), Some(_)) => {
             c.push(
                 Some(&u.span()),
@@ -383,7 +389,8 @@ pub(super) fn redis(
             c,
             Some(&u.span()),
             u.get_ref(),
-            &format!("redis.url = \"{}\"", u.get_ref()),
+            &format!("redis.url = \"{}\"", redact_url(u.get_ref())),
+            Some("redis.password_env"),
         )
         .map(RedisTarget::Single),
         (None, None, Some(seeds)) => cluster_urls(c, seeds),
@@ -582,8 +589,14 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
     }
     let mut sentinels = Vec::new();
     for u in urls.get_ref() {
-        let what = format!("redis.sentinel_urls entry \"{}\"", u.get_ref());
-        match check_redis_url(c, Some(&u.span()), u.get_ref(), &what) {
+        let what = format!("redis.sentinel_urls entry \"{}\"", redact_url(u.get_ref()));
+        match check_redis_url(
+            c,
+            Some(&u.span()),
+            u.get_ref(),
+            &what,
+            Some("redis.sentinel_password_env"),
+        ) {
             Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
                 sentinels.push(url)
             }
@@ -655,8 +668,14 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
     let mut urls = Vec::with_capacity(list.len());
     for seed in list {
         let text = seed.get_ref();
-        let what = format!("redis.cluster_urls entry \"{text}\"");
-        let Some(url) = check_redis_url(c, Some(&seed.span()), text, &what) else {
+        let what = format!("redis.cluster_urls entry \"{}\"", redact_url(text));
+        let Some(url) = check_redis_url(
+            c,
+            Some(&seed.span()),
+            text,
+            &what,
+            Some("redis.password_env"),
+        ) else {
             ok = false;
             continue;
         };
@@ -685,11 +704,15 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
     ok.then_some(RedisTarget::Cluster(urls))
 }
 
+/// A Redis URL named `what` (the URL in it already without its password). `in_file`: the
+/// URL was written in the file, which must not hold a password (contract section 11): the
+/// field to name instead.
 fn check_redis_url(
     c: &mut Collector,
     span: Option<&Range<usize>>,
     url: &str,
     what: &str,
+    in_file: Option<&str>,
 ) -> Option<String> {
     // rediss:// is parsed as its redis:// twin: the store makes the TLS handshake itself.
     let plain = match url.strip_prefix("rediss://") {
@@ -697,6 +720,24 @@ fn check_redis_url(
         None => url.to_owned(),
     };
     match redis::Client::open(plain.as_str()) {
+        Ok(client)
+            if in_file.is_some()
+                && client
+                    .get_connection_info()
+                    .redis_settings()
+                    .password()
+                    .is_some() =>
+        {
+            c.push(
+                span,
+                None,
+                format!(
+                    "{what} holds a password, which the file must not: put it in an environment variable and name that variable in {} (the user name may stay in the URL)",
+                    in_file.unwrap_or_default()
+                ),
+            );
+            None
+        }
         Ok(_)
             if url.starts_with("redis://")
                 || url.starts_with("rediss://")
@@ -823,7 +864,7 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 .ok()
                 .filter(|url| url.host().is_some());
             if parsed.is_none() || !(text.starts_with("https://") || loopback_http) {
-                c.push(Some(&u.span()), None, format!("auth.jwt.jwks_url = \"{text}\" is not usable: give an https:// URL (http:// only to a loopback address)"));
+                c.push(Some(&u.span()), None, format!("auth.jwt.jwks_url = \"{}\" is not usable: give an https:// URL (http:// only to a loopback address)", redact_url(text)));
                 None
             } else {
                 Some(text.clone())
