@@ -309,6 +309,51 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
     );
 }
 
+/// The breaker's probe, when the quarantine ends with the node not connected, has the
+/// connector try at once and waits for that attempt: a Redis back during the connector's
+/// backoff (steps of up to 2 s) closes the breaker at the end of the quarantine, not one
+/// quarantine later; a Redis still refusing fails the probe at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_finds_a_redis_back_during_the_reconnect_backoff() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    // A 1 s budget: the probe's wait includes the connection's set-up (its checks and script
+    // loads) on a debug build on a busy machine.
+    let gw = config(&proxy.url(), &up.addr(), 2)
+        .redis("timeout_ms", "1000")
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);
+    proxy.refuse_and_cut();
+    for i in 0..5 {
+        assert_unavailable(&send(&http, &gw.url("/closed"), &format!("k{i}")).await);
+    }
+    let open = || gw.metric("sentinel_breaker_state") == 1.0;
+    wait_until(Duration::from_secs(5), "the breaker to open", open);
+    let opened = tokio::time::Instant::now();
+
+    tokio::time::sleep_until(opened + Duration::from_millis(2_100)).await;
+    let a = send(&http, &gw.url("/closed"), "probe-1").await;
+    assert_unavailable(&a);
+    assert!(
+        a.elapsed < Duration::from_millis(500),
+        "a probe of a Redis still refusing fails at once, not at the budget: {:?}",
+        a.elapsed
+    );
+    wait_until(Duration::from_secs(1), "the breaker to open again", open);
+    let reopened = tokio::time::Instant::now();
+
+    // Redis back shortly before the quarantine ends, while the connector sleeps a step of its
+    // backoff (the outage is 3 s old: steps of 0.8 to 2 s).
+    tokio::time::sleep_until(reopened + Duration::from_millis(1_850)).await;
+    proxy.set(Mode::Pass);
+    tokio::time::sleep_until(reopened + Duration::from_millis(2_100)).await;
+    let a = send(&http, &gw.url("/closed"), "probe-2").await;
+    assert_eq!(a.status, 200, "{}\n{}", a.body, gw.logs());
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_admits_with_the_cause_while_the_breaker_is_closed() {
     let r = rig(30);

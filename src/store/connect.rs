@@ -595,10 +595,16 @@ impl Connector {
                     // Requests meanwhile fail at once and count nothing: the attempts do, once
                     // a request has found the node down.
                     link.attempt_failed();
+                    // A probe waiting for this attempt fails at once, as a request does.
+                    link.ready.notify_waiters();
                     if !link.outage_logged.swap(true, Ordering::Relaxed) {
                         tracing::warn!(node = %target.node, error = %reason(&e), "redis unavailable; reconnecting in the background");
                     }
-                    tokio::time::sleep(backoff(attempt)).await;
+                    // A breaker's probe cuts the wait short (`Store::connection`).
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = link.wake.notified() => {}
+                    }
                     attempt = attempt.saturating_add(1);
                 }
             }

@@ -170,8 +170,16 @@ impl Store {
         }
     }
 
-    /// The connection to use: the link's, or, for a probe after a timeout, a new one.
+    /// The connection to use: the link's; for a probe after a timeout, a new one; for a probe
+    /// of a node not connected, the one the connector opens now.
     async fn connection(&self, link: &Arc<Link>, probe: bool) -> Result<Arc<Conn>, Failure> {
+        if probe && !link.is_connected() {
+            // The quarantine is over and the node is not connected: the connector tries now
+            // rather than at the end of its backoff step, and the probe waits for that attempt
+            // within its budget, so that a Redis back in the meantime closes the breaker.
+            link.try_now().await;
+            return link.conn.load_full().ok_or(Failure::NotConnected);
+        }
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }

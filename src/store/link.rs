@@ -173,6 +173,19 @@ impl Link {
         }
     }
 
+    /// Wakes the connector out of its backoff and waits for the outcome of its attempt:
+    /// connected, or failed (the caller bounds the wait).
+    pub(super) async fn try_now(&self) {
+        let notified = self.ready.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.is_connected() {
+            return;
+        }
+        self.wake.notify_one();
+        notified.await;
+    }
+
     /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
     /// when Redis closes it, it is forgotten at once, in use or not.
     pub(super) fn install(self: &Arc<Self>, opened: Opened, wire: Wire, on_proxy_runtime: bool) {
