@@ -352,7 +352,7 @@ mod tests {
     use super::query_param;
 
     #[test]
-    fn identities_are_form_decoded_from_the_query() {
+    fn identities_are_percent_decoded_from_the_query() {
         let identity = |q: &str| query_param(q, "identity");
         assert_eq!(
             identity("identity=header%3Ax-api-key%3Aab%2Bc&tier=pro"),

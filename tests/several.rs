@@ -489,16 +489,27 @@ async fn a_cost_the_upstream_reports_is_charged_after_the_answer_and_may_go_into
     for bad in ["-2", "two", "1.5", ""] {
         assert_eq!(ocr_call(&gw, "t", bad).await.status(), 200);
     }
+    // Sent twice, the cost is not one number: nothing charged either.
+    let twice = client()
+        .get(gw.url("/ocr/doc"))
+        .header("X-API-Key", "t")
+        .header("X-Demo-Reply-X-OCR-Pages", "1")
+        .header("X-Demo-Reply-X-OCR-Pages", "2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(twice.status(), 200);
+    assert!(!twice.headers().contains_key("x-ocr-pages"));
     common::wait_until(Duration::from_secs(2), "the invalid charges", || {
         gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"invalid\"}")
-            >= 3.0
+            >= 5.0
     });
     assert_eq!(
         ocr_remaining(&gw, "t"),
-        2,
-        "four admissions of 1, nothing charged"
+        1,
+        "five admissions of 1, nothing charged"
     );
-    // A 30-page document: admitted (cost 1), then 30 charged: 2 - 1 - 30, held at -10.
+    // A 30-page document: admitted (cost 1), then 30 charged: 1 - 1 - 30, held at -10.
     assert_eq!(ocr_call(&gw, "t", "30").await.status(), 200);
     common::wait_until(Duration::from_secs(2), "the big charge", || {
         ocr_remaining(&gw, "t") == -10

@@ -101,7 +101,8 @@ fn item(
         policy_item.push_str(&format!(";w={w}"));
     }
     let mut state = format!("\"{name}\";r={remaining}");
-    if let Some(t) = reply.reset {
+    // A bucket that never refills has no time to full, whatever the reply says.
+    if let (Some(_), Some(t)) = (window, reply.reset) {
         state.push_str(&format!(";t={t}"));
     }
     Some((policy_item, state))
@@ -166,6 +167,10 @@ mod tests {
             (f.policy.as_str(), f.state.as_str()),
             (r#""resumint.tailor";q=5"#, r#""resumint.tailor";r=0"#)
         );
+        // Beside another limit that denied, the script reports a reset of 0 for it: still
+        // no `t`.
+        let f = fields(&never, &reply(3_000_000, Some(0))).unwrap();
+        assert_eq!(f.state, r#""resumint.tailor";r=3"#);
     }
 
     #[test]

@@ -590,11 +590,21 @@ impl ProxyHttp for Gateway {
             .as_ref()
             .and_then(|r| r.endpoint.policy.cost_from_response.clone());
         if let Some(cost) = cost {
+            // Sent more than once, the cost is not one number: charged as malformed.
+            let fields = upstream_response
+                .headers
+                .get_all(cost.header.as_str())
+                .iter()
+                .count();
             // Never shown to the client, charged or not.
             let reported = upstream_response.remove_header(&cost.header);
             let admitted_by_redis = ctx.decision.is_some_and(|d| d.admitted_by_redis());
             if let (Some(value), true) = (reported, admitted_by_redis) {
-                ctx.charge = Some(charge_of(value.as_bytes(), cost.unit_micro));
+                ctx.charge = Some(if fields == 1 {
+                    charge_of(value.as_bytes(), cost.unit_micro)
+                } else {
+                    None
+                });
             }
         }
         Ok(())
