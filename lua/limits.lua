@@ -241,7 +241,7 @@ local function several(k0, mode, limits, now)
   local function arg(i, j) return limits[i][j] end
   local function key(i) return KEYS[k0 + i] end
 
-  if mode == 0 then
+  if mode == 0 or mode == 3 then
     local results = {}
     local every = true
     for i = 1, n do
@@ -257,7 +257,7 @@ local function several(k0, mode, limits, now)
     end
     for i = 1, n do
       local r = results[i]
-      if every then
+      if every and mode == 0 then
         r[6]()
       elseif r[1] == 1 then
         -- Not charged: what is there now is what it would have had before this request,

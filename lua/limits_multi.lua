@@ -1,7 +1,7 @@
 -- Several limits of one request, decided together: one key per limit.
 --
 -- KEYS[i]  limit i's bucket (a token bucket or a sliding window hash, lua/limits.lua)
--- ARGV[1]  mode: 0 decide, 1 refund, 2 charge
+-- ARGV[1]  mode: 0 decide, 1 refund, 2 charge, 3 peek
 -- ARGV[2 + 4(i-1) ..]  limit i: kind (1 token bucket, 2 sliding window), then as the
 --          single-limit scripts take them: capacity, refill, cost (micro-tokens) or limit,
 --          window, cost (requests)
@@ -12,6 +12,9 @@
 --   that lives on another Redis Cluster slot).
 -- charge: takes each token bucket's cost (a cost the upstream reported), down to minus
 --   its capacity; sliding windows are not charged.
+-- peek: decides as decide does and writes nothing, whatever the outcome: what each limit
+--   would say of the request (the items of a 429 for limits that live on another Redis
+--   Cluster slot than the one that denied).
 --
 -- Returns one "allowed left retry reset now wait" group per key (reply() in lua/int.lua),
 -- joined by spaces, in the order of the keys. For a denied request, a limit that would have

@@ -353,6 +353,30 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
         3,
         "refunded: never charged"
     );
+    // Every 429 carries one item per limit: the ceiling's, read without writing, when the
+    // caller's own burst denied; the caller's burst as the refund left it when the ceiling
+    // denied.
+    let items = |r: &reqwest::Response| {
+        (
+            r.headers()["ratelimit-policy"].to_str().unwrap().to_owned(),
+            r.headers()["ratelimit"].to_str().unwrap().to_owned(),
+        )
+    };
+    let by_burst = get(&gw, &callers[0]).await;
+    assert_eq!(by_burst.status(), 429);
+    let (policy, state) = items(&by_burst);
+    assert_eq!(policy, "\"burst\";q=3, \"backend\";q=5;w=60", "{state}");
+    assert!(
+        state.starts_with("\"burst\";r=0, \"backend\";r=0;t="),
+        "{state}"
+    );
+    let by_ceiling = get(&gw, &callers[2]).await;
+    assert_eq!(by_ceiling.status(), 429);
+    let (_, state) = items(&by_ceiling);
+    assert!(
+        state.starts_with("\"burst\";r=3, \"backend\";r=0;t="),
+        "{state}"
+    );
 
     // One identity's limits share a hash tag: one EVALSHA per decision on the cluster too.
     for node in &cluster.nodes {

@@ -21,6 +21,8 @@ pub mod mode {
     pub const DECIDE: u64 = 0;
     pub const REFUND: u64 = 1;
     pub const CHARGE: u64 = 2;
+    /// Decides without writing anything, whatever the outcome.
+    pub const PEEK: u64 = 3;
 }
 
 /// The script arguments of one limit at `cost_micro`: its kind, then as the single-limit
@@ -184,10 +186,27 @@ async fn two_calls(
         replies[*i] = Some(r);
     }
     if !admitted {
-        // Denied by the caller's own limits: nothing was charged, the ceilings not asked.
-        // Their items say nothing was taken from them.
-        for i in &ceilings {
-            replies[*i] = Some(untouched(&policy.limits[*i]));
+        // Denied by the caller's own limits: nothing was charged, and the ceilings are not
+        // asked to decide. What they would say is read without writing, with what the
+        // first call left of the budget, for the 429's items; a read that fails leaves their
+        // items out.
+        let left = store.budget().saturating_sub(started.elapsed());
+        let peeked = store
+            .evaluate_limits(
+                &pick(&ceilings),
+                &args_of(&ceilings, mode::PEEK),
+                Some(left),
+            )
+            .await
+            .outcome
+            .ok();
+        for (k, i) in ceilings.iter().enumerate() {
+            replies[*i] = Some(
+                peeked
+                    .as_ref()
+                    .and_then(|p| p.get(k).copied())
+                    .unwrap_or_else(|| untouched(&policy.limits[*i])),
+            );
         }
         return Ok((
             replies.into_iter().map(Option::unwrap).collect(),
@@ -205,7 +224,8 @@ async fn two_calls(
         .await;
     // The refund is its own task, so that it is sent whatever becomes of this request; the
     // answer waits for it while the budget lasts, so that the caller's next request (and an
-    // admin read) finds the cost given back.
+    // admin read) finds the cost given back. Its replies, when in time, are what the
+    // caller's limits hold after it.
     let refund = |store: &Store| {
         let store = store.clone();
         let keys: Vec<String> = pick(&own).into_iter().map(str::to_owned).collect();
@@ -213,18 +233,31 @@ async fn two_calls(
         let left = store.budget().saturating_sub(started.elapsed());
         let task = tokio::spawn(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            if let Err(e) = store.evaluate_limits(&refs, &args, None).await.outcome {
-                tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");
+            match store.evaluate_limits(&refs, &args, None).await.outcome {
+                Ok(replies) => Some(replies),
+                Err(e) => {
+                    tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");
+                    None
+                }
             }
         });
         async move {
-            let _ = tokio::time::timeout(left, task).await;
+            tokio::time::timeout(left, task)
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .flatten()
         }
     };
     match second.outcome {
         Ok(second_replies) => {
             if !second_replies.iter().all(|r| r.allowed) {
-                refund(store).await;
+                if let Some(refunded) = refund(store).await {
+                    for (i, mut r) in own.iter().zip(refunded) {
+                        r.allowed = true;
+                        replies[*i] = Some(r);
+                    }
+                }
             }
             for (i, r) in ceilings.iter().zip(second_replies) {
                 replies[*i] = Some(r);

@@ -35,8 +35,8 @@ pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
 }
 
 /// With `[[routes.limits]]`: one item per limit, named after the limit, in the policy's
-/// order; a limit Redis was not asked about (a ceiling after the caller's own limits
-/// denied, on a cluster) is left out.
+/// order; a limit Redis could not be asked about (a ceiling on another cluster node whose
+/// read failed after the caller's own limits denied) is left out.
 pub fn several(policy: &Policy, replies: &[ScriptReply]) -> Option<RateLimitFields> {
     let items: Vec<(String, String)> = policy
         .limits
