@@ -4,13 +4,15 @@
 -- ARGV     the batch's limits, each sent once: their number s, then four arguments each:
 --          kind (1 token bucket, 2 sliding window), then as the single-limit scripts take
 --          them: capacity, refill, cost (micro-tokens) or limit, window, cost (requests).
---          Then every decision in order: a single limit is the index of its limit (1 ..
---          s), one key; several limits (lua/limits_multi.lua) are 0, the mode, their
---          number n and the index of each one's limit, n keys.
+--          Then every decision in order: its deadline in Redis's TIME (microseconds, 0:
+--          none), then, for a single limit, the index of its limit (1 .. s), one key; for
+--          several limits (lua/limits_multi.lua), 0, the mode, their number n and the index
+--          of each one's limit, n keys.
 --
 -- Returns one answer per decision, joined by newlines, in their order: what the decision's
 -- own script would have answered, or "E " and the error it met (a broken key's WRONGTYPE,
--- say), which fails that decision alone: the others are decided and written as usual.
+-- say, or EXPIRED for a decision whose deadline passed: it is not made), which fails that
+-- decision alone: the others are decided and written as usual.
 -- All of them are decided at one Redis TIME.
 
 -- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several
@@ -26,20 +28,29 @@ local out = {}
 local k, a, i = 0, 1 + 4 * s, 0
 local argc = #ARGV
 while a < argc do
-  local index = tonumber(ARGV[a + 1])
+  local late = expired(ARGV[a + 1], now)
+  local index = tonumber(ARGV[a + 2])
   local ok, answer
   if index == 0 then
-    local mode, n = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    local of = {}
-    for j = 1, n do of[j] = limits[tonumber(ARGV[a + 3 + j])] end
-    ok, answer = pcall(several, k, mode, of, now)
+    local mode, n = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+    if late then
+      ok, answer = false, expiry(now)
+    else
+      local of = {}
+      for j = 1, n do of[j] = limits[tonumber(ARGV[a + 4 + j])] end
+      ok, answer = pcall(several, k, mode, of, now)
+    end
     k = k + n
-    a = a + 3 + n
+    a = a + 4 + n
   else
-    local l = limits[index]
-    ok, answer = pcall(decide, l[1], KEYS[k + 1], l[2], l[3], l[4], now)
+    if late then
+      ok, answer = false, expiry(now)
+    else
+      local l = limits[index]
+      ok, answer = pcall(decide, l[1], KEYS[k + 1], l[2], l[3], l[4], now)
+    end
     k = k + 1
-    a = a + 1
+    a = a + 2
   end
   i = i + 1
   if ok then

@@ -37,6 +37,18 @@ local function reply(allowed, left, retry, reset, now, wait)
   return format('%d %d %d %d %s %d', allowed, left, retry, reset, (clock(now)), wait)
 end
 
+-- A decision's deadline (microseconds in Redis's TIME; 0 or absent: none): past it, the
+-- gateway no longer waits for the answer, and the decision is not made (nothing written).
+-- The answer says so with Redis's now, so the gateway reads the clock from it as well.
+local function expired(deadline, now)
+  deadline = tonumber(deadline)
+  return deadline ~= nil and deadline > 0 and now > deadline
+end
+
+local function expiry(now)
+  return 'EXPIRED ' .. (clock(now)) .. ' the decision reached Redis after its deadline; nothing was written'
+end
+
 -- reply() of an admission: three of its six numbers are constants, written as text, not
 -- formatted.
 local function admitted(left, reset, now)

@@ -5,6 +5,8 @@
 -- ARGV[2 + 4(i-1) ..]  limit i: kind (1 token bucket, 2 sliding window), then as the
 --          single-limit scripts take them: capacity, refill, cost (micro-tokens) or limit,
 --          window, cost (requests)
+-- ARGV[2 + 4n]  deadline in Redis's TIME, microseconds (0: none): past it, an EXPIRED error
+--          and nothing written (a refund has none: it applies whenever it runs)
 --
 -- decide: the request is admitted only when every limit admits it; then every limit is
 --   charged. When one denies, nothing is written at all.
@@ -25,4 +27,5 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
+if expired(ARGV[2 + 4 * #KEYS], now) then return redis.error_reply(expiry(now)) end
 return several(0, tonumber(ARGV[1]), limits_in_argv(#KEYS), now)

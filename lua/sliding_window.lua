@@ -5,6 +5,8 @@
 -- ARGV[2]  window in microseconds                    (1000 .. 86400 x 10^6)
 -- ARGV[3]  cost of this request, in whole requests   (1 .. limit)
 --          with limit x window <= 4 x 10^15
+-- ARGV[4]  deadline in Redis's TIME, microseconds (0: none): past it, an EXPIRED error and
+--          nothing written
 --
 -- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
 -- requests left, retry-after seconds (0 when allowed), seconds until the current window
@@ -16,6 +18,7 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
+if expired(ARGV[4], now) then return redis.error_reply(expiry(now)) end
 local allowed, left, retry, reset, wait, write =
   sliding_window(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), now)
 if write then write() end

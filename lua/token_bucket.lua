@@ -4,6 +4,8 @@
 -- ARGV[1]  capacity in micro-tokens      (10^6 .. 10^15)
 -- ARGV[2]  refill in micro-tokens/second (0 .. 10^12)
 -- ARGV[3]  cost of this request          (1 .. capacity)
+-- ARGV[4]  deadline in Redis's TIME, microseconds (0: none): past it, an EXPIRED error and
+--          nothing written
 --
 -- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
 -- micro-tokens left, retry-after seconds (0 when allowed, -1 when never), seconds until
@@ -15,4 +17,5 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
+if expired(ARGV[4], now) then return redis.error_reply(expiry(now)) end
 return tb_decide(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), now)

@@ -426,6 +426,7 @@ async fn noscript_is_per_node_and_a_stalled_primary_times_out_only_its_own_keys(
     );
 
     let stalled = 2;
+    let paused = Instant::now();
     let _: () = redis::cmd("CLIENT")
         .arg("PAUSE")
         .arg(3000)
@@ -458,6 +459,13 @@ async fn noscript_is_per_node_and_a_stalled_primary_times_out_only_its_own_keys(
     );
     assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 2.0);
     assert_eq!(decisions(&gw, "c.closed", "allowed", true), 8.0);
+    // When the pause ends, the primary runs the two decisions that waited in it: past their
+    // deadlines, they write nothing, and the tenant still has the 2 it had.
+    std::thread::sleep(Duration::from_millis(3_300).saturating_sub(paused.elapsed()));
+    assert_eq!(
+        statuses("/closed", &gw, &tenants[stalled][0], 3).await,
+        [200, 200, 429]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -309,6 +309,47 @@ async fn refused_connections_fail_closed_and_open_as_the_table_says() {
     );
 }
 
+/// A decision that reached Redis but waited there past its budget (`CLIENT PAUSE`) is
+/// answered by its fail mode at the budget; when Redis runs it afterwards, the script sees
+/// its deadline passed and writes nothing: the request was refused, so nothing is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_redis_runs_after_its_budget_writes_nothing() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis.url(), &up.addr(), 30)
+        .redis("timeout_ms", "200")
+        .start();
+    let http = client();
+    // One admission: the bucket of 3 has 2 left, and the gateway has read Redis's clock.
+    assert_eq!(send(&http, &gw.url("/closed"), "k").await.status, 200);
+    let paused = Instant::now();
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "1200", "ALL"])
+        .query(&mut redis.conn())
+        .unwrap();
+    for _ in 0..3 {
+        assert_unavailable(&send(&http, &gw.url("/closed"), "k").await);
+    }
+    assert!(
+        paused.elapsed() < Duration::from_millis(1_100),
+        "{:?}",
+        paused.elapsed()
+    );
+    // Redis runs what waited once the pause ends.
+    std::thread::sleep(
+        Duration::from_millis(1_200).saturating_sub(paused.elapsed()) + Duration::from_millis(300),
+    );
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(send(&http, &gw.url("/closed"), "k").await.status);
+    }
+    assert_eq!(statuses, [200, 200, 429], "{}", gw.logs());
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
+        3.0
+    );
+}
+
 /// The breaker's probe, when the quarantine ends with the node not connected, has the
 /// connector try at once and waits for that attempt: a Redis back during the connector's
 /// backoff (steps of up to 2 s) closes the breaker at the end of the quarantine, not one

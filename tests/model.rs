@@ -651,8 +651,8 @@ fn a_multi_line_error_in_a_batch_keeps_one_answer_per_decision() {
          local t = redis.call('TIME'){batch}"
     );
     let keys = ["model:multi:a", "model:multi:bad", "model:multi:b"];
-    // One limit, named by each of the three decisions.
-    let args = [1u64, 1, 5_000_000, 0, 1_000_000, 1, 1, 1];
+    // One limit, named by each of the three decisions (each after its deadline: 0, none).
+    let args = [1u64, 1, 5_000_000, 0, 1_000_000, 0, 1, 0, 1, 0, 1];
     let reply: String = redis::cmd("EVAL")
         .arg(&script)
         .arg(keys.len())

@@ -82,6 +82,9 @@ impl Failure {
     pub fn of_reply(code: &str, detail: &str) -> Failure {
         match code {
             "NOSCRIPT" => Failure::Noscript,
+            // The script ran after the decision's deadline and wrote nothing
+            // (`store/deadline.rs`): the budget was spent.
+            "EXPIRED" => Failure::Timeout,
             "WRONGTYPE" => Failure::BrokenKey,
             // Redis 6 wraps an error a command inside the script got (`-OOM ...`) in its own
             // `ERR Error running script ...`: that inner error is what happened.

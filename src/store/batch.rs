@@ -37,6 +37,7 @@ use std::sync::{Arc, MutexGuard, Weak};
 
 use tokio::sync::oneshot;
 
+use super::deadline::{self, RedisClock};
 use super::eval::{Call, Step};
 use super::link::{Conn, Link};
 use super::script::ScriptKind;
@@ -65,6 +66,8 @@ pub(super) enum Answer {
 /// A decision waiting for its answer.
 struct Waiting {
     tx: oneshot::Sender<Answer>,
+    /// When its task stops waiting ([`Call::deadline_us`]).
+    deadline_us: u64,
     /// Its keys in [`Queue::keys`] (by index into `key_ends`) and its arguments in
     /// [`Queue::args`], kind first.
     keys: Range<usize>,
@@ -97,6 +100,7 @@ impl Queue {
         self.args.extend_from_slice(call.args);
         self.waiting.push(Waiting {
             tx,
+            deadline_us: call.deadline_us,
             keys: first_key..self.key_ends.len(),
             args: first_arg..self.args.len(),
         });
@@ -149,16 +153,23 @@ impl Queue {
         self.clear();
     }
 
-    /// The batch's `EVALSHA` of the script `sha`, appended to `out`; `argv` is where its
-    /// arguments are put together.
-    fn command(&self, out: &mut Vec<u8>, argv: &mut Argv, sha: &str) {
+    /// The batch's `EVALSHA` of the script `sha`, appended to `out`, each decision's
+    /// deadline in the node's time by `clock`; `argv` is where its arguments are put
+    /// together.
+    fn command(&self, out: &mut Vec<u8>, argv: &mut Argv, sha: &str, clock: &RedisClock) {
         let keys = self
             .waiting
             .iter()
             .flat_map(|w| w.keys.clone())
             .map(|k| self.key(k));
-        let args = self.waiting.iter().map(|w| &self.args[w.args.clone()]);
-        command(out, sha, keys, argv.of(args));
+        let now = deadline::mono_us();
+        let args = self.waiting.iter().map(|w| {
+            (
+                clock.deadline(w.deadline_us, now),
+                &self.args[w.args.clone()],
+            )
+        });
+        command(out, sha, keys, argv.of_timed(args));
     }
 }
 
@@ -276,7 +287,7 @@ impl Store {
             }
             let told = batches.queue.push(call);
             if !state.batches.busy {
-                if let Err(cause) = self.send_next(wire, &mut state) {
+                if let Err(cause) = self.send_next(link, wire, &mut state) {
                     self.lose(link, &conn, state, cause);
                 }
             }
@@ -364,7 +375,7 @@ impl Store {
             ));
         }
         if !state.batches.busy {
-            self.send_next(wire, state)?;
+            self.send_next(link, wire, state)?;
         }
         Ok(())
     }
@@ -406,9 +417,12 @@ impl Store {
                         &mut batches.out,
                         [&b"SCRIPT"[..], b"LOAD", script.body().as_bytes()].into_iter(),
                     );
-                    batches
-                        .in_flight
-                        .command(&mut batches.out, &mut batches.argv, &script.sha);
+                    batches.in_flight.command(
+                        &mut batches.out,
+                        &mut batches.argv,
+                        &script.sha,
+                        &link.clock,
+                    );
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
                     wire.send(&mut state.bytes, &batches.out)?;
@@ -447,7 +461,7 @@ impl Store {
 
     /// Sends the decisions that wait, up to `batch_max`, as one call; with none, the
     /// connection's turn is free.
-    fn send_next(&self, wire: &Arc<Wire>, state: &mut WireState) -> io::Result<()> {
+    fn send_next(&self, link: &Link, wire: &Arc<Wire>, state: &mut WireState) -> io::Result<()> {
         let batches = &mut state.batches;
         let max = self.batch_max().max(1);
         loop {
@@ -471,9 +485,12 @@ impl Store {
             .observe(batches.in_flight.waiting.len() as f64);
         let script = self.inner.scripts.batch();
         batches.out.clear();
-        batches
-            .in_flight
-            .command(&mut batches.out, &mut batches.argv, &script.sha);
+        batches.in_flight.command(
+            &mut batches.out,
+            &mut batches.argv,
+            &script.sha,
+            &link.clock,
+        );
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
         batches.sent = batches.sent.wrapping_add(1);
@@ -520,8 +537,16 @@ impl Store {
             queue.tell_all(|| Answer::Failed(Failure::Rejected));
             return;
         };
+        let received = deadline::mono_us();
+        let mut sampled = false;
         let mut waiting = std::mem::take(&mut queue.waiting);
         for (range, w) in parts.zip(waiting.drain(..)) {
+            if !sampled {
+                if let Some(now) = deadline::redis_now_of(&bytes[range.clone()]) {
+                    link.clock.sample(now, received);
+                    sampled = true;
+                }
+            }
             let answer = match bytes[range.clone()].strip_prefix(b"E ") {
                 None => Answer::Reply(Arc::clone(&bytes), range),
                 Some(error) => {
@@ -706,11 +731,18 @@ pub struct Argv {
 }
 
 impl Argv {
-    /// The arguments of a batch of these decisions.
+    /// The arguments of a batch of these decisions, none with a deadline.
     pub fn of<'a>(&mut self, decisions: impl Iterator<Item = &'a [u64]>) -> &[u64] {
+        self.of_timed(decisions.map(|args| (0, args)))
+    }
+
+    /// The arguments of a batch of these decisions, each with its deadline in the node's
+    /// time (0: none).
+    pub fn of_timed<'a>(&mut self, decisions: impl Iterator<Item = (u64, &'a [u64])>) -> &[u64] {
         self.limits.clear();
         self.decisions.clear();
-        for args in decisions {
+        for (deadline, args) in decisions {
+            self.decisions.push(deadline);
             match *args {
                 [3, n, mode, ref each @ ..] => {
                     self.decisions.extend([0, mode, n]);
@@ -851,10 +883,10 @@ mod tests {
             &mut out,
             "abc",
             keys.iter().copied(),
-            argv.of(args.iter().copied()),
+            argv.of_timed([7, 0, 9].into_iter().zip(args.iter().copied())),
         );
         let packed = String::from_utf8(out).unwrap();
-        assert!(packed.starts_with("*23\r\n"), "{packed}");
+        assert!(packed.starts_with("*26\r\n"), "{packed}");
         let words: Vec<&str> = packed
             .split("\r\n")
             .filter(|w| !w.starts_with(['*', '$']))
@@ -862,8 +894,8 @@ mod tests {
         assert_eq!(&words[..7], ["EVALSHA", "abc", "4", "k1", "k2", "k3", "k4"]);
         assert_eq!(
             words[7..words.len() - 1].join(" "),
-            "2 1 10 20 30 2 5 6 1 1 0 0 2 1 2 2",
-            "two limits, each once; the decisions name them"
+            "2 1 10 20 30 2 5 6 1 7 1 0 0 0 2 1 2 9 2",
+            "two limits, each once; the decisions, each after its deadline, name them"
         );
         let many: Vec<[u64; 4]> = (0..40).map(|cost| [1, 10, 20, cost % 20]).collect();
         let sent = argv.of(many.iter().map(|l| &l[..])).to_vec();
@@ -872,8 +904,9 @@ mod tests {
             limits > 20 && limits <= 40,
             "past the first ones a limit may be sent again: {limits}"
         );
-        for (d, index) in sent[1 + 4 * limits..].iter().enumerate() {
-            let at = 1 + 4 * (*index as usize - 1);
+        for (d, pair) in sent[1 + 4 * limits..].chunks(2).enumerate() {
+            assert_eq!(pair[0], 0, "no deadline");
+            let at = 1 + 4 * (pair[1] as usize - 1);
             assert_eq!(
                 sent[at..at + 4],
                 many[d],
@@ -883,7 +916,7 @@ mod tests {
         let again: Vec<u64> = argv.of([&[2u64, 5, 6, 1][..]].into_iter()).to_vec();
         assert_eq!(
             again,
-            [1, 2, 5, 6, 1, 1],
+            [1, 2, 5, 6, 1, 0, 1],
             "nothing of the last batch is kept"
         );
     }

@@ -151,6 +151,21 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(step_ms / 2 + jitter)
 }
 
+/// Reads the node's `TIME` on the link's connection once, so that the first decisions have a
+/// deadline in its time (`deadline.rs`); their answers keep it read.
+async fn read_clock(link: &Link) {
+    let Some(conn) = link.conn.load_full() else {
+        return;
+    };
+    let mut c = conn.redis.clone();
+    let command = redis::cmd("TIME");
+    let time = tokio::time::timeout(CONNECT_TIMEOUT, command.query_async::<(u64, u64)>(&mut c));
+    if let Ok(Ok((secs, micros))) = time.await {
+        link.clock
+            .sample(secs * 1_000_000 + micros, super::deadline::mono_us());
+    }
+}
+
 /// The checks and script loads after a connection opens, bounded as a whole.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TCP (or unix socket) connect and the handshake.
@@ -578,6 +593,7 @@ impl Connector {
                 Ok((opened, wire)) => {
                     // Swapping is seamless: requests on the old connection finish on it.
                     link.install(opened, wire, self.proxy_runtime.get().is_some());
+                    read_clock(&link).await;
                     if connected {
                         tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                         continue;

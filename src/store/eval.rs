@@ -14,6 +14,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::connect::{self, is_transport};
+use super::deadline;
 use super::link::{Conn, Link};
 use super::script::{Script, ScriptKind};
 use super::{Layout, Store};
@@ -74,6 +75,9 @@ pub(super) struct Call<'a> {
     /// What is left of the request's budget, when less than a whole one (the second call of
     /// a decision).
     pub(super) within: Option<Duration>,
+    /// When the gateway stops waiting for the answer ([`deadline::mono_us`]); 0: the call
+    /// has none yet, or must be applied whenever it runs (a refund).
+    pub(super) deadline_us: u64,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -206,6 +210,17 @@ impl Store {
     ) -> Result<Reply, Failure> {
         let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
         let timer = timer_for(budget);
+        // A refund gives back what was taken, whenever Redis runs it; everything else is
+        // refused by the script once the gateway no longer waits for its answer.
+        let refund = call.kind == ScriptKind::Limits
+            && call.args.first() == Some(&crate::limiter::mode::REFUND);
+        let call = Call {
+            deadline_us: match refund {
+                true => 0,
+                false => deadline::mono_us() + timer.as_micros() as u64,
+            },
+            ..call
+        };
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
@@ -276,13 +291,29 @@ impl Store {
         };
         let mut c = conn.redis.clone();
         let step = |r: redis::RedisResult<Value>| match r {
-            Ok(v) => Step::Reply(Reply::Value(v)),
+            Ok(v) => {
+                if let Value::BulkString(bytes) = &v {
+                    if let Some(now) = deadline::redis_now_of(bytes) {
+                        link.clock.sample(now, deadline::mono_us());
+                    }
+                }
+                Step::Reply(Reply::Value(v))
+            }
             Err(e) => match redirect(&e) {
                 Some(r) => Step::Redirect(r),
-                None => Step::Failed(self.failed(link, &conn, key, &e)),
+                None => {
+                    if e.code() == Some("EXPIRED") {
+                        let now = e.detail().and_then(|d| d.split(' ').next()?.parse().ok());
+                        if let Some(now) = now {
+                            link.clock.sample(now, deadline::mono_us());
+                        }
+                    }
+                    Step::Failed(self.failed(link, &conn, key, &e))
+                }
             },
         };
-        match evalsha(&mut c, script, call, asking).await {
+        let deadline = link.clock.deadline(call.deadline_us, deadline::mono_us());
+        match evalsha(&mut c, script, call, deadline, asking).await {
             Err(e) if classify(&e) == Failure::Noscript => {}
             other => return step(other),
         }
@@ -299,7 +330,7 @@ impl Store {
                 return Step::Failed(Failure::Noscript);
             }
         }
-        step(evalsha(&mut c, script, call, asking).await)
+        step(evalsha(&mut c, script, call, deadline, asking).await)
     }
 
     /// Acts on what an error means: a broken connection is forgotten (its loss counted
@@ -359,17 +390,21 @@ impl Store {
 }
 
 /// `EVALSHA`; after an `ASK`, sent behind `ASKING` in one round trip.
+/// The call's `EVALSHA`, with its `deadline` in the node's time (0: none) after its own
+/// arguments.
 async fn evalsha(
     c: &mut MultiplexedConnection,
     script: &Script,
     call: Call<'_>,
+    deadline: u64,
     asking: bool,
 ) -> redis::RedisResult<Value> {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(&script.sha)
         .arg(call.keys.len())
         .arg(call.keys)
-        .arg(call.args);
+        .arg(call.args)
+        .arg(deadline);
     if !asking {
         return cmd.query_async(c).await;
     }

@@ -120,6 +120,8 @@ pub(super) struct Link {
     pub(super) turns: super::batch::Turns,
     /// The node refused the last `SCRIPT LOAD` (logged once until a load succeeds).
     pub(super) load_refused: AtomicBool,
+    /// The node's `TIME` against this process's clock: decisions' deadlines in its time.
+    pub(super) clock: super::deadline::RedisClock,
     /// A primary of a Redis Cluster (its batches may span several slots).
     pub(super) in_cluster: bool,
     /// In a cluster, the slot map's refresher: woken when the connection is lost (a replica
@@ -137,6 +139,7 @@ impl Link {
             outage_logged: AtomicBool::new(false),
             asked_while_down: AtomicBool::new(false),
             new_master: AtomicBool::new(false),
+            clock: super::deadline::RedisClock::default(),
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),

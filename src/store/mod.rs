@@ -17,6 +17,7 @@ mod breakers;
 mod broken_keys;
 mod cluster;
 mod connect;
+pub mod deadline;
 mod dial;
 mod eval;
 mod link;
@@ -263,6 +264,7 @@ impl Store {
             keys: &[key],
             args: &args,
             within: None,
+            deadline_us: 0,
         };
         self.evaluate_call(call, ScriptReply::parse).await
     }
@@ -281,6 +283,7 @@ impl Store {
             keys,
             args,
             within,
+            deadline_us: 0,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await

@@ -1,0 +1,167 @@
+//! A decision's deadline, sent in the node's own time, so that a script Redis runs only after
+//! the gateway stopped waiting for it writes nothing.
+//!
+//! A command can reach Redis and wait there (`CLIENT PAUSE`, a slow command ahead of it, a
+//! Redis descheduled): the gateway answers at its budget by the fail mode (a 503, say), and
+//! Redis would otherwise run the decision afterwards and charge a request that was never
+//! admitted. So each decision carries its deadline, and the scripts answer a decision whose
+//! deadline passed before Redis's `TIME` with `EXPIRED` instead of deciding it.
+//!
+//! Redis's `TIME` is its host's wall clock; the deadline is this process's monotonic clock
+//! plus an offset read from the answers: an answer written at the node's time `now` and
+//! read here at local time `t` gives `now - t`, never more than the true offset (the answer
+//! was written before it was read; the connector reads `TIME` once when it connects). The
+//! offset is the largest such sample of the last one to two seconds of samples, and the
+//! deadline sent is the local one plus that offset plus a margin for the two clocks' drift
+//! since the last sample: [`MARGIN_US`], and 1 ms for each second without one (two clocks
+//! slewed by NTP drift apart by less). So Redis never refuses a decision it runs before the
+//! gateway's own deadline; one it runs later than the margin after it is never written.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+/// Added to every deadline, besides 1 ms for each second since the last sample.
+pub const MARGIN_US: u64 = 2_000;
+/// The offset is the largest sample of the current window of this length and of the one
+/// before: a node's clock stepped back is followed within two windows.
+const WINDOW_US: u64 = 1_000_000;
+const NONE: i64 = i64::MIN;
+
+/// Microseconds on this process's monotonic clock (from its first use, plus one, so that 0
+/// can mean "never").
+pub fn mono_us() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1
+}
+
+/// One node's `TIME` against this process's monotonic clock.
+#[derive(Debug)]
+pub struct RedisClock {
+    current: AtomicI64,
+    previous: AtomicI64,
+    window: AtomicU64,
+    last_us: AtomicU64,
+}
+
+impl Default for RedisClock {
+    fn default() -> Self {
+        Self {
+            current: AtomicI64::new(NONE),
+            previous: AtomicI64::new(NONE),
+            window: AtomicU64::new(0),
+            last_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl RedisClock {
+    /// The node's `now` (microseconds), read in an answer at local time `local_us`.
+    pub fn sample(&self, redis_now_us: u64, local_us: u64) {
+        let offset = redis_now_us as i64 - local_us as i64;
+        let window = local_us / WINDOW_US;
+        let seen = self.window.load(Ordering::Relaxed);
+        if window > seen
+            && self
+                .window
+                .compare_exchange(seen, window, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let ended = self.current.swap(offset, Ordering::Relaxed);
+            let kept = if window == seen + 1 { ended } else { NONE };
+            self.previous.store(kept, Ordering::Relaxed);
+        } else {
+            self.current.fetch_max(offset, Ordering::Relaxed);
+        }
+        self.last_us.fetch_max(local_us, Ordering::Relaxed);
+    }
+
+    /// `local_deadline_us` in the node's time at `local_now_us`, margin included; 0 (no
+    /// deadline) before the first sample.
+    pub fn deadline(&self, local_deadline_us: u64, local_now_us: u64) -> u64 {
+        let last = self.last_us.load(Ordering::Relaxed);
+        if local_deadline_us == 0 || last == 0 {
+            return 0;
+        }
+        let drift = local_now_us.saturating_sub(last) / 1_000;
+        let offset = self
+            .current
+            .load(Ordering::Relaxed)
+            .max(self.previous.load(Ordering::Relaxed));
+        if offset == NONE {
+            return 0;
+        }
+        (local_deadline_us as i64)
+            .saturating_add(offset)
+            .saturating_add((MARGIN_US + drift) as i64)
+            .max(1) as u64
+    }
+}
+
+/// The node's `now` in one decision's answer: the fifth number of `allowed left retry reset
+/// now wait` (the first group's, with several limits), or the one `EXPIRED` carries.
+pub fn redis_now_of(part: &[u8]) -> Option<u64> {
+    let nth = if part.starts_with(b"E EXPIRED ") {
+        2
+    } else if part.starts_with(b"E ") {
+        return None;
+    } else {
+        4
+    };
+    let field = part.split(|b| *b == b' ').nth(nth)?;
+    std::str::from_utf8(field).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_is_the_local_one_in_the_nodes_time_plus_the_margin() {
+        let clock = RedisClock::default();
+        assert_eq!(clock.deadline(5_000, 1_000), 0, "no sample yet");
+        // Redis is 1 000 000 us ahead; the answers took 300 and 100 us to be read.
+        clock.sample(1_001_000 - 300, 1_000);
+        clock.sample(1_002_000 - 100, 2_000);
+        assert_eq!(clock.deadline(20_000, 2_500), 20_000 + 999_900 + MARGIN_US);
+        assert_eq!(clock.deadline(0, 2_500), 0, "a call without a deadline");
+        // A quiet minute: 60 ms more for the drift the clocks may have had meanwhile.
+        assert_eq!(
+            clock.deadline(60_002_000, 60_002_000),
+            60_002_000 + 999_900 + MARGIN_US + 60_000
+        );
+    }
+
+    #[test]
+    fn a_node_clock_stepped_back_is_followed_within_two_windows() {
+        let clock = RedisClock::default();
+        clock.sample(10_000_000, 100);
+        // The node's clock goes 5 s back: the old offset stays one window more.
+        clock.sample(5_000_000 + 1_000_000, 1_000_000);
+        assert_eq!(
+            clock.deadline(1_000_000, 1_000_000),
+            1_000_000 + 9_999_900 + MARGIN_US
+        );
+        clock.sample(5_000_000 + 2_000_000, 2_000_000);
+        assert_eq!(
+            clock.deadline(2_000_000, 2_000_000),
+            2_000_000 + 5_000_000 + MARGIN_US
+        );
+    }
+
+    #[test]
+    fn the_nodes_now_is_read_from_answers_and_expiries() {
+        assert_eq!(
+            redis_now_of(b"1 5 0 3 1700000000000123 0"),
+            Some(1_700_000_000_000_123)
+        );
+        assert_eq!(
+            redis_now_of(b"1 5 0 3 17 0 0 2 -1 4 17 9"),
+            Some(17),
+            "several limits: the first group's"
+        );
+        assert_eq!(redis_now_of(b"E EXPIRED 42 the deadline passed"), Some(42));
+        assert_eq!(redis_now_of(b"E WRONGTYPE Operation against a key"), None);
+        assert_eq!(redis_now_of(b"1 2"), None);
+    }
+}
