@@ -33,11 +33,13 @@ for f in bench/floor/*.lua; do
 done
 big=1000000000000000 fast=1000000000000
 # Keys of the gateway's shape and length (a SHA-256 in hex, redis-benchmark's 12 random
-# digits at its end); one limit, named by every decision (lua/batch.lua's arguments).
+# digits at its end); one limit, named by every decision (lua/batch.lua's arguments), each
+# after its deadline: sixteen digits, as the gateway sends them, and far enough ahead that
+# every decision is made.
 keys=() args=(1 1 "$big" "$fast" 1000000)
 for i in $(seq 1 "$batch"); do
   keys+=("sentinel:v1:$(printf '%052d' "$i")__rand_int__:bench.allowed:1")
-  args+=(1)
+  args+=(9000000000000000 1)
 done
 : >"$work/results"
 for round in $(seq 1 "$rounds"); do

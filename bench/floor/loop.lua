@@ -1,7 +1,7 @@
 -- The batch around each layout's `bucket` (bench/redis_floor.sh appends this file to it):
 -- one TIME, then each decision in order, answered as lua/batch.lua answers. ARGV as the
 -- gateway sends it (lua/batch.lua): the number of limits, each limit's four arguments (kind,
--- capacity, rate, cost), then each decision's limit by index.
+-- capacity, rate, cost), then each decision's deadline and its limit by index.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local pre = prepare(KEYS)
@@ -13,7 +13,8 @@ end
 local first = 1 + 4 * #limits
 local out = {}
 for i = 1, #KEYS do
-  local l = limits[tonumber(ARGV[first + i])]
+  if tonumber(ARGV[first + 2 * i - 1]) < now then return redis.error_reply('EXPIRED') end
+  local l = limits[tonumber(ARGV[first + 2 * i])]
   local left = bucket(KEYS[i], pre[i], l[1], l[2], now)
   out[i] = string.format('1 %d 0 1 %d 0', left, now)
 end
