@@ -187,7 +187,7 @@ impl JwksCache {
     pub fn note_left_out(&self, url: &str, left_out: Vec<String>) {
         let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
         if *before != left_out && !left_out.is_empty() {
-            tracing::warn!(url = %url, left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+            tracing::warn!(url = %crate::config::redact_url(url), left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
         }
         *before = left_out;
     }
@@ -249,7 +249,7 @@ pub async fn fetch(
         .header("accept", "application/json")
         .send()
         .await
-        .map_err(|e| format!("cannot fetch it: {e}"))?;
+        .map_err(|e| format!("cannot fetch it: {}", e.without_url()))?;
     if !response.status().is_success() {
         return Err(format!("answered {}", response.status()));
     }
@@ -257,7 +257,7 @@ pub async fn fetch(
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|e| format!("cannot read it: {e}"))?
+        .map_err(|e| format!("cannot read it: {}", e.without_url()))?
     {
         body.extend_from_slice(&chunk);
         if body.len() > MAX_JWKS_BYTES {
@@ -303,7 +303,7 @@ pub async fn keep_fresh(
             Err(e) => {
                 counters.failure.inc();
                 if !failing {
-                    tracing::warn!(url = %url, error = %e, "cannot refresh the JWKS; the last good keys stay in use");
+                    tracing::warn!(url = %crate::config::redact_url(&url), error = %e, "cannot refresh the JWKS; the last good keys stay in use");
                 }
                 failing = true;
             }

@@ -211,11 +211,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
             }
             Ok(Err(e)) => {
                 metrics.jwks_refresh.failure.inc();
-                tracing::warn!(url = %url, error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
+                tracing::warn!(url = %crate::config::redact_url(&url), error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
             }
             Err(_) => {
                 metrics.jwks_refresh.failure.inc();
-                tracing::warn!(url = %url, "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
+                tracing::warn!(url = %crate::config::redact_url(&url), "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
             }
         }
     }

@@ -672,3 +672,62 @@ fn a_multi_line_error_in_a_batch_keeps_one_answer_per_decision() {
         assert!(parsed.allowed, "decision {i} decided beside the error");
     }
 }
+
+/// Decisions past their deadline (`store/deadline.rs`) are answered `EXPIRED` and write
+/// nothing, single and several limits alike; the decisions around them, in time or without a
+/// deadline, are made and written as usual, each on its own keys.
+#[test]
+fn a_batch_skips_the_decisions_past_their_deadline_and_makes_the_others() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    let now = secs * 1_000_000 + micros;
+    let (past, ahead) = (now - 1_000_000, now + 60_000_000);
+    let keys = [
+        "model:late:a",
+        "model:late:b",
+        "model:late:c1",
+        "model:late:c2",
+        "model:late:d",
+        "model:late:e1",
+        "model:late:e2",
+    ];
+    // One limit (a bucket of 5); then, each after its deadline: a single limit, late; one
+    // without a deadline; two limits, late; one in time; two limits without a deadline.
+    let args = [
+        1u64, 1, 5_000_000, 0, 1_000_000, //
+        past, 1, //
+        0, 1, //
+        past, 0, 0, 2, 1, 1, //
+        ahead, 1, //
+        0, 0, 0, 2, 1, 1,
+    ];
+    let reply: String = redis::cmd("EVAL")
+        .arg(BATCH_LUA)
+        .arg(keys.len())
+        .arg(&keys[..])
+        .arg(&args[..])
+        .query(&mut conn)
+        .expect("the batch script runs");
+    let answers: Vec<&str> = reply.split('\n').collect();
+    assert_eq!(answers.len(), 5, "{reply:?}");
+    for late in [0, 2] {
+        assert!(answers[late].starts_with("E EXPIRED "), "{reply:?}");
+    }
+    assert!(ScriptReply::parse(answers[1].as_bytes()).is_some_and(|r| r.allowed));
+    assert!(ScriptReply::parse(answers[3].as_bytes()).is_some_and(|r| r.allowed));
+    let several = ScriptReply::parse_many(answers[4].as_bytes(), 2).expect("two replies");
+    assert!(several.iter().all(|r| r.allowed), "{reply:?}");
+    let exists = |key: &str| -> bool {
+        redis::cmd("EXISTS")
+            .arg(key)
+            .query(&mut redis.conn())
+            .unwrap()
+    };
+    for (key, written) in keys
+        .iter()
+        .zip([false, true, false, false, true, true, true])
+    {
+        assert_eq!(exists(key), written, "{key}");
+    }
+}

@@ -469,6 +469,23 @@ fn a_password_is_never_read_from_the_file_nor_shown_in_a_message() {
     );
     assert!(!ok && out.contains("SENTINEL_REDIS_URL"), "{out}");
     assert!(!out.contains("Hunter2"), "{out}");
+    // The environment's URL wins, and the file still may not hold a password.
+    let (ok, out) = check(
+        "url = \"redis://u:Hunter2-pw@127.0.0.1:6379/0\"",
+        &[("SENTINEL_REDIS_URL", Some("redis://127.0.0.1:6379/0"))],
+    );
+    assert!(!ok && out.contains("holds a password"), "{out}");
+    assert!(!out.contains("Hunter2"), "{out}");
+    // A unix socket's password is a query parameter; a password with a `/` makes the URL
+    // unreadable: neither is shown.
+    for url in [
+        "unix:///run/redis.sock?pass=Hunter2-pw",
+        "redis://u:Hunter2/pw@127.0.0.1:6379/0",
+    ] {
+        let (ok, out) = check(&format!("url = \"{url}\""), &no_env);
+        assert!(!ok, "{url}: {out}");
+        assert!(!out.contains("Hunter2"), "{url}: {out}");
+    }
 }
 
 /// Over TLS too, the store's thread reads a batch's answer while the proxy's only worker is

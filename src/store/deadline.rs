@@ -8,14 +8,18 @@
 //! deadline passed before Redis's `TIME` with `EXPIRED` instead of deciding it.
 //!
 //! Redis's `TIME` is its host's wall clock; the deadline is this process's monotonic clock
-//! plus an offset read from the answers: an answer written at the node's time `now` and
-//! read here at local time `t` gives `now - t`, never more than the true offset (the answer
-//! was written before it was read; the connector reads `TIME` once when it connects). The
-//! offset is the largest such sample of the last one to two seconds of samples, and the
-//! deadline sent is the local one plus that offset plus a margin for the two clocks' drift
-//! since the last sample: [`MARGIN_US`], and 1 ms for each second without one (two clocks
-//! slewed by NTP drift apart by less). So Redis never refuses a decision it runs before the
-//! gateway's own deadline; one it runs later than the margin after it is never written.
+//! plus an offset read from the answers: an answer written at the node's time `now` to a call
+//! sent at local time `t` gives `now - t`, never less than the true offset (Redis ran the call
+//! after it was sent; the connector reads `TIME` once when it connects). The offset is the
+//! smallest such sample of the last one to two seconds of samples, and the deadline sent is
+//! the local one plus that offset plus a margin for the two clocks' drift since the last
+//! sample: [`MARGIN_US`], and 1 ms for each second without one (two clocks slewed by NTP
+//! drift apart by less). So Redis never refuses a decision it runs before the gateway's own
+//! deadline, and one it runs later than the margin (and the best sample's round trip) after
+//! it is never written. A clock that jumps ahead (a VM resumed, a node's clock stepped) is
+//! caught by the first decision it makes expire: the expiry carries the node's `now`, and an
+//! offset it proves too small is replaced at once. A new connection starts the offset afresh
+//! (a failover reaches another host's clock).
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -26,7 +30,7 @@ pub const MARGIN_US: u64 = 2_000;
 /// The offset is the largest sample of the current window of this length and of the one
 /// before: a node's clock stepped back is followed within two windows.
 const WINDOW_US: u64 = 1_000_000;
-const NONE: i64 = i64::MIN;
+const NONE: i64 = i64::MAX;
 
 /// Microseconds on this process's monotonic clock (from its first use, plus one, so that 0
 /// can mean "never").
@@ -56,10 +60,11 @@ impl Default for RedisClock {
 }
 
 impl RedisClock {
-    /// The node's `now` (microseconds), read in an answer at local time `local_us`.
-    pub fn sample(&self, redis_now_us: u64, local_us: u64) {
-        let offset = redis_now_us as i64 - local_us as i64;
-        let window = local_us / WINDOW_US;
+    /// The node's `now` (microseconds), read in the answer to a call sent at local time
+    /// `sent_us`.
+    pub fn sample(&self, redis_now_us: u64, sent_us: u64) {
+        let offset = redis_now_us as i64 - sent_us as i64;
+        let window = sent_us / WINDOW_US;
         let seen = self.window.load(Ordering::Relaxed);
         if window > seen
             && self
@@ -71,9 +76,40 @@ impl RedisClock {
             let kept = if window == seen + 1 { ended } else { NONE };
             self.previous.store(kept, Ordering::Relaxed);
         } else {
-            self.current.fetch_max(offset, Ordering::Relaxed);
+            self.current.fetch_min(offset, Ordering::Relaxed);
         }
-        self.last_us.fetch_max(local_us, Ordering::Relaxed);
+        self.last_us.fetch_max(sent_us, Ordering::Relaxed);
+    }
+
+    /// An `EXPIRED` answer's `now`, to a call sent at `sent_us`: when it shows the offset used was too small by more than the margin (the
+    /// node's clock jumped ahead of this one), the offset starts again from it.
+    pub fn expired(&self, redis_now_us: u64, sent_us: u64) {
+        let offset = redis_now_us as i64 - sent_us as i64;
+        if self
+            .offset()
+            .is_some_and(|known| offset > known.saturating_add(MARGIN_US as i64))
+        {
+            self.reset();
+        }
+        self.sample(redis_now_us, sent_us);
+    }
+
+    /// Forgets every sample (a new connection, perhaps to another host).
+    pub fn reset(&self) {
+        self.current.store(NONE, Ordering::Relaxed);
+        self.previous.store(NONE, Ordering::Relaxed);
+        self.last_us.store(0, Ordering::Relaxed);
+    }
+
+    fn offset(&self) -> Option<i64> {
+        let known = |o: i64| (o != NONE).then_some(o);
+        match (
+            known(self.current.load(Ordering::Relaxed)),
+            known(self.previous.load(Ordering::Relaxed)),
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// `local_deadline_us` in the node's time at `local_now_us`, margin included; 0 (no
@@ -83,14 +119,10 @@ impl RedisClock {
         if local_deadline_us == 0 || last == 0 {
             return 0;
         }
-        let drift = local_now_us.saturating_sub(last) / 1_000;
-        let offset = self
-            .current
-            .load(Ordering::Relaxed)
-            .max(self.previous.load(Ordering::Relaxed));
-        if offset == NONE {
+        let Some(offset) = self.offset() else {
             return 0;
-        }
+        };
+        let drift = local_now_us.saturating_sub(last) / 1_000;
         (local_deadline_us as i64)
             .saturating_add(offset)
             .saturating_add((MARGIN_US + drift) as i64)
@@ -120,33 +152,52 @@ mod tests {
     fn the_deadline_is_the_local_one_in_the_nodes_time_plus_the_margin() {
         let clock = RedisClock::default();
         assert_eq!(clock.deadline(5_000, 1_000), 0, "no sample yet");
-        // Redis is 1 000 000 us ahead; the answers took 300 and 100 us to be read.
-        clock.sample(1_001_000 - 300, 1_000);
-        clock.sample(1_002_000 - 100, 2_000);
-        assert_eq!(clock.deadline(20_000, 2_500), 20_000 + 999_900 + MARGIN_US);
+        // Redis is 1 000 000 us ahead; it ran the calls 300 and 100 us after they were sent.
+        clock.sample(1_001_000 + 300, 1_000);
+        clock.sample(1_002_000 + 100, 2_000);
+        assert_eq!(
+            clock.deadline(20_000, 2_500),
+            20_000 + 1_000_100 + MARGIN_US
+        );
         assert_eq!(clock.deadline(0, 2_500), 0, "a call without a deadline");
+        // A slow answer (a busy worker, a long batch) makes the offset no smaller: the
+        // deadline never comes early.
+        clock.sample(1_003_000 + 40_000, 3_000);
+        assert_eq!(
+            clock.deadline(20_000, 3_000),
+            20_000 + 1_000_100 + MARGIN_US
+        );
         // A quiet minute: 60 ms more for the drift the clocks may have had meanwhile.
         assert_eq!(
-            clock.deadline(60_002_000, 60_002_000),
-            60_002_000 + 999_900 + MARGIN_US + 60_000
+            clock.deadline(60_003_000, 60_003_000),
+            60_003_000 + 1_000_100 + MARGIN_US + 60_000
         );
     }
 
     #[test]
-    fn a_node_clock_stepped_back_is_followed_within_two_windows() {
+    fn a_node_clock_stepped_back_is_followed_at_once_and_one_ahead_by_its_first_expiry() {
         let clock = RedisClock::default();
         clock.sample(10_000_000, 100);
-        // The node's clock goes 5 s back: the old offset stays one window more.
+        // Back by 5 s: the smaller offset is taken at once.
         clock.sample(5_000_000 + 1_000_000, 1_000_000);
         assert_eq!(
             clock.deadline(1_000_000, 1_000_000),
-            1_000_000 + 9_999_900 + MARGIN_US
+            1_000_000 + 5_000_000 + MARGIN_US
         );
-        clock.sample(5_000_000 + 2_000_000, 2_000_000);
+        // Ahead by 3 s: the first decision it makes expire carries the new offset.
+        clock.expired(8_000_000 + 1_100_000, 1_100_000);
         assert_eq!(
-            clock.deadline(2_000_000, 2_000_000),
-            2_000_000 + 5_000_000 + MARGIN_US
+            clock.deadline(1_100_000, 1_100_000),
+            1_100_000 + 8_000_000 + MARGIN_US
         );
+        // An expiry within the margin says nothing new.
+        clock.expired(8_000_000 + 1_200_000 + 500, 1_200_000);
+        assert_eq!(
+            clock.deadline(1_200_000, 1_200_000),
+            1_200_000 + 8_000_000 + MARGIN_US
+        );
+        clock.reset();
+        assert_eq!(clock.deadline(1_300_000, 1_300_000), 0, "a new connection");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::decision::{Failure, StoreFailure};
 /// deadline, and then waits for a worker to run it, so a timer set to the budget ends a
 /// millisecond or two beyond it. The evaluation's timer is set this much earlier: 2 ms, or a
 /// quarter of a smaller budget.
-fn timer_for(budget: Duration) -> Duration {
+pub(super) fn timer_for(budget: Duration) -> Duration {
     budget - (budget / 4).min(Duration::from_millis(2))
 }
 
@@ -290,11 +290,14 @@ impl Store {
             Err(f) => return Step::Failed(f),
         };
         let mut c = conn.redis.clone();
+        // Before the call: its answer's `now` less this bounds the node's clock offset from
+        // above (a retry after NOSCRIPT is sent later still).
+        let sent_us = deadline::mono_us();
         let step = |r: redis::RedisResult<Value>| match r {
             Ok(v) => {
                 if let Value::BulkString(bytes) = &v {
                     if let Some(now) = deadline::redis_now_of(bytes) {
-                        link.clock.sample(now, deadline::mono_us());
+                        link.clock.sample(now, sent_us);
                     }
                 }
                 Step::Reply(Reply::Value(v))
@@ -305,14 +308,14 @@ impl Store {
                     if e.code() == Some("EXPIRED") {
                         let now = e.detail().and_then(|d| d.split(' ').next()?.parse().ok());
                         if let Some(now) = now {
-                            link.clock.sample(now, deadline::mono_us());
+                            link.clock.expired(now, sent_us);
                         }
                     }
                     Step::Failed(self.failed(link, &conn, key, &e))
                 }
             },
         };
-        let deadline = link.clock.deadline(call.deadline_us, deadline::mono_us());
+        let deadline = link.clock.deadline(call.deadline_us, sent_us);
         match evalsha(&mut c, script, call, deadline, asking).await {
             Err(e) if classify(&e) == Failure::Noscript => {}
             other => return step(other),

@@ -198,6 +198,8 @@ impl Link {
             closed: opened.closed,
             loss_counted: AtomicBool::new(false),
         });
+        // Perhaps another host (a failover): its clock is read afresh.
+        self.clock.reset();
         self.conn.store(Some(Arc::clone(&conn)));
         self.on_proxy_runtime
             .store(on_proxy_runtime, Ordering::Relaxed);

@@ -244,6 +244,12 @@ impl Store {
         Duration::from_micros(self.inner.budget_us.load(Ordering::Relaxed))
     }
 
+    /// How long to wait for something that must be over within `left` of the budget: a
+    /// little less, as tokio's timer fires up to a tick late.
+    pub fn timer_within(left: Duration) -> Duration {
+        eval::timer_for(left)
+    }
+
     /// `[redis] batch_max`.
     fn batch_max(&self) -> usize {
         self.inner.batch_max.load(Ordering::Relaxed)

@@ -369,14 +369,31 @@ pub(super) fn redis(
         (None, None, None) if sentinel.is_some() => {
             sentinel_target(c, r.expect("a [redis] section"))
         }
-        (Some(env), _, _) => check_redis_url(
-            c,
-            None,
-            env,
-            &format!("{REDIS_URL_ENV} = \"{}\"", redact_url(env)),
-            None,
-        )
-        .map(RedisTarget::Single),
+        (Some(env), file_url, file_seeds) => {
+            // The environment's URL is used; the file's must still hold no password.
+            let seeds = file_seeds.map(|s| s.get_ref().iter()).into_iter().flatten();
+            for (u, field) in file_url
+                .into_iter()
+                .map(|u| (u, "redis.url"))
+                .chain(seeds.map(|u| (u, "redis.cluster_urls entry")))
+            {
+                check_redis_url(
+                    c,
+                    Some(&u.span()),
+                    u.get_ref(),
+                    &format!("{field} \"{}\"", redact_url(u.get_ref())),
+                    Some("redis.password_env"),
+                );
+            }
+            check_redis_url(
+                c,
+                None,
+                env,
+                &format!("{REDIS_URL_ENV} = \"{}\"", redact_url(env)),
+                None,
+            )
+            .map(RedisTarget::Single)
+        }
         (None, Some(u), Some(_)) => {
             c.push(
                 Some(&u.span()),
