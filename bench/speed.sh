@@ -18,6 +18,8 @@
 #   2l  the same with the access log on ([access_log] path, a file)
 #   3   the gateway, Redis token bucket, every request allowed, the default config
 #   3w  the same with [redis] dedicated_io_thread = false
+#   2a, 3a  cells 2 and 3 with another build of the gateway, ALT_BIN=path/to/sentinel-gateway
+#       (an interleaved A/B of two builds: CELLS="2 2a 3 3a" ALT_BIN=/tmp/old bench/speed.sh)
 #
 # For each cell: requests/s, wrk's p50/p99, answers other than 2xx, and CPU per request read
 # from /proc over the cell: of the proxy, of Redis (and Redis's own time in EVALSHA from INFO
@@ -132,8 +134,8 @@ b_port=$(free_port)
 echo $! >"$work/bare.pid"
 wait_port "$b_port"
 
-gateway() { # name dedicated_io_thread [access log path] -> starts a fresh gateway, prints its port and admin port
-  local name=$1 dedicated=$2 log=${3:-} port admin
+gateway() { # name dedicated_io_thread [access log path] [binary] -> starts a fresh gateway, prints its port and admin port
+  local name=$1 dedicated=$2 log=${3:-} exe=${4:-$bin/sentinel-gateway} port admin
   port=$(free_port); admin=$(free_port)
   cat >"$work/$name.toml" <<TOML
 [server]
@@ -161,7 +163,7 @@ capacity_micro = $big
 refill_rate_micro_per_sec = $fast
 TOML
   [[ -n $log ]] && printf '[access_log]\npath = "%s"\n' "$log" >>"$work/$name.toml"
-  RUST_LOG=warn "$bin/sentinel-gateway" --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
+  RUST_LOG=warn "$exe" --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
   echo $! >"$work/$name.pid"
   wait_port "$port"
   curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port/allowed"
@@ -186,9 +188,10 @@ cell() { # round conns cell
     n) port=$n_port; procs=$(nginx_pids "$work/nginx") ;;
     o) port=$o_port; procs=$(nginx_pids "$work/openresty") ;;
     b) port=$b_port; procs=$(cat "$work/bare.pid") ;;
-    2 | 2l | 3 | 3w)
+    2 | 2l | 3 | 3w | 2a | 3a)
       gw=gw$cell tag=$round.$conns
-      read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)" "$([[ $cell == 2l ]] && echo "$work/access.log")")
+      read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)" "$([[ $cell == 2l ]] && echo "$work/access.log")" \
+        "$([[ $cell == ?a ]] && echo "${ALT_BIN:?cells 2a and 3a need ALT_BIN}")")
       procs=$(cat "$work/$gw.pid")
       path=$([[ $cell == 2* ]] && echo /none || echo /allowed) ;;
   esac
@@ -221,7 +224,7 @@ cell() { # round conns cell
 
 for round in $(seq 1 "$rounds"); do
   for conns in $conns_wanted; do
-    for c in n o b 2 2l 3 3w; do cell "$round" "$conns" "$c"; done
+    for c in n o b 2 2a 2l 3 3a 3w; do cell "$round" "$conns" "$c"; done
   done
 done
 
@@ -248,6 +251,9 @@ measures = [
     ("   2l - 2, gateway CPU us per request", lambda c: float(c["2l"][7]) - float(c["2"][7]) if "2l" in c and "2" in c else None),
     ("   2l / 2, gateway CPU per request", lambda c: float(c["2l"][7]) / float(c["2"][7]) if "2l" in c and "2" in c else None),
     ("   3w/3 (workers / dedicated thread)", lambda c: ratio(c, "3w", "3")),
+    ("   2/2a (this build / ALT_BIN, unlimited)", lambda c: ratio(c, "2", "2a")),
+    ("   3/3a (this build / ALT_BIN, limited)", lambda c: ratio(c, "3", "3a")),
+    ("   3 - 3a, gateway CPU us per limited request", lambda c: float(c["3"][7]) - float(c["3a"][7]) if "3" in c and "3a" in c else None),
     ("   Redis CPU us per limited request (cell 3)", lambda c: float(c["3"][8]) if "3" in c else None),
     ("   Redis CPU us per limited request (cell o)", lambda c: float(c["o"][8]) if "o" in c else None),
     ("   gateway CPU us, limited - unlimited (3 - 2)", lambda c: float(c["3"][7]) - float(c["2"][7]) if "3" in c and "2" in c else None),
