@@ -206,6 +206,14 @@ pub(super) struct Batches {
 }
 
 impl Batches {
+    /// Appends the batch in flight's `EVALSHA` of `sha` to what is sent next, and notes when
+    /// it goes.
+    fn append_in_flight(&mut self, sha: &str, clock: &RedisClock) {
+        self.in_flight
+            .command(&mut self.out, &mut self.argv, sha, clock);
+        self.sent_us = deadline::mono_us();
+    }
+
     /// Takes back a queue emptied by telling its decisions, for the next batch, unless the
     /// spare one already holds as much.
     fn recycle(&mut self, emptied: Queue) {
@@ -419,13 +427,7 @@ impl Store {
                         &mut batches.out,
                         [&b"SCRIPT"[..], b"LOAD", script.body().as_bytes()].into_iter(),
                     );
-                    batches.in_flight.command(
-                        &mut batches.out,
-                        &mut batches.argv,
-                        &script.sha,
-                        &link.clock,
-                    );
-                    batches.sent_us = deadline::mono_us();
+                    batches.append_in_flight(&script.sha, &link.clock);
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
                     wire.send(&mut state.bytes, &batches.out)?;
@@ -496,13 +498,7 @@ impl Store {
             .observe(batches.in_flight.waiting.len() as f64);
         let script = self.inner.scripts.batch();
         batches.out.clear();
-        batches.in_flight.command(
-            &mut batches.out,
-            &mut batches.argv,
-            &script.sha,
-            &link.clock,
-        );
-        batches.sent_us = deadline::mono_us();
+        batches.append_in_flight(&script.sha, &link.clock);
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
         batches.sent = batches.sent.wrapping_add(1);
