@@ -238,7 +238,7 @@ async fn two_calls(
         let left = store.budget().saturating_sub(started.elapsed());
         let task = tokio::spawn(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            match store.evaluate_limits(&refs, &args, None).await.outcome {
+            match store.evaluate_limits_late(&refs, &args).await.outcome {
                 Ok(replies) => Some(replies),
                 Err(e) => {
                     tracing::warn!(cause = ?e, "could not give a denied request's cost back to its own limits");

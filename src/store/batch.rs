@@ -549,14 +549,7 @@ impl Store {
         let mut waiting = std::mem::take(&mut queue.waiting);
         for (range, w) in parts.zip(waiting.drain(..)) {
             if !sampled {
-                let part = &bytes[range.clone()];
-                if let Some(now) = deadline::redis_now_of(part) {
-                    match part.starts_with(b"E EXPIRED ") {
-                        true => link.clock.expired(now, sent_us),
-                        false => link.clock.sample(now, sent_us),
-                    }
-                    sampled = true;
-                }
+                sampled = link.clock.note(&bytes[range.clone()], sent_us);
             }
             let answer = match bytes[range.clone()].strip_prefix(b"E ") {
                 None => Answer::Reply(Arc::clone(&bytes), range),

@@ -94,6 +94,19 @@ impl RedisClock {
         self.sample(redis_now_us, sent_us);
     }
 
+    /// One decision's answer (`allowed left retry reset now wait`, or a batch's `E EXPIRED
+    /// now ...`) to a call sent at `sent_us`, when it carries the node's `now`.
+    pub fn note(&self, answer: &[u8], sent_us: u64) -> bool {
+        let Some(now) = redis_now_of(answer) else {
+            return false;
+        };
+        match answer.starts_with(b"E EXPIRED ") {
+            true => self.expired(now, sent_us),
+            false => self.sample(now, sent_us),
+        }
+        true
+    }
+
     /// Forgets every sample (a new connection, perhaps to another host).
     pub fn reset(&self) {
         self.current.store(NONE, Ordering::Relaxed);

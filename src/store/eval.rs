@@ -75,9 +75,11 @@ pub(super) struct Call<'a> {
     /// What is left of the request's budget, when less than a whole one (the second call of
     /// a decision).
     pub(super) within: Option<Duration>,
-    /// When the gateway stops waiting for the answer ([`deadline::mono_us`]); 0: the call
-    /// has none yet, or must be applied whenever it runs (a refund).
+    /// When the gateway stops waiting for the answer ([`deadline::mono_us`]); 0: none yet
+    /// (set by the evaluation), or none at all when `applies_late`.
     pub(super) deadline_us: u64,
+    /// Applied whenever Redis runs it, past the budget too (a refund): it has no deadline.
+    pub(super) applies_late: bool,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -210,12 +212,10 @@ impl Store {
     ) -> Result<Reply, Failure> {
         let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
         let timer = timer_for(budget);
-        // A refund gives back what was taken, whenever Redis runs it; everything else is
-        // refused by the script once the gateway no longer waits for its answer.
-        let refund = call.kind == ScriptKind::Limits
-            && call.args.first() == Some(&crate::limiter::mode::REFUND);
+        // Refused by the script once the gateway no longer waits for its answer, unless it
+        // applies late.
         let call = Call {
-            deadline_us: match refund {
+            deadline_us: match call.applies_late {
                 true => 0,
                 false => deadline::mono_us() + timer.as_micros() as u64,
             },
@@ -296,9 +296,7 @@ impl Store {
         let step = |r: redis::RedisResult<Value>| match r {
             Ok(v) => {
                 if let Value::BulkString(bytes) = &v {
-                    if let Some(now) = deadline::redis_now_of(bytes) {
-                        link.clock.sample(now, sent_us);
-                    }
+                    link.clock.note(bytes, sent_us);
                 }
                 Step::Reply(Reply::Value(v))
             }
@@ -392,9 +390,8 @@ impl Store {
     }
 }
 
-/// `EVALSHA`; after an `ASK`, sent behind `ASKING` in one round trip.
 /// The call's `EVALSHA`, with its `deadline` in the node's time (0: none) after its own
-/// arguments.
+/// arguments; after an `ASK`, sent behind `ASKING` in one round trip.
 async fn evalsha(
     c: &mut MultiplexedConnection,
     script: &Script,

@@ -271,6 +271,7 @@ impl Store {
             args: &args,
             within: None,
             deadline_us: 0,
+            applies_late: false,
         };
         self.evaluate_call(call, ScriptReply::parse).await
     }
@@ -284,12 +285,33 @@ impl Store {
         args: &[u64],
         within: Option<Duration>,
     ) -> Evaluation<Vec<ScriptReply>> {
+        self.limits_call(keys, args, within, false).await
+    }
+
+    /// [`Store::evaluate_limits`] of a call Redis applies whenever it runs it, past the
+    /// budget too (a refund, which must not be lost to a stall).
+    pub async fn evaluate_limits_late(
+        &self,
+        keys: &[&str],
+        args: &[u64],
+    ) -> Evaluation<Vec<ScriptReply>> {
+        self.limits_call(keys, args, None, true).await
+    }
+
+    async fn limits_call(
+        &self,
+        keys: &[&str],
+        args: &[u64],
+        within: Option<Duration>,
+        applies_late: bool,
+    ) -> Evaluation<Vec<ScriptReply>> {
         let call = Call {
             kind: ScriptKind::Limits,
             keys,
             args,
             within,
             deadline_us: 0,
+            applies_late,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
