@@ -504,3 +504,28 @@ fn over_tls_answers_are_read_while_the_workers_are_stalled() {
         (true, true)
     );
 }
+
+/// A reload whose file holds a Redis password is refused (400, the old config serving), and
+/// its logged error names the field without the password.
+#[test]
+fn a_reload_with_a_password_in_the_file_is_refused_without_showing_it() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("e.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(5_000_000, 0),
+        )
+        .start();
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    let with_password = config.replace("redis://", "redis://gateway:Hunter2-pw@");
+    assert_ne!(config, with_password);
+    gw.rewrite_config(&with_password);
+    assert_eq!(gw.reload(), 400);
+    let logs = gw.logs();
+    assert!(logs.contains("holds a password"), "{logs}");
+    assert!(!logs.contains("Hunter2"), "{logs}");
+}
