@@ -10,6 +10,7 @@
 //! of the chosen backend's extensions).
 
 use std::collections::{BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -102,6 +103,12 @@ pub struct PeerTls {
     pub sni: Option<String>,
     pub ca: Option<Arc<pingora_core::protocols::tls::CaType>>,
     pub verify: bool,
+    /// Pingora pools upstream connections by address, SNI and `verify`, not by the roots a
+    /// connection was checked against: this key (of the `ca_path` certificates; 0 for the
+    /// system's roots) keeps a connection verified against one set of roots from serving a
+    /// peer that trusts another (another upstream at the same address, or the same one after
+    /// a reload rotated its CA).
+    pub pool_key: u64,
 }
 
 impl PeerTls {
@@ -117,10 +124,16 @@ impl PeerTls {
                 .collect();
             Arc::from(wrapped.into_boxed_slice())
         });
+        let pool_key = tls.ca.as_ref().map_or(0, |certs| {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            certs.hash(&mut hasher);
+            hasher.finish().max(1)
+        });
         Some(Self {
             sni: tls.sni.clone(),
             ca,
             verify: tls.verify,
+            pool_key,
         })
     }
 

@@ -148,3 +148,44 @@ async fn tls_fields_beside_tls_false_do_nothing_but_a_warn_at_start() {
         "{warn}"
     );
 }
+
+/// A pooled upstream connection was checked against one set of roots: it never serves a peer
+/// that trusts another, neither another upstream at the same address and name nor the same
+/// upstream after a reload rotated its CA (section 11: the certificate is verified against
+/// `ca_path` or the system roots).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_verified_against_one_ca_never_serves_an_upstream_that_trusts_another() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let (_front, front_port) = tls_front(&redis, &up, &ca, dir.path());
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.trusted]\naddrs = [\"127.0.0.1:{front_port}\"]\ntls = true\nsni = \"localhost\"\nca_path = {}\n\
+             [upstreams.roots]\naddrs = [\"127.0.0.1:{front_port}\"]\ntls = true\nsni = \"localhost\"\n",
+            quoted(&ca_file.display().to_string())
+        ))
+        .route(Route::new("trusted").prefix("/trusted").unlimited().upstream("trusted"))
+        .route(Route::new("roots").prefix("/roots").unlimited().upstream("roots"))
+        .start();
+    let status = |path: &'static str| {
+        let url = gw.url(path);
+        async move { client().get(url).send().await.unwrap().status().as_u16() }
+    };
+    for _ in 0..3 {
+        assert_eq!(status("/trusted/x").await, 200, "{}", gw.logs());
+        // The connection just verified against the test CA is idle in the pool: the
+        // system's roots do not know that CA.
+        assert_eq!(status("/roots/x").await, 502, "{}", gw.logs());
+    }
+
+    // The CA file now holds another CA: after the reload, the front's certificate is not
+    // trusted any more, pooled connections or not.
+    std::fs::write(&ca_file, &Ca::new().pem).unwrap();
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    for _ in 0..3 {
+        assert_eq!(status("/trusted/x").await, 502, "{}", gw.logs());
+    }
+}

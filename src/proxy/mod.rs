@@ -504,6 +504,7 @@ impl ProxyHttp for Gateway {
                 peer.options.verify_cert = tls.verify;
                 peer.options.verify_hostname = tls.verify;
                 peer.options.ca = tls.ca.clone();
+                peer.group_key = tls.pool_key;
                 peer
             }
             _ => HttpPeer::new(backend.addr.clone(), false, String::new()),
