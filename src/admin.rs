@@ -147,6 +147,7 @@ impl Admin {
         }
         match (req.method().clone(), req.uri().path()) {
             (Method::GET, "/metrics") => {
+                self.store.refresh_breakers();
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
@@ -300,6 +301,7 @@ impl Admin {
             StatusCode::SERVICE_UNAVAILABLE
         };
         let store = &self.store;
+        store.refresh_breakers();
         let mut body = serde_json::json!({
             "ready": ready,
             "redis": if store.is_connected() { "up" } else { "down" },

@@ -186,6 +186,15 @@ impl Breaker {
         }
     }
 
+    /// An open breaker whose quarantine is over is half-open, whether or not a request came
+    /// to probe yet: what `/readyz` and `sentinel_breaker_state` say of an idle gateway
+    /// follows the clock, not the traffic. The next request takes the probe.
+    pub fn refresh(&self) {
+        if self.state() == BreakerState::Open && self.quarantine_left_us() == 0 {
+            self.transition(BreakerState::Open, BreakerState::HalfOpen);
+        }
+    }
+
     /// Ends an open quarantine now: the next request probes. For a store that was replaced
     /// (a Sentinel failover's new master, connected): what opened the breaker was the old one,
     /// and the contract wants decisions from the new one within about 2 s of the promotion.
@@ -335,6 +344,32 @@ mod tests {
                 BreakerState::HalfOpen,
                 BreakerState::Closed
             ]
+        );
+    }
+
+    #[test]
+    fn an_idle_breaker_is_half_open_once_its_quarantine_is_over_and_the_next_request_probes() {
+        let clock = ManualClock::default();
+        let (b, seen) = breaker(&clock);
+        fail(&b, 5);
+        clock.advance(Duration::from_secs(29));
+        b.refresh();
+        assert_eq!(b.state(), BreakerState::Open, "still in quarantine");
+        clock.advance(Duration::from_secs(1));
+        b.refresh();
+        b.refresh();
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        let probe = b.acquire().expect("the next request probes");
+        assert!(b.acquire().is_err(), "only one probe");
+        probe.success();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Closed
+            ],
+            "one transition to half_open, counted once"
         );
     }
 

@@ -501,6 +501,15 @@ impl Store {
         self.inner.connector.breakers().state()
     }
 
+    /// Moves every breaker whose quarantine is over to half-open
+    /// ([`crate::decision::breaker::Breaker::refresh`]), for a reader of the state (`/readyz`,
+    /// `/metrics`) on a gateway no request reached since.
+    pub fn refresh_breakers(&self) {
+        for link in self.links() {
+            link.breaker.refresh();
+        }
+    }
+
     /// Every link: the one Redis, or every primary of the map.
     fn links(&self) -> Vec<Arc<Link>> {
         match &self.inner.layout {
