@@ -469,6 +469,16 @@ fn a_password_is_never_read_from_the_file_nor_shown_in_a_message() {
     );
     assert!(!ok && out.contains("SENTINEL_REDIS_URL"), "{out}");
     assert!(!out.contains("Hunter2"), "{out}");
+    // Nor when a typo leaves no URL at all.
+    let (ok, out) = check(
+        "url = \"redis://127.0.0.1:6379/0\"",
+        &[(
+            "SENTINEL_REDIS_URL",
+            Some("redis//u:Hunter2-pw@127.0.0.1:6379/0"),
+        )],
+    );
+    assert!(!ok && out.contains("is not a Redis URL"), "{out}");
+    assert!(!out.contains("Hunter2"), "{out}");
     // The environment's URL wins, and the file still may not hold a password.
     let (ok, out) = check(
         "url = \"redis://u:Hunter2-pw@127.0.0.1:6379/0\"",

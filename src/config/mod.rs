@@ -33,15 +33,17 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// or a `pass=`/`password=` query parameter, as redis-rs reads unix socket URLs) is written
 /// `***`; the user name stays. Whatever follows the scheme up to the last `@` counts as the
 /// user information, so a password holding a `/` (which makes the URL unreadable) is hidden
-/// too.
+/// too; in text with no `://`, everything before the last `@`.
 pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
-    let Some(scheme) = url.find("://") else {
-        return url.into();
-    };
-    let start = scheme + 3;
+    let scheme = url.find("://");
+    let start = scheme.map_or(0, |s| s + 3);
     let mut out = std::borrow::Cow::Borrowed(url);
     if let Some(at) = url[start..].rfind('@').map(|i| start + i) {
-        if let Some(colon) = url[start..at].find(':') {
+        if scheme.is_none() {
+            // Not a URL (a mistyped scheme, say): what comes before its last `@` may hold a
+            // password anywhere.
+            out = format!("***{}", &url[at..]).into();
+        } else if let Some(colon) = url[start..at].find(':') {
             out = format!("{}:***{}", &url[..start + colon], &url[at..]).into();
         }
     }

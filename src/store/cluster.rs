@@ -305,6 +305,8 @@ mod tests {
         assert_eq!(redact_url("redis://h:1"), "redis://h:1");
         assert_eq!(redact_url("https://a:b@h/p"), "https://a:***@h/p");
         assert_eq!(redact_url("not a url"), "not a url");
+        assert_eq!(redact_url("redis//u:secret@h:1/0"), "***@h:1/0");
+        assert_eq!(redact_url("redis:/u:se/cret@h:1"), "***@h:1");
         assert_eq!(
             redact_url("unix:///run/redis.sock?db=2&pass=secret"),
             "unix:///run/redis.sock?db=2&pass=***"
