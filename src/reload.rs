@@ -169,7 +169,16 @@ impl Reloader {
                 ));
             }
         }
+        // A new JWKS URL or period is fetched from now, once the new config is live (the
+        // refresher reads it before each fetch).
+        let jwks_changed = snapshot
+            .jwks_target()
+            .is_some_and(|target| Some(target) != current.jwks_target());
+        let jwks = Arc::clone(&snapshot.jwks);
         self.live.store(Arc::new(snapshot));
+        if jwks_changed {
+            jwks.refresh_now();
+        }
         self.metrics.config_generation.set(generation as i64);
         Ok(Reloaded {
             generation,

@@ -203,7 +203,7 @@ impl JwksCache {
         self.keys.store(Arc::new(keys));
     }
 
-    /// A reload changed the URL: fetch now.
+    /// A reload changed the URL or the period: fetch now (and wait the new period after).
     pub fn refresh_now(&self) {
         self.wake.notify_one();
     }

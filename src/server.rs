@@ -221,11 +221,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     }
     control.spawn(crate::remote_jwks::keep_fresh(
         jwks,
-        move || {
-            let snapshot = watched.load();
-            let jwt = snapshot.config.jwt.as_ref()?;
-            Some((jwt.jwks_url.clone()?, jwt.jwks_refresh))
-        },
+        move || watched.load().jwks_target(),
         metrics.jwks_refresh.clone(),
     ));
     for pool in live.load().upstreams.values().filter(|p| p.needs_tending()) {

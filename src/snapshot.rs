@@ -50,6 +50,12 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Where the JWKS is fetched from and how often (`[auth.jwt] jwks_url`), if it is.
+    pub fn jwks_target(&self) -> Option<(String, std::time::Duration)> {
+        let jwt = self.config.jwt.as_ref()?;
+        Some((jwt.jwks_url.clone()?, jwt.jwks_refresh))
+    }
+
     pub fn build(
         config: Config,
         generation: u64,
@@ -60,12 +66,6 @@ impl Snapshot {
     ) -> std::io::Result<Snapshot> {
         // The fetched JWKS outlives every snapshot: a reload keeps the last good keys.
         let jwks = previous.map_or_else(Default::default, |p| Arc::clone(&p.jwks));
-        if let (Some(p), Some(j)) = (previous, &config.jwt) {
-            let before = p.config.jwt.as_ref().and_then(|j| j.jwks_url.as_ref());
-            if j.jwks_url.is_some() && j.jwks_url.as_ref() != before {
-                jwks.refresh_now();
-            }
-        }
         let mut pools = HashMap::new();
         for (name, up) in &config.upstreams {
             // An upstream the reload did not change keeps its pool: its health, its

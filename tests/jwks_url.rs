@@ -175,6 +175,52 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
 }
 
+/// A reload that names another identity provider, or another period, is followed at once:
+/// the new URL is fetched when the new config is live (not at the old period's end, and not
+/// from the old URL), and the new period counts from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_fetches_a_new_jwks_url_at_once_and_keeps_the_new_period() {
+    let old = Provider::start(jwks_with(&["rsa-1"])).await;
+    let new = Provider::start(jwks_with(&["rsa-2"])).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let jwt = |provider: &Provider, every: u64| {
+        format!(
+            "algorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = {every}",
+            quoted(&format!(
+                "http://127.0.0.1:{}/.well-known/jwks.json",
+                provider.port
+            ))
+        )
+    };
+    let gw = start(&redis, &up, &jwt(&old, 3600));
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    let old_hits = old.hits();
+
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    gw.rewrite_config(&config.replace(&jwt(&old, 3600), &jwt(&new, 3600)));
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    wait_until(Duration::from_secs(3), "the new provider's fetch", || {
+        new.hits() >= 1
+    });
+    assert_eq!(old.hits(), old_hits, "the old URL is not asked again");
+    // The new provider's key verifies without a token having to ask for it.
+    assert_eq!(status(&gw, &token("rsa-2", "rsa2.der")).await, 200);
+
+    // A shorter period (the shortest, 10 s): fetched at once, then after 10 s, not after
+    // the old hour.
+    gw.rewrite_config(&config.replace(&jwt(&old, 3600), &jwt(&new, 10)));
+    let before = new.hits();
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    wait_until(Duration::from_secs(3), "the fetch at the reload", || {
+        new.hits() > before
+    });
+    wait_until(
+        Duration::from_secs(14),
+        "the fetch at the new period",
+        || new.hits() > before + 1,
+    );
+}
+
 /// A fetched set may hold a key that cannot verify (here an Ed25519 key of 16 bytes, which
 /// made the JWT library panic on a token signed for it): it is left out, the others serve,
 /// and one WARN names it, not one for every fetch.
