@@ -358,7 +358,8 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
                     plan.default
                 )
             };
-            format!("; tiers from {from}; {default}: {}", each.join("; "))
+            let listed: String = each.iter().map(|t| format!("; {t}")).collect();
+            format!("; tiers from {from} ({default}){listed}")
         }
     };
     let shadow = if p.mode == crate::config::Enforcement::Shadow {

@@ -188,15 +188,23 @@ fn check_refuses_tiers_that_cannot_work() {
     assert!(ok, "{out}");
     // The plain words say whose the route's own limits are.
     assert!(
-        out.contains("; tiers from the key file; the limits above are tier free's, and a caller's without a listed tier: internal: not limited; pro: limit burst: token bucket of 4 requests, never refilled"),
+        out.contains("; tiers from the key file (the limits above are tier free's, and a caller's without a listed tier); internal: not limited; pro: limit burst: token bucket of 4 requests, never refilled"),
         "{out}"
     );
     // A default tier with limits of its own: they, not the route's, are a tierless caller's.
     let (ok, out) = run(&(tiered().set("default_tier", "\"internal\"").toml() + TIERS));
     assert!(
         ok && out.contains(
-            "; tiers from the key file; a caller without a listed tier is tier internal: "
+            "; tiers from the key file (a caller without a listed tier is tier internal); internal: "
         ),
+        "{out}"
+    );
+
+    // No tier listed: every caller has the route's own limits, and the line says no more.
+    let (ok, out) = run(&tiered().toml());
+    assert!(
+        ok && out
+            .contains("(the limits above are tier free's, and a caller's without a listed tier); "),
         "{out}"
     );
 

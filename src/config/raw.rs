@@ -23,7 +23,10 @@ pub struct RawConfig {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "expected an address \"host:port\" or a list of them, e.g. listen = [\"0.0.0.0:8080\", \"[::]:8080\"]"
+)]
 pub enum OneOrMany {
     One(String),
     Many(Vec<String>),
