@@ -35,8 +35,10 @@ pub enum StartError {
     Upstreams(std::io::Error),
     #[error("cannot open access_log.path: {0}")]
     AccessLog(std::io::Error),
-    #[error("cannot listen on server.listen {addr}: {source}")]
+    #[error("cannot listen on {field} {addr}: {source}")]
     Listen {
+        /// `server.listen` or `server.tls[i].listen`.
+        field: String,
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
@@ -50,9 +52,16 @@ pub enum StartError {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
-    let tls_addrs = config.server.tls.iter().map(|t| &t.listen);
-    for addr in config.server.listen.iter().chain(tls_addrs) {
+    let plain = config
+        .server
+        .listen
+        .iter()
+        .map(|a| ("server.listen".to_owned(), a));
+    let tls = (config.server.tls.iter().enumerate())
+        .map(|(i, t)| (format!("server.tls[{i}].listen"), &t.listen));
+    for (field, addr) in plain.chain(tls) {
         std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
+            field,
             addr: *addr,
             source,
         })?;

@@ -475,4 +475,29 @@ fn a_busy_listen_address_fails_fast_and_names_it() {
         "{stderr}"
     );
     assert!(started.elapsed() < Duration::from_secs(5));
+
+    // A TLS listener's busy address is named by its own field.
+    let (cert, key) = common::tls::Ca::new()
+        .leaf(&["localhost"])
+        .write(dir.path(), "edge");
+    let tls_clash = std::fs::read_to_string(&path).unwrap().replace(
+        &format!("listen = \"127.0.0.1:{}\"", gw.port),
+        &format!("listen = \"127.0.0.1:{}\"", common::free_port()),
+    ) + &format!(
+        "\n[[server.tls]]\nlisten = \"127.0.0.1:{}\"\ncert_path = \"{}\"\nkey_path = \"{}\"\n",
+        gw.port,
+        cert.display(),
+        key.display()
+    );
+    std::fs::write(&path, tls_clash).unwrap();
+    let out = common::run_binary(&[OsStr::new("--config"), path.as_os_str()], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "cannot listen on server.tls[0].listen 127.0.0.1:{}",
+            gw.port
+        )),
+        "{stderr}"
+    );
 }
