@@ -5,6 +5,10 @@
 #   CELLS="n o 2 3" CONNS="64" bench/speed.sh 8 5      (only these cells, these connection counts)
 #   REDIS_NICE=-10 bench/speed.sh                       (Redis at a higher priority than the rest)
 #   PROFILE=release bench/speed.sh                      (the release build: quicker to make, ~7 % slower)
+#   GW_LOG=info bench/speed.sh                          (the gateways' RUST_LOG; default warn)
+#
+# Each gateway's log and each cell's Redis SLOWLOG are kept in the work directory it prints
+# at the end (gw<cell>.<round>.<conns>.log, slowlog.<cell>.<round>.<conns>).
 #
 # Every proxy gets 2 workers; the upstream is nginx `return 200` with one worker; the load is
 # wrk (2 threads) with bench/keys.lua, which cycles 10 000 API keys. Cells, in each round in
@@ -20,6 +24,9 @@
 #   3w  the same with [redis] dedicated_io_thread = false
 #   2a, 3a  cells 2 and 3 with another build of the gateway, ALT_BIN=path/to/sentinel-gateway
 #       (an interleaved A/B of two builds: CELLS="2 2a 3 3a" ALT_BIN=/tmp/old bench/speed.sh)
+#   2r  cell 2 while Redis does cell 3's work of the same round for another client
+#       (bench/redis_load.py: the batch script at cell 3's rate and batch size), so that
+#       3 - 2r is what the limiter costs the gateway apart from Redis running beside it
 #
 # For each cell: requests/s, wrk's p50/p99, answers other than 2xx, and CPU per request read
 # from /proc over the cell: of the proxy, of Redis (and Redis's own time in EVALSHA from INFO
@@ -99,6 +106,7 @@ wait_port "$up_port"
 
 # The gateway's own token-bucket script, for the OpenResty cell: the same work in Redis.
 cat lua/int.lua lua/limits.lua lua/token_bucket.lua >"$work/token_bucket.lua"
+cat lua/int.lua lua/limits.lua lua/batch.lua >"$work/batch.lua"
 big=1000000000000000 fast=1000000000000
 n_port=$(free_port)
 nginx_conf "$work/nginx" 2 "  upstream app { server 127.0.0.1:$up_port; keepalive 64; keepalive_requests 1000000; }
@@ -163,7 +171,7 @@ capacity_micro = $big
 refill_rate_micro_per_sec = $fast
 TOML
   [[ -n $log ]] && printf '[access_log]\npath = "%s"\n' "$log" >>"$work/$name.toml"
-  RUST_LOG=warn "$exe" --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
+  RUST_LOG=${GW_LOG:-warn} "$exe" --config "$work/$name.toml" >"$work/$name.${tag:-0}.log" 2>&1 &
   echo $! >"$work/$name.pid"
   wait_port "$port"
   curl -s -o /dev/null -H 'X-API-Key: warm' "http://127.0.0.1:$port/allowed"
@@ -188,21 +196,38 @@ cell() { # round conns cell
     n) port=$n_port; procs=$(nginx_pids "$work/nginx") ;;
     o) port=$o_port; procs=$(nginx_pids "$work/openresty") ;;
     b) port=$b_port; procs=$(cat "$work/bare.pid") ;;
-    2 | 2l | 3 | 3w | 2a | 3a)
+    2 | 2l | 2r | 3 | 3w | 2a | 3a)
       gw=gw$cell tag=$round.$conns
       read -r port admin < <(gateway "$gw" "$([[ $cell == 3w ]] && echo false || echo true)" "$([[ $cell == 2l ]] && echo "$work/access.log")" \
         "$([[ $cell == ?a ]] && echo "${ALT_BIN:?cells 2a and 3a need ALT_BIN}")")
       procs=$(cat "$work/$gw.pid")
       path=$([[ $cell == 2* ]] && echo /none || echo /allowed) ;;
+    *) echo "unknown cell $cell" >&2; exit 2 ;;
   esac
   local before_p before_r before_up calls0 usec0 calls1 usec1 out
   redis-cli -p "$redis_port" slowlog reset >/dev/null
   before_p=$(ticks_all $procs); before_r=$(ticks "$redis_pid"); read -r calls0 usec0 < <(evalsha_stats)
+  local load=""
+  if [[ $cell == 2r ]]; then
+    # Cell 3's rate and batch size in this round (or 16 000 decisions a second in batches of 13).
+    local rate batch
+    read -r rate batch < <(awk -v r="$round" -v c="$conns" '$1 == r && $2 == c && $3 == "3" && $11 > 0 {
+      printf "%d %d\n", $4, 1 / $11 + 0.5; found = 1 } END { if (!found) print "16000 13" }' "$results")
+    python3 bench/redis_load.py "$redis_port" "$work/batch.lua" "$rate" "$batch" "$secs" >"$work/load.log" 2>&1 &
+    load=$!
+  fi
   out=$(/usr/bin/time -f 'WRKCPU %U %S' wrk -t2 -c"$conns" -d"${secs}s" --latency -s bench/keys.lua "http://127.0.0.1:$port$path" 2>&1)
+  local load_cpu=0
+  if [[ -n $load ]]; then
+    wait "$load" || { echo "bench/redis_load.py failed:" >&2; cat "$work/load.log" >&2; exit 1; }
+    load_cpu=$(awk '/cpu_seconds/ {print $NF}' "$work/load.log")
+  fi
   local after_p after_r
   after_p=$(ticks_all $procs); after_r=$(ticks "$redis_pid"); read -r calls1 usec1 < <(evalsha_stats)
   local slow
   slow=$(redis-cli -p "$redis_port" slowlog len)
+  # The slowest commands of the cell, for a look at a round that went wrong.
+  redis-cli -p "$redis_port" slowlog get 100000 >"$work/slowlog.$cell.$round.$conns"
   local total rps p50 p99 non2xx wrk_cpu transitions=-
   total=$(awk '/requests in/ {print $1}' <<<"$out")
   rps=$(awk '/Requests\/sec/ {printf "%d", $2}' <<<"$out")
@@ -216,21 +241,21 @@ cell() { # round conns cell
   fi
   awk -v r="$round" -v c="$conns" -v cell="$cell" -v total="$total" -v rps="$rps" -v p50="$p50" -v p99="$p99" \
     -v bad="$non2xx" -v pt=$((after_p - before_p)) -v rt=$((after_r - before_r)) -v hz="$hz" -v wrk="$wrk_cpu" \
-    -v calls=$((calls1 - calls0)) -v usec=$((usec1 - usec0)) -v tr="$transitions" -v slow="$slow" 'BEGIN {
+    -v calls=$((calls1 - calls0)) -v usec=$((usec1 - usec0)) -v tr="$transitions" -v slow="$slow" -v load="$load_cpu" 'BEGIN {
       us = 1e6 / hz / total
-      printf "%s %s %s %s %.2f %.2f %s %.1f %.1f %.2f %.3f %.1f %s %s\n", r, c, cell, rps, p50, p99, bad,
-        pt * us, rt * us, (calls ? usec / total : 0), calls / total, wrk * 1e6 / total, tr, slow }' >>"$results"
+      printf "%s %s %s %s %.2f %.2f %s %.1f %.1f %.2f %.3f %.1f %s %s %.1f\n", r, c, cell, rps, p50, p99, bad,
+        pt * us, rt * us, (calls ? usec / total : 0), calls / total, wrk * 1e6 / total, tr, slow, load * 1e6 / total }' >>"$results"
 }
 
 for round in $(seq 1 "$rounds"); do
   for conns in $conns_wanted; do
-    for c in n o b 2 2a 2l 3 3a 3w; do cell "$round" "$conns" "$c"; done
+    for c in n o b 2 2a 2l 3 3a 3w 2r; do cell "$round" "$conns" "$c"; done
   done
 done
 
-printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s\n' round conns cell req/s p50ms p99ms non2xx proxy_us redis_us evalsha_us calls/req wrk_us breaker slow2ms
-while read -r r c cell rps p50 p99 bad pus rus eus cpr wus tr slow; do
-  printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s\n' "$r" "$c" "$cell" "$rps" "$p50" "$p99" "$bad" "$pus" "$rus" "$eus" "$cpr" "$wus" "$tr" "$slow"
+printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s %7s\n' round conns cell req/s p50ms p99ms non2xx proxy_us redis_us evalsha_us calls/req wrk_us breaker slow2ms load_us
+while read -r r c cell rps p50 p99 bad pus rus eus cpr wus tr slow lus; do
+  printf '%-5s %-5s %-4s %8s %7s %7s %7s %9s %9s %10s %9s %8s %6s %7s %7s\n' "$r" "$c" "$cell" "$rps" "$p50" "$p99" "$bad" "$pus" "$rus" "$eus" "$cpr" "$wus" "$tr" "$slow" "$lus"
 done <"$results"
 echo
 # Per round and connection count: the ratios of the targets, then their medians.
@@ -257,6 +282,10 @@ measures = [
     ("   Redis CPU us per limited request (cell 3)", lambda c: float(c["3"][8]) if "3" in c else None),
     ("   Redis CPU us per limited request (cell o)", lambda c: float(c["o"][8]) if "o" in c else None),
     ("   gateway CPU us, limited - unlimited (3 - 2)", lambda c: float(c["3"][7]) - float(c["2"][7]) if "3" in c and "2" in c else None),
+    ("   gateway CPU us, Redis busy beside it (2r - 2)", lambda c: float(c["2r"][7]) - float(c["2"][7]) if "2r" in c and "2" in c else None),
+    ("   gateway CPU us, the limiter's own (3 - 2r)", lambda c: float(c["3"][7]) - float(c["2r"][7]) if "3" in c and "2r" in c else None),
+    ("   the load driver's own CPU us per request (cell 2r)", lambda c: float(c["2r"][14]) if "2r" in c else None),
+    ("   Redis CPU us per decision of cell 2r's load", lambda c: float(c["2r"][8]) * float(c["2r"][3]) / float(c["3"][3]) if "2r" in c and "3" in c else None),
     ("   non-2xx answers of cell 3", lambda c: float(c["3"][6]) if "3" in c else None),
     ("   breaker transitions of cell 3", lambda c: float(c["3"][12]) if "3" in c else None),
     ("   Redis commands of 2 ms or more (cell 3)", lambda c: float(c["3"][13]) if "3" in c else None),
@@ -271,5 +300,6 @@ for conns in sorted({k[1] for k in by}, key=int):
             print(f"  {name:50s} median {statistics.median(vals):8.2f}   rounds {' '.join(f'{v:.2f}' for v in vals)}")
 PY
 echo
+echo "Logs and slow logs of each cell: $work"
 echo "Redis events of 5 ms or more (LATENCY LATEST: event, last time, last ms, max ms):"
 redis-cli -p "$redis_port" latency latest | paste - - - - | sed 's/^/  /'
