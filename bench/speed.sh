@@ -209,9 +209,10 @@ cell() { # round conns cell
   before_p=$(ticks_all $procs); before_r=$(ticks "$redis_pid"); read -r calls0 usec0 < <(evalsha_stats)
   local load=""
   if [[ $cell == 2r ]]; then
-    # Cell 3's rate and batch size in this round (or 16 000 decisions a second in batches of 13).
+    # Cell 3's rate and batch size in this round (or, when cell 3 did not run or answered
+    # anything but 2xx, 16 000 decisions a second in batches of 13).
     local rate batch
-    read -r rate batch < <(awk -v r="$round" -v c="$conns" '$1 == r && $2 == c && $3 == "3" && $11 > 0 {
+    read -r rate batch < <(awk -v r="$round" -v c="$conns" '$1 == r && $2 == c && $3 == "3" && $11 > 0 && $7 == 0 {
       printf "%d %d\n", $4, 1 / $11 + 0.5; found = 1 } END { if (!found) print "16000 13" }' "$results")
     python3 bench/redis_load.py "$redis_port" "$work/batch.lua" "$rate" "$batch" "$secs" >"$work/load.log" 2>&1 &
     load=$!

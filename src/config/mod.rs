@@ -35,7 +35,14 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// user information, so a password holding a `/` (which makes the URL unreadable) is hidden
 /// too; in text with no `://`, everything before the last `@`.
 pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
-    let scheme = url.find("://");
+    // A scheme is letters, digits, `+`, `-` and `.` (RFC 3986): a `://` further on (inside a
+    // password, say) does not make the text a URL.
+    let scheme = url.find("://").filter(|&s| {
+        s > 0
+            && url[..s]
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
+    });
     let start = scheme.map_or(0, |s| s + 3);
     let mut out = std::borrow::Cow::Borrowed(url);
     if let Some(at) = url[start..].rfind('@').map(|i| start + i) {

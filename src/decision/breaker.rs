@@ -190,8 +190,20 @@ impl Breaker {
     /// to probe yet: what `/readyz` and `sentinel_breaker_state` say of an idle gateway
     /// follows the clock, not the traffic. The next request takes the probe.
     pub fn refresh(&self) {
-        if self.state() == BreakerState::Open && self.quarantine_left_us() == 0 {
-            self.transition(BreakerState::Open, BreakerState::HalfOpen);
+        if self.state() != BreakerState::Open || self.quarantine_left_us() > 0 {
+            return;
+        }
+        // Holding the probe's place, no probe can start, fail and open a new quarantine
+        // between the look at this one and the move (a request meanwhile short-circuits).
+        if self
+            .probe_taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            if self.quarantine_left_us() == 0 {
+                self.transition(BreakerState::Open, BreakerState::HalfOpen);
+            }
+            self.probe_taken.store(false, Ordering::Release);
         }
     }
 

@@ -307,6 +307,7 @@ mod tests {
         assert_eq!(redact_url("not a url"), "not a url");
         assert_eq!(redact_url("redis//u:secret@h:1/0"), "***@h:1/0");
         assert_eq!(redact_url("redis:/u:se/cret@h:1"), "***@h:1");
+        assert_eq!(redact_url("redis:/u:a://b@h:1"), "***@h:1");
         assert_eq!(
             redact_url("unix:///run/redis.sock?db=2&pass=secret"),
             "unix:///run/redis.sock?db=2&pass=***"

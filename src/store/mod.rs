@@ -506,7 +506,10 @@ impl Store {
     /// `/metrics`) on a gateway no request reached since.
     pub fn refresh_breakers(&self) {
         for link in self.links() {
-            link.breaker.refresh();
+            // A primary that left the cluster no longer counts in the process's state.
+            if !link.retired.load(Ordering::Relaxed) {
+                link.breaker.refresh();
+            }
         }
     }
 
