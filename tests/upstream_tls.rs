@@ -9,9 +9,14 @@ use common::config::{quoted, GatewayConfig, Route};
 use common::tls::Ca;
 use common::{client, free_port, Gateway, Redis, Upstream};
 use serde_json::Value;
+use std::path::PathBuf;
 
-/// A TLS front for the demo backend, its certificate for `localhost` from `ca`.
-fn tls_front(redis: &Redis, up: &Upstream, ca: &Ca, dir: &std::path::Path) -> (Gateway, u16) {
+/// A TLS front for the demo backend, its certificate for `localhost` from a new test CA whose
+/// own certificate is written to `ca.pem` in `dir`: the front, its TLS port and that file.
+fn tls_front(redis: &Redis, up: &Upstream, dir: &std::path::Path) -> (Gateway, u16, PathBuf) {
+    let ca = Ca::new();
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
     let (cert, key) = ca.leaf(&["localhost"]).write(dir, "front");
     let tls_port = free_port();
     let gw = GatewayConfig::new(&redis.url())
@@ -23,7 +28,7 @@ fn tls_front(redis: &Redis, up: &Upstream, ca: &Ca, dir: &std::path::Path) -> (G
         .upstream("app", &[up.addr()])
         .route(Route::new("front").prefix("/").unlimited())
         .start();
-    (gw, tls_port)
+    (gw, tls_port, ca_file)
 }
 
 fn edge(redis: &Redis, front_port: u16, tls_fields: &str) -> Gateway {
@@ -49,10 +54,7 @@ async fn get(gw: &Gateway) -> (u16, String) {
 async fn an_upstream_over_tls_is_verified_against_ca_path_and_the_sni_name() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let dir = tempfile::tempdir().unwrap();
-    let ca = Ca::new();
-    let ca_file = dir.path().join("ca.pem");
-    std::fs::write(&ca_file, &ca.pem).unwrap();
-    let (_front, front_port) = tls_front(&redis, &up, &ca, dir.path());
+    let (_front, front_port, ca_file) = tls_front(&redis, &up, dir.path());
     let ca_field = format!("ca_path = {}", quoted(&ca_file.display().to_string()));
 
     // Trusted CA and the right name: through, and the front saw TLS.
@@ -157,10 +159,7 @@ async fn tls_fields_beside_tls_false_do_nothing_but_a_warn_at_start() {
 async fn a_connection_verified_against_one_ca_never_serves_an_upstream_that_trusts_another() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let dir = tempfile::tempdir().unwrap();
-    let ca = Ca::new();
-    let ca_file = dir.path().join("ca.pem");
-    std::fs::write(&ca_file, &ca.pem).unwrap();
-    let (_front, front_port) = tls_front(&redis, &up, &ca, dir.path());
+    let (_front, front_port, ca_file) = tls_front(&redis, &up, dir.path());
     let gw = GatewayConfig::new(&redis.url())
         .section(&format!(
             "[upstreams.trusted]\naddrs = [\"127.0.0.1:{front_port}\"]\ntls = true\nsni = \"localhost\"\nca_path = {}\n\

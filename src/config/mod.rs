@@ -33,7 +33,7 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// or a `pass=`/`password=` query parameter, as redis-rs reads unix socket URLs) is written
 /// `***`; the user name stays. Whatever follows the scheme up to the last `@` counts as the
 /// user information, so a password holding a `/` (which makes the URL unreadable) is hidden
-/// too; in text with no `://`, everything before the last `@`.
+/// too; in text that does not start with a scheme and `://`, everything before the last `@`.
 pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
     // A scheme is letters, digits, `+`, `-` and `.` (RFC 3986): a `://` further on (inside a
     // password, say) does not make the text a URL.
