@@ -463,18 +463,17 @@ fn a_busy_listen_address_fails_fast_and_names_it() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
     std::fs::write(&path, clash).unwrap();
-    let started = std::time::Instant::now();
-    let out = common::run_binary(&[OsStr::new("--config"), path.as_os_str()], &[]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(&format!(
-            "cannot listen on server.listen 127.0.0.1:{}",
-            gw.port
-        )),
-        "{stderr}"
-    );
-    assert!(started.elapsed() < Duration::from_secs(5));
+    // The gateway started on `path` exits 1 at once, naming `field` and the busy address.
+    let refused_naming = |field: &str| {
+        let started = std::time::Instant::now();
+        let out = common::run_binary(&[OsStr::new("--config"), path.as_os_str()], &[]);
+        assert_eq!(out.status.code(), Some(1));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let named = format!("cannot listen on {field} 127.0.0.1:{}", gw.port);
+        assert!(stderr.contains(&named), "{stderr}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    };
+    refused_naming("server.listen");
 
     // A TLS listener's busy address is named by its own field.
     let (cert, key) = common::tls::Ca::new()
@@ -490,14 +489,5 @@ fn a_busy_listen_address_fails_fast_and_names_it() {
         key.display()
     );
     std::fs::write(&path, tls_clash).unwrap();
-    let out = common::run_binary(&[OsStr::new("--config"), path.as_os_str()], &[]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(&format!(
-            "cannot listen on server.tls[0].listen 127.0.0.1:{}",
-            gw.port
-        )),
-        "{stderr}"
-    );
+    refused_naming("server.tls[0].listen");
 }

@@ -452,33 +452,26 @@ fn a_password_is_never_read_from_the_file_nor_shown_in_a_message() {
     let (ok, out) = check("url = \"redis://gateway@127.0.0.1:6379/0\"", &no_env);
     assert!(ok, "{out}");
     // The environment may hold the whole URL, password and all; a message never shows it.
-    let (ok, out) = check(
-        "url = \"redis://127.0.0.1:6379/0\"",
-        &[(
-            "SENTINEL_REDIS_URL",
-            Some("redis://u:Hunter2-pw@127.0.0.1:6379/0"),
-        )],
-    );
+    let with_env = |url: &str| {
+        check(
+            "url = \"redis://127.0.0.1:6379/0\"",
+            &[("SENTINEL_REDIS_URL", Some(url))],
+        )
+    };
+    let (ok, out) = with_env("redis://u:Hunter2-pw@127.0.0.1:6379/0");
     assert!(ok, "{out}");
-    let (ok, out) = check(
-        "url = \"redis://127.0.0.1:6379/0\"",
-        &[(
+    // Refused, and not shown: a bad port, and a typo that leaves no URL at all.
+    for (url, said) in [
+        (
+            "redis://u:Hunter2-pw@127.0.0.1:99999/0",
             "SENTINEL_REDIS_URL",
-            Some("redis://u:Hunter2-pw@127.0.0.1:99999/0"),
-        )],
-    );
-    assert!(!ok && out.contains("SENTINEL_REDIS_URL"), "{out}");
-    assert!(!out.contains("Hunter2"), "{out}");
-    // Nor when a typo leaves no URL at all.
-    let (ok, out) = check(
-        "url = \"redis://127.0.0.1:6379/0\"",
-        &[(
-            "SENTINEL_REDIS_URL",
-            Some("redis//u:Hunter2-pw@127.0.0.1:6379/0"),
-        )],
-    );
-    assert!(!ok && out.contains("is not a Redis URL"), "{out}");
-    assert!(!out.contains("Hunter2"), "{out}");
+        ),
+        ("redis//u:Hunter2-pw@127.0.0.1:6379/0", "is not a Redis URL"),
+    ] {
+        let (ok, out) = with_env(url);
+        assert!(!ok && out.contains(said), "{url}: {out}");
+        assert!(!out.contains("Hunter2"), "{url}: {out}");
+    }
     // The environment's URL wins, and the file still may not hold a password.
     let (ok, out) = check(
         "url = \"redis://u:Hunter2-pw@127.0.0.1:6379/0\"",
