@@ -6,6 +6,8 @@
 #   REDIS_NICE=-10 bench/speed.sh                       (Redis at a higher priority than the rest)
 #   PROFILE=release bench/speed.sh                      (the release build: quicker to make, ~7 % slower)
 #   GW_LOG=info bench/speed.sh                          (the gateways' RUST_LOG; default warn)
+#   BIN_DIR=target/pgo/production bench/speed.sh        (binaries built elsewhere, scripts/pgo.sh's
+#                                                        say: the gateway and the bare proxy, no build)
 #
 # Each gateway's log and each cell's Redis SLOWLOG are kept in the work directory it prints
 # at the end (gw<cell>.<round>.<conns>.log, slowlog.<cell>.<round>.<conns>).
@@ -56,8 +58,12 @@ command -v redis-server >/dev/null || need+=(redis-server redis-tools)
 if ((${#need[@]})); then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; fi
 # The profile operators deploy (Cargo.toml, [profile.production]), for the bare proxy too.
 profile=${PROFILE:-production}
-cargo build --profile "$profile" --locked --bins
-bin=target/$profile
+if [[ -n ${BIN_DIR:-} ]]; then
+  bin=$BIN_DIR
+else
+  cargo build --profile "$profile" --locked --bins
+  bin=target/$profile
+fi
 
 . bench/lib.sh
 # CPU ticks (utime + stime) of a process and its children's threads, by PID.
