@@ -6,8 +6,9 @@
 //! are logged with those bytes left out ([`Redacted`], [`redact_buf`]). Pingora's own DEBUG
 //! and TRACE lines print whole headers and bodies; they are passed on only when `RUST_LOG`
 //! names a `pingora` target itself (`RUST_LOG=debug` alone does not). The `h2` library's
-//! WARN lines are about what clients did (a flood of resets, say) and are kept to ERROR
-//! unless `RUST_LOG` names `h2`.
+//! WARN lines are about what clients did (a flood of resets, say), and so are rustls's (an
+//! address sent as the SNI name, an unexpected alert): both are kept to ERROR unless `RUST_LOG`
+//! names them.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -18,9 +19,11 @@ use tracing_subscriber::EnvFilter;
 pub fn init() {
     let asked = std::env::var("RUST_LOG").unwrap_or_default();
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    if !asked.contains("h2") {
-        if let Ok(quiet) = "h2=error".parse() {
-            filter = filter.add_directive(quiet);
+    for chatty in ["h2", "rustls"] {
+        if !asked.contains(chatty) {
+            if let Ok(quiet) = format!("{chatty}=error").parse() {
+                filter = filter.add_directive(quiet);
+            }
         }
     }
     let subscriber = tracing_subscriber::fmt()

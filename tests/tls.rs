@@ -125,6 +125,44 @@ fn the_sni_name_chooses_the_certificate_and_unknown_names_get_the_default() {
     assert_eq!(conn.get(PDFTALK, "/open/y"), 200, "keep-alive over TLS");
 }
 
+/// An address sent as the SNI name (RFC 6066 forbids it; wrk and some other clients send it)
+/// is the client's doing: the handshake goes on with the default certificate and nothing is
+/// logged above DEBUG.
+#[test]
+fn an_address_sent_as_the_sni_name_is_answered_and_logs_no_warning() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let gw = s.config(&redis, &up, "").start();
+    // rustls never sends an address as SNI: its hello for a name as long as "127.0.0.1",
+    // with the name swapped.
+    let config = std::sync::Arc::new(s.ca.client_config(rustls::ALL_VERSIONS));
+    let name = rustls::pki_types::ServerName::try_from("sni-probe").unwrap();
+    let mut client = rustls::ClientConnection::new(config, name).unwrap();
+    let mut hello = Vec::new();
+    client.write_tls(&mut hello).unwrap();
+    let at = hello
+        .windows(9)
+        .position(|w| w == b"sni-probe")
+        .expect("the name in the hello");
+    hello[at..at + 9].copy_from_slice(b"127.0.0.1");
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", s.tls_port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    std::io::Write::write_all(&mut tcp, &hello).unwrap();
+    let mut record = [0u8; 5];
+    std::io::Read::read_exact(&mut tcp, &mut record).unwrap();
+    assert_eq!(
+        record[0], 22,
+        "a handshake record (the server's hello), not an alert"
+    );
+    drop(tcp);
+    // rustls read the hello (and would have logged) before it answered.
+    let logs = gw.logs();
+    let loud: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains(r#""level":"WARN""#) || l.contains(r#""level":"ERROR""#))
+        .collect();
+    assert!(loud.is_empty(), "{loud:#?}");
+}
+
 #[test]
 fn min_version_1_3_refuses_a_tls_1_2_client() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
