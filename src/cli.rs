@@ -185,6 +185,13 @@ fn requests(micro: u64) -> String {
     }
 }
 
+/// `micro` millionths of `noun`, in words: "1 request", "0.5 requests", "5 requests".
+fn counted(micro: u64, noun: &str) -> String {
+    let n = requests(micro);
+    let s = if micro == 1_000_000 { "" } else { "s" };
+    format!("{n} {noun}{s}")
+}
+
 /// One plain-words line per route, as `check` prints it.
 /// One TLS listener in plain words: its versions and which certificate each name gets.
 pub fn describe_tls(t: &crate::config::TlsListener) -> String {
@@ -222,18 +229,18 @@ fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
                 "never refilled".to_owned()
             } else {
                 format!(
-                    "refilled at {} requests per second",
-                    requests(refill_micro_per_sec)
+                    "refilled at {} per second",
+                    counted(refill_micro_per_sec, "request")
                 )
             };
             let cost = if cost_micro == 1_000_000 {
                 String::new()
             } else {
-                format!(", {} tokens per request", requests(cost_micro))
+                format!(", {} per request", counted(cost_micro, "token"))
             };
             format!(
-                "token bucket of {} requests, {refill}{cost}",
-                requests(capacity_micro)
+                "token bucket of {}, {refill}{cost}",
+                counted(capacity_micro, "request")
             )
         }
         Algorithm::SlidingWindow {
@@ -243,11 +250,12 @@ fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
             let cost = if cost_micro == 1_000_000 {
                 String::new()
             } else {
-                format!(", {} requests per call", requests(cost_micro))
+                format!(", {} per call", counted(cost_micro, "request"))
             };
+            let s = if limit == 1 { "" } else { "s" };
             format!(
-                "sliding window of {limit} requests per {} seconds{cost}",
-                requests(window_micro)
+                "sliding window of {limit} request{s} per {}{cost}",
+                counted(window_micro, "second")
             )
         }
     }
@@ -310,14 +318,14 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
         (Algorithm::None, ..) => String::new(),
         (_, Some(rate), crate::config::FailMode::FailOpen) if p.fallback_fleet => {
             format!(
-                "; fail_open (emergency cap {} requests per second for the whole fleet)",
-                requests(rate)
+                "; fail_open (emergency cap {} per second for the whole fleet)",
+                counted(rate, "request")
             )
         }
         (_, Some(rate), crate::config::FailMode::FailOpen) => {
             format!(
-                "; fail_open (emergency cap {} requests per second per process)",
-                requests(rate)
+                "; fail_open (emergency cap {} per second per process)",
+                counted(rate, "request")
             )
         }
         (_, _, mode) => format!("; {}", mode.as_str()),
@@ -371,4 +379,18 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
         "{}: {methods} {path}{host} -> {}; {limit}{tiers}{fail}{shadow}; policy v{}",
         p.endpoint_id, route.upstream.name, p.policy_version
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counted;
+
+    #[test]
+    fn one_of_a_thing_is_singular_and_every_other_count_plural() {
+        assert_eq!(counted(1_000_000, "request"), "1 request");
+        assert_eq!(counted(5_000_000, "request"), "5 requests");
+        assert_eq!(counted(500_000, "request"), "0.5 requests");
+        assert_eq!(counted(1_500_000, "second"), "1.5 seconds");
+        assert_eq!(counted(0, "token"), "0 tokens");
+    }
 }
