@@ -6,8 +6,9 @@
 #   REDIS_NICE=-10 bench/speed.sh                       (Redis at a higher priority than the rest)
 #   PROFILE=release bench/speed.sh                      (the release build: quicker to make, ~7 % slower)
 #   GW_LOG=info bench/speed.sh                          (the gateways' RUST_LOG; default warn)
-#   BIN_DIR=target/pgo/production bench/speed.sh        (binaries built elsewhere, scripts/pgo.sh's
-#                                                        say: the gateway and the bare proxy, no build)
+#   BIN_DIR=target/pgo/x86_64-unknown-linux-gnu/production bench/speed.sh
+#                                                       (the gateway and the bare proxy built
+#                                                        elsewhere, by scripts/pgo.sh say; no build)
 #
 # Each gateway's log and each cell's Redis SLOWLOG are kept in the work directory it prints
 # at the end (gw<cell>.<round>.<conns>.log, slowlog.<cell>.<round>.<conns>).
