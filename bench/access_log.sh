@@ -32,20 +32,7 @@ cargo build --release --locked --bin sentinel-gateway
 
 . bench/lib.sh
 
-up_port=$(free_port)
-cat >"$work/nginx.conf" <<NGINX
-worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/nginx.err;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  server { listen 127.0.0.1:$up_port; location / { return 200 "ok"; } }
-}
-NGINX
-nginx -c "$work/nginx.conf" -g 'daemon off;' &
-pids+=($!)
-wait_port "$up_port"
+upstream_200 "$work/upstream"
 
 port=$(free_port)
 admin=$(free_port)

@@ -10,3 +10,24 @@ ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # The same summed over several PIDs.
 ticks_all() { local t=0; for p in "$@"; do t=$((t + $(ticks "$p"))); done; echo "$t"; }
 hz=$(getconf CLK_TCK)
+# Starts an nginx with one worker answering `200 ok` to everything on a free port, its files in
+# DIR; sets up_port and adds its PID to the caller's pids array.
+upstream_200() {
+  local dir=$1
+  up_port=$(free_port)
+  mkdir -p "$dir"
+  cat >"$dir/nginx.conf" <<NGINX
+worker_processes 1;
+pid $dir/nginx.pid;
+error_log $dir/error.log error;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server { listen 127.0.0.1:$up_port; location / { return 200 'ok'; } }
+}
+NGINX
+  nginx -c "$dir/nginx.conf" -g 'daemon off;' >"$dir/stdout.log" 2>&1 &
+  pids+=($!)
+  wait_port "$up_port"
+}

@@ -56,22 +56,7 @@ redis_port=$(free_port)
 redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no >"$work/redis.log" 2>&1 &
 pids+=($!)
 wait_port "$redis_port"
-up_port=$(free_port)
-mkdir -p "$work/upstream"
-cat >"$work/upstream/nginx.conf" <<NGINX
-worker_processes 1;
-pid $work/upstream/nginx.pid;
-error_log $work/upstream/error.log error;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  server { listen 127.0.0.1:$up_port; location / { return 200 'ok'; } }
-}
-NGINX
-nginx -c "$work/upstream/nginx.conf" -g 'daemon off;' >/dev/null 2>&1 &
-pids+=($!)
-wait_port "$up_port"
+upstream_200 "$work/upstream"
 
 port=$(free_port) admin=$(free_port) b_port=$(free_port) tls_port=$(free_port)
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=localhost \
