@@ -125,11 +125,14 @@ impl Admin {
         let (Some(value), None) = (values.next(), values.next()) else {
             return false;
         };
+        // Read as a route's bearer token is: the scheme in any case, the token trimmed.
         let presented = value
-            .as_bytes()
-            .strip_prefix(b"Bearer ")
-            .or_else(|| value.as_bytes().strip_prefix(b"bearer "))
-            .unwrap_or_default();
+            .to_str()
+            .ok()
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, token)| token.trim())
+            .as_bytes();
         Sha256::digest(presented) == Sha256::digest(&token.0)
     }
 

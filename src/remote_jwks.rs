@@ -50,6 +50,34 @@ fn jwk_family(jwk: &jsonwebtoken::jwk::Jwk) -> Option<jsonwebtoken::AlgorithmFam
 pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -> Option<String> {
     use jsonwebtoken::jwk::{AlgorithmParameters as P, EllipticCurve as C};
     use jsonwebtoken::{Algorithm as A, DecodingKeyKind};
+    // A key pinned to a signing algorithm of another kind of key (an RSA key marked ES256,
+    // a P-256 key marked ES384) would be offered only tokens of that algorithm, which it
+    // cannot verify. A pin that signs nothing (an encryption algorithm) is left to
+    // `verify_keys`, which leaves such keys out.
+    let pinned = jwk
+        .common
+        .key_algorithm
+        .and_then(|a| a.to_string().parse::<A>().ok());
+    if let Some(pinned) = pinned {
+        let fits = match (&jwk.algorithm, pinned) {
+            (P::RSA(_), A::RS256 | A::RS384 | A::RS512 | A::PS256 | A::PS384 | A::PS512) => true,
+            (P::EllipticCurve(p), A::ES256) => p.curve == C::P256,
+            (P::EllipticCurve(p), A::ES384) => p.curve == C::P384,
+            (P::OctetKeyPair(_), A::EdDSA) => true,
+            _ => false,
+        };
+        if !fits {
+            let kind = match &jwk.algorithm {
+                P::RSA(_) => "an RSA key".to_owned(),
+                P::EllipticCurve(p) => format!("an EC key of curve {:?}", p.curve),
+                P::OctetKeyPair(p) => format!("an OKP key of curve {:?}", p.curve),
+                _ => "a key of another kind".to_owned(),
+            };
+            return Some(format!(
+                "it is pinned to \"alg\": \"{pinned:?}\", which {kind} cannot verify"
+            ));
+        }
+    }
     if let DecodingKeyKind::RsaModulusExponent { n, e } = key.kind() {
         let significant = n.iter().skip_while(|b| **b == 0).count();
         let bits = significant * 8

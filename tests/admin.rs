@@ -39,6 +39,8 @@ async fn the_admin_token_guards_everything_but_the_probes() {
             Some("Bearer wrong"),
             Some(TOKEN),
             Some("Basic YWRtaW4="),
+            Some(&format!("Basic {TOKEN}")),
+            Some(&format!("Bearer{TOKEN}")),
         ] {
             let r = req(wrong).send().await.unwrap();
             assert_eq!(r.status(), 401, "{method} {path} with {wrong:?}");
@@ -48,8 +50,11 @@ async fn the_admin_token_guards_everything_but_the_probes() {
                 r#"{"detail":"authentication required"}"#
             );
         }
-        let r = req(Some(&format!("Bearer {TOKEN}"))).send().await.unwrap();
-        assert_ne!(r.status(), 401, "{method} {path} with the token");
+        // The scheme in any case and the token trimmed, as a route reads a bearer token.
+        for right in [format!("Bearer {TOKEN}"), format!("BEARER  {TOKEN} ")] {
+            let r = req(Some(&right)).send().await.unwrap();
+            assert_ne!(r.status(), 401, "{method} {path} with {right:?}");
+        }
     }
     assert!(!gw.logs().contains(TOKEN), "the token never reaches a log");
 

@@ -27,6 +27,37 @@ async fn status_of(resp: reqwest::Result<reqwest::Response>) -> u16 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_longer_than_a_day_is_told_whole() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    // One token, refilled at 5 micro-tokens a second: the next one in 200 000 s.
+    let gw = app_config(&redis.url(), &up)
+        .route(bucket("t.slow", "/api", 1, 5).identity_header("X-API-Key"))
+        .start();
+    let http = client();
+    let get = || {
+        http.get(gw.url("/api/x"))
+            .header("x-api-key", "alice")
+            .send()
+    };
+    assert_eq!(get().await.unwrap().status(), 200);
+    // Redis's denial, then the over-limit cache's repeat of it: the same wait, whole.
+    for source in ["redis", "the over-limit cache"] {
+        let denied = get().await.unwrap();
+        assert_eq!(denied.status(), 429, "{source}");
+        let retry: u64 = denied.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            (199_990..=200_000).contains(&retry),
+            "{source}: Retry-After {retry}, the wait is 200 000 s"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bucket_admits_its_capacity_then_429s_then_refills() {
     let redis = Redis::start();
     let up = Upstream::start("app");
@@ -491,6 +522,88 @@ async fn upstream_down_is_502_and_slow_is_504() {
         line.contains("\"status\":502") && line.contains("\"upstream\":\"dead\""),
         "{line}"
     );
+}
+
+/// An upstream on loopback that answers `200 ok` on kept-alive connections, and closes the
+/// connection without an answer to any request for a path under `/drop`, counting those.
+async fn dropping_upstream() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dropped = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = std::sync::Arc::clone(&dropped);
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let count = std::sync::Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = conn.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    head.extend_from_slice(&buf[..n]);
+                    while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let request: Vec<u8> = head.drain(..end + 4).collect();
+                        if request
+                            .split(|b| *b == b' ')
+                            .nth(1)
+                            .is_some_and(|p| p.starts_with(b"/drop"))
+                        {
+                            count.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                        if conn.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, dropped)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_upstream_drops_is_sent_at_most_twice() {
+    use std::sync::atomic::Ordering;
+    let redis = Redis::start();
+    let (addr, dropped) = dropping_upstream().await;
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[addr.to_string()], Some(500), Some(2000))
+        .route(Route::new("t.any").prefix("/").upstream("app").unlimited())
+        .start();
+    let http = client();
+    // Kept-alive upstream connections for the drops to be sent on: one per concurrent
+    // request, pooled when each is answered.
+    for _ in 0..3 {
+        let oks =
+            futures_util::future::join_all((0..8).map(|_| http.get(gw.url("/ok")).send())).await;
+        for r in oks {
+            assert_eq!(r.unwrap().status(), 200);
+        }
+    }
+    // Sent on a kept connection that fails, a GET is sent once more (the upstream may have
+    // closed that connection as it was sent), and no more.
+    let r = http.get(gw.url("/drop")).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    let gets = dropped.load(Ordering::SeqCst);
+    assert!(
+        (1..=2).contains(&gets),
+        "the upstream received the GET {gets} times"
+    );
+    // A POST is never sent twice.
+    let r = http.post(gw.url("/drop")).body("x").send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(dropped.load(Ordering::SeqCst) - gets, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

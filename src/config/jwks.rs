@@ -128,4 +128,56 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_key_pinned_to_an_algorithm_of_another_kind_is_named() {
+        let fixture: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let key = |kid: &str| {
+            fixture["keys"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|k| k["kid"] == kid)
+                .unwrap()
+                .clone()
+        };
+        // Pins that fit load; every other signing pin is the key's error; an encryption pin
+        // is not (the key is left out, as a key marked "use": "enc" is).
+        for (kid, alg, fits) in [
+            ("rsa-2", "PS384", true),
+            ("ec-1", "ES256", true),
+            ("ed-1", "EdDSA", true),
+            ("rsa-2", "ES256", false),
+            ("rsa-2", "HS256", false),
+            ("ec-1", "ES384", false),
+            ("ec-1", "RS256", false),
+            ("ed-1", "ES256", false),
+        ] {
+            let mut pinned = key(kid);
+            pinned["alg"] = alg.into();
+            let set = serde_json::json!({"keys": [pinned, key("rsa-1")]}).to_string();
+            match check(&set) {
+                Ok(_) => assert!(fits, "{kid} pinned to {alg} was accepted"),
+                Err(errors) => {
+                    assert!(!fits, "{kid} pinned to {alg}: {errors:?}");
+                    assert_eq!(errors.len(), 1, "{errors:?}");
+                    assert!(
+                        errors[0].starts_with(&format!("jwks.json: keys[0] (kid \"{kid}\")"))
+                            && errors[0].contains(&format!("pinned to \"alg\": \"{alg}\"")),
+                        "{errors:?}"
+                    );
+                }
+            }
+        }
+        let mut enc = key("rsa-2");
+        enc["alg"] = "RSA-OAEP".into();
+        let set = serde_json::json!({"keys": [enc, key("rsa-1")]}).to_string();
+        assert!(check(&set).is_ok());
+    }
 }

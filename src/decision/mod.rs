@@ -121,9 +121,13 @@ impl Degradation {
     }
 }
 
-/// Retry-After is capped at a day: a bucket that never refills still gets an answer.
-pub const MAX_RETRY_AFTER_SECS: u64 = 86_400;
-const MAX_WAIT: Duration = Duration::from_secs(MAX_RETRY_AFTER_SECS);
+/// The `Retry-After` of a limit that never refills (a quota): a day, so that its clients
+/// still get an answer to wait by.
+pub const NEVER_REFILLS_RETRY_AFTER_SECS: u64 = 86_400;
+const NEVER_REFILLS: Duration = Duration::from_secs(NEVER_REFILLS_RETRY_AFTER_SECS);
+/// The largest `Retry-After` written (about 68 years): every longer wait says this, so that
+/// clients reading the header into a signed 32-bit integer read it right.
+pub const MAX_RETRY_AFTER_SECS: u64 = i32::MAX as u64;
 
 /// What was decided; each variant fixes its reason and whether the request may pass, so a
 /// decision cannot say `allowed` with a denying reason or the reverse.
@@ -163,7 +167,7 @@ impl Decision {
             Verdict::Admitted { reply: Some(reply) }
         } else {
             Verdict::Limited {
-                wait: reply.retry_after.map_or(MAX_WAIT, Duration::from_secs),
+                wait: reply.retry_after.map_or(NEVER_REFILLS, Duration::from_secs),
                 reply: Some(reply),
                 cached: false,
             }
@@ -257,8 +261,8 @@ impl Decision {
         }
     }
 
-    /// [`Self::retry_after`] in whole seconds for `Retry-After`, rounded up: at least 1, at
-    /// most a day; 0 when admitted.
+    /// [`Self::retry_after`] in whole seconds for `Retry-After`, rounded up: at least 1, the
+    /// whole wait however long (up to [`MAX_RETRY_AFTER_SECS`]); 0 when admitted.
     pub fn retry_after_secs(&self) -> u64 {
         self.retry_after().map_or(0, |wait| {
             let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
@@ -434,9 +438,17 @@ mod tests {
         let never = Decision::by_redis(reply(false, None), BreakerState::Closed);
         assert_eq!(
             never.retry_after_secs(),
-            MAX_RETRY_AFTER_SECS,
-            "capped at a day"
+            NEVER_REFILLS_RETRY_AFTER_SECS,
+            "a day for a limit that never refills"
         );
+        let long = Decision::by_redis(reply(false, Some(200_000)), BreakerState::Closed);
+        assert_eq!(
+            long.retry_after_secs(),
+            200_000,
+            "a wait past a day is told whole"
+        );
+        let endless = Decision::by_redis(reply(false, Some(u64::MAX / 2)), BreakerState::Closed);
+        assert_eq!(endless.retry_after_secs(), MAX_RETRY_AFTER_SECS);
         let zero = Decision::by_redis(reply(false, Some(0)), BreakerState::Closed);
         assert_eq!(zero.retry_after_secs(), 1, "never below one second");
         let d = Decision::cached_denial(

@@ -62,6 +62,8 @@ pub struct RequestCtx {
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
     connect_attempts: usize,
+    /// The request was sent again after a kept-alive upstream connection failed under it.
+    resent: bool,
     /// The rotation's place of the first attempt, and how many addresses it held at the last:
     /// a failed connect is retried while untried addresses remain.
     first_place: Option<usize>,
@@ -459,10 +461,21 @@ impl ProxyHttp for Gateway {
                 return self.answer(session, ctx, Answer::BodyTooLarge).await;
             }
         }
-        let client = ctx.origin.as_ref().and_then(|o| o.client);
-        if client.is_some_and(|ip| route.exempt_client_cidrs.iter().any(|n| n.contains(&ip))) {
-            ctx.exempt = true;
-            return Ok(false);
+        if !route.exempt_client_cidrs.is_empty() {
+            match ctx.origin.as_ref().map(|o| (o.peer, o.client)) {
+                // The client address is read as `client_ip` reads it, 400 included: a trusted
+                // proxy's `X-Forwarded-For` whose client entry is not an address.
+                Some((Some(_), None)) => {
+                    return self.answer(session, ctx, Answer::BadRequest).await;
+                }
+                Some((_, Some(ip)))
+                    if route.exempt_client_cidrs.iter().any(|n| n.contains(&ip)) =>
+                {
+                    ctx.exempt = true;
+                    return Ok(false);
+                }
+                _ => {}
+            }
         }
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
@@ -621,6 +634,31 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         if ctx.connect_attempts < ctx.rotation {
             e.set_retry(true);
+        }
+        e
+    }
+
+    /// A failure on an upstream connection taken from the pool (closed by the upstream as it
+    /// was sent, say) sends an idempotent request once more, on another connection, as
+    /// Pingora does; never a second time: an upstream that drops every connection it is
+    /// asked this request on (a request that crashes it) would otherwise receive it once per
+    /// kept connection.
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        let resendable = session.req_header().method.is_idempotent()
+            && !session.as_ref().retry_buffer_truncated();
+        if resendable && !ctx.resent {
+            e.retry.decide_reuse(reused);
+            ctx.resent = e.retry();
+        } else {
+            e.set_retry(false);
         }
         e
     }
