@@ -347,6 +347,23 @@ async fn h2c_answers_as_http1_does() {
     );
     let r = h2.get(gw.url("/nowhere")).send().await.unwrap();
     assert_eq!(r.status(), 404);
+    // The gateway's own answers to HEAD carry no body over HTTP/2 (a stream that did would
+    // be reset by the client as malformed); the headers are the GET's.
+    for (path, key, status) in [
+        ("/nowhere", "k", 404),
+        ("/api/x", "k", 429),
+        ("/api/x", "", 401),
+    ] {
+        let mut head = h2.head(gw.url(path));
+        if !key.is_empty() {
+            head = head.header("X-API-Key", key);
+        }
+        let r = head.send().await.unwrap();
+        assert_eq!(r.status(), status, "HEAD {path}");
+        assert_eq!(r.headers()["content-type"], "application/json");
+        assert!(r.headers().get("x-request-id").is_some());
+        assert_eq!(r.bytes().await.unwrap().len(), 0, "HEAD {path}");
+    }
     // Headers over 64 KiB get the gateway's JSON 431 over HTTP/2 too, not the h2 library's
     // bodiless one.
     let r = h2

@@ -114,12 +114,17 @@ pub async fn write_with(
     answer: Answer,
     header: ResponseHeader,
 ) -> Result<u16> {
+    // The answer to HEAD has the headers of the answer to GET and no body (RFC 9110, 9.3.2):
+    // HTTP/1.1 leaves it out by itself; an HTTP/2 stream would carry it, which clients
+    // reset as malformed.
+    let body = match session.req_header().method == http::Method::HEAD {
+        true => None,
+        false => Some(Bytes::from_static(answer.body().as_bytes())),
+    };
     session
         .write_response_header(Box::new(header), false)
         .await?;
-    session
-        .write_response_body(Some(Bytes::from_static(answer.body().as_bytes())), true)
-        .await?;
+    session.write_response_body(body, true).await?;
     Ok(answer.status())
 }
 
