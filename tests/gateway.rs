@@ -607,6 +607,46 @@ async fn a_request_the_upstream_drops_is_sent_at_most_twice() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_tried_again_is_logged_with_its_request_id_and_no_query() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dead = format!("127.0.0.1:{}", common::free_port());
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[dead, up.addr()], Some(500), Some(2000))
+        .route(Route::new("t.two").prefix("/").upstream("app").unlimited())
+        .start();
+    let http = client();
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        let r = http
+            .get(gw.url("/two/x?access_token=TOPSECRET1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "the live address answers");
+        ids.push(r.headers()["x-request-id"].to_str().unwrap().to_owned());
+    }
+    let logs = gw.logs();
+    assert!(!logs.contains("TOPSECRET1"), "{logs}");
+    let retried: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("an upstream attempt failed"))
+        .collect();
+    assert!(
+        !retried.is_empty(),
+        "half the requests meet the dead address first: {logs}"
+    );
+    for line in retried {
+        assert!(line.contains("\"level\":\"WARN\""), "{line}");
+        assert!(
+            ids.iter()
+                .any(|id| line.contains(&format!("\"request_id\":\"{id}\""))),
+            "{line}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_specificity_not_file_order() {
     let redis = Redis::start();
     let up = Upstream::start("app");

@@ -15,7 +15,7 @@ use pingora::prelude::*;
 use pingora::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorSource, ErrorType};
 use pingora_http::RequestHeader;
-use pingora_proxy::FailToProxy;
+use pingora_proxy::{FailToProxy, ProxyWarnLogContext};
 
 use crate::config::{Enforcement, IdentitySource};
 use crate::decision::{Decision, DecisionReason};
@@ -772,6 +772,49 @@ impl ProxyHttp for Gateway {
             tracing::debug!(error = %crate::telemetry::Redacted(error), request_id = ctx.request_id(), "the client ended the request");
         }
         by_client || matches!(error.esource(), ErrorSource::Upstream)
+    }
+
+    /// An upstream attempt that failed and is tried again (the next address after a refused
+    /// connect, or once more after a kept connection failed) is one structured WARN line
+    /// with the request id, in place of Pingora's free-text one, which quotes the query
+    /// string.
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+        error: &Error,
+        context: ProxyWarnLogContext,
+    ) -> bool {
+        if let (ProxyWarnLogContext::UpstreamRetry, Some(route)) = (context, &ctx.route) {
+            tracing::warn!(
+                endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
+                upstream = route.upstream.config.name.as_str(),
+                addr = ctx.upstream_addr.map(|a| a.to_string()),
+                error = %crate::telemetry::Redacted(error),
+                request_id = ctx.request_id(),
+                "an upstream attempt failed; the request is tried again"
+            );
+            return true;
+        }
+        false
+    }
+
+    /// What Pingora's own log lines say of a request: method, path without the query (which
+    /// may carry tokens), host and request id.
+    fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
+        let req = session.req_header();
+        let host = req
+            .headers
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri.host())
+            .unwrap_or_default();
+        format!(
+            "{} {}, Host: {host}, request_id: {}",
+            req.method,
+            req.uri.path(),
+            ctx.request_id()
+        )
     }
 
     /// Called once per request at its end: the one place metrics are recorded.
