@@ -60,6 +60,7 @@ pub fn validate(
         }
     }
     route::shared_endpoints(&mut c, &routes);
+    request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
     for conflict in routing::ambiguities(routes.iter().map(|(_, r)| (r.matcher(), r))) {
         let (a, b) = conflict;
         let span = routes
@@ -91,6 +92,55 @@ pub fn validate(
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),
     })
+}
+
+/// `server.request_id_header` must not be a header a route reads an identity from, or the
+/// upstream reports a cost in: a trusted proxy's value would be kept and logged as the request
+/// id (a raw key in every log line), and a new id written over the header sent upstream.
+fn request_id_clashes(
+    c: &mut Collector,
+    raw: &RawConfig,
+    server: Option<&ServerConfig>,
+    api_keys: Option<&ApiKeysConfig>,
+    routes: &[(std::ops::Range<usize>, RouteConfig)],
+) {
+    let (Some(server), Some(written)) = (
+        server,
+        raw.server
+            .as_ref()
+            .and_then(|s| s.get_ref().request_id_header.as_ref()),
+    ) else {
+        return;
+    };
+    let id = server.request_id_header.as_str();
+    let mut uses = Vec::new();
+    if api_keys.is_some_and(|k| k.header == id) {
+        uses.push("auth.api_keys.header".to_owned());
+    }
+    for (_, r) in routes {
+        let label = route_label(r.index, r.policy.endpoint_id.as_str());
+        if matches!(&r.identity, IdentitySource::Header(h) if h == id) {
+            uses.push(format!("the identity header of {label}"));
+        }
+        if r.policy
+            .cost_from_response
+            .as_ref()
+            .is_some_and(|cost| cost.header == id)
+        {
+            uses.push(format!("the cost header of {label}"));
+        }
+    }
+    if !uses.is_empty() {
+        c.push(
+            Some(&written.span()),
+            None,
+            format!(
+                "server.request_id_header = \"{}\" is also {}: the request id would be read from, logged as and written over that header; choose another, such as \"X-Request-Id\"",
+                written.get_ref(),
+                uses.join(", ")
+            ),
+        );
+    }
 }
 
 /// TOML's words for an integer it cannot hold (``invalid type: integer `N` as i128,

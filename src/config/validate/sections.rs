@@ -215,6 +215,25 @@ const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
     "x-forwarded-proto",
     "x-forwarded-host",
     "x-real-ip",
+    // Hop by hop, or about credentials: a proxy does not pass these on as they came.
+    "proxy-authorization",
+    "proxy-authenticate",
+    "proxy-connection",
+    "keep-alive",
+    "trailer",
+    "forwarded",
+    // What the gateway's own answers say: the id written over them would change their sense.
+    "set-cookie",
+    "retry-after",
+    "www-authenticate",
+    "allow",
+    "ratelimit",
+    "ratelimit-policy",
+    "date",
+    "server",
+    "location",
+    "content-encoding",
+    "expect",
 ];
 
 /// A list of CIDRs (or plain addresses, as /32 and /128), each checked; `field` names it.
