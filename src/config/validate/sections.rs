@@ -1189,6 +1189,18 @@ fn upstream_tls(
             );
             return None;
         }
+        // What the TLS handshake can send as a server name: a DNS name or an address.
+        Some(s) if rustls::pki_types::ServerName::try_from(s.get_ref().as_str()).is_err() => {
+            c.push(
+                Some(&s.span()),
+                None,
+                format!(
+                    "upstreams.{name}.sni = \"{}\" is not a host name: use letters, digits, '-' and '.', such as \"api.internal.example\"",
+                    s.get_ref()
+                ),
+            );
+            return None;
+        }
         Some(s) => Some(s.get_ref().clone()),
         None => None,
     };
