@@ -297,7 +297,8 @@ impl Sink {
             AccessLogTarget::Stdout => Ok(Sink::Stdout),
             AccessLogTarget::File(path) => Ok(Sink::File(BufWriter::with_capacity(
                 64 * 1024,
-                open_append(path)?,
+                open_append(path)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?,
             ))),
         }
     }

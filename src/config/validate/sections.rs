@@ -353,11 +353,36 @@ pub(super) fn access_log(
             None
         }
         "-" => Some(AccessLogTarget::Stdout),
-        p => Some(AccessLogTarget::File(
-            config
+        p => {
+            let file = config
                 .parent()
-                .map_or_else(|| PathBuf::from(p), |dir| dir.join(p)),
-        )),
+                .map_or_else(|| PathBuf::from(p), |dir| dir.join(p));
+            // What `check` can tell without writing anything: the file is made at start if
+            // missing, in a directory that must be there.
+            let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+            let problem = if file.is_dir() {
+                Some("is a directory: name a file in it".to_owned())
+            } else if let Some(dir) = dir.filter(|d| !d.is_dir()) {
+                let why = match dir.exists() {
+                    true => "is not a directory",
+                    false => "does not exist",
+                };
+                Some(format!("cannot be made: {} {why}", dir.display()))
+            } else {
+                None
+            };
+            match problem {
+                Some(problem) => {
+                    c.push(
+                        Some(&path.span()),
+                        None,
+                        format!("access_log.path = \"{}\" {problem}", path.get_ref()),
+                    );
+                    None
+                }
+                None => Some(AccessLogTarget::File(file)),
+            }
+        }
     }
 }
 
