@@ -554,4 +554,25 @@ mod tests {
             raw::ROUTE_FIELDS.iter().copied().collect();
         assert_eq!(listed, documented, "{msg}");
     }
+
+    #[test]
+    fn a_route_lists_tiers_as_long_as_a_key_file_names() {
+        // Read by this test only.
+        std::env::set_var("SENTINEL_TEST_TIER_SECRET", "s".repeat(32));
+        let with_tier = |name: &str| {
+            let src = format!(
+                "[upstreams.a]\naddrs = [\"127.0.0.1:1\"]\n[auth.jwt]\nsecret_env = \"SENTINEL_TEST_TIER_SECRET\"\n\
+                 [[routes]]\nendpoint_id = \"x\"\npath_prefix = \"/\"\nupstream = \"a\"\n\
+                 identity = \"jwt\"\ntier_from = {{ claim = \"plan\" }}\ndefault_tier = \"free\"\n\
+                 algorithm = \"token_bucket\"\ncapacity_micro = 1000000\nrefill_rate_micro_per_sec = 1\n\
+                 [routes.tiers.{name}]\nunlimited = true\n"
+            );
+            Config::from_source(Path::new("t.toml"), &src, Some("redis://127.0.0.1:1/0"))
+                .map(|_| ())
+                .map_err(|e| e.0[0].message.clone())
+        };
+        assert_eq!(with_tier(&"p".repeat(128)), Ok(()));
+        let too_long = with_tier(&"p".repeat(129)).unwrap_err();
+        assert!(too_long.contains("use 1 to 128 of a-z"), "{too_long}");
+    }
 }

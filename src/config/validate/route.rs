@@ -774,9 +774,10 @@ fn tiers(
             None
         }
     };
+    // As long as a key file's tiers may be: a tier a key names must be one a route can list.
     let valid_name = |n: &str| {
         !n.is_empty()
-            && n.len() <= 64
+            && n.len() <= 128
             && n.bytes().all(|b| {
                 b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
             })
@@ -787,7 +788,7 @@ fn tiers(
             None
         }
         Some(d) if !valid_name(d.get_ref()) => {
-            c.push(Some(&d.span()), label, format!("default_tier = \"{}\" is not a tier name: use 1 to 64 of a-z, 0-9, '.', '_', '-'", d.get_ref()));
+            c.push(Some(&d.span()), label, format!("default_tier = \"{}\" is not a tier name: use 1 to 128 of a-z, 0-9, '.', '_', '-'", d.get_ref()));
             None
         }
         Some(d) => Some(d.get_ref().clone()),
@@ -804,7 +805,7 @@ fn tiers(
                 Some(&t.span()),
                 label,
                 format!(
-                    "{at}: \"{name}\" is not a tier name: use 1 to 64 of a-z, 0-9, '.', '_', '-'"
+                    "{at}: \"{name}\" is not a tier name: use 1 to 128 of a-z, 0-9, '.', '_', '-'"
                 ),
             );
             ok = false;
