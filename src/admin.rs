@@ -125,14 +125,7 @@ impl Admin {
         let (Some(value), None) = (values.next(), values.next()) else {
             return false;
         };
-        // Read as a route's bearer token is: the scheme in any case, the token trimmed.
-        let presented = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map_or("", |(_, token)| token.trim())
-            .as_bytes();
+        let presented = crate::identity::bearer_token(value.as_bytes()).unwrap_or_default();
         Sha256::digest(presented) == Sha256::digest(&token.0)
     }
 

@@ -189,15 +189,26 @@ fn single(
     }
 }
 
-/// The token of `Authorization: Bearer <token>`.
+/// The token of an `Authorization: Bearer <token>` value: the scheme in any case, the token
+/// without the spaces around it; `None` for another scheme or no token. The admin listener
+/// reads its token the same way.
+pub fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, token) = (&value[..space], value[space + 1..].trim_ascii());
+    (scheme.eq_ignore_ascii_case(b"bearer") && !token.is_empty()).then_some(token)
+}
+
+/// A route's bearer token: [`bearer_token`], of visible ASCII.
 fn bearer(value: &http::HeaderValue) -> Option<&str> {
     if value.len() > MAX_AUTHORIZATION_BYTES {
         return None;
     }
-    let text = value.to_str().ok()?;
-    let (scheme, token) = text.split_once(' ')?;
-    let token = token.trim();
-    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+    let token = bearer_token(value.as_bytes())?;
+    token
+        .iter()
+        .all(|b| b.is_ascii_graphic())
+        .then(|| std::str::from_utf8(token).ok())
+        .flatten()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -75,4 +75,19 @@ async fn the_admin_token_guards_everything_but_the_probes() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(
         "server.admin_token_env: the environment variable SENTINEL_TEST_UNSET_TOKEN is not set"
     ));
+    // A token no Authorization header can carry as it is (a stray space or newline from an
+    // env file) would never match: refused at load, not at every admin request.
+    for unsendable in ["an-admin-token-of-length ", "an-admin-token\nof-length-26"] {
+        let out = common::check_config(&path, &[("SENTINEL_TEST_UNSET_TOKEN", Some(unsendable))]);
+        assert_eq!(out.status.code(), Some(2), "{unsendable:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("the admin token must be visible ASCII"),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains(unsendable.trim()),
+            "the token is never printed"
+        );
+    }
 }

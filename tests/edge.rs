@@ -623,6 +623,24 @@ fn an_access_log_that_cannot_be_opened_stops_the_start() {
     );
     let check = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
     assert_eq!(check.status.code(), Some(2));
+    // Under a file, not a directory: the same, said so.
+    let file = dir.path().join("plain");
+    std::fs::write(&file, "").unwrap();
+    let under_a_file = GatewayConfig::new("redis://127.0.0.1:1/0")
+        .upstream("app", &["127.0.0.1:9"])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .section("[access_log]\npath = \"plain/access.log\"\n");
+    std::fs::write(&path, under_a_file.render(1, 2)).unwrap();
+    let check = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+    assert_eq!(check.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "access_log.path = \"plain/access.log\" cannot be made: {} is not a directory",
+            file.display()
+        )),
+        "{stderr}"
+    );
 }
 
 /// An upstream on a free port that keeps every byte it receives, and answers 200 `ok` to

@@ -95,12 +95,11 @@ async fn behind_a_trusted_proxy_only_the_client_it_names_can_be_exempt() {
                 .as_u16()
         }
     };
-    // The proxy's own address is exempt; a client it cannot name is not the proxy: the
-    // request is answered 400, as a `client_ip` route answers it, whatever the route's
-    // identity would have said.
-    assert_eq!(status(b"garbage").await, 400);
-    assert_eq!(status(b"\xff").await, 400);
-    assert_eq!(status(b"10.1.2.3, garbage").await, 400);
+    // The proxy's own address is exempt; a client it cannot name is not the proxy, nor
+    // exempt: it goes on to its own identity (none here: 401).
+    assert_eq!(status(b"garbage").await, 401);
+    assert_eq!(status(b"\xff").await, 401);
+    assert_eq!(status(b"10.1.2.3, garbage").await, 401);
     assert_eq!(status(b"1.2.3.4").await, 401, "a client outside the list");
     assert_eq!(
         status(b"127.0.0.5").await,

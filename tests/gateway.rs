@@ -55,6 +55,11 @@ async fn a_wait_longer_than_a_day_is_told_whole() {
             "{source}: Retry-After {retry}, the wait is 200 000 s"
         );
     }
+    assert_eq!(
+        gw.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="t.slow"}"#),
+        1.0,
+        "the second denial came from the over-limit cache"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -579,7 +584,13 @@ async fn a_request_the_upstream_drops_is_sent_at_most_twice() {
     let (addr, dropped) = dropping_upstream().await;
     let gw = GatewayConfig::new(&redis.url())
         .upstream_timeouts("app", &[addr.to_string()], Some(500), Some(2000))
-        .route(Route::new("t.any").prefix("/").upstream("app").unlimited())
+        .route(
+            Route::new("t.any")
+                .prefix("/")
+                .upstream("app")
+                .unlimited()
+                .set("max_body_bytes", "100"),
+        )
         .start();
     let http = client();
     // Kept-alive upstream connections for the drops to be sent on: one per concurrent
@@ -596,14 +607,22 @@ async fn a_request_the_upstream_drops_is_sent_at_most_twice() {
     let r = http.get(gw.url("/drop")).send().await.unwrap();
     assert_eq!(r.status(), 502);
     let gets = dropped.load(Ordering::SeqCst);
-    assert!(
-        (1..=2).contains(&gets),
-        "the upstream received the GET {gets} times"
-    );
+    assert_eq!(gets, 2, "the upstream received the GET {gets} times");
+    // A PUT is sent twice too, its body counted once against `max_body_bytes` (60 of 100
+    // bytes, twice over the two attempts, is not a body over the limit).
+    let r = http
+        .put(gw.url("/drop"))
+        .body("p".repeat(60))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(dropped.load(Ordering::SeqCst) - gets, 2);
     // A POST is never sent twice.
+    let before = dropped.load(Ordering::SeqCst);
     let r = http.post(gw.url("/drop")).body("x").send().await.unwrap();
     assert_eq!(r.status(), 502);
-    assert_eq!(dropped.load(Ordering::SeqCst) - gets, 1);
+    assert_eq!(dropped.load(Ordering::SeqCst) - before, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -538,7 +538,7 @@ async fn a_cost_the_upstream_reports_is_charged_after_the_answer_and_may_go_into
     common::wait_until(Duration::from_secs(2), "the big charge", || {
         ocr_remaining(&gw, "t") == -10
     });
-    // In debt: denied, and the bucket never refills, so Retry-After is the day cap.
+    // In debt: denied, and the bucket never refills, so Retry-After is a day.
     let r = ocr_call(&gw, "t", "1").await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "86400");

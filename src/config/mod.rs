@@ -557,17 +557,25 @@ mod tests {
 
     #[test]
     fn a_route_lists_tiers_as_long_as_a_key_file_names() {
-        // Read by this test only.
-        std::env::set_var("SENTINEL_TEST_TIER_SECRET", "s".repeat(32));
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            format!(
+                "[[keys]]\nsha256 = \"{}\"\ntenant = \"t\"\n",
+                "a".repeat(64)
+            ),
+        )
+        .unwrap();
         let with_tier = |name: &str| {
             let src = format!(
-                "[upstreams.a]\naddrs = [\"127.0.0.1:1\"]\n[auth.jwt]\nsecret_env = \"SENTINEL_TEST_TIER_SECRET\"\n\
+                "[upstreams.a]\naddrs = [\"127.0.0.1:1\"]\n[auth.api_keys]\nfile = \"keys.toml\"\n\
                  [[routes]]\nendpoint_id = \"x\"\npath_prefix = \"/\"\nupstream = \"a\"\n\
-                 identity = \"jwt\"\ntier_from = {{ claim = \"plan\" }}\ndefault_tier = \"free\"\n\
+                 identity = \"api_key\"\ntier_from = \"api_key\"\ndefault_tier = \"free\"\n\
                  algorithm = \"token_bucket\"\ncapacity_micro = 1000000\nrefill_rate_micro_per_sec = 1\n\
                  [routes.tiers.{name}]\nunlimited = true\n"
             );
-            Config::from_source(Path::new("t.toml"), &src, Some("redis://127.0.0.1:1/0"))
+            let path = dir.path().join("gateway.toml");
+            Config::from_source(&path, &src, Some("redis://127.0.0.1:1/0"))
                 .map(|_| ())
                 .map_err(|e| e.0[0].message.clone())
         };

@@ -69,7 +69,12 @@ fn combine(replies: &[ScriptReply]) -> (ScriptReply, Option<usize>) {
     combined.allowed = replies.iter().all(|r| r.allowed);
     let mut denied_by = None;
     if !combined.allowed {
-        let wait_of = |r: &ScriptReply| r.retry_after.unwrap_or(u64::MAX);
+        // A limit that never refills says a day (as it does alone); a longer finite wait of
+        // another denying limit is the longer one.
+        let wait_of = |r: &ScriptReply| {
+            r.retry_after
+                .unwrap_or(crate::decision::NEVER_REFILLS_RETRY_AFTER_SECS)
+        };
         let (index, longest) = replies
             .iter()
             .enumerate()
@@ -382,5 +387,55 @@ pub async fn decide(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> 
             identity_hash,
             evaluation.breaker,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(allowed: bool, retry_after: Option<u64>) -> ScriptReply {
+        ScriptReply {
+            allowed,
+            remaining: 0,
+            retry_after,
+            reset: retry_after,
+            now_us: 0,
+            wait_us: None,
+        }
+    }
+
+    #[test]
+    fn a_denial_waits_for_the_denying_limit_that_takes_longest() {
+        let admitted = reply(true, None);
+        // A limit that never refills counts as a day: a longer finite wait wins.
+        for (limits, retry, by) in [
+            (
+                vec![admitted, reply(false, Some(30)), reply(false, Some(7))],
+                Some(30),
+                1,
+            ),
+            (vec![reply(false, Some(30)), reply(false, None)], None, 1),
+            (
+                vec![reply(false, None), reply(false, Some(200_000))],
+                Some(200_000),
+                1,
+            ),
+            (
+                vec![reply(false, Some(200_000)), admitted, reply(false, None)],
+                Some(200_000),
+                0,
+            ),
+        ] {
+            let (combined, denied_by) = combine(&limits);
+            assert!(!combined.allowed);
+            assert_eq!(
+                (combined.retry_after, denied_by),
+                (retry, Some(by)),
+                "{limits:?}"
+            );
+        }
+        let (combined, denied_by) = combine(&[admitted, admitted]);
+        assert!(combined.allowed && denied_by.is_none());
     }
 }

@@ -461,21 +461,12 @@ impl ProxyHttp for Gateway {
                 return self.answer(session, ctx, Answer::BodyTooLarge).await;
             }
         }
-        if !route.exempt_client_cidrs.is_empty() {
-            match ctx.origin.as_ref().map(|o| (o.peer, o.client)) {
-                // The client address is read as `client_ip` reads it, 400 included: a trusted
-                // proxy's `X-Forwarded-For` whose client entry is not an address.
-                Some((Some(_), None)) => {
-                    return self.answer(session, ctx, Answer::BadRequest).await;
-                }
-                Some((_, Some(ip)))
-                    if route.exempt_client_cidrs.iter().any(|n| n.contains(&ip)) =>
-                {
-                    ctx.exempt = true;
-                    return Ok(false);
-                }
-                _ => {}
-            }
+        // A client a trusted proxy's `X-Forwarded-For` cannot name is not exempt: it is limited
+        // under its own identity (on a `client_ip` route, 400 there).
+        let client = ctx.origin.as_ref().and_then(|o| o.client);
+        if client.is_some_and(|ip| route.exempt_client_cidrs.iter().any(|n| n.contains(&ip))) {
+            ctx.exempt = true;
+            return Ok(false);
         }
         if route.endpoint.policy.algorithm == crate::config::Algorithm::None {
             return Ok(false);
@@ -511,6 +502,9 @@ impl ProxyHttp for Gateway {
         let backend = turn.pick;
         ctx.connect_attempts += 1;
         ctx.upstream_addr = backend.addr.as_inet().copied();
+        // Each attempt sends the body from its start (Pingora's retry buffer passes it through
+        // `request_body_filter` again): only one attempt's bytes count against the limit.
+        ctx.body_bytes = 0;
         let mut peer = match (&pool.tls, backend.addr.as_inet()) {
             (Some(tls), Some(_)) => {
                 let mut peer = HttpPeer::new(backend.addr.clone(), true, tls.sni_for(&backend));

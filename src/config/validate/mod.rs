@@ -104,14 +104,13 @@ fn request_id_clashes(
     api_keys: Option<&ApiKeysConfig>,
     routes: &[(std::ops::Range<usize>, RouteConfig)],
 ) {
-    let (Some(server), Some(written)) = (
-        server,
-        raw.server
-            .as_ref()
-            .and_then(|s| s.get_ref().request_id_header.as_ref()),
-    ) else {
+    let Some(server) = server else {
         return;
     };
+    let written = raw
+        .server
+        .as_ref()
+        .and_then(|s| s.get_ref().request_id_header.as_ref());
     let id = server.request_id_header.as_str();
     let mut uses = Vec::new();
     if api_keys.is_some_and(|k| k.header == id) {
@@ -130,17 +129,29 @@ fn request_id_clashes(
             uses.push(format!("the cost header of {label}"));
         }
     }
-    if !uses.is_empty() {
-        c.push(
-            Some(&written.span()),
-            None,
-            format!(
-                "server.request_id_header = \"{}\" is also {}: the request id would be read from, logged as and written over that header; choose another, such as \"X-Request-Id\"",
-                written.get_ref(),
-                uses.join(", ")
-            ),
-        );
+    if uses.is_empty() {
+        return;
     }
+    let (span, named, advice) = match written {
+        Some(w) => (
+            Some(w.span()),
+            format!("server.request_id_header = \"{}\"", w.get_ref()),
+            "choose another, such as \"X-Request-Id\"",
+        ),
+        None => (
+            None,
+            "server.request_id_header (by default \"X-Request-Id\")".to_owned(),
+            "set server.request_id_header to another, such as \"X-Trace-Id\"",
+        ),
+    };
+    c.push(
+        span.as_ref(),
+        None,
+        format!(
+            "{named} is also {}: the request id would be read from, logged as and written over that header; {advice}",
+            uses.join(", ")
+        ),
+    );
 }
 
 /// TOML's words for an integer it cannot hold (``invalid type: integer `N` as i128,

@@ -774,14 +774,8 @@ fn tiers(
             None
         }
     };
-    // As long as a key file's tiers may be: a tier a key names must be one a route can list.
-    let valid_name = |n: &str| {
-        !n.is_empty()
-            && n.len() <= 128
-            && n.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
-            })
-    };
+    // The names a key file's tiers are checked by: a tier a key names is one a route can list.
+    let valid_name = |n: &str| EndpointId::parse(n).is_some();
     let default = match &r.default_tier {
         None => {
             c.push(Some(&from.span()), label, "tier_from needs default_tier: the tier of callers without one (or with one not listed), under which the route's own limits count".into());

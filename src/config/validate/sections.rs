@@ -122,6 +122,11 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     let admin_token = match s.and_then(|s| s.admin_token_env.as_ref()) {
         None => Some(None),
         Some(var) => match std::env::var_os(var.get_ref()) {
+            // Sent as `Authorization: Bearer <token>`, which carries visible ASCII only.
+            Some(v) if !v.as_encoded_bytes().iter().all(u8::is_ascii_graphic) => {
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds a space, a control character or a byte past ASCII: the admin token must be visible ASCII (it is sent in an Authorization header)", var.get_ref()));
+                None
+            }
             Some(v) if v.len() >= MIN_ADMIN_TOKEN_BYTES => {
                 Some(Some(Secret(Arc::from(v.as_encoded_bytes()))))
             }
@@ -1220,7 +1225,7 @@ fn upstream_tls(
                 Some(&s.span()),
                 None,
                 format!(
-                    "upstreams.{name}.sni = \"{}\" is not a host name: use letters, digits, '-' and '.', such as \"api.internal.example\"",
+                    "upstreams.{name}.sni = \"{}\" is not a host name or an address, such as \"api.internal.example\"",
                     s.get_ref()
                 ),
             );
