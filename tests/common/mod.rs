@@ -587,3 +587,12 @@ pub fn h2c_client() -> reqwest::Client {
         .build()
         .expect("http client")
 }
+
+/// The whole seconds of an answer's `Retry-After`.
+pub fn retry_after(r: &reqwest::Response) -> u64 {
+    r.headers()["retry-after"]
+        .to_str()
+        .expect("Retry-After is text")
+        .parse()
+        .expect("Retry-After is whole seconds")
+}
