@@ -57,6 +57,9 @@ pub struct Metrics {
     redis_node_up: IntGaugeVec,
     /// `sentinel_upstream_healthy{upstream, addr}`: 1 or 0, for upstreams with health checks.
     pub upstream_healthy: IntGaugeVec,
+    /// `sentinel_tls_cert_expiry_timestamp_seconds{cert_path}`: when each served
+    /// certificate's validity ends.
+    tls_cert_expiry: IntGaugeVec,
 }
 
 /// Store error counters by cause.
@@ -317,6 +320,17 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let tls_cert_expiry = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_tls_cert_expiry_timestamp_seconds",
+                    "When the validity of each certificate the TLS listeners serve ends (Unix time), by its cert_path; set at start and on every reload.",
+                ),
+                &["cert_path"],
+            )
+            .expect("valid"),
+        );
         let upstream_healthy = register(
             &r,
             IntGaugeVec::new(
@@ -350,6 +364,7 @@ impl Metrics {
             redis_node_breaker_state,
             redis_node_up,
             upstream_healthy,
+            tls_cert_expiry,
             requests,
             config_reloads,
             config_generation,
@@ -419,6 +434,18 @@ impl Metrics {
                 .map(|limit| self.limit_denials.with_label_values(&[endpoint_id, limit]))
                 .collect(),
             requests: self.requests(endpoint_id),
+        }
+    }
+
+    /// `sentinel_tls_cert_expiry_timestamp_seconds` of these certificates (their file, and the
+    /// end of their validity in Unix seconds), and of no others: a reload that drops a
+    /// certificate drops its series.
+    pub fn tls_certs<'a>(&self, certs: impl IntoIterator<Item = (&'a std::path::Path, i64)>) {
+        self.tls_cert_expiry.reset();
+        for (path, not_after) in certs {
+            self.tls_cert_expiry
+                .with_label_values(&[&path.display().to_string()])
+                .set(not_after);
         }
     }
 

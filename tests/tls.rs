@@ -189,9 +189,31 @@ fn a_reload_serves_new_certificates_to_new_handshakes_and_open_connections_keep_
     let mut open = Conn::open(config, s.tls_port, PDFTALK).unwrap();
     assert_eq!(open.get(PDFTALK, "/open/1"), 200);
 
-    let renewed = s.ca.leaf(&[PDFTALK, "*.resumint.example"]);
+    // When each served certificate's validity ends, by file: from the start, and after the
+    // reload the renewed one's.
+    let not_after = |der: &[u8]| {
+        x509_parser::parse_x509_certificate(der)
+            .unwrap()
+            .1
+            .validity()
+            .not_after
+            .timestamp() as f64
+    };
+    let expiry = |stem: &str| {
+        gw.metric(&format!(
+            "sentinel_tls_cert_expiry_timestamp_seconds{{cert_path=\"{}\"}}",
+            s.path(&format!("{stem}.pem")).display()
+        ))
+    };
+    assert_eq!(expiry("named"), not_after(&s.named.der));
+    assert_eq!(expiry("default"), not_after(&s.default.der));
+
+    let renewed =
+        s.ca.leaf_until(&[PDFTALK, "*.resumint.example"], Some(2040));
     renewed.write(s.dir.path(), "named");
     assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    assert_eq!(expiry("named"), not_after(&renewed.der));
+    assert_ne!(expiry("named"), not_after(&s.named.der));
     assert_eq!(
         s.conn(PDFTALK).unwrap().served(),
         renewed.der,

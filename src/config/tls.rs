@@ -24,6 +24,16 @@ pub struct TlsListener {
     pub sni: Vec<SniCert>,
 }
 
+impl TlsListener {
+    /// Each certificate this listener serves, by file, with the end of its validity (Unix
+    /// seconds).
+    pub fn expiries(&self) -> impl Iterator<Item = (&std::path::Path, i64)> {
+        std::iter::once(&self.default)
+            .chain(self.sni.iter().map(|s| &s.pair))
+            .map(|p| (p.cert_path.as_path(), p.not_after))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TlsVersion {
     V1_2,
@@ -89,6 +99,8 @@ pub struct CertPair {
     pub key: Arc<CertifiedKey>,
     /// The end of the certificate's validity, as written in it.
     pub expires: String,
+    /// The same, in Unix seconds.
+    pub not_after: i64,
 }
 
 impl CertPair {
@@ -105,7 +117,7 @@ impl CertPair {
                 "holds no certificate: give a PEM chain, the server's certificate first".into(),
             ));
         }
-        let expires = check_validity(&chain[0])?;
+        let (expires, not_after) = check_validity(&chain[0])?;
         let key_pem =
             std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
@@ -130,6 +142,7 @@ impl CertPair {
             key_path: key_path.to_owned(),
             key: Arc::new(certified),
             expires,
+            not_after,
         })
     }
 }
@@ -143,7 +156,7 @@ pub enum PairError {
 
 /// Refuses a certificate whose validity has ended or not yet begun: served, every client
 /// would refuse it.
-fn check_validity(cert: &CertificateDer<'_>) -> Result<String, PairError> {
+fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64), PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
     let validity = parsed.validity();
@@ -160,7 +173,10 @@ fn check_validity(cert: &CertificateDer<'_>) -> Result<String, PairError> {
             validity.not_before
         )));
     }
-    Ok(validity.not_after.to_string())
+    Ok((
+        validity.not_after.to_string(),
+        validity.not_after.timestamp(),
+    ))
 }
 
 impl PartialEq for CertPair {

@@ -213,6 +213,7 @@ mod tests {
             key_path: format!("{marker}.key").into(),
             key: key(marker),
             expires: String::new(),
+            not_after: 0,
         }
     }
 

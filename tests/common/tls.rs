@@ -42,10 +42,18 @@ impl Ca {
 
     /// A certificate for these DNS names, signed by this CA.
     pub fn leaf(&self, names: &[&str]) -> Leaf {
+        self.leaf_until(names, None)
+    }
+
+    /// [`Ca::leaf`], valid until the end of `year` (rcgen's default end without).
+    pub fn leaf_until(&self, names: &[&str], year: Option<i32>) -> Leaf {
         let key = KeyPair::generate().expect("leaf key");
         let mut params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
                 .expect("leaf params");
+        if let Some(year) = year {
+            params.not_after = rcgen::date_time_ymd(year, 12, 31);
+        }
         params
             .distinguished_name
             .push(DnType::CommonName, names.first().copied().unwrap_or("leaf"));
