@@ -107,9 +107,7 @@ NGINX
 # The PIDs of an nginx's master and workers.
 nginx_pids() { local master; master=$(cat "$1/master.pid"); echo "$master $(pgrep -P "$master" | tr '\n' ' ')"; }
 
-up_port=$(free_port)
-nginx_conf "$work/upstream" 1 "  server { listen 127.0.0.1:$up_port; location / { return 200 'ok'; } }"
-wait_port "$up_port"
+upstream_200 "$work/upstream"
 
 # The gateway's own token-bucket script, for the OpenResty cell: the same work in Redis.
 cat lua/int.lua lua/limits.lua lua/token_bucket.lua >"$work/token_bucket.lua"
@@ -211,7 +209,7 @@ cell() { # round conns cell
       path=$([[ $cell == 2* ]] && echo /none || echo /allowed) ;;
     *) echo "unknown cell $cell" >&2; exit 2 ;;
   esac
-  local before_p before_r before_up calls0 usec0 calls1 usec1 out
+  local before_p before_r calls0 usec0 calls1 usec1 out
   redis-cli -p "$redis_port" slowlog reset >/dev/null
   before_p=$(ticks_all $procs); before_r=$(ticks "$redis_pid"); read -r calls0 usec0 < <(evalsha_stats)
   local load=""
