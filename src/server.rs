@@ -155,7 +155,14 @@ pub fn run(config: Config) -> Result<(), StartError> {
     options.h2c = server_cfg.h2c;
     // CONNECT reaches request_filter, which refuses it with the gateway's JSON 405.
     options.allow_connect_method_proxying = true;
-    options.h2_idle_timeout = Some(server_cfg.keepalive_timeout.max(Duration::from_secs(1)));
+    // An idle HTTP/2 connection is sent a GOAWAY by the sweeper at keepalive_timeout_seconds
+    // (edge::connections); Pingora's own idle timeout, which closes the socket without one,
+    // stays a second behind it, for connections that never reached the proxy.
+    options.h2_idle_timeout = Some(if server_cfg.keepalive_timeout.is_zero() {
+        Duration::from_secs(1)
+    } else {
+        server_cfg.keepalive_timeout + Duration::from_secs(1)
+    });
     proxy.server_options = Some(options);
     // Pingora's HTTP/2 defaults (100 streams a connection), with room for a header list
     // past the gateway's own 64 KiB bound, so that one just over it gets the gateway's JSON

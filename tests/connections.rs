@@ -528,3 +528,37 @@ async fn http2_connections_that_make_room_lose_no_answer() {
         "answers written, answers received"
     );
 }
+
+/// An HTTP/2 connection idle past `keepalive_timeout_seconds` is closed as nginx and Envoy
+/// close one: a GOAWAY (NO_ERROR) first, which tells the client that no request of its was
+/// dropped, then the socket. Closing the socket alone leaves a client that sent a request
+/// just then not knowing whether it was processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_sent_a_goaway_before_it_closes() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
+    );
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let start = Instant::now();
+    let request = http::Request::get(gw.url("/x")).body(()).unwrap();
+    let (response, _) = h2.send_request(request, true).unwrap();
+    assert_eq!(response.await.unwrap().status(), 200);
+
+    let ended = tokio::time::timeout(Duration::from_secs(10), connection)
+        .await
+        .expect("the idle connection is closed")
+        .unwrap();
+    let took = start.elapsed();
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+    assert!(ended.is_ok(), "the connection ended in an error: {ended:?}");
+    let refused = h2.ready().await.expect_err("no new stream after a GOAWAY");
+    assert!(refused.is_go_away(), "{refused:?}");
+    assert_eq!(refused.reason(), Some(h2::Reason::NO_ERROR), "{refused:?}");
+}

@@ -13,7 +13,9 @@
 //!   after that the read fails and the connection is closed (slowloris).
 //! - `Busy`: the head was read (the proxy says so), until the answer is finished.
 //! - `Idle`: between keep-alive requests; closed after `keepalive_timeout_seconds`.
-//! - `Multiplexed`: HTTP/2, whose streams Pingora's own idle timeout watches.
+//! - `Multiplexed`: HTTP/2. With no stream in the proxy for `keepalive_timeout_seconds`
+//!   (counted from its last read or its last stream's end) it is sent a GOAWAY, as nginx
+//!   does, and its socket is cut if the client has not closed it `GOAWAY_GRACE_MS` later.
 //!
 //! The deadlines are kept by one sweeper task for all connections ([`Connections::sweep`],
 //! every 100 ms), not by a timer per connection or per read: a request then costs two
@@ -188,11 +190,21 @@ const KEEP: u8 = 0;
 const EVICTED: u8 = 1;
 /// Its request head missed `header_read_timeout_ms`: the read fails.
 const HEAD_TIMED_OUT: u8 = 2;
-/// Idle past `keepalive_timeout_seconds`: reads end-of-file.
+/// Idle past `keepalive_timeout_seconds`: reads end-of-file (HTTP/1), or is sent a
+/// GOAWAY (HTTP/2).
 const IDLE_TIMED_OUT: u8 = 3;
+/// Not a reason kept in `close`: what the sweeper does to an HTTP/2 connection past its
+/// GOAWAY's grace (`GOAWAY_GRACE_MS`).
+const CUT: u8 = 4;
 
 /// How often the sweeper looks for heads and idle connections past their time.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(100);
+
+/// How long an HTTP/2 connection sent a GOAWAY here (idle, or to make room) may stay open
+/// without a stream in the proxy before its socket is cut: a client that answers closes it
+/// within a round trip (its PING's answer, then the last GOAWAY); one that never answers
+/// would otherwise hold its place for good.
+const GOAWAY_GRACE_MS: u64 = 5_000;
 
 /// Every open downstream connection of the process.
 #[derive(Debug)]
@@ -230,6 +242,11 @@ struct Conn {
     goaway: watch::Sender<bool>,
     /// HTTP/2 streams in the proxy now ([`Connections::stream_started`]).
     streams: AtomicUsize,
+    /// When this process sent it a GOAWAY (idle, or to make room), on the `since_ms`
+    /// clock; 0 when it has not.
+    goaway_ms: AtomicU64,
+    /// Past its GOAWAY's grace: its reads end (`poll_read`), which closes it.
+    cut: std::sync::atomic::AtomicBool,
     /// Its key among the HTTP/2 connections (`Connections::h2`), 0 when it has none.
     h2_key: AtomicUsize,
 }
@@ -267,7 +284,7 @@ impl Connections {
                 .get(&key)?,
         );
         conn.streams.fetch_add(1, Ordering::Relaxed);
-        Some(StreamSlot(conn))
+        Some(StreamSlot(conn, self.epoch))
     }
 
     /// Sets what is told of each request head answered 400 here, once, at start.
@@ -316,9 +333,19 @@ impl Connections {
         }
     }
 
+    /// Sends an HTTP/2 connection a GOAWAY (through the watch Pingora keeps for it): every
+    /// stream the client already sent is still answered, then the connection closes.
+    fn goaway(&self, conn: &Conn) {
+        conn.goaway_ms
+            .store(self.now_ms().max(1), Ordering::Relaxed);
+        conn.goaway.send_replace(true);
+    }
+
     /// Every `SWEEP_EVERY`: closes the connections whose request head is past
-    /// `header_read_timeout_ms` and the idle ones past `keepalive_timeout_seconds`. One
-    /// task for all of them, so that a request costs no timer of its own.
+    /// `header_read_timeout_ms` and the idle ones past `keepalive_timeout_seconds` (an
+    /// HTTP/2 one by a GOAWAY, as nginx does, then its socket once the client closed it or
+    /// `GOAWAY_GRACE_MS` passed). One task for all of them, so that a request costs no
+    /// timer of its own.
     pub async fn sweep(self: Arc<Self>) {
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -331,21 +358,41 @@ impl Connections {
                 .lock()
                 .values()
                 .filter_map(|c| {
+                    let state = c.state.load(Ordering::Relaxed);
+                    let quiet = || c.streams.load(Ordering::Relaxed) == 0;
                     if c.close.load(Ordering::Relaxed) != KEEP {
-                        return None;
+                        // Sent a GOAWAY, not closed by its client since, nothing in the proxy.
+                        let sent = c.goaway_ms.load(Ordering::Relaxed);
+                        let overdue = state == MULTIPLEXED
+                            && sent != 0
+                            && now.saturating_sub(sent) >= GOAWAY_GRACE_MS
+                            && !c.cut.load(Ordering::Relaxed)
+                            && quiet();
+                        return overdue.then(|| (Arc::clone(c), CUT));
                     }
                     let since = now.saturating_sub(c.since_ms.load(Ordering::Relaxed));
-                    match c.state.load(Ordering::Relaxed) {
+                    match state {
                         HEAD | HANDSHAKE | H2_HEAD if since >= head => {
                             Some((Arc::clone(c), HEAD_TIMED_OUT))
                         }
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
+                        MULTIPLEXED if idle > 0 && since >= idle && quiet() => {
+                            Some((Arc::clone(c), IDLE_TIMED_OUT))
+                        }
                         _ => None,
                     }
                 })
                 .collect();
             for (conn, why) in late {
+                if why == CUT {
+                    conn.cut.store(true, Ordering::Relaxed);
+                    conn.waker.wake();
+                    continue;
+                }
                 self.close(&conn, why);
+                if conn.state.load(Ordering::Relaxed) == MULTIPLEXED {
+                    self.goaway(&conn);
+                }
             }
         }
     }
@@ -376,7 +423,7 @@ impl Connections {
                     .filter(|c| c.streams.load(Ordering::Relaxed) == 0)
                     .min_by_key(|c| c.since_ms.load(Ordering::Relaxed))?;
                 self.close(quietest, EVICTED);
-                quietest.goaway.send_replace(true);
+                self.goaway(quietest);
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -387,6 +434,8 @@ impl Connections {
             waker: AtomicWaker::new(),
             goaway: watch::Sender::new(false),
             streams: AtomicUsize::new(0),
+            goaway_ms: AtomicU64::new(0),
+            cut: std::sync::atomic::AtomicBool::new(false),
             h2_key: AtomicUsize::new(0),
         });
         open.insert(id, Arc::clone(&conn));
@@ -425,12 +474,15 @@ impl Connections {
     }
 }
 
-/// An HTTP/2 stream in the proxy, counted on its connection until dropped.
+/// An HTTP/2 stream in the proxy, counted on its connection until dropped; the
+/// connection's idle time starts again when it ends (the `Instant` is the clock's epoch).
 #[derive(Debug)]
-pub struct StreamSlot(Arc<Conn>);
+pub struct StreamSlot(Arc<Conn>, Instant);
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
+        let now = self.1.elapsed().as_millis() as u64;
+        self.0.since_ms.store(now, Ordering::Relaxed);
         self.0.streams.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -537,7 +589,12 @@ impl AsyncRead for Guarded {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         if state == MULTIPLEXED {
-            // Its last read tells which HTTP/2 connection is quietest (`admit`).
+            if this.reg.conn.cut.load(Ordering::Relaxed) {
+                return Poll::Ready(Ok(()));
+            }
+            this.reg.conn.waker.register(cx.waker());
+            // Its last read tells which HTTP/2 connection is quietest (`admit`) and how
+            // long it has been idle (`sweep`).
             let before = buf.filled().len();
             let read = Pin::new(&mut this.inner).poll_read(cx, buf);
             if buf.filled().len() > before {
