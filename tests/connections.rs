@@ -562,3 +562,61 @@ async fn an_idle_http2_connection_is_sent_a_goaway_before_it_closes() {
     assert!(refused.is_go_away(), "{refused:?}");
     assert_eq!(refused.reason(), Some(h2::Reason::NO_ERROR), "{refused:?}");
 }
+
+/// An HTTP/2 client that is sent the idle GOAWAY but never answers (its PING, its own
+/// closing) does not keep its connection for good: the socket is cut about 5 s later.
+#[test]
+fn an_idle_http2_connection_that_never_answers_its_goaway_is_cut() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
+    );
+    let mut s = open(gw.port);
+    // The preface, empty SETTINGS, then GET / with :authority "a" (HPACK static entries and
+    // one literal), ending the stream; nothing is ever sent again, not even an ACK.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
+    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    hello.extend_from_slice(&block);
+    let start = Instant::now();
+    s.write_all(&hello).unwrap();
+
+    // Frames as they come: the answer's HEADERS (type 1) on stream 1, then the GOAWAY
+    // (type 7), then the end of the connection.
+    let (mut answered, mut goaway) = (false, None);
+    let mut pending = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = loop {
+        assert!(start.elapsed() < Duration::from_secs(14), "never closed");
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break start.elapsed(),
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+        while pending.len() >= 9 {
+            let len = usize::from(pending[0]) << 16
+                | usize::from(pending[1]) << 8
+                | usize::from(pending[2]);
+            if pending.len() < 9 + len {
+                break;
+            }
+            match pending[3] {
+                0x1 => answered = true,
+                0x7 if goaway.is_none() => goaway = Some(start.elapsed()),
+                _ => {}
+            }
+            pending.drain(..9 + len);
+        }
+    };
+    assert!(answered, "the request was answered");
+    let goaway = goaway.expect("a GOAWAY before the end");
+    assert!((EARLIEST..LATEST).contains(&goaway), "GOAWAY at {goaway:?}");
+    // 5 s of grace after the GOAWAY, with the sweeper's 100 ms and room for a slow machine.
+    let grace = closed - goaway;
+    assert!(
+        (Duration::from_millis(4_800)..Duration::from_secs(8)).contains(&grace),
+        "cut {grace:?} after the GOAWAY"
+    );
+}
