@@ -617,6 +617,13 @@ async fn a_refused_password_of_the_master_or_a_sentinel_is_logged_with_its_reaso
         !logs.contains("not-it") && !logs.contains("s3ntinel-pw"),
         "{logs}"
     );
+    // With no master named, no line names a node the config does not have (an address that
+    // only refuses was once dialled in its place).
+    let named: Vec<&str> = logs.lines().filter(|l| l.contains("\"node\"")).collect();
+    assert!(
+        !named.is_empty() && named.iter().all(|l| l.contains("(no master named yet)")),
+        "{logs}"
+    );
 }
 
 #[test]

@@ -227,6 +227,9 @@ pub(super) enum Socket {
 /// Connects to the node of `dial` (`TCP_NODELAY` on) and makes the TLS handshake of a
 /// `rediss://` one; unbounded: callers bound it.
 pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
+    if let Some(why) = dial.nowhere {
+        return Err(io::Error::new(io::ErrorKind::NotConnected, why));
+    }
     match dial.info.addr() {
         ConnectionAddr::Tcp(host, port) => {
             let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;

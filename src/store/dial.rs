@@ -17,6 +17,8 @@ pub(super) struct Dial {
     pub(super) info: ConnectionInfo,
     /// `rediss://`: the handshake's settings.
     pub(super) tls: Option<Arc<rustls::ClientConfig>>,
+    /// Why there is no address to dial ([`Dial::nowhere`]); every attempt fails with it.
+    pub(super) nowhere: Option<&'static str>,
 }
 
 impl Dial {
@@ -39,7 +41,20 @@ impl Dial {
         Ok(Self {
             info: with_access(info, access),
             tls,
+            nowhere: None,
         })
+    }
+
+    /// No node to reach yet (no sentinel names a master): every attempt fails at once with
+    /// `why`, counted as a failed connection attempt, and nothing is dialled.
+    pub(super) fn nowhere(why: &'static str) -> Self {
+        Self {
+            info: "redis://127.0.0.1:1/0"
+                .into_connection_info()
+                .expect("a valid URL"),
+            tls: None,
+            nowhere: Some(why),
+        }
     }
 
     /// The same settings at another address (a cluster node the seeds named).
@@ -50,6 +65,7 @@ impl Dial {
                 .clone()
                 .set_addr(ConnectionAddr::Tcp(host.to_owned(), port)),
             tls: self.tls.clone(),
+            nowhere: None,
         }
     }
 }

@@ -46,6 +46,9 @@ impl Drop for Conn {
     }
 }
 
+/// What logs call the node of a Sentinel-followed link before any sentinel named a master.
+pub(super) const NO_MASTER: &str = "(no master named yet)";
+
 /// Where a link connects.
 pub(super) struct Target {
     /// The URL as configured (single Redis), compared on reload; the node's `host:port` in a
@@ -73,6 +76,17 @@ impl Target {
             dial,
             access: access.clone(),
         })
+    }
+
+    /// No master known yet (Sentinel): nothing is dialled, every attempt fails with `why`,
+    /// and logs name the node as `NO_MASTER`.
+    pub(super) fn nowhere(why: &'static str, access: &RedisAccess) -> Self {
+        Self {
+            url: String::new(),
+            node: NO_MASTER.to_owned(),
+            dial: Dial::nowhere(why),
+            access: access.clone(),
+        }
     }
 
     /// A cluster node, reached with the seed's credentials and settings.

@@ -129,7 +129,8 @@ impl Store {
             RedisTarget::Sentinel(s) => {
                 let watcher = Arc::new(Sentinel::new(s.clone(), config.access.clone()));
                 // Asked before the link exists, so it starts on the master when one answers;
-                // otherwise on an address that refuses, until the watcher finds one.
+                // otherwise on no address at all (each attempt fails at once and counts as
+                // a failed connection), until the watcher finds one.
                 let found = runtime.block_on(async {
                     tokio::time::timeout(Duration::from_secs(2), watcher.discover())
                         .await
@@ -142,7 +143,7 @@ impl Store {
                     }
                     Err(reason) => {
                         tracing::warn!(reason = %reason, "redis sentinel: no sentinel names a reachable master yet; routes follow their fail modes until one does");
-                        Target::new("redis://127.0.0.1:1/0", &config.access)?
+                        Target::nowhere("no sentinel names a reachable master", &config.access)
                     }
                 };
                 let link = connector.single_following(initial, Arc::clone(&watcher.ask));
