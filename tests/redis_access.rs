@@ -532,3 +532,79 @@ fn a_reload_with_a_password_in_the_file_is_refused_without_showing_it() {
     assert!(logs.contains("holds a password"), "{logs}");
     assert!(!logs.contains("Hunter2"), "{logs}");
 }
+
+/// The least-privilege ACL user of docs/configuration.md ("The Redis user's permissions")
+/// is enough for every decision, the fleet heartbeat, the eviction check and the admin's
+/// reset; a user without one command a script needs (`HSET`) makes every decision a store
+/// failure by its fail mode, logged once with Redis's words, never as a bug, and counted by
+/// the breaker as an `OOM` is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outage() {
+    let least = "~sentinel:* resetchannels -@all +evalsha +script|load +time +hmget +hset \
+                 +expire +pexpire +persist +zadd +zremrangebyscore +zcard +del +config|get \
+                 +ping +select";
+    let user = |name: &str, rules: &str| {
+        let mut args = vec![
+            "--user".to_owned(),
+            name.to_owned(),
+            "on".to_owned(),
+            format!(">pw-{name}-0123"),
+        ];
+        args.extend(rules.split_whitespace().map(str::to_owned));
+        args
+    };
+    let mut args = user("least", least);
+    args.extend(user("nohset", &least.replace(" +hset", "")));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let redis = Redis::start_with(free_port(), &args);
+    let up = Upstream::start("app");
+    let as_user = |name: &str| {
+        limited(
+            GatewayConfig::new(&redis.url())
+                .redis("username", quoted(name))
+                .redis("password_env", quoted("TEST_REDIS_PASSWORD")),
+            &up,
+        )
+        .route(common::config::fleet_route())
+        .breaker(5, 30)
+        .start_with_env(&[("TEST_REDIS_PASSWORD", &format!("pw-{name}-0123"))])
+    };
+
+    let least = as_user("least");
+    assert_eq!(statuses(&least, "a", 4).await, [200, 200, 200, 429]);
+    let reset = client()
+        .delete(least.admin("/limits/e.api?identity=header%3Ax-api-key%3Aa"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reset.status(), 200);
+    assert_eq!(statuses(&least, "a", 1).await, [200], "reset by the admin");
+    wait_until(Duration::from_secs(5), "the fleet heartbeat", || {
+        redis::cmd("EXISTS")
+            .arg("sentinel:v1:fleet")
+            .query::<u32>(&mut redis.conn())
+            .unwrap()
+            == 1
+    });
+    let logs = least.logs();
+    assert!(
+        !logs.contains("NOPERM") && !logs.contains("can't") && !logs.contains("\"ERROR\""),
+        "{logs}"
+    );
+
+    let nohset = as_user("nohset");
+    assert_eq!(statuses(&nohset, "a", 6).await, [503; 6]);
+    assert_eq!(
+        nohset.metric("sentinel_breaker_state"),
+        1.0,
+        "five failures open it"
+    );
+    let logs = nohset.logs();
+    let told: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("The user executing the script can't run this command"))
+        .collect();
+    assert_eq!(told.len(), 1, "once, with Redis's words: {logs}");
+    assert!(told[0].contains("\"WARN\""), "{logs}");
+    assert!(!logs.contains("this is a bug"), "{logs}");
+}

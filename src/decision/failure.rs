@@ -81,6 +81,11 @@ impl Failure {
     /// rest of its text.
     pub fn of_reply(code: &str, detail: &str) -> Failure {
         match code {
+            // The ACL user may not run a command a script needs (Redis 7.0 and 7.1 say so in
+            // an `ERR`, later ones in `NOPERM`): no decision can be made, as with `OOM`.
+            "ERR" if detail.starts_with("The user executing the script can't") => {
+                Failure::Unavailable
+            }
             "NOSCRIPT" => Failure::Noscript,
             // The script ran after the decision's deadline and wrote nothing
             // (`store/deadline.rs`): the budget was spent.
@@ -164,6 +169,15 @@ mod tests {
             ("Error running script (call to f_9f1c): @user_script:31: user_script:31: attempt to compare nil with number", Failure::BrokenKey),
         ] {
             assert_eq!(Failure::of_reply("ERR", detail), want, "{detail}");
+        }
+        // A command or key the ACL user may not use, inside a script (Redis 7.0), plain and
+        // as the batch script relays it.
+        for detail in [
+            "The user executing the script can't run this command or subcommand script: 2248ea7f, on @user_script:1.",
+            "The user executing the script can't run this command or subcommand",
+            "The user executing the script can't access at least one of the keys mentioned in the command script: 2248ea7f, on @user_script:1.",
+        ] {
+            assert_eq!(Failure::of_reply("ERR", detail), Failure::Unavailable, "{detail}");
         }
         let noscript = Failure::of_reply("NOSCRIPT", "No matching script.");
         assert_eq!(
