@@ -229,6 +229,12 @@ impl UpstreamPool {
                     )
                 }
             }));
+            // Pingora logs each address's change of health (WARN with the failed check's
+            // error, INFO when it passes again) naming the address by this.
+            let name = up.name.clone();
+            check.backend_summary_callback = Some(Box::new(move |backend| {
+                format!("upstreams.{name} address {}", backend.addr)
+            }));
             balancer.set_health_check(Box::new(check));
         }
         balancer

@@ -62,6 +62,9 @@ async fn a_dead_address_leaves_the_rotation_and_comes_back() {
         vec!["a"; 10],
         "only the healthy address"
     );
+    // The change is logged once, naming the upstream and the address.
+    let b_addr = format!("upstreams.app address 127.0.0.1:{b_port} becomes unhealthy");
+    assert_eq!(gw.logs().matches(&b_addr).count(), 1, "{}", gw.logs());
 
     let b = Upstream::start_on(b_port, "b");
     wait_until(Duration::from_secs(5), "b healthy again", || {
@@ -69,6 +72,8 @@ async fn a_dead_address_leaves_the_rotation_and_comes_back() {
     });
     let again = served_by(&gw, 6).await;
     assert!(again.contains(&"b".to_owned()), "{again:?}");
+    let b_back = format!("upstreams.app address 127.0.0.1:{b_port} becomes healthy");
+    assert_eq!(gw.logs().matches(&b_back).count(), 1, "{}", gw.logs());
 
     // Every address down: all are tried anyway (and fail), logged once.
     drop((a, b));
