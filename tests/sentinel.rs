@@ -651,3 +651,39 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
         run("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
     assert!(ok, "{out}");
 }
+
+/// Sentinels that stop answering while the master serves: decisions go on exactly on the
+/// master already followed, and the one WARN says so, naming it (it once read as if there
+/// were no master at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_that_stop_answering_leave_the_decisions_on_the_master() {
+    let master = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let gw = gateway(sentinel_port, &up, None);
+    assert_eq!(statuses(&gw, "a", 2).await, [200, 200]);
+
+    sentinel.signal("STOP");
+    wait_until(Duration::from_secs(10), "the WARN", || {
+        gw.logs()
+            .contains("no sentinel names a reachable master now")
+    });
+    assert_eq!(
+        statuses(&gw, "a", 2).await,
+        [200, 429],
+        "still decided by Redis"
+    );
+    let logs = gw.logs();
+    let warned: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("no sentinel names a reachable master"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{logs}");
+    assert!(
+        warned[0].contains(&format!("127.0.0.1:{}", master.port))
+            && warned[0].contains("decisions stay on the last one named"),
+        "{logs}"
+    );
+    sentinel.signal("CONT");
+}

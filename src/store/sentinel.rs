@@ -207,7 +207,16 @@ pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
             Ok(()) => warned = false,
             Err(reason) if !warned => {
                 warned = true;
-                tracing::warn!(reason = %reason, "redis sentinel: no sentinel names a reachable master; asking again every second");
+                // The master already followed is kept: decisions go on there as long as it
+                // answers, and a failover meanwhile is found when a sentinel answers again.
+                match sentinel.master() {
+                    Some(master) => {
+                        tracing::warn!(reason = %reason, master = %master, "redis sentinel: no sentinel names a reachable master now; decisions stay on the last one named, asking again every second")
+                    }
+                    None => {
+                        tracing::warn!(reason = %reason, "redis sentinel: no sentinel names a reachable master; asking again every second")
+                    }
+                }
             }
             Err(_) => {}
         }
