@@ -28,6 +28,10 @@ pub fn validate(
         Err(e) => {
             let route = e.span().and_then(|s| route_at(source, s.start));
             let message = past_i64(e.message().trim());
+            let message = match e.span() {
+                Some(span) => missing_field(source, span.start, route.is_some(), &message),
+                None => message,
+            };
             // TOML's own message names no field ("invalid type: string, expected i64"): the
             // table and key the error points into do.
             let message = match e.span().and_then(|s| field_at(source, s.start, &message)) {
@@ -188,10 +192,9 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
         .filter(|&i| i == 0 || source.as_bytes()[i - 1] == b'\n')
         .collect();
     let index = header_starts.iter().rposition(|&start| start <= offset)?;
-    // A table after the last route (`[breaker]`, `[upstreams.x]`) is not that route's.
-    if table_header_before(source, offset)
-        .is_some_and(|t| t != "routes" && !t.starts_with("routes."))
-    {
+    // A table after the last route (`[breaker]`, `[upstreams.x]`) is not that route's; an
+    // error may point at the table's header itself (a missing field).
+    if table_at(source, offset).is_some_and(|t| t != "routes" && !t.starts_with("routes.")) {
         return None;
     }
     // A file TOML cannot read at all (a duplicate key, an integer past i64) is read by line.
@@ -212,6 +215,48 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
     Some(route_label(index, &id))
 }
 
+/// TOML's ``missing field `x` `` (it points at the table's header): which table lacks it,
+/// and what a line giving it looks like. Other messages are returned as they are.
+fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> String {
+    let Some(field) = message
+        .strip_prefix("missing field `")
+        .and_then(|rest| rest.strip_suffix('`'))
+    else {
+        return message.to_owned();
+    };
+    let table = table_at(source, offset).unwrap_or("");
+    // A route's own fields are named by the route label; its sub-tables by their name.
+    let table = match table {
+        "routes" if in_route => "",
+        t if in_route => t.strip_prefix("routes.").unwrap_or(t),
+        t => t,
+    };
+    let example = match field {
+        "addrs" => "addrs = [\"host:port\"]",
+        "endpoint_id" => "endpoint_id = \"a.name\"",
+        "upstream" => "upstream = \"<a name of an [upstreams.NAME] table>\"",
+        "listen" => "listen = \"0.0.0.0:8443\"",
+        "cert_path" => "cert_path = \"tls/cert.pem\"",
+        "key_path" => "key_path = \"tls/cert.key\"",
+        "server_names" => "server_names = [\"api.example.com\"]",
+        "file" => "file = \"keys.toml\"",
+        "header" => "header = \"X-API-Key\"",
+        "name" => "name = \"burst\"",
+        "algorithm" => "algorithm = \"token_bucket\" (or \"sliding_window\", \"none\")",
+        _ => "",
+    };
+    let needs = if table.is_empty() {
+        format!("`{field}` is missing")
+    } else {
+        format!("{table}: `{field}` is missing")
+    };
+    if example.is_empty() {
+        format!("{needs}: it is required (docs/configuration.md)")
+    } else {
+        format!("{needs}: it is required, e.g. {example}")
+    }
+}
+
 /// The `endpoint_id = "..."` line of one route's text, read without a TOML parser.
 fn endpoint_id_in(route: &str) -> Option<String> {
     route.lines().find_map(|l| {
@@ -222,6 +267,15 @@ fn endpoint_id_in(route: &str) -> Option<String> {
             value.trim_matches('"').trim_matches('\'').to_owned()
         })
     })
+}
+
+/// The table of byte `offset`: the header on its line, else the last one before it.
+fn table_at(source: &str, offset: usize) -> Option<&str> {
+    let offset = offset.min(source.len());
+    let line_end = source[offset..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i);
+    table_header_before(source, line_end)
 }
 
 /// The name of the table whose header is the last one at or before byte `offset`
