@@ -334,6 +334,7 @@ pub fn client_ip(
         return Ok(peer);
     }
     let fields: Vec<&http::HeaderValue> = req.headers.get_all("x-forwarded-for").iter().collect();
+    let sent = !fields.is_empty();
     let mut leftmost = None;
     for value in fields.into_iter().rev() {
         // Entries are decoded one at a time: bytes left of the client never matter.
@@ -354,7 +355,15 @@ pub fn client_ip(
             leftmost = Some(ip);
         }
     }
-    Ok(leftmost.unwrap_or(peer))
+    match leftmost {
+        // Every entry trusted: the left-most is where the chain starts (as nginx's
+        // `real_ip_recursive` takes it).
+        Some(ip) => Ok(ip),
+        // The trusted peer forwarded for someone and named no one (`X-Forwarded-For: ` or
+        // `,`): that client is unknown, and is not the peer, whose bucket others share.
+        None if sent => Err(IdentityError::UnusableForwardedFor),
+        None => Ok(peer),
+    }
 }
 
 #[cfg(test)]
@@ -439,6 +448,9 @@ mod tests {
             "1.2.3.4, not-an-ip",
             "1.2.3.4, not-an-ip, 10.0.0.5",
             "1.2.3.4:80",
+            // A header that names no one: not the proxy's bucket either.
+            "",
+            " , ,",
         ] {
             assert_eq!(
                 client_ip(&req(&[unusable], &[]), proxy, &trusted),
