@@ -42,6 +42,18 @@ fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
     reply(status, "application/json", value.to_string())
 }
 
+/// 405 with the methods the path takes.
+fn not_allowed(allow: &'static str) -> AdminResponse {
+    let mut answer = json(
+        StatusCode::METHOD_NOT_ALLOWED,
+        serde_json::json!({"detail": "method not allowed"}),
+    );
+    answer
+        .headers_mut()
+        .insert(http::header::ALLOW, http::HeaderValue::from_static(allow));
+    answer
+}
+
 /// A query parameter, percent-decoded (`%XX` is a byte; `+` is a plus, as API keys hold
 /// them): `Ok(None)` when absent or empty; an error saying why when it is sent twice, holds a
 /// `%` not followed by two hex digits, or is not UTF-8 once decoded.
@@ -141,7 +153,12 @@ impl Admin {
             );
             return answer;
         }
-        match (req.method().clone(), req.uri().path()) {
+        // HEAD is GET without the body (hyper writes none): load balancers probe with it.
+        let method = match req.method() {
+            &Method::HEAD => Method::GET,
+            m => m.clone(),
+        };
+        match (method, req.uri().path()) {
             (Method::GET, "/metrics") => {
                 self.store.refresh_breakers();
                 self.metrics
@@ -163,10 +180,8 @@ impl Admin {
                 let endpoint = path.trim_start_matches("/limits/").to_owned();
                 self.limits(method, &endpoint, req.uri().query()).await
             }
-            (_, "/metrics" | "/healthz" | "/readyz" | "/reload") => json(
-                StatusCode::METHOD_NOT_ALLOWED,
-                serde_json::json!({"detail": "method not allowed"}),
-            ),
+            (_, "/reload") => not_allowed("POST"),
+            (_, "/metrics" | "/healthz" | "/readyz") => not_allowed("GET, HEAD"),
             _ => json(
                 StatusCode::NOT_FOUND,
                 serde_json::json!({"detail": "not found"}),
@@ -183,10 +198,7 @@ impl Admin {
         query: Option<&str>,
     ) -> AdminResponse {
         if method != Method::GET && method != Method::DELETE {
-            return json(
-                StatusCode::METHOD_NOT_ALLOWED,
-                serde_json::json!({"detail": "method not allowed"}),
-            );
+            return not_allowed("GET, HEAD, DELETE");
         }
         let snapshot = self.reloader.live.load_full();
         let Some(endpoint) = crate::config::EndpointId::parse(endpoint_id)

@@ -91,3 +91,43 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         );
     }
 }
+
+/// The probes and `/metrics` answer `HEAD` as `GET` without a body (load balancers probe
+/// with it); a method a path does not take is 405 with `Allow`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start();
+    let http = client();
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let r = http.head(gw.admin(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "HEAD {path}");
+        assert_eq!(r.bytes().await.unwrap().len(), 0, "HEAD {path} has no body");
+    }
+    for (method, path, allow) in [
+        ("POST", "/healthz", "GET, HEAD"),
+        ("DELETE", "/metrics", "GET, HEAD"),
+        ("GET", "/reload", "POST"),
+        (
+            "POST",
+            "/limits/a.open?identity=global",
+            "GET, HEAD, DELETE",
+        ),
+    ] {
+        let r = http
+            .request(method.parse().unwrap(), gw.admin(path))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 405, "{method} {path}");
+        assert_eq!(r.headers()["allow"], allow, "{method} {path}");
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"method not allowed"}"#
+        );
+    }
+}
