@@ -397,8 +397,9 @@ async fn h2c_answers_as_http1_does() {
         0.0
     );
     assert_eq!(
-        gw.metric(r#"sentinel_requests_total{endpoint_id="e.api",status="0"}"#),
-        1.0
+        gw.metric(r#"sentinel_requests_total{endpoint_id="e.api",status="499"}"#),
+        1.0,
+        "a client that left first is counted as nginx's 499"
     );
 
     // Without h2c, prior knowledge gets no HTTP/2 answer.

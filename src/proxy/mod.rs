@@ -30,6 +30,9 @@ use crate::store::Store;
 use forwarded::Origin;
 use respond::Answer;
 
+/// The status counted for a request whose client left before any answer (nginx's 499).
+const CLIENT_CLOSED: u16 = 499;
+
 /// The proxy: shared by every worker thread.
 pub struct Gateway {
     pub live: Arc<ArcSwap<Snapshot>>,
@@ -816,10 +819,12 @@ impl ProxyHttp for Gateway {
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.answered();
         }
+        // Nothing was answered: the client left first (or its connection broke before the
+        // answer's head went out). Counted and logged as nginx's 499, "client closed request".
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
-            .unwrap_or(0);
+            .unwrap_or(CLIENT_CLOSED);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
                 access::log(&self.access_log, session, ctx, status);
