@@ -673,6 +673,8 @@ async fn routes_by_specificity_not_file_order() {
         .route(route("r.exact").path("/a/b"))
         .route(route("r.host").prefix("/a").host("api.example.com"))
         .route(route("r.post").prefix("/a").methods(&["POST"]))
+        // The fully qualified form, in any case, is the same host.
+        .route(route("r.fqdn").prefix("/a").host("Fqdn.Example."))
         .start();
     let http = client();
     let cases: &[(&str, &str, Option<&str>, &str)] = &[
@@ -684,6 +686,8 @@ async fn routes_by_specificity_not_file_order() {
         ("POST", "/a/x", None, "r.post"),
         ("POST", "/a/x", Some("api.example.com"), "r.host"),
         ("GET", "/zzz", None, "r.root"),
+        ("GET", "/a", Some("fqdn.example"), "r.fqdn"),
+        ("GET", "/a/q", Some("FQDN.example.:8080"), "r.fqdn"),
     ];
     for (method, path, host, want) in cases {
         let mut req = http.request(method.parse().unwrap(), gw.url(path));
@@ -697,14 +701,16 @@ async fn routes_by_specificity_not_file_order() {
             "{method} {path} host {host:?} should go to {want}"
         );
     }
-    let total: f64 = ["r.root", "r.short", "r.long", "r.exact", "r.host", "r.post"]
-        .iter()
-        .map(|id| {
-            gw.metric(&format!(
-                r#"sentinel_requests_total{{endpoint_id="{id}",status="200"}}"#
-            ))
-        })
-        .sum();
+    let total: f64 = [
+        "r.root", "r.short", "r.long", "r.exact", "r.host", "r.post", "r.fqdn",
+    ]
+    .iter()
+    .map(|id| {
+        gw.metric(&format!(
+            r#"sentinel_requests_total{{endpoint_id="{id}",status="200"}}"#
+        ))
+    })
+    .sum();
     assert_eq!(total, cases.len() as f64);
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="r.exact",status="200"}"#),

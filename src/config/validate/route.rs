@@ -63,8 +63,15 @@ pub(super) fn route(
             .collect::<Vec<_>>()
     });
     let host = r.host.as_ref().and_then(|h| {
+        // The fully qualified form (`api.example.com.`) is the same host: a request's `Host` is
+        // compared without its trailing dot, so the route's is kept without it too.
         let v = h.get_ref().to_ascii_lowercase();
-        let valid = !v.is_empty() && v.len() <= 253 && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'));
+        let v = v.strip_suffix('.').unwrap_or(&v).to_owned();
+        let valid = !v.is_empty()
+            && v.len() <= 253
+            && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'))
+            && !v.starts_with('.')
+            && !v.contains("..");
         if !valid {
             c.push(Some(&h.span()), label, format!("host = \"{}\" is not a host name: write it without scheme or port, such as \"api.example.com\"", h.get_ref()));
         }
