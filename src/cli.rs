@@ -316,15 +316,19 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
         (Algorithm::None, ..) => String::new(),
-        (_, Some(rate), crate::config::FailMode::FailOpen) if p.fallback_fleet => {
-            format!(
-                "; fail_open (emergency cap {} per second for the whole fleet)",
-                counted(rate, "request")
-            )
-        }
         (_, Some(rate), crate::config::FailMode::FailOpen) => {
+            let each = if p.emergency_per_identity {
+                " per identity"
+            } else {
+                ""
+            };
+            let whole = if p.fallback_fleet {
+                "for the whole fleet"
+            } else {
+                "per process"
+            };
             format!(
-                "; fail_open (emergency cap {} per second per process)",
+                "; fail_open (emergency cap {} per second{each} {whole})",
                 counted(rate, "request")
             )
         }

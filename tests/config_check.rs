@@ -94,6 +94,14 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
                 String::from_utf8_lossy(&out.stderr),
             );
             assert_eq!(code, 0, "{}: {stderr}", path.display());
+            // An emergency bucket per identity is said so (it once read as one per process).
+            if path.ends_with("cluster.toml") {
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    stdout.contains("fail_open (emergency cap 50 requests per second per identity for the whole fleet)"),
+                    "{stdout}"
+                );
+            }
         }
     }
 }
