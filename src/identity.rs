@@ -139,6 +139,16 @@ impl JwtVerifier {
             .ok()
         };
         let claims = if alg.family() == AlgorithmFamily::Hmac {
+            // The shared secret has no kid; a kid that names a key of the JWKS names a key of
+            // another type, which an HMAC token does not match (as an ES256 token on an RSA
+            // key is refused).
+            if let Some(kid) = &header.kid {
+                let fetched = self.remote.as_ref().map(|r| r.keys());
+                let keys = fetched.as_deref().unwrap_or(&self.keys);
+                if keys.iter().any(|(k, _, _)| k.as_ref() == Some(kid)) {
+                    return None;
+                }
+            }
             verify(self.secret.as_ref()?)?
         } else {
             // The token's kid picks the key; without one, every key of its type is tried. A key
@@ -672,6 +682,25 @@ mod tests {
                 ),
                 "alg confusion",
             );
+        }
+
+        /// With a shared secret beside a JWKS, an HMAC token's `kid` that names a key of the
+        /// set names a key of another type: refused, as an ES256 token on an RSA key is. A
+        /// kid the set does not have names nothing and the secret verifies it.
+        #[test]
+        fn an_hmac_token_whose_kid_names_a_jwks_key_is_refused() {
+            let v = jwks_verifier(&["HS256", "RS256"], |c| {
+                c.secret = Some(Secret(Arc::from(SECRET)));
+            });
+            let claims = serde_json::json!({"sub": "tenant-1", "exp": now() + 60});
+            let secret = EncodingKey::from_secret(SECRET).unwrap();
+            let hs = |kid: Option<&str>| {
+                id_of(&v, &signed(Algorithm::HS256, kid, &secret, claims.clone()))
+            };
+            assert_eq!(hs(None).as_deref(), Some("tenant-1"));
+            assert_eq!(hs(Some("hmac-key-7")).as_deref(), Some("tenant-1"));
+            assert_eq!(hs(Some("rsa-1")), None, "an RSA key's kid");
+            assert_eq!(hs(Some("ec-1")), None, "an EC key's kid");
         }
 
         #[test]

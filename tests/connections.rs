@@ -620,3 +620,86 @@ fn an_idle_http2_connection_that_never_answers_its_goaway_is_cut() {
         "cut {grace:?} after the GOAWAY"
     );
 }
+
+/// Whether the gateway (PID `pid`) still holds the socket of the connection from local port
+/// `client_port` to `server_port`: its inode in /proc/net/tcp, among the process's files.
+fn gateway_holds(pid: u32, server_port: u16, client_port: u16) -> bool {
+    let want = (format!(":{server_port:04X}"), format!(":{client_port:04X}"));
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let inode = table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f[1].ends_with(&want.0) && f[2].ends_with(&want.1)).then(|| f[9].to_owned())
+    });
+    let Some(inode) = inode.filter(|i| i != "0") else {
+        return false;
+    };
+    let link = format!("socket:[{inode}]");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .any(|l| l.to_string_lossy() == link)
+}
+
+/// An idle HTTP/2 client that stopped reading (its receive buffer full of the answers to
+/// its PINGs, so the gateway can write nothing, not even the GOAWAY) is still closed at the
+/// end of the GOAWAY's grace: a connection whose writes wait never reads the end that the
+/// cut gives it, so the cut fails its writes too.
+#[test]
+fn an_idle_http2_client_that_stopped_reading_is_still_closed() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
+    );
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], gw.port).into();
+    socket.connect(&addr.into()).unwrap();
+    let mut s: TcpStream = socket.into();
+    let client_port = s.local_addr().unwrap().port();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
+    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    hello.extend_from_slice(&block);
+    s.write_all(&hello).unwrap();
+    // The answer's HEADERS frame, at least.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    while !got.windows(2).any(|w| w == [0x1, 0x4] || w == [0x1, 0x5]) {
+        let n = s.read(&mut buf).expect("the answer");
+        assert!(n > 0, "closed before answering");
+        got.extend_from_slice(&buf[..n]);
+    }
+    // PINGs, never read: their answers fill both buffers until the gateway can write no
+    // more and stops reading; then these writes wait too.
+    s.set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let ping = [0, 0, 8, 0x6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    let flood: Vec<u8> = ping
+        .iter()
+        .copied()
+        .cycle()
+        .take(ping.len() * 4096)
+        .collect();
+    let start = Instant::now();
+    while s.write_all(&flood).is_ok() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the gateway never stopped reading"
+        );
+    }
+    assert!(
+        gateway_holds(gw.proc.pid(), gw.port, client_port),
+        "open while it waits"
+    );
+    // Idle from its stream's end (1 s), then 5 s of grace, the sweeper's 100 ms and room.
+    let deadline = Instant::now() + Duration::from_secs(12);
+    while gateway_holds(gw.proc.pid(), gw.port, client_port) {
+        assert!(Instant::now() < deadline, "never let go of the connection");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(s);
+}

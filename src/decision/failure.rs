@@ -12,8 +12,8 @@
 //!   down are `redis_connection_error`). A connection killed once and made again within
 //!   milliseconds never opens the breaker.
 //! - An error reply that says the store cannot serve (`OOM`, `LOADING`, `BUSY`,
-//!   `MASTERDOWN`, `READONLY`, `CLUSTERDOWN`, `TRYAGAIN`, `MISCONF`, and any other the
-//!   gateway does not know) is one failure.
+//!   `MASTERDOWN`, `READONLY`, `CLUSTERDOWN`, `TRYAGAIN`, `MISCONF`, `NOPERM` and an ACL
+//!   refusal inside a script, and any other the gateway does not know) is one failure.
 //! - An error reply about one key's data (`WRONGTYPE`, a script error on a corrupted bucket)
 //!   fails that decision by its fail mode but neither counts for nor resets the breaker: a
 //!   broken key harms its own identity only.
@@ -81,11 +81,10 @@ impl Failure {
     /// rest of its text.
     pub fn of_reply(code: &str, detail: &str) -> Failure {
         match code {
-            // The ACL user may not run a command a script needs (Redis 7.0 and 7.1 say so in
-            // an `ERR`, later ones in `NOPERM`): no decision can be made, as with `OOM`.
-            "ERR" if detail.starts_with("The user executing the script can't") => {
-                Failure::Unavailable
-            }
+            // The ACL user may not run a command, or touch a key, a script needs: no decision
+            // can be made, as with `OOM`. Inside a script Redis says so in an `ERR`, in its
+            // own words by version (`NOPERM` is the code of the same refusal outside one).
+            "ERR" if is_acl_refusal(detail) => Failure::Unavailable,
             "NOSCRIPT" => Failure::Noscript,
             // The script ran after the decision's deadline and wrote nothing
             // (`store/deadline.rs`): the budget was spent.
@@ -112,6 +111,17 @@ fn inner_code(detail: &str) -> Option<&str> {
     let (_, rest) = detail.split_once(" -")?;
     let code = rest.split(|c: char| !c.is_ascii_uppercase()).next()?;
     (!code.is_empty()).then_some(code)
+}
+
+/// An ACL refusal of a command inside a script: Redis 6.x and 7.0-7.1 ("The user executing
+/// the script can't run this command or subcommand", "... can't access at least one of the
+/// keys ..."), Redis 7.2+ and Valkey ("ACL failure in script: User x has no permissions to
+/// run the 'hset' command"), relayed plain or inside a script error.
+fn is_acl_refusal(detail: &str) -> bool {
+    detail.contains("The user executing the script can't")
+        || detail.contains("ACL failure in script")
+        || detail.contains("has no permissions to")
+        || detail.contains("No permissions to access")
 }
 
 /// Redis 7 writes `user_script:<line>: <what>`, Redis 6 `Error running script (call to
@@ -176,6 +186,12 @@ mod tests {
             "The user executing the script can't run this command or subcommand script: 2248ea7f, on @user_script:1.",
             "The user executing the script can't run this command or subcommand",
             "The user executing the script can't access at least one of the keys mentioned in the command script: 2248ea7f, on @user_script:1.",
+            // Redis 7.2+ and Valkey, plain and as the batch script relays it.
+            "ACL failure in script: User gateway has no permissions to run the 'hset' command script: 2248ea7f, on @user_script:17.",
+            "ACL failure in script: User gateway has no permissions to run the 'hset' command",
+            "ACL failure in script: No permissions to access a key script: 2248ea7f, on @user_script:17.",
+            // Redis 6 wraps it in its own script error.
+            "Error running script (call to f_2248ea7f): @user_script:17: @user_script: 17: The user executing the script can't run this command or subcommand",
         ] {
             assert_eq!(Failure::of_reply("ERR", detail), Failure::Unavailable, "{detail}");
         }

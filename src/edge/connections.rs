@@ -14,8 +14,8 @@
 //! - `Busy`: the head was read (the proxy says so), until the answer is finished.
 //! - `Idle`: between keep-alive requests; closed after `keepalive_timeout_seconds`.
 //! - `Multiplexed`: HTTP/2. With no stream in the proxy for `keepalive_timeout_seconds`
-//!   (counted from its last read or its last stream's end) it is sent a GOAWAY, as nginx
-//!   does, and its socket is cut if the client has not closed it `GOAWAY_GRACE_MS` later.
+//!   (counted from its last stream's end) it is sent a GOAWAY, as nginx does, and it is cut
+//!   (reads end, writes fail) if the client has not closed it `GOAWAY_GRACE_MS` later.
 //!
 //! The deadlines are kept by one sweeper task for all connections ([`Connections::sweep`],
 //! every 100 ms), not by a timer per connection or per read: a request then costs two
@@ -193,9 +193,10 @@ const HEAD_TIMED_OUT: u8 = 2;
 /// Idle past `keepalive_timeout_seconds`: reads end-of-file (HTTP/1), or is sent a
 /// GOAWAY (HTTP/2).
 const IDLE_TIMED_OUT: u8 = 3;
-/// Not a reason kept in `close`: what the sweeper does to an HTTP/2 connection past its
-/// GOAWAY's grace (`GOAWAY_GRACE_MS`).
+/// Not reasons kept in `close`: what the sweeper does to an HTTP/2 connection past its
+/// GOAWAY's grace (`GOAWAY_GRACE_MS`), and to one asked to close before it was HTTP/2's.
 const CUT: u8 = 4;
+const GOAWAY: u8 = 5;
 
 /// How often the sweeper looks for heads and idle connections past their time.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(100);
@@ -242,10 +243,16 @@ struct Conn {
     goaway: watch::Sender<bool>,
     /// HTTP/2 streams in the proxy now ([`Connections::stream_started`]).
     streams: AtomicUsize,
+    /// HTTP/2: when its last stream in the proxy ended (or its first request's header block
+    /// was complete), on the `since_ms` clock; its idle time counts from here. Frames
+    /// without a stream (a PING) do not keep it open: Pingora's own idle timeout, behind
+    /// the sweeper's, does not count them either.
+    stream_end_ms: AtomicU64,
     /// When this process sent it a GOAWAY (idle, or to make room), on the `since_ms`
     /// clock; 0 when it has not.
     goaway_ms: AtomicU64,
-    /// Past its GOAWAY's grace: its reads end (`poll_read`), which closes it.
+    /// Past its GOAWAY's grace: its reads end and its writes fail (`Guarded`), which closes
+    /// it, whether its client still reads or not.
     cut: std::sync::atomic::AtomicBool,
     /// Its key among the HTTP/2 connections (`Connections::h2`), 0 when it has none.
     h2_key: AtomicUsize,
@@ -361,13 +368,17 @@ impl Connections {
                     let state = c.state.load(Ordering::Relaxed);
                     let quiet = || c.streams.load(Ordering::Relaxed) == 0;
                     if c.close.load(Ordering::Relaxed) != KEEP {
-                        // Sent a GOAWAY, not closed by its client since, nothing in the proxy.
+                        if state != MULTIPLEXED || c.cut.load(Ordering::Relaxed) {
+                            return None;
+                        }
                         let sent = c.goaway_ms.load(Ordering::Relaxed);
-                        let overdue = state == MULTIPLEXED
-                            && sent != 0
-                            && now.saturating_sub(sent) >= GOAWAY_GRACE_MS
-                            && !c.cut.load(Ordering::Relaxed)
-                            && quiet();
+                        // Asked to close while its first request was on its way (its
+                        // reads then became the HTTP/2 layer's): its GOAWAY now.
+                        if sent == 0 {
+                            return Some((Arc::clone(c), GOAWAY));
+                        }
+                        // Sent a GOAWAY, not closed by its client since, nothing in the proxy.
+                        let overdue = now.saturating_sub(sent) >= GOAWAY_GRACE_MS && quiet();
                         return overdue.then(|| (Arc::clone(c), CUT));
                     }
                     let since = now.saturating_sub(c.since_ms.load(Ordering::Relaxed));
@@ -376,7 +387,12 @@ impl Connections {
                             Some((Arc::clone(c), HEAD_TIMED_OUT))
                         }
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
-                        MULTIPLEXED if idle > 0 && since >= idle && quiet() => {
+                        // With no keep-alive (0), as soon as its streams are done.
+                        MULTIPLEXED
+                            if now.saturating_sub(c.stream_end_ms.load(Ordering::Relaxed))
+                                >= idle
+                                && quiet() =>
+                        {
                             Some((Arc::clone(c), IDLE_TIMED_OUT))
                         }
                         _ => None,
@@ -384,10 +400,19 @@ impl Connections {
                 })
                 .collect();
             for (conn, why) in late {
-                if why == CUT {
-                    conn.cut.store(true, Ordering::Relaxed);
-                    conn.waker.wake();
-                    continue;
+                match why {
+                    // A stream may have reached the proxy since the look above.
+                    CUT if conn.streams.load(Ordering::Relaxed) == 0 => {
+                        conn.cut.store(true, Ordering::Relaxed);
+                        conn.waker.wake();
+                        continue;
+                    }
+                    CUT => continue,
+                    GOAWAY => {
+                        self.goaway(&conn);
+                        continue;
+                    }
+                    _ => {}
                 }
                 self.close(&conn, why);
                 if conn.state.load(Ordering::Relaxed) == MULTIPLEXED {
@@ -434,6 +459,7 @@ impl Connections {
             waker: AtomicWaker::new(),
             goaway: watch::Sender::new(false),
             streams: AtomicUsize::new(0),
+            stream_end_ms: AtomicU64::new(0),
             goaway_ms: AtomicU64::new(0),
             cut: std::sync::atomic::AtomicBool::new(false),
             h2_key: AtomicUsize::new(0),
@@ -482,7 +508,7 @@ pub struct StreamSlot(Arc<Conn>, Instant);
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         let now = self.1.elapsed().as_millis() as u64;
-        self.0.since_ms.store(now, Ordering::Relaxed);
+        self.0.stream_end_ms.store(now, Ordering::Relaxed);
         self.0.streams.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -569,6 +595,26 @@ impl Guarded {
                 .compare_exchange(BUSY, IDLE, Ordering::Relaxed, Ordering::Relaxed);
     }
 
+    /// An HTTP/2 connection past its GOAWAY's grace: its writes fail, so that the HTTP/2
+    /// layer ends it even when it waits to write (a client that stopped reading never lets
+    /// it read the end-of-file).
+    fn cut(&self) -> Option<std::io::Error> {
+        self.reg.conn.cut.load(Ordering::Relaxed).then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "an HTTP/2 connection kept past its GOAWAY's grace",
+            )
+        })
+    }
+
+    /// A write of an HTTP/2 connection that waits can be woken by the cut (`sweep`).
+    fn waits<T>(&self, cx: &Context<'_>, write: Poll<T>) -> Poll<T> {
+        if write.is_pending() && self.reg.conn.state.load(Ordering::Relaxed) == MULTIPLEXED {
+            self.reg.conn.waker.register(cx.waker());
+        }
+        write
+    }
+
     fn header_timed_out() -> std::io::Error {
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -589,12 +635,11 @@ impl AsyncRead for Guarded {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         if state == MULTIPLEXED {
+            this.reg.conn.waker.register(cx.waker());
             if this.reg.conn.cut.load(Ordering::Relaxed) {
                 return Poll::Ready(Ok(()));
             }
-            this.reg.conn.waker.register(cx.waker());
-            // Its last read tells which HTTP/2 connection is quietest (`admit`) and how
-            // long it has been idle (`sweep`).
+            // Its last read tells which HTTP/2 connection is quietest (`admit`).
             let before = buf.filled().len();
             let read = Pin::new(&mut this.inner).poll_read(cx, buf);
             if buf.filled().len() > before {
@@ -634,8 +679,9 @@ impl AsyncRead for Guarded {
             // The first request's header block is complete: from here on the HTTP/2 layer
             // and its streams are the proxy's.
             H2_HEAD if this.h2_head.ended_by(&buf.filled()[before..]) => {
-                conn.since_ms
-                    .store(this.reg.connections.now_ms(), Ordering::Relaxed);
+                let now = this.reg.connections.now_ms();
+                conn.since_ms.store(now, Ordering::Relaxed);
+                conn.stream_end_ms.store(now, Ordering::Relaxed);
                 conn.state.store(MULTIPLEXED, Ordering::Relaxed);
             }
             _ => {}
@@ -766,7 +812,11 @@ impl AsyncWrite for Guarded {
             this.replacing = Some((this.bad_request(), 0));
         }
         let Some((answer, written)) = &mut this.replacing else {
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
+            if let Some(cut) = this.cut() {
+                return Poll::Ready(Err(cut));
+            }
+            let write = Pin::new(&mut this.inner).poll_write(cx, buf);
+            return this.waits(cx, write);
         };
         // Pingora's bytes (and anything after them: the connection closes) are taken as
         // written once the gateway's answer is.
@@ -783,7 +833,11 @@ impl AsyncWrite for Guarded {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        if let Some(cut) = self.cut() {
+            return Poll::Ready(Err(cut));
+        }
+        let flush = Pin::new(&mut self.inner).poll_flush(cx);
+        self.waits(cx, flush)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -802,7 +856,11 @@ impl AsyncWrite for Guarded {
                 .map_or(&[][..], |b| &**b);
             return self.poll_write(cx, first);
         }
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        if let Some(cut) = self.cut() {
+            return Poll::Ready(Err(cut));
+        }
+        let write = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.waits(cx, write)
     }
 
     fn is_write_vectored(&self) -> bool {

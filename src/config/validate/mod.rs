@@ -28,13 +28,17 @@ pub fn validate(
         Err(e) => {
             let route = e.span().and_then(|s| route_at(source, s.start));
             let message = past_i64(e.message().trim());
-            let message = match e.span() {
-                Some(span) => missing_field(source, span.start, route.is_some(), &message),
-                None => message,
-            };
             // TOML's own message names no field ("invalid type: string, expected i64"): the
-            // table and key the error points into do.
-            let message = match e.span().and_then(|s| field_at(source, s.start, &message)) {
+            // table and key the error points into do (an inline table's key, for a field
+            // missing inside it); a field missing from a table with a header is named by
+            // that table.
+            let field = e.span().and_then(|s| field_at(source, s.start, &message));
+            let message = match (e.span(), &field) {
+                (Some(span), None) => missing_field(source, span.start, route.is_some(), &message),
+                (_, Some(_)) => missing_field_of(None, &message),
+                (None, None) => message,
+            };
+            let message = match field {
                 Some(field) => format!("{field}: {message}"),
                 None => message,
             };
@@ -218,12 +222,6 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
 /// TOML's ``missing field `x` `` (it points at the table's header): which table lacks it,
 /// and what a line giving it looks like. Other messages are returned as they are.
 fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> String {
-    let Some(field) = message
-        .strip_prefix("missing field `")
-        .and_then(|rest| rest.strip_suffix('`'))
-    else {
-        return message.to_owned();
-    };
     let table = table_at(source, offset).unwrap_or("");
     // A route's own fields are named by the route label; its sub-tables by their name.
     let table = match table {
@@ -231,6 +229,19 @@ fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> 
         t if in_route => t.strip_prefix("routes.").unwrap_or(t),
         t => t,
     };
+    missing_field_of(Some(table), message)
+}
+
+/// ``missing field `x` `` said as what is missing from `table` (none: the caller names
+/// where) and a line that would give it; other messages as they are.
+fn missing_field_of(table: Option<&str>, message: &str) -> String {
+    let Some(field) = message
+        .strip_prefix("missing field `")
+        .and_then(|rest| rest.strip_suffix('`'))
+    else {
+        return message.to_owned();
+    };
+    let table = table.unwrap_or("");
     let example = match field {
         "addrs" => "addrs = [\"host:port\"]",
         "endpoint_id" => "endpoint_id = \"a.name\"",

@@ -70,8 +70,7 @@ pub(super) fn route(
         let valid = !v.is_empty()
             && v.len() <= 253
             && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'))
-            && !v.starts_with('.')
-            && !v.contains("..");
+            && v.split('.').all(|label| !label.is_empty());
         if !valid {
             c.push(Some(&h.span()), label, format!("host = \"{}\" is not a host name: write it without scheme or port, such as \"api.example.com\"", h.get_ref()));
         }
