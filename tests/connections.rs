@@ -703,3 +703,59 @@ fn an_idle_http2_client_that_stopped_reading_is_still_closed() {
     }
     drop(s);
 }
+
+/// A client that keeps PINGing an HTTP/2 connection with no stream is still idle: it is sent
+/// the GOAWAY at `keepalive_timeout_seconds` after its last stream (Pingora's own idle
+/// timeout, which PINGs do not delay either, would otherwise close it a second later
+/// without one).
+#[test]
+fn pings_without_a_stream_do_not_keep_an_http2_connection_from_its_goaway() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
+    );
+    let mut s = open(gw.port);
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
+    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    hello.extend_from_slice(&block);
+    let start = Instant::now();
+    s.write_all(&hello).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let ping = [0, 0, 8, 0x6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    let (mut pending, mut buf, mut goaway) = (Vec::new(), [0u8; 4096], None);
+    loop {
+        assert!(start.elapsed() < Duration::from_secs(12), "never closed");
+        if goaway.is_none() {
+            let _ = s.write_all(&ping);
+        }
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+        while pending.len() >= 9 {
+            let len = usize::from(pending[0]) << 16
+                | usize::from(pending[1]) << 8
+                | usize::from(pending[2]);
+            if pending.len() < 9 + len {
+                break;
+            }
+            if pending[3] == 0x7 && goaway.is_none() {
+                goaway = Some(start.elapsed());
+            }
+            pending.drain(..9 + len);
+        }
+    }
+    let goaway = goaway.expect("a GOAWAY before the end");
+    assert!((EARLIEST..LATEST).contains(&goaway), "GOAWAY at {goaway:?}");
+}
