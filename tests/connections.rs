@@ -529,6 +529,33 @@ async fn http2_connections_that_make_room_lose_no_answer() {
     );
 }
 
+/// The h2c preface, an empty SETTINGS, then `GET /` with `:authority` "a" (HPACK static
+/// entries and one literal) ending stream 1: a client written by hand, whose every frame
+/// the test decides.
+fn h2c_get() -> Vec<u8> {
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
+    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    hello.extend_from_slice(&block);
+    hello
+}
+
+/// The types of the whole HTTP/2 frames at the front of `pending`, taken out of it.
+fn frames(pending: &mut Vec<u8>) -> Vec<u8> {
+    let mut kinds = Vec::new();
+    while pending.len() >= 9 {
+        let len =
+            usize::from(pending[0]) << 16 | usize::from(pending[1]) << 8 | usize::from(pending[2]);
+        if pending.len() < 9 + len {
+            break;
+        }
+        kinds.push(pending[3]);
+        pending.drain(..9 + len);
+    }
+    kinds
+}
+
 /// An HTTP/2 connection idle past `keepalive_timeout_seconds` is closed as nginx and Envoy
 /// close one: a GOAWAY (NO_ERROR) first, which tells the client that no request of its was
 /// dropped, then the socket. Closing the socket alone leaves a client that sent a request
@@ -574,13 +601,8 @@ fn an_idle_http2_connection_that_never_answers_its_goaway_is_cut() {
         &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
     );
     let mut s = open(gw.port);
-    // The preface, empty SETTINGS, then GET / with :authority "a" (HPACK static entries and
-    // one literal), ending the stream; nothing is ever sent again, not even an ACK.
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
-    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
-    hello.extend_from_slice(&block);
+    // One request; nothing is ever sent again, not even an ACK.
+    let hello = h2c_get();
     let start = Instant::now();
     s.write_all(&hello).unwrap();
 
@@ -595,19 +617,12 @@ fn an_idle_http2_connection_that_never_answers_its_goaway_is_cut() {
             Ok(0) | Err(_) => break start.elapsed(),
             Ok(n) => pending.extend_from_slice(&buf[..n]),
         }
-        while pending.len() >= 9 {
-            let len = usize::from(pending[0]) << 16
-                | usize::from(pending[1]) << 8
-                | usize::from(pending[2]);
-            if pending.len() < 9 + len {
-                break;
-            }
-            match pending[3] {
+        for kind in frames(&mut pending) {
+            match kind {
                 0x1 => answered = true,
                 0x7 if goaway.is_none() => goaway = Some(start.elapsed()),
                 _ => {}
             }
-            pending.drain(..9 + len);
         }
     };
     assert!(answered, "the request was answered");
@@ -658,11 +673,7 @@ fn an_idle_http2_client_that_stopped_reading_is_still_closed() {
     socket.connect(&addr.into()).unwrap();
     let mut s: TcpStream = socket.into();
     let client_port = s.local_addr().unwrap().port();
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
-    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
-    hello.extend_from_slice(&block);
+    let hello = h2c_get();
     s.write_all(&hello).unwrap();
     // The answer's HEADERS frame, at least.
     let mut got = Vec::new();
@@ -717,11 +728,7 @@ fn pings_without_a_stream_do_not_keep_an_http2_connection_from_its_goaway() {
         &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
     );
     let mut s = open(gw.port);
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-    let block = [0x82, 0x84, 0x86, 0x41, 0x01, b'a'];
-    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
-    hello.extend_from_slice(&block);
+    let hello = h2c_get();
     let start = Instant::now();
     s.write_all(&hello).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(300)))
@@ -743,17 +750,8 @@ fn pings_without_a_stream_do_not_keep_an_http2_connection_from_its_goaway() {
                 ) => {}
             Err(_) => break,
         }
-        while pending.len() >= 9 {
-            let len = usize::from(pending[0]) << 16
-                | usize::from(pending[1]) << 8
-                | usize::from(pending[2]);
-            if pending.len() < 9 + len {
-                break;
-            }
-            if pending[3] == 0x7 && goaway.is_none() {
-                goaway = Some(start.elapsed());
-            }
-            pending.drain(..9 + len);
+        if frames(&mut pending).contains(&0x7) && goaway.is_none() {
+            goaway = Some(start.elapsed());
         }
     }
     let goaway = goaway.expect("a GOAWAY before the end");
