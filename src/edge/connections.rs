@@ -366,7 +366,10 @@ impl Connections {
                 .values()
                 .filter_map(|c| {
                     let state = c.state.load(Ordering::Relaxed);
-                    let quiet = || c.streams.load(Ordering::Relaxed) == 0;
+                    // Loaded before the stream's end time, which a slot stores before it
+                    // leaves (`StreamSlot::drop`): no stream seen means its end is seen.
+                    let quiet = || c.streams.load(Ordering::Acquire) == 0;
+                    let ended = || now.saturating_sub(c.stream_end_ms.load(Ordering::Relaxed));
                     if c.close.load(Ordering::Relaxed) != KEEP {
                         if state != MULTIPLEXED || c.cut.load(Ordering::Relaxed) {
                             return None;
@@ -378,7 +381,11 @@ impl Connections {
                             return Some((Arc::clone(c), GOAWAY));
                         }
                         // Sent a GOAWAY, not closed by its client since, nothing in the proxy.
-                        let overdue = now.saturating_sub(sent) >= GOAWAY_GRACE_MS && quiet();
+                        // The grace counts from the GOAWAY, or from the end of a stream that
+                        // was on its way then (its answer may still be draining).
+                        let overdue = quiet()
+                            && now.saturating_sub(sent) >= GOAWAY_GRACE_MS
+                            && ended() >= GOAWAY_GRACE_MS;
                         return overdue.then(|| (Arc::clone(c), CUT));
                     }
                     let since = now.saturating_sub(c.since_ms.load(Ordering::Relaxed));
@@ -388,11 +395,7 @@ impl Connections {
                         }
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
                         // With no keep-alive (0), as soon as its streams are done.
-                        MULTIPLEXED
-                            if now.saturating_sub(c.stream_end_ms.load(Ordering::Relaxed))
-                                >= idle
-                                && quiet() =>
-                        {
+                        MULTIPLEXED if quiet() && ended() >= idle => {
                             Some((Arc::clone(c), IDLE_TIMED_OUT))
                         }
                         _ => None,
@@ -509,7 +512,7 @@ impl Drop for StreamSlot {
     fn drop(&mut self) {
         let now = self.1.elapsed().as_millis() as u64;
         self.0.stream_end_ms.store(now, Ordering::Relaxed);
-        self.0.streams.fetch_sub(1, Ordering::Relaxed);
+        self.0.streams.fetch_sub(1, Ordering::Release);
     }
 }
 
