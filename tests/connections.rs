@@ -183,6 +183,18 @@ fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeo
         (EARLIEST..LATEST).contains(&took),
         "h2c, HEADERS unfinished: {took:?}"
     );
+    // HEADERS with END_HEADERS whose payload (200 bytes announced) is trickled a byte at a time,
+    // never whole: the header block is not complete until its payload is.
+    let mut trickled = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    trickled.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    trickled.extend_from_slice(&[0, 0, 200, 0x1, 0x5, 0, 0, 0, 1]);
+    let mut s = open(gw.port);
+    s.write_all(&trickled).unwrap();
+    let took = closed_after(s, &[0x82; 100]);
+    assert!(
+        (EARLIEST..LATEST).contains(&took),
+        "h2c, HEADERS payload trickled: {took:?}"
+    );
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let status = rt.block_on(async {

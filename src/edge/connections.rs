@@ -706,6 +706,9 @@ struct H2Head {
     /// The frame header read so far.
     frame: [u8; 9],
     have: usize,
+    /// The frame being passed over ends a header block: the block is complete when its
+    /// payload is all in (a client trickling it is held to the head's deadline).
+    ends: bool,
 }
 
 impl H2Head {
@@ -727,6 +730,12 @@ impl H2Head {
             let passed = self.skip.min(bytes.len());
             self.skip -= passed;
             bytes = &bytes[passed..];
+            if self.skip > 0 {
+                return false;
+            }
+            if self.ends {
+                return true;
+            }
             let n = (self.frame.len() - self.have).min(bytes.len());
             self.frame[self.have..self.have + n].copy_from_slice(&bytes[..n]);
             self.have += n;
@@ -736,10 +745,8 @@ impl H2Head {
             }
             self.have = 0;
             let [l0, l1, l2, kind, flags, ..] = self.frame;
-            if matches!(kind, Self::HEADERS | Self::CONTINUATION) && flags & Self::END_HEADERS != 0
-            {
-                return true;
-            }
+            self.ends = matches!(kind, Self::HEADERS | Self::CONTINUATION)
+                && flags & Self::END_HEADERS != 0;
             self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
         }
     }
