@@ -769,3 +769,35 @@ fn pings_without_a_stream_do_not_keep_an_http2_connection_from_its_goaway() {
     let goaway = goaway.expect("a GOAWAY before the end");
     assert!((EARLIEST..LATEST).contains(&goaway), "GOAWAY at {goaway:?}");
 }
+
+/// With no keep-alive (`keepalive_timeout_seconds = 0`) an HTTP/2 connection is sent its
+/// GOAWAY as soon as its streams are done, as an HTTP/1.1 answer closes its connection: the
+/// request is answered, and the next one needs a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_keep_alive_an_http2_connection_is_sent_a_goaway_after_its_answer() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(
+        &redis,
+        &up,
+        &[("keepalive_timeout_seconds", "0"), ("h2c", "true")],
+    );
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let start = Instant::now();
+    let request = http::Request::get(gw.url("/x")).body(()).unwrap();
+    let (response, _) = h2.send_request(request, true).unwrap();
+    assert_eq!(response.await.unwrap().status(), 200);
+    let ended = tokio::time::timeout(Duration::from_secs(10), connection)
+        .await
+        .expect("closed")
+        .unwrap();
+    // The sweeper looks every 100 ms; Pingora's own close would come at 1 s, without one.
+    assert!(start.elapsed() < LATEST, "{:?}", start.elapsed());
+    assert!(ended.is_ok(), "{ended:?}");
+    let refused = h2.ready().await.expect_err("no new stream after a GOAWAY");
+    assert!(refused.is_go_away(), "{refused:?}");
+    assert_eq!(refused.reason(), Some(h2::Reason::NO_ERROR), "{refused:?}");
+}
