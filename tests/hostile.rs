@@ -248,6 +248,9 @@ async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket
         "1.1.1.1, garbage",
         "not-an-ip",
         "1.1.1.1, garbage, 127.0.0.9",
+        // A header that names no one.
+        "",
+        " , ,",
     ] {
         assert_eq!(
             send(xff).await,
@@ -263,7 +266,7 @@ async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket
     );
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.ip",status="400"}"#),
-        3.0
+        5.0
     );
 }
 
