@@ -602,20 +602,29 @@ impl Guarded {
     /// layer ends it even when it waits to write (a client that stopped reading never lets
     /// it read the end-of-file).
     fn cut(&self) -> Option<std::io::Error> {
-        self.reg.conn.cut.load(Ordering::Relaxed).then(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::ConnectionAborted,
-                "an HTTP/2 connection kept past its GOAWAY's grace",
-            )
-        })
+        self.reg
+            .conn
+            .cut
+            .load(Ordering::Relaxed)
+            .then(Self::cut_error)
     }
 
-    /// A write of an HTTP/2 connection that waits can be woken by the cut (`sweep`).
-    fn waits<T>(&self, cx: &Context<'_>, write: Poll<T>) -> Poll<T> {
-        if write.is_pending() && self.reg.conn.state.load(Ordering::Relaxed) == MULTIPLEXED {
-            self.reg.conn.waker.register(cx.waker());
+    fn cut_error() -> std::io::Error {
+        std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "an HTTP/2 connection kept past its GOAWAY's grace",
+        )
+    }
+
+    /// An HTTP/2 read or write that waits can be woken by the cut (`sweep`): its waker is
+    /// kept, and the cut looked at again, in case it came just before. True: cut now.
+    fn waits(&self, cx: &Context<'_>, pending: bool) -> bool {
+        let conn = &self.reg.conn;
+        if !pending || conn.state.load(Ordering::Relaxed) != MULTIPLEXED {
+            return false;
         }
-        write
+        conn.waker.register(cx.waker());
+        conn.cut.load(Ordering::Relaxed)
     }
 
     fn header_timed_out() -> std::io::Error {
@@ -638,13 +647,15 @@ impl AsyncRead for Guarded {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         if state == MULTIPLEXED {
-            this.reg.conn.waker.register(cx.waker());
             if this.reg.conn.cut.load(Ordering::Relaxed) {
                 return Poll::Ready(Ok(()));
             }
             // Its last read tells which HTTP/2 connection is quietest (`admit`).
             let before = buf.filled().len();
             let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+            if this.waits(cx, read.is_pending()) {
+                return Poll::Ready(Ok(()));
+            }
             if buf.filled().len() > before {
                 let now = this.reg.connections.now_ms();
                 this.reg.conn.since_ms.store(now, Ordering::Relaxed);
@@ -826,7 +837,10 @@ impl AsyncWrite for Guarded {
                 return Poll::Ready(Err(cut));
             }
             let write = Pin::new(&mut this.inner).poll_write(cx, buf);
-            return this.waits(cx, write);
+            if this.waits(cx, write.is_pending()) {
+                return Poll::Ready(Err(Self::cut_error()));
+            }
+            return write;
         };
         // Pingora's bytes (and anything after them: the connection closes) are taken as
         // written once the gateway's answer is.
@@ -847,7 +861,10 @@ impl AsyncWrite for Guarded {
             return Poll::Ready(Err(cut));
         }
         let flush = Pin::new(&mut self.inner).poll_flush(cx);
-        self.waits(cx, flush)
+        match self.waits(cx, flush.is_pending()) {
+            true => Poll::Ready(Err(Self::cut_error())),
+            false => flush,
+        }
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -870,7 +887,10 @@ impl AsyncWrite for Guarded {
             return Poll::Ready(Err(cut));
         }
         let write = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.waits(cx, write)
+        match self.waits(cx, write.is_pending()) {
+            true => Poll::Ready(Err(Self::cut_error())),
+            false => write,
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
