@@ -793,3 +793,138 @@ async fn without_keep_alive_an_http2_connection_is_sent_a_goaway_after_its_answe
     let took = answered_then_sent_a_goaway(&gw).await;
     assert!(took < LATEST, "{took:?}");
 }
+
+/// An upstream whose one answer is far larger than every buffer between it and a client
+/// (1 GiB, written until its connection ends): its address, and what tells when the
+/// gateway let go of its connection.
+fn endless_upstream() -> (String, std::sync::mpsc::Receiver<Instant>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (ended, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let chunk = vec![b'x'; 64 * 1024];
+        let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1073741824\r\n\r\n");
+        while s.write_all(&chunk).is_ok() {}
+        let _ = ended.send(Instant::now());
+    });
+    (addr, rx)
+}
+
+/// A gateway with `send_timeout_seconds = 1` in front of `upstream`, its access log in
+/// `log`.
+fn unread_gateway(redis: &Redis, upstream: &str, log: &std::path::Path) -> common::Gateway {
+    GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .server("send_timeout_seconds", "1")
+        .server("h2c", "true")
+        .section(&format!(
+            "[access_log]\npath = {}\n",
+            common::config::quoted(&log.display().to_string())
+        ))
+        .start()
+}
+
+/// `send_timeout_seconds` after a write began to wait for it, with the sweep of Pingora's
+/// timers (10 ms) and room for a slow machine.
+const SEND_TIMEOUT_WITHIN: std::ops::Range<Duration> =
+    Duration::from_millis(900)..Duration::from_secs(8);
+
+/// An HTTP/1.1 client that reads nothing of a long answer is cut at `send_timeout_seconds`,
+/// and the upstream connection with it; without it both were held for as long as the
+/// client kept its socket (a slow-read attack keeps every upstream connection busy).
+#[test]
+fn a_client_that_reads_nothing_of_its_answer_is_cut_at_send_timeout() {
+    let redis = Redis::start();
+    let (upstream, upstream_released) = endless_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = unread_gateway(&redis, &upstream, &log);
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], gw.port).into();
+    socket.connect(&addr.into()).unwrap();
+    let mut s: TcpStream = socket.into();
+    let client_port = s.local_addr().unwrap().port();
+    let start = Instant::now();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let released = upstream_released
+        .recv_timeout(Duration::from_secs(15))
+        .expect("the upstream connection is let go");
+    let took = released - start;
+    assert!(SEND_TIMEOUT_WITHIN.contains(&took), "{took:?}");
+    common::wait_until(
+        Duration::from_secs(5),
+        "the client's connection closed",
+        || !gateway_holds(gw.proc.pid(), gw.port, client_port),
+    );
+    // What the client gets when it reads at last: the start of the answer, then the end.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = 0usize;
+    let mut buf = [0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    assert!(
+        got < 64 << 20,
+        "{got} bytes: the whole answer was kept for it"
+    );
+    // Logged with the upstream's status and the body bytes that went.
+    let mut line = String::new();
+    common::wait_until(Duration::from_secs(5), "the access log's line", || {
+        line = std::fs::read_to_string(&log).unwrap_or_default();
+        line.ends_with('\n')
+    });
+    let line: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(line["status"], 200, "{line}");
+    let sent = line["bytes_sent"].as_u64().unwrap();
+    assert!(sent > 0 && sent < 64 << 20, "{line}");
+}
+
+/// The same over HTTP/2: a client that reads its socket but never opens its stream's
+/// window (no WINDOW_UPDATE) holds its stream, and the upstream connection behind it, until
+/// `send_timeout_seconds`; then the stream is reset and the upstream connection let go.
+#[test]
+fn an_http2_stream_whose_window_stays_shut_is_reset_at_send_timeout() {
+    let redis = Redis::start();
+    let (upstream, upstream_released) = endless_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = unread_gateway(&redis, &upstream, &dir.path().join("access.log"));
+    let mut s = open(gw.port);
+    let start = Instant::now();
+    s.write_all(&h2c_get()).unwrap();
+    let released = upstream_released
+        .recv_timeout(Duration::from_secs(15))
+        .expect("the upstream connection is let go");
+    let took = released - start;
+    assert!(SEND_TIMEOUT_WITHIN.contains(&took), "{took:?}");
+    // Its frames: the answer's HEADERS, as much DATA as the window took, then the stream's
+    // RST_STREAM (type 3) or the connection's end.
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let (mut pending, mut kinds) = (Vec::new(), Vec::new());
+    let mut buf = [0u8; 65536];
+    while !kinds.contains(&0x3) {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+        kinds.extend(frames(&mut pending));
+    }
+    assert!(kinds.contains(&0x1), "answered: {kinds:?}");
+    assert!(kinds.contains(&0x0), "some of its body: {kinds:?}");
+}

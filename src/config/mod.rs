@@ -125,6 +125,9 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// An idle keep-alive connection is closed after this; zero: no keep-alive.
     pub keepalive_timeout: Duration,
+    /// A connection whose writes to its client make no progress for this long is closed
+    /// (a client that stopped reading its answer); zero: never.
+    pub send_timeout: Duration,
     /// The bound on downstream connections; `None`: what the open-file limit allows.
     pub max_connections: Option<usize>,
     pub threads: usize,
@@ -144,6 +147,13 @@ pub struct ServerConfig {
     /// `admin_token_env`'s value: every admin request but `/healthz` and `/readyz` needs it
     /// as a bearer token.
     pub admin_token: Option<Secret>,
+}
+
+impl ServerConfig {
+    /// `send_timeout_seconds` as Pingora's sessions take it: `None` when 0 (never).
+    pub fn send_timeout_option(&self) -> Option<Duration> {
+        (!self.send_timeout.is_zero()).then_some(self.send_timeout)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

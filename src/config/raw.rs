@@ -47,6 +47,7 @@ pub struct RawServer {
     pub admin_token_env: Option<Spanned<String>>,
     pub header_read_timeout_ms: Option<Spanned<i64>>,
     pub keepalive_timeout_seconds: Option<Spanned<i64>>,
+    pub send_timeout_seconds: Option<Spanned<i64>>,
     pub max_connections: Option<Spanned<i64>>,
     #[serde(default)]
     pub tls: Vec<Spanned<RawTls>>,

@@ -382,6 +382,10 @@ impl ProxyHttp for Gateway {
         if server.keepalive_timeout.is_zero() {
             session.set_keepalive(None);
         }
+        // `send_timeout_seconds`: each write to the client (a body chunk, a head; an HTTP/2
+        // stream's wait for its window too) must be taken within it, or the request ends
+        // and its connection closes. Pingora's timer starts only when a write waits.
+        session.set_write_timeout(server.send_timeout_option());
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())

@@ -158,6 +158,15 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (0, 3600),
         " seconds (0: no keep-alive)",
     );
+    let send_timeout = int_in(
+        c,
+        None,
+        "server.send_timeout_seconds",
+        s.and_then(|s| s.send_timeout_seconds.as_ref()),
+        60,
+        (0, 3600),
+        " seconds (0: never)",
+    );
     let max_connections = match s.and_then(|s| s.max_connections.as_ref()) {
         None => Some(None),
         Some(v) => int_in(
@@ -188,6 +197,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         tls: tls?,
         header_read_timeout: Duration::from_millis(header_read_timeout?),
         keepalive_timeout: Duration::from_secs(keepalive_timeout?),
+        send_timeout: Duration::from_secs(send_timeout?),
         max_connections: max_connections?,
         threads: threads? as usize,
         admin_listen: admin_listen?,
