@@ -894,6 +894,20 @@ fn a_client_that_reads_nothing_of_its_answer_is_cut_at_send_timeout() {
     assert_eq!(line["status"], 200, "{line}");
     let sent = line["bytes_sent"].as_u64().unwrap();
     assert!(sent > 0 && sent < 64 << 20, "{line}");
+    assert_eq!(
+        loud_lines(&gw),
+        Vec::<String>::new(),
+        "what a client does is DEBUG"
+    );
+}
+
+/// The gateway's WARN and ERROR lines.
+fn loud_lines(gw: &common::Gateway) -> Vec<String> {
+    gw.logs()
+        .lines()
+        .filter(|l| l.contains(r#""level":"WARN""#) || l.contains(r#""level":"ERROR""#))
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The same over HTTP/2: a client that reads its socket but never opens its stream's
@@ -927,4 +941,9 @@ fn an_http2_stream_whose_window_stays_shut_is_reset_at_send_timeout() {
     }
     assert!(kinds.contains(&0x1), "answered: {kinds:?}");
     assert!(kinds.contains(&0x0), "some of its body: {kinds:?}");
+    assert_eq!(
+        loud_lines(&gw),
+        Vec::<String>::new(),
+        "what a client does is DEBUG"
+    );
 }
