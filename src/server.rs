@@ -59,13 +59,26 @@ pub fn run(config: Config) -> Result<(), StartError> {
         .map(|a| ("server.listen".to_owned(), a));
     let tls = (config.server.tls.iter().enumerate())
         .map(|(i, t)| (format!("server.tls[{i}].listen"), &t.listen));
+    // Held together, so that two listeners that cannot both be bound (the same port on one
+    // address, or a wildcard and an address of it) fail here too; the admin listener with them.
+    let mut held = Vec::new();
     for (field, addr) in plain.chain(tls) {
-        std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
-            field,
-            addr: *addr,
-            source,
-        })?;
+        held.push(
+            std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
+                field,
+                addr: *addr,
+                source,
+            })?,
+        );
     }
+    let admin_addr = config.server.admin_listen;
+    held.push(
+        std::net::TcpListener::bind(admin_addr).map_err(|source| StartError::Admin {
+            addr: admin_addr,
+            source,
+        })?,
+    );
+    drop(held);
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
     if config.redis.env_overrides_cluster {

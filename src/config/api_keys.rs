@@ -108,7 +108,7 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
         let label = Some(label.as_str());
         let digest = hex_digest(k.sha256.get_ref());
         if digest.is_none() {
-            c.push(Some(&k.sha256.span()), label, format!("sha256 = \"{}\" is not a SHA-256: write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)", k.sha256.get_ref()));
+            c.push(Some(&k.sha256.span()), label, format!("sha256 is not a SHA-256 ({} characters, not shown: it may be the key itself): write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)", k.sha256.get_ref().chars().count()));
         }
         let tenant = name(&mut c, label, "tenant", &k.tenant);
         let tier = match &k.tier {
@@ -211,7 +211,7 @@ mod tests {
         assert_eq!(
             text,
             vec![
-                "keys.toml:2:10: keys[0]: sha256 = \"k1\" is not a SHA-256: write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)".to_owned(),
+                "keys.toml:2:10: keys[0]: sha256 is not a SHA-256 (2 characters, not shown: it may be the key itself): write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)".to_owned(),
                 "keys.toml:3:10: keys[0]: tenant = \"Acme Corp\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
                 "keys.toml:12:8: keys[2]: tier = \"\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
             ]

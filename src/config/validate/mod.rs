@@ -338,6 +338,26 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
 }
 
 /// Reads an optional integer within `lo..=hi`, naming the field and the valid range.
+/// How an `*_env` field's variable is named in a message: as written when it reads as an
+/// environment variable's name (upper case, digits and `_`), else by its length only, since
+/// what was written there may be the secret itself, pasted in place of the variable's name.
+pub(super) fn env_var_shown(name: &str) -> String {
+    let conventional = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+    if conventional {
+        name.to_owned()
+    } else {
+        format!(
+            "named here ({} characters; not shown, as it is not an upper-case variable name and may be the secret itself)",
+            name.chars().count()
+        )
+    }
+}
+
 pub(super) fn int_in(
     c: &mut Collector,
     route: Option<&str>,

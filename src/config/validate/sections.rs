@@ -16,6 +16,21 @@ use crate::config::error::Collector;
 use crate::config::raw::{OneOrMany, RawConfig, RawIdentity, RawUpstream};
 use crate::config::*;
 
+/// What two listen addresses that [`overlap`] are told.
+pub(super) const SHARED: &str = "share a port on one address (or one of them is the wildcard that takes the other's): only one could be bound";
+
+/// Whether two listen addresses cannot both be bound: one port on the same address, or one
+/// of them the wildcard that takes the other's (`[::]` takes IPv4 too, as Linux binds it by
+/// default, and as Pingora binds it).
+pub(super) fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    if a.port() != b.port() || a.port() == 0 {
+        return false;
+    }
+    let takes =
+        |w: SocketAddr, o: SocketAddr| w.ip().is_unspecified() && (w.is_ipv6() || o.is_ipv4());
+    a.ip() == b.ip() || takes(a, b) || takes(b, a)
+}
+
 pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ServerConfig> {
     let s = raw.server.as_ref().map(|s| s.get_ref());
     let mut ok = true;
@@ -35,9 +50,17 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
                 );
                 ok = false;
             }
+            let mut seen: Vec<SocketAddr> = Vec::new();
             list.iter()
                 .filter_map(|a| match a.parse::<SocketAddr>() {
-                    Ok(addr) => Some(addr),
+                    Ok(addr) => {
+                        if let Some(other) = seen.iter().find(|o| overlap(**o, addr)) {
+                            c.push(Some(&l.span()), None, format!("server.listen: \"{addr}\" and \"{other}\" {SHARED}"));
+                            ok = false;
+                        }
+                        seen.push(addr);
+                        Some(addr)
+                    }
                     Err(_) => {
                         c.push(Some(&l.span()), None, format!("server.listen = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
                         ok = false;
@@ -67,8 +90,13 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         },
     };
     if let (Some(admin), Some(a)) = (admin_listen, s.and_then(|s| s.admin_listen.as_ref())) {
-        if listen.contains(&admin) {
-            c.push(Some(&a.span()), None, format!("server.admin_listen = \"{admin}\" is also in server.listen: the admin listener needs an address of its own"));
+        if let Some(other) = listen.iter().find(|l| overlap(**l, admin)) {
+            let shared = if *other == admin {
+                "is also in server.listen".to_owned()
+            } else {
+                format!("and server.listen's \"{other}\" {SHARED}")
+            };
+            c.push(Some(&a.span()), None, format!("server.admin_listen = \"{admin}\" {shared}: the admin listener needs an address of its own"));
             ok = false;
         }
     }
@@ -124,18 +152,18 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         Some(var) => match std::env::var_os(var.get_ref()) {
             // Sent as `Authorization: Bearer <token>`, which carries visible ASCII only.
             Some(v) if !v.as_encoded_bytes().iter().all(u8::is_ascii_graphic) => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds a space, a control character or a byte past ASCII: the admin token must be visible ASCII (it is sent in an Authorization header)", var.get_ref()));
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds a space, a control character or a byte past ASCII: the admin token must be visible ASCII (it is sent in an Authorization header)", super::env_var_shown(var.get_ref())));
                 None
             }
             Some(v) if v.len() >= MIN_ADMIN_TOKEN_BYTES => {
                 Some(Some(Secret(Arc::from(v.as_encoded_bytes()))))
             }
             Some(v) => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds {} bytes: the admin token must be at least {MIN_ADMIN_TOKEN_BYTES} bytes", var.get_ref(), v.len()));
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds {} bytes: the admin token must be at least {MIN_ADMIN_TOKEN_BYTES} bytes", super::env_var_shown(var.get_ref()), v.len()));
                 None
             }
             None => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} is not set: set it to the admin token (at least {MIN_ADMIN_TOKEN_BYTES} bytes)", var.get_ref()));
+                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} is not set: set it to the admin token (at least {MIN_ADMIN_TOKEN_BYTES} bytes)", super::env_var_shown(var.get_ref())));
                 None
             }
         },
@@ -187,8 +215,13 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         config,
     );
     if let (Some(admin), Some(tls)) = (admin_listen, tls.as_ref()) {
-        if tls.iter().any(|t| t.listen == admin) {
-            c.push(s.and_then(|s| s.admin_listen.as_ref()).map(|a| a.span()).as_ref(), None, format!("server.admin_listen = \"{admin}\" is also a server.tls listener: the admin listener needs an address of its own"));
+        if let Some(other) = tls.iter().find(|t| overlap(t.listen, admin)) {
+            let shared = if other.listen == admin {
+                "is also a server.tls listener".to_owned()
+            } else {
+                format!("and server.tls's \"{}\" {SHARED}", other.listen)
+            };
+            c.push(s.and_then(|s| s.admin_listen.as_ref()).map(|a| a.span()).as_ref(), None, format!("server.admin_listen = \"{admin}\" {shared}: the admin listener needs an address of its own"));
             ok = false;
         }
     }
@@ -570,7 +603,7 @@ fn redis_access(
         Some(var) => match std::env::var(var.get_ref()) {
             Ok(v) if !v.is_empty() => Some(Secret(Arc::from(v.as_bytes()))),
             Ok(_) | Err(std::env::VarError::NotPresent) => {
-                c.push(Some(&var.span()), None, format!("redis.password_env: the environment variable {} is not set (or empty): set it to the Redis password", var.get_ref()));
+                c.push(Some(&var.span()), None, format!("redis.password_env: the environment variable {} is not set (or empty): set it to the Redis password", super::env_var_shown(var.get_ref())));
                 ok = false;
                 None
             }
@@ -580,7 +613,7 @@ fn redis_access(
                     None,
                     format!(
                         "redis.password_env: the environment variable {} is not UTF-8",
-                        var.get_ref()
+                        super::env_var_shown(var.get_ref())
                     ),
                 );
                 ok = false;
@@ -712,7 +745,7 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
         Some(var) => match std::env::var(var.get_ref()) {
             Ok(v) if !v.is_empty() => Some(Some(Secret(Arc::from(v.as_bytes())))),
             _ => {
-                c.push(Some(&var.span()), None, format!("redis.sentinel_password_env: the environment variable {} is not set (or empty, or not UTF-8): set it to the sentinels' password", var.get_ref()));
+                c.push(Some(&var.span()), None, format!("redis.sentinel_password_env: the environment variable {} is not set (or empty, or not UTF-8): set it to the sentinels' password", super::env_var_shown(var.get_ref())));
                 None
             }
         },
@@ -900,11 +933,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         let span = j.secret_env.as_ref().map_or(spanned.span(), |s| s.span());
         match std::env::var_os(&secret_env) {
             None => {
-                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes"));
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes", super::env_var_shown(&secret_env)));
                 None
             }
             Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
-                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {secret_env} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", v.len()));
+                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", super::env_var_shown(&secret_env), v.len()));
                 None
             }
             Some(v) => Some(Secret(Arc::from(v.as_encoded_bytes()))),
@@ -1285,4 +1318,24 @@ fn upstream_tls(
         ca,
         verify: u.verify.unwrap_or(true),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overlap;
+
+    #[test]
+    fn listeners_that_cannot_both_be_bound() {
+        let o = |a: &str, b: &str| overlap(a.parse().unwrap(), b.parse().unwrap());
+        assert!(o("127.0.0.1:80", "127.0.0.1:80"));
+        assert!(o("0.0.0.0:80", "127.0.0.1:80"));
+        assert!(o("127.0.0.1:80", "0.0.0.0:80"));
+        assert!(o("[::]:80", "127.0.0.1:80"), "[::] takes IPv4 too");
+        assert!(o("[::]:80", "0.0.0.0:80"));
+        assert!(o("[::1]:80", "[::]:80"));
+        assert!(!o("0.0.0.0:80", "[::1]:80"), "0.0.0.0 takes no IPv6");
+        assert!(!o("127.0.0.1:80", "127.0.0.2:80"));
+        assert!(!o("0.0.0.0:80", "0.0.0.0:81"));
+        assert!(!o("127.0.0.1:0", "127.0.0.1:0"), "port 0: each its own");
+    }
 }

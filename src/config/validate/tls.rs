@@ -25,8 +25,22 @@ pub(super) fn listeners(
         let t = t.get_ref();
         let at = format!("server.tls[{i}]");
         let listen = match t.listen.get_ref().parse::<SocketAddr>() {
-            Ok(a) if plain.contains(&a) || seen.contains(&a) => {
+            Ok(a) if plain.iter().chain(&seen).any(|o| *o == a) => {
                 c.push(Some(&t.listen.span()), None, format!("{at}.listen = \"{a}\" is already a listener: every listener needs an address of its own"));
+                None
+            }
+            Ok(a)
+                if plain
+                    .iter()
+                    .chain(&seen)
+                    .any(|o| super::sections::overlap(*o, a)) =>
+            {
+                let other = plain
+                    .iter()
+                    .chain(&seen)
+                    .find(|o| super::sections::overlap(**o, a))
+                    .expect("found");
+                c.push(Some(&t.listen.span()), None, format!("{at}.listen = \"{a}\" and the listener \"{other}\" {}: every listener needs an address of its own", super::sections::SHARED));
                 None
             }
             Ok(a) => {
