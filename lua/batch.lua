@@ -12,7 +12,9 @@
 -- Returns one answer per decision, joined by newlines, in their order: what the decision's
 -- own script would have answered, or "E " and the error it met (a broken key's WRONGTYPE,
 -- say, or EXPIRED for a decision whose deadline passed: it is not made), which fails that
--- decision alone: the others are decided and written as usual.
+-- decision alone: the others are decided and written as usual. A decision of several limits
+-- whose error came from one of its keys ends it with " (key i)", i counted from 1 among its
+-- own keys, so that the key named in the log is the broken one.
 -- All of them are decided at one Redis TIME.
 
 -- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several
@@ -31,6 +33,7 @@ while a < argc do
   local late = expired(ARGV[a + 1], now)
   local index = tonumber(ARGV[a + 2])
   local ok, answer
+  local at = 0
   if index == 0 then
     local mode, n = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
     if late then
@@ -38,7 +41,9 @@ while a < argc do
     else
       local of = {}
       for j = 1, n do of[j] = limits[tonumber(ARGV[a + 4 + j])] end
+      touching = 0
       ok, answer = pcall(several, k, mode, of, now)
+      at = touching
     end
     k = k + n
     a = a + 4 + n
@@ -62,11 +67,9 @@ while a < argc do
     if type(e) == 'table' then e = e.err or e.message or '' end
     -- One line per answer: an error's own newlines would shift every answer after it.
     e = (string.gsub(tostring(e), '\n', ' '))
-    if string.match(e, '^%u+ ') then
-      out[i] = 'E ' .. e
-    else
-      out[i] = 'E ERR Error running script: ' .. e
-    end
+    if not string.match(e, '^%u+ ') then e = 'ERR Error running script: ' .. e end
+    if at > 0 then e = e .. ' (key ' .. at .. ')' end
+    out[i] = 'E ' .. e
   end
 end
 return table.concat(out, '\n')

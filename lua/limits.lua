@@ -234,6 +234,10 @@ end
 -- Several limits of one request, decided together (lua/limits_multi.lua says what the
 -- modes do): keys KEYS[k0 + 1 .. k0 + #limits], each with its limit in `limits`, a list of
 -- {kind, a, b, cost}. Returns one reply() group per key, joined by spaces.
+-- The limit (1 .. n) `several` is at: an error there is on that limit's key, which the
+-- batch script names with the error (lua/batch.lua).
+local touching = 0
+
 local function several(k0, mode, limits, now)
   local n = #limits
   local out = {}
@@ -247,6 +251,7 @@ local function several(k0, mode, limits, now)
     for i = 1, n do
       local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
       local r
+      touching = i
       if kind == 1 then
         r = { token_bucket(key(i), a, b, cost, now) }
       else
@@ -258,6 +263,7 @@ local function several(k0, mode, limits, now)
     for i = 1, n do
       local r = results[i]
       if every and mode == 0 then
+        touching = i
         r[6]()
       elseif r[1] == 1 then
         -- Not charged: what is there now is what it would have had before this request,
@@ -271,6 +277,7 @@ local function several(k0, mode, limits, now)
     for i = 1, n do
       local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
       local allowed, left, retry, reset, wait
+      touching = i
       if kind == 1 then
         local amount = cost
         if mode == 2 then amount = -cost end

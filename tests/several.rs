@@ -604,3 +604,59 @@ async fn the_charge_never_delays_the_answer_even_when_redis_is_gone() {
         1.0
     );
 }
+
+/// A broken key among a decision's several (a ceiling's, here) is the one the log names, once
+/// for all the callers it fails: an operator who deletes the key named clears it. (The log
+/// named each caller's first key, which did not exist, once per caller.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_key_among_several_is_the_one_logged() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+        .start();
+    let limits = [
+        Limit {
+            name: "burst".into(),
+            algorithm: Algorithm::TokenBucket {
+                capacity_micro: 3_000_000,
+                refill_micro_per_sec: 0,
+            },
+            global: false,
+        },
+        Limit {
+            name: "backend".into(),
+            algorithm: Algorithm::SlidingWindow {
+                limit: 5,
+                window_micro: 60_000_000,
+            },
+            global: true,
+        },
+    ];
+    let keys = limit_keys("sentinel", "header:x-api-key:a", "e.api", 1, &limits);
+    let _: () = redis::cmd("SET")
+        .arg(&keys[1])
+        .arg("x")
+        .query(&mut redis.conn())
+        .unwrap();
+    for caller in ["a", "b", "c"] {
+        assert_eq!(get(&gw, caller).await.status(), 503, "fails closed");
+    }
+    let warned: Vec<String> = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("a bucket key holds data"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(warned.len(), 1, "once for every caller: {warned:?}");
+    assert!(
+        warned[0].contains(&keys[1]),
+        "the ceiling's key: {warned:?}"
+    );
+    // Deleted as the log says, every caller is decided again.
+    let _: () = redis::cmd("DEL")
+        .arg(&keys[1])
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(get(&gw, "c").await.status(), 200);
+}

@@ -35,7 +35,7 @@ impl BrokenKeys {
             tracing::warn!(
                 key,
                 error = %error,
-                "a bucket key holds data the limiter cannot read: this identity's requests follow the route's fail mode until the key is deleted (redis-cli DEL <key>)"
+                "a bucket key holds data the limiter cannot read: the requests it counts (one identity's, or every caller's for a ceiling) follow the route's fail mode until the key is deleted (redis-cli DEL <key>)"
             );
         }
     }
