@@ -575,3 +575,71 @@ fn a_head_that_cannot_be_parsed_gets_the_gateways_own_400() {
     let _ = conn.read_to_end(&mut answer);
     is_the_gateways(&String::from_utf8_lossy(&answer));
 }
+
+/// A `Content-Length` that is not one number (`5, 5`, or two fields) is answered 400 and
+/// never forwarded: an upstream that read it otherwise than the gateway did would take the
+/// rest of the body for the next request on its pooled connection. Before, `5, 5` went
+/// upstream as it was.
+#[test]
+fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = closed_and_open(&redis.url(), &upstream, 100).start();
+    for length in [
+        "Content-Length: 5, 5",
+        "Content-Length: 5\r\nContent-Length: 5",
+    ] {
+        let head =
+            format!("POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\n{length}\r\n\r\nhello");
+        let answer = raw_answer(gw.port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 400"), "{length}: {answer}");
+    }
+    // One number, leading zeros and all, goes through.
+    let answer = raw_answer(
+        gw.port,
+        b"GET /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 00\r\nConnection: close\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// An HTTP/1.0 request without `Host` reaches the upstream, which is sent HTTP/1.1, with one:
+/// the upstream's address (a strict upstream such as nginx answered it 400).
+#[test]
+fn an_http_1_0_request_without_host_reaches_the_upstream_with_one() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 100);
+    let answer = raw_answer(gw.port, b"GET /open HTTP/1.0\r\nX-API-Key: k\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let echoed: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(echoed["headers"]["host"], up.addr().as_str(), "{echoed}");
+}
+
+/// A client that leaves after its request's `100 Continue` left before the answer: 499, as
+/// any client that leaves first (it was counted and logged as status 100).
+#[test]
+fn a_client_that_leaves_after_100_continue_is_a_499() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 100);
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(
+        b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .unwrap();
+    let interim = read_until(&mut conn, |t| t.contains("\r\n\r\n"));
+    assert!(interim.starts_with("HTTP/1.1 100"), "{interim}");
+    drop(conn);
+    let series = r#"sentinel_requests_total{endpoint_id="t.open",status="499"}"#;
+    wait_until(Duration::from_secs(5), "the request counted", || {
+        gw.metric(series) == 1.0
+    });
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="t.open",status="100"}"#),
+        0.0
+    );
+}

@@ -32,6 +32,8 @@ pub struct Origin {
     pub tls: bool,
 }
 
+static X_FORWARDED_PORT: http::HeaderName = http::HeaderName::from_static("x-forwarded-port");
+
 impl Origin {
     pub fn of(
         req: &RequestHeader,
@@ -85,6 +87,11 @@ impl Origin {
                 "the forwarded-for chain is not a header value",
             )?
         } else {
+            // What the client says of itself in the other forwarding headers is dropped too:
+            // a backend that reads RFC 7239's `Forwarded` (or `X-Forwarded-Port`) would
+            // believe any address, scheme or host it named.
+            upstream.remove_header(&http::header::FORWARDED);
+            upstream.remove_header(&X_FORWARDED_PORT);
             peer_value.clone()
         };
         upstream.insert_header("x-forwarded-for", xff)?;
@@ -236,6 +243,8 @@ mod tests {
             ("X-Forwarded-Host", "evil.example"),
             ("X-Real-IP", "1.2.3.4"),
             ("X-Request-Id", "chosen-by-the-client"),
+            ("Forwarded", "for=1.2.3.4;proto=https;host=admin.internal"),
+            ("X-Forwarded-Port", "443"),
         ]);
         let origin = Origin::of(
             &client,
@@ -263,6 +272,8 @@ mod tests {
         );
         assert_eq!(header(&up, "x-real-ip").as_deref(), Some("203.0.113.9"));
         assert_eq!(header(&up, "x-request-id"), Some(origin.request_id.clone()));
+        assert_eq!(header(&up, "forwarded"), None, "the client's own, dropped");
+        assert_eq!(header(&up, "x-forwarded-port"), None);
     }
 
     #[test]
@@ -275,6 +286,8 @@ mod tests {
             ("X-Forwarded-Proto", "https"),
             ("X-Forwarded-Host", "api.example.com"),
             ("X-Request-Id", "edge-4711"),
+            ("Forwarded", "for=1.2.3.4;proto=https"),
+            ("X-Forwarded-Port", "443"),
         ]);
         let origin = Origin::of(
             &via_proxy,
@@ -298,6 +311,11 @@ mod tests {
         );
         assert_eq!(header(&up, "x-real-ip").as_deref(), Some("1.2.3.4"));
         assert_eq!(header(&up, "x-request-id").as_deref(), Some("edge-4711"));
+        assert_eq!(
+            header(&up, "forwarded").as_deref(),
+            Some("for=1.2.3.4;proto=https")
+        );
+        assert_eq!(header(&up, "x-forwarded-port").as_deref(), Some("443"));
     }
 
     #[test]

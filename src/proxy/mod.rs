@@ -30,7 +30,7 @@ use crate::store::Store;
 use forwarded::Origin;
 use respond::Answer;
 
-/// The status counted for a request whose client left before any answer (nginx's 499).
+/// The status counted for a request whose client left before any final answer (nginx's 499).
 const CLIENT_CLOSED: u16 = 499;
 
 /// The proxy: shared by every worker thread.
@@ -421,6 +421,17 @@ impl ProxyHttp for Gateway {
         if hostless {
             return self.answer(session, ctx, Answer::BadRequest).await;
         }
+        // RFC 9110, 8.6: a Content-Length that is not one run of digits (`5, 5`, `+5`), or
+        // two of them, is not forwarded: the upstream could frame the body otherwise than the
+        // gateway did. The body is not read: the connection closes after the answer.
+        let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        if let Some(length) = lengths.next() {
+            let digits = !length.is_empty() && length.as_bytes().iter().all(u8::is_ascii_digit);
+            if !digits || lengths.next().is_some() {
+                session.set_keepalive(None);
+                return self.answer(session, ctx, Answer::BadRequest).await;
+            }
+        }
         // Pingora would answer CONNECT with a bare 405 before any hook; the server options
         // let it through to here, where it gets the gateway's own answer.
         if req.method == http::Method::CONNECT {
@@ -541,6 +552,15 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
             origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
+        }
+        // An HTTP/1.0 request may come without `Host`; the upstream is sent HTTP/1.1, which
+        // must carry one (RFC 9112, 3.2): the upstream's address, as nginx's `$proxy_host`.
+        if upstream_request.uri.authority().is_none()
+            && !upstream_request.headers.contains_key(http::header::HOST)
+        {
+            if let Some(addr) = ctx.upstream_addr {
+                upstream_request.insert_header(http::header::HOST, addr.to_string())?;
+            }
         }
         if let Some(uri) = ctx.upstream_uri.as_deref() {
             let uri = uri
@@ -825,9 +845,11 @@ impl ProxyHttp for Gateway {
         }
         // Nothing was answered: the client left first (or its connection broke before the
         // answer's head went out). Counted and logged as nginx's 499, "client closed request".
+        // An interim answer alone (`100 Continue`) is no answer; `101` ends the exchange.
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
+            .filter(|s| *s >= 200 || *s == 101)
             .unwrap_or(CLIENT_CLOSED);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
