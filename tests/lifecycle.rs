@@ -449,6 +449,19 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
         1.0,
         "not retried until it changes again"
     );
+    // A file truncated on its way (a deploy's first write) is not a config of no routes: it
+    // is refused, and the routes, the watch and the rest stay as they were.
+    gw.rewrite_config("");
+    wait_until(Duration::from_secs(5), "the empty file refused", || {
+        gw.metric(r#"sentinel_config_reloads_total{result="failure"}"#) == 2.0
+    });
+    assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 200);
+    gw.rewrite_config(&text);
+    wait_until(
+        Duration::from_secs(5),
+        "the whole file loaded again",
+        || gw.metric("sentinel_config_generation") == 3.0,
+    );
 }
 
 #[test]

@@ -94,6 +94,10 @@ pub fn load(path: &Path) -> Result<ApiKeyTable, Vec<ConfigError>> {
 /// Validates a key file held in memory; `path` is only used in messages.
 pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>> {
     let mut c = Collector::new(path, source);
+    if super::is_empty_toml(source) {
+        c.push(None, None, "the API key file is empty (no table, no key: blank lines or comments only): a file truncated or not yet written is never loaded; for a file that holds no key on purpose, write `keys = []`".into());
+        return Err(c.errors);
+    }
     let raw: RawKeyFile = match toml::from_str(source) {
         Ok(raw) => raw,
         Err(e) => {
@@ -198,6 +202,19 @@ mod tests {
         );
         assert!(parse(Path::new("k.toml"), "").unwrap().is_empty());
         assert_eq!(key_line(b"k1"), format!("sha256 = \"{}\"", sha("k1")));
+    }
+
+    #[test]
+    fn an_empty_file_is_refused_and_no_keys_must_be_said() {
+        for empty in ["", "\n  \n", "# keys come later\n"] {
+            let errors = parse(Path::new("keys.toml"), empty).unwrap_err();
+            assert!(
+                errors[0].message.starts_with("the API key file is empty"),
+                "{empty:?}"
+            );
+        }
+        let none = parse(Path::new("keys.toml"), "keys = []\n").expect("no keys, on purpose");
+        assert!(none.is_empty());
     }
 
     #[test]

@@ -116,6 +116,12 @@ pub enum AccessLogTarget {
     File(PathBuf),
 }
 
+/// A TOML file with nothing in it but blank lines and comments: what a truncated file, or
+/// one an editor or deploy has not written yet, reads as. Never loaded.
+pub(crate) fn is_empty_toml(source: &str) -> bool {
+    source.parse::<toml::Table>().is_ok_and(|t| t.is_empty())
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: Vec<SocketAddr>,

@@ -23,6 +23,10 @@ pub fn validate(
     redis_url_override: Option<&str>,
 ) -> Result<Config, ConfigErrors> {
     let mut c = Collector::new(path, source);
+    if super::is_empty_toml(source) {
+        c.push(None, None, "the file is empty (no table, no key: blank lines or comments only): a file truncated or not yet written is never loaded".into());
+        return Err(ConfigErrors(c.errors));
+    }
     let raw: RawConfig = match toml::from_str(source) {
         Ok(raw) => raw,
         Err(e) => {
