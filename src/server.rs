@@ -8,7 +8,7 @@ use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::admin::Admin;
 use crate::clock::{MonotonicClock, SharedClock};
@@ -86,6 +86,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
     }
     let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics)
         .map_err(StartError::Store)?;
+    // From here on no signal ends the process by its default action while it starts (a
+    // preflight or a JWKS fetch can take seconds): a SIGHUP or SIGUSR1 is kept for when the
+    // gateway runs, a SIGTERM or SIGINT stops it then (exit 0).
+    let early = store.runtime().block_on(async { EarlySignals::listen() });
     if config.redis.require_noeviction {
         if let Some(policy) = store.runtime().block_on(preflight(&config.redis)) {
             return Err(StartError::Evicting(policy));
@@ -219,8 +223,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
     control.spawn(Arc::clone(&connections).sweep());
-    control.spawn(reload_on_sighup(Arc::clone(&reloader)));
-    control.spawn(reopen_on_sigusr1(Arc::clone(&reloader)));
+    control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
+    control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
+    let stops = Arc::new(Stops::default());
+    control.spawn(keep_stops(early.term, early.int, Arc::clone(&stops)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let watched = Arc::clone(&live);
     if let Some(url) = jwks_target {
@@ -290,13 +296,14 @@ pub fn run(config: Config) -> Result<(), StartError> {
         shutdown_signal: Box::new(Drain {
             lifecycle,
             grace: server_cfg.grace_period,
+            stops,
         }),
     });
     Ok(())
 }
 
-async fn reload_on_sighup(reloader: Arc<Reloader>) {
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+async fn reload_on_sighup(reloader: Arc<Reloader>, hup: Option<Signal>) {
+    let Some(mut hup) = hup else {
         tracing::error!("cannot listen for SIGHUP; reload with POST /reload");
         return;
     };
@@ -306,8 +313,8 @@ async fn reload_on_sighup(reloader: Arc<Reloader>) {
 }
 
 /// `SIGUSR1`: the access log file was rotated; open it again.
-async fn reopen_on_sigusr1(reloader: Arc<Reloader>) {
-    let Ok(mut usr1) = signal(SignalKind::user_defined1()) else {
+async fn reopen_on_sigusr1(reloader: Arc<Reloader>, usr1: Option<Signal>) {
+    let Some(mut usr1) = usr1 else {
         tracing::error!("cannot listen for SIGUSR1; reopen the access log with a reload");
         return;
     };
@@ -322,26 +329,63 @@ async fn reopen_on_sigusr1(reloader: Arc<Reloader>) {
     }
 }
 
+/// The signals the gateway acts on, listened for as soon as it has a runtime: from then on
+/// each one that comes is kept until the gateway runs and acts on it.
+struct EarlySignals {
+    hup: Option<Signal>,
+    usr1: Option<Signal>,
+    term: Option<Signal>,
+    int: Option<Signal>,
+}
+
+impl EarlySignals {
+    /// Inside a runtime.
+    fn listen() -> Self {
+        Self {
+            hup: signal(SignalKind::hangup()).ok(),
+            usr1: signal(SignalKind::user_defined1()).ok(),
+            term: signal(SignalKind::terminate()).ok(),
+            int: signal(SignalKind::interrupt()).ok(),
+        }
+    }
+}
+
+/// SIGTERM and SIGINT as they come, kept for [`Drain`] (a permit each: one that came while
+/// the gateway started is acted on as soon as it runs).
+#[derive(Default)]
+struct Stops {
+    term: tokio::sync::Notify,
+    int: tokio::sync::Notify,
+}
+
+async fn keep_stops(term: Option<Signal>, int: Option<Signal>, stops: Arc<Stops>) {
+    let (Some(mut term), Some(mut int)) = (term, int) else {
+        tracing::error!("cannot listen for SIGTERM");
+        return;
+    };
+    loop {
+        tokio::select! {
+            Some(()) = term.recv() => stops.term.notify_one(),
+            Some(()) = int.recv() => stops.int.notify_one(),
+            else => return,
+        }
+    }
+}
+
 /// SIGTERM: turn unready at once, let Pingora stop accepting, and exit 0 as soon as the
 /// requests in flight have finished, or when the grace period ends.
 struct Drain {
     lifecycle: Arc<Lifecycle>,
     grace: Duration,
+    stops: Arc<Stops>,
 }
 
 #[async_trait]
 impl ShutdownSignalWatch for Drain {
     async fn recv(&self) -> ShutdownSignal {
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("cannot listen for SIGTERM");
-            return std::future::pending().await;
-        };
         tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {
+            () = self.stops.term.notified() => {}
+            () = self.stops.int.notified() => {
                 tracing::info!("SIGINT: stopping now");
                 return ShutdownSignal::FastShutdown;
             }

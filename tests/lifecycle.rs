@@ -504,3 +504,53 @@ fn a_busy_listen_address_fails_fast_and_names_it() {
     std::fs::write(&path, tls_clash).unwrap();
     refused_naming("server.tls[0].listen");
 }
+
+/// Signals that come while the gateway starts (its look at the eviction policy waits about a
+/// second for a Redis that accepts and never answers) do not end it by their default action:
+/// a SIGHUP or SIGUSR1 is kept for when it runs, a SIGTERM stops it then, with exit 0. (They
+/// killed it: exit 129, 138 and 143.)
+#[test]
+fn signals_while_it_starts_do_not_kill_it() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis_url = format!("redis://{}/0", silent.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in silent.incoming() {
+            held.push(s);
+        }
+    });
+    let up = Upstream::start("app");
+    for sig in ["HUP", "USR1", "TERM"] {
+        let [port, admin] = common::free_ports();
+        let config = routes(GatewayConfig::new(&redis_url), &up.addr(), api(5)).render(port, admin);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gateway.toml");
+        std::fs::write(&path, config).unwrap();
+        let mut proc = common::Proc {
+            child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+                .arg("--config")
+                .arg(&path)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+            name: "sentinel-gateway",
+        };
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(
+            proc.wait_exit(Duration::ZERO),
+            None,
+            "{sig}: still starting"
+        );
+        proc.signal(sig);
+        if sig == "TERM" {
+            assert_eq!(proc.wait_exit(Duration::from_secs(10)), Some(0), "{sig}");
+            continue;
+        }
+        wait_until(Duration::from_secs(10), "ready after the signal", || {
+            common::blocking_get(&format!("http://127.0.0.1:{admin}/readyz"))
+                .is_some_and(|(s, _)| s == 200)
+        });
+        assert_eq!(proc.wait_exit(Duration::ZERO), None, "{sig}: it runs");
+    }
+}
