@@ -72,6 +72,16 @@ fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
         eprintln!("no key on stdin: pipe the key in, e.g. `printf %s \"$KEY\" | sentinel-gateway hash-key`");
         return 1;
     }
+    // HTTP strips a header value's spaces and tabs at either end, and a value holds no control
+    // character: no client could present such a key, and its hash would match nothing.
+    if key.starts_with([' ', '\t']) || key.ends_with([' ', '\t']) {
+        eprintln!("the key starts or ends with a space or tab, which HTTP strips from a header's value: no client could send it; hash it without them");
+        return 1;
+    }
+    if key.chars().any(char::is_control) {
+        eprintln!("the key holds a control character, which no header value may carry: no client could send it");
+        return 1;
+    }
     for (field, value) in [("tenant", tenant), ("tier", tier)] {
         if value.is_some_and(|v| crate::config::EndpointId::parse(v).is_none()) {
             eprintln!("--{field} must be 1 to 128 of a-z, 0-9, '.', '_', '-'");

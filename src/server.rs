@@ -403,7 +403,13 @@ impl ShutdownSignalWatch for Drain {
             while lifecycle.in_flight() > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(10));
             }
-            tracing::info!(in_flight = lifecycle.in_flight(), "drained; exiting");
+            match lifecycle.in_flight() {
+                0 => tracing::info!(in_flight = 0, "drained; exiting"),
+                cut => tracing::warn!(
+                    in_flight = cut,
+                    "grace_period_seconds is over with requests in flight; exiting, which cuts them (no access-log line is written for them)"
+                ),
+            }
             std::process::exit(0);
         });
         ShutdownSignal::GracefulTerminate

@@ -157,6 +157,13 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     assert!(!line.contains("secret-key"));
     let empty = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"\n");
     assert_eq!(empty.status.code(), Some(1));
+    // Keys no client could send in a header: refused, not hashed into a line that matches
+    // nothing.
+    for unsendable in [&b" key \n"[..], b"key\t", b"ke\x01y"] {
+        let out = common::run_binary_with_stdin(&[OsStr::new("hash-key")], unsendable);
+        assert_eq!(out.status.code(), Some(1), "{unsendable:?}");
+        assert!(out.stdout.is_empty());
+    }
     // Two keys piped in: refused, not the first one hashed alone.
     let two = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"key-a\nkey-b\n");
     assert_eq!(two.status.code(), Some(1));

@@ -1,6 +1,7 @@
 //! The JWKS file of `[auth.jwt] jwks_path`: the identity provider's public keys, read at load
-//! and on every reload. A key that cannot verify anything, or a symmetric key (which would let
-//! whoever reads the file mint tokens), is a config error naming the file and the key.
+//! and on every reload. A key that cannot verify anything, or a symmetric or private key
+//! (which would let whoever reads the file mint tokens), is a config error naming the file and
+//! the key.
 
 use std::path::Path;
 
@@ -29,12 +30,29 @@ pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigErro
     if set.keys.is_empty() {
         return Err(vec![error(None, None, "the JWKS holds no keys".into())]);
     }
+    // The members of a private key (RFC 7518, 6.2.2 and 6.3.2; RFC 8037), which the parsed
+    // set does not keep: looked for in the JSON itself.
+    let private: Vec<bool> = serde_json::from_str::<serde_json::Value>(&source)
+        .ok()
+        .and_then(|v| v.get("keys")?.as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .map(|k| {
+            ["d", "p", "q", "dp", "dq", "qi"]
+                .iter()
+                .any(|m| k.get(m).is_some())
+        })
+        .collect();
     let mut errors = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
         let label = match &jwk.common.key_id {
             Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
             None => format!("keys[{i}]"),
         };
+        if private.get(i).copied().unwrap_or(false) {
+            errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into()));
+            continue;
+        }
         if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_)) {
             errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into()));
             continue;
@@ -96,6 +114,16 @@ mod tests {
         assert_eq!(errors.len(), 1);
         assert!(
             errors[0].starts_with("jwks.json: keys[0] (kid \"s\"): a symmetric key"),
+            "{errors:?}"
+        );
+        // A key that came with its private half, as a key generator writes it.
+        let mut with_private: serde_json::Value = serde_json::from_str(&fixture).unwrap();
+        with_private["keys"][0]["d"] = "c2VjcmV0".into();
+        let errors = check(&with_private.to_string()).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("jwks.json: keys[0]")
+                && errors[0].contains("holds a private key"),
             "{errors:?}"
         );
         let errors = check("{\"keys\": [}").unwrap_err();
