@@ -643,3 +643,42 @@ fn a_client_that_leaves_after_100_continue_is_a_499() {
         0.0
     );
 }
+
+/// A client that announces a body and holds it back is answered 408 when the upstream's read
+/// timeout passes, logged at DEBUG only: the client's doing (nginx's `client_body_timeout`).
+/// It was a 504 "upstream timeout" with a WARN, an alert any client could set off.
+#[test]
+fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[up.addr()], None, Some(500))
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
+        .unwrap();
+    let answer = read_until(&mut conn, |t| t.ends_with('}'));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.ends_with(r#"{"detail":"request body timeout"}"#),
+        "{answer}"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="e.open",status="408"}"#),
+        1.0
+    );
+    let logs = gw.logs();
+    assert!(
+        !logs.contains(r#""level":"WARN""#) && !logs.contains(r#""level":"ERROR""#),
+        "{logs}"
+    );
+    // An upstream that is slow with the whole body in is still the upstream's: 504.
+    let slow = raw_answer(
+        gw.port,
+        b"POST /slow?ms=2000 HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc",
+    );
+    assert!(slow.starts_with("HTTP/1.1 504"), "{slow}");
+}

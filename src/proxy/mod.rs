@@ -692,8 +692,16 @@ impl ProxyHttp for Gateway {
         e: &Error,
         ctx: &mut RequestCtx,
     ) -> FailToProxy {
+        // The upstream waited past its read timeout for a body the client announced and held
+        // back (or sends too slowly): the client's doing, not the upstream's (nginx's
+        // `client_body_timeout`).
+        let body_withheld = matches!(e.esource(), ErrorSource::Upstream)
+            && matches!(e.etype(), ErrorType::ReadTimedout)
+            && session.response_written().is_none()
+            && !session.is_body_done();
         let answer = match (e.esource(), e.etype()) {
             _ if ctx.body_too_large => Some(Answer::BodyTooLarge),
+            _ if body_withheld => Some(Answer::BodyTimeout),
             (_, ErrorType::HTTPStatus(code)) => {
                 let code = *code;
                 if code > 0 {
@@ -731,7 +739,7 @@ impl ProxyHttp for Gateway {
         let answering = session
             .response_written()
             .is_none_or(|r| r.status.is_informational());
-        if matches!(e.esource(), ErrorSource::Upstream) {
+        if matches!(e.esource(), ErrorSource::Upstream) && !body_withheld {
             if let Some(route) = &ctx.route {
                 // Once the upstream's own head went out, the client keeps its status and sees
                 // the body cut short: the line says that status, not the one not sent.

@@ -36,6 +36,8 @@ pub enum Answer {
     },
     UpstreamUnavailable,
     UpstreamTimeout,
+    /// 408: the upstream timed out waiting for a body the client announced and did not send.
+    BodyTimeout,
     /// 503: as many requests are in flight as `max_connections` allows (HTTP/2 streams).
     AtCapacity,
 }
@@ -53,6 +55,7 @@ impl Answer {
             Answer::LimiterUnavailable { .. } => 503,
             Answer::UpstreamUnavailable => 502,
             Answer::UpstreamTimeout => 504,
+            Answer::BodyTimeout => 408,
             Answer::AtCapacity => 503,
         }
     }
@@ -69,6 +72,7 @@ impl Answer {
             Answer::LimiterUnavailable { .. } => r#"{"detail":"rate limiter unavailable"}"#,
             Answer::UpstreamUnavailable => r#"{"detail":"upstream unavailable"}"#,
             Answer::UpstreamTimeout => r#"{"detail":"upstream timeout"}"#,
+            Answer::BodyTimeout => r#"{"detail":"request body timeout"}"#,
             Answer::AtCapacity => r#"{"detail":"gateway at capacity"}"#,
         }
     }
