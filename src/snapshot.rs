@@ -29,6 +29,8 @@ pub struct Route {
     pub upstream: Arc<UpstreamPool>,
     /// The route's body limit, or the server's.
     pub max_body_bytes: Option<u64>,
+    /// `websocket = true`: `Upgrade` requests are passed on.
+    pub websocket: bool,
     /// Clients forwarded without identity, limit or Redis call.
     pub exempt_client_cidrs: Vec<ipnet::IpNet>,
 }
@@ -184,6 +186,7 @@ impl Snapshot {
                 identity: rc.identity.clone(),
                 upstream: Arc::clone(&pools[&rc.upstream.name]),
                 max_body_bytes: rc.max_body_bytes,
+                websocket: rc.websocket,
                 exempt_client_cidrs: rc.exempt_client_cidrs.clone(),
             };
             entries.push((rc.matcher(), Arc::new(route)));

@@ -682,3 +682,80 @@ fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
     );
     assert!(slow.starts_with("HTTP/1.1 504"), "{slow}");
 }
+
+/// An upstream that switches to any protocol it is asked for (answering 101 and echoing what
+/// follows), and answers a plain request 200 "plain".
+fn upgrading_upstream() -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                if asked.contains("\r\nupgrade: websocket") {
+                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 || s.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                } else {
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nplain");
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A route becomes a tunnel only with `websocket = true`: elsewhere an `Upgrade` request
+/// reaches the upstream as a plain request, so one decision cannot buy a connection whose
+/// every later message goes through undecided.
+#[test]
+fn only_a_websocket_route_passes_an_upgrade_on() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let upstream = upgrading_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[&upstream])
+        .route(
+            Route::new("e.ws")
+                .prefix("/ws")
+                .unlimited()
+                .set("websocket", "true"),
+        )
+        .route(
+            Route::new("e.api")
+                .prefix("/api")
+                .identity("client_ip")
+                .token_bucket(2_000_000, 0)
+                .fail_closed(),
+        )
+        .start();
+    let upgrade = |path: &str| {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n").as_bytes())
+            .unwrap();
+        let head = read_until(&mut conn, |t| t.contains("\r\n\r\n"));
+        (conn, head)
+    };
+    let (mut tunnel, head) = upgrade("/ws/chat");
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tunnel.write_all(b"through").unwrap();
+    let mut echoed = [0u8; 7];
+    tunnel.read_exact(&mut echoed).unwrap();
+    assert_eq!(&echoed, b"through");
+    let (_, head) = upgrade("/api/x");
+    assert!(head.starts_with("HTTP/1.1 200"), "a plain answer: {head}");
+}

@@ -501,6 +501,8 @@ pub struct RouteConfig {
     pub policy: Arc<Policy>,
     /// This route's body limit, or the server's; `None`: no limit.
     pub max_body_bytes: Option<u64>,
+    /// `Upgrade` requests (WebSocket) are passed on; without it the upstream never sees one.
+    pub websocket: bool,
     /// Clients (as `client_ip` derives them) forwarded without identity, limit or Redis call.
     pub exempt_client_cidrs: Vec<IpNet>,
 }

@@ -202,6 +202,7 @@ pub struct RawRoute {
     pub cost_micro: Option<Spanned<i64>>,
     pub mode: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,
+    pub websocket: Option<bool>,
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
     #[serde(default)]
     pub limits: Vec<Spanned<RawLimit>>,
@@ -333,6 +334,7 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "ratelimit_headers",
     "mode",
     "max_body_bytes",
+    "websocket",
     "exempt_client_cidrs",
     "limits",
     "cost_from_response",

@@ -553,6 +553,26 @@ impl ProxyHttp for Gateway {
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
             origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
         }
+        // A route without `websocket = true` is never a tunnel: an `Upgrade` request reaches
+        // the upstream as a plain one (as nginx without its upgrade settings), so a client
+        // cannot turn one decision into an unlimited connection.
+        if upstream_request.headers.contains_key(http::header::UPGRADE)
+            && !ctx.route.as_ref().is_some_and(|r| r.websocket)
+        {
+            upstream_request.remove_header(&http::header::UPGRADE);
+            let names_upgrade = upstream_request
+                .headers
+                .get_all(http::header::CONNECTION)
+                .iter()
+                .any(|v| {
+                    v.as_bytes()
+                        .split(|b| *b == b',')
+                        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
+                });
+            if names_upgrade {
+                upstream_request.remove_header(&http::header::CONNECTION);
+            }
+        }
         // An HTTP/1.0 request may come without `Host`; the upstream is sent HTTP/1.1, which
         // must carry one (RFC 9112, 3.2): the upstream's address, as nginx's `$proxy_host`.
         if upstream_request.uri.authority().is_none()

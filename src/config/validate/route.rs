@@ -123,6 +123,7 @@ pub(super) fn route(
         identity: identity?,
         policy: Arc::new(policy?),
         max_body_bytes: max_body_bytes?,
+        websocket: r.websocket.unwrap_or(false),
         exempt_client_cidrs: exempt?,
     })
 }
