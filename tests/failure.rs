@@ -1003,3 +1003,42 @@ async fn a_probe_leaves_a_silently_dead_connection_behind() {
         "enforced again on the new connection"
     );
 }
+
+/// A Redis that refused the batch script (an ACL without `SCRIPT LOAD`, say) gets each
+/// decision on its own, and the batch script is tried again 10 s later: once the refusal is
+/// lifted, decisions share calls again without a reconnect (they stayed one by one until the
+/// connection was made again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_comes_back_once_the_batch_script_may_load_again() {
+    let redis = Redis::start();
+    let mut admin = redis.conn();
+    let acl = |rules: &[&str], admin: &mut redis::Connection| {
+        let mut args = vec!["SETUSER", "limiter", "on", ">secret", "~*", "&*", "+@all"];
+        args.extend_from_slice(rules);
+        let _: () = redis::cmd("ACL").arg(&args).query(admin).unwrap();
+    };
+    acl(&["-script"], &mut admin);
+    let up = Upstream::start("app");
+    let url = format!("redis://limiter@127.0.0.1:{}/0", redis.port);
+    let gw = config(&url, &up.addr(), 1000)
+        .redis("password_env", "\"TEST_REDIS_PASSWORD\"")
+        .start_with_env(&[("TEST_REDIS_PASSWORD", "secret")]);
+    let http = client();
+    assert_unavailable(&send(&http, &gw.url("/closed"), "k").await);
+    acl(&["+script"], &mut admin);
+    let batched = gw.metric("sentinel_redis_batch_size_count");
+    let start = std::time::Instant::now();
+    for i in 0.. {
+        // Each its own identity: the route's bucket holds 3.
+        let key = format!("k{i}");
+        assert_eq!(send(&http, &gw.url("/closed"), &key).await.status, 200);
+        if gw.metric("sentinel_redis_batch_size_count") > batched {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "decisions never shared a call again"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

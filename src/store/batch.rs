@@ -32,7 +32,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard, Weak};
 
 use tokio::sync::oneshot;
@@ -235,28 +235,36 @@ impl Batches {
 /// gave up are dropped (a Redis that stopped answering while the breaker stays closed).
 const QUEUE_COMPACT_AT: usize = 4096;
 
-/// A link's willingness to batch: whether its node refused the batch script.
+/// How long a node that refused the batch script has its decisions sent alone before a
+/// decision tries the batch script again (an ACL or a managed Redis's rules changed back).
+const RETRY_REFUSED_US: u64 = 10_000_000;
+
+/// A link's willingness to batch: whether its node refused the batch script lately.
 #[derive(Default)]
 pub(super) struct Turns {
-    /// Redis refused the batch script: every decision on this link goes alone.
-    refused: AtomicBool,
+    /// When Redis last refused the batch script (`deadline::mono_us`); 0: it has not.
+    refused_at_us: AtomicU64,
 }
 
 impl Turns {
     /// The node loaded the batch script (again: a Redis upgraded meanwhile, say).
     pub(super) fn accept(&self) {
-        self.refused.store(false, Ordering::Relaxed);
+        self.refused_at_us.store(0, Ordering::Relaxed);
     }
 
-    /// The node refused the batch script: decisions on it are sent one by one.
+    /// The node refused the batch script: decisions on it are sent one by one for
+    /// `RETRY_REFUSED_US`, then the batch script is tried again.
     pub(super) fn refuse(&self, node: &str, error: &dyn std::fmt::Display) {
-        if !self.refused.swap(true, Ordering::Relaxed) {
-            tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one");
+        let now = super::deadline::mono_us();
+        let before = self.refused_at_us.swap(now, Ordering::Relaxed);
+        if before == 0 || now.saturating_sub(before) >= RETRY_REFUSED_US {
+            tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one, and the batch script tried again every 10 s");
         }
     }
 
     fn is_refused(&self) -> bool {
-        self.refused.load(Ordering::Relaxed)
+        let at = self.refused_at_us.load(Ordering::Relaxed);
+        at != 0 && super::deadline::mono_us().saturating_sub(at) < RETRY_REFUSED_US
     }
 }
 
