@@ -222,7 +222,7 @@ impl Admin {
             }
             (Err(why), _) | (_, Err(why)) => return bad(why),
         };
-        let hash = identity_hash(&identity);
+        let hash = identity_hash(&as_keyed(&identity));
         // A tiered route: `tier` picks the tier to read (default: default_tier).
         let (tier, view_of) = match &endpoint.tiers {
             None if asked.is_some() => {
@@ -357,9 +357,46 @@ impl Admin {
     }
 }
 
+/// An identity string as the request path writes it before hashing it into keys: a header's
+/// name in lower case (`header:X-API-Key:v` is `header:x-api-key:v`), an address as the
+/// `client_ip` identity writes it (an IPv4-mapped IPv6 address as IPv4). Written otherwise,
+/// it would read as a bucket never used, and a `DELETE` would delete nothing.
+fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
+    if let Some(rest) = identity.strip_prefix("header:") {
+        if let Some((name, value)) = rest.split_once(':') {
+            if name.bytes().any(|b| b.is_ascii_uppercase()) {
+                return format!("header:{}:{value}", name.to_ascii_lowercase()).into();
+            }
+        }
+    }
+    if let Some(addr) = identity.strip_prefix("ip:") {
+        if let Ok(ip) = addr.parse::<std::net::IpAddr>() {
+            let keyed = format!("ip:{}", crate::identity::canonical(ip));
+            if keyed != identity {
+                return keyed.into();
+            }
+        }
+    }
+    identity.into()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::query_param;
+    use super::{as_keyed, query_param};
+
+    #[test]
+    fn identities_are_read_as_the_request_path_keys_them() {
+        assert_eq!(as_keyed("header:X-API-Key:AbC"), "header:x-api-key:AbC");
+        assert_eq!(as_keyed("header:x-api-key:a:b"), "header:x-api-key:a:b");
+        assert_eq!(as_keyed("ip:::ffff:10.0.0.1"), "ip:10.0.0.1");
+        assert_eq!(as_keyed("ip:2001:DB8::1"), "ip:2001:db8::1");
+        assert_eq!(
+            as_keyed("jwt:Tenant-7"),
+            "jwt:Tenant-7",
+            "a claim keeps its case"
+        );
+        assert_eq!(as_keyed("ip:not-an-address"), "ip:not-an-address");
+    }
 
     #[test]
     fn identities_are_percent_decoded_from_the_query() {
