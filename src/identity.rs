@@ -324,6 +324,15 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// An `X-Forwarded-For` entry's address: an address alone, or with the port some proxies
+/// (Azure's Application Gateway) write after it, `1.2.3.4:5678` or `[2001:db8::1]:5678`.
+fn forwarded_address(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+}
+
 /// The client's address: the socket peer, or, when the peer is a trusted proxy, the
 /// `X-Forwarded-For` entry that names the client.
 ///
@@ -356,7 +365,7 @@ pub fn client_ip(
         for entry in entries {
             let ip = std::str::from_utf8(entry)
                 .ok()
-                .and_then(|e| e.parse::<IpAddr>().ok())
+                .and_then(forwarded_address)
                 .map(canonical)
                 .ok_or(IdentityError::UnusableForwardedFor)?;
             if !is_trusted(ip, trusted) {
@@ -454,10 +463,27 @@ mod tests {
             Ok(ip("1.2.3.4")),
             "an earlier field is to the left"
         );
+        // With the port some proxies write after the address (Azure's Application Gateway).
+        for with_port in [
+            "1.2.3.4:5678",
+            "1.2.3.4:5678, 10.0.0.5:443",
+            "[::ffff:1.2.3.4]:80",
+        ] {
+            assert_eq!(
+                client_ip(&req(&[with_port], &[]), proxy, &trusted),
+                Ok(ip("1.2.3.4")),
+                "{with_port}"
+            );
+        }
+        assert_eq!(
+            client_ip(&req(&["[2001:db8::1]:443"], &[]), proxy, &trusted),
+            Ok(ip("2001:db8::1"))
+        );
         for unusable in [
             "1.2.3.4, not-an-ip",
             "1.2.3.4, not-an-ip, 10.0.0.5",
-            "1.2.3.4:80",
+            "1.2.3.4:99999",
+            "2001:db8::1:80:x",
             // A header that names no one: not the proxy's bucket either.
             "",
             " , ,",
