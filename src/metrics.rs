@@ -449,6 +449,15 @@ impl Metrics {
         }
     }
 
+    /// An endpoint a reload removed: its `sentinel_endpoint_mode` series go, so that no
+    /// gauge says a route that no longer exists is enforced. Its counters stay (a rate over
+    /// them would otherwise lose the requests it had until the reload).
+    pub fn endpoint_removed(&self, endpoint_id: &str) {
+        for mode in ["enforce", "shadow"] {
+            let _ = self.endpoint_mode.remove_label_values(&[endpoint_id, mode]);
+        }
+    }
+
     /// `sentinel_tier_decisions_total` of one tier: denied, then allowed.
     pub fn tier_decisions(&self, endpoint_id: &str, tier: &str) -> [IntCounter; 2] {
         ["false", "true"].map(|allowed| {

@@ -177,6 +177,13 @@ impl Reloader {
             .jwks_target()
             .is_some_and(|target| Some(target) != current.jwks_target());
         let jwks = Arc::clone(&snapshot.jwks);
+        for gone in current
+            .endpoints
+            .keys()
+            .filter(|id| !snapshot.endpoints.contains_key(*id))
+        {
+            self.metrics.endpoint_removed(gone.as_str());
+        }
         self.live.store(Arc::new(snapshot));
         if jwks_changed {
             jwks.refresh_now();

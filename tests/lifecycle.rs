@@ -430,7 +430,8 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
     let gw = routes(watched, &up.addr(), api(5)).start();
     let http = client();
     assert_eq!(http.get(gw.url("/new")).send().await.unwrap().status(), 404);
-    let mut text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let original = std::fs::read_to_string(&gw.config_path).unwrap();
+    let mut text = original.clone();
     text.push_str(&new_route());
     gw.rewrite_config(&text);
     wait_until(Duration::from_secs(5), "the watcher to reload", || {
@@ -461,6 +462,18 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
         Duration::from_secs(5),
         "the whole file loaded again",
         || gw.metric("sentinel_config_generation") == 3.0,
+    );
+    let mode = r#"sentinel_endpoint_mode{endpoint_id="l.new",mode="enforce"}"#;
+    assert_eq!(gw.metric(mode), 1.0);
+    // The route removed: no gauge says it is enforced any more.
+    gw.rewrite_config(&original);
+    wait_until(Duration::from_secs(5), "the route removed", || {
+        gw.metric("sentinel_config_generation") == 4.0
+    });
+    let (_, body) = blocking_get(&gw.admin("/metrics")).unwrap();
+    assert!(
+        !body.contains(r#"sentinel_endpoint_mode{endpoint_id="l.new""#),
+        "{body}"
     );
 }
 

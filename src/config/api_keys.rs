@@ -200,7 +200,7 @@ mod tests {
             None,
             "the hash is not a key"
         );
-        assert!(parse(Path::new("k.toml"), "").unwrap().is_empty());
+        assert!(parse(Path::new("k.toml"), "keys = []").unwrap().is_empty());
         assert_eq!(key_line(b"k1"), format!("sha256 = \"{}\"", sha("k1")));
     }
 
