@@ -656,6 +656,16 @@ fn an_idle_http2_connection_that_never_answers_its_goaway_is_cut() {
     );
 }
 
+/// A connection to `port` whose receive buffer holds 4 KiB: a client that stops reading
+/// soon stops the gateway's writes too.
+fn small_window(port: u16) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    socket.connect(&addr.into()).unwrap();
+    socket.into()
+}
+
 /// Whether the gateway (PID `pid`) still holds the socket of the connection from local port
 /// `client_port` to `server_port`: its inode in /proc/net/tcp, among the process's files.
 fn gateway_holds(pid: u32, server_port: u16, client_port: u16) -> bool {
@@ -687,11 +697,7 @@ fn an_idle_http2_client_that_stopped_reading_is_still_closed() {
         &up,
         &[("keepalive_timeout_seconds", "1"), ("h2c", "true")],
     );
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], gw.port).into();
-    socket.connect(&addr.into()).unwrap();
-    let mut s: TcpStream = socket.into();
+    let mut s = small_window(gw.port);
     let client_port = s.local_addr().unwrap().port();
     let hello = h2c_get();
     s.write_all(&hello).unwrap();
@@ -851,11 +857,7 @@ fn a_client_that_reads_nothing_of_its_answer_is_cut_at_send_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("access.log");
     let gw = unread_gateway(&redis, &upstream, &log);
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], gw.port).into();
-    socket.connect(&addr.into()).unwrap();
-    let mut s: TcpStream = socket.into();
+    let mut s = small_window(gw.port);
     let client_port = s.local_addr().unwrap().port();
     let start = Instant::now();
     s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")

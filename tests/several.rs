@@ -188,6 +188,28 @@ fn ceiling(r: Route) -> Route {
     )
 }
 
+/// The limits of [`ceiling`], as the library names them (for their keys).
+fn ceiling_limits() -> [Limit; 2] {
+    [
+        Limit {
+            name: "burst".into(),
+            algorithm: Algorithm::TokenBucket {
+                capacity_micro: 3_000_000,
+                refill_micro_per_sec: 0,
+            },
+            global: false,
+        },
+        Limit {
+            name: "backend".into(),
+            algorithm: Algorithm::SlidingWindow {
+                limit: 5,
+                window_micro: 60_000_000,
+            },
+            global: true,
+        },
+    ]
+}
+
 async fn total_over_keys(gw: &common::Gateway, keys: &[&str], each: usize) -> Vec<u64> {
     let mut admitted = vec![0; keys.len()];
     for (i, k) in keys.iter().enumerate() {
@@ -289,24 +311,7 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
                 .bucket_limit("daily", 9, 0),
         )
         .start();
-    let limits = [
-        Limit {
-            name: "burst".into(),
-            algorithm: Algorithm::TokenBucket {
-                capacity_micro: 3_000_000,
-                refill_micro_per_sec: 0,
-            },
-            global: false,
-        },
-        Limit {
-            name: "backend".into(),
-            algorithm: Algorithm::SlidingWindow {
-                limit: 5,
-                window_micro: 60_000_000,
-            },
-            global: true,
-        },
-    ];
+    let limits = ceiling_limits();
     // Callers whose own limits live on another primary than the ceiling.
     let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
     let ceiling_node = cluster.owner(global_key);
@@ -615,24 +620,7 @@ async fn a_broken_key_among_several_is_the_one_logged() {
         .upstream("app", &[up.addr()])
         .route(route(ceiling))
         .start();
-    let limits = [
-        Limit {
-            name: "burst".into(),
-            algorithm: Algorithm::TokenBucket {
-                capacity_micro: 3_000_000,
-                refill_micro_per_sec: 0,
-            },
-            global: false,
-        },
-        Limit {
-            name: "backend".into(),
-            algorithm: Algorithm::SlidingWindow {
-                limit: 5,
-                window_micro: 60_000_000,
-            },
-            global: true,
-        },
-    ];
+    let limits = ceiling_limits();
     let keys = limit_keys("sentinel", "header:x-api-key:a", "e.api", 1, &limits);
     let _: () = redis::cmd("SET")
         .arg(&keys[1])
