@@ -759,3 +759,36 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
     let (_, head) = upgrade("/api/x");
     assert!(head.starts_with("HTTP/1.1 200"), "a plain answer: {head}");
 }
+
+/// A request Pingora refuses after the upstream was chosen and before anything is sent (a
+/// `Connection` header naming a protected field) was logged as forwarded, naming the
+/// upstream; nothing reached it.
+#[test]
+fn a_request_refused_before_it_is_sent_is_logged_as_not_forwarded() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .section(&format!(
+            "[access_log]\npath = {}\n",
+            common::config::quoted(&log.display().to_string())
+        ))
+        .start();
+    let answer = raw_answer(
+        gw.port,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: X-Forwarded-For\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let mut text = String::new();
+    wait_until(Duration::from_secs(5), "the access log's line", || {
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.ends_with('\n')
+    });
+    let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(line["status"], 400, "{line}");
+    assert_eq!(line["upstream"], serde_json::Value::Null, "{line}");
+    assert_eq!(line["upstream_addr"], serde_json::Value::Null, "{line}");
+}

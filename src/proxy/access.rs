@@ -57,7 +57,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     };
     let route = ctx.route.as_ref();
     let decision = ctx.decision.as_ref();
-    let forwarded = ctx.upstream_addr.is_some();
+    let forwarded = ctx.forwarded && ctx.upstream_addr.is_some();
     let origin = ctx.origin.as_ref();
     let line = Line {
         timestamp: Timestamp::of(started),
@@ -84,7 +84,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         upstream: route
             .filter(|_| forwarded)
             .map(|r| r.upstream.config.name.as_str()),
-        upstream_addr: ctx.upstream_addr,
+        upstream_addr: ctx.upstream_addr.filter(|_| forwarded),
         duration_ms: took.as_secs_f64() * 1000.0,
         bytes_received: session.body_bytes_read() as u64,
         bytes_sent: session.body_bytes_sent() as u64,

@@ -71,8 +71,12 @@ pub struct RequestCtx {
     /// a failed connect is retried while untried addresses remain.
     first_place: Option<usize>,
     rotation: usize,
-    /// The upstream address the request was last sent to.
+    /// The upstream address the request was last sent to (connected to: `forwarded` says
+    /// whether its head was then written).
     upstream_addr: Option<std::net::SocketAddr>,
+    /// The request's head reached `upstream_request_filter`, after Pingora's own checks of it
+    /// (a `Connection` header naming a protected field is refused before).
+    forwarded: bool,
     /// Request body bytes passed upstream so far, and whether the body outgrew its limit.
     body_bytes: u64,
     body_too_large: bool,
@@ -550,6 +554,7 @@ impl ProxyHttp for Gateway {
         upstream_request: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.forwarded = true;
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
             origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
         }
