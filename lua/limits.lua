@@ -262,8 +262,8 @@ local function several(k0, mode, limits, now)
     end
     for i = 1, n do
       local r = results[i]
+      touching = i
       if every and mode == 0 then
-        touching = i
         r[6]()
       elseif r[1] == 1 then
         -- Not charged: what is there now is what it would have had before this request,

@@ -549,11 +549,27 @@ fn signals_while_it_starts_do_not_kill_it() {
                 .unwrap(),
             name: "sentinel-gateway",
         };
-        std::thread::sleep(Duration::from_millis(400));
+        // Once the process catches SIGHUP, SIGUSR1 and SIGTERM (bits 0, 9 and 14 of its
+        // caught-signals mask), while it still waits for the silent Redis.
+        let pid = proc.pid();
+        let all = 1u64 << 0 | 1 << 9 | 1 << 14;
+        wait_until(Duration::from_secs(10), "the signals caught", || {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|st| {
+                    let mask = st.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                    u64::from_str_radix(mask.trim(), 16).ok()
+                })
+                .is_some_and(|m| m & all == all)
+        });
         assert_eq!(
             proc.wait_exit(Duration::ZERO),
             None,
             "{sig}: still starting"
+        );
+        assert!(
+            common::blocking_get(&format!("http://127.0.0.1:{admin}/readyz")).is_none(),
+            "{sig}: not ready yet, so the signal comes while it starts"
         );
         proc.signal(sig);
         if sig == "TERM" {

@@ -30,6 +30,10 @@ use crate::store::Store;
 use forwarded::Origin;
 use respond::Answer;
 
+/// A body that stalled with less than this received is the client's (408): an upstream that
+/// stopped reading could not have filled the sockets between (each holds more on its own).
+const WITHHELD_BODY_BELOW: usize = 64 * 1024;
+
 /// The status counted for a request whose client left before any final answer (nginx's 499).
 const CLIENT_CLOSED: u16 = 499;
 
@@ -429,12 +433,20 @@ impl ProxyHttp for Gateway {
         // two of them, is not forwarded: the upstream could frame the body otherwise than the
         // gateway did. The body is not read: the connection closes after the answer.
         let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        let mut announced = None;
         if let Some(length) = lengths.next() {
             let digits = !length.is_empty() && length.as_bytes().iter().all(u8::is_ascii_digit);
             if !digits || lengths.next().is_some() {
                 session.set_keepalive(None);
                 return self.answer(session, ctx, Answer::BadRequest).await;
             }
+            // Digits only: past u64, larger than any limit.
+            announced = Some(
+                std::str::from_utf8(length.as_bytes())
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(u64::MAX),
+            );
         }
         // Pingora would answer CONNECT with a bare 405 before any hook; the server options
         // let it through to here, where it gets the gateway's own answer.
@@ -471,12 +483,6 @@ impl ProxyHttp for Gateway {
         ctx.route = Some(Arc::clone(&route));
         // A body announced too large is refused before identity, limiter and upstream.
         if let Some(limit) = route.max_body_bytes {
-            let announced = session
-                .req_header()
-                .headers
-                .get(http::header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok());
             if announced.is_some_and(|n| n > limit) {
                 // The body is not read: close the connection after the answer.
                 session.set_keepalive(None);
@@ -550,7 +556,7 @@ impl ProxyHttp for Gateway {
     /// headers and the request id.
     async fn upstream_request_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_request: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
@@ -579,19 +585,27 @@ impl ProxyHttp for Gateway {
             }
         }
         // An HTTP/1.0 request may come without `Host`; the upstream is sent HTTP/1.1, which
-        // must carry one (RFC 9112, 3.2): the upstream's address, as nginx's `$proxy_host`.
-        if upstream_request.uri.authority().is_none()
-            && !upstream_request.headers.contains_key(http::header::HOST)
-        {
-            if let Some(addr) = ctx.upstream_addr {
-                upstream_request.insert_header(http::header::HOST, addr.to_string())?;
-            }
-        }
+        // must carry one (RFC 9112, 3.2): its absolute-form authority, else the upstream's
+        // address, as nginx's `$proxy_host`. (Only HTTP/1.0: HTTP/1.1 without it was a 400,
+        // HTTP/2 has its authority.)
+        let host = (session.req_header().version == http::Version::HTTP_10
+            && !upstream_request.headers.contains_key(http::header::HOST))
+        .then(|| {
+            upstream_request
+                .uri
+                .authority()
+                .map(forwarded::without_userinfo)
+                .or_else(|| ctx.upstream_addr.map(|a| a.to_string()))
+        })
+        .flatten();
         if let Some(uri) = ctx.upstream_uri.as_deref() {
             let uri = uri
                 .parse::<http::Uri>()
                 .map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
             upstream_request.set_uri(uri);
+        }
+        if let Some(host) = host {
+            upstream_request.insert_header(http::header::HOST, host)?;
         }
         Ok(())
     }
@@ -719,11 +733,23 @@ impl ProxyHttp for Gateway {
     ) -> FailToProxy {
         // The upstream waited past its read timeout for a body the client announced and held
         // back (or sends too slowly): the client's doing, not the upstream's (nginx's
-        // `client_body_timeout`).
+        // `client_body_timeout`). Only while less of it came than any socket between here and
+        // the upstream holds: past that, an upstream that stopped reading the body would stop
+        // this side's reads too and look the same, and that is the upstream's fault (504).
         let body_withheld = matches!(e.esource(), ErrorSource::Upstream)
             && matches!(e.etype(), ErrorType::ReadTimedout)
-            && session.response_written().is_none()
-            && !session.is_body_done();
+            && session
+                .response_written()
+                .is_none_or(|r| r.status.is_informational())
+            && !session.is_body_done()
+            && session.body_bytes_read() < WITHHELD_BODY_BELOW;
+        if body_withheld {
+            tracing::debug!(
+                request_id = ctx.request_id(),
+                received = session.body_bytes_read(),
+                "the client held back the body it announced until the upstream's read timeout: 408"
+            );
+        }
         let answer = match (e.esource(), e.etype()) {
             _ if ctx.body_too_large => Some(Answer::BodyTooLarge),
             _ if body_withheld => Some(Answer::BodyTimeout),

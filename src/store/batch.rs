@@ -32,7 +32,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard, Weak};
 
 use tokio::sync::oneshot;
@@ -244,20 +244,23 @@ const RETRY_REFUSED_US: u64 = 10_000_000;
 pub(super) struct Turns {
     /// When Redis last refused the batch script (`deadline::mono_us`); 0: it has not.
     refused_at_us: AtomicU64,
+    /// The refusal was logged: once until the node loads the script again.
+    warned: AtomicBool,
 }
 
 impl Turns {
     /// The node loaded the batch script (again: a Redis upgraded meanwhile, say).
     pub(super) fn accept(&self) {
         self.refused_at_us.store(0, Ordering::Relaxed);
+        self.warned.store(false, Ordering::Relaxed);
     }
 
     /// The node refused the batch script: decisions on it are sent one by one for
     /// `RETRY_REFUSED_US`, then the batch script is tried again.
     pub(super) fn refuse(&self, node: &str, error: &dyn std::fmt::Display) {
-        let now = super::deadline::mono_us();
-        let before = self.refused_at_us.swap(now, Ordering::Relaxed);
-        if before == 0 || now.saturating_sub(before) >= RETRY_REFUSED_US {
+        self.refused_at_us
+            .store(super::deadline::mono_us(), Ordering::Relaxed);
+        if !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one, and the batch script tried again every 10 s");
         }
     }

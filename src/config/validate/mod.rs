@@ -341,27 +341,26 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
     (!path.is_empty()).then(|| path.join("."))
 }
 
-/// Reads an optional integer within `lo..=hi`, naming the field and the valid range.
-/// How an `*_env` field's variable is named in a message: as written when it reads as an
-/// environment variable's name (upper case, digits and `_`), else by its length only, since
-/// what was written there may be the secret itself, pasted in place of the variable's name.
+/// How an `*_env` field's variable is named in a message: as written when the environment
+/// has such a variable, or when it reads as one (upper case, digits and at least one `_`,
+/// as `SENTINEL_REDIS_PASSWORD`); else not at all, since what was written there may be the
+/// secret itself pasted in place of the name (an AWS key id is upper case too). The
+/// message's line and column point at it.
 pub(super) fn env_var_shown(name: &str) -> String {
-    let conventional = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with(|c: char| c.is_ascii_digit())
+    let reads_as_a_name = name.len() <= 64
+        && name.contains('_')
+        && name.starts_with(|c: char| c.is_ascii_uppercase())
         && name
             .bytes()
             .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
-    if conventional {
+    if reads_as_a_name || std::env::var_os(name).is_some() {
         name.to_owned()
     } else {
-        format!(
-            "named here ({} characters; not shown, as it is not an upper-case variable name and may be the secret itself)",
-            name.chars().count()
-        )
+        "named here".to_owned()
     }
 }
 
+/// Reads an optional integer within `lo..=hi`, naming the field and the valid range.
 pub(super) fn int_in(
     c: &mut Collector,
     route: Option<&str>,

@@ -19,16 +19,21 @@ use crate::config::*;
 /// What two listen addresses that [`overlap`] are told.
 pub(super) const SHARED: &str = "share a port on one address (or one of them is the wildcard that takes the other's): only one could be bound";
 
-/// Whether two listen addresses cannot both be bound: one port on the same address, or one
-/// of them the wildcard that takes the other's (`[::]` takes IPv4 too, as Linux binds it by
-/// default, and as Pingora binds it).
+/// Whether two listen addresses cannot both be bound: one port on the same address (an
+/// IPv4-mapped one as IPv4), or one of them the wildcard of the other's family.
 pub(super) fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
     if a.port() != b.port() || a.port() == 0 {
         return false;
     }
+    let (a, b) = (
+        crate::identity::canonical(a.ip()),
+        crate::identity::canonical(b.ip()),
+    );
+    // Of one family: whether `[::]` also takes IPv4 is the host's setting (`bindv6only`),
+    // which the start's own binding finds out.
     let takes =
-        |w: SocketAddr, o: SocketAddr| w.ip().is_unspecified() && (w.is_ipv6() || o.is_ipv4());
-    a.ip() == b.ip() || takes(a, b) || takes(b, a)
+        |w: std::net::IpAddr, o: std::net::IpAddr| w.is_unspecified() && w.is_ipv6() == o.is_ipv6();
+    a == b || takes(a, b) || takes(b, a)
 }
 
 pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ServerConfig> {
@@ -89,14 +94,18 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             }
         },
     };
-    if let (Some(admin), Some(a)) = (admin_listen, s.and_then(|s| s.admin_listen.as_ref())) {
+    // The default admin address too: `listen = "0.0.0.0:9090"` takes it.
+    let admin_span = s
+        .and_then(|s| s.admin_listen.as_ref().map(|a| a.span()))
+        .or_else(|| s.and_then(|s| s.listen.as_ref().map(|l| l.span())));
+    if let Some(admin) = admin_listen {
         if let Some(other) = listen.iter().find(|l| overlap(**l, admin)) {
             let shared = if *other == admin {
                 "is also in server.listen".to_owned()
             } else {
                 format!("and server.listen's \"{other}\" {SHARED}")
             };
-            c.push(Some(&a.span()), None, format!("server.admin_listen = \"{admin}\" {shared}: the admin listener needs an address of its own"));
+            c.push(admin_span.as_ref(), None, format!("server.admin_listen = \"{admin}\" {shared}: the admin listener needs an address of its own"));
             ok = false;
         }
     }
@@ -1330,9 +1339,15 @@ mod tests {
         assert!(o("127.0.0.1:80", "127.0.0.1:80"));
         assert!(o("0.0.0.0:80", "127.0.0.1:80"));
         assert!(o("127.0.0.1:80", "0.0.0.0:80"));
-        assert!(o("[::]:80", "127.0.0.1:80"), "[::] takes IPv4 too");
-        assert!(o("[::]:80", "0.0.0.0:80"));
+        assert!(
+            !o("[::]:80", "0.0.0.0:80"),
+            "the host's bindv6only says; the start binds"
+        );
         assert!(o("[::1]:80", "[::]:80"));
+        assert!(
+            o("[::ffff:127.0.0.1]:80", "127.0.0.1:80"),
+            "a mapped address is IPv4"
+        );
         assert!(!o("0.0.0.0:80", "[::1]:80"), "0.0.0.0 takes no IPv6");
         assert!(!o("127.0.0.1:80", "127.0.0.2:80"));
         assert!(!o("0.0.0.0:80", "0.0.0.0:81"));
