@@ -584,7 +584,7 @@ fn key_of_error(error: &str, keys: usize) -> (&str, usize) {
     let named = error.strip_suffix(')').and_then(|e| {
         let (rest, i) = e.rsplit_once(" (key ")?;
         let i: usize = i.parse().ok()?;
-        (1..=keys).contains(&i).then_some((rest, i - 1))
+        (1..=keys).contains(&i).then(|| (rest, i - 1))
     });
     named.unwrap_or((error, 0))
 }
