@@ -321,6 +321,9 @@ async fn reopen_on_sigusr1(reloader: Arc<Reloader>, usr1: Option<Signal>) {
     while usr1.recv().await.is_some() {
         let target = reloader.live.load().config.access_log.clone();
         match reloader.edge.access_log.reopen(target.as_ref()) {
+            Ok(()) if target.is_none() => {
+                tracing::info!("SIGUSR1: no access log is configured; nothing to reopen")
+            }
             Ok(()) => tracing::info!("access log reopened"),
             Err(e) => {
                 tracing::error!(error = %e, "cannot reopen the access log; writing on to the old file")

@@ -583,3 +583,17 @@ fn signals_while_it_starts_do_not_kill_it() {
         assert_eq!(proc.wait_exit(Duration::ZERO), None, "{sig}: it runs");
     }
 }
+
+/// SIGUSR1 without an access log reopens nothing and says so (it said "access log reopened").
+#[test]
+fn sigusr1_without_an_access_log_says_there_is_none() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
+    gw.proc.signal("USR1");
+    wait_until(Duration::from_secs(5), "the SIGUSR1 line", || {
+        gw.logs()
+            .contains("no access log is configured; nothing to reopen")
+    });
+    assert!(!gw.logs().contains("access log reopened"));
+}
