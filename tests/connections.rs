@@ -811,13 +811,8 @@ fn endless_upstream() -> (String, std::sync::mpsc::Receiver<Instant>) {
         let Ok((mut s, _)) = listener.accept() else {
             return;
         };
-        let mut head = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
+        if common::read_head(&mut s).is_none() {
+            return;
         }
         let chunk = vec![b'x'; 64 * 1024];
         let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1073741824\r\n\r\n");
@@ -835,10 +830,7 @@ fn unread_gateway(redis: &Redis, upstream: &str, log: &std::path::Path) -> commo
         .route(Route::new("e.open").prefix("/").unlimited())
         .server("send_timeout_seconds", "1")
         .server("h2c", "true")
-        .section(&format!(
-            "[access_log]\npath = {}\n",
-            common::config::quoted(&log.display().to_string())
-        ))
+        .access_log(log)
         .start()
 }
 
@@ -887,12 +879,7 @@ fn a_client_that_reads_nothing_of_its_answer_is_cut_at_send_timeout() {
         "{got} bytes: the whole answer was kept for it"
     );
     // Logged with the upstream's status and the body bytes that went.
-    let mut line = String::new();
-    common::wait_until(Duration::from_secs(5), "the access log's line", || {
-        line = std::fs::read_to_string(&log).unwrap_or_default();
-        line.ends_with('\n')
-    });
-    let line: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    let line = common::the_access_log_line(&log);
     assert_eq!(line["status"], 200, "{line}");
     let sent = line["bytes_sent"].as_u64().unwrap();
     assert!(sent > 0 && sent < 64 << 20, "{line}");

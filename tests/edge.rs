@@ -427,13 +427,7 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     let config = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
         .route(limited(1));
-    let gw = config
-        .clone()
-        .section(&format!(
-            "[access_log]\npath = {}\n",
-            quoted(log.to_str().unwrap())
-        ))
-        .start();
+    let gw = config.clone().access_log(&log).start();
     let http = client();
     let ok = http
         .get(gw.url("/api/doc?secret=q"))

@@ -693,14 +693,10 @@ fn upgrading_upstream() -> String {
         for stream in listener.incoming() {
             let Ok(mut s) = stream else { return };
             std::thread::spawn(move || {
-                let mut head = Vec::new();
+                let Some(head) = common::read_head(&mut s) else {
+                    return;
+                };
                 let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
                 let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
                 if asked.contains("\r\nupgrade: websocket") {
                     let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
@@ -772,22 +768,14 @@ fn a_request_refused_before_it_is_sent_is_logged_as_not_forwarded() {
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
         .route(Route::new("e.open").prefix("/").unlimited())
-        .section(&format!(
-            "[access_log]\npath = {}\n",
-            common::config::quoted(&log.display().to_string())
-        ))
+        .access_log(&log)
         .start();
     let answer = raw_answer(
         gw.port,
         b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: X-Forwarded-For\r\n\r\n",
     );
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-    let mut text = String::new();
-    wait_until(Duration::from_secs(5), "the access log's line", || {
-        text = std::fs::read_to_string(&log).unwrap_or_default();
-        text.ends_with('\n')
-    });
-    let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    let line = common::the_access_log_line(&log);
     assert_eq!(line["status"], 400, "{line}");
     assert_eq!(line["upstream"], serde_json::Value::Null, "{line}");
     assert_eq!(line["upstream_addr"], serde_json::Value::Null, "{line}");

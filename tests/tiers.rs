@@ -361,10 +361,7 @@ async fn an_unlimited_tier_is_never_charged_a_reported_cost() {
             "[auth.api_keys]\nfile = {}\n",
             quoted(keys.to_str().unwrap())
         ))
-        .section(&format!(
-            "[access_log]\npath = {}\n",
-            quoted(log.to_str().unwrap())
-        ))
+        .access_log(&log)
         .upstream("app", &[up.addr()])
         .route(tiered().set(
             "cost_from_response",

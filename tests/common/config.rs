@@ -243,6 +243,14 @@ impl GatewayConfig {
         self.section(&format!("[upstreams.{name}]\n{}", fields.render()))
     }
 
+    /// `[access_log]` writing to `path`.
+    pub fn access_log(self, path: &std::path::Path) -> GatewayConfig {
+        self.section(&format!(
+            "[access_log]\npath = {}\n",
+            quoted(&path.display().to_string())
+        ))
+    }
+
     pub fn route(mut self, route: Route) -> GatewayConfig {
         self.sections.push(route.toml());
         self

@@ -519,6 +519,30 @@ pub fn check_body(dir: &Path, body: &str, env: &[(&str, Option<&str>)]) -> (bool
     )
 }
 
+/// Reads from `s` until a request or answer head ends (a blank line); `None` when the
+/// connection ends first. What came after the head in the same reads is kept with it.
+pub fn read_head(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(head)
+}
+
+/// The one line of the access log at `path`, once written (within 5 s), as JSON.
+pub fn the_access_log_line(path: &std::path::Path) -> serde_json::Value {
+    let mut text = String::new();
+    wait_until(Duration::from_secs(5), "the access log's line", || {
+        text = std::fs::read_to_string(path).unwrap_or_default();
+        text.ends_with('\n')
+    });
+    serde_json::from_str(text.trim()).expect("one JSON line")
+}
+
 /// Sends raw bytes and returns the status line's code, for requests a client library would
 /// refuse to build.
 pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
