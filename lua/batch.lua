@@ -17,8 +17,8 @@
 -- own keys, so that the key named in the log is the broken one.
 -- All of them are decided at one Redis TIME.
 
--- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several
--- and decide (lua/limits.lua) are prepended by the gateway.
+-- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several,
+-- decide and error_text (lua/limits.lua) are prepended by the gateway.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
@@ -61,15 +61,7 @@ while a < argc do
   if ok then
     out[i] = answer
   else
-    -- A command's error reply (a table, or its text, by Redis version) starts with its
-    -- code; anything else is the script failing on data it cannot read.
-    local e = answer
-    if type(e) == 'table' then e = e.err or e.message or '' end
-    -- One line per answer: an error's own newlines would shift every answer after it.
-    e = (string.gsub(tostring(e), '\n', ' '))
-    if not string.match(e, '^%u+ ') then e = 'ERR Error running script: ' .. e end
-    if at > 0 then e = e .. ' (key ' .. at .. ')' end
-    out[i] = 'E ' .. e
+    out[i] = 'E ' .. error_text(answer, at)
   end
 end
 return table.concat(out, '\n')

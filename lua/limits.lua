@@ -294,6 +294,19 @@ local function several(k0, mode, limits, now)
   return table.concat(out, ' ')
 end
 
+-- The text of an error met under pcall (a command's error reply, a table or its text by
+-- Redis version, or the script failing on data it cannot read), on one line and led by its
+-- code, so that it reads as the reply Redis would have sent; ending in " (key i)" when it
+-- was met on the i-th key of a decision of several limits (`touching`, 0: not known).
+local function error_text(e, at)
+  if type(e) == 'table' then e = e.err or e.message or '' end
+  -- One line: in a batch's answer an error's own newlines would shift every answer after it.
+  e = (string.gsub(tostring(e), '\n', ' '))
+  if not string.match(e, '^%u+ ') then e = 'ERR Error running script: ' .. e end
+  if at > 0 then e = e .. ' (key ' .. at .. ')' end
+  return e
+end
+
 -- One decision of the single-limit scripts: kind 1 token bucket (capacity, refill, cost),
 -- kind 2 sliding window (limit, window, cost); writes when admitted. Returns its reply().
 local function decide(kind, key, x, y, z, now)

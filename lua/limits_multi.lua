@@ -18,14 +18,21 @@
 --   would say of the request (the items of a 429 for limits that live on another Redis
 --   Cluster slot than the one that denied).
 --
+-- An error met on a key ends with " (key i)", i counted from 1 (lua/limits.lua, error_text).
+--
 -- Returns one "allowed left retry reset now wait" group per key (reply() in lua/int.lua),
 -- joined by spaces, in the order of the keys. For a denied request, a limit that would have
 -- admitted says allowed 1 and what it has now (nothing was taken).
 
--- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms (lua/limits.lua) are
--- prepended by the gateway.
+-- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several
+-- and error_text (lua/limits.lua) are prepended by the gateway.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
 if expired(ARGV[2 + 4 * #KEYS], now) then return redis.error_reply(expiry(now)) end
-return several(0, tonumber(ARGV[1]), limits_in_argv(#KEYS), now)
+touching = 0
+local ok, answer = pcall(several, 0, tonumber(ARGV[1]), limits_in_argv(#KEYS), now)
+if ok then return answer end
+-- The error as Redis would have sent it, naming the key it was met on (as lua/batch.lua
+-- does), so that the key the gateway logs is the broken one.
+return redis.error_reply(error_text(answer, touching))

@@ -612,14 +612,27 @@ async fn the_charge_never_delays_the_answer_even_when_redis_is_gone() {
 
 /// A broken key among a decision's several (a ceiling's, here) is the one the log names, once
 /// for all the callers it fails: an operator who deletes the key named clears it. (The log
-/// named each caller's first key, which did not exist, once per caller.)
+/// named each caller's first key, which did not exist, once per caller.) Through the batch
+/// script, and alone (`batch_max = 1`: the several-limits script of its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_key_among_several_is_the_one_logged() {
+    the_broken_key_among_several_is_logged(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_key_among_several_is_the_one_logged_without_batches() {
+    the_broken_key_among_several_is_logged(Some("1")).await;
+}
+
+async fn the_broken_key_among_several_is_logged(batch_max: Option<&str>) {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let gw = GatewayConfig::new(&redis.url())
+    let mut config = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
-        .route(route(ceiling))
-        .start();
+        .route(route(ceiling));
+    if let Some(max) = batch_max {
+        config = config.redis("batch_max", max);
+    }
+    let gw = config.start();
     let limits = ceiling_limits();
     let keys = limit_keys("sentinel", "header:x-api-key:a", "e.api", 1, &limits);
     let _: () = redis::cmd("SET")

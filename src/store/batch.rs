@@ -38,7 +38,7 @@ use std::sync::{Arc, MutexGuard, Weak};
 use tokio::sync::oneshot;
 
 use super::deadline::{self, RedisClock};
-use super::eval::{Call, Step};
+use super::eval::{key_of_error, Call, Step};
 use super::link::{Conn, Link};
 use super::script::ScriptKind;
 use super::wire::{self, next_reply, Look, Resp, Wire, WireState};
@@ -577,18 +577,6 @@ impl Store {
     }
 }
 
-/// Which of a decision's `keys` its error was met on (from 0), and the error without what
-/// says so: the batch script ends the error of a decision of several limits with
-/// " (key i)", i from 1 (lua/batch.lua); the first key when it does not.
-fn key_of_error(error: &str, keys: usize) -> (&str, usize) {
-    let named = error.strip_suffix(')').and_then(|e| {
-        let (rest, i) = e.rsplit_once(" (key ")?;
-        let i: usize = i.parse().ok()?;
-        (1..=keys).contains(&i).then(|| (rest, i - 1))
-    });
-    named.unwrap_or((error, 0))
-}
-
 /// The connection's reader task: reads answers when no decision is waiting for one, and
 /// notices the node closing the connection while it is idle. Ends when the connection is
 /// let go or breaks.
@@ -859,21 +847,6 @@ pub fn answer_parts(bytes: &[u8], n: usize) -> Option<impl Iterator<Item = Range
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_error_names_the_key_it_was_met_on() {
-        let wrong = "WRONGTYPE Operation against a key holding the wrong kind of value";
-        let named = format!("{wrong} (key 3)");
-        assert_eq!(key_of_error(&named, 3), (wrong, 2));
-        assert_eq!(key_of_error(wrong, 3), (wrong, 0), "none named: the first");
-        assert_eq!(
-            key_of_error(&named, 2),
-            (named.as_str(), 0),
-            "past its keys"
-        );
-        let zero = format!("{wrong} (key 0)");
-        assert_eq!(key_of_error(&zero, 2), (zero.as_str(), 0));
-    }
 
     #[test]
     fn a_batch_answer_splits_into_one_part_per_decision() {

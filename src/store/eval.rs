@@ -32,6 +32,18 @@ pub(super) fn timer_for(budget: Duration) -> Duration {
 /// is already unusual).
 const MAX_REDIRECTS: usize = 3;
 
+/// Which of a decision's `keys` its error was met on (from 0), and the error without what
+/// says so: the scripts of several limits end such an error with " (key i)", i from 1
+/// (lua/limits.lua, `error_text`); the first key when it does not.
+pub(super) fn key_of_error(error: &str, keys: usize) -> (&str, usize) {
+    let named = error.strip_suffix(')').and_then(|e| {
+        let (rest, i) = e.rsplit_once(" (key ")?;
+        let i: usize = i.parse().ok()?;
+        (1..=keys).contains(&i).then(|| (rest, i - 1))
+    });
+    named.unwrap_or((error, 0))
+}
+
 /// The failure a Redis error stands for (`decision::failure` says what each one means).
 pub(super) fn classify(e: &RedisError) -> Failure {
     if e.is_timeout() {
@@ -309,7 +321,10 @@ impl Store {
                             link.clock.expired(now, sent_us);
                         }
                     }
-                    Step::Failed(self.failed(link, &conn, key, &e))
+                    // The key the error was met on, for the log: a script of several
+                    // limits names it.
+                    let at = e.detail().map_or(0, |d| key_of_error(d, call.keys.len()).1);
+                    Step::Failed(self.failed(link, &conn, call.keys[at], &e))
                 }
             },
         };
@@ -420,6 +435,21 @@ async fn evalsha(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_names_the_key_it_was_met_on() {
+        let wrong = "WRONGTYPE Operation against a key holding the wrong kind of value";
+        let named = format!("{wrong} (key 3)");
+        assert_eq!(key_of_error(&named, 3), (wrong, 2));
+        assert_eq!(key_of_error(wrong, 3), (wrong, 0), "none named: the first");
+        assert_eq!(
+            key_of_error(&named, 2),
+            (named.as_str(), 0),
+            "past its keys"
+        );
+        let zero = format!("{wrong} (key 0)");
+        assert_eq!(key_of_error(&zero, 2), (zero.as_str(), 0));
+    }
 
     /// The error redis-rs gives for a RESP error reply.
     fn reply_error(resp: &str) -> RedisError {
