@@ -49,6 +49,8 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
         .header("X-Forwarded-Host", "evil.example")
         .header("X-Real-IP", "1.2.3.4")
         .header("X-Request-Id", "chosen-by-the-client")
+        .header("Forwarded", "for=1.2.3.4;proto=https")
+        .header("X-Forwarded-Port", "443")
         .send()
         .await
         .unwrap();
@@ -56,6 +58,9 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
     let answered_id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
     let seen = echo_headers(&r.text().await.unwrap());
     assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
+    // The other spellings of the same claims are not passed on beside the rewritten ones.
+    assert!(!seen.contains_key("forwarded"), "{seen:?}");
+    assert!(!seen.contains_key("x-forwarded-port"), "{seen:?}");
     assert_eq!(seen["x-forwarded-proto"], "http");
     assert_eq!(seen["x-forwarded-host"], format!("127.0.0.1:{}", gw.port));
     assert_eq!(seen["x-real-ip"], "127.0.0.1");
@@ -154,6 +159,8 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
         .header("X-Forwarded-Proto", "https")
         .header("X-Forwarded-Host", "api.example.com")
         .header("X-Trace", "edge-4711")
+        .header("Forwarded", "for=1.2.3.4;proto=https")
+        .header("X-Forwarded-Port", "443")
         .send()
         .await
         .unwrap();
@@ -168,6 +175,8 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     assert_eq!(seen["x-forwarded-host"], "api.example.com");
     assert_eq!(seen["x-real-ip"], "1.2.3.4");
     assert_eq!(seen["x-trace"], "edge-4711");
+    assert_eq!(seen["forwarded"], "for=1.2.3.4;proto=https");
+    assert_eq!(seen["x-forwarded-port"], "443");
     let r = http
         .get(gw.url("/open"))
         .header("X-Trace", "has space")

@@ -615,6 +615,20 @@ fn an_http_1_0_request_without_host_reaches_the_upstream_with_one() {
     let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
     let echoed: serde_json::Value = serde_json::from_str(body).unwrap();
     assert_eq!(echoed["headers"]["host"], up.addr().as_str(), "{echoed}");
+    // An absolute-form target names the host the client meant (Pingora keeps it out of the
+    // request's URI: it was lost, and the upstream's address sent).
+    let answer = raw_answer(
+        gw.port,
+        b"GET http://api.example:8080/open HTTP/1.0\r\nX-API-Key: k\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let echoed: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(echoed["headers"]["host"], "api.example:8080", "{echoed}");
+    assert_eq!(
+        echoed["headers"]["x-forwarded-host"], "api.example:8080",
+        "as received: {echoed}"
+    );
 }
 
 /// A client that leaves after its request's `100 Continue` left before the answer: 499, as

@@ -103,14 +103,19 @@ impl Origin {
             upstream.insert_header("x-forwarded-proto", HeaderValue::from_static(proto))?;
         }
         if !keep("x-forwarded-host", upstream) {
-            // HTTP/2 carries the host in the authority, HTTP/1 in `Host`: as received.
+            // HTTP/2 carries the host in the authority, HTTP/1 in `Host` (or an HTTP/1.0
+            // absolute-form target without one): as received.
             let host = match upstream.uri.authority() {
                 Some(authority) => HeaderValue::try_from(without_userinfo(authority)).ok(),
                 None => upstream
                     .headers
                     .get(http::header::HOST)
                     .filter(|h| h.to_str().is_ok())
-                    .cloned(),
+                    .cloned()
+                    .or_else(|| {
+                        absolute_form_authority(upstream)
+                            .and_then(|a| HeaderValue::from_str(a).ok())
+                    }),
             };
             match host {
                 Some(host) => upstream.insert_header("x-forwarded-host", host)?,
@@ -156,6 +161,15 @@ pub fn ip_value(ip: IpAddr) -> HeaderValue {
         n += 1;
     }
     HeaderValue::from_bytes(&text[..n]).unwrap_or(HeaderValue::from_static(""))
+}
+
+/// The authority an HTTP/1 absolute-form target names (`GET http://host:port/path`): Pingora
+/// keeps it in the raw target only (its `Uri` holds the path), having checked that it agrees
+/// with `Host` and carries no userinfo. `None` for the usual origin form.
+pub fn absolute_form_authority(req: &RequestHeader) -> Option<&str> {
+    pingora::protocols::http::authority::raw_target_authority(req.raw_path())
+        .authority()
+        .and_then(|a| std::str::from_utf8(a).ok())
 }
 
 /// An authority's `host[:port]`, without any `user:password@` an absolute-form target sent.

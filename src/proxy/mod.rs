@@ -464,7 +464,11 @@ impl ProxyHttp for Gateway {
             .headers
             .get(http::header::HOST)
             .and_then(|h| h.to_str().ok());
-        let host = request_host(req.uri.host(), host_header);
+        let target_host = req
+            .uri
+            .host()
+            .or_else(|| forwarded::absolute_form_authority(req));
+        let host = request_host(target_host, host_header);
         let Some(route) = snapshot
             .routes
             .find(host.as_deref(), &req.method, &path)
@@ -472,9 +476,9 @@ impl ProxyHttp for Gateway {
         else {
             return self.answer(session, ctx, Answer::NoRoute).await;
         };
-        // The upstream gets the normalized path; rewrite the URI only when it differs
-        // (or carries an absolute-form authority).
-        if path != req.uri.path() || req.uri.authority().is_some() {
+        // The upstream gets the normalized path, in origin form; rewrite the URI only when
+        // it differs (or the target carries an authority).
+        if path != req.uri.path() || target_host.is_some() {
             ctx.upstream_uri = Some(match req.uri.query() {
                 Some(q) => format!("{path}?{q}"),
                 None => path.into_owned(),
@@ -591,10 +595,8 @@ impl ProxyHttp for Gateway {
         let host = (session.req_header().version == http::Version::HTTP_10
             && !upstream_request.headers.contains_key(http::header::HOST))
         .then(|| {
-            upstream_request
-                .uri
-                .authority()
-                .map(forwarded::without_userinfo)
+            forwarded::absolute_form_authority(upstream_request)
+                .map(str::to_owned)
                 .or_else(|| ctx.upstream_addr.map(|a| a.to_string()))
         })
         .flatten();
