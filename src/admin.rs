@@ -15,6 +15,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 
+use crate::config::IdentitySource;
 use crate::lifecycle::Lifecycle;
 use crate::limiter::{identity_hash, inspect};
 use crate::metrics::Metrics;
@@ -222,7 +223,30 @@ impl Admin {
             }
             (Err(why), _) | (_, Err(why)) => return bad(why),
         };
-        let hash = identity_hash(&as_keyed(&identity));
+        let identity = as_keyed(&identity);
+        // An identity string no request to the endpoint is keyed by (the raw API key pasted
+        // for `tenant:<tenant>`, say) would read as a full bucket and reset nothing.
+        let sources: Vec<&IdentitySource> = snapshot
+            .config
+            .routes
+            .iter()
+            .filter(|r| r.policy.endpoint_id == endpoint.policy.endpoint_id)
+            .map(|r| &r.identity)
+            .collect();
+        let ceiling = endpoint.policy.limits.iter().any(|l| l.global);
+        if !(sources.iter().any(|s| keys_by(s, &identity)) || ceiling && identity == "global") {
+            let mut kinds: Vec<String> = sources.iter().map(|s| written_as(s)).collect();
+            if ceiling {
+                kinds.push("global".to_owned());
+            }
+            kinds.sort_unstable();
+            kinds.dedup();
+            return bad(format!(
+                "no request to {endpoint_id} is keyed by this identity: its callers are {}",
+                kinds.join(" or ")
+            ));
+        }
+        let hash = identity_hash(&identity);
         // A tiered route: `tier` picks the tier to read (default: default_tier).
         let (tier, view_of) = match &endpoint.tiers {
             None if asked.is_some() => {
@@ -259,14 +283,7 @@ impl Admin {
             if let Some(tiers) = &endpoint.tiers {
                 all.extend(tiers.endpoints());
             }
-            let mut result = Ok(0);
-            for e in &all {
-                match inspect::reset(&self.store, e, &hash).await {
-                    Ok(n) => result = result.map(|total| total + n),
-                    Err(e) => result = Err(e),
-                }
-            }
-            return match result {
+            return match inspect::reset(&self.store, &all, &hash).await {
                 Ok(deleted) => {
                     tracing::info!(
                         endpoint_id,
@@ -380,9 +397,42 @@ fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
     identity.into()
 }
 
+/// Whether the request path could key a caller of a route identified by `source` by
+/// `identity` (written as [`as_keyed`] makes it).
+fn keys_by(source: &IdentitySource, identity: &str) -> bool {
+    let value = |prefix: &str| identity.strip_prefix(prefix).filter(|v| !v.is_empty());
+    match source {
+        IdentitySource::Jwt => value("jwt:").is_some(),
+        IdentitySource::ClientIp => {
+            value("ip:").is_some_and(|a| a.parse::<std::net::IpAddr>().is_ok())
+        }
+        IdentitySource::Global => identity == "global",
+        IdentitySource::Header(name) => value("header:")
+            .and_then(|rest| rest.strip_prefix(name.as_str()))
+            .and_then(|rest| rest.strip_prefix(':'))
+            .is_some_and(|v| !v.is_empty()),
+        IdentitySource::ApiKey => value("tenant:").is_some_and(|t| {
+            t.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            })
+        }),
+    }
+}
+
+/// How the identity strings of a route identified by `source` are written, for a message.
+fn written_as(source: &IdentitySource) -> String {
+    match source {
+        IdentitySource::Jwt => "jwt:<claim value>".to_owned(),
+        IdentitySource::ClientIp => "ip:<address>".to_owned(),
+        IdentitySource::Global => "global".to_owned(),
+        IdentitySource::Header(name) => format!("header:{name}:<value>"),
+        IdentitySource::ApiKey => "tenant:<tenant>".to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{as_keyed, query_param};
+    use super::{as_keyed, keys_by, query_param, IdentitySource};
 
     #[test]
     fn identities_are_read_as_the_request_path_keys_them() {
@@ -396,6 +446,26 @@ mod tests {
             "a claim keeps its case"
         );
         assert_eq!(as_keyed("ip:not-an-address"), "ip:not-an-address");
+    }
+
+    #[test]
+    fn an_identity_must_be_one_the_route_keys_its_callers_by() {
+        let header = IdentitySource::Header("x-api-key".to_owned());
+        assert!(keys_by(&header, "header:x-api-key:k1"));
+        assert!(!keys_by(&header, "header:x-api-key:"), "never sent: a 401");
+        assert!(!keys_by(&header, "header:x-other:k1"));
+        assert!(!keys_by(&header, "k1"), "the raw value");
+        assert!(keys_by(&IdentitySource::ApiKey, "tenant:acme-1.b_c"));
+        assert!(!keys_by(&IdentitySource::ApiKey, "tenant:Acme"));
+        assert!(!keys_by(&IdentitySource::ApiKey, "header:x-api-key:KEY"));
+        assert!(keys_by(&IdentitySource::ClientIp, "ip:10.0.0.1"));
+        assert!(keys_by(&IdentitySource::ClientIp, "ip:2001:db8::1"));
+        assert!(!keys_by(&IdentitySource::ClientIp, "ip:[2001:db8::1]"));
+        assert!(!keys_by(&IdentitySource::ClientIp, "ip:notanip"));
+        assert!(keys_by(&IdentitySource::Jwt, "jwt:Alice"));
+        assert!(!keys_by(&IdentitySource::Jwt, "jwt:"));
+        assert!(keys_by(&IdentitySource::Global, "global"));
+        assert!(!keys_by(&IdentitySource::Global, "GLOBAL"));
     }
 
     #[test]

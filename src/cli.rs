@@ -311,11 +311,14 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
                 )
             })
             .collect();
-        format!(
-            "{} limits, each must admit: {}",
-            each.len(),
-            each.join("; ")
-        )
+        match &each[..] {
+            [one] => format!("{one}, which must admit"),
+            _ => format!(
+                "{} limits, each must admit: {}",
+                each.len(),
+                each.join("; ")
+            ),
+        }
     } else if p.algorithm == Algorithm::None {
         "not limited".to_owned()
     } else {

@@ -142,6 +142,16 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
             "identity is not percent-encoded: a % must be followed by two hex digits (%25 for a %)",
         ),
         ("?identity=a&identity=b", "identity is sent more than once"),
+        // One no request to the endpoint is keyed by (the raw key, another header) would
+        // read as a full bucket and reset nothing.
+        (
+            "?identity=k%2B1",
+            "no request to l.tb is keyed by this identity: its callers are header:x-api-key:<value>",
+        ),
+        (
+            "?identity=header%3Ax-other%3Ak%2B1",
+            "no request to l.tb is keyed by this identity: its callers are header:x-api-key:<value>",
+        ),
         (
             "?identity=%FF%FE",
             "identity is not UTF-8 once percent-decoded",

@@ -171,6 +171,20 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
     assert_eq!(free["tier"], "free");
     assert_eq!(free["limits"][0]["capacity"], 2, "{free}");
     assert_eq!(view("&tier=platinum").0, 400);
+
+    // A reset deletes the caller's buckets of every tier (it may have changed tier since) in
+    // one command, so that no decision runs between two of them.
+    redis.reset_stats();
+    let r = client()
+        .delete(gw.admin("/limits/t.ocr?identity=tenant%3Ab"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(body["keys_deleted"], 1, "the pro bucket: {body}");
+    assert_eq!(redis.command_calls("del"), 1, "one DEL for every tier");
+    assert_eq!(view("&tier=pro").1["limits"][0]["remaining"], 4);
 }
 
 #[test]

@@ -39,6 +39,18 @@ impl Bucket {
     /// Microseconds until a bucket at (`tokens`, `frac`) is full again: 0 when full, `None`
     /// when it never refills.
     pub fn full_in_us(&self, tokens: u64, frac: u64) -> Option<u64> {
+        self.full_in(tokens, frac)
+            .map(|us| u64::try_from(us).unwrap_or(u64::MAX))
+    }
+
+    /// As [`Bucket::full_in_us`], in whole seconds rounded up (which a bucket far from full,
+    /// refilling slowly, may need where its microseconds would not fit).
+    pub fn full_in_secs(&self, tokens: u64, frac: u64) -> Option<u64> {
+        self.full_in(tokens, frac)
+            .map(|us| u64::try_from(us.div_ceil(u128::from(MICRO))).unwrap_or(u64::MAX))
+    }
+
+    fn full_in(&self, tokens: u64, frac: u64) -> Option<u128> {
         if tokens >= self.capacity {
             return Some(0);
         }
@@ -46,8 +58,7 @@ impl Bucket {
             return None;
         }
         let missing = u128::from(self.capacity - tokens) * u128::from(MICRO) - u128::from(frac);
-        let us = missing.div_ceil(u128::from(self.rate_per_sec));
-        Some(u64::try_from(us).unwrap_or(u64::MAX))
+        Some(missing.div_ceil(u128::from(self.rate_per_sec)))
     }
 
     /// Tokens and remainder at `now_us`, from the last stored state (or a full bucket).
@@ -98,6 +109,18 @@ impl Bucket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_to_full_do_not_saturate_where_microseconds_would() {
+        // Twice 10^13 tokens missing at one a second: 2 * 10^13 s, 2 * 10^19 us (past u64).
+        let bucket = Bucket {
+            capacity: 20_000_000_000_000,
+            rate_per_sec: 1,
+        };
+        assert_eq!(bucket.full_in_secs(0, 0), Some(20_000_000_000_000));
+        assert_eq!(bucket.full_in_us(0, 0), Some(u64::MAX));
+        assert_eq!(bucket.full_in_secs(bucket.capacity - 1, 999_999), Some(1));
+    }
     use proptest::prelude::*;
 
     const ONE: u64 = MICRO;

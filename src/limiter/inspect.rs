@@ -1,6 +1,8 @@
 //! What an operator sees of, and does to, one identity's buckets (`/limits` on the admin):
 //! read without writing, or deleted so the identity starts full. Off the request path.
 
+use std::sync::Arc;
+
 use crate::config::{Algorithm, Limit, ONE_TOKEN_MICRO};
 use crate::decision::sliding_window::{Window, WindowState};
 use crate::decision::token_bucket::{Bucket, BucketState};
@@ -89,7 +91,7 @@ async fn view(
             let tokens = shifted as i64 - shift as i64;
             // The distance to full is the same in both; the shifted bucket is full at
             // capacity + shift.
-            let reset_seconds = bucket.full_in_us(shifted, frac).map(secs);
+            let reset_seconds = bucket.full_in_secs(shifted, frac);
             LimitView {
                 name: limit.name.clone(),
                 algorithm: "token_bucket",
@@ -128,31 +130,33 @@ async fn view(
     })
 }
 
-/// Deletes the identity's buckets of every limit of `endpoint` (its current
-/// `policy_version`) and the over-limit cache's memory of them: its next request starts
-/// full. A ceiling (`identity = "global"`) is every caller's, so it is deleted only for the
-/// identity `global`. How many keys existed.
+/// Deletes the identity's buckets of every one of `endpoints` (a route's, and each of its
+/// tiers': the caller may have changed tier since) and forgets its over-limit cache entries;
+/// a ceiling's buckets only when the identity is `global`. Answers how many keys existed.
 pub async fn reset(
     store: &Store,
-    endpoint: &Endpoint,
+    endpoints: &[Arc<Endpoint>],
     identity_hash: &str,
 ) -> Result<u64, StoreFailure> {
     let everyone = identity_hash == super::identity_hash("global");
-    let keys: Vec<String> = keyed(endpoint, identity_hash)
-        .into_iter()
+    let mut keys: Vec<String> = endpoints
+        .iter()
+        .flat_map(|e| keyed(e, identity_hash))
         .filter(|(limit, _)| !limit.global || everyone)
         .map(|(_, key)| key)
         .collect();
-    if keys.is_empty() {
-        return Ok(0);
-    }
-    // One `DEL` for them all, so no decision runs between two of them: a request admitted in
-    // between would be charged to a fresh bucket of one limit and to the old bucket of
+    // A ceiling is the same key in every tier.
+    keys.sort_unstable();
+    keys.dedup();
+    // One `DEL` for them all, so no decision runs between two of them: a request admitted
+    // in between would be charged to a fresh bucket of one limit and to the old bucket of
     // another, whose charge the next `DEL` would then erase. The keys share the identity's
-    // hash tag, so on a cluster too they are one slot; keys on several slots (none that this
-    // function is given today) go one `DEL` each.
+    // hash tag, so on a cluster too they are one slot (a single limit's keys, of the
+    // unchanged format, have none: those go one `DEL` each).
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let deleted = if store.one_call(&refs) {
+    let deleted = if keys.is_empty() {
+        0
+    } else if store.one_call(&refs) {
         store.delete(&keys).await?
     } else {
         let mut deleted = 0;
@@ -161,14 +165,20 @@ pub async fn reset(
         }
         deleted
     };
-    // The cache remembers a denial under the caller's own key, or a ceiling's. A ceiling's
-    // denial is remembered under every caller's key it refused: resetting the ceiling
-    // forgets every denial of the endpoint.
-    if everyone && endpoint.policy.limits.iter().any(|l| l.global) {
-        endpoint.overlimit.clear();
-    }
-    for key in keyed(endpoint, identity_hash).iter().map(|(_, k)| k) {
-        endpoint.overlimit.forget(key);
-    }
+    forget_denials(endpoints, identity_hash, everyone);
     Ok(deleted)
+}
+
+/// The over-limit cache remembers a denial under the caller's own key, or a ceiling's. A
+/// ceiling's denial is remembered under every caller's key it refused: resetting the ceiling
+/// forgets every denial of the endpoint.
+fn forget_denials(endpoints: &[Arc<Endpoint>], identity_hash: &str, everyone: bool) {
+    for endpoint in endpoints {
+        if everyone && endpoint.policy.limits.iter().any(|l| l.global) {
+            endpoint.overlimit.clear();
+        }
+        for (_, key) in keyed(endpoint, identity_hash) {
+            endpoint.overlimit.forget(&key);
+        }
+    }
 }
