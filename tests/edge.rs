@@ -322,6 +322,7 @@ async fn h2c_answers_as_http1_does() {
         .server("header_read_timeout_ms", "30000")
         .upstream("app", &[up.addr()])
         .route(limited(2))
+        .route(Route::new("e.open").prefix("/open").unlimited())
         .start();
     // A request shorter than the h2c preface's 24 bytes is answered at once, not when
     // the header deadline (30 s here) ends the wait for more bytes; raw_request gives up
@@ -343,6 +344,18 @@ async fn h2c_answers_as_http1_does() {
         statuses.push(r.status().as_u16());
     }
     assert_eq!(statuses, vec![200, 200, 429], "the same limit over HTTP/2");
+    // Cookies an HTTP/2 client sent as one field each (as browsers do) reach the HTTP/1.1
+    // upstream as one field (RFC 9113, 8.2.3); a backend reading one field had the last.
+    let r = h2
+        .get(gw.url("/open/c"))
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    let seen = echo_headers(&r.text().await.unwrap());
+    assert_eq!(seen["cookie"], "a=1; b=2");
     let r = client()
         .get(gw.url("/api/x"))
         .header("X-API-Key", "k")

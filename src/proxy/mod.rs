@@ -4,6 +4,7 @@
 pub mod access;
 pub mod forwarded;
 mod headers;
+mod outgoing;
 pub mod respond;
 
 use std::sync::Arc;
@@ -568,38 +569,16 @@ impl ProxyHttp for Gateway {
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
             origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
         }
-        // A route without `websocket = true` is never a tunnel: an `Upgrade` request reaches
-        // the upstream as a plain one (as nginx without its upgrade settings), so a client
-        // cannot turn one decision into an unlimited connection.
-        if upstream_request.headers.contains_key(http::header::UPGRADE)
-            && !ctx.route.as_ref().is_some_and(|r| r.websocket)
-        {
-            upstream_request.remove_header(&http::header::UPGRADE);
-            let names_upgrade = upstream_request
-                .headers
-                .get_all(http::header::CONNECTION)
-                .iter()
-                .any(|v| {
-                    v.as_bytes()
-                        .split(|b| *b == b',')
-                        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
-                });
-            if names_upgrade {
-                upstream_request.remove_header(&http::header::CONNECTION);
-            }
+        if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
+            outgoing::drop_upgrade(upstream_request);
         }
-        // An HTTP/1.0 request may come without `Host`; the upstream is sent HTTP/1.1, which
-        // must carry one (RFC 9112, 3.2): its absolute-form authority, else the upstream's
-        // address, as nginx's `$proxy_host`. (Only HTTP/1.0: HTTP/1.1 without it was a 400,
-        // HTTP/2 has its authority.)
-        let host = (session.req_header().version == http::Version::HTTP_10
-            && !upstream_request.headers.contains_key(http::header::HOST))
-        .then(|| {
-            forwarded::absolute_form_authority(upstream_request)
-                .map(str::to_owned)
-                .or_else(|| ctx.upstream_addr.map(|a| a.to_string()))
-        })
-        .flatten();
+        let version = session.req_header().version;
+        if version == http::Version::HTTP_2 {
+            outgoing::join_cookies(upstream_request)?;
+        }
+        let host = (version == http::Version::HTTP_10)
+            .then(|| outgoing::host_for_http_1_0(upstream_request, ctx.upstream_addr))
+            .flatten();
         if let Some(uri) = ctx.upstream_uri.as_deref() {
             let uri = uri
                 .parse::<http::Uri>()

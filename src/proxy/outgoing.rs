@@ -1,0 +1,128 @@
+//! The request sent upstream over HTTP/1.1, beside the forwarded headers: what the hop from
+//! the client's protocol (HTTP/1.0, HTTP/2) to HTTP/1.1 and the route's settings require.
+
+use http::HeaderValue;
+use pingora::prelude::*;
+use pingora_http::RequestHeader;
+
+use super::forwarded;
+
+/// A route without `websocket = true` is never a tunnel: an `Upgrade` request reaches the
+/// upstream as a plain one (as nginx without its upgrade settings), so a client cannot turn
+/// one decision into an unlimited connection.
+pub fn drop_upgrade(req: &mut RequestHeader) {
+    if req.remove_header(&http::header::UPGRADE).is_none() {
+        return;
+    }
+    let names_upgrade = req
+        .headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .any(|v| {
+            v.as_bytes()
+                .split(|b| *b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
+        });
+    if names_upgrade {
+        req.remove_header(&http::header::CONNECTION);
+    }
+}
+
+/// The `Host` an HTTP/1.0 request without one is sent with: HTTP/1.1 must carry one (RFC
+/// 9112, 3.2): its absolute-form authority, else the upstream's address, as nginx's
+/// `$proxy_host`. (HTTP/1.1 without it was a 400, HTTP/2 has its authority.)
+pub fn host_for_http_1_0(
+    req: &RequestHeader,
+    upstream_addr: Option<std::net::SocketAddr>,
+) -> Option<String> {
+    if req.headers.contains_key(http::header::HOST) {
+        return None;
+    }
+    forwarded::absolute_form_authority(req)
+        .map(str::to_owned)
+        .or_else(|| upstream_addr.map(|a| a.to_string()))
+}
+
+/// An HTTP/2 client may split `Cookie` into one field per cookie (browsers do, for header
+/// compression); an HTTP/1.1 hop must get them as one field joined by "; " (RFC 9113,
+/// 8.2.3): a backend reading one field would lose the others.
+pub fn join_cookies(req: &mut RequestHeader) -> Result<()> {
+    let mut fields = req.headers.get_all(http::header::COOKIE).iter();
+    let (Some(_), Some(_)) = (fields.next(), fields.next()) else {
+        return Ok(());
+    };
+    let mut joined = Vec::new();
+    for field in &req.headers.get_all(http::header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(field.as_bytes());
+    }
+    let joined = HeaderValue::from_bytes(&joined).or_err(
+        ErrorType::InvalidHTTPHeader,
+        "the joined cookie fields are not a header value",
+    )?;
+    req.insert_header(http::header::COOKIE, joined)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(fields: &[(&str, &str)]) -> RequestHeader {
+        let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+        for (name, value) in fields {
+            req.append_header(name.to_string(), *value).unwrap();
+        }
+        req
+    }
+
+    fn values(req: &RequestHeader, name: &str) -> Vec<String> {
+        req.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn split_cookie_fields_are_joined_into_one() {
+        let mut req = request(&[("cookie", "a=1"), ("x-other", "o"), ("cookie", "b=2; c=3")]);
+        join_cookies(&mut req).unwrap();
+        assert_eq!(values(&req, "cookie"), ["a=1; b=2; c=3"]);
+        assert_eq!(values(&req, "x-other"), ["o"]);
+        let mut one = request(&[("cookie", "a=1")]);
+        join_cookies(&mut one).unwrap();
+        assert_eq!(values(&one, "cookie"), ["a=1"]);
+    }
+
+    #[test]
+    fn an_upgrade_is_dropped_with_the_connection_field_naming_it() {
+        let mut req = request(&[
+            ("upgrade", "websocket"),
+            ("connection", "keep-alive, Upgrade"),
+        ]);
+        drop_upgrade(&mut req);
+        assert!(values(&req, "upgrade").is_empty());
+        assert!(values(&req, "connection").is_empty());
+        let mut plain = request(&[("connection", "keep-alive")]);
+        drop_upgrade(&mut plain);
+        assert_eq!(
+            values(&plain, "connection"),
+            ["keep-alive"],
+            "kept without an Upgrade"
+        );
+    }
+
+    #[test]
+    fn an_http_1_0_request_gets_its_target_authority_or_the_upstream_as_host() {
+        let upstream = Some("10.0.0.2:8080".parse().unwrap());
+        let origin = request(&[]);
+        assert_eq!(
+            host_for_http_1_0(&origin, upstream).as_deref(),
+            Some("10.0.0.2:8080")
+        );
+        let with_host = request(&[("host", "a.example")]);
+        assert_eq!(host_for_http_1_0(&with_host, upstream), None);
+    }
+}
