@@ -552,10 +552,12 @@ fn a_head_that_cannot_be_parsed_gets_the_gateways_own_400() {
             "{answer:?}"
         );
     };
-    let heads: [&[u8]; 3] = [
+    let heads: [&[u8]; 4] = [
         b"GET /open HTTP/1.1\r\nHost: a\r\nBad\x01Name: y\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        // A target without its leading slash was routed as `/` (and answered 404 there).
+        b"GET open HTTP/1.1\r\nHost: a\r\n\r\n",
     ];
     for head in heads {
         is_the_gateways(&raw_answer(gw.port, head));
@@ -698,7 +700,8 @@ fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
 }
 
 /// An upstream that switches to any protocol it is asked for (answering 101 and echoing what
-/// follows), and answers a plain request 200 "plain".
+/// follows), switches unasked on a path holding `always101`, and answers a plain request 200
+/// "plain".
 fn upgrading_upstream() -> String {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -712,7 +715,10 @@ fn upgrading_upstream() -> String {
                 };
                 let mut buf = [0u8; 4096];
                 let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
-                if asked.contains("\r\nupgrade: websocket") {
+                if asked.contains("always101") {
+                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
+                    let _ = s.read(&mut buf);
+                } else if asked.contains("\r\nupgrade: websocket") {
                     let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
                     while let Ok(n) = s.read(&mut buf) {
                         if n == 0 || s.write_all(&buf[..n]).is_err() {
@@ -768,6 +774,17 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
     assert_eq!(&echoed, b"through");
     let (_, head) = upgrade("/api/x");
     assert!(head.starts_with("HTTP/1.1 200"), "a plain answer: {head}");
+    // An upstream that switches protocols for a request that asked for no upgrade is at
+    // fault: 502, not a 101 passed on and a second answer written after it (a 504 once the
+    // read timeout passed).
+    for path in ["/ws/always101", "/api/always101"] {
+        let answer = raw_answer(
+            gw.port,
+            format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        );
+        assert!(answer.starts_with("HTTP/1.1 502"), "{path}: {answer}");
+        assert!(!answer.contains(" 101 "), "{path}: {answer}");
+    }
 }
 
 /// A request Pingora refuses after the upstream was chosen and before anything is sent (a

@@ -455,6 +455,15 @@ impl ProxyHttp for Gateway {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::MethodNotAllowed).await;
         }
+        // A target neither in origin form (`/path`) nor in absolute form (`http://host/path`),
+        // such as `GET free`, whose URI Pingora reads as the path `/`, is not a request for it.
+        if req.raw_path().first() != Some(&b'/')
+            && req.uri.authority().is_none()
+            && forwarded::absolute_form_authority(req).is_none()
+        {
+            session.set_keepalive(None);
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        }
         let Ok(path) = normalized(req.uri.path()) else {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
@@ -587,6 +596,32 @@ impl ProxyHttp for Gateway {
         }
         if let Some(host) = host {
             upstream_request.insert_header(http::header::HOST, host)?;
+        }
+        Ok(())
+    }
+
+    /// A 101 is an upstream's answer only to a request that asked to switch (an `Upgrade`
+    /// passed on by a `websocket = true` route): any other would be passed on as an interim
+    /// answer, and a second answer written after it once the read timeout passed. It is the
+    /// upstream's fault: 502.
+    async fn upstream_response_filter(
+        &self,
+        session: &mut Session,
+        upstream_response: &mut pingora_http::ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if upstream_response.status == http::StatusCode::SWITCHING_PROTOCOLS
+            && !(ctx.route.as_ref().is_some_and(|r| r.websocket)
+                && session
+                    .req_header()
+                    .headers
+                    .contains_key(http::header::UPGRADE))
+        {
+            return Err(Error::explain(
+                ErrorType::InvalidHTTPHeader,
+                "the upstream switched protocols for a request that asked for no upgrade",
+            )
+            .into_up());
         }
         Ok(())
     }
