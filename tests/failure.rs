@@ -527,6 +527,14 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
             .count() as f64,
         transitions
     );
+    // A Redis that stops answering logs nothing else: the opening says why.
+    let first_open =
+        r.gw.logs()
+            .lines()
+            .find(|l| l.contains("circuit breaker transition") && l.contains(r#""to":"open""#))
+            .map(str::to_owned)
+            .unwrap();
+    assert!(first_open.contains(r#""cause":"timeout""#), "{first_open}");
     let (_, ready) = common::blocking_get(&r.gw.admin("/readyz")).unwrap();
     assert!(ready.contains(r#""breaker":"closed""#), "{ready}");
     let statuses: Vec<u16> = futures_statuses(&r, "/closed", "fresh", 4).await;

@@ -370,6 +370,49 @@ async fn an_acl_user_with_the_password_from_the_environment() {
     );
 }
 
+/// An outage is logged again when its reason changes: a Redis restarted with the gateway's
+/// password rotated away is logged as refusing it, not only as the refused connections of
+/// the seconds before (the one line of the outage named those alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_whose_reason_changes_is_logged_again() {
+    let port = free_port();
+    let redis = Redis::start_with(port, &ACL_USER);
+    let up = Upstream::start("app");
+    let gw = limited(
+        GatewayConfig::new(&redis.url())
+            .redis("username", quoted("gateway"))
+            .redis("password_env", quoted("TEST_REDIS_PASSWORD")),
+        &up,
+    )
+    .start_with_env(&[("TEST_REDIS_PASSWORD", "s3cret-Pa55word")]);
+    assert_eq!(statuses(&gw, "a", 1).await, [200]);
+    let outage_lines = |gw: &common::Gateway| {
+        gw.logs()
+            .lines()
+            .filter(|l| l.contains("redis unavailable"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    drop(redis);
+    wait_until(Duration::from_secs(10), "the outage logged", || {
+        !outage_lines(&gw).is_empty()
+    });
+    let mut rotated = ACL_USER;
+    rotated[3] = ">rotated-Pa55word";
+    let _redis = Redis::start_with(port, &rotated);
+    wait_until(
+        Duration::from_secs(10),
+        "the refused password logged",
+        || outage_lines(&gw).iter().any(|l| l.contains("WRONGPASS")),
+    );
+    let lines = outage_lines(&gw);
+    assert!(
+        lines.len() <= 3,
+        "once per reason, not per retry: {lines:?}"
+    );
+    assert!(!gw.logs().contains("Pa55word"), "never a password");
+}
+
 #[test]
 fn check_refuses_tls_settings_that_would_not_be_used_and_unreadable_files() {
     let dir = tempfile::tempdir().unwrap();

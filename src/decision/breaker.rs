@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use super::failure::Charge;
+use super::StoreFailure;
 use crate::clock::SharedClock;
 use crate::config::BreakerConfig;
 
@@ -39,8 +40,8 @@ impl BreakerState {
     }
 }
 
-/// Called once per transition with (from, to).
-pub type TransitionHook = Box<dyn Fn(BreakerState, BreakerState) + Send + Sync>;
+/// Called once per transition with (from, to, the cause of the last failure counted).
+pub type TransitionHook = Box<dyn Fn(BreakerState, BreakerState, StoreFailure) + Send + Sync>;
 
 pub struct Breaker {
     state: AtomicU8,
@@ -53,6 +54,9 @@ pub struct Breaker {
     open_for_us: AtomicU64,
     clock: SharedClock,
     on_transition: TransitionHook,
+    /// What the last failure counted was ([`Breaker::note_cause`]), for the transition's log
+    /// line: a breaker opened by timeouts alone would otherwise say nothing of why.
+    last_cause: AtomicU8,
 }
 
 /// Permission to call Redis. Report the outcome with `success`, `failure` or `nothing`; a
@@ -83,6 +87,20 @@ impl Breaker {
             open_for_us: AtomicU64::new(config.open_for.as_micros() as u64),
             clock,
             on_transition,
+            last_cause: AtomicU8::new(StoreFailure::ConnectionError as u8),
+        }
+    }
+
+    /// The cause of a store failure about to be counted.
+    pub fn note_cause(&self, cause: StoreFailure) {
+        self.last_cause.store(cause as u8, Ordering::Relaxed);
+    }
+
+    fn last_cause(&self) -> StoreFailure {
+        match self.last_cause.load(Ordering::Relaxed) {
+            c if c == StoreFailure::Timeout as u8 => StoreFailure::Timeout,
+            c if c == StoreFailure::Noscript as u8 => StoreFailure::Noscript,
+            _ => StoreFailure::ConnectionError,
         }
     }
 
@@ -164,7 +182,7 @@ impl Breaker {
             .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if done {
-            (self.on_transition)(from, to);
+            (self.on_transition)(from, to, self.last_cause());
         }
         done
     }
@@ -220,6 +238,7 @@ impl Breaker {
     /// A store failure with no request behind it (a connection lost, a connection attempt
     /// failed): counts toward the threshold while closed; a probe decides the other states.
     pub fn count_failure(&self) {
+        self.note_cause(StoreFailure::ConnectionError);
         self.record_failure(false);
     }
 
@@ -306,7 +325,7 @@ mod tests {
                 open_for: Duration::from_secs(30),
             },
             Arc::new(clock.clone()),
-            Box::new(move |_, to| log.lock().unwrap().push(to)),
+            Box::new(move |_, to, _| log.lock().unwrap().push(to)),
         );
         (b, seen)
     }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::clock::SharedClock;
 use crate::config::BreakerConfig;
 use crate::decision::breaker::{Breaker, BreakerState, TransitionHook};
+use crate::decision::StoreFailure;
 use crate::metrics::Metrics;
 
 /// Every breaker's transitions, summed into `sentinel_breaker_state`: with one Redis its
@@ -37,7 +38,7 @@ impl BreakerBoard {
         let config = *self.config.lock().expect("breaker config lock");
         let board = Arc::clone(self);
         let hook: TransitionHook =
-            Box::new(move |from, to| board.transition(node.as_deref(), from, to));
+            Box::new(move |from, to, cause| board.transition(node.as_deref(), from, to, cause));
         Breaker::new(config, Arc::clone(&self.clock), hook)
     }
 
@@ -59,7 +60,13 @@ impl BreakerBoard {
         }
     }
 
-    fn transition(&self, node: Option<&str>, from: BreakerState, to: BreakerState) {
+    fn transition(
+        &self,
+        node: Option<&str>,
+        from: BreakerState,
+        to: BreakerState,
+        cause: StoreFailure,
+    ) {
         if let Some(c) = self.count(from) {
             c.fetch_sub(1, Ordering::AcqRel);
         }
@@ -71,16 +78,21 @@ impl BreakerBoard {
             self.state() as i64,
             node.map(|n| (n, to as i64)),
         );
+        // Opening, the line says what failed (a Redis that stopped answering logs nothing
+        // else: no error reply, no lost connection).
+        let cause = (to == BreakerState::Open).then(|| cause.as_str());
         match node {
             Some(node) => tracing::warn!(
                 node,
                 from = from.as_str(),
                 to = to.as_str(),
+                cause,
                 "circuit breaker transition"
             ),
             None => tracing::warn!(
                 from = from.as_str(),
                 to = to.as_str(),
+                cause,
                 "circuit breaker transition"
             ),
         }

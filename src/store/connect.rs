@@ -383,12 +383,13 @@ async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult
     }
 }
 
-/// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` (Redis
-/// answers `WRONGPASS`, or `ERR invalid password` before Redis 6) becomes redis-rs's
-/// `AuthenticationFailed`, which is said here as Redis said it.
+/// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` becomes
+/// redis-rs's `AuthenticationFailed`, without Redis's own text (`WRONGPASS`, `ERR invalid
+/// password` before Redis 6, or an `ERR AUTH ... called without any password configured`),
+/// so every cause is named.
 pub(super) fn reason(e: &RedisError) -> String {
     if e.kind() == redis::ErrorKind::AuthenticationFailed {
-        format!("WRONGPASS: Redis refused the username or password, or the user is disabled ({e})")
+        format!("Redis refused AUTH: a wrong username or password (WRONGPASS), a disabled user, or a password sent to a Redis that has none set ({e})")
     } else {
         e.to_string()
     }
@@ -616,9 +617,7 @@ impl Connector {
                     link.attempt_failed();
                     // A probe waiting for this attempt fails at once, as a request does.
                     link.ready.notify_waiters();
-                    if !link.outage_logged.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(node = %target.node, error = %reason(&e), "redis unavailable; reconnecting in the background");
-                    }
+                    link.log_outage(&reason(&e));
                     // A breaker's probe cuts the wait short (`Store::connection`).
                     tokio::select! {
                         _ = tokio::time::sleep(backoff(attempt)) => {}

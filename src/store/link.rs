@@ -109,8 +109,8 @@ pub(super) struct Link {
     pub(super) ready: Notify,
     /// Replaced when a reload changes `[redis] url`.
     pub(super) target: ArcSwap<Target>,
-    /// Whether the last connection attempt failed; logs once per outage, not per retry.
-    pub(super) outage_logged: AtomicBool,
+    /// The reasons logged for the outage going on (empty: none is): each is logged once.
+    outage_logged: std::sync::Mutex<Vec<String>>,
     /// A request found the node without a connection since it was last connected: from then
     /// on each failed connection attempt counts for the breaker ([`Link::attempt_failed`]).
     asked_while_down: AtomicBool,
@@ -150,7 +150,7 @@ impl Link {
             wake: Notify::new(),
             ready: Notify::new(),
             target: ArcSwap::from_pointee(target),
-            outage_logged: AtomicBool::new(false),
+            outage_logged: std::sync::Mutex::new(Vec::new()),
             asked_while_down: AtomicBool::new(false),
             new_master: AtomicBool::new(false),
             clock: super::deadline::RedisClock::default(),
@@ -271,6 +271,18 @@ impl Link {
         }
     }
 
+    /// Logs why a connection attempt failed: when an outage starts, and again each time it
+    /// fails for a reason not yet logged in this outage (Redis back, refusing the password; a
+    /// new master without the ACL user), up to a few reasons: not once per retry.
+    pub(super) fn log_outage(&self, reason: &str) {
+        const REASONS_LOGGED: usize = 8;
+        let mut logged = self.outage_logged.lock().expect("outage log lock");
+        if logged.len() < REASONS_LOGGED && !logged.iter().any(|r| r == reason) {
+            tracing::warn!(node = %self.node(), error = reason, "redis unavailable; reconnecting in the background");
+            logged.push(reason.to_owned());
+        }
+    }
+
     /// A request failed at once: the node has no connection (it is being made again).
     pub(super) fn failed_at_once(&self) {
         if !self.asked_while_down.load(Ordering::Relaxed) {
@@ -292,7 +304,7 @@ impl Link {
     /// the breaker's quarantine (opened by the old master's failures) ends: the next request
     /// probes the new master.
     pub(super) fn connected_again(&self) {
-        self.outage_logged.store(false, Ordering::Relaxed);
+        self.outage_logged.lock().expect("outage log lock").clear();
         self.asked_while_down.store(false, Ordering::Relaxed);
         if self.new_master.swap(false, Ordering::AcqRel) {
             self.breaker.end_quarantine();
