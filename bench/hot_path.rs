@@ -56,7 +56,7 @@ fn failure_path(c: &mut Criterion) {
             open_for: Duration::from_secs(3600),
         },
         Arc::clone(&clock),
-        Box::new(|_, _| {}),
+        Box::new(|_, _, _| {}),
     );
     breaker.acquire().expect("closed").failure();
     let bucket = Emergency::Endpoint(EmergencyBucket::new(1_000_000_000_000, Arc::clone(&clock)));
