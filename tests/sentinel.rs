@@ -342,6 +342,14 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
         meanwhile.iter().all(|s| *s == 503 || *s == 200),
         "{meanwhile:?}"
     );
+    // The sentinel still names it: its role is checked again, and the log says what it is
+    // (it said READONLY alone, and the node stayed the master in use without a word).
+    wait_until(Duration::from_secs(5), "the demoted master named", || {
+        gw.logs().lines().any(|l| {
+            l.contains("no sentinel names a reachable master")
+                && l.contains("which does not answer as a master")
+        })
+    });
     let mut sentinel_conn = redis::Client::open(format!("redis://127.0.0.1:{sentinel_port}"))
         .unwrap()
         .get_connection()
@@ -379,6 +387,30 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
     assert_eq!(statuses(&gw, "a", 1).await, [429]);
     let logs = gw.logs();
     assert!(logs.contains("READONLY"), "the reason is logged: {logs}");
+}
+
+/// A sentinel with a stale or wrong view (it names a master that is gone) listed first does
+/// not stop the gateway: the next sentinel is asked, and its master, which answers as one, is
+/// used. (The first answer won: the gateway stayed without a master.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
+    let master = Redis::start();
+    let (stale_dir, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_stale, stale_port) = sentinel(free_port(), stale_dir.path());
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let urls =
+        format!("[\"redis://127.0.0.1:{stale_port}\", \"redis://127.0.0.1:{sentinel_port}\"]");
+    let gw = gateway_on(
+        on_sentinel(sentinel_port).redis("sentinel_urls", urls),
+        &up,
+        None,
+    );
+    assert_eq!(
+        readyz(&gw)["redis_sentinel_master"]["addr"],
+        format!("127.0.0.1:{}", master.port)
+    );
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
 }
 
 /// `require_noeviction` and the fleet heartbeat on the master the sentinels name: an evicting

@@ -397,7 +397,7 @@ impl Store {
                     cluster.ask_refresh();
                 } else if let Some(sentinel) = &self.inner.sentinel {
                     // READONLY from what was the master: ask the sentinels where it went.
-                    sentinel.ask.notify_one();
+                    sentinel.suspect_master();
                 }
             }
         }

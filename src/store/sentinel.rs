@@ -5,9 +5,10 @@
 //! whenever a sentinel publishes `+switch-master` for the master (a subscription kept on one
 //! sentinel), and whenever the link loses its connection or Redis answers `READONLY` (the
 //! node was demoted). An address is used only once it answers `ROLE` as a master, so a
-//! sentinel with a stale view never points the gateway at a replica.
+//! sentinel with a stale view never points the gateway at a replica: the next sentinel is
+//! asked instead.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +25,8 @@ use crate::config::{RedisAccess, SentinelTarget};
 const ASK_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the sentinels are asked when nothing else asks.
 const POLL_EVERY: Duration = Duration::from_secs(1);
+/// The least time between two questions, however often something asks.
+const ASK_GAP: Duration = Duration::from_millis(100);
 
 pub(super) struct Sentinel {
     target: ArcSwap<SentinelTarget>,
@@ -32,6 +35,9 @@ pub(super) struct Sentinel {
     master: ArcSwapOption<String>,
     /// Ask the sentinels again now.
     pub(super) ask: Arc<Notify>,
+    /// The master in use answered `READONLY`: the next question checks its role too, though
+    /// the sentinels still name it.
+    suspect: AtomicBool,
 }
 
 impl Sentinel {
@@ -41,6 +47,7 @@ impl Sentinel {
             access: ArcSwap::from_pointee(access),
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
+            suspect: AtomicBool::new(false),
         }
     }
 
@@ -72,34 +79,29 @@ impl Sentinel {
         Dial::new(url, &access).ok()
     }
 
-    /// The master's address as the first sentinel that answers names it; else why the
-    /// last one asked did not (a refused password says `WRONGPASS`).
-    pub(super) async fn ask_sentinels(&self) -> Result<(String, u16), String> {
-        let target = self.target.load_full();
-        let mut why = String::from("no sentinel to ask");
-        for url in &target.sentinels {
-            let Some(dial) = self.sentinel_dial(url) else {
-                continue;
-            };
-            let asked = async {
-                let mut opened = connect::open(&dial)
-                    .await
-                    .map_err(|e| connect::reason(&e))?;
-                redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg(&target.master)
-                    .query_async::<Option<(String, u16)>>(&mut opened.conn)
-                    .await
-                    .map_err(|e| connect::reason(&e))?
-                    .ok_or_else(|| format!("it knows no master named {}", target.master))
-            };
-            match tokio::time::timeout(ASK_TIMEOUT, asked).await {
-                Ok(Ok(addr)) => return Ok(addr),
-                Ok(Err(e)) => why = format!("sentinel {}: {e}", dial.info.addr()),
-                Err(_) => why = format!("sentinel {}: no answer in time", dial.info.addr()),
-            }
+    /// The master's address as the sentinel at `dial` names it.
+    async fn ask_one(dial: &Dial, master: &str) -> Result<(String, u16), String> {
+        let asked = async {
+            let mut opened = connect::open(dial).await.map_err(|e| connect::reason(&e))?;
+            redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(master)
+                .query_async::<Option<(String, u16)>>(&mut opened.conn)
+                .await
+                .map_err(|e| connect::reason(&e))?
+                .ok_or_else(|| format!("it knows no master named {master}"))
+        };
+        match tokio::time::timeout(ASK_TIMEOUT, asked).await {
+            Ok(Ok(addr)) => Ok(addr),
+            Ok(Err(e)) => Err(format!("sentinel {}: {e}", dial.info.addr())),
+            Err(_) => Err(format!("sentinel {}: no answer in time", dial.info.addr())),
         }
-        Err(why)
+    }
+
+    /// The master in use answered `READONLY` (it was demoted): ask again, checking it.
+    pub(super) fn suspect_master(&self) {
+        self.suspect.store(true, Ordering::Relaxed);
+        self.ask.notify_one();
     }
 
     /// The link's target for the master at `host:port`, with `[redis]`'s credentials; over
@@ -164,22 +166,49 @@ impl Sentinel {
         }
     }
 
-    /// The master's target, once a sentinel names it and it answers as a master; else why
-    /// not.
+    /// The master's target: the first address a sentinel names that is the master in use or
+    /// answers `ROLE` as a master; a sentinel that cannot be asked, or names a node that is
+    /// not a master (a stale or misconfigured sentinel), is passed over for the next one.
+    /// Else why not, as the last sentinel asked said.
     pub(super) async fn discover(&self) -> Result<Target, String> {
-        let (host, port) = self.ask_sentinels().await?;
-        let target = self
-            .target_for(&host, port)
-            .ok_or_else(|| format!("the sentinels name {host}:{port}, which is no address"))?;
-        if self.master().as_deref() != Some(target.node.as_str()) && !Self::is_master(&target).await
-        {
-            tracing::debug!(node = %target.node, "the sentinels name a node that is not a master (yet)");
-            return Err(format!(
-                "the sentinels name {}, which does not answer as a master",
+        let sentinels = self.target.load_full();
+        let recheck = self.suspect.swap(false, Ordering::Relaxed);
+        let mut why = String::from("no sentinel to ask");
+        let mut not_masters: Vec<String> = Vec::new();
+        for url in &sentinels.sentinels {
+            let Some(dial) = self.sentinel_dial(url) else {
+                continue;
+            };
+            let (host, port) = match Self::ask_one(&dial, &sentinels.master).await {
+                Ok(addr) => addr,
+                Err(e) => {
+                    why = e;
+                    continue;
+                }
+            };
+            let Some(target) = self.target_for(&host, port) else {
+                why = format!(
+                    "sentinel {} names {host}:{port}, which is no address",
+                    dial.info.addr()
+                );
+                continue;
+            };
+            if not_masters.contains(&target.node) {
+                continue;
+            }
+            let in_use = self.master().as_deref() == Some(target.node.as_str());
+            if (in_use && !recheck) || Self::is_master(&target).await {
+                return Ok(target);
+            }
+            tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
+            why = format!(
+                "sentinel {} names {}, which does not answer as a master",
+                dial.info.addr(),
                 target.node
-            ));
+            );
+            not_masters.push(target.node);
         }
-        Ok(target)
+        Err(why)
     }
 
     /// The master found at start: the link is made pointing at it.
@@ -220,8 +249,10 @@ pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
             }
             Err(_) => {}
         }
+        // Asked again at once by every READONLY answer: not more often than this.
+        tokio::time::sleep(ASK_GAP).await;
         tokio::select! {
-            _ = tokio::time::sleep(POLL_EVERY) => {}
+            _ = tokio::time::sleep(POLL_EVERY - ASK_GAP) => {}
             _ = sentinel.ask.notified() => {}
         }
     }
