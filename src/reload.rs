@@ -151,8 +151,11 @@ impl Reloader {
         if self.edge.certificates.install(&tls) {
             restart_required.push("server.tls");
         }
-        self.metrics
-            .tls_certs(tls.iter().flat_map(|l| l.expiries()));
+        self.metrics.tls_certs(
+            tls.iter()
+                .flat_map(|l| l.expiries())
+                .chain(redis.access.client_cert_expiry()),
+        );
         self.edge
             .connections
             .set_header_timeout(header_read_timeout);

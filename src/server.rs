@@ -104,7 +104,13 @@ pub fn run(config: Config) -> Result<(), StartError> {
     );
     let server_cfg = config.server.clone();
     let certificates = Arc::new(Certificates::new(&server_cfg.tls));
-    metrics.tls_certs(server_cfg.tls.iter().flat_map(|l| l.expiries()));
+    metrics.tls_certs(
+        server_cfg
+            .tls
+            .iter()
+            .flat_map(|l| l.expiries())
+            .chain(config.redis.access.client_cert_expiry()),
+    );
     let max_connections = crate::edge::limits::max_connections(server_cfg.max_connections);
     let connections = Arc::new(Connections::new(
         max_connections,

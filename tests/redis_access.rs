@@ -319,9 +319,14 @@ async fn mutual_tls_needs_the_client_certificate() {
     .start();
     assert_eq!(statuses(&without, "a", 2).await, [503, 503]);
 
-    let (cert, key) =
-        t.ca.leaf(&["sentinel-gateway"])
-            .write(t.dir.path(), "client");
+    let leaf = t.ca.leaf(&["sentinel-gateway"]);
+    let not_after = x509_parser::parse_x509_certificate(&leaf.der)
+        .unwrap()
+        .1
+        .validity()
+        .not_after
+        .timestamp() as f64;
+    let (cert, key) = leaf.write(t.dir.path(), "client");
     let with = limited(
         GatewayConfig::new(&t.url())
             .redis("tls_ca_path", quoted(&t.ca_path()))
@@ -331,6 +336,14 @@ async fn mutual_tls_needs_the_client_certificate() {
     )
     .start();
     assert_eq!(statuses(&with, "a", 4).await, [200, 200, 200, 429]);
+    // Redis refuses the certificate once it expires: its date is watched as the listeners'.
+    assert_eq!(
+        with.metric(&format!(
+            "sentinel_tls_cert_expiry_timestamp_seconds{{cert_path=\"{}\"}}",
+            cert.display()
+        )),
+        not_after
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

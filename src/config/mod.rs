@@ -190,6 +190,15 @@ pub struct RedisAccess {
     pub tls: Option<tls::RedisTls>,
 }
 
+impl RedisAccess {
+    /// The client certificate's file and the end of its validity (Unix seconds), for
+    /// `sentinel_tls_cert_expiry_timestamp_seconds`.
+    pub fn client_cert_expiry(&self) -> Option<(&std::path::Path, i64)> {
+        let tls = self.tls.as_ref()?;
+        Some((tls.cert_path.as_deref()?, tls.not_after?))
+    }
+}
+
 /// Where the limiter's state lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RedisTarget {

@@ -208,6 +208,9 @@ pub struct RedisTls {
     source: Vec<Vec<u8>>,
     /// The rustls client settings built from them.
     pub client: Arc<rustls::ClientConfig>,
+    /// When the client certificate's validity ends (Unix seconds), when there is one and it
+    /// parses: Redis refuses it from then on, so it is shown beside the listeners'.
+    pub not_after: Option<i64>,
 }
 
 impl RedisTls {
@@ -249,6 +252,7 @@ impl RedisTls {
             .with_safe_default_protocol_versions()
             .expect("ring supports the default versions")
             .with_root_certificates(roots);
+        let mut not_after = None;
         let config = match client {
             None => builder.with_no_client_auth(),
             Some((cert_path, key_path)) => {
@@ -261,6 +265,9 @@ impl RedisTls {
                 if chain.is_empty() {
                     return Err(RedisTlsError::Cert("holds no certificate".into()));
                 }
+                not_after = x509_parser::parse_x509_certificate(chain[0].as_ref())
+                    .ok()
+                    .map(|(_, c)| c.validity().not_after.timestamp());
                 let key_pem = read(key_path, RedisTlsError::Key(String::new()))?;
                 let key = PrivateKeyDer::from_pem_slice(&key_pem)
                     .map_err(|e| RedisTlsError::Key(format!("holds no usable private key: {e}")))?;
@@ -277,6 +284,7 @@ impl RedisTls {
             key_path: client.map(|(_, k)| k.to_owned()),
             source,
             client: Arc::new(config),
+            not_after,
         })
     }
 }
