@@ -411,6 +411,28 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
         format!("127.0.0.1:{}", master.port)
     );
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+
+    // Asked every second, each sentinel keeps its connection: it is not dialled (and
+    // authenticated) anew each time. (Three seconds of polls made three connections to each.)
+    let connections = |port: u16| {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let info: String = redis::cmd("INFO").arg("stats").query(&mut c).unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    let before = [connections(stale_port), connections(sentinel_port)];
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = [connections(stale_port), connections(sentinel_port)];
+    // This test's own INFO connection is one of them.
+    assert!(
+        after[0] - before[0] <= 2 && after[1] - before[1] <= 2,
+        "{before:?} -> {after:?}"
+    );
 }
 
 /// `require_noeviction` and the fleet heartbeat on the master the sentinels name: an evicting

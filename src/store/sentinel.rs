@@ -8,6 +8,7 @@
 //! sentinel with a stale view never points the gateway at a replica: the next sentinel is
 //! asked instead.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,7 @@ use tokio::sync::Notify;
 
 use super::connect;
 use super::dial::Dial;
-use super::link::{Link, Target};
+use super::link::{Link, Opened, Target};
 use crate::config::{RedisAccess, SentinelTarget};
 
 /// How long one question to one sentinel (or the master's `ROLE`) may take.
@@ -38,6 +39,10 @@ pub(super) struct Sentinel {
     /// The master in use answered `READONLY`: the next question checks its role too, though
     /// the sentinels still name it.
     suspect: AtomicBool,
+    /// The connection of the last question each sentinel answered, by URL: asked every
+    /// second, a sentinel is not dialled (and authenticated, over TLS handshaken) every
+    /// second.
+    kept: tokio::sync::Mutex<HashMap<String, Opened>>,
 }
 
 impl Sentinel {
@@ -48,6 +53,7 @@ impl Sentinel {
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
             suspect: AtomicBool::new(false),
+            kept: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -63,6 +69,10 @@ impl Sentinel {
             self.target.store(Arc::new(target.clone()));
             self.access.store(Arc::new(access.clone()));
             self.master.store(None);
+            // Made with the old credentials, perhaps to a sentinel no longer listed.
+            if let Ok(mut kept) = self.kept.try_lock() {
+                kept.clear();
+            }
             self.ask.notify_one();
         }
         changed
@@ -79,17 +89,24 @@ impl Sentinel {
         Dial::new(url, &access).ok()
     }
 
-    /// The master's address as the sentinel at `dial` names it.
-    async fn ask_one(dial: &Dial, master: &str) -> Result<(String, u16), String> {
+    /// The master's address as the sentinel at `url` (`dial`) names it, on the connection
+    /// kept from the last question to it while that is still open.
+    async fn ask_one(&self, url: &str, dial: &Dial, master: &str) -> Result<(String, u16), String> {
         let asked = async {
-            let mut opened = connect::open(dial).await.map_err(|e| connect::reason(&e))?;
-            redis::cmd("SENTINEL")
+            let mut kept = self.kept.lock().await;
+            let reused = kept.remove(url).filter(|opened| !*opened.closed.borrow());
+            let mut opened = match reused {
+                Some(opened) => opened,
+                None => connect::open(dial).await.map_err(|e| connect::reason(&e))?,
+            };
+            let named = redis::cmd("SENTINEL")
                 .arg("get-master-addr-by-name")
                 .arg(master)
                 .query_async::<Option<(String, u16)>>(&mut opened.conn)
                 .await
-                .map_err(|e| connect::reason(&e))?
-                .ok_or_else(|| format!("it knows no master named {master}"))
+                .map_err(|e| connect::reason(&e))?;
+            kept.insert(url.to_owned(), opened);
+            named.ok_or_else(|| format!("it knows no master named {master}"))
         };
         match tokio::time::timeout(ASK_TIMEOUT, asked).await {
             Ok(Ok(addr)) => Ok(addr),
@@ -179,7 +196,7 @@ impl Sentinel {
             let Some(dial) = self.sentinel_dial(url) else {
                 continue;
             };
-            let (host, port) = match Self::ask_one(&dial, &sentinels.master).await {
+            let (host, port) = match self.ask_one(url, &dial, &sentinels.master).await {
                 Ok(addr) => addr,
                 Err(e) => {
                     why = e;
