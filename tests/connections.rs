@@ -372,16 +372,23 @@ async fn an_http2_connection_with_a_stream_in_progress_is_busy_at_the_bound() {
         .map(|_| {
             let port = gw.port;
             std::thread::spawn(move || {
-                raw_request(port, b"GET /slow?ms=2500 HTTP/1.1\r\nHost: a\r\n\r\n")
+                raw_request(port, b"GET /slow?ms=4000 HTTP/1.1\r\nHost: a\r\n\r\n")
             })
         })
         .collect();
     let h2 = common::h2c_client();
     let busy_h2 = tokio::spawn({
-        let url = gw.url("/slow?ms=2500");
+        let url = gw.url("/slow?ms=4000");
         async move { h2.get(url).send().await.map(|r| r.status().as_u16()) }
     });
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Every connection busy: the three requests in progress (a fixed wait was too short on a
+    // loaded machine).
+    tokio::task::block_in_place(|| {
+        common::wait_until(Duration::from_secs(3), "three requests in flight", || {
+            let (_, body) = common::blocking_get(&gw.admin("/metrics")).unwrap();
+            common::metric_value(&body, "sentinel_requests_in_flight") == 3.0
+        })
+    });
     let port = gw.port;
     let refused = tokio::task::spawn_blocking(move || {
         raw_request(port, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
