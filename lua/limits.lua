@@ -302,7 +302,11 @@ local function error_text(e, at)
   if type(e) == 'table' then e = e.err or e.message or '' end
   -- One line: in a batch's answer an error's own newlines would shift every answer after it.
   e = (string.gsub(tostring(e), '\n', ' '))
-  if not string.match(e, '^%u+ ') then e = 'ERR Error running script: ' .. e end
+  -- A command's own ERR (`value is not an integer`, on a field written by something else)
+  -- reads as Redis relays an error inside a script: about the key's data, not the command.
+  if not string.match(e, '^%u+ ') or string.match(e, '^ERR ') then
+    e = 'ERR Error running script: ' .. e
+  end
   if at > 0 then e = e .. ' (key ' .. at .. ')' end
   return e
 end

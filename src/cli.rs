@@ -312,7 +312,7 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
             })
             .collect();
         match &each[..] {
-            [one] => format!("{one}, which must admit"),
+            [one] => format!("1 limit, which must admit: {one}"),
             _ => format!(
                 "{} limits, each must admit: {}",
                 each.len(),

@@ -162,6 +162,9 @@ impl Reloader {
         self.edge
             .connections
             .set_request_id_header(request_id_header.as_str());
+        for up in snapshot.config.upstreams.values() {
+            crate::upstream::warn_of_settings(up);
+        }
         for (name, pool) in &snapshot.upstreams {
             let kept = current
                 .upstreams

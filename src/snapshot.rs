@@ -70,7 +70,6 @@ impl Snapshot {
         let jwks = previous.map_or_else(Default::default, |p| Arc::clone(&p.jwks));
         let mut pools = HashMap::new();
         for (name, up) in &config.upstreams {
-            crate::upstream::warn_of_settings(up);
             // An upstream the reload did not change keeps its pool: its health, its
             // resolved addresses and its connections.
             let kept = previous

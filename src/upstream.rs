@@ -112,7 +112,8 @@ pub struct PeerTls {
 }
 
 /// Warns of an upstream's settings that leave it unprotected: `verify = false`, or TLS
-/// fields without `tls = true`. At start and on every reload, whether or not it changed.
+/// fields without `tls = true`. At start and after every reload that took effect, whether
+/// or not it changed.
 pub fn warn_of_settings(up: &UpstreamConfig) {
     match &up.tls {
         Some(tls) if !tls.verify => {

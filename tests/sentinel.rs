@@ -402,7 +402,9 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
     let urls =
         format!("[\"redis://127.0.0.1:{stale_port}\", \"redis://127.0.0.1:{sentinel_port}\"]");
     let gw = gateway_on(
-        on_sentinel(sentinel_port).redis("sentinel_urls", urls),
+        on_sentinel(sentinel_port)
+            .redis("sentinel_urls", urls)
+            .redis("timeout_ms", "1000"),
         &up,
         None,
     );
@@ -433,6 +435,36 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
         after[0] - before[0] <= 2 && after[1] - before[1] <= 2,
         "{before:?} -> {after:?}"
     );
+}
+
+/// The master in use dies and the first sentinel, stale, still names it: the gateway checks
+/// it (its connection is gone) and follows the next sentinel's master. (The master in use was
+/// taken on the first sentinel's word: the gateway stayed on the dead one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_master_a_stale_sentinel_still_names_is_left_for_the_next_sentinels() {
+    let (first, second) = (Redis::start(), Redis::start());
+    let (stale_dir, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_stale, stale_port) = sentinel(first.port, stale_dir.path());
+    let (_sentinel, sentinel_port) = sentinel(second.port, dir.path());
+    let up = Upstream::start("app");
+    let urls =
+        format!("[\"redis://127.0.0.1:{stale_port}\", \"redis://127.0.0.1:{sentinel_port}\"]");
+    let gw = gateway_on(
+        on_sentinel(sentinel_port)
+            .redis("sentinel_urls", urls)
+            .redis("timeout_ms", "1000"),
+        &up,
+        None,
+    );
+    let at = |port: u16| format!("127.0.0.1:{port}");
+    assert_eq!(readyz(&gw)["redis_sentinel_master"]["addr"], at(first.port));
+    drop(first);
+    wait_until(
+        Duration::from_secs(10),
+        "the next sentinel's master",
+        || readyz(&gw)["redis_sentinel_master"]["addr"] == at(second.port),
+    );
+    assert!(admitted_within_5_s(&gw, "a").await, "decisions on it");
 }
 
 /// `require_noeviction` and the fleet heartbeat on the master the sentinels name: an evicting

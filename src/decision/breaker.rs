@@ -92,7 +92,7 @@ impl Breaker {
     }
 
     /// The cause of a store failure about to be counted.
-    pub fn note_cause(&self, cause: StoreFailure) {
+    fn note_cause(&self, cause: StoreFailure) {
         self.last_cause.store(cause as u8, Ordering::Relaxed);
     }
 
@@ -290,10 +290,14 @@ impl Permit<'_> {
         }
     }
 
-    /// Settles the permit by a failure's [`Charge`].
-    pub fn charge(self, charge: Charge) {
+    /// Settles the permit by a failure's [`Charge`]; `cause` is what it was, for the log
+    /// line of a transition it makes.
+    pub fn charge(self, charge: Charge, cause: StoreFailure) {
         match charge {
-            Charge::Failure => self.failure(),
+            Charge::Failure => {
+                self.breaker.note_cause(cause);
+                self.failure()
+            }
             Charge::Nothing => self.nothing(),
         }
     }
@@ -458,7 +462,7 @@ mod tests {
             BreakerState::HalfOpen,
             "a failed connection attempt does not decide a probe's breaker"
         );
-        probe.charge(Charge::Failure);
+        probe.charge(Charge::Failure, StoreFailure::Timeout);
         assert_eq!(b.state(), BreakerState::Open);
     }
 

@@ -45,11 +45,8 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     let req = session.req_header();
     let header =
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));
-    let authority = req.uri.authority().map(super::forwarded::without_userinfo);
-    let host = match &authority {
-        Some(a) => Some(Lossy(a.as_bytes())),
-        None => header(http::header::HOST),
-    };
+    let received = super::forwarded::received_host(req);
+    let host = received.as_deref().map(Lossy);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",
         http::Version::HTTP_10 => "HTTP/1.0",

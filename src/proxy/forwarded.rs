@@ -104,7 +104,8 @@ impl Origin {
         }
         if !keep("x-forwarded-host", upstream) {
             // HTTP/2 carries the host in the authority, HTTP/1 in `Host` (or an HTTP/1.0
-            // absolute-form target without one): as received.
+            // absolute-form target without one): as received ([`received_host`], without
+            // copying the usual `Host`).
             let host = match upstream.uri.authority() {
                 Some(authority) => HeaderValue::try_from(without_userinfo(authority)).ok(),
                 None => upstream
@@ -172,6 +173,20 @@ pub fn absolute_form_authority(req: &RequestHeader) -> Option<&str> {
         .and_then(|a| std::str::from_utf8(a).ok())
 }
 
+/// The host the request names, as received: HTTP/2's authority, else `Host`, else an
+/// HTTP/1.0 absolute-form target's authority (a request line's without `Host`).
+pub fn received_host(req: &RequestHeader) -> Option<std::borrow::Cow<'_, [u8]>> {
+    use std::borrow::Cow;
+    match req.uri.authority() {
+        Some(authority) => Some(Cow::Owned(without_userinfo(authority).into_bytes())),
+        None => req
+            .headers
+            .get(http::header::HOST)
+            .map(|h| Cow::Borrowed(h.as_bytes()))
+            .or_else(|| absolute_form_authority(req).map(|a| Cow::Borrowed(a.as_bytes()))),
+    }
+}
+
 /// An authority's `host[:port]`, without any `user:password@` an absolute-form target sent.
 pub fn without_userinfo(authority: &http::uri::Authority) -> String {
     match authority.port() {
@@ -199,6 +214,17 @@ pub fn new_request_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_received_host_is_the_authority_else_host_else_the_absolute_target() {
+        let host = |r: &RequestHeader| received_host(r).map(|h| h.into_owned());
+        let mut absolute = RequestHeader::build("GET", b"http://a.example:81/x", None).unwrap();
+        assert_eq!(host(&absolute).as_deref(), Some(&b"a.example:81"[..]));
+        absolute.insert_header("host", "a.example:81").unwrap();
+        assert_eq!(host(&absolute).as_deref(), Some(&b"a.example:81"[..]));
+        let origin = RequestHeader::build("GET", b"/x", None).unwrap();
+        assert_eq!(host(&origin), None);
+    }
 
     fn req(headers: &[(&str, &str)]) -> RequestHeader {
         let mut r = RequestHeader::build("GET", b"/x", None).unwrap();

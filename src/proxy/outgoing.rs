@@ -48,14 +48,12 @@ pub fn host_for_http_1_0(
 /// 8.2.3): a backend reading one field would lose the others.
 pub fn join_cookies(req: &mut RequestHeader) -> Result<()> {
     let mut fields = req.headers.get_all(http::header::COOKIE).iter();
-    let (Some(_), Some(_)) = (fields.next(), fields.next()) else {
+    let (Some(first), Some(second)) = (fields.next(), fields.next()) else {
         return Ok(());
     };
-    let mut joined = Vec::new();
-    for field in &req.headers.get_all(http::header::COOKIE) {
-        if !joined.is_empty() {
-            joined.extend_from_slice(b"; ");
-        }
+    let mut joined = first.as_bytes().to_vec();
+    for field in std::iter::once(second).chain(fields) {
+        joined.extend_from_slice(b"; ");
         joined.extend_from_slice(field.as_bytes());
     }
     let joined = HeaderValue::from_bytes(&joined).or_err(

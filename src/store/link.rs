@@ -276,11 +276,23 @@ impl Link {
     /// new master without the ACL user), up to a few reasons: not once per retry.
     pub(super) fn log_outage(&self, reason: &str) {
         const REASONS_LOGGED: usize = 8;
-        let mut logged = self.outage_logged.lock().expect("outage log lock");
+        let mut logged = self
+            .outage_logged
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if logged.len() < REASONS_LOGGED && !logged.iter().any(|r| r == reason) {
             tracing::warn!(node = %self.node(), error = reason, "redis unavailable; reconnecting in the background");
             logged.push(reason.to_owned());
         }
+    }
+
+    /// The next failed attempt starts an outage of its own, logged afresh: the node is
+    /// connected again, or the link now points at another node (a new master).
+    pub(super) fn forget_outage(&self) {
+        self.outage_logged
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
     }
 
     /// A request failed at once: the node has no connection (it is being made again).
@@ -304,7 +316,7 @@ impl Link {
     /// the breaker's quarantine (opened by the old master's failures) ends: the next request
     /// probes the new master.
     pub(super) fn connected_again(&self) {
-        self.outage_logged.lock().expect("outage log lock").clear();
+        self.forget_outage();
         self.asked_while_down.store(false, Ordering::Relaxed);
         if self.new_master.swap(false, Ordering::AcqRel) {
             self.breaker.end_quarantine();

@@ -368,8 +368,7 @@ impl Store {
                 if *failure == Failure::NotConnected {
                     link.failed_at_once();
                 }
-                breaker.note_cause(failure.cause());
-                permit.charge(failure.charge(probe));
+                permit.charge(failure.charge(probe), failure.cause());
             }
         }
         Evaluation {

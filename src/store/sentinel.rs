@@ -171,6 +171,7 @@ impl Sentinel {
         let before = self.master.swap(Some(Arc::new(node.clone())));
         link.new_master.store(before.is_some(), Ordering::Release);
         link.target.store(Arc::new(target));
+        link.forget_outage();
         link.conn.store(None);
         link.wake.notify_one();
         match before {
@@ -188,8 +189,14 @@ impl Sentinel {
     /// not a master (a stale or misconfigured sentinel), is passed over for the next one.
     /// Else why not, as the last sentinel asked said.
     pub(super) async fn discover(&self) -> Result<Target, String> {
+        self.discover_checking(true).await.map(|(target, _)| target)
+    }
+
+    /// As [`Sentinel::discover`]; the master in use is taken without a `ROLE` check when it
+    /// is `trusted` and not suspect. With whether the target was checked.
+    async fn discover_checking(&self, trusted: bool) -> Result<(Target, bool), String> {
         let sentinels = self.target.load_full();
-        let recheck = self.suspect.swap(false, Ordering::Relaxed);
+        let recheck = self.suspect.swap(false, Ordering::Relaxed) || !trusted;
         let mut why = String::from("no sentinel to ask");
         let mut not_masters: Vec<String> = Vec::new();
         for url in &sentinels.sentinels {
@@ -214,8 +221,11 @@ impl Sentinel {
                 continue;
             }
             let in_use = self.master().as_deref() == Some(target.node.as_str());
-            if (in_use && !recheck) || Self::is_master(&target).await {
-                return Ok(target);
+            if in_use && !recheck {
+                return Ok((target, false));
+            }
+            if Self::is_master(&target).await {
+                return Ok((target, true));
             }
             tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
             why = format!(
@@ -235,12 +245,19 @@ impl Sentinel {
     }
 
     /// Asks once and follows the answer; `Err`: why the link points at no master now.
-    pub(super) async fn follow_once(&self, link: &Link) -> Result<(), String> {
-        let target = self.discover().await?;
+    /// Asks once and follows the answer: `Ok(true)` when the master was checked (or is new),
+    /// `Ok(false)` when the one in use was taken on the sentinels' word; `Err`: why the link
+    /// points at no master now. The master in use is checked when it answered `READONLY` or
+    /// the link has no connection to it (dead, or refusing: a sentinel that still names it
+    /// may be stale).
+    pub(super) async fn follow_once(&self, link: &Link) -> Result<bool, String> {
+        let connected = link.conn.load().is_some();
+        let (target, checked) = self.discover_checking(connected).await?;
         if self.master().as_deref() != Some(target.node.as_str()) {
             self.switch(link, target);
+            return Ok(true);
         }
-        Ok(())
+        Ok(checked)
     }
 }
 
@@ -250,7 +267,10 @@ pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
     let mut warned = false;
     loop {
         match sentinel.follow_once(&link).await {
-            Ok(()) => warned = false,
+            // Warned again only after a master was found that answers as one: taking the one
+            // in use on the sentinels' word between its READONLY answers is not a recovery.
+            Ok(true) => warned = false,
+            Ok(false) => {}
             Err(reason) if !warned => {
                 warned = true;
                 // The master already followed is kept: decisions go on there as long as it
