@@ -389,25 +389,48 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
     assert!(logs.contains("READONLY"), "the reason is logged: {logs}");
 }
 
+/// Two sentinels, each monitoring its own master as `mymaster`, and their processes.
+struct TwoSentinels {
+    ports: [u16; 2],
+    _procs: [Proc; 2],
+    _dirs: [tempfile::TempDir; 2],
+}
+
+/// Sentinels on `first_master` and `second_master`, listed in that order, and a gateway on
+/// them (a generous budget: these tests are about which master, not time).
+fn on_two_sentinels(
+    first_master: u16,
+    second_master: u16,
+    up: &Upstream,
+) -> (TwoSentinels, common::Gateway) {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let (first, first_port) = sentinel(first_master, dirs[0].path());
+    let (second, second_port) = sentinel(second_master, dirs[1].path());
+    let urls = format!("[\"redis://127.0.0.1:{first_port}\", \"redis://127.0.0.1:{second_port}\"]");
+    let gw = gateway_on(
+        on_sentinel(first_port)
+            .redis("sentinel_urls", urls)
+            .redis("timeout_ms", "1000"),
+        up,
+        None,
+    );
+    let sentinels = TwoSentinels {
+        ports: [first_port, second_port],
+        _procs: [first, second],
+        _dirs: dirs,
+    };
+    (sentinels, gw)
+}
+
 /// A sentinel with a stale or wrong view (it names a master that is gone) listed first does
 /// not stop the gateway: the next sentinel is asked, and its master, which answers as one, is
 /// used. (The first answer won: the gateway stayed without a master.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
     let master = Redis::start();
-    let (stale_dir, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (_stale, stale_port) = sentinel(free_port(), stale_dir.path());
-    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
-    let urls =
-        format!("[\"redis://127.0.0.1:{stale_port}\", \"redis://127.0.0.1:{sentinel_port}\"]");
-    let gw = gateway_on(
-        on_sentinel(sentinel_port)
-            .redis("sentinel_urls", urls)
-            .redis("timeout_ms", "1000"),
-        &up,
-        None,
-    );
+    let (sentinels, gw) = on_two_sentinels(free_port(), master.port, &up);
+    let [stale_port, sentinel_port] = sentinels.ports;
     assert_eq!(
         readyz(&gw)["redis_sentinel_master"]["addr"],
         format!("127.0.0.1:{}", master.port)
@@ -443,19 +466,8 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_master_a_stale_sentinel_still_names_is_left_for_the_next_sentinels() {
     let (first, second) = (Redis::start(), Redis::start());
-    let (stale_dir, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (_stale, stale_port) = sentinel(first.port, stale_dir.path());
-    let (_sentinel, sentinel_port) = sentinel(second.port, dir.path());
     let up = Upstream::start("app");
-    let urls =
-        format!("[\"redis://127.0.0.1:{stale_port}\", \"redis://127.0.0.1:{sentinel_port}\"]");
-    let gw = gateway_on(
-        on_sentinel(sentinel_port)
-            .redis("sentinel_urls", urls)
-            .redis("timeout_ms", "1000"),
-        &up,
-        None,
-    );
+    let (_sentinels, gw) = on_two_sentinels(first.port, second.port, &up);
     let at = |port: u16| format!("127.0.0.1:{port}");
     assert_eq!(readyz(&gw)["redis_sentinel_master"]["addr"], at(first.port));
     drop(first);
