@@ -66,7 +66,13 @@ sentinel-gateway is up on 127.0.0.1:8080 (admin 127.0.0.1:9090). Try:
   curl -i localhost:8080/healthz                                            # never limited
   curl -s localhost:9090/readyz
   curl -s localhost:9090/metrics | grep ^sentinel_
+  curl -i --http2-prior-knowledge -H 'X-API-Key: demo' localhost:8080/resumint/tailor   # HTTP/2 (h2c)
+  curl -s 'localhost:9090/limits/pdftalk.ingest?identity=header%3Ax-api-key%3Ademo'    # the key's bucket
+
+Load, with oha (cargo install oha) or wrk (apt-get install wrk):
+
   oha -z 10s -c 64 -H 'X-API-Key: load' http://127.0.0.1:8080/resumint/tailor
+  wrk -d 10s -c 64 -t 2 -H 'X-API-Key: load' http://127.0.0.1:8080/resumint/tailor
 
 Logs are in .demo/. Stop everything with: scripts/demo.sh stop
 MSG

@@ -423,10 +423,9 @@ async fn an_outage_whose_reason_changes_is_logged_again() {
         .iter()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["error"].to_string())
         .collect();
-    let mut distinct = reasons.clone();
-    distinct.sort();
-    distinct.dedup();
-    assert_eq!(distinct.len(), reasons.len(), "{reasons:?}");
+    // One for the node not reached (refused, reset or timed out: one reason), one for the
+    // refused password.
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
     assert!(!gw.logs().contains("Pa55word"), "never a password");
 }
 

@@ -617,7 +617,10 @@ impl Connector {
                     link.attempt_failed();
                     // A probe waiting for this attempt fails at once, as a request does.
                     link.ready.notify_waiters();
-                    link.log_outage(&reason(&e));
+                    let reason = reason(&e);
+                    let unreachable =
+                        e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout();
+                    link.log_outage(if unreachable { "unreachable" } else { &reason }, &reason);
                     // A breaker's probe cuts the wait short (`Store::connection`).
                     tokio::select! {
                         _ = tokio::time::sleep(backoff(attempt)) => {}

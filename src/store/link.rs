@@ -274,15 +274,17 @@ impl Link {
     /// Logs why a connection attempt failed: when an outage starts, and again each time it
     /// fails for a reason not yet logged in this outage (Redis back, refusing the password; a
     /// new master without the ACL user), up to a few reasons: not once per retry.
-    pub(super) fn log_outage(&self, reason: &str) {
+    /// `kind` says which reasons are one: a refused connection, a reset and a timeout all say
+    /// that the node cannot be reached, and are logged once for all.
+    pub(super) fn log_outage(&self, kind: &str, reason: &str) {
         const REASONS_LOGGED: usize = 8;
         let mut logged = self
             .outage_logged
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if logged.len() < REASONS_LOGGED && !logged.iter().any(|r| r == reason) {
+        if logged.len() < REASONS_LOGGED && !logged.iter().any(|k| k == kind) {
             tracing::warn!(node = %self.node(), error = reason, "redis unavailable; reconnecting in the background");
-            logged.push(reason.to_owned());
+            logged.push(kind.to_owned());
         }
     }
 
