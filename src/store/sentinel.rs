@@ -244,7 +244,6 @@ impl Sentinel {
         tracing::info!(master = %target.node, "redis sentinel: using the master the sentinels name");
     }
 
-    /// Asks once and follows the answer; `Err`: why the link points at no master now.
     /// Asks once and follows the answer: `Ok(true)` when the master was checked (or is new),
     /// `Ok(false)` when the one in use was taken on the sentinels' word; `Err`: why the link
     /// points at no master now. The master in use is checked when it answered `READONLY` or
