@@ -411,11 +411,10 @@ fn keys_by(source: &IdentitySource, identity: &str) -> bool {
             .and_then(|rest| rest.strip_prefix(name.as_str()))
             .and_then(|rest| rest.strip_prefix(':'))
             .is_some_and(|v| !v.is_empty()),
-        IdentitySource::ApiKey => value("tenant:").is_some_and(|t| {
-            t.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
-            })
-        }),
+        // A tenant is written as the key file allows it (`config/api_keys.rs`).
+        IdentitySource::ApiKey => {
+            value("tenant:").is_some_and(|t| crate::config::EndpointId::parse(t).is_some())
+        }
     }
 }
 

@@ -611,7 +611,11 @@ fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
 fn an_http_1_0_request_without_host_reaches_the_upstream_with_one() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = limited(&redis, &up, 100);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = closed_and_open(&redis.url(), &up.addr(), 100)
+        .access_log(&log)
+        .start();
     let answer = raw_answer(gw.port, b"GET /open HTTP/1.0\r\nX-API-Key: k\r\n\r\n");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
@@ -630,6 +634,24 @@ fn an_http_1_0_request_without_host_reaches_the_upstream_with_one() {
     assert_eq!(
         echoed["headers"]["x-forwarded-host"], "api.example:8080",
         "as received: {echoed}"
+    );
+    // The access log's `host` too (it was null: no `Host`, no authority in the URI).
+    let mut lines = Vec::new();
+    wait_until(Duration::from_secs(5), "both access-log lines", || {
+        lines = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        lines.len() == 2
+    });
+    let second: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
+    assert_eq!(second["host"], "api.example:8080", "{second}");
+    let first: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    assert_eq!(
+        first["host"],
+        serde_json::Value::Null,
+        "none received: {first}"
     );
 }
 
