@@ -160,6 +160,9 @@ pub fn main() -> i32 {
                     k.header
                 );
             }
+            for w in config.warnings_in_words() {
+                eprintln!("warning: {w}");
+            }
             println!(
                 "{}: ok, {} route(s)",
                 cli.config.display(),

@@ -162,9 +162,7 @@ impl Reloader {
         self.edge
             .connections
             .set_request_id_header(request_id_header.as_str());
-        for up in snapshot.config.upstreams.values() {
-            crate::upstream::warn_of_settings(up);
-        }
+        snapshot.config.log_warnings();
         for (name, pool) in &snapshot.upstreams {
             let kept = current
                 .upstreams

@@ -122,9 +122,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     let fleet = Arc::new(Fleet::default());
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)
         .map_err(StartError::Upstreams)?;
-    for up in snapshot.config.upstreams.values() {
-        crate::upstream::warn_of_settings(up);
-    }
+    snapshot.config.log_warnings();
     metrics.config_generation.set(1);
     let jwks = Arc::clone(&snapshot.jwks);
     let jwks_target = snapshot

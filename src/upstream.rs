@@ -111,21 +111,6 @@ pub struct PeerTls {
     pub pool_key: u64,
 }
 
-/// Warns of an upstream's settings that leave it unprotected: `verify = false`, or TLS
-/// fields without `tls = true`. At start and after every reload that took effect, whether
-/// or not it changed.
-pub fn warn_of_settings(up: &UpstreamConfig) {
-    match &up.tls {
-        Some(tls) if !tls.verify => {
-            tracing::warn!(upstream = up.name.as_str(), "upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", up.name);
-        }
-        None if !up.inert_tls.is_empty() => {
-            tracing::warn!(upstream = up.name.as_str(), fields = ?up.inert_tls, "upstreams.{} has TLS fields without tls = true: they do nothing, the upstream is spoken to in plain HTTP", up.name);
-        }
-        _ => {}
-    }
-}
-
 impl PeerTls {
     fn new(up: &UpstreamConfig) -> Option<Self> {
         let tls = up.tls.as_ref()?;

@@ -129,6 +129,51 @@ fn bounds_at_the_limit_are_accepted() {
     assert!(stdout.contains("token bucket of 1000000000 requests, refilled at 1000000 requests per second, 1000000000 tokens per request"), "{stdout}");
 }
 
+/// A network written with host bits set works (as its network) but is said: the one address
+/// was perhaps meant, and `10.0.0.1/8` trusts sixteen million. `verify = false` is said too.
+#[test]
+fn check_warns_of_what_works_but_perhaps_not_as_meant() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let route = Route::new("x.api")
+        .prefix("/x")
+        .identity("client_ip")
+        .token_bucket(5_000_000, 1_000_000)
+        .set("exempt_client_cidrs", r#"["10.1.2.3/16", "10.9.0.0/16"]"#);
+    std::fs::write(
+        &path,
+        format!(
+            "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\"]\n\
+             [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n{}",
+            route.toml()
+        ),
+    )
+    .unwrap();
+    let (code, stdout, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("ok, 1 route(s)"), "{stdout}");
+    let file = path.display();
+    let warnings: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        warnings,
+        [
+            format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
+            format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
+            "warning: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it".to_owned(),
+        ],
+        "{stderr}"
+    );
+}
+
+/// `line:column` of the first occurrence of `needle` in the file.
+fn position_of(path: &Path, needle: &str) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    let offset = text.find(needle).unwrap();
+    let line = text[..offset].matches('\n').count() + 1;
+    let column = offset - text[..offset].rfind('\n').map_or(0, |i| i + 1) + 1;
+    format!("{line}:{column}")
+}
+
 #[test]
 fn the_redis_url_variable_is_validated_too() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

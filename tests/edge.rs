@@ -147,7 +147,8 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let gw = GatewayConfig::new(&redis.url())
-        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        // Host bits set: taken as 127.0.0.0/8, with a WARN at start.
+        .server("trusted_proxies", r#"["127.0.0.1/8"]"#)
         .server("request_id_header", quoted("X-Trace"))
         .upstream("app", &[up.addr()])
         .route(Route::new("e.open").prefix("/open").unlimited())
@@ -177,6 +178,19 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     assert_eq!(seen["x-trace"], "edge-4711");
     assert_eq!(seen["forwarded"], "for=1.2.3.4;proto=https");
     assert_eq!(seen["x-forwarded-port"], "443");
+    let warned = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("has host bits set"))
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    assert_eq!(warned.len(), 1, "{}", gw.logs());
+    assert!(warned[0].contains(r#""level":"WARN""#), "{}", warned[0]);
+    assert!(
+        warned[0].contains(r#"taken as the network \"127.0.0.0/8\""#),
+        "{}",
+        warned[0]
+    );
     let r = http
         .get(gw.url("/open"))
         .header("X-Trace", "has space")

@@ -48,10 +48,13 @@ impl fmt::Display for ConfigErrors {
 impl std::error::Error for ConfigErrors {}
 
 /// Collects problems while a file is validated, turning byte spans into line and column.
+/// Errors refuse the file; warnings (something written that works, but not as written) are
+/// printed by `check` and logged at start and on reload.
 pub struct Collector<'a> {
     file: &'a Path,
     source: &'a str,
     pub errors: Vec<ConfigError>,
+    pub warnings: Vec<ConfigError>,
 }
 
 impl<'a> Collector<'a> {
@@ -60,6 +63,7 @@ impl<'a> Collector<'a> {
             file,
             source,
             errors: Vec::new(),
+            warnings: Vec::new(),
         }
     }
 
@@ -68,12 +72,23 @@ impl<'a> Collector<'a> {
     }
 
     pub fn push(&mut self, span: Option<&Range<usize>>, route: Option<&str>, message: String) {
-        self.errors.push(ConfigError {
+        let error = self.at(span, route, message);
+        self.errors.push(error);
+    }
+
+    /// A warning: the file still loads.
+    pub fn warn(&mut self, span: Option<&Range<usize>>, route: Option<&str>, message: String) {
+        let warning = self.at(span, route, message);
+        self.warnings.push(warning);
+    }
+
+    fn at(&self, span: Option<&Range<usize>>, route: Option<&str>, message: String) -> ConfigError {
+        ConfigError {
             file: self.file.to_path_buf(),
             position: span.map(|s| self.position(s)),
             route: route.map(str::to_owned),
             message,
-        });
+        }
     }
 }
 

@@ -106,6 +106,9 @@ pub struct Config {
     pub access_log: Option<AccessLogTarget>,
     pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     pub routes: Vec<RouteConfig>,
+    /// What the file says that works, but perhaps not as meant (a CIDR with host bits set):
+    /// printed by `check`, logged at WARN at start and after each reload.
+    pub warnings: Vec<ConfigError>,
 }
 
 /// Where `[access_log]` lines go.
@@ -319,6 +322,18 @@ pub struct UpstreamConfig {
     pub inert_tls: Vec<&'static str>,
 }
 
+impl UpstreamConfig {
+    /// What leaves this upstream unprotected, in words: `verify = false`, or TLS fields
+    /// without `tls = true` (they do nothing).
+    pub fn unprotected(&self) -> Option<String> {
+        match &self.tls {
+            Some(tls) if !tls.verify => Some(format!("upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", self.name)),
+            None if !self.inert_tls.is_empty() => Some(format!("upstreams.{} has TLS fields without tls = true: they do nothing, the upstream is spoken to in plain HTTP", self.name)),
+            _ => None,
+        }
+    }
+}
+
 /// `health_check`: a GET of `path` on each address, on a timer of its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthCheck {
@@ -528,6 +543,30 @@ impl RouteConfig {
 }
 
 impl Config {
+    /// Every warning in words, the file's own (with their place) and the upstreams' settings.
+    pub fn warnings_in_words(&self) -> Vec<String> {
+        let own = self.warnings.iter().map(ToString::to_string);
+        own.chain(self.upstreams.values().filter_map(|u| u.unprotected()))
+            .collect()
+    }
+
+    /// Logs every warning at WARN: at start and after every reload that took effect, whether
+    /// or not the part warned of changed.
+    pub fn log_warnings(&self) {
+        for w in &self.warnings {
+            tracing::warn!(config = %self.source.display(), "{w}");
+        }
+        for up in self.upstreams.values() {
+            if let Some(words) = up.unprotected() {
+                if up.inert_tls.is_empty() {
+                    tracing::warn!(upstream = up.name.as_str(), "{words}");
+                } else {
+                    tracing::warn!(upstream = up.name.as_str(), fields = ?up.inert_tls, "{words}");
+                }
+            }
+        }
+    }
+
     /// The files this config names and reads (key file, JWKS, certificates and keys): a
     /// change to one of them is a change to the config.
     pub fn named_files(&self) -> Vec<PathBuf> {

@@ -103,6 +103,7 @@ pub fn validate(
         access_log,
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),
+        warnings: c.warnings,
     })
 }
 

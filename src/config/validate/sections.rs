@@ -109,24 +109,12 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             ok = false;
         }
     }
-    let mut trusted_proxies = Vec::new();
-    for p in s
-        .and_then(|s| s.trusted_proxies.as_ref())
-        .map(|p| p.get_ref().as_slice())
-        .unwrap_or_default()
-    {
-        let text = p.get_ref();
-        let parsed = text
-            .parse::<IpNet>()
-            .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
-        match parsed {
-            Ok(net) => trusted_proxies.push(net.trunc()),
-            Err(_) => {
-                c.push(Some(&p.span()), None, format!("server.trusted_proxies entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
-                ok = false;
-            }
-        }
-    }
+    let trusted_proxies = cidrs(
+        c,
+        None,
+        "server.trusted_proxies",
+        s.and_then(|s| s.trusted_proxies.as_ref()),
+    );
     let grace = int_in(
         c,
         None,
@@ -243,7 +231,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         max_connections: max_connections?,
         threads: threads? as usize,
         admin_listen: admin_listen?,
-        trusted_proxies,
+        trusted_proxies: trusted_proxies?,
         grace_period: Duration::from_secs(grace?),
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
@@ -294,6 +282,8 @@ const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
 ];
 
 /// A list of CIDRs (or plain addresses, as /32 and /128), each checked; `field` names it.
+/// A network written with host bits set (`10.0.0.1/8`) is taken as its network, with a
+/// warning: the written address alone was perhaps meant.
 pub(super) fn cidrs(
     c: &mut Collector,
     route: Option<&str>,
@@ -308,7 +298,13 @@ pub(super) fn cidrs(
             .parse::<IpNet>()
             .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
         match parsed {
-            Ok(net) => nets.push(net.trunc()),
+            Ok(net) => {
+                let network = net.trunc();
+                if network != net {
+                    c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" has host bits set: it is taken as the network \"{network}\" (write \"{}\" for the one address)", IpNet::from(net.addr())));
+                }
+                nets.push(network);
+            }
             Err(_) => {
                 c.push(Some(&p.span()), route, format!("{field} entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
                 ok = false;
