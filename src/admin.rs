@@ -4,7 +4,9 @@
 //! answering (`/readyz` 503) while Pingora's listeners drain on SIGTERM.
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
@@ -27,6 +29,47 @@ pub struct Admin {
     pub lifecycle: Arc<Lifecycle>,
     pub store: Store,
     pub reloader: Arc<Reloader>,
+    pub refusals: Refusals,
+}
+
+/// Admin requests refused for their token, logged at WARN at most once every
+/// [`Refusals::EVERY`] with how many were refused since the line before: someone guessing the
+/// token is seen without filling the log. The token presented is never logged.
+#[derive(Default)]
+pub struct Refusals {
+    /// When the last line was written, and the refusals since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Refusals {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn note(&self, peer: SocketAddr, method: &Method, path: &str, presented: bool) {
+        let refused = {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.1 += 1;
+            let now = Instant::now();
+            if state
+                .0
+                .is_some_and(|last| now.duration_since(last) < Self::EVERY)
+            {
+                return;
+            }
+            state.0 = Some(now);
+            std::mem::take(&mut state.1)
+        };
+        let token = if presented { "wrong" } else { "missing" };
+        // The path only: a query may carry an identity.
+        tracing::warn!(
+            peer = %peer.ip(),
+            method = %method,
+            path,
+            token,
+            refused,
+            "admin request refused: the admin token is {token} ({refused} refused since the last such line, at most one line every {} s)",
+            Self::EVERY.as_secs()
+        );
+    }
 }
 
 type AdminResponse = Response<Full<Bytes>>;
@@ -108,14 +151,14 @@ impl Admin {
             }
         };
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((stream, peer)) = listener.accept().await else {
                 continue;
             };
             let admin = Arc::clone(&self);
             tokio::spawn(async move {
                 let service = service_fn(move |req| {
                     let admin = Arc::clone(&admin);
-                    async move { Ok::<_, Infallible>(admin.route(req).await) }
+                    async move { Ok::<_, Infallible>(admin.route(req, peer).await) }
                 });
                 let _ = http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
@@ -126,7 +169,8 @@ impl Admin {
 
     /// With `admin_token_env`, every request but the probes needs `Authorization: Bearer
     /// <token>`; the comparison is of hashes, so its time says nothing about the token.
-    fn authorized(&self, req: &Request<Incoming>) -> bool {
+    /// A refusal is counted and logged.
+    fn authorized(&self, req: &Request<Incoming>, peer: SocketAddr) -> bool {
         if matches!(req.uri().path(), "/healthz" | "/readyz") {
             return true;
         }
@@ -134,16 +178,26 @@ impl Admin {
         let Some(token) = &snapshot.config.server.admin_token else {
             return true;
         };
-        let mut values = req.headers().get_all(http::header::AUTHORIZATION).iter();
-        let (Some(value), None) = (values.next(), values.next()) else {
-            return false;
+        let values = req.headers().get_all(http::header::AUTHORIZATION);
+        let mut each = values.iter();
+        let accepted = match (each.next(), each.next()) {
+            (Some(value), None) => {
+                let presented = crate::identity::bearer_token(value.as_bytes()).unwrap_or_default();
+                Sha256::digest(presented) == Sha256::digest(&token.0)
+            }
+            _ => false,
         };
-        let presented = crate::identity::bearer_token(value.as_bytes()).unwrap_or_default();
-        Sha256::digest(presented) == Sha256::digest(&token.0)
+        if !accepted {
+            self.metrics.admin_refused.inc();
+            let presented = values.iter().next().is_some();
+            self.refusals
+                .note(peer, req.method(), req.uri().path(), presented);
+        }
+        accepted
     }
 
-    async fn route(&self, req: Request<Incoming>) -> AdminResponse {
-        if !self.authorized(&req) {
+    async fn route(&self, req: Request<Incoming>, peer: SocketAddr) -> AdminResponse {
+        if !self.authorized(&req, peer) {
             let mut answer = json(
                 StatusCode::UNAUTHORIZED,
                 serde_json::json!({"detail": "authentication required"}),

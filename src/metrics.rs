@@ -50,6 +50,7 @@ pub struct Metrics {
     pub fleet_instances: IntGauge,
     /// Access log lines dropped because the writer could not keep up (or could not write).
     pub access_log_dropped: IntCounter,
+    pub admin_refused: IntCounter,
     endpoint_mode: IntGaugeVec,
     /// Redis Cluster only: each primary's breaker state, labelled by `node` (`host:port`).
     redis_node_breaker_state: IntGaugeVec,
@@ -287,6 +288,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let admin_refused = register(
+            &r,
+            IntCounter::new(
+                "sentinel_admin_refused_total",
+                "Admin requests refused for a missing or wrong admin token (admin_token_env).",
+            )
+            .expect("valid"),
+        );
         let endpoint_mode = register(
             &r,
             IntGaugeVec::new(
@@ -378,6 +387,7 @@ impl Metrics {
             in_flight,
             fleet_instances,
             access_log_dropped,
+            admin_refused,
             endpoint_mode,
         }
     }

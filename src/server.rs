@@ -220,6 +220,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         lifecycle: Arc::clone(&lifecycle),
         store: store.clone(),
         reloader: Arc::clone(&reloader),
+        refusals: Default::default(),
     };
     let admin_socket = std::net::TcpListener::bind(server_cfg.admin_listen).map_err(|source| {
         StartError::Admin {

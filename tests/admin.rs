@@ -57,6 +57,36 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         }
     }
     assert!(!gw.logs().contains(TOKEN), "the token never reaches a log");
+    // Every refusal counted; one WARN line for them (at most one every 10 s), naming the first.
+    let metrics = http
+        .get(gw.admin("/metrics"))
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("\nsentinel_admin_refused_total 18\n"),
+        "{metrics}"
+    );
+    let logs = gw.logs();
+    let refused: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("admin request refused"))
+        .collect();
+    assert_eq!(refused.len(), 1, "{}", gw.logs());
+    for field in [
+        r#""level":"WARN""#,
+        r#""peer":"127.0.0.1""#,
+        r#""method":"GET""#,
+        r#""path":"/metrics""#,
+        r#""token":"missing""#,
+        r#""refused":1"#,
+    ] {
+        assert!(refused[0].contains(field), "{field}: {}", refused[0]);
+    }
 
     // Without the variable the config is invalid.
     let dir = tempfile::tempdir().unwrap();
