@@ -8,12 +8,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::clock::SharedClock;
-use crate::config::Config;
+use crate::config::{Config, RedisConfig};
 use crate::decision::fleet::Fleet;
 use crate::edge::{AccessLog, Edge};
 use crate::metrics::Metrics;
+use crate::server::StartError;
 use crate::snapshot::Snapshot;
-use crate::store::Store;
+use crate::store::{preflight, Store};
 
 pub struct Reloader {
     pub path: PathBuf,
@@ -91,9 +92,25 @@ impl Reloader {
             .unwrap_or_else(|e| Err(format!("reload task failed: {e}")))
     }
 
+    /// The start's refusal of an evicting Redis, for a reload that points at another Redis
+    /// (or turns `require_noeviction` on): else the reload would be taken and the next start
+    /// refused. A Redis that does not answer is not refused, as at start; the reload waits
+    /// for it up to the preflight's few seconds.
+    fn refuse_evicting(&self, old: &RedisConfig, new: &RedisConfig) -> Result<(), String> {
+        let elsewhere = old.target != new.target || old.access != new.access;
+        if !new.require_noeviction || !(elsewhere || !old.require_noeviction) {
+            return Ok(());
+        }
+        match self.store.runtime().block_on(preflight(new)) {
+            Some(policy) => Err(StartError::Evicting(policy).to_string()),
+            None => Ok(()),
+        }
+    }
+
     fn try_reload(&self) -> Result<Reloaded, String> {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
+        self.refuse_evicting(&current.config.redis, &config.redis)?;
         let (old, new) = (&self.running.server, &config.server);
         let mut restart_required: Vec<&'static str> = [
             ("server.listen", old.listen != new.listen),

@@ -166,13 +166,37 @@ fn an_evicting_redis_refuses_start_unless_allowed() {
         "{stderr}"
     );
 
-    let allowed = config.redis("require_noeviction", "false");
+    let allowed = config.clone().redis("require_noeviction", "false");
     let gw = Gateway::start_with(port, admin, &allowed.render(port, admin));
     assert_eq!(blocking_get(&gw.admin("/readyz")).unwrap().0, 200);
     wait_until(Duration::from_secs(5), "the policy in /readyz", || {
         blocking_get(&gw.admin("/readyz"))
             .is_some_and(|(_, b)| b.contains(r#""redis_maxmemory_policy":"allkeys-lru""#))
     });
+
+    // A reload is refused what the start is: turning require_noeviction on over this Redis,
+    // and, from a gateway on a noeviction Redis, a move to this one. The old config serves.
+    let refused = |gw: &Gateway, text: &str| {
+        gw.rewrite_config(text);
+        let (status, body) = gw.reload_answer();
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body.contains(r#""reloaded":false"#)
+                && body.contains("redis maxmemory-policy is allkeys-lru"),
+            "{body}"
+        );
+        let ready = blocking_get(&gw.admin("/readyz")).unwrap().1;
+        assert!(ready.contains(r#""config_generation":1"#), "{ready}");
+    };
+    refused(&gw, &config.render(port, admin));
+    let clean = Redis::start();
+    let (port, admin) = (common::free_port(), common::free_port());
+    let moving = routes(file_config(&clean.url()), &up.addr(), api(5));
+    let gw = Gateway::start_with(port, admin, &moving.render(port, admin));
+    refused(&gw, &config.render(port, admin));
+    // The same move with the requirement off is taken.
+    gw.rewrite_config(&allowed.render(port, admin));
+    assert_eq!(gw.reload(), 200);
 }
 
 #[test]

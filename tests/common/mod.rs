@@ -442,8 +442,24 @@ impl Gateway {
 
     /// `POST /reload` on the admin listener; the status.
     pub fn reload(&self) -> u16 {
-        let request = b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
-        raw_request(self.admin_port, request).expect("the admin answers")
+        self.reload_answer().0
+    }
+
+    /// `POST /reload` on the admin listener; the status and the body.
+    pub fn reload_answer(&self) -> (u16, String) {
+        use std::io::Read;
+        let mut stream = TcpStream::connect(("127.0.0.1", self.admin_port)).expect("the admin");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream
+            .write_all(b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .expect("send the reload");
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).expect("the admin answers");
+        let status = raw.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+        let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        (status.expect("a status line"), body.to_owned())
     }
 
     pub fn rewrite_config(&self, config: &str) {
