@@ -98,8 +98,8 @@ impl Reloader {
     /// for it up to the preflight's few seconds.
     fn refuse_evicting(&self, old: &RedisConfig, new: &RedisConfig) -> Result<(), String> {
         let elsewhere = old.target != new.target || old.access != new.access;
-        let newly_required = new.require_noeviction && !old.require_noeviction;
-        if !newly_required && !(new.require_noeviction && elsewhere) {
+        let check = new.require_noeviction && (elsewhere || !old.require_noeviction);
+        if !check {
             return Ok(());
         }
         match self.store.runtime().block_on(preflight(new)) {
