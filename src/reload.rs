@@ -169,9 +169,11 @@ impl Reloader {
         if self.edge.certificates.install(&tls) {
             restart_required.push("server.tls");
         }
+        let served = self.edge.certificates.expiries();
         self.metrics.tls_certs(
-            tls.iter()
-                .flat_map(|l| l.expiries())
+            served
+                .iter()
+                .map(|(path, t)| (path.as_path(), *t))
                 .chain(redis.access.client_cert_expiry()),
         );
         self.edge

@@ -104,11 +104,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
     );
     let server_cfg = config.server.clone();
     let certificates = Arc::new(Certificates::new(&server_cfg.tls));
+    let served = certificates.expiries();
     metrics.tls_certs(
-        server_cfg
-            .tls
+        served
             .iter()
-            .flat_map(|l| l.expiries())
+            .map(|(path, t)| (path.as_path(), *t))
             .chain(config.redis.access.client_cert_expiry()),
     );
     let max_connections = crate::edge::limits::max_connections(server_cfg.max_connections);

@@ -258,6 +258,24 @@ fn a_reload_serves_new_certificates_to_new_handshakes_and_open_connections_keep_
         "{text}"
     );
     assert_eq!(s.conn(PDFTALK).unwrap().served(), renewed.der);
+
+    // The listener removed: taken, but only a restart closes it, so it serves the renewed
+    // certificate still, and the metric keeps watching what is served.
+    std::fs::write(s.path("named.key"), &renewed.key_pem).unwrap();
+    let without_tls = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/open").unlimited());
+    gw.rewrite_config(&without_tls.render(gw.port, gw.admin_port));
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(r#""restart_required":["server.tls"]"#),
+        "{body}"
+    );
+    assert_eq!(s.conn(PDFTALK).unwrap().served(), renewed.der);
+    assert_eq!(expiry("named"), not_after(&renewed.der));
+    assert_eq!(expiry("default"), not_after(&s.default.der));
 }
 
 #[test]

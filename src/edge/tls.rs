@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -26,6 +27,8 @@ struct CertSet {
     exact: HashMap<String, Arc<CertifiedKey>>,
     /// By the part after `*.`.
     wildcard: HashMap<String, Arc<CertifiedKey>>,
+    /// Each certificate's file and expiry (Unix seconds), for the metric.
+    expiries: Vec<(PathBuf, i64)>,
 }
 
 impl CertSet {
@@ -45,6 +48,10 @@ impl CertSet {
             default: Arc::clone(&listener.default.key),
             exact,
             wildcard,
+            expiries: listener
+                .expiries()
+                .map(|(path, t)| (path.to_path_buf(), t))
+                .collect(),
         }
     }
 
@@ -137,6 +144,15 @@ impl Certificates {
     }
 
     /// The addresses of the TLS listeners.
+    /// The file and expiry of every certificate served now: a listener a reload removed
+    /// serves its last ones until the restart.
+    pub fn expiries(&self) -> Vec<(PathBuf, i64)> {
+        self.listeners
+            .iter()
+            .flat_map(|l| l.resolver.set.load().expiries.clone())
+            .collect()
+    }
+
     pub fn addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
         self.listeners.iter().map(|l| l.addr)
     }
