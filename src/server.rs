@@ -160,7 +160,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
 
     let conf = ServerConf {
         threads: server_cfg.threads,
-        grace_period_seconds: Some(server_cfg.grace_period.as_secs()),
+        // The drain (`Drain`) ends the process itself when the grace period is over, having
+        // counted what it cuts: Pingora's own end (which drops the requests' tasks, so that
+        // none looks in flight any more) comes a second later and is never reached.
+        grace_period_seconds: Some(server_cfg.grace_period.as_secs() + 1),
         graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };

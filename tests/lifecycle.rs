@@ -74,6 +74,55 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
         sent.elapsed() < Duration::from_secs(4),
         "exited once drained, not after the whole grace period"
     );
+    assert!(
+        gw.logs()
+            .contains(r#""message":"drained; exiting","in_flight":0"#),
+        "{}",
+        gw.logs()
+    );
+}
+
+/// A request still in flight when the grace period ends is cut, and one WARN says how many
+/// were: never "drained", never nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url()).server("grace_period_seconds", "1");
+    let mut gw = routes(config, &up.addr(), api(100)).start();
+    let url = gw.url("/api/slow?ms=6000");
+    let slow = tokio::spawn(async move { client().get(url).send().await });
+    common::wait_until(Duration::from_secs(5), "the request in flight", || {
+        blocking_get(&gw.admin("/metrics")).is_some_and(|(_, body)| {
+            common::metric_value(&body, "sentinel_requests_in_flight") == 1.0
+        })
+    });
+    let sent = Instant::now();
+    gw.proc.signal("TERM");
+    let code = gw
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits when the grace period is over");
+    assert_eq!(code, 0);
+    // One second of grace; a loaded machine may take a little longer to stop.
+    assert!(
+        sent.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert!(slow.await.unwrap().is_err(), "the request was cut");
+    let logs = gw.logs();
+    let cut: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("grace_period_seconds is over"))
+        .collect();
+    assert_eq!(cut.len(), 1, "{logs}");
+    assert!(
+        cut[0].contains(r#""level":"WARN""#) && cut[0].contains(r#""in_flight":1"#),
+        "{}",
+        cut[0]
+    );
+    assert!(!logs.contains("drained; exiting"), "{logs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
