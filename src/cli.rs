@@ -331,7 +331,8 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
         )
     };
     let fail = match (p.algorithm, p.fallback_rate_micro, p.fail_mode) {
-        (Algorithm::None, ..) => String::new(),
+        // Said, though it never applies: no Redis call is made.
+        (Algorithm::None, _, mode) => format!("; {} (unused)", mode.as_str()),
         (_, Some(rate), crate::config::FailMode::FailOpen) => {
             let each = if p.emergency_per_identity {
                 " per identity"

@@ -89,8 +89,15 @@ pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -
                 "an RSA modulus of {bits} bits: RS* and PS* keys have 2048 bits or more (RFC 7518, 3.3)"
             ));
         }
-        if e.iter().all(|b| *b == 0) {
-            return Some("an RSA exponent of zero".to_owned());
+        let leading = e.iter().take_while(|b| **b == 0).count();
+        match &e[leading..] {
+            [] => return Some("an RSA exponent of zero".to_owned()),
+            [1] => {
+                return Some(
+                    "an RSA exponent of one (every message would be its own signature)".to_owned(),
+                )
+            }
+            _ => {}
         }
         return None;
     }
@@ -117,9 +124,34 @@ pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -
         .map(|_| "its point is not on its curve (a public key must be one)".to_owned())
 }
 
-/// The keys of a JWKS that can verify a signature: a key for encryption, of a kind that
-/// signs nothing configured, pinned to an unknown algorithm, or [`unusable`], verifies
-/// nothing.
+/// Why a JWK is not for verifying signatures, if it is not: a key marked for encryption
+/// (`"use": "enc"`), whose `key_ops` do not include `verify` (RFC 7517, 4.3), or pinned to an
+/// algorithm that signs nothing (`RSA-OAEP`) or that is unknown. Identity providers publish
+/// such keys beside their signing keys: they are left out, never an error.
+pub fn not_for_signing(jwk: &jsonwebtoken::jwk::Jwk) -> Option<String> {
+    use jsonwebtoken::jwk::{KeyOperations, PublicKeyUse};
+    if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
+        return Some("it is marked \"use\": \"enc\"".to_owned());
+    }
+    if let Some(ops) = &jwk.common.key_operations {
+        if !ops.contains(&KeyOperations::Verify) {
+            return Some("its \"key_ops\" do not include \"verify\"".to_owned());
+        }
+    }
+    use jsonwebtoken::jwk::KeyAlgorithm as K;
+    match jwk.common.key_algorithm? {
+        K::UNKNOWN_ALGORITHM => {
+            Some("it is pinned to an \"alg\" this gateway does not know".to_owned())
+        }
+        K::RSA1_5 | K::RSA_OAEP | K::RSA_OAEP_256 => {
+            Some("it is pinned to an encryption \"alg\"".to_owned())
+        }
+        _ => None,
+    }
+}
+
+/// The keys of a JWKS that can verify a signature: a key [`not_for_signing`], of a kind that
+/// signs nothing configured, or [`unusable`], verifies nothing.
 pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
     verify_keys_noting(set, &mut Vec::new())
 }
@@ -130,12 +162,7 @@ fn verify_keys_noting(set: &JwkSet, left_out: &mut Vec<String>) -> Vec<VerifyKey
     set.keys
         .iter()
         .filter(|jwk| jwk_family(jwk).is_some())
-        .filter(|jwk| {
-            !matches!(
-                jwk.common.public_key_use,
-                Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
-            )
-        })
+        .filter(|jwk| not_for_signing(jwk).is_none())
         .filter_map(|jwk| {
             let pinned = match jwk.common.key_algorithm {
                 Some(a) => Some(a.to_string().parse::<jsonwebtoken::Algorithm>().ok()?),

@@ -72,7 +72,9 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("health: GET,HEAD /healthz -> pdftalk; not limited"),
+        stdout.contains(
+            "health: GET,HEAD /healthz -> pdftalk; not limited; fail_closed (unused); policy v1"
+        ),
         "{stdout}"
     );
     for entry in std::fs::read_dir(root.join("examples")).unwrap() {

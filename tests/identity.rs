@@ -152,7 +152,11 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
     let trusted = start(
         &redis,
         &up,
-        &[("trusted_proxies", "[\"127.0.0.0/8\", \"10.0.0.0/8\"]")],
+        // Written as IPv4-mapped IPv6 (a dual-stack habit): they are the IPv4 networks.
+        &[(
+            "trusted_proxies",
+            "[\"::ffff:127.0.0.0/104\", \"::ffff:10.0.0.5\"]",
+        )],
         &[limited("t.ip", "/ip").identity("client_ip")],
     );
     for (xff, want) in [("9.9.9.9, 1.1.1.1, 10.0.0.5", 200), ("not-an-ip", 400)] {

@@ -168,7 +168,7 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
     let (code, err) = check(with("[auth.jwt]\nalgorithms = [\"RS256\"]\n"));
     assert_eq!(code, Some(2));
     assert!(
-        err.contains("auth.jwt.algorithms lists RS256 but no jwks_path gives their public keys"),
+        err.contains("auth.jwt.algorithms lists RS256 but neither jwks_path nor jwks_url gives their public keys"),
         "{err}"
     );
     std::fs::write(&path, with(&jwt_section(""))).unwrap();

@@ -10,8 +10,12 @@ use jsonwebtoken::DecodingKey;
 
 use super::error::ConfigError;
 
-/// Reads and checks a JWKS file; `algorithms` are the configured ones (for messages).
-pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigError>> {
+/// Reads and checks a JWKS file; `algorithms` are the configured ones (for messages). With the
+/// set, a warning for each key left out as not for signing (an encryption key).
+pub fn load(
+    path: &Path,
+    algorithms: &[String],
+) -> Result<(JwkSet, Vec<ConfigError>), Vec<ConfigError>> {
     let error = |position, key: Option<String>, message: String| ConfigError {
         file: path.to_path_buf(),
         position,
@@ -44,11 +48,20 @@ pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigErro
         })
         .collect();
     let mut errors = Vec::new();
+    let mut warnings = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
         let label = match &jwk.common.key_id {
             Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
             None => format!("keys[{i}]"),
         };
+        if let Some(why) = crate::remote_jwks::not_for_signing(jwk) {
+            warnings.push(error(
+                None,
+                Some(label),
+                format!("left out: {why}; no token is verified with it"),
+            ));
+            continue;
+        }
         if private.get(i).copied().unwrap_or(false) {
             errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into()));
             continue;
@@ -76,7 +89,7 @@ pub fn load(path: &Path, algorithms: &[String]) -> Result<JwkSet, Vec<ConfigErro
         errors.push(error(None, None, "the JWKS holds no key that verifies signatures (every key is marked \"use\": \"enc\", or pinned to an algorithm that signs nothing)".into()));
     }
     if errors.is_empty() {
-        Ok(set)
+        Ok((set, warnings))
     } else {
         Err(errors)
     }
@@ -87,18 +100,25 @@ mod tests {
     use super::*;
 
     fn check(json: &str) -> Result<JwkSet, Vec<String>> {
+        checked(json).map(|(set, _)| set)
+    }
+
+    /// The set and its warnings, or the errors; each as `check` prints it.
+    fn checked(json: &str) -> Result<(JwkSet, Vec<String>), Vec<String>> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("jwks.json");
         std::fs::write(&path, json).unwrap();
-        load(&path, &["RS256".into()]).map_err(|errors| {
-            errors
-                .iter()
+        let said = |list: Vec<ConfigError>| -> Vec<String> {
+            list.iter()
                 .map(|e| {
                     e.to_string()
                         .replace(&path.display().to_string(), "jwks.json")
                 })
                 .collect()
-        })
+        };
+        load(&path, &["RS256".into()])
+            .map(|(set, warnings)| (set, said(warnings)))
+            .map_err(said)
     }
 
     #[test]
@@ -203,9 +223,57 @@ mod tests {
                 }
             }
         }
-        let mut enc = key("rsa-2");
-        enc["alg"] = "RSA-OAEP".into();
-        let set = serde_json::json!({"keys": [enc, key("rsa-1")]}).to_string();
-        assert!(check(&set).is_ok());
+    }
+
+    /// Keys an identity provider publishes beside its signing keys load, left out with a
+    /// warning each; a key that could only forge is an error.
+    #[test]
+    fn keys_not_for_signing_are_left_out_with_a_warning() {
+        let fixture: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let rsa = fixture["keys"][0].clone();
+        let with = |field: &str, value: serde_json::Value| {
+            let mut key = rsa.clone();
+            key[field] = value;
+            key["kid"] = "x".into();
+            key
+        };
+        for (key, why) in [
+            (with("use", "enc".into()), r#"it is marked "use": "enc""#),
+            (
+                with("alg", "RSA-OAEP".into()),
+                r#"it is pinned to an encryption "alg""#,
+            ),
+            (
+                with("alg", "XX999".into()),
+                r#"it is pinned to an "alg" this gateway does not know"#,
+            ),
+            (
+                with("key_ops", serde_json::json!(["encrypt"])),
+                r#"its "key_ops" do not include "verify""#,
+            ),
+        ] {
+            let set = serde_json::json!({"keys": [key, rsa]}).to_string();
+            let (set, warnings) = checked(&set).unwrap();
+            assert_eq!(
+                warnings,
+                [format!(
+                    "jwks.json: keys[0] (kid \"x\"): left out: {why}; no token is verified with it"
+                )]
+            );
+            assert_eq!(crate::remote_jwks::verify_keys(&set).len(), 1);
+        }
+        let verifying = with("key_ops", serde_json::json!(["verify"]));
+        let (_, warnings) = checked(&serde_json::json!({"keys": [verifying]}).to_string()).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        // An exponent of one: every message is its own signature.
+        let errors =
+            check(&serde_json::json!({"keys": [with("e", "AQ".into())]}).to_string()).unwrap_err();
+        assert!(errors[0].contains("an RSA exponent of one"), "{errors:?}");
     }
 }

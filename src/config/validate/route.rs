@@ -10,7 +10,7 @@ use super::{int_in, route_label};
 use crate::config::error::Collector;
 use crate::config::raw::{RawConfig, RawIdentity, RawRoute};
 use crate::config::*;
-use crate::routing::{self, PathMatch};
+use crate::routing::{self, PathError, PathMatch};
 
 pub(super) fn route(
     c: &mut Collector,
@@ -177,10 +177,22 @@ fn route_path(
             None
         }
         Err(e) => {
+            let valid = match e {
+                PathError::NotAbsolute => "it must start with '/'".to_owned(),
+                PathError::TooLong => {
+                    format!("it must be at most {} bytes", routing::MAX_PATH_BYTES)
+                }
+                PathError::BadEscape => "write '%25' for a '%'".to_owned(),
+                PathError::EscapesRoot => "write the path without them".to_owned(),
+                PathError::EncodedSeparator
+                | PathError::Backslash
+                | PathError::ControlCharacter
+                | PathError::NotUtf8 => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
+            };
             c.push(
                 Some(&value.span()),
                 label,
-                format!("{field} = \"{text}\" is not usable: {e}; it must start with '/'"),
+                format!("{field} = \"{text}\" is not usable: {e}; {valid}"),
             );
             None
         }
@@ -910,9 +922,10 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
     [
         (a.identity != b.identity, "identity"),
         (
-            p.algorithm != q.algorithm || p.limits != q.limits || p.several != q.several,
-            "algorithm or limits",
+            p.several != q.several,
+            "limits (one route writes [[routes.limits]])",
         ),
+        (p.several && q.several && p.limits != q.limits, "limits"),
         (p.cost_micro != q.cost_micro, "cost_micro"),
         (p.fail_mode != q.fail_mode, "fail_mode"),
         (
@@ -937,5 +950,44 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
     ]
     .into_iter()
     .filter_map(|(differs, name)| differs.then_some(name))
+    .chain(if p.several || q.several {
+        Vec::new()
+    } else {
+        algorithm_fields(&p.algorithm, &q.algorithm)
+    })
     .collect()
+}
+
+/// The single-limit fields two algorithms write differently.
+fn algorithm_fields(a: &Algorithm, b: &Algorithm) -> Vec<&'static str> {
+    let fields = match (a, b) {
+        (
+            Algorithm::TokenBucket {
+                capacity_micro: c1,
+                refill_micro_per_sec: r1,
+            },
+            Algorithm::TokenBucket {
+                capacity_micro: c2,
+                refill_micro_per_sec: r2,
+            },
+        ) => [
+            (c1 != c2, "capacity_micro"),
+            (r1 != r2, "refill_rate_micro_per_sec"),
+        ],
+        (
+            Algorithm::SlidingWindow {
+                limit: l1,
+                window_micro: w1,
+            },
+            Algorithm::SlidingWindow {
+                limit: l2,
+                window_micro: w2,
+            },
+        ) => [(l1 != l2, "limit"), (w1 != w2, "window_size_micro")],
+        _ => [(a != b, "algorithm"), (false, "")],
+    };
+    fields
+        .into_iter()
+        .filter_map(|(differs, name)| differs.then_some(name))
+        .collect()
 }

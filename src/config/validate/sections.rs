@@ -303,7 +303,7 @@ pub(super) fn cidrs(
                 if network != net {
                     c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" has host bits set: it is taken as the network \"{network}\" (write \"{}\" for the one address)", IpNet::from(net.addr())));
                 }
-                nets.push(network);
+                nets.push(as_ipv4(network));
             }
             Err(_) => {
                 c.push(Some(&p.span()), route, format!("{field} entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
@@ -312,6 +312,19 @@ pub(super) fn cidrs(
         }
     }
     ok.then_some(nets)
+}
+
+/// An IPv4-mapped IPv6 network (`::ffff:10.0.0.0/104`) as the IPv4 network it is: peers and
+/// `X-Forwarded-For` entries are compared as IPv4 once mapped, so the written form would
+/// never match.
+fn as_ipv4(net: IpNet) -> IpNet {
+    match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96).map_or(net, IpNet::V4),
+            None => net,
+        },
+        _ => net,
+    }
 }
 
 /// A `max_body_bytes` field: `Some(None)` for no limit (absent or 0), `None` when invalid.
@@ -998,7 +1011,10 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
     let jwks = match (&j.jwks_path, &jwks_path) {
         _ if j.jwks_url.is_some() => None,
         (Some(p), Some(file)) => match super::super::jwks::load(file, &algorithms) {
-            Ok(set) => Some(Arc::new(set)),
+            Ok((set, warnings)) => {
+                c.warnings.extend(warnings);
+                Some(Arc::new(set))
+            }
             Err(errors) => {
                 if errors
                     .iter()
@@ -1024,7 +1040,7 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 Some(&spanned.span()),
                 None,
                 format!(
-                    "auth.jwt.algorithms lists {} but no jwks_path gives their public keys",
+                    "auth.jwt.algorithms lists {} but neither jwks_path nor jwks_url gives their public keys",
                     algorithms
                         .iter()
                         .filter(|a| !a.starts_with("HS"))
@@ -1327,7 +1343,19 @@ fn upstream_tls(
 
 #[cfg(test)]
 mod tests {
-    use super::overlap;
+    use super::{as_ipv4, overlap};
+
+    #[test]
+    fn a_mapped_network_is_the_ipv4_network_it_names() {
+        let v4 = |t: &str| as_ipv4(t.parse().unwrap()).to_string();
+        assert_eq!(v4("::ffff:127.0.0.3/128"), "127.0.0.3/32");
+        assert_eq!(v4("::ffff:127.0.4.0/120"), "127.0.4.0/24");
+        assert_eq!(v4("::ffff:0.0.0.0/96"), "0.0.0.0/0");
+        // Wider than the mapped block, or not mapped: as written.
+        assert_eq!(v4("::/0"), "::/0");
+        assert_eq!(v4("2001:db8::/32"), "2001:db8::/32");
+        assert_eq!(v4("10.0.0.0/8"), "10.0.0.0/8");
+    }
 
     #[test]
     fn listeners_that_cannot_both_be_bound() {
