@@ -137,6 +137,76 @@ fn param_of(query: Option<&str>, name: &str) -> Result<Option<String>, String> {
     query.map_or(Ok(None), |q| query_param(q, name))
 }
 
+/// The admin listener while the gateway starts (its Redis client, the eviction check and a
+/// JWKS fetch can take seconds): `/healthz` is 200, `/readyz` 503 `"starting":true`, anything
+/// else 503, so a probe sees a starting gateway rather than a refused connection. Dropped
+/// when the admin proper serves the same socket.
+pub struct Starting {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Starting {
+    /// Serves `listener` (a clone of the admin's socket) on a thread of its own.
+    pub fn serve(listener: std::net::TcpListener) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("admin-starting".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                        return;
+                    };
+                    let accept = async {
+                        loop {
+                            let Ok((stream, _)) = listener.accept().await else {
+                                continue;
+                            };
+                            tokio::spawn(async move {
+                                let service = service_fn(|req: Request<Incoming>| async move {
+                                    Ok::<_, Infallible>(starting_answer(req.uri().path()))
+                                });
+                                let _ = http1::Builder::new()
+                                    .serve_connection(TokioIo::new(stream), service)
+                                    .await;
+                            });
+                        }
+                    };
+                    tokio::select! {
+                        () = accept => {}
+                        _ = stopped => {}
+                    }
+                });
+            })?;
+        Ok(Self { stop: Some(stop) })
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+fn starting_answer(path: &str) -> AdminResponse {
+    match path {
+        "/healthz" => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
+        "/readyz" => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"ready": false, "starting": true, "config_generation": 0}),
+        ),
+        _ => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"detail": "starting"}),
+        ),
+    }
+}
+
 impl Admin {
     /// Serves admin requests on `listener` until the process exits.
     pub async fn serve(self: Arc<Self>, listener: std::net::TcpListener) {

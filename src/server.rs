@@ -72,13 +72,20 @@ pub fn run(config: Config) -> Result<(), StartError> {
         );
     }
     let admin_addr = config.server.admin_listen;
-    held.push(
+    let admin_socket =
         std::net::TcpListener::bind(admin_addr).map_err(|source| StartError::Admin {
             addr: admin_addr,
             source,
-        })?,
-    );
+        })?;
     drop(held);
+    // Answered from now on: `/readyz` says the gateway is starting while it does.
+    let starting = admin_socket
+        .try_clone()
+        .and_then(crate::admin::Starting::serve)
+        .map_err(|source| StartError::Admin {
+            addr: admin_addr,
+            source,
+        })?;
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
     if config.redis.env_overrides_cluster {
@@ -225,14 +232,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
         reloader: Arc::clone(&reloader),
         refusals: Default::default(),
     };
-    let admin_socket = std::net::TcpListener::bind(server_cfg.admin_listen).map_err(|source| {
-        StartError::Admin {
-            addr: server_cfg.admin_listen,
-            source,
-        }
-    })?;
     let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));
+    drop(starting);
     control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));

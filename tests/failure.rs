@@ -573,6 +573,54 @@ async fn a_stalled_redis_is_a_timeout_within_budget() {
     assert_eq!(r.gw.metric(&series("t.closed", "circuit_open", false)), 1.0);
 }
 
+/// A Redis that was slow, then answers everything late, then is quick again, but with a
+/// round trip of a third of the budget or more: the probe asks the connection that answered
+/// all its calls late (no new connection, whose two round trips would spend the budget) and
+/// the breaker closes at the first probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_slow_then_answering_is_probed_back_on_its_own_connection() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = config(&proxy.url(), &up.addr(), 1)
+        .redis("timeout_ms", "60")
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);
+    proxy.set(Mode::Stall(Duration::from_millis(300)));
+    for i in 0..5 {
+        let a = send(&http, &gw.url("/closed"), &format!("k{i}")).await;
+        assert_eq!(a.status, 503, "{}", a.body);
+    }
+    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
+    // Every late answer arrives; then each round trip is 25 ms: three of them (a connection
+    // and the call) would not fit the 60 ms budget, one does.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.set(Mode::Stall(Duration::from_millis(25)));
+    let accepted = proxy.accepted();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut statuses = Vec::new();
+    for i in 0..30 {
+        let a = send(&http, &gw.url("/closed"), &format!("p{i}")).await;
+        statuses.push(a.status);
+        if a.status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(statuses.last(), Some(&200), "{statuses:?}\n{}", gw.logs());
+    // A loaded machine may let one probe's answer miss the budget; never every probe.
+    let probes = gw.metric(r#"sentinel_breaker_transitions_total{to="half_open"}"#);
+    assert!(probes <= 2.0, "{probes} probes: {statuses:?}");
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="closed"}"#),
+        1.0
+    );
+    if probes == 1.0 {
+        assert_eq!(proxy.accepted(), accepted, "the probe kept the connection");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_costs_one_reload_and_the_answer_still_comes_from_redis() {
     let r = rig(30);

@@ -195,6 +195,40 @@ fn file_config(redis_url: &str) -> GatewayConfig {
     GatewayConfig::bare(redis_url).server("grace_period_seconds", "5")
 }
 
+/// While the gateway starts (here its Redis client waits a second for a Redis that does not
+/// answer), the admin listener answers: `/healthz` 200, `/readyz` 503 saying so, never a
+/// refused connection once the listeners are checked.
+#[test]
+fn the_admin_answers_while_the_gateway_starts() {
+    let redis = Redis::start();
+    let proxy = common::fault::FaultProxy::start(redis.port);
+    proxy.set(common::fault::Mode::Blackhole);
+    let up = Upstream::start("app");
+    let (port, admin) = (common::free_port(), common::free_port());
+    let config = routes(GatewayConfig::new(&proxy.url()), &up.addr(), api(5))
+        .redis("require_noeviction", "false")
+        .render(port, admin);
+    let starting = std::thread::spawn(move || Gateway::start_with(port, admin, &config));
+    let (mut readyz, mut healthz) = (Vec::new(), Vec::new());
+    while !starting.is_finished() {
+        readyz.extend(blocking_get(&format!("http://127.0.0.1:{admin}/readyz")));
+        healthz.extend(blocking_get(&format!("http://127.0.0.1:{admin}/healthz")));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let gw = starting.join().unwrap();
+    assert!(
+        readyz
+            .iter()
+            .any(|(s, b)| *s == 503 && b.contains(r#""ready":false,"starting":true"#)),
+        "{readyz:?}"
+    );
+    assert!(
+        !healthz.is_empty() && healthz.iter().all(|(s, _)| *s == 200),
+        "{healthz:?}"
+    );
+    assert_eq!(blocking_get(&gw.admin("/readyz")).unwrap().0, 200);
+}
+
 #[test]
 fn an_evicting_redis_refuses_start_unless_allowed() {
     let redis = Redis::start_with(common::free_port(), &["--maxmemory-policy", "allkeys-lru"]);

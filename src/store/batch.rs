@@ -206,6 +206,11 @@ pub(super) struct Batches {
 }
 
 impl Batches {
+    /// A call was sent and its answer has not been read yet.
+    pub(super) fn call_in_flight(&self) -> bool {
+        self.busy
+    }
+
     /// Appends the batch in flight's `EVALSHA` of `sha` to what is sent next, and notes when
     /// it goes.
     fn append_in_flight(&mut self, sha: &str, clock: &RedisClock) {
@@ -272,13 +277,18 @@ impl Turns {
 }
 
 impl Store {
+    /// Whether `link`'s decisions go in batches on its decision connection. A cluster node's
+    /// go alone: Redis answers `CROSSSLOT` to one call whose declared keys lie in several
+    /// slots, whatever the script's flags (its `allow-cross-slot-keys` covers only keys a
+    /// script did not declare).
+    pub(super) fn batches_on(&self, link: &Link) -> bool {
+        self.batch_max() > 1 && !link.in_cluster && !link.turns.is_refused()
+    }
+
     /// Decides `call` in `link`'s next call. `None`: it must go on its own (see
     /// [`Answer::Alone`]; also when batching is off).
     pub(super) async fn in_turn(&self, link: &Arc<Link>, call: Call<'_>) -> Option<Step> {
-        // A cluster node's decisions go alone: Redis answers `CROSSSLOT` to one call whose
-        // declared keys lie in several slots, whatever the script's flags (its
-        // `allow-cross-slot-keys` covers only keys a script did not declare).
-        if self.batch_max() <= 1 || link.in_cluster || link.turns.is_refused() {
+        if !self.batches_on(link) {
             return None;
         }
         let Some(conn) = link.conn.load_full() else {

@@ -134,9 +134,9 @@ impl Store {
     /// Runs a limiter script for `keys` (one slot) on `link` within the budget, and reads
     /// its answer with `parse`.
     ///
-    /// `probe`: this is the link's breaker's half-open probe; after a timeout it opens a fresh
-    /// connection first, inside the same budget, so a peer that vanished silently (or moved
-    /// behind its DNS name) is left behind.
+    /// `probe`: this is the link's breaker's half-open probe; after a timeout whose call is
+    /// still unanswered it opens a fresh connection first, inside the same budget, so a peer
+    /// that vanished silently (or moved behind its DNS name) is left behind.
     pub(super) async fn run<T>(
         &self,
         link: &Arc<Link>,
@@ -188,8 +188,9 @@ impl Store {
         }
     }
 
-    /// The connection to use: the link's; for a probe after a timeout, a new one; for a probe
-    /// of a node not connected, the one the connector opens now.
+    /// The connection to use: the link's; for a probe after a timeout whose call is still
+    /// unanswered, a new one; for a probe of a node not connected, the one the connector
+    /// opens now.
     async fn connection(&self, link: &Arc<Link>, probe: bool) -> Result<Arc<Conn>, Failure> {
         if probe && !link.is_connected() {
             // The quarantine is over and the node is not connected: the connector tries now
@@ -198,8 +199,19 @@ impl Store {
             link.try_now().await;
             return link.conn.load_full().ok_or(Failure::NotConnected);
         }
+        let current = link.conn.load_full();
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
-            return link.conn.load_full().ok_or(Failure::NotConnected);
+            return current.ok_or(Failure::NotConnected);
+        }
+        // A decision connection whose every call has been answered since, late, is slow, not
+        // gone: the probe asks it, and needs only Redis's answer within its budget. (Made
+        // within the budget, a fresh connection costs two round trips more: a Redis whose
+        // round trip is a third of the budget would never be probed back.) The single-call
+        // path's connection (redis-rs's) does not say so: it is replaced.
+        if let Some(conn) =
+            current.filter(|c| self.batches_on(link) && !c.wire.lock().batches.call_in_flight())
+        {
+            return Ok(conn);
         }
         let target = link.target.load_full();
         let watcher = self.inner.connector.watcher();

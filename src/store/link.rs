@@ -121,7 +121,8 @@ pub(super) struct Link {
     /// Whether the current connection is driven on the proxy's runtime.
     pub(super) on_proxy_runtime: AtomicBool,
     /// The last evaluation timed out: the connection may be talking to a peer that is gone
-    /// without a word (no RST), so the next breaker probe opens a fresh one.
+    /// without a word (no RST), so the next breaker probe opens a fresh one, unless every call
+    /// on it has been answered since (see `Store::connection`).
     pub(super) suspect: AtomicBool,
     /// The node left the cluster's topology: its connector stops.
     pub(super) retired: AtomicBool,
