@@ -142,18 +142,26 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .identity("client_ip")
         .token_bucket(5_000_000, 1_000_000)
         .set("exempt_client_cidrs", r#"["10.1.2.3/16", "10.9.0.0/16"]"#);
+    // An emergency bucket per value of a header the client writes as it likes.
+    let made_up = Route::new("y.api")
+        .prefix("/y")
+        .identity_header("X-Key")
+        .token_bucket(5_000_000, 1_000_000)
+        .fail_open(1_000_000)
+        .set("emergency_scope", "\"identity\"");
     std::fs::write(
         &path,
         format!(
             "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\"]\n\
-             [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n{}",
-            route.toml()
+             [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n{}{}",
+            route.toml(),
+            made_up.toml()
         ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("ok, 1 route(s)"), "{stdout}");
+    assert!(stdout.contains("ok, 2 route(s)"), "{stdout}");
     let file = path.display();
     let warnings: Vec<&str> = stderr.lines().collect();
     assert_eq!(
@@ -161,6 +169,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         [
             format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
+            format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             "warning: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it".to_owned(),
         ],
         "{stderr}"

@@ -104,6 +104,13 @@ pub(super) fn route(
     if c.errors.len() > before {
         return None;
     }
+    if let (Some(IdentitySource::Header(name)), Some(p), Some(scope)) =
+        (&identity, &policy, &r.emergency_scope)
+    {
+        if p.emergency_per_identity && p.fail_mode == FailMode::FailOpen {
+            c.warn(Some(&scope.span()), label, format!("emergency_scope = \"identity\" with identity = {{ header = \"{name}\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)"));
+        }
+    }
     let exempt = super::sections::cidrs(
         c,
         label,
