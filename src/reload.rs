@@ -243,10 +243,17 @@ pub async fn watch(reloader: Arc<Reloader>) {
     };
     let mut loaded = stamp(&reloader.path);
     let mut pending = None;
+    let mut watching = reloader.live.load().config.server.watch_config;
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
-        if !reloader.live.load().config.server.watch_config {
+        let was_watching = std::mem::replace(
+            &mut watching,
+            reloader.live.load().config.server.watch_config,
+        );
+        // Off, or just turned on by the reload of the file as it is now: nothing to reload.
+        if !watching || !was_watching {
             loaded = stamp(&reloader.path);
+            pending = None;
             continue;
         }
         let now = stamp(&reloader.path);

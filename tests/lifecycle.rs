@@ -584,6 +584,30 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
     );
 }
 
+/// `watch_config` turned on by a reload watches from then on: the reload that turned it on
+/// is not followed by another of the same file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_config_turned_on_by_a_reload_watches_from_then_on() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let watched = text.replacen("[server]\n", "[server]\nwatch_config = true\n", 1);
+    assert_ne!(watched, text);
+    gw.rewrite_config(&watched);
+    assert_eq!(gw.reload(), 200);
+    std::thread::sleep(Duration::from_millis(2000));
+    assert_eq!(gw.metric("sentinel_config_generation"), 2.0, "one reload");
+    gw.rewrite_config(&format!("{watched}{}", new_route()));
+    wait_until(Duration::from_secs(5), "the watcher to reload", || {
+        gw.metric("sentinel_config_generation") == 3.0
+    });
+    assert_eq!(
+        client().get(gw.url("/new")).send().await.unwrap().status(),
+        200
+    );
+}
+
 #[test]
 fn a_busy_listen_address_fails_fast_and_names_it() {
     let redis = Redis::start();
