@@ -99,6 +99,12 @@ pub fn load(
 mod tests {
     use super::*;
 
+    /// The test keys' JWKS (`tests/fixtures/jwt/jwks.json`).
+    fn fixture() -> serde_json::Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
     fn check(json: &str) -> Result<JwkSet, Vec<String>> {
         checked(json).map(|(set, _)| set)
     }
@@ -179,13 +185,7 @@ mod tests {
 
     #[test]
     fn a_key_pinned_to_an_algorithm_of_another_kind_is_named() {
-        let fixture: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json"),
-            )
-            .unwrap(),
-        )
-        .unwrap();
+        let fixture = fixture();
         let key = |kid: &str| {
             fixture["keys"]
                 .as_array()
@@ -229,13 +229,7 @@ mod tests {
     /// warning each; a key that could only forge is an error.
     #[test]
     fn keys_not_for_signing_are_left_out_with_a_warning() {
-        let fixture: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt/jwks.json"),
-            )
-            .unwrap(),
-        )
-        .unwrap();
+        let fixture = fixture();
         let rsa = fixture["keys"][0].clone();
         let with = |field: &str, value: serde_json::Value| {
             let mut key = rsa.clone();
