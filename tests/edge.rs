@@ -32,6 +32,53 @@ fn limited(capacity: u64) -> Route {
         .token_bucket(capacity * 1_000_000, 0)
 }
 
+/// A 413 written while the client is still sending its body reaches it: the gateway reads
+/// and throws away the rest of the body (bounded) before it ends the connection or stream,
+/// so neither a TCP reset nor an HTTP/2 stream reset destroys the answer. (curl before 8.1
+/// drops an HTTP/2 answer whose stream is reset while it uploads; it is the client here.)
+#[test]
+fn a_413_to_a_body_still_coming_reaches_the_client() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .server("max_body_bytes", "1000")
+        .upstream("app", &[up.addr()])
+        .route(Route::new("open").prefix("/").unlimited())
+        .start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("body");
+    std::fs::write(&file, vec![b'x'; 2_000_000]).unwrap();
+    let url = gw.url("/upload");
+    for (protocol, framing) in [
+        ("--http1.1", "Transfer-Encoding: chunked"),
+        ("--http1.1", "Expect:"),
+        ("--http2-prior-knowledge", "Transfer-Encoding: chunked"),
+        ("--http2-prior-knowledge", "Expect:"),
+    ] {
+        for _ in 0..5 {
+            let out = std::process::Command::new("curl")
+                .args([
+                    "-s",
+                    "-o",
+                    "/dev/null",
+                    "-w",
+                    "%{http_code}",
+                    protocol,
+                    "-H",
+                    framing,
+                ])
+                .arg("--data-binary")
+                .arg(format!("@{}", file.display()))
+                .arg(&url)
+                .output()
+                .expect("curl runs");
+            let status = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert_eq!(status, "413", "{protocol} {framing}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_clients_forwarded_headers_are_replaced() {
     let redis = Redis::start();

@@ -218,6 +218,7 @@ impl Gateway {
             header.insert_header("ratelimit", f.state.as_str())?;
         }
         respond::write_with(session, answer, header).await?;
+        respond::linger(session).await;
         Ok(true)
     }
 
@@ -840,10 +841,16 @@ impl ProxyHttp for Gateway {
                     },
                     Err(e) => Err(e),
                 };
-                written.unwrap_or_else(|err| {
-                    tracing::debug!(error = %err, "cannot write the error answer");
-                    answer.status()
-                })
+                match written {
+                    Ok(status) => {
+                        respond::linger(session).await;
+                        status
+                    }
+                    Err(err) => {
+                        tracing::debug!(error = %err, "cannot write the error answer");
+                        answer.status()
+                    }
+                }
             }
             Some(answer) => answer.status(),
             None if answering && !matches!(e.esource(), ErrorSource::Downstream) => {

@@ -132,6 +132,36 @@ pub async fn write_with(
     Ok(answer.status())
 }
 
+/// Longest a request body is read and thrown away after the gateway answered it.
+const LINGER_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+/// Longest wait for the next part of a body being thrown away.
+const LINGER_IDLE: std::time::Duration = std::time::Duration::from_millis(250);
+/// Most bytes of a body thrown away.
+const LINGER_BYTES: u64 = 16 << 20;
+
+/// After an answer written before the request's body was read (a 413, a 401 or 429 to a
+/// POST), reads the rest of the body and throws it away, for a bounded time, as nginx's
+/// lingering close does: closing an HTTP/1 connection with the client's bytes unread makes
+/// the kernel reset it, which can destroy the answer before the client reads it, and an
+/// HTTP/2 stream ended before its body is reset, which some clients take as the answer's
+/// loss. A client that stops sending (it waited for `100 Continue`) is left after a quarter
+/// of a second.
+pub async fn linger(session: &mut Session) {
+    if session.is_body_done() {
+        return;
+    }
+    let drain = async {
+        let mut thrown = 0u64;
+        while thrown < LINGER_BYTES {
+            match tokio::time::timeout(LINGER_IDLE, session.read_request_body()).await {
+                Ok(Ok(Some(chunk))) => thrown += chunk.len() as u64,
+                _ => return,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_FOR, drain).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
