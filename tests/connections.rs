@@ -260,6 +260,39 @@ fn the_oldest_make_room(gw: &common::Gateway, port: u16) {
     assert!(blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200));
 }
 
+/// At the bound, the connection idle longest is closed, not the oldest one: a client that
+/// keeps using its first connection is not cut for one that sat idle since.
+#[test]
+fn at_max_connections_the_connection_idle_longest_makes_room() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "4")]);
+    let get = |s: &mut TcpStream| {
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    };
+    let mut conns: Vec<TcpStream> = Vec::new();
+    for _ in 0..4 {
+        let mut s = open(gw.port);
+        get(&mut s);
+        conns.push(s);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The first connection is used again: the second is now idle longest.
+    get(&mut conns[0]);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut fifth = open(gw.port);
+    get(&mut fifth);
+    std::thread::sleep(Duration::from_millis(200));
+    let closed = |s: &mut TcpStream| {
+        s.set_nonblocking(true).unwrap();
+        !matches!(s.read(&mut [0u8; 16]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let all: Vec<bool> = conns.iter_mut().map(closed).collect();
+    assert_eq!(all, [false, true, false, false]);
+}
+
 const BOUND: [(&str, &str); 2] = [
     ("max_connections", "50"),
     ("header_read_timeout_ms", "60000"),
