@@ -55,9 +55,12 @@ pub enum ServerName {
 }
 
 impl ServerName {
-    /// Parses a `server_names` entry; names are case-insensitive and kept in lower case.
+    /// Parses a `server_names` entry; names are case-insensitive and kept in lower case, and
+    /// a fully qualified name's trailing dot is dropped (as a route's `host` and the client's
+    /// SNI name are read).
     pub fn parse(text: &str) -> Result<Self, String> {
         let lower = text.to_ascii_lowercase();
+        let lower = lower.strip_suffix('.').unwrap_or(&lower).to_owned();
         let (wildcard, host) = match lower.strip_prefix("*.") {
             Some(rest) => (true, rest),
             None => (false, lower.as_str()),
@@ -342,7 +345,16 @@ mod tests {
             ServerName::parse("*.resumint.example"),
             Ok(ServerName::Wildcard("resumint.example".into()))
         );
-        for bad in ["", "*.", "a..b", "*.*.a", "a.*.b", "-a.b", "a_b.c", "a b"] {
+        // Fully qualified, as a route's host may be written.
+        assert_eq!(
+            ServerName::parse("api.example.com."),
+            Ok(ServerName::Exact("api.example.com".into()))
+        );
+        assert_eq!(
+            ServerName::parse("*.resumint.example."),
+            Ok(ServerName::Wildcard("resumint.example".into()))
+        );
+        for bad in ["", ".", "*.", "a..b", "a.b..", "*.*.a", "a.*.b", "-a.b", "a_b.c", "a b"] {
             assert!(ServerName::parse(bad).is_err(), "{bad:?}");
         }
     }
