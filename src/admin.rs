@@ -169,7 +169,10 @@ impl Starting {
                                 let service = service_fn(|req: Request<Incoming>| async move {
                                     Ok::<_, Infallible>(starting_answer(req.uri().path()))
                                 });
+                                // One answer a connection: none is kept open across the
+                                // handover to the admin proper.
                                 let _ = http1::Builder::new()
+                                    .keep_alive(false)
                                     .serve_connection(TokioIo::new(stream), service)
                                     .await;
                             });
@@ -179,6 +182,8 @@ impl Starting {
                         () = accept => {}
                         _ = stopped => {}
                     }
+                    // Answers being written are finished before the runtime goes.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 });
             })?;
         Ok(Self { stop: Some(stop) })
@@ -458,6 +463,10 @@ impl Admin {
             "config_generation": self.reloader.live.load().generation,
             "redis_maxmemory_policy": store.eviction_policy(),
         });
+        // Not ready yet, as the early answer says (`Starting`): a JWKS fetch, the listeners.
+        if !ready && !self.lifecycle.is_draining() {
+            body["starting"] = serde_json::json!(true);
+        }
         if let Some(target) = self.reloader.live.load().config.redis.target.sentinel() {
             body["redis_sentinel_master"] = serde_json::json!({
                 "name": target.master,

@@ -583,20 +583,21 @@ async fn a_redis_slow_then_answering_is_probed_back_on_its_own_connection() {
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
     let gw = config(&proxy.url(), &up.addr(), 1)
-        .redis("timeout_ms", "60")
+        .redis("timeout_ms", "150")
         .start();
     let http = client();
     assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);
-    proxy.set(Mode::Stall(Duration::from_millis(300)));
+    proxy.set(Mode::Stall(Duration::from_millis(400)));
     for i in 0..5 {
         let a = send(&http, &gw.url("/closed"), &format!("k{i}")).await;
         assert_eq!(a.status, 503, "{}", a.body);
     }
     assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
-    // Every late answer arrives; then each round trip is 25 ms: three of them (a connection
-    // and the call) would not fit the 60 ms budget, one does.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    proxy.set(Mode::Stall(Duration::from_millis(25)));
+    // Every late answer arrives; then each round trip is 60 ms: three of them (a connection
+    // and the call) would not fit the 150 ms budget, one does, with room for a loaded
+    // machine.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    proxy.set(Mode::Stall(Duration::from_millis(60)));
     let accepted = proxy.accepted();
     tokio::time::sleep(Duration::from_millis(700)).await;
     let mut statuses = Vec::new();

@@ -54,20 +54,22 @@ pub fn load(
             Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
             None => format!("keys[{i}]"),
         };
-        if let Some(why) = crate::remote_jwks::not_for_signing(jwk) {
-            warnings.push(error(
-                None,
-                Some(label),
-                format!("left out: {why}; no token is verified with it"),
-            ));
-            continue;
-        }
         if private.get(i).copied().unwrap_or(false) {
             errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into()));
             continue;
         }
         if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_)) {
             errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into()));
+            continue;
+        }
+        // After the private and symmetric checks: such a key is an error whatever it is
+        // marked for.
+        if let Some(why) = crate::remote_jwks::not_for_signing(jwk) {
+            warnings.push(error(
+                None,
+                Some(label),
+                format!("left out: {why}; no token is verified with it"),
+            ));
             continue;
         }
         let why = match DecodingKey::from_jwk(jwk) {
@@ -262,6 +264,11 @@ mod tests {
             );
             assert_eq!(crate::remote_jwks::verify_keys(&set).len(), 1);
         }
+        // A private key is an error whatever it is marked for.
+        let mut private = with("use", "enc".into());
+        private["d"] = "c2VjcmV0".into();
+        let errors = check(&serde_json::json!({"keys": [private, rsa]}).to_string()).unwrap_err();
+        assert!(errors[0].contains("holds a private key"), "{errors:?}");
         let verifying = with("key_ops", serde_json::json!(["verify"]));
         let (_, warnings) = checked(&serde_json::json!({"keys": [verifying]}).to_string()).unwrap();
         assert!(warnings.is_empty(), "{warnings:?}");

@@ -25,8 +25,8 @@
 //!
 //! At `max_connections`, a new connection first closes the connection idle longest that has
 //! no request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
-//! `Idle`), as nginx does (of the 64 oldest such connections, so that the choice costs the
-//! same however many there are). A connection asked to close reads end-of-file, which Pingora
+//! `Idle`), as nginx does (of the 64 oldest such connections: a bounded look, which picks the
+//! longest idle among them, not always of all). A connection asked to close reads end-of-file, which Pingora
 //! treats as a client that left. Failing those, the HTTP/2 connection without a stream in
 //! the proxy ([`StreamSlot`]) that read last longest ago is sent a GOAWAY through its own
 //! shutdown watch: a stream still on its way from the HTTP/2 layer to the proxy, where
@@ -436,8 +436,8 @@ impl Connections {
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
             let keep = |c: &&Arc<Conn>| c.close.load(Ordering::Relaxed) == KEEP;
             // Of the first idle connections by age, the one idle longest (a client using its
-            // old connection in a tight loop is not the one cut); a bounded look, so that
-            // making room costs the same at 20 000 connections as at 20.
+            // old connection in a tight loop is not the one cut); a bounded look at the idle
+            // ones (busy ones are passed over, as before).
             let oldest_idle = open
                 .values()
                 .filter(keep)

@@ -143,7 +143,6 @@ impl Certificates {
         }
     }
 
-    /// The addresses of the TLS listeners.
     /// The file and expiry of every certificate served now: a listener a reload removed
     /// serves its last ones until the restart.
     pub fn expiries(&self) -> Vec<(PathBuf, i64)> {
@@ -153,6 +152,7 @@ impl Certificates {
             .collect()
     }
 
+    /// The addresses of the TLS listeners.
     pub fn addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
         self.listeners.iter().map(|l| l.addr)
     }

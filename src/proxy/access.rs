@@ -1,7 +1,7 @@
 //! One access log line: what a request asked, who asked (as a hash), what was decided and
 //! what was answered. Never the raw identity, the query string, `Authorization` or cookies.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use pingora::prelude::*;
 
@@ -40,7 +40,9 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
 
 /// Writes the access log line of a request answered with `status`.
 pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &RequestCtx, status: u16) {
-    let took = ctx.started.map_or(Duration::ZERO, |s| s.elapsed());
+    let took = (ctx.took)
+        .or_else(|| ctx.started.map(|s| s.elapsed()))
+        .unwrap_or_default();
     let started = SystemTime::now() - took;
     let req = session.req_header();
     let header =

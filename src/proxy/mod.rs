@@ -97,6 +97,9 @@ pub struct RequestCtx {
     tier: Option<Arc<str>>,
     tier_endpoint: Option<Arc<limiter::Endpoint>>,
     _in_flight: Option<InFlight>,
+    /// How long the request took until the gateway's answer, when it went on reading the
+    /// body after it ([`linger`]); else it is over when it is logged.
+    took: Option<Duration>,
     /// More requests were in flight with this one than `max_connections`.
     over_capacity: bool,
     /// An HTTP/2 stream, counted on its connection while the request lasts.
@@ -130,6 +133,23 @@ impl RequestCtx {
             )?;
         }
         Ok(())
+    }
+}
+
+/// After the gateway's own answer to a request whose body was not read: the request is done
+/// as far as the gateway goes (its place among the requests in flight and its HTTP/2
+/// stream's count are let go, its duration is taken as answered), then the rest of the body
+/// is read and thrown away ([`respond::linger`]). An HTTP/1 body not read to its end then
+/// closes the connection (Pingora would read on, unbounded, to keep it).
+async fn linger(session: &mut Session, ctx: &mut RequestCtx) {
+    if session.is_body_done() {
+        return;
+    }
+    ctx.took = ctx.started.map(|s| s.elapsed());
+    ctx._in_flight = None;
+    ctx.h2_stream = None;
+    if !Box::pin(respond::linger(session)).await {
+        session.set_keepalive(None);
     }
 }
 
@@ -218,7 +238,11 @@ impl Gateway {
             header.insert_header("ratelimit", f.state.as_str())?;
         }
         respond::write_with(session, answer, header).await?;
-        respond::linger(session).await;
+        // At capacity, nothing more is spent on the request; a broken request's body may be
+        // framed otherwise than Pingora reads it, and is not read.
+        if !matches!(answer, Answer::AtCapacity | Answer::BadRequest) {
+            linger(session, ctx).await;
+        }
         Ok(true)
     }
 
@@ -356,6 +380,7 @@ impl ProxyHttp for Gateway {
         RequestCtx {
             started: Some(Instant::now()),
             _in_flight: Some(in_flight),
+            took: None,
             over_capacity: nth > self.connections.max(),
             ..RequestCtx::default()
         }
@@ -499,7 +524,8 @@ impl ProxyHttp for Gateway {
         // A body announced too large is refused before identity, limiter and upstream.
         if let Some(limit) = route.max_body_bytes {
             if announced.is_some_and(|n| n > limit) {
-                // The body is not read: close the connection after the answer.
+                // The connection closes after the answer (and what comes of the body, read
+                // and thrown away for a while so that the answer is not reset away).
                 session.set_keepalive(None);
                 return self.answer(session, ctx, Answer::BodyTooLarge).await;
             }
@@ -843,7 +869,7 @@ impl ProxyHttp for Gateway {
                 };
                 match written {
                     Ok(status) => {
-                        respond::linger(session).await;
+                        linger(session, ctx).await;
                         status
                     }
                     Err(err) => {

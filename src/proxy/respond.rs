@@ -145,21 +145,22 @@ const LINGER_BYTES: u64 = 16 << 20;
 /// the kernel reset it, which can destroy the answer before the client reads it, and an
 /// HTTP/2 stream ended before its body is reset, which some clients take as the answer's
 /// loss. A client that stops sending (it waited for `100 Continue`) is left after a quarter
-/// of a second.
-pub async fn linger(session: &mut Session) {
-    if session.is_body_done() {
-        return;
-    }
+/// of a second. Whether the body was read to its end.
+pub async fn linger(session: &mut Session) -> bool {
     let drain = async {
         let mut thrown = 0u64;
         while thrown < LINGER_BYTES {
             match tokio::time::timeout(LINGER_IDLE, session.read_request_body()).await {
                 Ok(Ok(Some(chunk))) => thrown += chunk.len() as u64,
-                _ => return,
+                Ok(Ok(None)) => return true,
+                _ => return false,
             }
         }
+        false
     };
-    let _ = tokio::time::timeout(LINGER_FOR, drain).await;
+    tokio::time::timeout(LINGER_FOR, drain)
+        .await
+        .unwrap_or(false)
 }
 
 #[cfg(test)]

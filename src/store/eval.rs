@@ -157,8 +157,11 @@ impl Store {
         let script = self.inner.scripts.get(call.kind);
         let started = Instant::now();
         let result = self.eval(link, script, call, probe).await;
-        link.suspect
-            .store(matches!(result, Err(Failure::Timeout)), Ordering::Relaxed);
+        let timed_out = matches!(result, Err(Failure::Timeout));
+        link.suspect.store(timed_out, Ordering::Relaxed);
+        if !timed_out {
+            link.probe_kept.store(false, Ordering::Relaxed);
+        }
         // How long Redis took to answer this decision (its batch's call, a NOSCRIPT reload
         // included) or ran out of budget: a decision that never reached a connection says
         // nothing about Redis's speed.
@@ -203,15 +206,19 @@ impl Store {
         if !(probe && link.suspect.load(Ordering::Relaxed)) {
             return current.ok_or(Failure::NotConnected);
         }
-        // A decision connection whose every call has been answered since, late, is slow, not
-        // gone: the probe asks it, and needs only Redis's answer within its budget. (Made
-        // within the budget, a fresh connection costs two round trips more: a Redis whose
-        // round trip is a third of the budget would never be probed back.) The single-call
-        // path's connection (redis-rs's) does not say so: it is replaced.
-        if let Some(conn) =
-            current.filter(|c| self.batches_on(link) && !c.wire.lock().batches.call_in_flight())
-        {
-            return Ok(conn);
+        // A node whose batched calls have all been answered since, late, is slow, not gone:
+        // the first probe after it asks the connections it has, and needs only Redis's
+        // answer within its budget. (Made within the budget, a fresh connection costs two
+        // round trips more: a Redis whose round trip is a third of the budget would never be
+        // probed back.) Should that probe time out too, the next one opens a fresh
+        // connection, as after a call still unanswered (a peer gone without a word). Where
+        // decisions do not go in batches, nothing says what is unanswered: replaced.
+        let answered =
+            |c: &Arc<Conn>| self.batches_on(link) && !c.wire.lock().batches.call_in_flight();
+        if let Some(conn) = current.filter(|c| answered(c)) {
+            if !link.probe_kept.swap(true, Ordering::Relaxed) {
+                return Ok(conn);
+            }
         }
         let target = link.target.load_full();
         let watcher = self.inner.connector.watcher();
@@ -222,6 +229,7 @@ impl Store {
                 Failure::NotConnected
             })?;
         link.install(fresh, wire, self.inner.connector.on_proxy_runtime());
+        link.probe_kept.store(false, Ordering::Relaxed);
         tracing::info!(node = %target.node, "the breaker probe replaced a redis connection that had timed out");
         link.conn.load_full().ok_or(Failure::NotConnected)
     }

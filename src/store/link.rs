@@ -122,8 +122,11 @@ pub(super) struct Link {
     pub(super) on_proxy_runtime: AtomicBool,
     /// The last evaluation timed out: the connection may be talking to a peer that is gone
     /// without a word (no RST), so the next breaker probe opens a fresh one, unless every call
-    /// on it has been answered since (see `Store::connection`).
+    /// on it has been answered since and no probe kept it yet (see `Store::connection`).
     pub(super) suspect: AtomicBool,
+    /// A probe since the last timeout kept the connections (see `Store::connection`): the
+    /// next one while still suspect replaces them.
+    pub(super) probe_kept: AtomicBool,
     /// The node left the cluster's topology: its connector stops.
     pub(super) retired: AtomicBool,
     /// When a reply that says the node cannot serve was last logged, in seconds since the
@@ -158,6 +161,7 @@ impl Link {
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
+            probe_kept: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
             made: std::time::Instant::now(),
