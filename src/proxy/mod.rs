@@ -136,18 +136,17 @@ impl RequestCtx {
     }
 }
 
-/// After the gateway's own answer to a request whose body was not read: the request is done
-/// as far as the gateway goes (its place among the requests in flight and its HTTP/2
-/// stream's count are let go, its duration is taken as answered), then the rest of the body
-/// is read and thrown away ([`respond::linger`]). An HTTP/1 body not read to its end then
-/// closes the connection (Pingora would read on, unbounded, to keep it).
+/// After the gateway's own answer to a request whose body was not read: its duration is
+/// taken as answered, then the rest of the body is read and thrown away
+/// ([`respond::linger`]). The request stays in flight meanwhile (at most 2 s), so that its
+/// metrics and access-log line, written when it ends, are there once none is in flight. An
+/// HTTP/1 body not read to its end then closes the connection (Pingora would read on,
+/// unbounded, to keep it).
 async fn linger(session: &mut Session, ctx: &mut RequestCtx) {
     if session.is_body_done() {
         return;
     }
     ctx.took = ctx.started.map(|s| s.elapsed());
-    ctx._in_flight = None;
-    ctx.h2_stream = None;
     if !Box::pin(respond::linger(session)).await {
         session.set_keepalive(None);
     }
@@ -869,7 +868,10 @@ impl ProxyHttp for Gateway {
                 };
                 match written {
                     Ok(status) => {
-                        linger(session, ctx).await;
+                        // A client holding its body back is not waited for again.
+                        if answer != Answer::BodyTimeout {
+                            linger(session, ctx).await;
+                        }
                         status
                     }
                     Err(err) => {

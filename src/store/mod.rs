@@ -290,7 +290,8 @@ impl Store {
     }
 
     /// [`Store::evaluate_limits`] of a call Redis applies whenever it runs it, past the
-    /// budget too (a refund, which must not be lost to a stall).
+    /// budget too (a refund, which must not be lost to a stall), sent whatever the node's
+    /// breaker says.
     pub async fn evaluate_limits_late(
         &self,
         keys: &[&str],
@@ -349,6 +350,16 @@ impl Store {
             };
         };
         let breaker = &link.breaker;
+        // A compensation (giving back what a denied request was charged) is owed whatever the
+        // breaker says, and is no decision: it goes out though the breaker is open, and its
+        // outcome counts neither for nor against it.
+        if call.applies_late {
+            let outcome = self.run(&link, call, false, parse).await;
+            return Evaluation {
+                outcome: outcome.map_err(|f| Degradation::Store(f.cause())),
+                breaker: breaker.state(),
+            };
+        }
         let permit = match breaker.acquire() {
             Ok(p) => p,
             Err(short) => {
