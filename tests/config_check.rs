@@ -167,6 +167,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         &path,
         format!(
             "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\"]\n\
+             [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n{}{}{}",
             route.toml(),
             made_up.toml(),
@@ -183,6 +184,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         warnings,
         [
             format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
+            format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             format!("warning: {file}:{}: routes[2] (z.api): fallback_rate_per_process_micro does nothing on a fail_closed route: it is the emergency rate of fail_mode = \"fail_open\"", position_of(&path, "2_000_000")),

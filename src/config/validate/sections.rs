@@ -947,6 +947,9 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
     let used = raw.routes.iter().any(|r| {
         matches!(r.get_ref().identity.as_ref().map(|i| i.get_ref()), Some(RawIdentity::Named(n)) if n == "jwt")
     });
+    if !used {
+        c.warn(Some(&spanned.span()), None, "[auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does".into());
+    }
     let secret = if used && symmetric {
         let span = j.secret_env.as_ref().map_or(spanned.span(), |s| s.span());
         match std::env::var_os(&secret_env) {
