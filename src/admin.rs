@@ -32,7 +32,7 @@ pub struct Admin {
     pub refusals: Refusals,
 }
 
-/// Admin requests refused for their token, logged at WARN at most once every
+/// Admin requests refused for their token, logged (INFO) at most once every
 /// [`Refusals::EVERY`] with how many were refused since the line before: someone guessing the
 /// token is seen without filling the log. The token presented is never logged.
 #[derive(Default)]
@@ -59,8 +59,9 @@ impl Refusals {
             std::mem::take(&mut state.1)
         };
         let token = if presented { "wrong" } else { "missing" };
-        // The path only: a query may carry an identity.
-        tracing::warn!(
+        // The path only: a query may carry an identity. INFO, not WARN: what a client does
+        // is never the gateway's fault, and at the default level it is still seen.
+        tracing::info!(
             peer = %peer.ip(),
             method = %method,
             path,

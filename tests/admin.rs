@@ -57,7 +57,7 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         }
     }
     assert!(!gw.logs().contains(TOKEN), "the token never reaches a log");
-    // Every refusal counted; one WARN line for them (at most one every 10 s), naming the first.
+    // Every refusal counted; one line for them (at most one every 10 s), naming the first.
     let metrics = http
         .get(gw.admin("/metrics"))
         .header("Authorization", format!("Bearer {TOKEN}"))
@@ -78,7 +78,7 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         .collect();
     assert_eq!(refused.len(), 1, "{}", gw.logs());
     for field in [
-        r#""level":"WARN""#,
+        r#""level":"INFO""#,
         r#""peer":"127.0.0.1""#,
         r#""method":"GET""#,
         r#""path":"/metrics""#,

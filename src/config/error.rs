@@ -48,8 +48,8 @@ impl fmt::Display for ConfigErrors {
 impl std::error::Error for ConfigErrors {}
 
 /// Collects problems while a file is validated, turning byte spans into line and column.
-/// Errors refuse the file; warnings (something written that works, but not as written) are
-/// printed by `check` and logged at start and on reload.
+/// Errors refuse the file; warnings (something written that works, but perhaps not as meant)
+/// are printed by `check` and logged (INFO) at start and on reload.
 pub struct Collector<'a> {
     file: &'a Path,
     source: &'a str,

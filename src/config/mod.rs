@@ -107,7 +107,7 @@ pub struct Config {
     pub upstreams: BTreeMap<String, Arc<UpstreamConfig>>,
     pub routes: Vec<RouteConfig>,
     /// What the file says that works, but perhaps not as meant (a CIDR with host bits set):
-    /// printed by `check`, logged at WARN at start and after each reload.
+    /// printed by `check`, logged at start and after each reload.
     pub warnings: Vec<ConfigError>,
 }
 
@@ -550,11 +550,13 @@ impl Config {
             .collect()
     }
 
-    /// Logs every warning at WARN: at start and after every reload that took effect, whether
-    /// or not the part warned of changed.
+    /// Logs every warning: at start and after every reload that took effect, whether or not
+    /// the part warned of changed.
     pub fn log_warnings(&self) {
+        // The file's own at INFO: they describe a config that works as loaded, and WARN is
+        // kept for what goes wrong at run time (and for `verify = false`, as promised).
         for w in &self.warnings {
-            tracing::warn!(config = %self.source.display(), "{w}");
+            tracing::info!(config = %self.source.display(), "config warning: {w}");
         }
         for up in self.upstreams.values() {
             if let Some(words) = up.unprotected() {

@@ -631,16 +631,6 @@ fn policy(
         (None, None) => (None, false),
     };
     let limited = !matches!(algorithm, Some(Algorithm::None));
-    if limited && fail_mode == Some(FailMode::FailClosed) {
-        let written = (r.fallback_rate_per_process_micro.as_ref())
-            .map(|v| ("fallback_rate_per_process_micro", v))
-            .or_else(|| {
-                (r.fallback_rate_fleet_micro.as_ref()).map(|v| ("fallback_rate_fleet_micro", v))
-            });
-        if let Some((field, v)) = written {
-            c.warn(Some(&v.span()), label, format!("{field} does nothing on a fail_closed route: it is the emergency rate of fail_mode = \"fail_open\""));
-        }
-    }
     if limited
         && fail_mode == Some(FailMode::FailOpen)
         && r.fallback_rate_per_process_micro.is_none()
