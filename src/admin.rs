@@ -161,24 +161,11 @@ impl Starting {
                     let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                         return;
                     };
-                    let accept = async {
-                        loop {
-                            let Ok((stream, _)) = listener.accept().await else {
-                                continue;
-                            };
-                            tokio::spawn(async move {
-                                let service = service_fn(|req: Request<Incoming>| async move {
-                                    Ok::<_, Infallible>(starting_answer(req.uri().path()))
-                                });
-                                // One answer a connection: none is kept open across the
-                                // handover to the admin proper.
-                                let _ = http1::Builder::new()
-                                    .keep_alive(false)
-                                    .serve_connection(TokioIo::new(stream), service)
-                                    .await;
-                            });
-                        }
-                    };
+                    // One answer a connection: none is kept open across the handover to
+                    // the admin proper.
+                    let accept = answer_on(listener, false, |req, _| async move {
+                        starting_answer(req.uri().path())
+                    });
                     tokio::select! {
                         () = accept => {}
                         _ = stopped => {}
@@ -196,6 +183,31 @@ impl Drop for Starting {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+    }
+}
+
+/// Accepts connections on `listener` until the task ends, each answered over HTTP/1.1 by
+/// `answer` (given the peer); `keep_alive` false: one request a connection.
+async fn answer_on<F, A>(listener: tokio::net::TcpListener, keep_alive: bool, answer: F)
+where
+    F: Fn(Request<Incoming>, SocketAddr) -> A + Clone + Send + 'static,
+    A: std::future::Future<Output = AdminResponse> + Send + 'static,
+{
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else {
+            continue;
+        };
+        let answer = answer.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let answered = answer(req, peer);
+                async move { Ok::<_, Infallible>(answered.await) }
+            });
+            let _ = http1::Builder::new()
+                .keep_alive(keep_alive)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
     }
 }
 
@@ -226,21 +238,11 @@ impl Admin {
                 return;
             }
         };
-        loop {
-            let Ok((stream, peer)) = listener.accept().await else {
-                continue;
-            };
+        answer_on(listener, true, move |req, peer| {
             let admin = Arc::clone(&self);
-            tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let admin = Arc::clone(&admin);
-                    async move { Ok::<_, Infallible>(admin.route(req, peer).await) }
-                });
-                let _ = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
+            async move { admin.route(req, peer).await }
+        })
+        .await;
     }
 
     /// With `admin_token_env`, every request but the probes needs `Authorization: Bearer

@@ -379,7 +379,6 @@ impl ProxyHttp for Gateway {
         RequestCtx {
             started: Some(Instant::now()),
             _in_flight: Some(in_flight),
-            took: None,
             over_capacity: nth > self.connections.max(),
             ..RequestCtx::default()
         }

@@ -88,10 +88,12 @@ pub(super) struct Call<'a> {
     /// a decision).
     pub(super) within: Option<Duration>,
     /// When the gateway stops waiting for the answer ([`deadline::mono_us`]); 0: none yet
-    /// (set by the evaluation), or none at all when `applies_late`.
+    /// (set by the evaluation), or none at all when `compensation`.
     pub(super) deadline_us: u64,
-    /// Applied whenever Redis runs it, past the budget too (a refund): it has no deadline.
-    pub(super) applies_late: bool,
+    /// A compensation (a refund of what a denied request was charged): applied whenever
+    /// Redis runs it, past the budget too (it has no deadline), and sent whatever the node's
+    /// breaker says, counting neither for nor against it.
+    pub(super) compensation: bool,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -159,7 +161,8 @@ impl Store {
         let result = self.eval(link, script, call, probe).await;
         let timed_out = matches!(result, Err(Failure::Timeout));
         link.suspect.store(timed_out, Ordering::Relaxed);
-        if !timed_out {
+        // Loaded first: a store on every decision would bounce the line between workers.
+        if !timed_out && link.probe_kept.load(Ordering::Relaxed) {
             link.probe_kept.store(false, Ordering::Relaxed);
         }
         // How long Redis took to answer this decision (its batch's call, a NOSCRIPT reload
@@ -247,7 +250,7 @@ impl Store {
         // Refused by the script once the gateway no longer waits for its answer, unless it
         // applies late.
         let call = Call {
-            deadline_us: match call.applies_late {
+            deadline_us: match call.compensation {
                 true => 0,
                 false => deadline::mono_us() + timer.as_micros() as u64,
             },

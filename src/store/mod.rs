@@ -272,7 +272,7 @@ impl Store {
             args: &args,
             within: None,
             deadline_us: 0,
-            applies_late: false,
+            compensation: false,
         };
         self.evaluate_call(call, ScriptReply::parse).await
     }
@@ -305,7 +305,7 @@ impl Store {
         keys: &[&str],
         args: &[u64],
         within: Option<Duration>,
-        applies_late: bool,
+        compensation: bool,
     ) -> Evaluation<Vec<ScriptReply>> {
         let call = Call {
             kind: ScriptKind::Limits,
@@ -313,7 +313,7 @@ impl Store {
             args,
             within,
             deadline_us: 0,
-            applies_late,
+            compensation,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
@@ -353,7 +353,7 @@ impl Store {
         // A compensation (giving back what a denied request was charged) is owed whatever the
         // breaker says, and is no decision: it goes out though the breaker is open, and its
         // outcome counts neither for nor against it.
-        if call.applies_late {
+        if call.compensation {
             let outcome = self.run(&link, call, false, parse).await;
             return Evaluation {
                 outcome: outcome.map_err(|f| Degradation::Store(f.cause())),
