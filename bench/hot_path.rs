@@ -128,6 +128,7 @@ fn batches(c: &mut Criterion) {
                 black_box("f5fcfa7a7caeeac3195be4e8e4aa698b45499974"),
                 keys.iter().map(|k| k.as_bytes()),
                 argv.of(args.iter().map(|a| &a[..])),
+                false,
             );
             black_box(out.len())
         })

@@ -1,6 +1,12 @@
 -- Decisions that waited together for one Redis connection, decided in order in one call.
 --
 -- KEYS     every decision's keys, one after another
+--          (On a Redis Cluster node the batch's keys may lie in several slots of the node,
+--          which Redis refuses of declared keys: there the gateway declares none, and ARGV
+--          starts with their number and the keys, the arguments below following them. The
+--          script is then led by `#!lua flags=allow-cross-slot-keys`, and a key whose slot
+--          the node does not serve (moved, or migrating) fails its own decision, which the
+--          gateway sends again on its own, to follow the redirect.)
 -- ARGV     the batch's limits, each sent once: their number s, then four arguments each:
 --          kind (1 token bucket, 2 sliding window), then as the single-limit scripts take
 --          them: capacity, refill, cost (micro-tokens) or limit, window, cost (requests).
@@ -18,16 +24,18 @@
 -- All of them are decided at one Redis TIME.
 
 -- MICRO, idiv, ceil_div, reply (lua/int.lua) and the algorithms, limits_in_argv, several,
--- decide and error_text (lua/limits.lua) are prepended by the gateway.
+-- decide and error_text (lua/limits.lua) are prepended by the gateway, and where the keys
+-- and arguments are: `keys` (KEYS or ARGV) and `ko` (its index before the first key), `ao`
+-- (ARGV's index before the first argument above).
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
 -- A batch's decisions mostly share a few limits: each is sent and read once, and a
 -- decision names its own by index.
-local s = tonumber(ARGV[1])
-local limits = limits_in_argv(s)
+local s = tonumber(ARGV[ao + 1])
+local limits = limits_in_argv(ARGV, ao, s)
 local out = {}
-local k, a, i = 0, 1 + 4 * s, 0
+local k, a, i = ko, ao + 1 + 4 * s, 0
 local argc = #ARGV
 while a < argc do
   local late = expired(ARGV[a + 1], now)
@@ -42,7 +50,7 @@ while a < argc do
       local of = {}
       for j = 1, n do of[j] = limits[tonumber(ARGV[a + 4 + j])] end
       touching = 0
-      ok, answer = pcall(several, k, mode, of, now)
+      ok, answer = pcall(several, keys, k, mode, of, now)
       at = touching
     end
     k = k + n
@@ -52,7 +60,7 @@ while a < argc do
       ok, answer = false, expiry(now)
     else
       local l = limits[index]
-      ok, answer = pcall(decide, l[1], KEYS[k + 1], l[2], l[3], l[4], now)
+      ok, answer = pcall(decide, l[1], keys[k + 1], l[2], l[3], l[4], now)
     end
     k = k + 1
     a = a + 2

@@ -219,31 +219,32 @@ local function sw_adjust(key, limit, window, amount, now)
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
 
--- The limits a script's arguments carry from ARGV[2] on, four each (the kind, then the
--- single-limit script's three), as a list of {kind, a, b, cost}: lua/limits_multi.lua's, one
--- per key, and lua/batch.lua's, each limit of the batch once.
-local function limits_in_argv(n)
+-- The `n` limits a script's arguments carry from argv[at + 2] on, four each (the kind, then
+-- the single-limit script's three), as a list of {kind, a, b, cost}: lua/limits_multi.lua's,
+-- one per key, and lua/batch.lua's, each limit of the batch once.
+local function limits_in_argv(argv, at, n)
   local limits = {}
   for i = 1, n do
-    local b = 1 + 4 * (i - 1)
-    limits[i] = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]) }
+    local b = at + 1 + 4 * (i - 1)
+    limits[i] = { tonumber(argv[b + 1]), tonumber(argv[b + 2]), tonumber(argv[b + 3]), tonumber(argv[b + 4]) }
   end
   return limits
 end
 
 -- Several limits of one request, decided together (lua/limits_multi.lua says what the
--- modes do): keys KEYS[k0 + 1 .. k0 + #limits], each with its limit in `limits`, a list of
+-- modes do): keys keys[k0 + 1 .. k0 + #limits] (KEYS, or where a batch on a Redis Cluster
+-- node carries them, lua/batch.lua), each with its limit in `limits`, a list of
 -- {kind, a, b, cost}. Returns one reply() group per key, joined by spaces.
 -- The limit (1 .. n) `several` is at: an error there is on that limit's key, which the
 -- batch script names with the error (lua/batch.lua).
 local touching = 0
 
-local function several(k0, mode, limits, now)
+local function several(keys, k0, mode, limits, now)
   local n = #limits
   local out = {}
 
   local function arg(i, j) return limits[i][j] end
-  local function key(i) return KEYS[k0 + i] end
+  local function key(i) return keys[k0 + i] end
 
   if mode == 0 or mode == 3 then
     local results = {}

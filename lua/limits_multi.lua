@@ -31,7 +31,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * MICRO + tonumber(t[2])
 if expired(ARGV[2 + 4 * #KEYS], now) then return redis.error_reply(expiry(now)) end
 touching = 0
-local ok, answer = pcall(several, 0, tonumber(ARGV[1]), limits_in_argv(#KEYS), now)
+local ok, answer = pcall(several, KEYS, 0, tonumber(ARGV[1]), limits_in_argv(ARGV, 0, #KEYS), now)
 if ok then return answer end
 -- The error as Redis would have sent it, naming the key it was met on (as lua/batch.lua
 -- does), so that the key the gateway logs is the broken one.

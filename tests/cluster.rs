@@ -371,6 +371,72 @@ async fn many_identities_at_once_are_each_decided_exactly_on_their_primaries() {
     assert_eq!(decisions(&gw, "c.closed", "rate_limited", false), 72.0);
 }
 
+/// A burst on every primary at once: each primary's decisions in flight together go out in
+/// batches on its own connection, though their keys lie in other slots of the node, and each
+/// is decided exactly. (Each decision was one call of its own, answered through one thread
+/// for the whole cluster: under such a burst the answers were read past the budget, the
+/// breakers opened and decisions Redis had charged were answered 503.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_every_primary_is_decided_exactly_in_batches() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    // 40 requests per tenant; the budget is generous for a debug build sharing two cores
+    // with the client of 450 connections: what is tested is exactness and batching, not speed.
+    let gw = connected(
+        GatewayConfig::bare_cluster(&cluster.seed_urls())
+            .server("threads", "2")
+            .redis("timeout_ms", "500")
+            .upstream("app", &[&up.addr()])
+            .route(
+                Route::new("c.burst")
+                    .path("/burst")
+                    .identity_header("x-api-key")
+                    .token_bucket(40_000_000, 0)
+                    .fail_closed(),
+            )
+            .start(),
+    );
+    // Three tenants whose buckets live on each primary, in three slots of it.
+    let owners = tenants_by_node(&cluster, "c.burst", 3, "burst");
+    let tenants: Vec<String> = owners.into_iter().flatten().collect();
+    let tasks: Vec<_> = tenants
+        .iter()
+        .flat_map(|tenant| (0..50).map(move |_| tenant.clone()))
+        .map(|tenant| {
+            let url = gw.url("/burst");
+            tokio::spawn(async move {
+                let r = client().get(&url).header("x-api-key", &tenant).send().await;
+                (tenant, r.expect("gateway answers").status().as_u16())
+            })
+        })
+        .collect();
+    let mut seen = std::collections::BTreeMap::<(String, u16), usize>::new();
+    for task in tasks {
+        *seen.entry(task.await.unwrap()).or_default() += 1;
+    }
+    for tenant in &tenants {
+        assert_eq!(seen.get(&(tenant.clone(), 200)), Some(&40), "{seen:?}");
+        assert_eq!(seen.get(&(tenant.clone(), 429)), Some(&10), "{seen:?}");
+    }
+    assert_eq!(decisions(&gw, "c.burst", "allowed", true), 360.0);
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
+        0.0
+    );
+    // Every decision Redis made went in a batch, and batches carried several.
+    let (sum, count) = (
+        gw.metric("sentinel_redis_batch_size_sum"),
+        gw.metric("sentinel_redis_batch_size_count"),
+    );
+    assert!(sum >= 360.0 && count < sum, "{count} batches of {sum}");
+    let keys_per_node: Vec<u64> = cluster
+        .nodes
+        .iter()
+        .map(|n| redis::cmd("DBSIZE").query(&mut n.conn()).unwrap())
+        .collect();
+    assert_eq!(keys_per_node, [3, 3, 3], "each bucket on its own primary");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
     let cluster = RedisCluster::start();

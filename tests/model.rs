@@ -14,7 +14,7 @@ use sentinel_gateway::decision::token_bucket::{Bucket, BucketState, Take};
 use sentinel_gateway::decision::ScriptReply;
 use sentinel_gateway::store::batch::Argv;
 use sentinel_gateway::store::script::{
-    BATCH_LUA, LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+    BATCH_CLUSTER_LUA, BATCH_LUA, LIMITS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
 };
 
 /// Runs a script and returns its six integers; the gateway's parser must read the same answer.
@@ -443,7 +443,8 @@ fn member() -> impl Strategy<Value = Member> {
 
 /// The batch script against the models: decisions that waited together are decided in
 /// order at one Redis TIME, each as its own script would have (several-limits all or
-/// nothing included), and a broken key fails its own decision only.
+/// nothing included), and a broken key fails its own decision only; as one Redis runs it
+/// and as a Redis Cluster node does.
 #[test]
 fn batch_script_decides_in_order_as_the_models() {
     let redis = common::Redis::start();
@@ -515,10 +516,18 @@ fn batch_script_decides_in_order_as_the_models() {
                         }
                     }
                     let args = Argv::default().of(each.iter().map(Vec::as_slice)).to_vec();
-                    let reply: String = redis::cmd("EVAL")
-                        .arg(BATCH_LUA)
-                        .arg(keys.len())
-                        .arg(&keys)
+                    // Every other case as a Redis Cluster node's batch runs: no key declared,
+                    // their number and the keys leading the arguments.
+                    let mut eval = redis::cmd("EVAL");
+                    if case.get().is_multiple_of(2) {
+                        eval.arg(BATCH_LUA).arg(keys.len()).arg(&keys);
+                    } else {
+                        eval.arg(BATCH_CLUSTER_LUA)
+                            .arg(0)
+                            .arg(keys.len())
+                            .arg(&keys);
+                    }
+                    let reply: String = eval
                         .arg(&args)
                         .query(&mut *conn)
                         .expect("the batch script runs");

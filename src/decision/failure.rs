@@ -85,6 +85,9 @@ impl Failure {
             // can be made, as with `OOM`. Inside a script Redis says so in an `ERR`, in its
             // own words by version (`NOPERM` is the code of the same refusal outside one).
             "ERR" if is_acl_refusal(detail) => Failure::Unavailable,
+            // A cluster batch (its keys not declared) in a cluster that lost its quorum or
+            // slots: what `CLUSTERDOWN` says of a call of its own.
+            "ERR" if detail.contains("while the cluster is down") => Failure::Unavailable,
             "NOSCRIPT" => Failure::Noscript,
             // The script ran after the decision's deadline and wrote nothing
             // (`store/deadline.rs`): the budget was spent.

@@ -24,8 +24,12 @@
 //! (a lost connection, `OOM`) is each of its decisions' failure. `NOSCRIPT` loads the batch
 //! script once per batch, on the same connection, and sends the batch again behind the load.
 //! A redirect (`MOVED`, `ASK`) sends every decision of the batch its own way, as if it had
-//! been alone; so does a Redis that refuses the batch script. A Redis Cluster primary takes
-//! no batches at all (see [`Store::in_turn`]). A call whose answer never comes (a Redis
+//! been alone; so does a Redis that refuses the batch script. A Redis Cluster primary's batch
+//! may hold keys of every slot it serves: its keys are not declared (Redis would refuse
+//! declared keys of several slots in one call) but passed among the arguments, to the batch
+//! script flagged `allow-cross-slot-keys`; a decision whose key's slot the node no longer
+//! serves (moved, or migrating away) fails alone in the script, writes nothing, and goes
+//! again on its own to follow the redirect. A call whose answer never comes (a Redis
 //! that stopped answering) keeps its connection's turn: the decisions queued behind it time
 //! out at their own deadlines, and the breaker's probe opens a fresh connection.
 
@@ -155,8 +159,15 @@ impl Queue {
 
     /// The batch's `EVALSHA` of the script `sha`, appended to `out`, each decision's
     /// deadline in the node's time by `clock`; `argv` is where its arguments are put
-    /// together.
-    fn command(&self, out: &mut Vec<u8>, argv: &mut Argv, sha: &str, clock: &RedisClock) {
+    /// together; `in_cluster`: its keys among the arguments ([`command`]).
+    fn command(
+        &self,
+        out: &mut Vec<u8>,
+        argv: &mut Argv,
+        sha: &str,
+        clock: &RedisClock,
+        in_cluster: bool,
+    ) {
         let keys = self
             .waiting
             .iter()
@@ -169,7 +180,7 @@ impl Queue {
                 &self.args[w.args.clone()],
             )
         });
-        command(out, sha, keys, argv.of_timed(args));
+        command(out, sha, keys, argv.of_timed(args), in_cluster);
     }
 }
 
@@ -213,9 +224,9 @@ impl Batches {
 
     /// Appends the batch in flight's `EVALSHA` of `sha` to what is sent next, and notes when
     /// it goes.
-    fn append_in_flight(&mut self, sha: &str, clock: &RedisClock) {
+    fn append_in_flight(&mut self, sha: &str, clock: &RedisClock, in_cluster: bool) {
         self.in_flight
-            .command(&mut self.out, &mut self.argv, sha, clock);
+            .command(&mut self.out, &mut self.argv, sha, clock, in_cluster);
         self.sent_us = deadline::mono_us();
     }
 
@@ -277,12 +288,9 @@ impl Turns {
 }
 
 impl Store {
-    /// Whether `link`'s decisions go in batches on its decision connection. A cluster node's
-    /// go alone: Redis answers `CROSSSLOT` to one call whose declared keys lie in several
-    /// slots, whatever the script's flags (its `allow-cross-slot-keys` covers only keys a
-    /// script did not declare).
+    /// Whether `link`'s decisions go in batches on its decision connection.
     pub(super) fn batches_on(&self, link: &Link) -> bool {
-        self.batch_max() > 1 && !link.in_cluster && !link.turns.is_refused()
+        self.batch_max() > 1 && !link.turns.is_refused()
     }
 
     /// Decides `call` in `link`'s next call. `None`: it must go on its own (see
@@ -436,19 +444,23 @@ impl Store {
             Got::Bulk(bytes) => Told::Parts(bytes),
             Got::Error(e) => {
                 let code = e.split(' ').next().unwrap_or("");
-                // A redirect, or a script the node refused to load: each goes its own way.
+                // A redirect, or a script the node refused to load: each goes its own way. So
+                // does a cluster batch that met a replica (a primary demoted since the map was
+                // read): its keys were not declared, so it says READONLY, where each decision
+                // on its own is sent on by `MOVED`.
                 let refused = code == "NOSCRIPT" && link.turns.is_refused();
-                if code == "MOVED" || code == "ASK" || refused {
+                let demoted = code == "READONLY" && link.in_cluster;
+                if code == "MOVED" || code == "ASK" || refused || demoted {
                     Told::Alone
                 } else if code == "NOSCRIPT" && !reloaded {
                     // One load, and the same batch again behind it, on this connection.
-                    let script = self.inner.scripts.batch();
+                    let script = self.inner.scripts.batch(link.in_cluster);
                     batches.out.clear();
                     wire::encode(
                         &mut batches.out,
                         [&b"SCRIPT"[..], b"LOAD", script.body().as_bytes()].into_iter(),
                     );
-                    batches.append_in_flight(&script.sha, &link.clock);
+                    batches.append_in_flight(&script.sha, &link.clock, link.in_cluster);
                     batches.expect.push_back(Expect::Load);
                     batches.expect.push_back(Expect::Batch { reloaded: true });
                     wire.send(&mut state.bytes, &batches.out)?;
@@ -517,9 +529,9 @@ impl Store {
         self.inner
             .batch_size
             .observe(batches.in_flight.waiting.len() as f64);
-        let script = self.inner.scripts.batch();
+        let script = self.inner.scripts.batch(link.in_cluster);
         batches.out.clear();
-        batches.append_in_flight(&script.sha, &link.clock);
+        batches.append_in_flight(&script.sha, &link.clock, link.in_cluster);
         batches.expect.push_back(Expect::Batch { reloaded: false });
         batches.busy = true;
         batches.sent = batches.sent.wrapping_add(1);
@@ -574,6 +586,12 @@ impl Store {
             }
             let answer = match bytes[range.clone()].strip_prefix(b"E ") {
                 None => Answer::Reply(Arc::clone(&bytes), range),
+                Some(error) if link.in_cluster && not_served_here(error) => {
+                    // Nothing was written: it goes again on its own, and follows the
+                    // redirect; the map is read again.
+                    self.ask_refresh();
+                    Answer::Alone
+                }
                 Some(error) => {
                     let error = String::from_utf8_lossy(error);
                     let (error, at) = key_of_error(&error, w.keys.len());
@@ -585,6 +603,14 @@ impl Store {
         }
         queue.waiting = waiting;
     }
+}
+
+/// Whether a cluster batch's decision failed on a key whose slot the node does not serve
+/// (moved away, or migrating and not here): Redis's words for it inside a script, whose keys
+/// were not declared, where a call of its own would have been answered `MOVED` or `ASK`.
+fn not_served_here(error: &[u8]) -> bool {
+    const NOT_LOCAL: &[u8] = b"attempted to access a non local key";
+    error.windows(NOT_LOCAL.len()).any(|w| w == NOT_LOCAL)
 }
 
 /// The connection's reader task: reads answers when no decision is waiting for one, and
@@ -813,17 +839,24 @@ impl Argv {
 }
 
 /// Appends the batch's `EVALSHA` of the script `sha` to `out`: every decision's keys, then
-/// the arguments [`Argv::of`] put together.
+/// the arguments [`Argv::of`] put together. `in_cluster` (a Redis Cluster node's batch,
+/// `BATCH_CLUSTER_LUA`): no key declared, the keys' number and the keys leading the
+/// arguments.
 pub fn command<'a>(
     out: &mut Vec<u8>,
     sha: &str,
     keys: impl Iterator<Item = &'a [u8]> + Clone,
     argv: &[u64],
+    in_cluster: bool,
 ) {
     let n_keys = keys.clone().count() as u64;
-    wire::header(out, b'*', 3 + n_keys + argv.len() as u64);
+    let count = 3 + n_keys + argv.len() as u64 + u64::from(in_cluster);
+    wire::header(out, b'*', count);
     wire::bulk(out, b"EVALSHA");
     wire::bulk(out, sha.as_bytes());
+    if in_cluster {
+        wire::bulk_u64(out, 0);
+    }
     wire::bulk_u64(out, n_keys);
     for key in keys {
         wire::bulk(out, key);
@@ -913,6 +946,7 @@ mod tests {
             "abc",
             keys.iter().copied(),
             argv.of_timed([7, 0, 9].into_iter().zip(args.iter().copied())),
+            false,
         );
         let packed = String::from_utf8(out).unwrap();
         assert!(packed.starts_with("*26\r\n"), "{packed}");
@@ -925,6 +959,29 @@ mod tests {
             words[7..words.len() - 1].join(" "),
             "2 1 10 20 30 2 5 6 1 7 1 0 0 0 2 1 2 9 2",
             "two limits, each once; the decisions, each after its deadline, name them"
+        );
+        // A cluster node's: no key declared, the keys leading the arguments.
+        let mut clustered = Vec::new();
+        command(
+            &mut clustered,
+            "abc",
+            keys.iter().copied(),
+            argv.of_timed([7, 0, 9].into_iter().zip(args.iter().copied())),
+            true,
+        );
+        let clustered = String::from_utf8(clustered).unwrap();
+        assert!(clustered.starts_with("*27\r\n"), "{clustered}");
+        let words: Vec<&str> = clustered
+            .split("\r\n")
+            .filter(|w| !w.starts_with(['*', '$']))
+            .collect();
+        assert_eq!(
+            &words[..8],
+            ["EVALSHA", "abc", "0", "4", "k1", "k2", "k3", "k4"]
+        );
+        assert_eq!(
+            words[8..words.len() - 1].join(" "),
+            "2 1 10 20 30 2 5 6 1 7 1 0 0 0 2 1 2 9 2"
         );
         let many: Vec<[u64; 4]> = (0..40).map(|cost| [1, 10, 20, cost % 20]).collect();
         let sent = argv.of(many.iter().map(|l| &l[..])).to_vec();

@@ -493,13 +493,10 @@ impl Connector {
                 }
             }
         }
-        // A cluster node takes no batches (`batch.rs`, `in_turn`).
-        if !link.in_cluster {
-            match self.scripts.batch().load(conn).await {
-                Ok(_) => link.turns.accept(),
-                Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
-                Err(e) => link.turns.refuse(&target.node, &e),
-            }
+        match self.scripts.batch(link.in_cluster).load(conn).await {
+            Ok(_) => link.turns.accept(),
+            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+            Err(e) => link.turns.refuse(&target.node, &e),
         }
         Ok((opened, wire))
     }

@@ -494,6 +494,10 @@ mod tests {
             ("WRONGTYPE Operation against a key holding the wrong kind of value", Failure::BrokenKey),
             ("READONLY You can't write against a read only replica.", Failure::Unavailable),
             ("CLUSTERDOWN The cluster is down", Failure::Unavailable),
+            (
+                "ERR Error running script: ERR Script attempted to execute a command while the cluster is down",
+                Failure::Unavailable,
+            ),
             ("LOADING Redis is loading the dataset in memory", Failure::Unavailable),
             ("OOM command not allowed when used memory > 'maxmemory'.", Failure::Unavailable),
             ("BUSY Redis is busy running a script.", Failure::Unavailable),

@@ -525,6 +525,13 @@ impl Store {
         }
     }
 
+    /// In a cluster, asks for a fresh slot map now (a node said a key's slot is not its own).
+    fn ask_refresh(&self) {
+        if let Layout::Cluster(cluster) = &self.inner.layout {
+            cluster.ask_refresh();
+        }
+    }
+
     /// Every link: the one Redis, or every primary of the map.
     fn links(&self) -> Vec<Arc<Link>> {
         match &self.inner.layout {

@@ -18,9 +18,21 @@ pub const LIMITS_LUA: &str = concat!(
     include_str!("../../lua/limits.lua"),
     include_str!("../../lua/limits_multi.lua")
 );
+/// The batch script: its keys declared (`KEYS`), its arguments in `ARGV` from the first.
 pub const BATCH_LUA: &str = concat!(
     include_str!("../../lua/int.lua"),
     include_str!("../../lua/limits.lua"),
+    "local keys, ko, ao = KEYS, 0, 0\n",
+    include_str!("../../lua/batch.lua")
+);
+/// The batch script of a Redis Cluster node: no key declared (Redis refuses declared keys of
+/// several slots in one call, whatever the flags say), `ARGV` led by the keys' number and the
+/// keys; the flag lets it touch keys of several slots the node serves.
+pub const BATCH_CLUSTER_LUA: &str = concat!(
+    "#!lua flags=allow-cross-slot-keys\n",
+    include_str!("../../lua/int.lua"),
+    include_str!("../../lua/limits.lua"),
+    "local keys, ko, ao = ARGV, 1, 1 + tonumber(ARGV[1])\n",
     include_str!("../../lua/batch.lua")
 );
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
@@ -49,6 +61,7 @@ pub(super) struct Scripts {
     pub(super) sliding_window: Script,
     pub(super) limits: Script,
     batch: Script,
+    batch_cluster: Script,
 }
 
 impl Scripts {
@@ -58,12 +71,16 @@ impl Scripts {
             sliding_window: Script::new(SLIDING_WINDOW_LUA),
             limits: Script::new(LIMITS_LUA),
             batch: Script::new(BATCH_LUA),
+            batch_cluster: Script::new(BATCH_CLUSTER_LUA),
         }
     }
 
-    /// `lua/batch.lua` (one Redis, or a Sentinel's master: a cluster node takes no batches).
-    pub(super) fn batch(&self) -> &Script {
-        &self.batch
+    /// `lua/batch.lua`, as one Redis (or a Sentinel's master) runs it, or a cluster node.
+    pub(super) fn batch(&self, in_cluster: bool) -> &Script {
+        match in_cluster {
+            false => &self.batch,
+            true => &self.batch_cluster,
+        }
     }
 
     pub(super) fn get(&self, kind: ScriptKind) -> &Script {
