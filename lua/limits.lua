@@ -275,6 +275,16 @@ local function several(keys, k0, mode, limits, now)
       out[i] = reply(r[1], r[2], r[3], r[4], now, r[5])
     end
   else
+    -- Each key is written as soon as it is read: where the keys were not declared (a Redis
+    -- Cluster node's batch), one of them whose slot is being migrated away may be refused
+    -- after another was written. Each is touched first, so that such a refusal writes
+    -- nothing.
+    if n > 1 then
+      for i = 1, n do
+        touching = i
+        redis.call('EXISTS', key(i))
+      end
+    end
     for i = 1, n do
       local kind, a, b, cost = arg(i, 1), arg(i, 2), arg(i, 3), arg(i, 4)
       local allowed, left, retry, reset, wait

@@ -437,6 +437,92 @@ async fn a_burst_on_every_primary_is_decided_exactly_in_batches() {
     assert_eq!(keys_per_node, [3, 3, 3], "each bucket on its own primary");
 }
 
+/// A Redis Cluster node's batch (`BATCH_CLUSTER_LUA`, its keys undeclared) meets a decision
+/// whose slot is migrating away, one of its keys already moved: the node refuses it inside
+/// the script, in the words the gateway reads as "not served here" (it then sends the
+/// decision on its own, to be redirected), and none of its keys is written, a refund of two
+/// limits included; the batch's other decision, in another slot of the node, is made.
+#[test]
+fn a_cluster_batch_writes_nothing_of_a_decision_whose_slot_is_migrating_away() {
+    use sentinel_gateway::store::batch::Argv;
+    use sentinel_gateway::store::script::BATCH_CLUSTER_LUA;
+    let cluster = RedisCluster::start();
+    let (a, b) = ("{mig}a", "{mig}b");
+    let from = cluster.owner(a);
+    let to = (from + 1) % 3;
+    // Another key of the same node, in another slot.
+    let other = (0..)
+        .map(|i| format!("other-{i}"))
+        .find(|k| {
+            cluster.owner(k) == from
+                && sentinel_gateway::store::slot(k.as_bytes())
+                    != sentinel_gateway::store::slot(a.as_bytes())
+        })
+        .unwrap();
+    let limit = [1u64, 5_000_000, 0, 1_000_000];
+    let batch = |keys: &[&str], decisions: &[Vec<u64>]| -> String {
+        let args = Argv::default()
+            .of(decisions.iter().map(Vec::as_slice))
+            .to_vec();
+        redis::cmd("EVAL")
+            .arg(BATCH_CLUSTER_LUA)
+            .arg(0)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args)
+            .query(&mut cluster.nodes[from].conn())
+            .expect("the batch script runs")
+    };
+    // Both limits of one decision charged once: both keys exist.
+    let both = |mode: u64| [&[3, 2, mode][..], &limit, &limit].concat();
+    let first = batch(&[a, b], &[both(0)]);
+    assert!(!first.starts_with("E "), "{first}");
+    let hash = |key: &str, node: usize| -> Vec<(String, String)> {
+        redis::cmd("HGETALL")
+            .arg(key)
+            .query(&mut cluster.nodes[node].conn())
+            .unwrap()
+    };
+    let before = hash(a, from);
+    // Mid-migration: b has moved, a has not.
+    let slot = sentinel_gateway::store::slot(a.as_bytes());
+    let (from_id, to_id) = (cluster.node_id(from), cluster.node_id(to));
+    let setslot = |node: usize, args: &[&str]| {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg(args)
+            .query(&mut cluster.nodes[node].conn())
+            .unwrap();
+    };
+    setslot(to, &["IMPORTING", &from_id]);
+    setslot(from, &["MIGRATING", &to_id]);
+    let _: () = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(cluster.nodes[to].port)
+        .arg("")
+        .arg(0)
+        .arg(5000)
+        .arg("KEYS")
+        .arg(b)
+        .query(&mut cluster.nodes[from].conn())
+        .unwrap();
+    // A refund (mode 1) of both, then one decision of the other slot.
+    let reply = batch(&[a, b, &other], &[both(1), limit.to_vec()]);
+    let answers: Vec<&str> = reply.split('\n').collect();
+    assert_eq!(answers.len(), 2, "{reply}");
+    assert!(
+        answers[0].starts_with("E ") && answers[0].contains("attempted to access a non local key"),
+        "{reply}"
+    );
+    assert_eq!(hash(a, from), before, "a is not given back alone");
+    assert!(
+        sentinel_gateway::decision::ScriptReply::parse(answers[1].as_bytes())
+            .is_some_and(|r| r.allowed),
+        "{reply}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_on_a_cluster_admit_exactly_one_bucket() {
     let cluster = RedisCluster::start();
