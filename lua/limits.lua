@@ -144,12 +144,38 @@ end
 
 -- Sliding window. Hash: w = index of the current window, c = its count, p = the previous
 -- window's count (requests). limit 1 .. 10^9, window 1000 .. 86400 x 10^6 us, cost 1 ..
--- limit, limit x window <= 4 x 10^15.
+-- limit.
 --
 -- The estimate is  c + p x (window - elapsed) / window; a request is admitted when the
--- estimate plus its cost stays within the limit, compared multiplied by the window so that
--- everything stays an integer below 2^53 (each product is at most limit x window). The key
--- lives two windows.
+-- estimate plus its cost stays within the limit: when the previous window's weight,
+-- p x (window - elapsed) / window rounded up, is at most limit - c - cost. Such a product of
+-- a count and a time reaches 10^9 x 86400 x 10^6, past the 2^53 below which a double is
+-- exact: mul_div computes it in two parts. The key lives two windows.
+
+-- floor(a x t / d) and its remainder, exactly, for integers 0 <= a < 2^30 (a count), 0 <= t
+-- < 2^37 (a time in microseconds) and 0 < d < 2^37: the product, up to 2^67, is held as
+-- hi x 2^16 + lo, each part an integer below 2^53 (a x t_hi < 2^51, and each remainder
+-- shifted by 2^16 stays below 2^53), and divided part by part as by hand.
+local function mul_div(a, t, d)
+  local B = 65536
+  local th = floor(t / B)
+  local lo = a * (t - th * B)
+  local carry = floor(lo / B)
+  local hi = a * th + carry
+  lo = lo - carry * B
+  local qh = idiv(hi, d)
+  local rest = (hi - qh * d) * B + lo
+  local ql = idiv(rest, d)
+  return qh * B + ql, rest - ql * d
+end
+
+-- The previous window's count `p` weighted by the part of it still inside the sliding
+-- window, in whole requests, rounded up: ceil(p x (window - elapsed) / window).
+local function sw_weight(p, window, elapsed)
+  local q, r = mul_div(p, window - elapsed, window)
+  if r > 0 then q = q + 1 end
+  return q
+end
 local function sw_read(key, window, now)
   local index = idiv(now, window)
   local elapsed = now - index * window
@@ -177,24 +203,30 @@ local function sliding_window(key, limit, window, cost, now)
   local index, elapsed, c, p = sw_read(key, window, now)
   local window_end = ceil_div(window - elapsed, MICRO)
 
-  if c + cost <= limit and p * (window - elapsed) + (c + cost) * window <= limit * window then
+  -- What the limit has left for this window's requests once the previous window's weight
+  -- is taken (may be below zero).
+  local room = limit - c - cost
+  local weight = 0
+  if room >= 0 and p > 0 then weight = sw_weight(p, window, elapsed) end
+  if room >= weight then
     local count = c + cost
-    local left = idiv(limit * window - p * (window - elapsed) - count * window, window)
+    local left = room - weight
     return 1, left, 0, window_end, 0,
       function() sw_write(key, window, index, elapsed, count, p) end
   end
 
   -- Denied: the first moment the estimate admits `cost`.
   local wait
-  if c + cost <= limit then
-    -- Later in this window, once the previous window's weight has decayed enough.
-    local at = window - idiv((limit - c - cost) * window, p)
+  if room >= 0 then
+    -- Later in this window, once the previous window's weight has decayed enough (p > 0:
+    -- without it the request was admitted).
+    local at = window - mul_div(room, window, p)
     wait = at - elapsed
   else
     -- In the next window, where this window's count becomes the previous one.
     local at = 0
     if c > 0 then
-      at = window - idiv((limit - cost) * window, c)
+      at = window - mul_div(limit - cost, window, c)
       if at < 0 then at = 0 end
     end
     wait = window - elapsed + at
@@ -215,7 +247,7 @@ local function sw_adjust(key, limit, window, amount, now)
     c = 0
   end
   sw_write(key, window, index, elapsed, c, p)
-  local left = max(0, idiv(limit * window - p * (window - elapsed) - c * window, window))
+  local left = max(0, limit - c - sw_weight(p, window, elapsed))
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
 

@@ -4,7 +4,6 @@
 -- ARGV[1]  limit: requests per window                (1 .. 10^9)
 -- ARGV[2]  window in microseconds                    (1000 .. 86400 x 10^6)
 -- ARGV[3]  cost of this request, in whole requests   (1 .. limit)
---          with limit x window <= 4 x 10^15
 -- ARGV[4]  deadline in Redis's TIME, microseconds (0: none): past it, an EXPIRED error and
 --          nothing written
 --

@@ -396,8 +396,8 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         panic!("admits")
     };
     assert_eq!(second[1] as u64, s2.tokens);
-    // Sliding window at its bound: limit x window = 4 x 10^15.
-    let (limit, window) = (1_000_000u64, 4_000_000_000u64);
+    // Sliding window at its bounds: 10^9 requests a day, a product of 8.64 x 10^19.
+    let (limit, window) = (1_000_000_000u64, 86_400_000_000u64);
     let w = Window {
         limit,
         window_us: window,
@@ -419,6 +419,154 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         [limit, window, 1],
     );
     assert_eq!(r[0], 0);
+}
+
+/// `mul_div` (lua/limits.lua), the sliding window's product of a count and a time divided
+/// exactly, against 128-bit integers: at its bounds, on exact multiples (where a double's
+/// rounding would be off by one) and at random.
+#[test]
+fn the_scripts_wide_product_divides_exactly() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    let script = concat!(
+        include_str!("../lua/int.lua"),
+        include_str!("../lua/limits.lua"),
+        "local out = {}\n",
+        "for i = 1, #ARGV, 3 do\n",
+        "  local q, r = mul_div(tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]))\n",
+        "  out[#out + 1] = format('%.0f %.0f', q, r)\n",
+        "end\n",
+        "return table.concat(out, ' ')\n"
+    );
+    let (limit, day) = (1_000_000_000u64, 86_400_000_000u64);
+    let mut cases = vec![
+        [limit - 1, day, day],
+        [limit - 1, day - 1, day],
+        [limit - 1, day, limit - 1],
+        [999_999_937, 86_399_999_999, 86_399_999_999],
+        [999_999_937, 86_399_999_999, 999_999_937],
+        [999_999_937, 86_399_999_999, 3],
+        [0, day, day],
+        [1, 1, day],
+    ];
+    use proptest::strategy::ValueTree;
+    let mut runner = TestRunner::new(Config::default());
+    for _ in 0..500 {
+        let a = (1..limit).new_tree(&mut runner).unwrap().current();
+        let t = (1..=day).new_tree(&mut runner).unwrap().current();
+        // A divisor that divides the product exactly, every other time.
+        let d = match a % 2 {
+            0 => (1..=day).new_tree(&mut runner).unwrap().current(),
+            _ => t,
+        };
+        cases.push([a, t, d]);
+    }
+    let args: Vec<u64> = cases.iter().flatten().copied().collect();
+    let reply: String = redis::cmd("EVAL")
+        .arg(script)
+        .arg(0)
+        .arg(&args)
+        .query(&mut conn)
+        .expect("the script runs");
+    let got: Vec<u128> = reply.split(' ').map(|n| n.parse().unwrap()).collect();
+    for (case, qr) in cases.iter().zip(got.chunks(2)) {
+        let [a, t, d] = case.map(u128::from);
+        let want = (a * t / d, a * t % d);
+        if want.0 < 1 << 53 {
+            assert_eq!((qr[0], qr[1]), want, "{case:?}");
+        }
+    }
+}
+
+/// The sliding window where its products pass 2^53 (a count times a time: up to 10^9
+/// requests a window of up to a day), from any stored counts: the script decides as the
+/// model does in 128 bits, its answer, requests left and wait included, and so does a refund.
+#[test]
+fn sliding_window_past_2_pow_53_equals_the_model() {
+    let redis = common::Redis::start();
+    let conn = std::cell::RefCell::new(redis.conn());
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        ..Config::default()
+    });
+    let strategy = (
+        prop_oneof![1u64..=1_000_000_000, 999_000_000u64..=1_000_000_000],
+        prop_oneof![1_000_000_000u64..=86_400_000_000, Just(86_400_000_000)],
+        (0u64..=1_000_000, 0u64..=1_000_000, 1u64..=1_000),
+    );
+    runner
+        .run(&strategy, |(limit, window, (p_ppm, c_ppm, cost))| {
+            let mut conn = conn.borrow_mut();
+            let cost = cost.min(limit);
+            // Stored counts anywhere from none to the limit.
+            let previous = limit / 1_000_000 * p_ppm + limit % 1_000_000 * p_ppm / 1_000_000;
+            let current = limit / 1_000_000 * c_ppm + limit % 1_000_000 * c_ppm / 1_000_000;
+            let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut *conn).unwrap();
+            let index = (secs * 1_000_000 + micros) / window;
+            let key = "model:sw:wide";
+            let _: () = redis::cmd("HSET")
+                .arg(key)
+                .arg(&[("w", index), ("c", current), ("p", previous)])
+                .query(&mut *conn)
+                .unwrap();
+            let r = eval(&mut conn, SLIDING_WINDOW_LUA, key, [limit, window, cost]);
+            let at = r[4] as u64;
+            prop_assume!(at / window == index, "the window turned meanwhile");
+            let model = Window {
+                limit,
+                window_us: window,
+            };
+            let state = WindowState {
+                index,
+                current,
+                previous,
+            };
+            match model.take(Some(state), cost, at) {
+                Outcome::Admitted { left, .. } => {
+                    prop_assert_eq!((r[0], r[1] as u64), (1, left), "admitted");
+                }
+                Outcome::Denied {
+                    retry_after_secs,
+                    wait_us,
+                } => {
+                    prop_assert_eq!(
+                        (r[0], r[2] as u64, r[5] as u64),
+                        (0, retry_after_secs, wait_us),
+                        "denied"
+                    );
+                }
+            }
+            // A refund of one request from the stored counts: what is left after it.
+            let _: () = redis::cmd("HSET")
+                .arg(key)
+                .arg(&[("w", index), ("c", current), ("p", previous)])
+                .query(&mut *conn)
+                .unwrap();
+            let refund: String = redis::cmd("EVAL")
+                .arg(LIMITS_LUA)
+                .arg(1)
+                .arg(key)
+                .arg(&[1, 2, limit, window, 1, 0][..])
+                .query(&mut *conn)
+                .unwrap();
+            let given = ScriptReply::parse(refund.as_bytes()).expect("one reply");
+            let at = given.now_us;
+            prop_assume!(at / window == index);
+            let back = match current {
+                0 => WindowState {
+                    previous: previous.saturating_sub(1),
+                    ..state
+                },
+                c => WindowState {
+                    current: c - 1,
+                    ..state
+                },
+            };
+            let (left, _) = model.level(Some(back), at);
+            prop_assert_eq!(given.remaining as u64, left, "left after a refund");
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// One decision of a batch in the batch test: which of the two token buckets, the sliding

@@ -419,10 +419,6 @@ pub const DEFAULT_LIMIT: &str = "default";
 /// Most limits on one route.
 pub const MAX_LIMITS: usize = 16;
 
-/// Largest `limit x window_size_micro` of a sliding window; keeps the Lua arithmetic below
-/// 2^53 (see docs/algorithms.md).
-pub const MAX_WINDOW_PRODUCT: u64 = 4_000_000_000_000_000;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FailMode {
     FailOpen,

@@ -53,9 +53,10 @@ impl Window {
     pub fn level(&self, state: Option<WindowState>, now_us: u64) -> (u64, u64) {
         let w = self.window_us;
         let (_, elapsed, c, p) = self.counts(state, now_us);
-        let used = p * (w - elapsed) + c * w;
-        let left = (self.limit * w).saturating_sub(used) / w;
-        let left = left.min(self.limit.saturating_sub(c));
+        let left = self
+            .limit
+            .saturating_sub(c)
+            .saturating_sub(weight(p, w, elapsed));
         let empty_in = if c > 0 {
             2 * w - elapsed
         } else if p > 0 {
@@ -71,9 +72,12 @@ impl Window {
         let w = self.window_us;
         let (index, elapsed, c, p) = self.counts(state, now_us);
         let limit = self.limit;
-        if c + cost <= limit && p * (w - elapsed) + (c + cost) * w <= limit * w {
+        // What the limit has left for this window's requests once the previous window's
+        // weight is taken.
+        let room = limit.checked_sub(c + cost);
+        let weight = weight(p, w, elapsed);
+        if let Some(left) = room.and_then(|room| room.checked_sub(weight)) {
             let c = c + cost;
-            let left = (limit * w - p * (w - elapsed) - c * w) / w;
             return Outcome::Admitted {
                 state: WindowState {
                     index,
@@ -83,20 +87,36 @@ impl Window {
                 left,
             };
         }
-        let wait = if c + cost <= limit {
-            let at = w - (limit - c - cost) * w / p;
-            at - elapsed
-        } else {
-            let at = ((limit - cost) * w)
-                .checked_div(c)
-                .map_or(0, |free| w.saturating_sub(free));
-            w - elapsed + at
+        let wait = match room {
+            // Later in this window, once the previous window's weight has decayed enough.
+            Some(room) => w - mul_div(room, w, p) - elapsed,
+            // In the next window, where this window's count becomes the previous one.
+            None => {
+                let at = match c {
+                    0 => 0,
+                    c => w.saturating_sub(mul_div(limit - cost, w, c)),
+                };
+                w - elapsed + at
+            }
         };
         Outcome::Denied {
             retry_after_secs: wait.div_ceil(1_000_000).max(1),
             wait_us: wait,
         }
     }
+}
+
+/// `floor(a x t / d)` (at most `u64::MAX`): a count times a time reaches 10^9 x 86400 x
+/// 10^6, past `u64`.
+fn mul_div(a: u64, t: u64, d: u64) -> u64 {
+    u64::try_from(u128::from(a) * u128::from(t) / u128::from(d)).unwrap_or(u64::MAX)
+}
+
+/// The previous window's count `p` weighted by the part of it still inside the sliding
+/// window, in whole requests, rounded up: what the estimate counts of it.
+fn weight(p: u64, w: u64, elapsed: u64) -> u64 {
+    let weight = (u128::from(p) * u128::from(w - elapsed)).div_ceil(u128::from(w));
+    u64::try_from(weight).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

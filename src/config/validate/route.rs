@@ -327,11 +327,6 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &AlgorithmFields<'_>) ->
                 ),
             };
             let (limit, window) = (limit?, window?);
-            if limit.saturating_mul(window) > MAX_WINDOW_PRODUCT {
-                let span = r.limit.as_ref().map(|v| v.span());
-                c.push(span.as_ref(), label, format!("{at}limit x window_size_micro = {limit} x {window} is too large to count exactly: it must be <= 4000000000000000 (for example 1000000 requests per 4000 s)"));
-                return None;
-            }
             Some(Algorithm::SlidingWindow {
                 limit,
                 window_micro: window,
