@@ -12,9 +12,9 @@ pub mod inspect;
 
 pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
 
-use crate::config::{Algorithm, Limit, Policy, ONE_TOKEN_MICRO};
+use crate::config::{Algorithm, Enforcement, FailMode, Limit, Policy, ONE_TOKEN_MICRO};
 use crate::decision::{degrade, Decision, ScriptReply};
-use crate::store::{ScriptKind, Store};
+use crate::store::{IfLate, ScriptKind, Store};
 
 /// The several-limits script's modes (`lua/limits_multi.lua`).
 pub mod mode {
@@ -23,6 +23,16 @@ pub mod mode {
     pub const CHARGE: u64 = 2;
     /// Decides without writing anything, whatever the outcome.
     pub const PEEK: u64 = 3;
+}
+
+/// What becomes of `policy`'s admission whose answer came too late: a request the fail mode
+/// refuses (`fail_closed`, enforced) was not served, and gets its charge back; one that
+/// `fail_open` or shadow mode served keeps it.
+fn if_late(policy: &Policy) -> IfLate {
+    match (policy.fail_mode, policy.mode) {
+        (FailMode::FailClosed, Enforcement::Enforce) => IfLate::GivenBack,
+        _ => IfLate::Stands,
+    }
 }
 
 /// The script arguments of one limit at `cost_micro`: its kind, then as the single-limit
@@ -127,7 +137,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     let all: Vec<usize> = (0..keys.len()).collect();
     let replies = if store.one_call(&refs) {
         let evaluation = store
-            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE), None)
+            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE), None, if_late(policy))
             .await;
         match evaluation.outcome {
             Ok(replies) => Ok((replies, evaluation.breaker)),
@@ -183,7 +193,12 @@ async fn two_calls(
     let mut replies = vec![None; keys.len()];
     let started = std::time::Instant::now();
     let first = store
-        .evaluate_limits(&pick(&own), &args_of(&own, mode::DECIDE), None)
+        .evaluate_limits(
+            &pick(&own),
+            &args_of(&own, mode::DECIDE),
+            None,
+            if_late(policy),
+        )
         .await;
     let first_replies = first.outcome.map_err(|c| (c, first.breaker))?;
     let admitted = first_replies.iter().all(|r| r.allowed);
@@ -204,6 +219,7 @@ async fn two_calls(
                     &pick(&ceilings),
                     &args_of(&ceilings, mode::PEEK),
                     Some(left),
+                    IfLate::Stands,
                 )
                 .await
                 .outcome
@@ -230,6 +246,7 @@ async fn two_calls(
             &pick(&ceilings),
             &args_of(&ceilings, mode::DECIDE),
             Some(left),
+            if_late(policy),
         )
         .await;
     // The refund is its own task, so that it is sent whatever becomes of this request; the
@@ -319,7 +336,10 @@ pub async fn charge(
         for i in group {
             args.extend(limit_args(&policy.limits[*i], micro));
         }
-        store.evaluate_limits(&refs, &args, None).await.outcome?;
+        store
+            .evaluate_limits(&refs, &args, None, IfLate::Stands)
+            .await
+            .outcome?;
     }
     Ok(())
 }
@@ -372,7 +392,9 @@ pub async fn decide(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> 
     if let Some(denied) = endpoint.overlimit.denied_for(&key) {
         return Decision::cached_denial(denied, store.breaker_state());
     }
-    let evaluation = store.evaluate(kind, &key, args).await;
+    let evaluation = store
+        .evaluate(kind, &key, args, if_late(&endpoint.policy))
+        .await;
     match evaluation.outcome {
         Ok(reply) => {
             if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {

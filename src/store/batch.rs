@@ -47,7 +47,7 @@ use super::link::{Conn, Link};
 use super::script::ScriptKind;
 use super::wire::{self, next_reply, Look, Resp, Wire, WireState};
 use super::Store;
-use crate::decision::Failure;
+use crate::decision::{Failure, ScriptReply};
 
 /// The kinds `lua/batch.lua` reads at the head of each decision's arguments.
 fn kind_code(kind: ScriptKind) -> u64 {
@@ -76,6 +76,8 @@ struct Waiting {
     /// [`Queue::args`], kind first.
     keys: Range<usize>,
     args: Range<usize>,
+    /// An admission answered after it gave up is given back ([`super::IfLate`]).
+    give_back: bool,
 }
 
 /// Decisions waiting for a call or for its answer, their keys and arguments back to back:
@@ -107,8 +109,26 @@ impl Queue {
             deadline_us: call.deadline_us,
             keys: first_key..self.key_ends.len(),
             args: first_arg..self.args.len(),
+            give_back: call.if_late == super::IfLate::GivenBack,
         });
         rx
+    }
+
+    /// The refund of a decision's charge (its keys and arguments in the queue): its keys, and the several-limits script's
+    /// arguments that give each limit its cost back; `None` when the decision charged
+    /// nothing whatever its answer (a peek, a refund, a charge).
+    fn refund_of(&self, keys: Range<usize>, args: Range<usize>) -> Option<(Vec<String>, Vec<u64>)> {
+        let args = match &self.args[args] {
+            limit @ [1 | 2, ..] => [&[crate::limiter::mode::REFUND][..], limit].concat(),
+            [3, _, mode, limits @ ..] if *mode == crate::limiter::mode::DECIDE => {
+                [&[crate::limiter::mode::REFUND][..], limits].concat()
+            }
+            _ => return None,
+        };
+        let keys = keys
+            .map(|k| String::from_utf8_lossy(self.key(k)).into_owned())
+            .collect();
+        Some((keys, args))
     }
 
     fn key(&self, index: usize) -> &[u8] {
@@ -599,9 +619,38 @@ impl Store {
                     Answer::Failed(self.failed_reply(link, &key, error))
                 }
             };
-            let _ = w.tx.send(answer);
+            let Waiting {
+                tx,
+                keys,
+                args,
+                give_back,
+                ..
+            } = w;
+            if let Err(Answer::Reply(bytes, range)) = tx.send(answer) {
+                // Nobody waits for it: the decision gave up (its request was refused by its
+                // fail mode) or its request is gone. What it was charged is given back.
+                let admitted = ScriptReply::parse_many(&bytes[range], keys.len())
+                    .is_some_and(|replies| replies.iter().all(|r| r.allowed));
+                if give_back && admitted {
+                    if let Some((keys, args)) = queue.refund_of(keys, args) {
+                        self.give_back(keys, args);
+                    }
+                }
+            }
         }
         queue.waiting = waiting;
+    }
+
+    /// Gives back what a decision answered too late was charged, off the request path.
+    fn give_back(&self, keys: Vec<String>, args: Vec<u64>) {
+        let store = self.clone();
+        drop(self.runtime.spawn(async move {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            match store.evaluate_limits_late(&refs, &args).await.outcome {
+                Ok(_) => tracing::debug!("gave back an admission answered after its decision gave up"),
+                Err(e) => tracing::warn!(cause = ?e, "could not give back an admission answered after its decision gave up"),
+            }
+        }));
     }
 }
 

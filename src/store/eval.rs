@@ -28,6 +28,10 @@ pub(super) fn timer_for(budget: Duration) -> Duration {
     budget - (budget / 4).min(Duration::from_millis(2))
 }
 
+/// How long a compensation (a refund) is waited for, off the request path: queued behind a
+/// call Redis answers late, it is still sent, and applied, when that answer comes.
+const COMPENSATION_WAIT: Duration = Duration::from_secs(5);
+
 /// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
 /// is already unusual).
 const MAX_REDIRECTS: usize = 3;
@@ -94,6 +98,9 @@ pub(super) struct Call<'a> {
     /// Redis runs it, past the budget too (it has no deadline), and sent whatever the node's
     /// breaker says, counting neither for nor against it.
     pub(super) compensation: bool,
+    /// What becomes of an admission Redis made but whose answer came after the decision
+    /// gave up ([`super::IfLate`]).
+    pub(super) if_late: super::IfLate,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -245,7 +252,11 @@ impl Store {
         call: Call<'_>,
         probe: bool,
     ) -> Result<Reply, Failure> {
-        let budget = call.within.map_or(self.budget(), |w| w.min(self.budget()));
+        // A compensation is waited for longer: dropped, it would leave the queue unsent.
+        let budget = match call.compensation {
+            true => COMPENSATION_WAIT,
+            false => call.within.map_or(self.budget(), |w| w.min(self.budget())),
+        };
         let timer = timer_for(budget);
         // Refused by the script once the gateway no longer waits for its answer, unless it
         // applies late.

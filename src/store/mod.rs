@@ -89,6 +89,19 @@ pub struct Evaluation<T = ScriptReply> {
     pub breaker: BreakerState,
 }
 
+/// What becomes of an admission Redis made but whose answer came after the decision gave
+/// up (its budget spent, or its request gone): Redis charged a request that was then not
+/// served by that answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IfLate {
+    /// The charge stands: the request was served all the same (a `fail_open` route's
+    /// emergency limiter, a shadow route), or the call was no decision.
+    Stands,
+    /// Given back, as a denied request's charge is: the request was refused (a
+    /// `fail_closed` route answers 503). Done where the answer is read (batched calls).
+    GivenBack,
+}
+
 /// The bound of an admin operation's Redis call (`/limits`).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -265,7 +278,13 @@ impl Store {
     /// Runs the limiter script `kind` for `key` on the node that owns it, through that node's
     /// breaker, within the budget. Never waits longer than the budget; never fails: a failure
     /// is the [`Degradation`] the decision table reads.
-    pub async fn evaluate(&self, kind: ScriptKind, key: &str, args: [u64; 3]) -> Evaluation {
+    pub async fn evaluate(
+        &self,
+        kind: ScriptKind,
+        key: &str,
+        args: [u64; 3],
+        if_late: IfLate,
+    ) -> Evaluation {
         let call = Call {
             kind,
             keys: &[key],
@@ -273,6 +292,7 @@ impl Store {
             within: None,
             deadline_us: 0,
             compensation: false,
+            if_late,
         };
         self.evaluate_call(call, ScriptReply::parse).await
     }
@@ -285,8 +305,9 @@ impl Store {
         keys: &[&str],
         args: &[u64],
         within: Option<Duration>,
+        if_late: IfLate,
     ) -> Evaluation<Vec<ScriptReply>> {
-        self.limits_call(keys, args, within, false).await
+        self.limits_call(keys, args, within, false, if_late).await
     }
 
     /// [`Store::evaluate_limits`] of a call Redis applies whenever it runs it, past the
@@ -297,7 +318,8 @@ impl Store {
         keys: &[&str],
         args: &[u64],
     ) -> Evaluation<Vec<ScriptReply>> {
-        self.limits_call(keys, args, None, true).await
+        self.limits_call(keys, args, None, true, IfLate::Stands)
+            .await
     }
 
     async fn limits_call(
@@ -306,6 +328,7 @@ impl Store {
         args: &[u64],
         within: Option<Duration>,
         compensation: bool,
+        if_late: IfLate,
     ) -> Evaluation<Vec<ScriptReply>> {
         let call = Call {
             kind: ScriptKind::Limits,
@@ -314,6 +337,7 @@ impl Store {
             within,
             deadline_us: 0,
             compensation,
+            if_late,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
