@@ -263,36 +263,17 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
         .arg(&k)
         .query(&mut cluster.nodes[from].conn())
         .unwrap();
-    let (from_id, to_id) = (cluster.node_id(from), cluster.node_id(to));
-    let setslot = |node: usize, args: &[&str]| {
-        let _: () = redis::cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg(args)
-            .query(&mut cluster.nodes[node].conn())
-            .unwrap();
-    };
     // Mid-migration, the key already moved: the old owner answers ASK.
-    setslot(to, &["IMPORTING", &from_id]);
-    setslot(from, &["MIGRATING", &to_id]);
-    let _: () = redis::cmd("MIGRATE")
-        .arg("127.0.0.1")
-        .arg(cluster.nodes[to].port)
-        .arg("")
-        .arg(0)
-        .arg(5000)
-        .arg("KEYS")
-        .arg(&k)
-        .query(&mut cluster.nodes[from].conn())
-        .unwrap();
+    cluster.migrate_key(slot, from, to, &k);
     assert_eq!(
         get("/closed", &gw, tenant).await.0,
         200,
         "followed ASK to the importing node"
     );
     // Done: the slot is the new node's, and the old owner answers MOVED.
+    let to_id = cluster.node_id(to);
     for node in 0..3 {
-        setslot(node, &["NODE", &to_id]);
+        cluster.setslot(node, slot, &["NODE", &to_id]);
     }
     assert_eq!(
         statuses("/closed", &gw, tenant, 2).await,
@@ -485,28 +466,7 @@ fn a_cluster_batch_writes_nothing_of_a_decision_whose_slot_is_migrating_away() {
     };
     let before = hash(a, from);
     // Mid-migration: b has moved, a has not.
-    let slot = sentinel_gateway::store::slot(a.as_bytes());
-    let (from_id, to_id) = (cluster.node_id(from), cluster.node_id(to));
-    let setslot = |node: usize, args: &[&str]| {
-        let _: () = redis::cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg(args)
-            .query(&mut cluster.nodes[node].conn())
-            .unwrap();
-    };
-    setslot(to, &["IMPORTING", &from_id]);
-    setslot(from, &["MIGRATING", &to_id]);
-    let _: () = redis::cmd("MIGRATE")
-        .arg("127.0.0.1")
-        .arg(cluster.nodes[to].port)
-        .arg("")
-        .arg(0)
-        .arg(5000)
-        .arg("KEYS")
-        .arg(b)
-        .query(&mut cluster.nodes[from].conn())
-        .unwrap();
+    cluster.migrate_key(sentinel_gateway::store::slot(a.as_bytes()), from, to, b);
     // A refund (mode 1) of both, then one decision of the other slot.
     let reply = batch(&[a, b, &other], &[both(1), limit.to_vec()]);
     let answers: Vec<&str> = reply.split('\n').collect();

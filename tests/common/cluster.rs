@@ -177,6 +177,33 @@ impl RedisCluster {
             .expect("MYID")
     }
 
+    /// `CLUSTER SETSLOT <slot> <args>` on node `node`.
+    pub fn setslot(&self, node: usize, slot: u16, args: &[&str]) {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg(args)
+            .query(&mut self.nodes[node].conn())
+            .expect("SETSLOT");
+    }
+
+    /// Starts moving `slot` from node `from` to node `to`, and moves `key` (of that slot)
+    /// across: mid-migration, `from` answers `ASK` for it.
+    pub fn migrate_key(&self, slot: u16, from: usize, to: usize, key: &str) {
+        self.setslot(to, slot, &["IMPORTING", &self.node_id(from)]);
+        self.setslot(from, slot, &["MIGRATING", &self.node_id(to)]);
+        let _: () = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(self.nodes[to].port)
+            .arg("")
+            .arg(0)
+            .arg(5000)
+            .arg("KEYS")
+            .arg(key)
+            .query(&mut self.nodes[from].conn())
+            .expect("MIGRATE");
+    }
+
     /// Kills node `i` (SIGKILL) and waits for it to exit.
     pub fn kill(&mut self, i: usize) {
         let node = &mut self.nodes[i];
