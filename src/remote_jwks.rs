@@ -150,33 +150,62 @@ pub fn not_for_signing(jwk: &jsonwebtoken::jwk::Jwk) -> Option<String> {
     }
 }
 
+/// Which keys of the JWKS `source` (by position) came with their private half (RFC 7518,
+/// 6.2.2 and 6.3.2; RFC 8037), which the parsed set does not keep: looked for in the JSON.
+pub fn private_keys(source: &[u8]) -> Vec<bool> {
+    serde_json::from_slice::<serde_json::Value>(source)
+        .ok()
+        .and_then(|v| v.get("keys")?.as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .map(|k| {
+            ["d", "p", "q", "dp", "dq", "qi"]
+                .iter()
+                .any(|m| k.get(m).is_some())
+        })
+        .collect()
+}
+
 /// The keys of a JWKS that can verify a signature: a key [`not_for_signing`], of a kind that
 /// signs nothing configured, or [`unusable`], verifies nothing.
 pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
-    verify_keys_noting(set, &mut Vec::new())
+    verify_keys_noting(set, &[], &mut Vec::new())
 }
 
-/// [`verify_keys`], and in `left_out` each key that signs but is [`unusable`]: its `kid`
-/// (or `-`) and why.
-fn verify_keys_noting(set: &JwkSet, left_out: &mut Vec<String>) -> Vec<VerifyKey> {
-    set.keys
-        .iter()
-        .filter(|jwk| jwk_family(jwk).is_some())
-        .filter(|jwk| not_for_signing(jwk).is_none())
-        .filter_map(|jwk| {
-            let pinned = match jwk.common.key_algorithm {
-                Some(a) => Some(a.to_string().parse::<jsonwebtoken::Algorithm>().ok()?),
-                None => None,
-            };
-            let key = jsonwebtoken::DecodingKey::from_jwk(jwk).ok()?;
-            if let Some(why) = unusable(jwk, &key) {
-                let kid = jwk.common.key_id.as_deref().unwrap_or("-");
-                left_out.push(format!("{kid}: {why}"));
-                return None;
-            }
-            Some((jwk.common.key_id.clone(), pinned, key))
-        })
-        .collect()
+/// [`verify_keys`], and in `left_out` each key that signs but is [`unusable`], or that
+/// `private` says came with its private half: its `kid` (or `-`) and why.
+fn verify_keys_noting(
+    set: &JwkSet,
+    private: &[bool],
+    left_out: &mut Vec<String>,
+) -> Vec<VerifyKey> {
+    let mut keys = Vec::new();
+    for (i, jwk) in set.keys.iter().enumerate() {
+        let kid = jwk.common.key_id.as_deref().unwrap_or("-");
+        if private.get(i).copied().unwrap_or(false) {
+            left_out.push(format!("{kid}: it holds its private key, published to anyone who can fetch the JWKS: tokens it signs prove nothing"));
+            continue;
+        }
+        if jwk_family(jwk).is_none() || not_for_signing(jwk).is_some() {
+            continue;
+        }
+        let pinned = match jwk.common.key_algorithm {
+            Some(a) => match a.to_string().parse::<jsonwebtoken::Algorithm>() {
+                Ok(a) => Some(a),
+                Err(_) => continue,
+            },
+            None => None,
+        };
+        let Ok(key) = jsonwebtoken::DecodingKey::from_jwk(jwk) else {
+            continue;
+        };
+        if let Some(why) = unusable(jwk, &key) {
+            left_out.push(format!("{kid}: {why}"));
+            continue;
+        }
+        keys.push((jwk.common.key_id.clone(), pinned, key));
+    }
+    keys
 }
 
 /// The process's copy of the remote JWKS, kept across reloads.
@@ -321,7 +350,7 @@ pub async fn fetch(
     }
     let set: JwkSet = serde_json::from_slice(&body).map_err(|e| format!("is not a JWKS: {e}"))?;
     let mut left_out = Vec::new();
-    let keys = verify_keys_noting(&set, &mut left_out);
+    let keys = verify_keys_noting(&set, &private_keys(&body), &mut left_out);
     if keys.is_empty() {
         return Err("holds no key that verifies signatures".into());
     }

@@ -260,6 +260,41 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     );
 }
 
+/// A fetched key that came with its private half (`"d"`: the provider published it) is left
+/// out, as the JWKS file's check refuses one: anyone who fetched it could sign tokens. The
+/// others serve, and one WARN names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_key_published_with_its_private_half_is_left_out() {
+    let mut set: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1", "rsa-2"])).unwrap();
+    for key in set["keys"].as_array_mut().unwrap() {
+        if key["kid"] == "rsa-2" {
+            key["d"] = "c2VjcmV0".into();
+        }
+    }
+    let provider = Provider::start(set.to_string()).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
+    let gw = start(
+        &redis,
+        &up,
+        &format!("algorithms = [\"RS256\"]\njwks_url = {}", quoted(&url)),
+    );
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    assert_eq!(status(&gw, &token("rsa-2", "rsa2.der")).await, 401);
+    let warned: Vec<_> = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("private key"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(
+        warned[0].contains("rsa-2") && warned[0].contains("\"level\":\"WARN\""),
+        "{}",
+        warned[0]
+    );
+}
+
 #[test]
 fn check_refuses_plain_http_to_another_host_and_both_sources() {
     let dir = tempfile::tempdir().unwrap();

@@ -34,19 +34,7 @@ pub fn load(
     if set.keys.is_empty() {
         return Err(vec![error(None, None, "the JWKS holds no keys".into())]);
     }
-    // The members of a private key (RFC 7518, 6.2.2 and 6.3.2; RFC 8037), which the parsed
-    // set does not keep: looked for in the JSON itself.
-    let private: Vec<bool> = serde_json::from_str::<serde_json::Value>(&source)
-        .ok()
-        .and_then(|v| v.get("keys")?.as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .map(|k| {
-            ["d", "p", "q", "dp", "dq", "qi"]
-                .iter()
-                .any(|m| k.get(m).is_some())
-        })
-        .collect();
+    let private = crate::remote_jwks::private_keys(source.as_bytes());
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
