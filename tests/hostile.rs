@@ -812,6 +812,27 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
 /// A request Pingora refuses after the upstream was chosen and before anything is sent (a
 /// `Connection` header naming a protected field) was logged as forwarded, naming the
 /// upstream; nothing reached it.
+/// An upstream that refuses the connection: the 502's access-log line names the upstream and
+/// the address that failed, as an operator reads it to find the broken backend.
+#[test]
+fn a_failed_upstream_connection_is_logged_with_the_address_that_failed() {
+    let redis = Redis::start();
+    let dead = format!("127.0.0.1:{}", common::free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[dead.as_str()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .access_log(&log)
+        .start();
+    let answer = raw_answer(gw.port, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    let line = common::the_access_log_line(&log);
+    assert_eq!(line["status"], 502, "{line}");
+    assert_eq!(line["upstream"], "app", "{line}");
+    assert_eq!(line["upstream_addr"], dead.as_str(), "{line}");
+}
+
 #[test]
 fn a_request_refused_before_it_is_sent_is_logged_as_not_forwarded() {
     let redis = Redis::start();

@@ -56,7 +56,9 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     };
     let route = ctx.route.as_ref();
     let decision = ctx.decision.as_ref();
-    let forwarded = ctx.forwarded && ctx.upstream_addr.is_some();
+    // Sent upstream, or an upstream connection tried for it (a 502's address is the one that
+    // failed).
+    let forwarded = (ctx.forwarded || ctx.connect_failed) && ctx.upstream_addr.is_some();
     let origin = ctx.origin.as_ref();
     let line = Line {
         timestamp: Timestamp::of(started),

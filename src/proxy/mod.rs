@@ -82,6 +82,9 @@ pub struct RequestCtx {
     /// The request's head reached `upstream_request_filter`, after Pingora's own checks of it
     /// (a `Connection` header naming a protected field is refused before).
     forwarded: bool,
+    /// A connection to the upstream was tried and failed: the access log names the upstream
+    /// and the address that failed, as one the request reached.
+    connect_failed: bool,
     /// Request body bytes passed upstream so far, and whether the body outgrew its limit.
     body_bytes: u64,
     body_too_large: bool,
@@ -733,6 +736,7 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
+        ctx.connect_failed = true;
         if ctx.connect_attempts < ctx.rotation {
             e.set_retry(true);
         }
