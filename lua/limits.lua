@@ -153,9 +153,10 @@ end
 -- exact: mul_div computes it in two parts. The key lives two windows.
 
 -- floor(a x t / d) and its remainder, exactly, for integers 0 <= a < 2^30 (a count), 0 <= t
--- < 2^37 (a time in microseconds) and 0 < d < 2^37: the product, up to 2^67, is held as
--- hi x 2^16 + lo, each part an integer below 2^53 (a x t_hi < 2^51, and each remainder
--- shifted by 2^16 stays below 2^53), and divided part by part as by hand.
+-- < 2^37 (a time in microseconds) and 0 < d < 2^37, when the quotient is below 2^53 (every
+-- caller's is below the window, or it only says "past the window"): the product, up to
+-- 2^67, is held as hi x 2^16 + lo, each part an integer below 2^53 (a x t_hi < 2^51, and
+-- each remainder shifted by 2^16 stays below 2^53), and divided part by part as by hand.
 local function mul_div(a, t, d)
   local B = 65536
   local th = floor(t / B)
@@ -309,12 +310,12 @@ local function several(keys, k0, mode, limits, now)
   else
     -- Each key is written as soon as it is read: where the keys were not declared (a Redis
     -- Cluster node's batch), one of them whose slot is being migrated away may be refused
-    -- after another was written. Each is touched first, so that such a refusal writes
-    -- nothing.
+    -- after another was written. Each is read first (HMGET: a command the scripts' ACL
+    -- user has anyway), so that such a refusal, or a broken key, writes nothing.
     if n > 1 then
       for i = 1, n do
         touching = i
-        redis.call('EXISTS', key(i))
+        redis.call('HMGET', key(i), 't')
       end
     end
     for i = 1, n do

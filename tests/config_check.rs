@@ -125,17 +125,29 @@ fn bounds_at_the_limit_are_accepted() {
         .identity("global")
         .token_bucket(1_000_000_000_000_000, 1_000_000_000_000)
         .set("cost_micro", "1_000_000_000_000_000");
+    // A sliding window of 10^9 requests a day: its products pass 2^53, and are exact.
+    let daily = Route::new("daily")
+        .path("/daily")
+        .identity("global")
+        .set("algorithm", "\"sliding_window\"")
+        .set("limit", "1_000_000_000")
+        .set("window_size_micro", "86_400_000_000");
     std::fs::write(
         &path,
         format!(
-            "\n[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{}",
-            route.toml()
+            "\n[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{}{}",
+            route.toml(),
+            daily.toml()
         ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("token bucket of 1000000000 requests, refilled at 1000000 requests per second, 1000000000 tokens per request"), "{stdout}");
+    assert!(
+        stdout.contains("sliding window of 1000000000 requests per"),
+        "{stdout}"
+    );
 }
 
 /// A network written with host bits set works (as its network) but is said: the one address

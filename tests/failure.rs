@@ -352,40 +352,58 @@ async fn a_decision_redis_runs_after_its_budget_writes_nothing() {
 
 /// Redis decides in time but its answers come back late (replies held back past the
 /// budget): a `fail_closed` request was refused while Redis charged it, and that charge is
-/// given back when the late answer comes; a `fail_open` request was served by the emergency
-/// limiter, and its charge stands.
+/// given back when the late answer comes (a token bucket, a sliding window, several limits);
+/// a `fail_open` request was served by the emergency limiter, and its charge stands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refused() {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
+    let closed = |id: &str, path: &str| {
+        Route::new(id)
+            .prefix(path)
+            .identity_header("X-API-Key")
+            .fail_closed()
+    };
     let gw = config(&proxy.url(), &up.addr(), 30)
         .redis("timeout_ms", "100")
+        .route(closed("t.window", "/window").sliding_window(3, 86_400_000_000))
+        .route(
+            closed("t.multi", "/multi")
+                .bucket_limit("a", 3, 0)
+                .bucket_limit("b", 5, 0),
+        )
         .start();
     let http = client();
-    // Each bucket of 3 has 2 left.
-    assert_eq!(send(&http, &gw.url("/closed"), "k").await.status, 200);
-    assert_eq!(send(&http, &gw.url("/open"), "o").await.status, 200);
+    let refused = ["/closed", "/window", "/multi"];
+    // Each limit of 3 has 2 left.
+    for path in refused.iter().chain(&["/open"]) {
+        assert_eq!(send(&http, &gw.url(path), "k").await.status, 200, "{path}");
+    }
     proxy.set(Mode::Stall(Duration::from_millis(400)));
     // Each while no other call is in flight (a decision queued behind one and given up is
     // never sent): the late answer, and the refund behind it, come in meanwhile.
-    assert_unavailable(&send(&http, &gw.url("/closed"), "k").await);
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
-    let open = send(&http, &gw.url("/open"), "o").await;
+    for path in refused {
+        assert_unavailable(&send(&http, &gw.url(path), "k").await);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+    let open = send(&http, &gw.url("/open"), "k").await;
     assert_eq!(open.status, 200, "{}", open.body);
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     assert_eq!(
         gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
-        2.0
+        4.0
     );
     proxy.set(Mode::Pass);
-    let closed = futures_statuses_gw(&http, &gw, "/closed", "k", 3).await;
-    assert_eq!(
-        closed,
-        [200, 200, 429],
-        "the refused request's charge came back"
-    );
-    let open = futures_statuses_gw(&http, &gw, "/open", "o", 2).await;
+    for path in refused {
+        let statuses = futures_statuses_gw(&http, &gw, path, "k", 3).await;
+        assert_eq!(
+            statuses,
+            [200, 200, 429],
+            "{path}: the refused request's charge came back"
+        );
+    }
+    let open = futures_statuses_gw(&http, &gw, "/open", "k", 2).await;
     assert_eq!(open, [200, 429], "the served request's charge stands");
 }
 

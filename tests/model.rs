@@ -408,7 +408,7 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         "bound:sw",
         [limit, window, limit],
     );
-    let Outcome::Admitted { left, .. } = w.take(None, limit, r[4] as u64) else {
+    let Outcome::Admitted { left, state } = w.take(None, limit, r[4] as u64) else {
         panic!("admits")
     };
     assert_eq!((r[0], r[1] as u64), (1, left));
@@ -418,7 +418,18 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         "bound:sw",
         [limit, window, 1],
     );
-    assert_eq!(r[0], 0);
+    let Outcome::Denied {
+        retry_after_secs,
+        wait_us,
+    } = w.take(Some(state), 1, r[4] as u64)
+    else {
+        panic!("denies")
+    };
+    assert_eq!(
+        (r[0], r[2] as u64, r[5] as u64),
+        (0, retry_after_secs, wait_us),
+        "the wait of a full window of 10^9 requests a day"
+    );
 }
 
 /// `mul_div` (lua/limits.lua), the sliding window's product of a count and a time divided

@@ -278,7 +278,8 @@ const RETRY_REFUSED_US: u64 = 10_000_000;
 /// A link's willingness to batch: whether its node refused the batch script lately.
 #[derive(Default)]
 pub(super) struct Turns {
-    /// When Redis last refused the batch script (`deadline::mono_us`); 0: it has not.
+    /// When Redis last refused the batch script (`deadline::mono_us`); 0: it has not;
+    /// `u64::MAX`: it cannot compile it, until a new connection loads it.
     refused_at_us: AtomicU64,
     /// The refusal was logged: once until the node loads the script again.
     warned: AtomicBool,
@@ -293,11 +294,25 @@ impl Turns {
 
     /// The node refused the batch script: decisions on it are sent one by one for
     /// `RETRY_REFUSED_US`, then the batch script is tried again.
+    /// A Redis that cannot compile it (a cluster node before Redis 7, which knows no script
+    /// flags) is not asked again on this connection.
     pub(super) fn refuse(&self, node: &str, error: &dyn std::fmt::Display) {
-        self.refused_at_us
-            .store(super::deadline::mono_us(), Ordering::Relaxed);
+        let error = error.to_string();
+        let cannot_compile = error.contains("compiling") || error.contains("shebang");
+        let at = match cannot_compile {
+            true => u64::MAX,
+            false => super::deadline::mono_us(),
+        };
+        self.refused_at_us.store(at, Ordering::Relaxed);
         if !self.warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one, and the batch script tried again every 10 s");
+            match cannot_compile {
+                true => {
+                    tracing::warn!(node, error = %error, "redis cannot compile the batch script (a Redis Cluster's batches need Redis 7 or later); decisions on this node are sent one by one")
+                }
+                false => {
+                    tracing::warn!(node, error = %error, "redis refused the batch script; decisions on this node are sent one by one, and the batch script tried again every 10 s")
+                }
+            }
         }
     }
 
@@ -470,6 +485,9 @@ impl Store {
                 // on its own is sent on by `MOVED`.
                 let refused = code == "NOSCRIPT" && link.turns.is_refused();
                 let demoted = code == "READONLY" && link.in_cluster;
+                if demoted {
+                    self.ask_refresh();
+                }
                 if code == "MOVED" || code == "ASK" || refused || demoted {
                     Told::Alone
                 } else if code == "NOSCRIPT" && !reloaded {
@@ -655,11 +673,17 @@ impl Store {
 }
 
 /// Whether a cluster batch's decision failed on a key whose slot the node does not serve
-/// (moved away, or migrating and not here): Redis's words for it inside a script, whose keys
-/// were not declared, where a call of its own would have been answered `MOVED` or `ASK`.
+/// (moved away, migrating and not here, or served by no node): Redis's words for it inside a
+/// script, whose keys were not declared, where a call of its own would have been answered
+/// `MOVED`, `ASK` or `CLUSTERDOWN`.
 fn not_served_here(error: &[u8]) -> bool {
-    const NOT_LOCAL: &[u8] = b"attempted to access a non local key";
-    error.windows(NOT_LOCAL.len()).any(|w| w == NOT_LOCAL)
+    const WORDS: [&[u8]; 2] = [
+        b"attempted to access a non local key",
+        b"attempted to access a slot not served",
+    ];
+    WORDS
+        .iter()
+        .any(|words| error.windows(words.len()).any(|w| w == *words))
 }
 
 /// The connection's reader task: reads answers when no decision is waiting for one, and
