@@ -436,6 +436,19 @@ fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize
 /// forwarded nor charged, so the client may send it again (contract section 8a).
 #[test]
 fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
+    pipelined_requests_are_answered(false);
+}
+
+/// The same, the client closing its side once it has sent them (`shutdown(SHUT_WR)`, as
+/// `nc -N` does): what was forwarded is answered (RFC 9112, 9.6); the gateway took the end of
+/// the client's side for a client gone, and answered nothing to a request it had forwarded
+/// and charged.
+#[test]
+fn pipelined_requests_then_a_half_close_are_answered_or_neither_forwarded_nor_charged() {
+    pipelined_requests_are_answered(true);
+}
+
+fn pipelined_requests_are_answered(half_close: bool) {
     use std::io::Write;
     let redis = Redis::start();
     let (upstream, received) = counting_upstream();
@@ -445,6 +458,9 @@ fn pipelined_requests_are_answered_in_order_or_neither_forwarded_nor_charged() {
         .map(|i| format!("GET /closed/{i} HTTP/1.1\r\nHost: gw\r\nX-API-Key: pipe{i}\r\n\r\n"))
         .collect();
     conn.write_all(pipelined.as_bytes()).unwrap();
+    if half_close {
+        conn.shutdown(std::net::Shutdown::Write).unwrap();
+    }
     conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
     let text = read_until(&mut conn, |t| {
         t.matches("HTTP/1.1 ").count() == 3 && t.ends_with("/closed/2")

@@ -400,9 +400,16 @@ impl ProxyHttp for Gateway {
         // Pipelined HTTP/1.1 requests are answered one after another, in order (RFC 9112,
         // 9.3.2); without it, a request sent while the one before it was being proxied made
         // Pingora drop that one's answer. It carries over to the connection's next requests.
+        // A client that closes its side once its requests are sent (a half-close: `nc -N`,
+        // `shutdown(SHUT_WR)`) still reads the answer (9.6): Pingora would take the end of
+        // its side for a client gone and answer nothing to a request already forwarded and
+        // charged. A client truly gone is found when the answer cannot be written.
         match &mut *session.downstream_session {
-            pingora_core::protocols::http::ServerSession::H1(h1) if !h1.pipelining_enabled() => {
-                h1.set_pipelining_enabled(true);
+            pingora_core::protocols::http::ServerSession::H1(h1) => {
+                if !h1.pipelining_enabled() {
+                    h1.set_pipelining_enabled(true);
+                }
+                h1.set_abort_on_close(false);
             }
             // An HTTP/2 stream is its connection's request in progress, which is then not
             // idle (`max_connections` makes room with idle ones only).
