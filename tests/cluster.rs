@@ -706,6 +706,81 @@ async fn a_promoted_replica_takes_over_its_dead_primarys_keys() {
     assert!(ready.contains(r#""redis":"up""#), "{ready}");
 }
 
+/// A primary hands its slots to its replica (`CLUSTER FAILOVER`) while its breaker is open
+/// (its decisions timed out in a pause, as the handover's own pause makes them under load):
+/// an open breaker sends nothing that would be answered `MOVED`, so the map is read again
+/// when a primary's breaker opens and every second while one is not closed. The keys are
+/// decided on the new primary within about a second, not at the next 5 s refresh or the end
+/// of the old primary's 30 s quarantine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_soon() {
+    let cluster = RedisCluster::start_with_replicas(1);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .breaker(1, 30)
+        .upstream("app", &[&up.addr()])
+        .route(per_tenant("c.closed", "/closed").fail_closed())
+        .start();
+    wait_until(
+        Duration::from_secs(10),
+        "the gateway to reach the primaries",
+        || {
+            blocking_get(&gw.admin("/readyz"))
+                .is_some_and(|(_, body)| body.matches(r#""redis":"up""#).count() == 4)
+        },
+    );
+    let tenant = "handover";
+    let primary = cluster.owner(&key(tenant, "c.closed"));
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+    // Past the first refreshes of a start (every second until every primary is connected):
+    // the map is now read every 5 s.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "300", "WRITE"])
+        .query(&mut cluster.nodes[primary].conn())
+        .unwrap();
+    assert_eq!(get("/closed", &gw, tenant).await.0, 503, "timed out");
+    assert_eq!(
+        get("/closed", &gw, tenant).await.0,
+        503,
+        "the breaker is open"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let port = cluster.nodes[primary].port;
+    let replica = (0..cluster.nodes.len())
+        .find(|&i| {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut cluster.nodes[i].conn())
+                .unwrap();
+            info.contains(&format!("master_port:{port}\r"))
+        })
+        .expect("the primary's replica");
+    let _: () = redis::cmd("CLUSTER")
+        .arg("FAILOVER")
+        .query(&mut cluster.nodes[replica].conn())
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the replica to take over", || {
+        cluster.owner(&key(tenant, "c.closed")) == replica
+    });
+    let handed_over = Instant::now();
+    loop {
+        let (status, _) = get("/closed", &gw, tenant).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503);
+        assert!(
+            handed_over.elapsed() < Duration::from_millis(2_500),
+            "the keys stayed with the old primary's open breaker: {}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_redis_url_overrides_cluster_urls_too() {
     let redis = common::Redis::start();

@@ -21,6 +21,8 @@ use super::dial::Dial;
 use crate::config::{redact_url, RedisAccess};
 use tokio::sync::Notify;
 
+use crate::decision::BreakerState;
+
 use super::connect::{open, Connector};
 use super::link::{Link, Target};
 use super::slots::{node_name, parse_addr, parse_slots, slot, SlotMap, SlotRange};
@@ -30,7 +32,7 @@ pub(super) type Topology = SlotMap<Arc<Link>>;
 
 /// How often the slot map is refreshed when every primary is reachable.
 const REFRESH_EVERY: Duration = Duration::from_secs(5);
-/// How often while a primary is unreachable or the map is unknown.
+/// How often while a primary is unreachable, its breaker not closed, or the map unknown.
 const REFRESH_DEGRADED_EVERY: Duration = Duration::from_secs(1);
 /// At most this often, however many `MOVED` replies ask for it.
 const REFRESH_MIN_GAP: Duration = Duration::from_millis(100);
@@ -263,9 +265,13 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
             }
         }
         let topology = cluster.topology.load();
+        // A primary whose breaker is not closed may be one that handed its slots over.
         let healthy = !failing
             && !topology.nodes().is_empty()
-            && topology.nodes().iter().all(|l| l.is_connected());
+            && topology
+                .nodes()
+                .iter()
+                .all(|l| l.is_connected() && l.breaker.state() == BreakerState::Closed);
         let wait = if healthy {
             REFRESH_EVERY
         } else {

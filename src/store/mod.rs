@@ -404,6 +404,13 @@ impl Store {
                     link.failed_at_once();
                 }
                 permit.charge(failure.charge(probe), failure.cause());
+                // A cluster primary whose breaker opens may have handed its slots to a
+                // replica (a `CLUSTER FAILOVER` pauses it long enough to time out): its
+                // open breaker sends nothing that would say so (no `MOVED`), so the map
+                // is read again now rather than at the next periodic refresh.
+                if breaker.state() == BreakerState::Open {
+                    self.ask_refresh();
+                }
             }
         }
         Evaluation {
