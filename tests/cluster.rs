@@ -663,15 +663,7 @@ async fn with_no_seed_reachable_every_key_follows_its_fail_mode_at_once() {
 async fn a_promoted_replica_takes_over_its_dead_primarys_keys() {
     let mut cluster = RedisCluster::start_with_replicas(1);
     let up = Upstream::start("app");
-    let gw = start_unchecked(&cluster.seed_urls()[..1], &up.addr());
-    wait_until(
-        Duration::from_secs(10),
-        "the gateway to reach the primaries",
-        || {
-            blocking_get(&gw.admin("/readyz"))
-                .is_some_and(|(_, body)| body.matches(r#""redis":"up""#).count() == 4)
-        },
-    );
+    let gw = connected(start_unchecked(&cluster.seed_urls()[..1], &up.addr()));
     let tenant = "failover";
     let primary = cluster.owner(&key(tenant, "c.closed"));
     assert_eq!(get("/closed", &gw, tenant).await.0, 200);
@@ -723,14 +715,7 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
         .upstream("app", &[&up.addr()])
         .route(per_tenant("c.closed", "/closed").fail_closed())
         .start();
-    wait_until(
-        Duration::from_secs(10),
-        "the gateway to reach the primaries",
-        || {
-            blocking_get(&gw.admin("/readyz"))
-                .is_some_and(|(_, body)| body.matches(r#""redis":"up""#).count() == 4)
-        },
-    );
+    let gw = connected(gw);
     let tenant = "handover";
     let primary = cluster.owner(&key(tenant, "c.closed"));
     assert_eq!(get("/closed", &gw, tenant).await.0, 200);

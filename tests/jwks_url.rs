@@ -246,15 +246,20 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     let before = provider.hits();
     assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
     assert_eq!(provider.hits(), before + 1);
+    warned_once(&gw, "cannot verify a signature", "short-ed");
+}
+
+/// One log line says `what`, at WARN, and names `kid`.
+fn warned_once(gw: &common::Gateway, what: &str, kid: &str) {
     let warned: Vec<_> = gw
         .logs()
         .lines()
-        .filter(|l| l.contains("cannot verify a signature"))
+        .filter(|l| l.contains(what))
         .map(str::to_owned)
         .collect();
     assert_eq!(warned.len(), 1, "{warned:?}");
     assert!(
-        warned[0].contains("short-ed") && warned[0].contains("\"level\":\"WARN\""),
+        warned[0].contains(kid) && warned[0].contains("\"level\":\"WARN\""),
         "{}",
         warned[0]
     );
@@ -281,18 +286,7 @@ async fn a_fetched_key_published_with_its_private_half_is_left_out() {
     );
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     assert_eq!(status(&gw, &token("rsa-2", "rsa2.der")).await, 401);
-    let warned: Vec<_> = gw
-        .logs()
-        .lines()
-        .filter(|l| l.contains("private key"))
-        .map(str::to_owned)
-        .collect();
-    assert_eq!(warned.len(), 1, "{warned:?}");
-    assert!(
-        warned[0].contains("rsa-2") && warned[0].contains("\"level\":\"WARN\""),
-        "{}",
-        warned[0]
-    );
+    warned_once(&gw, "private key", "rsa-2");
 }
 
 #[test]
