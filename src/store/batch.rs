@@ -114,9 +114,9 @@ impl Queue {
         rx
     }
 
-    /// The refund of a decision's charge (its keys and arguments in the queue): its keys, and the several-limits script's
-    /// arguments that give each limit its cost back; `None` when the decision charged
-    /// nothing whatever its answer (a peek, a refund, a charge).
+    /// The refund of a decision's charge (its keys and arguments in the queue): its keys,
+    /// and the several-limits script's arguments that give each limit its cost back; `None`
+    /// when the decision charged nothing whatever its answer (a peek, a refund, a charge).
     fn refund_of(&self, keys: Range<usize>, args: Range<usize>) -> Option<(Vec<String>, Vec<u64>)> {
         let args = match &self.args[args] {
             limit @ [1 | 2, ..] => [&[crate::limiter::mode::REFUND][..], limit].concat(),
