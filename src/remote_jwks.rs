@@ -358,14 +358,17 @@ pub async fn fetch(
 }
 
 /// Keeps `cache` filled from the URL `target` returns (read again before every fetch, so a
-/// reload's new URL is followed); runs for the life of the process.
+/// reload's new URL is followed); runs for the life of the process. `fetched`: the keys were
+/// fetched just now (at start): the first fetch is a period away.
 pub async fn keep_fresh(
     cache: Arc<JwksCache>,
     target: impl Fn() -> Option<(String, Duration)>,
     counters: RefreshCounters,
+    fetched: bool,
 ) {
     let client = http_client();
     let mut failing = false;
+    let mut skip = fetched;
     loop {
         let Some((url, every)) = target() else {
             tokio::select! {
@@ -374,6 +377,13 @@ pub async fn keep_fresh(
             }
             continue;
         };
+        if std::mem::take(&mut skip) {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = cache.wake.notified() => {}
+            }
+            continue;
+        }
         match fetch(&client, &url).await {
             Ok((keys, left_out)) => {
                 cache.note_left_out(&url, left_out);

@@ -242,6 +242,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     control.spawn(keep_stops(early.term, early.int, Arc::clone(&stops)));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let watched = Arc::clone(&live);
+    let mut fetched = false;
     if let Some(url) = jwks_target {
         // Fetched once before the gateway turns ready, so the first tokens verify; a provider
         // that cannot answer now is tried again in the background.
@@ -257,6 +258,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
                 jwks.note_left_out(&url, left_out);
                 metrics.jwks_refresh.success.inc();
                 jwks.install(keys);
+                fetched = true;
             }
             Ok(Err(e)) => {
                 metrics.jwks_refresh.failure.inc();
@@ -272,6 +274,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         jwks,
         move || watched.load().jwks_target(),
         metrics.jwks_refresh.clone(),
+        fetched,
     ));
     for pool in live.load().upstreams.values().filter(|p| p.needs_tending()) {
         control.spawn(crate::upstream::tend(
