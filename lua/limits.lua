@@ -177,6 +177,7 @@ local function sw_weight(p, window, elapsed)
   if r > 0 then q = q + 1 end
   return q
 end
+
 local function sw_read(key, window, now)
   local index = idiv(now, window)
   local elapsed = now - index * window
