@@ -353,7 +353,8 @@ async fn a_decision_redis_runs_after_its_budget_writes_nothing() {
 /// Redis decides in time but its answers come back late (replies held back past the
 /// budget): a `fail_closed` request was refused while Redis charged it, and that charge is
 /// given back when the late answer comes (a token bucket, a sliding window, several limits);
-/// a `fail_open` request was served by the emergency limiter, and its charge stands.
+/// a `fail_open` request was served by the emergency limiter, and a shadow route's request
+/// was forwarded: their charges stand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refused() {
     let redis = Redis::start();
@@ -365,19 +366,29 @@ async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refus
             .identity_header("X-API-Key")
             .fail_closed()
     };
-    let gw = config(&proxy.url(), &up.addr(), 30)
+    // Five timeouts in all: a breaker of ten keeps every one a call to Redis.
+    let gw = GatewayConfig::new(&proxy.url())
+        .breaker(10, 30)
+        .upstream("app", &[up.addr()])
         .redis("timeout_ms", "100")
+        .route(closed("t.closed", "/closed").token_bucket(3_000_000, 0))
+        .route(open_route().fail_open(1_000_000_000))
         .route(closed("t.window", "/window").sliding_window(3, 86_400_000_000))
         .route(
             closed("t.multi", "/multi")
                 .bucket_limit("a", 3, 0)
                 .bucket_limit("b", 5, 0),
         )
+        .route(
+            closed("t.shadow", "/shadow")
+                .token_bucket(3_000_000, 0)
+                .set("mode", "\"shadow\""),
+        )
         .start();
     let http = client();
     let refused = ["/closed", "/window", "/multi"];
     // Each limit of 3 has 2 left.
-    for path in refused.iter().chain(&["/open"]) {
+    for path in refused.iter().chain(&["/open", "/shadow"]) {
         assert_eq!(send(&http, &gw.url(path), "k").await.status, 200, "{path}");
     }
     proxy.set(Mode::Stall(Duration::from_millis(400)));
@@ -387,12 +398,14 @@ async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refus
         assert_unavailable(&send(&http, &gw.url(path), "k").await);
         tokio::time::sleep(Duration::from_millis(1_000)).await;
     }
-    let open = send(&http, &gw.url("/open"), "k").await;
-    assert_eq!(open.status, 200, "{}", open.body);
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    for served in ["/open", "/shadow"] {
+        let a = send(&http, &gw.url(served), "k").await;
+        assert_eq!(a.status, 200, "{served}: {}", a.body);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
     assert_eq!(
         gw.metric(r#"sentinel_store_errors_total{cause="timeout"}"#),
-        4.0
+        5.0
     );
     proxy.set(Mode::Pass);
     for path in refused {
@@ -405,6 +418,12 @@ async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refus
     }
     let open = futures_statuses_gw(&http, &gw, "/open", "k", 2).await;
     assert_eq!(open, [200, 429], "the served request's charge stands");
+    // Shadow mode forwards every request: what its bucket holds says the charge stood.
+    let (_, limits) =
+        common::blocking_get(&gw.admin("/limits/t.shadow?identity=header%3Ax-api-key%3Ak"))
+            .unwrap();
+    let limits: serde_json::Value = serde_json::from_str(&limits).unwrap();
+    assert_eq!(limits["limits"][0]["remaining"], 1, "{limits}");
 }
 
 /// The breaker's probe, when the quarantine ends with the node not connected, has the

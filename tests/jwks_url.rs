@@ -235,23 +235,30 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     set["keys"].as_array_mut().unwrap().push(serde_json::json!({
         "kty": "OKP", "crv": "Ed25519", "kid": "short-ed", "x": "AAAAAAAAAAAAAAAAAAAAAA"
     }));
-    let provider = Provider::start(set.to_string()).await;
-    let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
-    let gw = start(
-        &redis,
-        &up,
-        &format!(
-            "algorithms = [\"RS256\", \"EdDSA\"]\njwks_url = {}",
-            quoted(&url)
-        ),
-    );
+    let (provider, gw, _processes) = verifying_from(&set, r#"["RS256", "EdDSA"]"#).await;
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     // An unknown kid fetches the same set again.
     let before = provider.hits();
     assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
     assert_eq!(provider.hits(), before + 1);
     warned_once(&gw, "cannot verify a signature", "short-ed");
+}
+
+/// A gateway whose `jwks_url` is a provider serving `set`, verifying `algorithms` (a TOML
+/// list), and the processes it needs, kept alive with it.
+async fn verifying_from(
+    set: &serde_json::Value,
+    algorithms: &str,
+) -> (Provider, common::Gateway, (Redis, Upstream)) {
+    let provider = Provider::start(set.to_string()).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
+    let gw = start(
+        &redis,
+        &up,
+        &format!("algorithms = {algorithms}\njwks_url = {}", quoted(&url)),
+    );
+    (provider, gw, (redis, up))
 }
 
 /// One log line says `what`, at WARN, and names `kid`.
@@ -281,14 +288,7 @@ async fn a_fetched_key_published_with_its_private_half_is_left_out() {
             key["d"] = "c2VjcmV0".into();
         }
     }
-    let provider = Provider::start(set.to_string()).await;
-    let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let url = format!("http://127.0.0.1:{}/jwks.json", provider.port);
-    let gw = start(
-        &redis,
-        &up,
-        &format!("algorithms = [\"RS256\"]\njwks_url = {}", quoted(&url)),
-    );
+    let (_provider, gw, _processes) = verifying_from(&set, r#"["RS256"]"#).await;
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     assert_eq!(status(&gw, &token("rsa-2", "rsa2.der")).await, 401);
     warned_once(&gw, "private key", "rsa-2");
