@@ -614,6 +614,7 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     };
     let mut args = user("least", least);
     args.extend(user("nohset", &least.replace(" +hset", "")));
+    args.extend(user("noconfig", &least.replace(" +config|get", "")));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let redis = Redis::start_with(free_port(), &args);
     let up = Upstream::start("app");
@@ -666,4 +667,15 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     assert_eq!(told.len(), 1, "once, with Redis's words: {logs}");
     assert!(told[0].contains("\"WARN\""), "{logs}");
     assert!(!logs.contains("this is a bug"), "{logs}");
+
+    // Without `CONFIG GET` (a managed Redis) the gateway decides as usual and says once that
+    // it cannot check the eviction policy (the start-up check does not say it a second time).
+    let noconfig = as_user("noconfig");
+    assert_eq!(statuses(&noconfig, "c", 4).await, [200, 200, 200, 429]);
+    let logs = noconfig.logs();
+    let told = logs
+        .lines()
+        .filter(|l| l.contains("CONFIG not permitted"))
+        .count();
+    assert_eq!(told, 1, "once: {logs}");
 }

@@ -425,12 +425,12 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
             let mut opened = open(&dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok()
         };
-        match tokio::time::timeout(Duration::from_secs(3), check).await {
-            Ok(Some(EvictionPolicy::Evicting(p))) => return Some(p),
-            Ok(Some(EvictionPolicy::Unknown)) => {
-                tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
-            }
-            _ => {}
+        // A policy that cannot be read (`CONFIG` not permitted) is said once per connection
+        // by the connector, naming the node; not here too.
+        if let Ok(Some(EvictionPolicy::Evicting(p))) =
+            tokio::time::timeout(Duration::from_secs(3), check).await
+        {
+            return Some(p);
         }
     }
     None
