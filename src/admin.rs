@@ -18,6 +18,7 @@ use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 
 use crate::config::IdentitySource;
+use crate::identity::{MAX_HEADER_IDENTITY_BYTES, MAX_SUBJECT_BYTES};
 use crate::lifecycle::Lifecycle;
 use crate::limiter::{identity_hash, inspect};
 use crate::metrics::Metrics;
@@ -130,7 +131,7 @@ fn query_param(query: &str, name: &str) -> Result<Option<String>, String> {
             .map_err(|_| format!("{name} is not UTF-8 once percent-decoded"))?;
         found = Some(decoded.into_owned());
     }
-    Ok(found.filter(|v| !v.is_empty()))
+    Ok(found)
 }
 
 /// [`query_param`] of the query, when there is one.
@@ -348,7 +349,9 @@ impl Admin {
                 serde_json::json!({ "detail": detail }),
             )
         };
-        let (identity, asked) = match (param_of(query, "identity"), param_of(query, "tier")) {
+        let identity = param_of(query, "identity").map(|i| i.filter(|i| !i.is_empty()));
+        // An empty `tier=` names no tier: it is unknown, not the default.
+        let (identity, asked) = match (identity, param_of(query, "tier")) {
             (Ok(Some(identity)), Ok(tier)) => (identity, tier),
             (Ok(None), _) => {
                 return bad("identity is required: /limits/<endpoint_id>?identity=<identity string, percent-encoded>".to_owned())
@@ -538,7 +541,9 @@ fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
 fn keys_by(source: &IdentitySource, identity: &str) -> bool {
     let value = |prefix: &str| identity.strip_prefix(prefix).filter(|v| !v.is_empty());
     match source {
-        IdentitySource::Jwt => value("jwt:").is_some(),
+        // As a request can carry them: a claim of at most 256 bytes, a header value of at
+        // most 1024 that is not blank and holds no control character.
+        IdentitySource::Jwt => value("jwt:").is_some_and(|v| v.len() <= MAX_SUBJECT_BYTES),
         IdentitySource::ClientIp => {
             value("ip:").is_some_and(|a| a.parse::<std::net::IpAddr>().is_ok())
         }
@@ -546,7 +551,11 @@ fn keys_by(source: &IdentitySource, identity: &str) -> bool {
         IdentitySource::Header(name) => value("header:")
             .and_then(|rest| rest.strip_prefix(name.as_str()))
             .and_then(|rest| rest.strip_prefix(':'))
-            .is_some_and(|v| !v.is_empty()),
+            .is_some_and(|v| {
+                v.len() <= MAX_HEADER_IDENTITY_BYTES
+                    && !v.trim().is_empty()
+                    && http::HeaderValue::from_str(v).is_ok()
+            }),
         // A tenant is written as the key file allows it (`config/api_keys.rs`).
         IdentitySource::ApiKey => {
             value("tenant:").is_some_and(|t| crate::config::EndpointId::parse(t).is_some())
@@ -599,6 +608,24 @@ mod tests {
         assert!(!keys_by(&IdentitySource::ClientIp, "ip:notanip"));
         assert!(keys_by(&IdentitySource::Jwt, "jwt:Alice"));
         assert!(!keys_by(&IdentitySource::Jwt, "jwt:"));
+        let long = "a".repeat(257);
+        assert!(
+            !keys_by(&IdentitySource::Jwt, &format!("jwt:{long}")),
+            "no token carries a claim that long"
+        );
+        let header = IdentitySource::Header("x-api-key".into());
+        assert!(keys_by(
+            &header,
+            &format!("header:x-api-key:{}", "a".repeat(1024))
+        ));
+        for never in [
+            format!("header:x-api-key:{}", "a".repeat(1025)),
+            "header:x-api-key:a\0b".to_owned(),
+            "header:x-api-key:a\nb".to_owned(),
+            "header:x-api-key:   ".to_owned(),
+        ] {
+            assert!(!keys_by(&header, &never), "{never:?}");
+        }
         assert!(keys_by(&IdentitySource::Global, "global"));
         assert!(!keys_by(&IdentitySource::Global, "GLOBAL"));
     }
@@ -614,7 +641,11 @@ mod tests {
             identity("tier=pro&identity=a+b%20c"),
             Ok(Some("a+b c".to_owned()))
         );
-        assert_eq!(identity("identity="), Ok(None));
+        assert_eq!(
+            identity("identity="),
+            Ok(Some(String::new())),
+            "empty, not absent"
+        );
         assert_eq!(identity("other=x"), Ok(None));
         assert_eq!(
             identity("identity=%ff"),

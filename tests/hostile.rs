@@ -621,6 +621,55 @@ fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
     assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
+/// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII) is 400
+/// and never forwarded: it reached the upstream as it came, with no `X-Forwarded-Host` when
+/// it was not ASCII. Transfer codings other than one `chunked` are 400 and never forwarded:
+/// `gzip, chunked` reached the upstream as plain `chunked`, the gzip coding dropped.
+#[test]
+fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwarded() {
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = closed_and_open(&redis.url(), &upstream, 100).start();
+    let refused: [&[u8]; 7] = [
+        b"GET /open HTTP/1.1\r\nHost: a b\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a\tb\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: \"a\"\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: \xc3\xa9\r\nX-API-Key: k\r\n\r\n",
+        b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    ];
+    for head in refused {
+        let answer = raw_answer(gw.port, head);
+        let sent = String::from_utf8_lossy(head);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{sent:?}: {answer}");
+        assert!(
+            answer.ends_with(r#"{"detail":"bad request"}"#),
+            "{sent:?}: {answer}"
+        );
+    }
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(
+        gw.metric("sentinel_decisions_total{endpoint_id=\"t.open\",decision_reason=\"allowed\",allowed=\"true\"}"),
+        0.0,
+        "nothing charged"
+    );
+    // What a Host may be: a name and port, an address, an IPv6 literal, nothing; and one
+    // `chunked`, in any case.
+    for host in ["api.example:8080", "127.0.0.1", "[::1]:80", ""] {
+        let head = format!(
+            "GET /open HTTP/1.1\r\nHost: {host}\r\nX-API-Key: k\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw_answer(gw.port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 200"), "{host:?}: {answer}");
+    }
+    let answer = raw_answer(
+        gw.port,
+        b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: Chunked\r\nConnection: close\r\n\r\n0\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 /// An HTTP/1.0 request without `Host` reaches the upstream, which is sent HTTP/1.1, with one:
 /// the upstream's address (a strict upstream such as nginx answered it 400).
 #[test]

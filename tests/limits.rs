@@ -156,6 +156,16 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
             "?identity=%FF%FE",
             "identity is not UTF-8 once percent-decoded",
         ),
+        // Values no request can carry: past the 1024 bytes a header identity may have, or
+        // with a NUL in it.
+        (
+            &format!("?identity=header%3Ax-api-key%3A{}", "k".repeat(1025)),
+            "no request to l.tb is keyed by this identity: its callers are header:x-api-key:<value>",
+        ),
+        (
+            "?identity=header%3Ax-api-key%3Ak%00",
+            "no request to l.tb is keyed by this identity: its callers are header:x-api-key:<value>",
+        ),
     ] {
         for method in ["GET", "DELETE"] {
             assert_eq!(

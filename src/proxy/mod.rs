@@ -464,6 +464,33 @@ impl ProxyHttp for Gateway {
         if hostless {
             return self.answer(session, ctx, Answer::BadRequest).await;
         }
+        // RFC 9110, 7.2: a `Host` is an authority (`uri-host [":" port]`); one with a space, a
+        // quote or a byte past ASCII names no host, and would reach the upstream (and its
+        // `X-Forwarded-Host`) as it came. Empty is allowed (a target without authority). As
+        // for a head that cannot be read, the connection closes after the answer.
+        if req
+            .headers
+            .get(http::header::HOST)
+            .is_some_and(|h| !forwarded::is_authority(h.as_bytes()))
+        {
+            session.set_keepalive(None);
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        }
+        // RFC 9112, 6.1: a request whose transfer codings are other than one `chunked` (`gzip,
+        // chunked`, say) cannot be forwarded as received: Pingora reads the chunks and sends
+        // them on as plain `chunked`, so a gzip body would arrive labelled as plain. Refused,
+        // and the body not read: the connection closes after the answer.
+        let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
+        if let Some(coding) = codings.next() {
+            let chunked = coding
+                .as_bytes()
+                .trim_ascii()
+                .eq_ignore_ascii_case(b"chunked");
+            if !chunked || codings.next().is_some() {
+                session.set_keepalive(None);
+                return self.answer(session, ctx, Answer::BadRequest).await;
+            }
+        }
         // RFC 9110, 8.6: a Content-Length that is not one run of digits (`5, 5`, `+5`), or
         // two of them, is not forwarded: the upstream could frame the body otherwise than the
         // gateway did. The body is not read: the connection closes after the answer.
