@@ -327,9 +327,9 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
             )[0];
             cluster.owner(own) != ceiling_node
         })
-        .take(3)
+        .take(4)
         .collect();
-    let keys: Vec<&str> = callers.iter().map(String::as_str).collect();
+    let keys: Vec<&str> = callers[..3].iter().map(String::as_str).collect();
     // Wait until the gateway knows the slot map (the first answers may be 503 until then).
     common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
         blocking_get(&gw.url("/api/warm")).is_some()
@@ -373,6 +373,42 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
     assert!(
         state.starts_with("\"burst\";r=3, \"backend\";r=0;t="),
         "{state}"
+    );
+
+    // The ceiling's denial is remembered: a fresh caller's concurrent requests are refused by
+    // the ceiling, with its wait, without a call to the ceiling's node and without charging
+    // the caller's burst. (Charged first and given back, the burst's charge was seen by the
+    // caller's other requests in the same batch, refused by the burst then: `Retry-After:
+    // 86400`, a burst that never refills.)
+    for node in &cluster.nodes {
+        node.reset_stats();
+    }
+    let fresh = &callers[3];
+    let answers = futures_util::future::join_all((0..10).map(|_| get(&gw, fresh))).await;
+    for answer in &answers {
+        assert_eq!(answer.status(), 429);
+        let retry: u64 = answer.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=61).contains(&retry), "the window's wait: {retry}");
+        let (_, state) = items(answer);
+        assert!(
+            state.starts_with("\"burst\";r=3, \"backend\";r=0;t="),
+            "{state}"
+        );
+    }
+    assert_eq!(
+        cluster.nodes[ceiling_node].command_calls("evalsha"),
+        0,
+        "the ceiling's node is not asked"
+    );
+    let fresh_identity = format!("header:x-api-key:{fresh}");
+    assert_eq!(
+        remaining(&limits_of(&gw, &fresh_identity), "burst"),
+        3,
+        "never charged"
     );
 
     // One identity's limits share a hash tag: one EVALSHA per decision on the cluster too.

@@ -13,6 +13,7 @@ pub mod inspect;
 pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
 
 use crate::config::{Algorithm, Enforcement, FailMode, Limit, Policy, ONE_TOKEN_MICRO};
+use crate::decision::overlimit::OverlimitCache;
 use crate::decision::{degrade, Decision, ScriptReply};
 use crate::store::{IfLate, ScriptKind, Store};
 
@@ -144,7 +145,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             Err(cause) => Err((cause, evaluation.breaker)),
         }
     } else {
-        two_calls(store, policy, &refs, &args_of).await
+        two_calls(store, policy, &refs, &args_of, &endpoint.overlimit).await
     };
     match replies {
         Ok((replies, breaker)) => {
@@ -180,16 +181,42 @@ type Replies = Result<
 /// A cluster where the ceilings live on another slot than the caller's limits: the caller's
 /// limits are decided (and charged) first; when they admit, the ceilings are decided; when
 /// a ceiling denies or cannot answer, the caller's limits get their cost back before the
-/// answer, while the budget lasts.
+/// answer, while the budget lasts. A ceiling's denial is remembered until Redis said it
+/// would admit again, and repeated to every caller meanwhile ([`by_remembered_ceiling`]).
 async fn two_calls(
     store: &Store,
     policy: &Policy,
     keys: &[&str],
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
+    overlimit: &OverlimitCache,
 ) -> Replies {
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
+    // The ceilings of an endpoint share one hash tag: one call, remembered under the first
+    // one's key.
+    let ceiling_key = keys[ceilings[0]];
+    if let Some((denied, remembered)) = overlimit.denied_with_replies(ceiling_key) {
+        let peeked = store
+            .evaluate_limits(
+                &pick(&own),
+                &args_of(&own, mode::PEEK),
+                None,
+                IfLate::Stands,
+            )
+            .await;
+        return Ok((
+            by_remembered_ceiling(
+                policy,
+                &own,
+                &ceilings,
+                peeked.outcome.ok(),
+                denied,
+                remembered,
+            ),
+            peeked.breaker,
+        ));
+    }
     let mut replies = vec![None; keys.len()];
     let started = std::time::Instant::now();
     let first = store
@@ -226,6 +253,9 @@ async fn two_calls(
                 .ok(),
             false => None,
         };
+        if let Some(peeked) = &peeked {
+            remember_ceiling_denial(overlimit, ceiling_key, peeked);
+        }
         for (k, i) in ceilings.iter().enumerate() {
             replies[*i] = Some(
                 peeked
@@ -279,6 +309,7 @@ async fn two_calls(
     match second.outcome {
         Ok(second_replies) => {
             if !second_replies.iter().all(|r| r.allowed) {
+                remember_ceiling_denial(overlimit, ceiling_key, &second_replies);
                 if let Some(refunded) = refund(store).await {
                     for (i, mut r) in own.iter().zip(refunded) {
                         r.allowed = true;
@@ -299,6 +330,51 @@ async fn two_calls(
             Err((cause, second.breaker))
         }
     }
+}
+
+/// Remembers the ceilings' denial under `key` (the first ceiling's) until the longest wait
+/// of those that denied, when Redis said each exactly; nothing when they admitted.
+fn remember_ceiling_denial(overlimit: &OverlimitCache, key: &str, replies: &[ScriptReply]) {
+    let denying = replies.iter().enumerate().filter(|(_, r)| !r.allowed);
+    let waits: Option<Vec<(usize, u64)>> = denying.map(|(i, r)| Some((i, r.wait_us?))).collect();
+    if let Some((limit, wait)) = waits.and_then(|w| w.into_iter().max_by_key(|(_, w)| *w)) {
+        overlimit.remember_several(key, wait, limit, replies);
+    }
+}
+
+/// A request refused by a ceiling whose denial is remembered: the ceilings as the memory
+/// has them (the one that denied with what is left of its wait), the caller's own limits as
+/// Redis read them without writing (`peeked`; when it could not, they are left out of the
+/// answer's items). Nothing is charged, so a caller's concurrent requests never see a charge
+/// of its own limits that a ceiling's denial gives back a moment later (they were refused
+/// by their own limit then, with its longer `Retry-After`), and the ceiling's node is not
+/// asked at all.
+fn by_remembered_ceiling(
+    policy: &Policy,
+    own: &[usize],
+    ceilings: &[usize],
+    peeked: Option<Vec<ScriptReply>>,
+    denied: crate::decision::overlimit::Denied,
+    remembered: Vec<ScriptReply>,
+) -> Vec<ScriptReply> {
+    let mut replies: Vec<ScriptReply> = policy.limits.iter().map(untouched).collect();
+    if let Some(peeked) = peeked {
+        for (i, r) in own.iter().zip(peeked) {
+            replies[*i] = r;
+        }
+    }
+    for (k, i) in ceilings.iter().enumerate() {
+        let Some(mut r) = remembered.get(k).copied() else {
+            continue;
+        };
+        r.allowed = k != denied.limit;
+        if !r.allowed {
+            r.retry_after = Some(denied.left_us.div_ceil(1_000_000));
+            r.wait_us = Some(denied.left_us);
+        }
+        replies[*i] = r;
+    }
+    replies
 }
 
 /// Charges `micro` micro-tokens, a cost the upstream reported for a request that was
