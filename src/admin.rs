@@ -101,7 +101,7 @@ fn not_allowed(allow: &'static str) -> AdminResponse {
 }
 
 /// A query parameter, percent-decoded (`%XX` is a byte; `+` is a plus, as API keys hold
-/// them): `Ok(None)` when absent or empty; an error saying why when it is sent twice, holds a
+/// them): `Ok(None)` when absent, `Ok(Some(""))` when empty; an error saying why when it is sent twice, holds a
 /// `%` not followed by two hex digits, or is not UTF-8 once decoded.
 fn query_param(query: &str, name: &str) -> Result<Option<String>, String> {
     let mut found = None;
@@ -542,7 +542,8 @@ fn keys_by(source: &IdentitySource, identity: &str) -> bool {
     let value = |prefix: &str| identity.strip_prefix(prefix).filter(|v| !v.is_empty());
     match source {
         // As a request can carry them: a claim of at most 256 bytes, a header value of at
-        // most 1024 that is not blank and holds no control character.
+        // most 1024, not blank, without spaces or tabs around it (the parser drops those) and
+        // no control character but a tab.
         IdentitySource::Jwt => value("jwt:").is_some_and(|v| v.len() <= MAX_SUBJECT_BYTES),
         IdentitySource::ClientIp => {
             value("ip:").is_some_and(|a| a.parse::<std::net::IpAddr>().is_ok())
@@ -554,6 +555,7 @@ fn keys_by(source: &IdentitySource, identity: &str) -> bool {
             .is_some_and(|v| {
                 v.len() <= MAX_HEADER_IDENTITY_BYTES
                     && !v.trim().is_empty()
+                    && v.trim_matches([' ', '\t']) == v
                     && http::HeaderValue::from_str(v).is_ok()
             }),
         // A tenant is written as the key file allows it (`config/api_keys.rs`).
@@ -623,6 +625,7 @@ mod tests {
             "header:x-api-key:a\0b".to_owned(),
             "header:x-api-key:a\nb".to_owned(),
             "header:x-api-key:   ".to_owned(),
+            "header:x-api-key: k".to_owned(),
         ] {
             assert!(!keys_by(&header, &never), "{never:?}");
         }

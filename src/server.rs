@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::reload::Reloader;
 use crate::snapshot::Snapshot;
-use crate::store::{preflight, Store};
+use crate::store::{preflight, EvictionPolicy, Store};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -98,7 +98,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
     // gateway runs, a SIGTERM or SIGINT stops it then (exit 0).
     let early = store.runtime().block_on(async { EarlySignals::listen() });
     if config.redis.require_noeviction {
-        if let Some(policy) = store.runtime().block_on(preflight(&config.redis)) {
+        // A policy that cannot be read (`CONFIG` not permitted) is said by the connector, once
+        // per connection, naming the node.
+        if let EvictionPolicy::Evicting(policy) = store.runtime().block_on(preflight(&config.redis))
+        {
             return Err(StartError::Evicting(policy));
         }
     }

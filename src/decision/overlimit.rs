@@ -11,9 +11,16 @@
 //! Bounded: a fixed number of keys per endpoint; when full, expired entries are dropped and,
 //! if still full, the denial is simply not cached. Each endpoint has its own cache, rebuilt
 //! on every reload, so a reload or a new `policy_version` starts with an empty one.
+//!
+//! A ceiling's denial (on a cluster, where the ceilings live on another slot than the
+//! callers' limits) is everyone's: it has a place of its own, never short of room, read
+//! without a lock while none holds. An operator's reset ([`OverlimitCache::forget`],
+//! [`OverlimitCache::clear`]) starts a new epoch: a denial Redis gave before it, remembered
+//! after it, is dropped (`since`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::clock::SharedClock;
@@ -67,6 +74,12 @@ pub struct OverlimitCache {
     shards: Vec<Shard>,
     hasher: RandomState,
     clock: SharedClock,
+    /// Until when the ceiling's denial holds (local clock, microseconds; 0: none), read
+    /// before its lock.
+    ceiling_until: AtomicU64,
+    ceiling: Mutex<Option<Entry>>,
+    /// Raised by every reset.
+    epoch: AtomicU64,
 }
 
 /// Whole seconds from `now` until `at`, rounded up; `None` for `NEVER`.
@@ -80,7 +93,15 @@ impl OverlimitCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
             clock,
+            ceiling_until: AtomicU64::new(0),
+            ceiling: Mutex::new(None),
+            epoch: AtomicU64::new(0),
         }
+    }
+
+    /// The current epoch: read before asking Redis, handed to a `remember` after.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
     }
 
     fn shard(&self, key: &str) -> &Shard {
@@ -95,36 +116,26 @@ impl OverlimitCache {
     /// The remembered denial of `key` and, when it was remembered with several limits,
     /// each limit's answer as Redis gave it, its reset counted down to now.
     pub fn denied_with_replies(&self, key: &str) -> Option<(Denied, Vec<ScriptReply>)> {
-        self.lookup(key, |entry, now| {
-            let Some(limits) = &entry.limits else {
-                return Vec::new();
-            };
-            limits
-                .iter()
-                .map(|l| ScriptReply {
-                    allowed: false,
-                    remaining: l.remaining,
-                    retry_after: None,
-                    reset: seconds_until(l.full_at, now),
-                    now_us: u64::from(l.asked),
-                    wait_us: None,
-                })
-                .collect()
-        })
+        self.lookup(key, replies_of)
+    }
+
+    /// The ceilings' remembered denial, as [`denied_with_replies`](Self::denied_with_replies)
+    /// gives a caller's.
+    pub fn ceiling_denied(&self) -> Option<(Denied, Vec<ScriptReply>)> {
+        let now = self.clock.now_us();
+        if self.ceiling_until.load(Ordering::Relaxed) <= now {
+            return None;
+        }
+        let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = ceiling.as_ref().filter(|e| e.until > now)?;
+        Some((denied_of(entry, now), replies_of(entry, now)))
     }
 
     fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(key) {
-            Some(entry) if entry.until > now => Some((
-                Denied {
-                    left_us: entry.until - now,
-                    limit: usize::from(entry.limit),
-                    full_in_s: seconds_until(entry.full_at, now),
-                },
-                also(entry, now),
-            )),
+            Some(entry) if entry.until > now => Some((denied_of(entry, now), also(entry, now))),
             Some(_) => {
                 shard.remove(key);
                 None
@@ -136,67 +147,68 @@ impl OverlimitCache {
     /// Remembers that Redis denied `key` for the next `wait_us` microseconds, by the limit
     /// of index `limit`, which is full again in `full_in_s` seconds (`None`: never).
     pub fn remember(&self, key: &str, wait_us: u64, limit: usize, full_in_s: Option<u64>) {
-        self.remember_with(key, wait_us, limit, full_in_s, &[]);
+        let now = self.clock.now_us();
+        let mut entry = entry(now, wait_us, limit, &[]);
+        entry.full_at = at(now, full_in_s);
+        let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
+        insert(&mut shard, key, entry, now);
     }
 
-    /// [`remember`](Self::remember) with every limit's answer of a route with several.
-    pub fn remember_several(&self, key: &str, wait_us: u64, limit: usize, replies: &[ScriptReply]) {
-        let full_in_s = replies.get(limit).and_then(|r| r.reset);
-        self.remember_with(key, wait_us, limit, full_in_s, replies);
-    }
-
-    fn remember_with(
+    /// [`remember`](Self::remember) with every limit's answer of a route with several, Redis
+    /// having been asked in epoch `since`.
+    pub fn remember_several(
         &self,
+        since: u64,
         key: &str,
         wait_us: u64,
         limit: usize,
-        full_in_s: Option<u64>,
         replies: &[ScriptReply],
     ) {
         let now = self.clock.now_us();
-        let at =
-            |s: Option<u64>| s.map_or(NEVER, |s| now.saturating_add(s.saturating_mul(1_000_000)));
+        let entry = entry(now, wait_us, limit, replies);
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
-        if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-            shard.retain(|_, e| e.until > now);
-            if shard.len() >= CAPACITY / SHARDS {
-                return;
-            }
+        if self.epoch() == since {
+            insert(&mut shard, key, entry, now);
         }
-        let limits = (!replies.is_empty()).then(|| {
-            replies
-                .iter()
-                .map(|r| Other {
-                    remaining: r.remaining,
-                    full_at: at(r.reset),
-                    asked: r.now_us > 0,
-                })
-                .collect()
-        });
-        shard.insert(
-            key.to_owned(),
-            Entry {
-                until: now + wait_us,
-                full_at: at(full_in_s),
-                limit: u8::try_from(limit).unwrap_or(u8::MAX),
-                limits,
-            },
-        );
+    }
+
+    /// Remembers the ceilings' denial: `replies` are theirs, in their order, Redis having been
+    /// asked in epoch `since`.
+    pub fn remember_ceiling(
+        &self,
+        since: u64,
+        wait_us: u64,
+        limit: usize,
+        replies: &[ScriptReply],
+    ) {
+        let now = self.clock.now_us();
+        let entry = entry(now, wait_us, limit, replies);
+        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        if self.epoch() == since {
+            self.ceiling_until.store(entry.until, Ordering::Relaxed);
+            *ceiling = Some(entry);
+        }
     }
 
     /// Forgets a remembered denial of `key` (an operator reset the bucket).
     pub fn forget(&self, key: &str) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         self.shard(key)
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(key);
     }
 
-    /// Forgets every remembered denial (an operator reset a ceiling every caller shares).
+    /// Forgets every remembered denial, the ceilings' too (an operator reset a ceiling every
+    /// caller shares).
     pub fn clear(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         for shard in &self.shards {
             shard.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
+        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        self.ceiling_until.store(0, Ordering::Relaxed);
+        *ceiling = None;
     }
 
     pub fn len(&self) -> usize {
@@ -209,6 +221,69 @@ impl OverlimitCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The microseconds of the local clock `s` seconds after `now`; `NEVER` for `None`.
+fn at(now: u64, s: Option<u64>) -> u64 {
+    s.map_or(NEVER, |s| now.saturating_add(s.saturating_mul(1_000_000)))
+}
+
+/// A denial for `wait_us` from `now` by the limit of index `limit`, with every limit's answer
+/// (none for a single limit).
+fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry {
+    let limits = (!replies.is_empty()).then(|| {
+        replies
+            .iter()
+            .map(|r| Other {
+                remaining: r.remaining,
+                full_at: at(now, r.reset),
+                asked: r.now_us > 0,
+            })
+            .collect()
+    });
+    Entry {
+        until: now + wait_us,
+        full_at: at(now, replies.get(limit).and_then(|r| r.reset)),
+        limit: u8::try_from(limit).unwrap_or(u8::MAX),
+        limits,
+    }
+}
+
+/// Puts `entry` in `shard` when there is room (expired entries make some).
+fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64) {
+    if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
+        shard.retain(|_, e| e.until > now);
+        if shard.len() >= CAPACITY / SHARDS {
+            return;
+        }
+    }
+    shard.insert(key.to_owned(), entry);
+}
+
+fn denied_of(entry: &Entry, now: u64) -> Denied {
+    Denied {
+        left_us: entry.until - now,
+        limit: usize::from(entry.limit),
+        full_in_s: seconds_until(entry.full_at, now),
+    }
+}
+
+/// Each limit's answer as the entry kept it, its reset counted down to `now`.
+fn replies_of(entry: &Entry, now: u64) -> Vec<ScriptReply> {
+    let Some(limits) = &entry.limits else {
+        return Vec::new();
+    };
+    limits
+        .iter()
+        .map(|l| ScriptReply {
+            allowed: false,
+            remaining: l.remaining,
+            retry_after: None,
+            reset: seconds_until(l.full_at, now),
+            now_us: u64::from(l.asked),
+            wait_us: None,
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -264,7 +339,7 @@ mod tests {
             reply(2_000_000, Some(40), 7),
             reply(0, None, 0),
         ];
-        cache.remember_several("k", 60_000_000, 0, &given);
+        cache.remember_several(cache.epoch(), "k", 60_000_000, 0, &given);
         clock.advance(Duration::from_secs(10));
         let (denied, replies) = cache.denied_with_replies("k").unwrap();
         assert_eq!((denied.limit, denied.full_in_s), (0, Some(290)));
@@ -283,6 +358,52 @@ mod tests {
         // A single limit's denial has no list.
         cache.remember("one", 5_000_000, 0, Some(3));
         assert!(cache.denied_with_replies("one").unwrap().1.is_empty());
+    }
+
+    #[test]
+    fn a_ceilings_denial_holds_until_its_wait_and_an_operators_reset_wins_over_a_late_one() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        let reply = ScriptReply {
+            allowed: false,
+            remaining: 0,
+            retry_after: Some(30),
+            reset: Some(60),
+            now_us: 7,
+            wait_us: Some(30_000_000),
+        };
+        assert!(cache.ceiling_denied().is_none());
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        clock.advance(Duration::from_secs(10));
+        let (denied, replies) = cache.ceiling_denied().unwrap();
+        assert_eq!((denied.left_us, denied.limit), (20_000_000, 0));
+        assert_eq!(replies[0].reset, Some(50), "counted down");
+        clock.advance(Duration::from_secs(20));
+        assert!(cache.ceiling_denied().is_none(), "over at its wait");
+
+        // Asked before a reset, answered after it: not remembered.
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        let since = cache.epoch();
+        cache.clear();
+        assert!(cache.ceiling_denied().is_none(), "cleared");
+        cache.remember_ceiling(since, 30_000_000, 0, &[reply]);
+        cache.remember_several(since, "own", 30_000_000, 0, &[reply]);
+        assert!(
+            cache.ceiling_denied().is_none(),
+            "a denial from before the reset"
+        );
+        assert!(cache.denied_for("own").is_none());
+        // A caller's reset starts a new epoch too.
+        let since = cache.epoch();
+        cache.forget("someone");
+        cache.remember_several(since, "own", 30_000_000, 0, &[reply]);
+        assert!(cache.denied_for("own").is_none());
+        // Callers' entries leave the ceiling's room alone.
+        for i in 0..2 * CAPACITY {
+            cache.remember(&format!("key-{i}"), 60_000_000, 0, None);
+        }
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        assert!(cache.ceiling_denied().is_some(), "never short of room");
     }
 
     #[test]

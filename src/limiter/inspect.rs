@@ -169,9 +169,9 @@ pub async fn reset(
     Ok(deleted)
 }
 
-/// The over-limit cache remembers a denial under the caller's own key, or a ceiling's. A
-/// ceiling's denial is remembered under every caller's key it refused: resetting the ceiling
-/// forgets every denial of the endpoint.
+/// The over-limit cache remembers a denial under the caller's own key, and a ceiling's in a
+/// place of its own. A ceiling's denial is also remembered under every caller's key it
+/// refused: resetting the ceiling forgets every denial of the endpoint.
 fn forget_denials(endpoints: &[Arc<Endpoint>], identity_hash: &str, everyone: bool) {
     for endpoint in endpoints {
         if everyone && endpoint.policy.limits.iter().any(|l| l.global) {

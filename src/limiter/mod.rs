@@ -117,9 +117,11 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     let policy = &endpoint.policy;
     let keys = endpoint.limit_keys(identity_hash);
     // A denial is remembered under the caller's own key, so that it is repeated to that
-    // caller only; a ceiling's key is everyone's. Where every limit is a ceiling, any denial
-    // is everyone's, and the first key is as good as any.
+    // caller only (a ceiling's denial, everyone's, has a place of its own: `two_calls`).
+    // Where every limit is a ceiling, any denial is everyone's, and the first key is as good
+    // as any.
     let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
+    let since = endpoint.overlimit.epoch();
     if let Some((denied, replies)) = endpoint.overlimit.denied_with_replies(&keys[own]) {
         let mut cached = Several::of(Decision::cached_denial(denied, store.breaker_state()));
         cached.denied_by = Some(denied.limit);
@@ -145,7 +147,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             Err(cause) => Err((cause, evaluation.breaker)),
         }
     } else {
-        two_calls(store, policy, &refs, &args_of, &endpoint.overlimit).await
+        two_calls(store, policy, &refs, &args_of, (&endpoint.overlimit, since)).await
     };
     match replies {
         Ok((replies, breaker)) => {
@@ -155,7 +157,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             {
                 endpoint
                     .overlimit
-                    .remember_several(&keys[own], wait, limit, &replies);
+                    .remember_several(since, &keys[own], wait, limit, &replies);
             }
             Several {
                 decision: Decision::by_redis(combined, breaker),
@@ -188,15 +190,12 @@ async fn two_calls(
     policy: &Policy,
     keys: &[&str],
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
-    overlimit: &OverlimitCache,
+    (overlimit, since): (&OverlimitCache, u64),
 ) -> Replies {
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
-    // The ceilings of an endpoint share one hash tag: one call, remembered under the first
-    // one's key.
-    let ceiling_key = keys[ceilings[0]];
-    if let Some((denied, remembered)) = overlimit.denied_with_replies(ceiling_key) {
+    if let Some((denied, remembered)) = overlimit.ceiling_denied() {
         let peeked = store
             .evaluate_limits(
                 &pick(&own),
@@ -254,7 +253,7 @@ async fn two_calls(
             false => None,
         };
         if let Some(peeked) = &peeked {
-            remember_ceiling_denial(overlimit, ceiling_key, peeked);
+            remember_ceiling_denial(overlimit, since, peeked);
         }
         for (k, i) in ceilings.iter().enumerate() {
             replies[*i] = Some(
@@ -309,7 +308,7 @@ async fn two_calls(
     match second.outcome {
         Ok(second_replies) => {
             if !second_replies.iter().all(|r| r.allowed) {
-                remember_ceiling_denial(overlimit, ceiling_key, &second_replies);
+                remember_ceiling_denial(overlimit, since, &second_replies);
                 if let Some(refunded) = refund(store).await {
                     for (i, mut r) in own.iter().zip(refunded) {
                         r.allowed = true;
@@ -332,13 +331,13 @@ async fn two_calls(
     }
 }
 
-/// Remembers the ceilings' denial under `key` (the first ceiling's) until the longest wait
-/// of those that denied, when Redis said each exactly; nothing when they admitted.
-fn remember_ceiling_denial(overlimit: &OverlimitCache, key: &str, replies: &[ScriptReply]) {
+/// Remembers the ceilings' denial (`replies` are theirs, in their order) until the longest
+/// wait of those that denied, when Redis said each exactly; nothing when they admitted.
+fn remember_ceiling_denial(overlimit: &OverlimitCache, since: u64, replies: &[ScriptReply]) {
     let denying = replies.iter().enumerate().filter(|(_, r)| !r.allowed);
     let waits: Option<Vec<(usize, u64)>> = denying.map(|(i, r)| Some((i, r.wait_us?))).collect();
     if let Some((limit, wait)) = waits.and_then(|w| w.into_iter().max_by_key(|(_, w)| *w)) {
-        overlimit.remember_several(key, wait, limit, replies);
+        overlimit.remember_ceiling(since, wait, limit, replies);
     }
 }
 
@@ -364,16 +363,20 @@ fn by_remembered_ceiling(
         }
     }
     for (k, i) in ceilings.iter().enumerate() {
-        let Some(mut r) = remembered.get(k).copied() else {
-            continue;
-        };
-        r.allowed = k != denied.limit;
-        if !r.allowed {
-            r.retry_after = Some(denied.left_us.div_ceil(1_000_000));
-            r.wait_us = Some(denied.left_us);
+        if let Some(r) = remembered.get(k) {
+            replies[*i] = ScriptReply {
+                allowed: true,
+                ..*r
+            };
         }
-        replies[*i] = r;
     }
+    // The one that denied is refused whatever the memory kept of the others.
+    let k = denied.limit.min(ceilings.len() - 1);
+    let refused = &mut replies[ceilings[k]];
+    refused.allowed = false;
+    refused.remaining = refused.remaining.min(0);
+    refused.retry_after = Some(denied.left_us.div_ceil(1_000_000));
+    refused.wait_us = Some(denied.left_us);
     replies
 }
 

@@ -195,10 +195,10 @@ pub fn without_userinfo(authority: &http::uri::Authority) -> String {
     }
 }
 
-/// 1 to 128 visible ASCII characters.
-/// Whether `v` is an authority as a `Host` carries it (RFC 3986, 3.2): a host name or IPv4
-/// address (unreserved characters, percent-encodings, sub-delimiters), an IP literal in
-/// brackets, an optional `:port`. Userinfo (`@`) is Pingora's to refuse before this.
+/// Whether `v` is made of the characters of an authority as a `Host` carries it (RFC 3986,
+/// 3.2): those of a host name or IPv4 address (unreserved characters, percent-encodings,
+/// sub-delimiters), the brackets of an IP literal, the `:` of a port. Only the characters
+/// are checked, not where they stand. Userinfo (`@`) is Pingora's to refuse before this.
 pub fn is_authority(v: &[u8]) -> bool {
     v.iter().all(|b| {
         b.is_ascii_alphanumeric()
@@ -226,6 +226,7 @@ pub fn is_authority(v: &[u8]) -> bool {
     })
 }
 
+/// 1 to 128 visible ASCII characters.
 fn is_request_id(v: &[u8]) -> bool {
     !v.is_empty() && v.len() <= MAX_REQUEST_ID_BYTES && v.iter().all(|b| (0x21..=0x7e).contains(b))
 }

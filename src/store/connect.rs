@@ -395,10 +395,12 @@ pub(super) fn reason(e: &RedisError) -> String {
     }
 }
 
-/// Start-up check: `Some(policy)` when a Redis that answers has an evicting policy, which a
-/// gateway requiring noeviction must refuse (every seed of a cluster is asked). A Redis that
-/// is down is not an error here: the routes follow their fail modes until it comes.
-pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
+/// Start-up check: [`EvictionPolicy::Evicting`] when a Redis that answers has an evicting
+/// policy, which a gateway requiring noeviction must refuse (every seed of a cluster is
+/// asked); `Unknown` when one does not permit `CONFIG` (and none evicts). A Redis that is
+/// down is not an error here (`NoEviction`): the routes follow their fail modes until it
+/// comes.
+pub async fn preflight(config: &crate::config::RedisConfig) -> EvictionPolicy {
     let dials: Vec<Dial> = match &config.target {
         crate::config::RedisTarget::Single(url) => {
             Dial::new(url, &config.access).ok().into_iter().collect()
@@ -420,20 +422,19 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> Option<String> {
                 .collect()
         }
     };
+    let mut found = EvictionPolicy::NoEviction;
     for dial in dials {
         let check = async {
             let mut opened = open(&dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok()
         };
-        // A policy that cannot be read (`CONFIG` not permitted) is said once per connection
-        // by the connector, naming the node; not here too.
-        if let Ok(Some(EvictionPolicy::Evicting(p))) =
-            tokio::time::timeout(Duration::from_secs(3), check).await
-        {
-            return Some(p);
+        match tokio::time::timeout(Duration::from_secs(3), check).await {
+            Ok(Some(EvictionPolicy::Evicting(p))) => return EvictionPolicy::Evicting(p),
+            Ok(Some(EvictionPolicy::Unknown)) => found = EvictionPolicy::Unknown,
+            _ => {}
         }
     }
-    None
+    found
 }
 
 impl Connector {
