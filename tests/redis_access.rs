@@ -678,4 +678,27 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         .filter(|l| l.contains("CONFIG not permitted"))
         .count();
     assert_eq!(told, 1, "once: {logs}");
+
+    // Turned on by a reload, on the same Redis: said then, once.
+    let relaxed = limited(
+        GatewayConfig::new(&redis.url())
+            .redis("username", quoted("noconfig"))
+            .redis("password_env", quoted("TEST_REDIS_PASSWORD"))
+            .redis("require_noeviction", "false"),
+        &up,
+    )
+    .start_with_env(&[("TEST_REDIS_PASSWORD", "pw-noconfig-0123")]);
+    assert_eq!(statuses(&relaxed, "d", 1).await, [200]);
+    let told = |gw: &common::Gateway| {
+        gw.logs()
+            .lines()
+            .filter(|l| l.contains("CONFIG not permitted"))
+            .count()
+    };
+    assert_eq!(told(&relaxed), 0, "not required: not said");
+    let text = std::fs::read_to_string(&relaxed.config_path).unwrap();
+    relaxed
+        .rewrite_config(&text.replace("require_noeviction = false", "require_noeviction = true"));
+    assert_eq!(relaxed.reload(), 200);
+    assert_eq!(told(&relaxed), 1, "{}", relaxed.logs());
 }
