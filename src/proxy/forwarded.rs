@@ -195,37 +195,6 @@ pub fn without_userinfo(authority: &http::uri::Authority) -> String {
     }
 }
 
-/// Whether `v` is made of the characters of an authority as a `Host` carries it (RFC 3986,
-/// 3.2): those of a host name or IPv4 address (unreserved characters, percent-encodings,
-/// sub-delimiters), the brackets of an IP literal, the `:` of a port. Only the characters
-/// are checked, not where they stand. Userinfo (`@`) is Pingora's to refuse before this.
-pub fn is_authority(v: &[u8]) -> bool {
-    v.iter().all(|b| {
-        b.is_ascii_alphanumeric()
-            || matches!(
-                b,
-                b'-' | b'.'
-                    | b'_'
-                    | b'~'
-                    | b'%'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b':'
-                    | b'['
-                    | b']'
-            )
-    })
-}
-
 /// 1 to 128 visible ASCII characters.
 fn is_request_id(v: &[u8]) -> bool {
     !v.is_empty() && v.len() <= MAX_REQUEST_ID_BYTES && v.iter().all(|b| (0x21..=0x7e).contains(b))
@@ -387,28 +356,6 @@ mod tests {
             Some("for=1.2.3.4;proto=https")
         );
         assert_eq!(header(&up, "x-forwarded-port").as_deref(), Some("443"));
-    }
-
-    #[test]
-    fn a_host_is_an_authority_or_nothing() {
-        for good in [
-            "api.example.com",
-            "api.example.com:8443",
-            "127.0.0.1:80",
-            "[::1]:8080",
-            "[fe80::1%25eth0]",
-            "xn--bcher-kva.example",
-            "",
-        ] {
-            assert!(is_authority(good.as_bytes()), "{good:?}");
-        }
-        for bad in [
-            "a b", "a\tb", "\"a\"", "a/b", "a\\b", "a<b>", "a{b}", "a|b", "a^b", "a`b",
-        ] {
-            assert!(!is_authority(bad.as_bytes()), "{bad:?}");
-        }
-        assert!(!is_authority(b"\xc3\xa9.example"), "past ASCII");
-        assert!(!is_authority(b"a\x00b"), "NUL");
     }
 
     #[test]

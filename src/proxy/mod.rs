@@ -3,6 +3,7 @@
 
 pub mod access;
 pub mod forwarded;
+mod head;
 mod headers;
 mod outgoing;
 pub mod respond;
@@ -464,52 +465,12 @@ impl ProxyHttp for Gateway {
         if hostless {
             return self.answer(session, ctx, Answer::BadRequest).await;
         }
-        // RFC 9110, 7.2: a `Host` is an authority (`uri-host [":" port]`); one with a space, a
-        // quote or a byte past ASCII names no host, and would reach the upstream (and its
-        // `X-Forwarded-Host`) as it came. Empty is allowed (a target without authority). As
-        // for a head that cannot be read, the connection closes after the answer.
-        if req
-            .headers
-            .get(http::header::HOST)
-            .is_some_and(|h| !forwarded::is_authority(h.as_bytes()))
-        {
+        // A head whose framing or `Host` the upstream could read otherwise than the gateway
+        // did: refused, the body not read, the connection closed after the answer.
+        let Some(announced) = head::announced_length(req) else {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::BadRequest).await;
-        }
-        // RFC 9112, 6.1: a request whose transfer codings are other than one `chunked` (`gzip,
-        // chunked`, say) cannot be forwarded as received: Pingora reads the chunks and sends
-        // them on as plain `chunked`, so a gzip body would arrive labelled as plain. Refused,
-        // and the body not read: the connection closes after the answer.
-        let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
-        if let Some(coding) = codings.next() {
-            let chunked = coding
-                .as_bytes()
-                .trim_ascii()
-                .eq_ignore_ascii_case(b"chunked");
-            if !chunked || codings.next().is_some() {
-                session.set_keepalive(None);
-                return self.answer(session, ctx, Answer::BadRequest).await;
-            }
-        }
-        // RFC 9110, 8.6: a Content-Length that is not one run of digits (`5, 5`, `+5`), or
-        // two of them, is not forwarded: the upstream could frame the body otherwise than the
-        // gateway did. The body is not read: the connection closes after the answer.
-        let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
-        let mut announced = None;
-        if let Some(length) = lengths.next() {
-            let digits = !length.is_empty() && length.as_bytes().iter().all(u8::is_ascii_digit);
-            if !digits || lengths.next().is_some() {
-                session.set_keepalive(None);
-                return self.answer(session, ctx, Answer::BadRequest).await;
-            }
-            // Digits only: past u64, larger than any limit.
-            announced = Some(
-                std::str::from_utf8(length.as_bytes())
-                    .ok()
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(u64::MAX),
-            );
-        }
+        };
         // Pingora would answer CONNECT with a bare 405 before any hook; the server options
         // let it through to here, where it gets the gateway's own answer.
         if req.method == http::Method::CONNECT {

@@ -1,0 +1,136 @@
+//! What a request head must be before anything is done with it: one way to frame its body
+//! and a `Host` that names a host, read the same by the gateway and the upstream.
+
+use pingora_http::RequestHeader;
+
+/// The body length the head announces (`None` inside: no `Content-Length`), or `None` when
+/// the head is refused:
+/// - RFC 9110, 8.6: a `Content-Length` that is not one run of digits (`5, 5`, `+5`), or two
+///   of them: the upstream could frame the body otherwise than the gateway did;
+/// - RFC 9112, 6.1: transfer codings other than one `chunked` (`gzip, chunked`, two fields):
+///   Pingora reads the chunks and sends them on as plain `chunked`, so a gzip body would
+///   arrive labelled as plain (one whose last coding is not `chunked` Pingora refuses itself);
+/// - RFC 9110, 7.2: a `Host` that is not an authority ([`is_authority`]): one with a space, a
+///   quote or a byte past ASCII names no host, and would reach the upstream (and its
+///   `X-Forwarded-Host`) as it came. Empty is allowed (a target without authority).
+pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
+    if req
+        .headers
+        .get(http::header::HOST)
+        .is_some_and(|h| !is_authority(h.as_bytes()))
+    {
+        return None;
+    }
+    let mut codings = req.headers.get_all(http::header::TRANSFER_ENCODING).iter();
+    if let Some(coding) = codings.next() {
+        let chunked = coding
+            .as_bytes()
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"chunked");
+        if !chunked || codings.next().is_some() {
+            return None;
+        }
+    }
+    let mut lengths = req.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let Some(length) = lengths.next() else {
+        return Some(None);
+    };
+    let digits = !length.is_empty() && length.as_bytes().iter().all(u8::is_ascii_digit);
+    if !digits || lengths.next().is_some() {
+        return None;
+    }
+    // Digits only: past u64, larger than any limit.
+    let n = std::str::from_utf8(length.as_bytes())
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    Some(Some(n.unwrap_or(u64::MAX)))
+}
+
+/// Whether `v` is made of the characters of an authority as a `Host` carries it (RFC 3986,
+/// 3.2): those of a host name or IPv4 address (unreserved characters, percent-encodings,
+/// sub-delimiters), the brackets of an IP literal, the `:` of a port. Only the characters
+/// are checked, not where they stand. Userinfo (`@`) is Pingora's to refuse before this.
+pub fn is_authority(v: &[u8]) -> bool {
+    v.iter().all(|b| {
+        b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'%'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b':'
+                    | b'['
+                    | b']'
+            )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_is_an_authority_or_nothing() {
+        for good in [
+            "api.example.com",
+            "api.example.com:8443",
+            "127.0.0.1:80",
+            "[::1]:8080",
+            "[fe80::1%25eth0]",
+            "xn--bcher-kva.example",
+            "",
+        ] {
+            assert!(is_authority(good.as_bytes()), "{good:?}");
+        }
+        for bad in [
+            "a b", "a\tb", "\"a\"", "a/b", "a\\b", "a<b>", "a{b}", "a|b", "a^b", "a`b",
+        ] {
+            assert!(!is_authority(bad.as_bytes()), "{bad:?}");
+        }
+        assert!(!is_authority(b"\xc3\xa9.example"), "past ASCII");
+        assert!(!is_authority(b"a\x00b"), "NUL");
+    }
+
+    #[test]
+    fn a_head_announces_one_length_in_one_way() {
+        let head = |fields: &[(&str, &str)]| {
+            let mut r = RequestHeader::build("POST", b"/", None).unwrap();
+            for (k, v) in fields {
+                r.append_header(k.to_string(), *v).unwrap();
+            }
+            announced_length(&r)
+        };
+        assert_eq!(head(&[]), Some(None));
+        assert_eq!(head(&[("Content-Length", "007")]), Some(Some(7)));
+        assert_eq!(
+            head(&[("Content-Length", "99999999999999999999999")]),
+            Some(Some(u64::MAX))
+        );
+        assert_eq!(head(&[("Transfer-Encoding", " Chunked")]), Some(None));
+        for refused in [
+            &[("Content-Length", "5, 5")][..],
+            &[("Content-Length", "+5")],
+            &[("Content-Length", "5"), ("Content-Length", "5")],
+            &[("Transfer-Encoding", "gzip, chunked")],
+            &[
+                ("Transfer-Encoding", "chunked"),
+                ("Transfer-Encoding", "chunked"),
+            ],
+            &[("Host", "a b")],
+        ] {
+            assert_eq!(head(refused), None, "{refused:?}");
+        }
+    }
+}
