@@ -380,6 +380,10 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
     // the caller's burst. (Charged first and given back, the burst's charge was seen by the
     // caller's other requests in the same batch, refused by the burst then: `Retry-After:
     // 86400`, a burst that never refills.)
+    // The memory is repeated for a second at most: let it lapse, and let a refused request
+    // ask the ceiling again, so that the burst below comes within the second.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(get(&gw, &callers[2]).await.status(), 429);
     for node in &cluster.nodes {
         node.reset_stats();
     }

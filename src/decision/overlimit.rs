@@ -45,10 +45,18 @@ pub struct Denied {
 /// Never full again, in an entry.
 const NEVER: u64 = u64::MAX;
 
+/// How long a ceiling's denial is repeated before Redis is asked again, whatever its wait: a
+/// ceiling is everyone's, and a give-back (a `fail_closed` admission answered too late), an
+/// operator's reset on another gateway or a `FLUSHALL` can make room before the wait ends.
+/// Its `Retry-After` is still the whole wait.
+pub const CEILING_KEPT_US: u64 = 1_000_000;
+
 /// A remembered denial, times in microseconds of the local clock.
 struct Entry {
     /// Denied until then.
     until: u64,
+    /// Repeated until then (at most `until`): a denial of everyone's is asked again sooner.
+    kept: u64,
     /// When the limit that denied is full again, or `NEVER`.
     full_at: u64,
     /// The index of the limit that denied.
@@ -127,7 +135,7 @@ impl OverlimitCache {
             return None;
         }
         let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = ceiling.as_ref().filter(|e| e.until > now)?;
+        let entry = ceiling.as_ref().filter(|e| e.kept > now)?;
         Some((denied_of(entry, now), replies_of(entry, now)))
     }
 
@@ -135,7 +143,7 @@ impl OverlimitCache {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(key) {
-            Some(entry) if entry.until > now => Some((denied_of(entry, now), also(entry, now))),
+            Some(entry) if entry.kept > now => Some((denied_of(entry, now), also(entry, now))),
             Some(_) => {
                 shard.remove(key);
                 None
@@ -155,17 +163,21 @@ impl OverlimitCache {
     }
 
     /// [`remember`](Self::remember) with every limit's answer of a route with several, Redis
-    /// having been asked in epoch `since`.
+    /// having been asked in epoch `since`; `ceiling`: the limit that denied is everyone's, and
+    /// the denial is repeated for [`CEILING_KEPT_US`] at most.
     pub fn remember_several(
         &self,
         since: u64,
         key: &str,
-        wait_us: u64,
+        (wait_us, ceiling): (u64, bool),
         limit: usize,
         replies: &[ScriptReply],
     ) {
         let now = self.clock.now_us();
-        let entry = entry(now, wait_us, limit, replies);
+        let mut entry = entry(now, wait_us, limit, replies);
+        if ceiling {
+            entry.kept = entry.kept.min(now + CEILING_KEPT_US);
+        }
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since {
             insert(&mut shard, key, entry, now);
@@ -182,10 +194,11 @@ impl OverlimitCache {
         replies: &[ScriptReply],
     ) {
         let now = self.clock.now_us();
-        let entry = entry(now, wait_us, limit, replies);
+        let mut entry = entry(now, wait_us, limit, replies);
+        entry.kept = entry.kept.min(now + CEILING_KEPT_US);
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since {
-            self.ceiling_until.store(entry.until, Ordering::Relaxed);
+            self.ceiling_until.store(entry.kept, Ordering::Relaxed);
             *ceiling = Some(entry);
         }
     }
@@ -243,6 +256,7 @@ fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry
     });
     Entry {
         until: now + wait_us,
+        kept: now + wait_us,
         full_at: at(now, replies.get(limit).and_then(|r| r.reset)),
         limit: u8::try_from(limit).unwrap_or(u8::MAX),
         limits,
@@ -252,7 +266,7 @@ fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry
 /// Puts `entry` in `shard` when there is room (expired entries make some).
 fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64) {
     if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-        shard.retain(|_, e| e.until > now);
+        shard.retain(|_, e| e.kept > now);
         if shard.len() >= CAPACITY / SHARDS {
             return;
         }
@@ -339,7 +353,7 @@ mod tests {
             reply(2_000_000, Some(40), 7),
             reply(0, None, 0),
         ];
-        cache.remember_several(cache.epoch(), "k", 60_000_000, 0, &given);
+        cache.remember_several(cache.epoch(), "k", (60_000_000, false), 0, &given);
         clock.advance(Duration::from_secs(10));
         let (denied, replies) = cache.denied_with_replies("k").unwrap();
         assert_eq!((denied.limit, denied.full_in_s), (0, Some(290)));
@@ -374,12 +388,25 @@ mod tests {
         };
         assert!(cache.ceiling_denied().is_none());
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
-        clock.advance(Duration::from_secs(10));
+        clock.advance(Duration::from_millis(400));
         let (denied, replies) = cache.ceiling_denied().unwrap();
-        assert_eq!((denied.left_us, denied.limit), (20_000_000, 0));
-        assert_eq!(replies[0].reset, Some(50), "counted down");
-        clock.advance(Duration::from_secs(20));
-        assert!(cache.ceiling_denied().is_none(), "over at its wait");
+        assert_eq!(
+            (denied.left_us, denied.limit),
+            (29_600_000, 0),
+            "the whole wait"
+        );
+        assert_eq!(replies[0].reset, Some(60), "counted down");
+        clock.advance(Duration::from_millis(600));
+        assert!(
+            cache.ceiling_denied().is_none(),
+            "asked again after a second"
+        );
+        // A caller's memory of a ceiling's denial too; of its own limit's, the whole wait.
+        cache.remember_several(cache.epoch(), "by-ceiling", (30_000_000, true), 0, &[reply]);
+        cache.remember_several(cache.epoch(), "by-own", (30_000_000, false), 0, &[reply]);
+        clock.advance(Duration::from_secs(1));
+        assert!(cache.denied_for("by-ceiling").is_none());
+        assert_eq!(cache.denied_for("by-own").unwrap().left_us, 29_000_000);
 
         // Asked before a reset, answered after it: not remembered.
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
@@ -387,7 +414,7 @@ mod tests {
         cache.clear();
         assert!(cache.ceiling_denied().is_none(), "cleared");
         cache.remember_ceiling(since, 30_000_000, 0, &[reply]);
-        cache.remember_several(since, "own", 30_000_000, 0, &[reply]);
+        cache.remember_several(since, "own", (30_000_000, false), 0, &[reply]);
         assert!(
             cache.ceiling_denied().is_none(),
             "a denial from before the reset"
@@ -396,7 +423,7 @@ mod tests {
         // A caller's reset starts a new epoch too.
         let since = cache.epoch();
         cache.forget("someone");
-        cache.remember_several(since, "own", 30_000_000, 0, &[reply]);
+        cache.remember_several(since, "own", (30_000_000, false), 0, &[reply]);
         assert!(cache.denied_for("own").is_none());
         // Callers' entries leave the ceiling's room alone.
         for i in 0..2 * CAPACITY {

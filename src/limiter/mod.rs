@@ -155,9 +155,14 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             if let (false, Some(wait), Some(limit)) =
                 (combined.allowed, combined.wait_us, denied_by)
             {
-                endpoint
-                    .overlimit
-                    .remember_several(since, &keys[own], wait, limit, &replies);
+                let ceiling = policy.limits[limit].global;
+                endpoint.overlimit.remember_several(
+                    since,
+                    &keys[own],
+                    (wait, ceiling),
+                    limit,
+                    &replies,
+                );
             }
             Several {
                 decision: Decision::by_redis(combined, breaker),
