@@ -440,6 +440,77 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
     assert_eq!(calls, 4, "one EVALSHA per request");
 }
 
+/// On a cluster, while the ceiling's primary stalls and its breaker is open, a caller on another
+/// primary is answered the ceiling's `circuit_open` after one read of its own limits: they
+/// were charged and given back for every such request (two writes on a node that was fine).
+/// A caller its own limits refuse still gets their 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_ceiling_whose_node_is_away_costs_the_callers_node_one_read() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "200")
+        .breaker(2, 60)
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+        .start();
+    let limits = ceiling_limits();
+    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
+    let ceiling_node = cluster.owner(global_key);
+    let own_key = |k: &str| {
+        limit_keys(
+            "sentinel",
+            &format!("header:x-api-key:{k}"),
+            "e.api",
+            1,
+            &limits,
+        )[0]
+        .clone()
+    };
+    let mut callers = (0..200)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node);
+    let (caller, spent) = (callers.next().unwrap(), callers.next().unwrap());
+    let caller_node = cluster.owner(&own_key(&caller));
+    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
+        blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    assert_eq!(total_over_keys(&gw, &[&spent], 3).await, [3]);
+    assert_eq!(total_over_keys(&gw, &[&caller], 1).await, [1]);
+    assert_eq!(get(&gw, &spent).await.status(), 429, "its burst is spent");
+
+    // The ceiling's primary stalls: two timeouts open its breaker.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(15_000)
+        .arg("ALL")
+        .query(&mut cluster.nodes[ceiling_node].conn())
+        .unwrap();
+    let circuit_open = "sentinel_decisions_total{allowed=\"false\",decision_reason=\"circuit_open\",endpoint_id=\"e.api\"}";
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gw.metric(circuit_open) < 1.0 {
+        assert_eq!(get(&gw, &caller).await.status(), 503);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ceiling's breaker never opened"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster.nodes[caller_node].reset_stats();
+    for _ in 0..3 {
+        let answer = get(&gw, &caller).await;
+        assert_eq!(answer.status(), 503);
+    }
+    assert_eq!(
+        cluster.nodes[caller_node].command_calls("hset"),
+        0,
+        "the caller's limits were read, not charged and given back"
+    );
+    // Refused by its own limits, a caller gets their 429, not the ceiling's 503.
+    assert_eq!(get(&gw, &spent).await.status(), 429);
+}
+
 #[test]
 fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
     let dir = tempfile::tempdir().unwrap();

@@ -145,6 +145,17 @@ impl Breaker {
         }
     }
 
+    /// Whether [`acquire`](Self::acquire) would short-circuit now, without taking a probe:
+    /// the quarantine left when it would.
+    pub fn short_circuits(&self) -> Option<Duration> {
+        let left = Duration::from_micros(self.quarantine_left_us());
+        match self.state() {
+            BreakerState::Closed => None,
+            BreakerState::Open => (!left.is_zero()).then_some(left),
+            BreakerState::HalfOpen => self.probe_taken.load(Ordering::Acquire).then_some(left),
+        }
+    }
+
     fn half_open_probe(&self) -> Result<Permit<'_>, ShortCircuit> {
         if self.state() == BreakerState::HalfOpen
             && self

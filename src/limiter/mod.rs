@@ -221,6 +221,34 @@ async fn two_calls(
             peeked.breaker,
         ));
     }
+    // The ceilings' node short-circuits (its breaker open): the request cannot be admitted
+    // whatever the caller's limits say, so they are read, not charged and given back for
+    // nothing. Refused by them, it is their 429, as when they deny below; else the
+    // ceilings' `circuit_open`.
+    if let Some((retry_in, state)) = store.short_circuited(keys[ceilings[0]]) {
+        let peeked = store
+            .evaluate_limits(
+                &pick(&own),
+                &args_of(&own, mode::PEEK),
+                None,
+                IfLate::Stands,
+            )
+            .await;
+        return match peeked.outcome {
+            Ok(mine) if !mine.iter().all(|r| r.allowed) => {
+                let mut replies: Vec<ScriptReply> = policy.limits.iter().map(untouched).collect();
+                for (i, r) in own.iter().zip(mine) {
+                    replies[*i] = r;
+                }
+                Ok((replies, peeked.breaker))
+            }
+            Ok(_) => Err((
+                crate::decision::Degradation::BreakerOpen { retry_in },
+                state,
+            )),
+            Err(cause) => Err((cause, peeked.breaker)),
+        };
+    }
     let mut replies = vec![None; keys.len()];
     let started = std::time::Instant::now();
     let first = store

@@ -540,6 +540,14 @@ impl Store {
 
     /// The process's breaker state: with one Redis its breaker's; in a cluster open when any
     /// primary's is open, else half_open when any is, else closed.
+    /// When the breaker of the node that holds `key` would short-circuit a call now: the
+    /// quarantine left and its state.
+    pub fn short_circuited(&self, key: &str) -> Option<(Duration, BreakerState)> {
+        let link = self.link_for(key)?;
+        let left = link.breaker.short_circuits()?;
+        Some((left, link.breaker.state()))
+    }
+
     pub fn breaker_state(&self) -> BreakerState {
         self.inner.connector.breakers().state()
     }
