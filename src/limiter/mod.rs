@@ -189,7 +189,7 @@ type Replies = Result<
 /// limits are decided (and charged) first; when they admit, the ceilings are decided; when
 /// a ceiling denies or cannot answer, the caller's limits get their cost back before the
 /// answer, while the budget lasts. A ceiling's denial is remembered until Redis said it
-/// would admit again, and repeated to every caller meanwhile ([`by_remembered_ceiling`]).
+/// would admit again, and repeated to every caller meanwhile ([`refused_by_ceilings`]).
 async fn two_calls(
     store: &Store,
     policy: &Policy,
@@ -200,7 +200,17 @@ async fn two_calls(
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
-    if let Some((denied, remembered)) = overlimit.ceiling_denied() {
+    // The ceilings cannot admit the request: their denial is remembered, or their node
+    // short-circuits (its breaker open). The caller's limits are read then, not charged and
+    // given back a moment later for nothing (which its concurrent requests would take for
+    // their own limit's denial), and the ceilings' node is not asked.
+    let refusal = match overlimit.ceiling_denied() {
+        Some(denial) => Some(Ceilings::Denied(denial)),
+        None => store
+            .short_circuited(keys[ceilings[0]])
+            .map(Ceilings::ShortCircuit),
+    };
+    if let Some(refusal) = refusal {
         let peeked = store
             .evaluate_limits(
                 &pick(&own),
@@ -209,45 +219,7 @@ async fn two_calls(
                 IfLate::Stands,
             )
             .await;
-        return Ok((
-            by_remembered_ceiling(
-                policy,
-                &own,
-                &ceilings,
-                peeked.outcome.ok(),
-                denied,
-                remembered,
-            ),
-            peeked.breaker,
-        ));
-    }
-    // The ceilings' node short-circuits (its breaker open): the request cannot be admitted
-    // whatever the caller's limits say, so they are read, not charged and given back for
-    // nothing. Refused by them, it is their 429, as when they deny below; else the
-    // ceilings' `circuit_open`.
-    if let Some((retry_in, state)) = store.short_circuited(keys[ceilings[0]]) {
-        let peeked = store
-            .evaluate_limits(
-                &pick(&own),
-                &args_of(&own, mode::PEEK),
-                None,
-                IfLate::Stands,
-            )
-            .await;
-        return match peeked.outcome {
-            Ok(mine) if !mine.iter().all(|r| r.allowed) => {
-                let mut replies: Vec<ScriptReply> = policy.limits.iter().map(untouched).collect();
-                for (i, r) in own.iter().zip(mine) {
-                    replies[*i] = r;
-                }
-                Ok((replies, peeked.breaker))
-            }
-            Ok(_) => Err((
-                crate::decision::Degradation::BreakerOpen { retry_in },
-                state,
-            )),
-            Err(cause) => Err((cause, peeked.breaker)),
-        };
+        return refused_by_ceilings(policy, &own, &ceilings, peeked, refusal);
     }
     let mut replies = vec![None; keys.len()];
     let started = std::time::Instant::now();
@@ -374,27 +346,46 @@ fn remember_ceiling_denial(overlimit: &OverlimitCache, since: u64, replies: &[Sc
     }
 }
 
-/// A request refused by a ceiling whose denial is remembered: the ceilings as the memory
-/// has them (the one that denied with what is left of its wait), the caller's own limits as
-/// Redis read them without writing (`peeked`; when it could not, they are left out of the
-/// answer's items). Nothing is charged, so a caller's concurrent requests never see a charge
-/// of its own limits that a ceiling's denial gives back a moment later (they were refused
-/// by their own limit then, with its longer `Retry-After`), and the ceiling's node is not
-/// asked at all.
-fn by_remembered_ceiling(
+/// Why the ceilings cannot admit a request without asking them.
+enum Ceilings {
+    /// Their denial is remembered, and what each said in it.
+    Denied((crate::decision::overlimit::Denied, Vec<ScriptReply>)),
+    /// Their node's breaker short-circuits: the quarantine left, and its state.
+    ShortCircuit((std::time::Duration, crate::decision::BreakerState)),
+}
+
+/// The answer to a request the ceilings cannot admit, with the caller's own limits as Redis
+/// read them without writing (`peeked`; when it could not, they are left out of the
+/// answer's items). Remembered denial: the ceilings as the memory has them, the one that
+/// denied with what is left of its wait. Short-circuit: the caller's own limits' 429 when
+/// they refuse, else the ceilings' `circuit_open`.
+fn refused_by_ceilings(
     policy: &Policy,
     own: &[usize],
     ceilings: &[usize],
-    peeked: Option<Vec<ScriptReply>>,
-    denied: crate::decision::overlimit::Denied,
-    remembered: Vec<ScriptReply>,
-) -> Vec<ScriptReply> {
+    peeked: crate::store::Evaluation<Vec<ScriptReply>>,
+    refusal: Ceilings,
+) -> Replies {
     let mut replies: Vec<ScriptReply> = policy.limits.iter().map(untouched).collect();
-    if let Some(peeked) = peeked {
-        for (i, r) in own.iter().zip(peeked) {
-            replies[*i] = r;
+    let mine = peeked.outcome;
+    if let Ok(mine) = &mine {
+        for (i, r) in own.iter().zip(mine) {
+            replies[*i] = *r;
         }
     }
+    let (denied, remembered) = match refusal {
+        Ceilings::Denied(denial) => denial,
+        Ceilings::ShortCircuit((retry_in, state)) => {
+            return match mine {
+                Ok(mine) if !mine.iter().all(|r| r.allowed) => Ok((replies, peeked.breaker)),
+                Ok(_) => Err((
+                    crate::decision::Degradation::BreakerOpen { retry_in },
+                    state,
+                )),
+                Err(cause) => Err((cause, peeked.breaker)),
+            }
+        }
+    };
     for (k, i) in ceilings.iter().enumerate() {
         if let Some(r) = remembered.get(k) {
             replies[*i] = ScriptReply {
@@ -410,7 +401,7 @@ fn by_remembered_ceiling(
     refused.remaining = refused.remaining.min(0);
     refused.retry_after = Some(denied.left_us.div_ceil(1_000_000));
     refused.wait_us = Some(denied.left_us);
-    replies
+    Ok((replies, peeked.breaker))
 }
 
 /// Charges `micro` micro-tokens, a cost the upstream reported for a request that was
