@@ -511,6 +511,98 @@ async fn on_a_cluster_a_ceiling_whose_node_is_away_costs_the_callers_node_one_re
     assert_eq!(get(&gw, &spent).await.status(), 429);
 }
 
+/// On a cluster, a caller whose limits live on the ceiling's primary (other slots of it) is
+/// decided in one call there, exactly: no charge of its burst for the ceiling to take back,
+/// which its concurrent requests saw; and when a slot of the two moves, the decision is made
+/// slot by slot, following the redirect, still exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_caller_on_the_ceilings_primary_is_decided_in_one_call() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "200")
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+        .start();
+    let limits = ceiling_limits();
+    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
+    let ceiling_node = cluster.owner(global_key);
+    let own_key = |k: &str| {
+        limit_keys(
+            "sentinel",
+            &format!("header:x-api-key:{k}"),
+            "e.api",
+            1,
+            &limits,
+        )[0]
+        .clone()
+    };
+    let callers: Vec<String> = (0..200)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| cluster.owner(&own_key(k)) == ceiling_node)
+        .take(4)
+        .collect();
+    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
+        blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    for node in &cluster.nodes {
+        node.reset_stats();
+    }
+    let keys: Vec<&str> = callers[..3].iter().map(String::as_str).collect();
+    assert_eq!(total_over_keys(&gw, &keys, 4).await, [3, 2, 0]);
+    // One call a decision Redis made: 4 for the first caller (3 admitted, 1 by its burst),
+    // 3 for the second (the ceiling's denial is then repeated by the gateway), 1 for the
+    // third. Two calls in sequence would have made 3 x 2 + 1 + a read of the ceiling, and
+    // charged and given back the others' bursts.
+    let calls = cluster.nodes[ceiling_node].command_calls("evalsha");
+    assert!((6..=8).contains(&calls), "{calls} calls");
+    assert_eq!(
+        cluster.nodes[ceiling_node].command_calls("hset"),
+        10,
+        "the 5 admissions wrote their 2 limits each, and nothing was given back"
+    );
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        if i != ceiling_node {
+            assert_eq!(node.command_calls("evalsha"), 0, "node {i}");
+        }
+    }
+    // A fresh caller's concurrent requests, the ceiling spent: each refused by the ceiling,
+    // with its wait (charged and given back, some were refused by the burst: a wait of a
+    // day, for a burst that never refills), and its burst untouched.
+    let fresh = &callers[3];
+    let answers = futures_util::future::join_all((0..10).map(|_| get(&gw, fresh))).await;
+    for answer in &answers {
+        assert_eq!(answer.status(), 429);
+        let retry = common::retry_after(answer);
+        assert!((1..=120).contains(&retry), "within two windows: {retry}");
+    }
+    let fresh_identity = format!("header:x-api-key:{fresh}");
+    assert_eq!(remaining(&limits_of(&gw, &fresh_identity), "burst"), 3);
+
+    // The fresh caller's burst moves to another primary (its slot handed over, its key
+    // with it) while the gateway's map still says the ceiling's: the call across slots
+    // meets a key the node no longer serves, writes nothing, and the decision is made in
+    // two calls, the first following the MOVED.
+    reset(&gw, "global").await;
+    let k = own_key(fresh);
+    let slot = sentinel_gateway::store::slot(k.as_bytes());
+    let to = (ceiling_node + 1) % 3;
+    // The bucket exists once it was charged: one admitted request first.
+    assert_eq!(get(&gw, fresh).await.status(), 200);
+    cluster.migrate_key(slot, ceiling_node, to, &k);
+    let to_id = cluster.node_id(to);
+    for node in 0..3 {
+        cluster.setslot(node, slot, &["NODE", &to_id]);
+    }
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(get(&gw, fresh).await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429], "its burst of 3, exactly");
+    assert_eq!(remaining(&limits_of(&gw, "global"), "backend"), 2);
+}
+
 #[test]
 fn check_prints_every_limit_and_refuses_mixed_or_duplicate_limits() {
     let dir = tempfile::tempdir().unwrap();

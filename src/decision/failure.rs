@@ -43,6 +43,11 @@ pub enum Failure {
     Noscript,
     /// Redis refused the command itself, or answered a shape no script writes: a bug.
     Rejected,
+    /// A decision whose keys lie in several slots of one cluster node could not be decided
+    /// in that node's batch (it would have to go on its own, where Redis refuses keys of
+    /// several slots): nothing was written, and the decision is made slot by slot instead.
+    /// No failure of Redis: it never reaches the decision table.
+    Split,
 }
 
 /// What a failed evaluation does to its node's breaker.
@@ -64,14 +69,15 @@ impl Failure {
             | Failure::NotConnected
             | Failure::Unavailable
             | Failure::BrokenKey
-            | Failure::Rejected => StoreFailure::ConnectionError,
+            | Failure::Rejected
+            | Failure::Split => StoreFailure::ConnectionError,
         }
     }
 
     /// How it counts for the breaker; `probe`: the evaluation was the half-open probe.
     pub fn charge(self, probe: bool) -> Charge {
         match self {
-            Failure::BrokenKey => Charge::Nothing,
+            Failure::BrokenKey | Failure::Split => Charge::Nothing,
             Failure::ConnectionLost | Failure::NotConnected if !probe => Charge::Nothing,
             _ => Charge::Failure,
         }
@@ -208,6 +214,13 @@ mod tests {
             (bug, bug.charge(false)),
             (Failure::Rejected, Charge::Failure)
         );
+    }
+
+    #[test]
+    fn a_decision_split_across_slots_counts_nothing() {
+        // Never asked of Redis: neither for nor against the breaker, a probe handed on.
+        assert_eq!(Failure::Split.charge(false), Charge::Nothing);
+        assert_eq!(Failure::Split.charge(true), Charge::Nothing);
     }
 
     #[test]

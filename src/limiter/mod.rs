@@ -15,7 +15,7 @@ pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
 use crate::config::{Algorithm, Enforcement, FailMode, Limit, Policy, ONE_TOKEN_MICRO};
 use crate::decision::overlimit::OverlimitCache;
 use crate::decision::{degrade, Decision, ScriptReply};
-use crate::store::{IfLate, ScriptKind, Store};
+use crate::store::{Evaluation, IfLate, ScriptKind, Store};
 
 /// The several-limits script's modes (`lua/limits_multi.lua`).
 pub mod mode {
@@ -138,16 +138,35 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
         args
     };
     let all: Vec<usize> = (0..keys.len()).collect();
+    let started = std::time::Instant::now();
+    let one = |evaluation: Evaluation<Vec<ScriptReply>>| match evaluation.outcome {
+        Ok(replies) => Ok((replies, evaluation.breaker)),
+        Err(cause) => Err((cause, evaluation.breaker)),
+    };
     let replies = if store.one_call(&refs) {
-        let evaluation = store
-            .evaluate_limits(&refs, &args_of(&all, mode::DECIDE), None, if_late(policy))
-            .await;
-        match evaluation.outcome {
-            Ok(replies) => Ok((replies, evaluation.breaker)),
-            Err(cause) => Err((cause, evaluation.breaker)),
-        }
+        let args = args_of(&all, mode::DECIDE);
+        one(store
+            .evaluate_limits(&refs, &args, None, if_late(policy))
+            .await)
     } else {
-        two_calls(store, policy, &refs, &args_of, (&endpoint.overlimit, since)).await
+        // On a cluster, the ceilings and the caller's limits in other slots of one primary:
+        // still one call, in that node's batch, unless it cannot take it now.
+        let across = match store.one_node(&refs) {
+            true => {
+                let args = args_of(&all, mode::DECIDE);
+                store
+                    .evaluate_limits_across(&refs, &args, if_late(policy))
+                    .await
+            }
+            false => None,
+        };
+        match across {
+            Some(evaluation) => one(evaluation),
+            None => {
+                let overlimit = (&endpoint.overlimit, since);
+                two_calls(store, policy, &refs, &args_of, overlimit, started).await
+            }
+        }
     };
     match replies {
         Ok((replies, breaker)) => {
@@ -185,8 +204,8 @@ type Replies = Result<
     (crate::decision::Degradation, crate::decision::BreakerState),
 >;
 
-/// A cluster where the ceilings live on another slot than the caller's limits: the caller's
-/// limits are decided (and charged) first; when they admit, the ceilings are decided; when
+/// A cluster where the ceilings live on another slot than the caller's limits (and, but for
+/// a moment, another node): the caller's limits are decided (and charged) first; when they admit, the ceilings are decided; when
 /// a ceiling denies or cannot answer, the caller's limits get their cost back before the
 /// answer, while the budget lasts. A ceiling's denial is remembered until Redis said it
 /// would admit again, and repeated to every caller meanwhile ([`refused_by_ceilings`]).
@@ -196,6 +215,7 @@ async fn two_calls(
     keys: &[&str],
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
     (overlimit, since): (&OverlimitCache, u64),
+    started: std::time::Instant,
 ) -> Replies {
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
@@ -222,12 +242,14 @@ async fn two_calls(
         return refused_by_ceilings(policy, &own, &ceilings, peeked, refusal);
     }
     let mut replies = vec![None; keys.len()];
-    let started = std::time::Instant::now();
+    // The decision's one budget, part of which a call across slots may have spent before it
+    // had to be split.
+    let within = store.budget().saturating_sub(started.elapsed());
     let first = store
         .evaluate_limits(
             &pick(&own),
             &args_of(&own, mode::DECIDE),
-            None,
+            Some(within),
             if_late(policy),
         )
         .await;

@@ -659,17 +659,38 @@ impl Store {
         queue.waiting = waiting;
     }
 
-    /// Gives back what a decision answered too late was charged, off the request path.
+    /// Gives back what a decision answered too late was charged, off the request path: in
+    /// one call per slot (a decision across slots of its node was charged in a batch, which
+    /// a give-back, sent on its own, may not get).
     fn give_back(&self, keys: Vec<String>, args: Vec<u64>) {
         let store = self.clone();
         drop(self.runtime.spawn(async move {
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            match store.evaluate_limits_late(&refs, &args).await.outcome {
-                Ok(_) => tracing::debug!("gave back an admission answered after its decision gave up"),
-                Err(e) => tracing::warn!(cause = ?e, "could not give back an admission answered after its decision gave up"),
+            for (keys, args) in by_slot(&keys, &args) {
+                match store.evaluate_limits_late(&keys, &args).await.outcome {
+                    Ok(_) => tracing::debug!("gave back an admission answered after its decision gave up"),
+                    Err(e) => tracing::warn!(cause = ?e, "could not give back an admission answered after its decision gave up"),
+                }
             }
         }));
     }
+}
+
+/// A several-limits call's `keys` and `args` (its mode, then four arguments a key) as one
+/// call per slot, in the order the slots first come.
+fn by_slot<'a>(keys: &'a [String], args: &[u64]) -> Vec<(Vec<&'a str>, Vec<u64>)> {
+    let mut calls: Vec<(u16, Vec<&str>, Vec<u64>)> = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let slot = super::slot(key.as_bytes());
+        let limit = args.get(1 + 4 * i..5 + 4 * i).unwrap_or_default();
+        match calls.iter_mut().find(|(s, ..)| *s == slot) {
+            Some((_, keys, args)) => {
+                keys.push(key);
+                args.extend_from_slice(limit);
+            }
+            None => calls.push((slot, vec![key], [&args[..1], limit].concat())),
+        }
+    }
+    calls.into_iter().map(|(_, k, a)| (k, a)).collect()
 }
 
 /// Whether a cluster batch's decision failed on a key whose slot the node does not serve
@@ -1077,6 +1098,32 @@ mod tests {
             again,
             [1, 2, 5, 6, 1, 0, 1],
             "nothing of the last batch is kept"
+        );
+    }
+
+    #[test]
+    fn a_give_back_across_slots_goes_slot_by_slot_with_each_keys_arguments() {
+        // Two keys of one hash tag and one of another: two calls, each with the mode first
+        // and its keys' four arguments each, in order.
+        let keys: Vec<String> = ["{a}:burst", "{b}:ceiling", "{a}:daily"]
+            .map(String::from)
+            .into();
+        let args = [1, 1, 10, 11, 12, 2, 20, 21, 22, 1, 30, 31, 32];
+        let calls = by_slot(&keys, &args);
+        assert_eq!(
+            calls,
+            [
+                (
+                    vec!["{a}:burst", "{a}:daily"],
+                    vec![1, 1, 10, 11, 12, 1, 30, 31, 32]
+                ),
+                (vec!["{b}:ceiling"], vec![1, 2, 20, 21, 22]),
+            ]
+        );
+        // One slot: one call, as it came.
+        assert_eq!(
+            by_slot(&keys[..1], &args[..5]),
+            [(vec!["{a}:burst"], args[..5].to_vec())]
         );
     }
 }

@@ -82,7 +82,8 @@ pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
     })
 }
 
-/// One script call: which script, its keys (all in one slot) and its arguments.
+/// One script call: which script, its keys (all in one slot, unless `across`) and its
+/// arguments.
 #[derive(Clone, Copy)]
 pub(super) struct Call<'a> {
     pub(super) kind: ScriptKind,
@@ -101,6 +102,9 @@ pub(super) struct Call<'a> {
     /// What becomes of an admission Redis made but whose answer came after the decision
     /// gave up ([`super::IfLate`]).
     pub(super) if_late: super::IfLate,
+    /// Its keys lie in several slots of one cluster node: it can only be decided in that
+    /// node's batch, never on its own ([`Failure::Split`]).
+    pub(super) across: bool,
 }
 
 /// Where one evaluation stands after asking one node.
@@ -166,6 +170,10 @@ impl Store {
         let script = self.inner.scripts.get(call.kind);
         let started = Instant::now();
         let result = self.eval(link, script, call, probe).await;
+        if let Err(Failure::Split) = result {
+            // Nothing was asked of Redis: its state and metrics are left as they were.
+            return Err(Failure::Split);
+        }
         let timed_out = matches!(result, Err(Failure::Timeout));
         link.suspect.store(timed_out, Ordering::Relaxed);
         // Loaded first: a store on every decision would bounce the line between workers.
@@ -280,6 +288,8 @@ impl Store {
                 };
                 let step = match batched {
                     Some(step) => step,
+                    // On its own, Redis would refuse its keys (`CROSSSLOT`).
+                    None if call.across => return Err(Failure::Split),
                     None => {
                         self.eval_on(&link, script, call, probe && hop == 0, asking)
                             .await
@@ -416,7 +426,7 @@ impl Store {
         e: &dyn std::fmt::Display,
     ) -> Failure {
         match failure {
-            Failure::Timeout | Failure::Noscript | Failure::NotConnected => {}
+            Failure::Timeout | Failure::Noscript | Failure::NotConnected | Failure::Split => {}
             Failure::ConnectionLost => {}
             Failure::BrokenKey => self.inner.broken_keys.report(key, e),
             Failure::Rejected => {

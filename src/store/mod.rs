@@ -46,7 +46,7 @@ use sentinel::Sentinel;
 
 use crate::clock::SharedClock;
 use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
-use crate::decision::{BreakerState, Degradation, Failure, ScriptReply, StoreFailure};
+use crate::decision::{BreakerState, Charge, Degradation, Failure, ScriptReply, StoreFailure};
 use crate::metrics::{Metrics, StoreErrorCounters};
 
 /// One Redis, or the primaries of a cluster.
@@ -293,8 +293,10 @@ impl Store {
             deadline_us: 0,
             compensation: false,
             if_late,
+            across: false,
         };
-        self.evaluate_call(call, ScriptReply::parse).await
+        let evaluation = self.evaluate_call(call, ScriptReply::parse).await;
+        evaluation.unwrap_or_else(|| self.unasked())
     }
 
     /// Runs the several-limits script (`lua/limits_multi.lua`) over `keys`, which must share
@@ -338,6 +340,35 @@ impl Store {
             deadline_us: 0,
             compensation,
             if_late,
+            across: false,
+        };
+        let evaluation = self
+            .evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
+            .await;
+        evaluation.unwrap_or_else(|| self.unasked())
+    }
+
+    /// [`Store::evaluate_limits`] of keys that lie in several slots of one Redis Cluster
+    /// primary ([`Store::one_node`]): decided in one `EVALSHA`, that node's batch, whose
+    /// script may touch every slot of its node. `None` when it cannot go that way after all
+    /// (the node now sends its decisions one by one, the call would be its breaker's probe,
+    /// or a key's slot has moved): nothing was written or counted, and the caller decides the
+    /// keys slot by slot.
+    pub async fn evaluate_limits_across(
+        &self,
+        keys: &[&str],
+        args: &[u64],
+        if_late: IfLate,
+    ) -> Option<Evaluation<Vec<ScriptReply>>> {
+        let call = Call {
+            kind: ScriptKind::Limits,
+            keys,
+            args,
+            within: None,
+            deadline_us: 0,
+            compensation: false,
+            if_late,
+            across: true,
         };
         self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
             .await
@@ -360,18 +391,43 @@ impl Store {
         }
     }
 
+    /// Whether `keys` of several slots may be decided by one call all the same
+    /// ([`Store::evaluate_limits_across`]): on a cluster, when one primary serves them all
+    /// and takes its decisions in batches.
+    pub fn one_node(&self, keys: &[&str]) -> bool {
+        let Layout::Cluster(cluster) = &self.inner.layout else {
+            return true;
+        };
+        let Some((first, rest)) = keys.split_first() else {
+            return true;
+        };
+        cluster.link_for(first).is_some_and(|link| {
+            self.batches_on(&link)
+                && rest
+                    .iter()
+                    .all(|k| cluster.link_for(k).is_some_and(|l| Arc::ptr_eq(&l, &link)))
+        })
+    }
+
+    /// A call no node was asked: it fails at once, as a disconnected Redis does.
+    fn unasked<T>(&self) -> Evaluation<T> {
+        Evaluation {
+            outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
+            breaker: self.breaker_state(),
+        }
+    }
+
+    /// The call's evaluation; `None` only for a call `across` slots that must be split
+    /// ([`Failure::Split`]).
     async fn evaluate_call<T>(
         &self,
         call: Call<'_>,
         parse: impl FnOnce(&[u8]) -> Option<T>,
-    ) -> Evaluation<T> {
+    ) -> Option<Evaluation<T>> {
         // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
-        // serves. Fails at once, as a disconnected Redis does.
+        // serves.
         let Some(link) = self.link_for(call.keys[0]) else {
-            return Evaluation {
-                outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
-                breaker: self.breaker_state(),
-            };
+            return Some(self.unasked());
         };
         let breaker = &link.breaker;
         // A compensation (giving back what a denied request was charged) is owed whatever the
@@ -379,26 +435,31 @@ impl Store {
         // outcome counts neither for nor against it.
         if call.compensation {
             let outcome = self.run(&link, call, false, parse).await;
-            return Evaluation {
+            return Some(Evaluation {
                 outcome: outcome.map_err(|f| Degradation::Store(f.cause())),
                 breaker: breaker.state(),
-            };
+            });
         }
         let permit = match breaker.acquire() {
             Ok(p) => p,
             Err(short) => {
-                return Evaluation {
+                return Some(Evaluation {
                     outcome: Err(Degradation::BreakerOpen {
                         retry_in: short.retry_in,
                     }),
                     breaker: breaker.state(),
-                }
+                })
             }
         };
         let probe = permit.is_probe();
         let result = self.run(&link, call, probe, parse).await;
         match &result {
             Ok(_) => permit.success(),
+            Err(Failure::Split) => {
+                // Nothing decided: a probe goes to the next call.
+                permit.charge(Charge::Nothing, StoreFailure::ConnectionError);
+                return None;
+            }
             Err(failure) => {
                 if *failure == Failure::NotConnected {
                     link.failed_at_once();
@@ -413,10 +474,10 @@ impl Store {
                 }
             }
         }
-        Evaluation {
+        Some(Evaluation {
             outcome: result.map_err(|f| Degradation::Store(f.cause())),
             breaker: breaker.state(),
-        }
+        })
     }
 
     /// Runs the fleet heartbeat (off the request path); returns the live instance count.
