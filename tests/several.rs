@@ -747,6 +747,65 @@ async fn a_cost_the_upstream_reports_is_charged_after_the_answer_and_may_go_into
     assert_eq!(r.headers()["retry-after"], "86400");
 }
 
+/// The caller's next request is decided with the charge of the answer before it: sent on
+/// the same connection the moment the answer came, or pipelined behind it. (Charged once the
+/// answer had gone, the charge raced the next request, which was admitted on a bucket the
+/// charge had emptied: every pipelined one, one in four sent at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_request_is_decided_with_the_charge_of_the_answer_before_it() {
+    use std::io::{Read, Write};
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(ocr())
+        .start();
+    // One connection (the client keeps it alive): a 30-page document empties the burst
+    // of 10 into debt, and the very next request is refused.
+    let http = client();
+    for i in 0..10 {
+        let key = format!("next-{i}");
+        let call = |pages: &'static str| {
+            http.get(gw.url("/ocr/doc"))
+                .header("X-API-Key", key.as_str())
+                .header("X-Demo-Reply-X-OCR-Pages", pages)
+                .send()
+        };
+        let first = call("30").await.unwrap();
+        assert_eq!(first.status(), 200);
+        first.bytes().await.unwrap();
+        assert_eq!(call("0").await.unwrap().status(), 429, "{key}");
+    }
+    // Pipelined: two requests in one write; the second is decided after the first's charge.
+    for i in 0..5 {
+        let pipelined: String = ["30", "0"]
+            .iter()
+            .map(|pages| {
+                format!("GET /ocr/doc HTTP/1.1\r\nHost: gw\r\nX-API-Key: pipe-{i}\r\nX-Demo-Reply-X-OCR-Pages: {pages}\r\n\r\n")
+            })
+            .collect();
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        conn.write_all(pipelined.as_bytes()).unwrap();
+        let mut text = String::new();
+        let mut buf = [0u8; 4096];
+        while text.matches("HTTP/1.1 ").count() < 2 || !text.ends_with('}') {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => text.push_str(&String::from_utf8_lossy(&buf[..n])),
+            }
+        }
+        let statuses: Vec<&str> = text
+            .match_indices("HTTP/1.1 ")
+            .map(|(at, _)| &text[at + 9..at + 12])
+            .collect();
+        assert_eq!(statuses, ["200", "429"], "{text}");
+    }
+    assert_eq!(
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}"),
+        15.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debt_is_paid_back_by_the_refill_and_retry_after_says_when() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));

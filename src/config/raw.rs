@@ -204,8 +204,8 @@ pub struct RawRoute {
     pub max_body_bytes: Option<Spanned<i64>>,
     pub websocket: Option<bool>,
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
-    #[serde(default)]
-    pub limits: Vec<Spanned<RawLimit>>,
+    /// Absent, or written (`limits = []` is written, and names no limit).
+    pub limits: Option<Spanned<Vec<Spanned<RawLimit>>>>,
     pub cost_from_response: Option<Spanned<RawCostFromResponse>>,
     pub tier_from: Option<Spanned<RawTierFrom>>,
     pub default_tier: Option<Spanned<String>>,

@@ -93,9 +93,9 @@ pub struct RequestCtx {
     exempt: bool,
     /// Forwarded unlimited: the caller's tier is `unlimited = true`.
     unlimited_tier: bool,
-    /// `cost_from_response`: the micro-tokens the upstream's answer reported (`Some(None)`:
-    /// a malformed value), charged once the answer has gone.
-    charge: Option<Option<u64>>,
+    /// `cost_from_response`: the charge of the cost the upstream's answer reported, sent as
+    /// its head came; the request ends once it is made.
+    charging: Option<tokio::task::JoinHandle<()>>,
     /// A tiered route: the tier the caller counted under, and that tier's endpoint when it
     /// is not the route's own.
     tier: Option<Arc<str>>,
@@ -190,21 +190,27 @@ fn charge_of(value: &[u8], unit_micro: u64) -> Option<u64> {
 }
 
 impl Gateway {
-    /// Charges a reported cost after the answer has gone, in a task of its own: the answer
-    /// never waits for it.
-    fn charge(&self, route: &Arc<Route>, ctx: &RequestCtx, charge: Option<u64>) {
+    /// Charges a reported cost (`None`: a malformed value) in a task of its own, sent as the
+    /// answer's head passes on: the answer never waits for it, and the caller's next request
+    /// finds it made ([`Gateway::charged`]).
+    fn charge(
+        &self,
+        route: &Route,
+        ctx: &RequestCtx,
+        charge: Option<u64>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         let endpoint = Arc::clone(ctx.deciding(route));
         let counters = endpoint.metrics.charges.clone();
         let (Some(micro), Some(hash)) = (charge, ctx.identity_hash.clone()) else {
             counters.invalid.inc();
-            return;
+            return None;
         };
         if micro == 0 {
             counters.charged.inc();
-            return;
+            return None;
         }
         let store = self.store.clone();
-        tokio::spawn(async move {
+        Some(tokio::spawn(async move {
             match limiter::charge(&store, &endpoint, &hash, micro).await {
                 Ok(()) => counters.charged.inc(),
                 Err(cause) => {
@@ -212,7 +218,19 @@ impl Gateway {
                     counters.failed.inc()
                 }
             }
-        });
+        }))
+    }
+
+    /// Waits, once the answer has gone, for the charge of its reported cost: the request is
+    /// not over (nor its connection's next request read) until the charge is made, so that
+    /// the caller's next request, pipelined or sent the moment the answer came, is decided
+    /// with it. Within the charge's own budget (two calls on a cluster whose ceiling lives
+    /// in another slot), and usually no wait at all: it went out with the answer's head.
+    async fn charged(&self, ctx: &mut RequestCtx) {
+        if let Some(task) = ctx.charging.take() {
+            let bound = 2 * self.store.budget() + Duration::from_millis(5);
+            let _ = tokio::time::timeout(bound, task).await;
+        }
     }
 
     async fn answer(
@@ -712,12 +730,12 @@ impl ProxyHttp for Gateway {
             // Never shown to the client, charged or not.
             let reported = upstream_response.remove_header(&cost.header);
             let admitted_by_redis = ctx.decision.is_some_and(|d| d.admitted_by_redis());
-            if let (Some(value), true) = (reported, admitted_by_redis) {
-                ctx.charge = Some(if fields == 1 {
-                    charge_of(value.as_bytes(), cost.unit_micro)
-                } else {
-                    None
-                });
+            if let (Some(value), true, Some(route)) = (reported, admitted_by_redis, &ctx.route) {
+                let charge = match fields {
+                    1 => charge_of(value.as_bytes(), cost.unit_micro),
+                    _ => None,
+                };
+                ctx.charging = self.charge(route, ctx, charge);
             }
         }
         Ok(())
@@ -1000,13 +1018,11 @@ impl ProxyHttp for Gateway {
                     counters[usize::from(d.allowed())].inc();
                 }
             }
-            if let Some(charge) = ctx.charge.take() {
-                self.charge(route, ctx, charge);
-            }
             if !d.allowed() && route.endpoint.policy.mode == Enforcement::Shadow {
                 m.shadow_denials.inc();
             }
         }
+        self.charged(ctx).await;
     }
 }
 

@@ -126,11 +126,15 @@ fn request_id_clashes(
         .and_then(|s| s.get_ref().request_id_header.as_ref());
     let id = server.request_id_header.as_str();
     let mut uses = Vec::new();
+    // Where the file says it when it leaves the request id header at its default: the first
+    // route that uses it.
+    let mut first_route = None;
     if api_keys.is_some_and(|k| k.header == id) {
         uses.push("auth.api_keys.header".to_owned());
     }
-    for (_, r) in routes {
+    for (span, r) in routes {
         let label = route_label(r.index, r.policy.endpoint_id.as_str());
+        let before = uses.len();
         if matches!(&r.identity, IdentitySource::Header(h) if h == id) {
             uses.push(format!("the identity header of {label}"));
         }
@@ -140,6 +144,9 @@ fn request_id_clashes(
             .is_some_and(|cost| cost.header == id)
         {
             uses.push(format!("the cost header of {label}"));
+        }
+        if uses.len() > before && first_route.is_none() {
+            first_route = Some(span.clone());
         }
     }
     if uses.is_empty() {
@@ -152,7 +159,7 @@ fn request_id_clashes(
             "choose another, such as \"X-Request-Id\"",
         ),
         None => (
-            None,
+            first_route,
             "server.request_id_header (by default \"X-Request-Id\")".to_owned(),
             "set server.request_id_header to another, such as \"X-Trace-Id\"",
         ),

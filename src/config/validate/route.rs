@@ -424,7 +424,15 @@ fn limits(
     spanned: &Spanned<RawRoute>,
 ) -> Option<(Vec<Limit>, bool)> {
     let r = spanned.get_ref();
-    if r.limits.is_empty() {
+    if let Some(written) = r.limits.as_ref().filter(|l| l.get_ref().is_empty()) {
+        c.push(Some(&written.span()), label, format!("limits = [] names no limit: a route has 1 to {MAX_LIMITS} [[routes.limits]], or the single-limit fields (algorithm and its own)"));
+        return None;
+    }
+    let named = r
+        .limits
+        .as_ref()
+        .map_or(&[][..], |l| l.get_ref().as_slice());
+    if named.is_empty() {
         let Some(alg) = &r.algorithm else {
             c.push(Some(&spanned.span()), label, "algorithm is not set: give algorithm (\"token_bucket\", \"sliding_window\" or \"none\") or one [[routes.limits]] per limit".into());
             return None;
@@ -471,7 +479,7 @@ fn limits(
             ok = false;
         }
     }
-    let out = named_limits(c, label, &r.limits, "limits", true);
+    let out = named_limits(c, label, named, "limits", true);
     (ok && out.is_some()).then(|| (out.unwrap_or_default(), true))
 }
 
@@ -696,6 +704,10 @@ fn policy(
     let cost_from_response = r.cost_from_response.as_ref().and_then(|spanned| {
         let raw = spanned.get_ref();
         let header = match http::HeaderName::from_bytes(raw.header.get_ref().as_bytes()) {
+            Ok(h) if RESERVED_COST_HEADERS.contains(&h.as_str()) => {
+                c.push(Some(&raw.header.span()), label, format!("cost_from_response.header = \"{}\" is a header HTTP or the answer itself needs, and the cost header is removed from every answer: name the header the upstream reports its cost in, such as \"X-OCR-Pages\"", raw.header.get_ref()));
+                None
+            }
             Ok(h) => Some(h),
             Err(_) => {
                 c.push(Some(&raw.header.span()), label, format!("cost_from_response.header = \"{}\" is not a header name", raw.header.get_ref()));
@@ -993,3 +1005,26 @@ fn algorithm_fields(a: &Algorithm, b: &Algorithm) -> Vec<&'static str> {
         .filter_map(|(differs, name)| differs.then_some(name))
         .collect()
 }
+
+/// Headers an answer cannot lose: its framing, hop-by-hop fields, and what the gateway or
+/// HTTP itself writes (a cost header is removed from every answer).
+const RESERVED_COST_HEADERS: &[&str] = &[
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+    "proxy-authenticate",
+    "content-type",
+    "content-encoding",
+    "date",
+    "location",
+    "set-cookie",
+    "www-authenticate",
+    "retry-after",
+    "ratelimit",
+    "ratelimit-policy",
+];
