@@ -369,7 +369,10 @@ impl Admin {
             .map(|r| &r.identity)
             .collect();
         let ceiling = endpoint.policy.limits.iter().any(|l| l.global);
-        if !(sources.iter().any(|s| keys_by(s, &identity)) || ceiling && identity == "global") {
+        // `global` on a route whose callers are keyed otherwise: the ceilings alone (the
+        // caller limits of an identity no request has would only ever read full).
+        let ceilings_only = !sources.iter().any(|s| keys_by(s, &identity));
+        if ceilings_only && !(ceiling && identity == "global") {
             let mut kinds: Vec<String> = sources.iter().map(|s| written_as(s)).collect();
             if ceiling {
                 kinds.push("global".to_owned());
@@ -435,7 +438,7 @@ impl Admin {
             };
         }
         let peeked = match &view_of {
-            Some(e) => inspect::peek(&self.store, e, &hash).await,
+            Some(e) => inspect::peek(&self.store, e, &hash, ceilings_only).await,
             // An unlimited tier has no limits to show.
             None => Ok(Vec::new()),
         };

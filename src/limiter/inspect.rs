@@ -37,15 +37,20 @@ fn keyed<'e>(endpoint: &'e Endpoint, identity_hash: &str) -> Vec<(&'e Limit, Str
     policy.limits.iter().zip(keys).collect()
 }
 
-/// The identity's buckets of `endpoint`, read from Redis without writing; a bucket never
-/// used reads full.
+/// The identity's buckets of `endpoint` (its ceilings' only, with `ceilings_only`), read from
+/// Redis without writing; a bucket never used reads full.
 pub async fn peek(
     store: &Store,
     endpoint: &Endpoint,
     identity_hash: &str,
+    ceilings_only: bool,
 ) -> Result<Vec<LimitView>, StoreFailure> {
     let mut views = Vec::new();
-    for (limit, key) in keyed(endpoint, identity_hash) {
+    let keyed = keyed(endpoint, identity_hash);
+    for (limit, key) in keyed
+        .into_iter()
+        .filter(|(l, _)| l.global || !ceilings_only)
+    {
         views.push(view(store, endpoint, limit, &key).await?);
     }
     Ok(views)
