@@ -548,7 +548,7 @@ async fn on_a_cluster_a_caller_on_the_ceilings_primary_is_decided_in_one_call() 
     let callers: Vec<String> = (0..200)
         .map(|i| format!("key-{i}"))
         .filter(|k| cluster.owner(&own_key(k)) == ceiling_node)
-        .take(4)
+        .take(5)
         .collect();
     common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
         blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
@@ -586,6 +586,21 @@ async fn on_a_cluster_a_caller_on_the_ceilings_primary_is_decided_in_one_call() 
     }
     let fresh_identity = format!("header:x-api-key:{fresh}");
     assert_eq!(remaining(&limits_of(&gw, &fresh_identity), "burst"), 3);
+
+    // The ceiling's denial is remembered for every caller: with the node stalled, a new
+    // caller on it is still refused by the ceiling (its own limits' read times out), not
+    // `fail_closed`.
+    assert_eq!(get(&gw, fresh).await.status(), 429);
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(500)
+        .arg("ALL")
+        .query(&mut cluster.nodes[ceiling_node].conn())
+        .unwrap();
+    let refused = get(&gw, &callers[4]).await;
+    assert_eq!(refused.status(), 429);
+    assert!(common::retry_after(&refused) >= 1);
+    tokio::time::sleep(Duration::from_millis(600)).await;
 
     // The fresh caller's burst moves to another primary (its slot handed over, its key
     // with it) while the gateway's map still says the ceiling's: the call across slots
@@ -811,6 +826,33 @@ async fn the_next_request_is_decided_with_the_charge_of_the_answer_before_it() {
         gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}"),
         15.0
     );
+}
+
+/// A client that resets its connection while the upstream works is still charged the cost
+/// the upstream reports: the upstream's answer is read though it can no longer be written.
+#[test]
+fn a_client_that_resets_its_connection_is_still_charged_the_reported_cost() {
+    use std::io::Write;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(ocr())
+        .start();
+    let conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    (&conn)
+        .write_all(b"GET /ocr/slow?ms=400 HTTP/1.1\r\nHost: gw\r\nX-API-Key: rst\r\nX-Demo-Reply-X-OCR-Pages: 4\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    // Closed with unread data pending, or with a zero linger: an RST either way.
+    socket2::SockRef::from(&conn)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(conn);
+    common::wait_until(Duration::from_secs(3), "the charge", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
+            == 1.0
+    });
+    assert_eq!(ocr_remaining(&gw, "rst"), 10 - 1 - 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -656,7 +656,16 @@ impl AsyncRead for Guarded {
         let this = &mut *self;
         let state = this.reg.conn.state.load(Ordering::Relaxed);
         if state == BUSY {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
+            return match Pin::new(&mut this.inner).poll_read(cx, buf) {
+                // An HTTP/1 client that resets its connection while its request is proxied
+                // is read as one that closed its side: the upstream's answer is still read
+                // (and a cost it reports charged: a reset would otherwise dodge it), and the
+                // reset is met when the answer cannot be written.
+                Poll::Ready(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                    Poll::Ready(Ok(()))
+                }
+                read => read,
+            };
         }
         if state == MULTIPLEXED {
             if this.reg.conn.cut.load(Ordering::Relaxed) {

@@ -137,36 +137,16 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
         }
         args
     };
-    let all: Vec<usize> = (0..keys.len()).collect();
-    let started = std::time::Instant::now();
-    let one = |evaluation: Evaluation<Vec<ScriptReply>>| match evaluation.outcome {
-        Ok(replies) => Ok((replies, evaluation.breaker)),
-        Err(cause) => Err((cause, evaluation.breaker)),
-    };
     let replies = if store.one_call(&refs) {
+        let all: Vec<usize> = (0..keys.len()).collect();
         let args = args_of(&all, mode::DECIDE);
-        one(store
-            .evaluate_limits(&refs, &args, None, if_late(policy))
-            .await)
+        replies_of(
+            store
+                .evaluate_limits(&refs, &args, None, if_late(policy))
+                .await,
+        )
     } else {
-        // On a cluster, the ceilings and the caller's limits in other slots of one primary:
-        // still one call, in that node's batch, unless it cannot take it now.
-        let across = match store.one_node(&refs) {
-            true => {
-                let args = args_of(&all, mode::DECIDE);
-                store
-                    .evaluate_limits_across(&refs, &args, if_late(policy))
-                    .await
-            }
-            false => None,
-        };
-        match across {
-            Some(evaluation) => one(evaluation),
-            None => {
-                let overlimit = (&endpoint.overlimit, since);
-                two_calls(store, policy, &refs, &args_of, overlimit, started).await
-            }
-        }
+        across_slots(store, policy, &refs, &args_of, (&endpoint.overlimit, since)).await
     };
     match replies {
         Ok((replies, breaker)) => {
@@ -204,19 +184,26 @@ type Replies = Result<
     (crate::decision::Degradation, crate::decision::BreakerState),
 >;
 
-/// A cluster where the ceilings live on another slot than the caller's limits (and, but for
-/// a moment, another node): the caller's limits are decided (and charged) first; when they admit, the ceilings are decided; when
-/// a ceiling denies or cannot answer, the caller's limits get their cost back before the
-/// answer, while the budget lasts. A ceiling's denial is remembered until Redis said it
-/// would admit again, and repeated to every caller meanwhile ([`refused_by_ceilings`]).
-async fn two_calls(
+fn replies_of(evaluation: Evaluation<Vec<ScriptReply>>) -> Replies {
+    match evaluation.outcome {
+        Ok(replies) => Ok((replies, evaluation.breaker)),
+        Err(cause) => Err((cause, evaluation.breaker)),
+    }
+}
+
+/// A cluster where the ceilings lie in another slot than the caller's limits. While the
+/// ceilings cannot admit anyone (their denial remembered, or their node short-circuiting),
+/// every caller is refused after one read of its own limits ([`refused_by_ceilings`]).
+/// Otherwise, when one primary holds both, one call decides them in that node's batch;
+/// else, or when that call cannot go, [`two_calls`].
+async fn across_slots(
     store: &Store,
     policy: &Policy,
     keys: &[&str],
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
     (overlimit, since): (&OverlimitCache, u64),
-    started: std::time::Instant,
 ) -> Replies {
+    let started = std::time::Instant::now();
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
@@ -241,6 +228,38 @@ async fn two_calls(
             .await;
         return refused_by_ceilings(policy, &own, &ceilings, peeked, refusal);
     }
+    // The ceilings and the caller's limits on one primary: still one call, in that node's
+    // batch, unless it cannot take it now.
+    if store.one_node(keys) {
+        let all: Vec<usize> = (0..keys.len()).collect();
+        let args = args_of(&all, mode::DECIDE);
+        let across = store.evaluate_limits_across(keys, &args, if_late(policy));
+        if let Some(evaluation) = across.await {
+            if let Ok(replies) = &evaluation.outcome {
+                let theirs: Vec<ScriptReply> = ceilings.iter().map(|i| replies[*i]).collect();
+                remember_ceiling_denial(overlimit, since, &theirs);
+            }
+            return replies_of(evaluation);
+        }
+    }
+    two_calls(store, policy, keys, args_of, (overlimit, since), started).await
+}
+
+/// The caller's limits are decided (and charged) first; when they admit, the ceilings are
+/// decided; when a ceiling denies or cannot answer, the caller's limits get their cost back
+/// before the answer, while the budget lasts. A ceiling's denial is remembered until Redis
+/// said it would admit again, and repeated to every caller meanwhile.
+async fn two_calls(
+    store: &Store,
+    policy: &Policy,
+    keys: &[&str],
+    args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
+    (overlimit, since): (&OverlimitCache, u64),
+    started: std::time::Instant,
+) -> Replies {
+    let (own, ceilings): (Vec<usize>, Vec<usize>) =
+        (0..keys.len()).partition(|i| !policy.limits[*i].global);
+    let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
     let mut replies = vec![None; keys.len()];
     // The decision's one budget, part of which a call across slots may have spent before it
     // had to be split.
