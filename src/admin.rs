@@ -204,8 +204,12 @@ where
                 let answered = answer(req, peer);
                 async move { Ok::<_, Infallible>(answered.await) }
             });
+            // A client that closes its side once its request is sent (`nc -N`) is answered,
+            // as on the proxy's listeners; without, its request ran but its answer was lost,
+            // and so was the log line of a reset or a reload it asked for.
             let _ = http1::Builder::new()
                 .keep_alive(keep_alive)
+                .half_close(true)
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });

@@ -316,6 +316,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
             lifecycle,
             grace: server_cfg.grace_period,
             stops,
+            access_log,
         }),
     });
     Ok(())
@@ -400,6 +401,7 @@ struct Drain {
     lifecycle: Arc<Lifecycle>,
     grace: Duration,
     stops: Arc<Stops>,
+    access_log: Arc<AccessLog>,
 }
 
 #[async_trait]
@@ -418,6 +420,7 @@ impl ShutdownSignalWatch for Drain {
         );
         self.lifecycle.start_draining();
         let lifecycle = Arc::clone(&self.lifecycle);
+        let access_log = Arc::clone(&self.access_log);
         let deadline = Instant::now() + self.grace;
         std::thread::spawn(move || {
             // Give the listeners a moment to close before counting what is left.
@@ -432,6 +435,8 @@ impl ShutdownSignalWatch for Drain {
                     "grace_period_seconds is over with requests in flight; exiting, which cuts them (no access-log line is written for them)"
                 ),
             }
+            // The lines of the requests answered are written before the process ends.
+            access_log.flush(Duration::from_secs(1));
             std::process::exit(0);
         });
         ShutdownSignal::GracefulTerminate

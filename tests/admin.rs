@@ -5,6 +5,7 @@ mod common;
 
 use common::config::{quoted, GatewayConfig, Route};
 use common::{client, Redis, Upstream};
+use std::time::Duration;
 
 const TOKEN: &str = "admin-token-0123456789";
 
@@ -160,4 +161,59 @@ async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
             r#"{"detail":"method not allowed"}"#
         );
     }
+}
+
+/// A client that closes its side once its request is sent (`nc -N`, `printf | nc -q0`) gets
+/// its answer, and what it asked for is done and logged: a reset's line was lost with the
+/// answer before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_admin_request_is_answered_and_logged() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("a.key")
+                .prefix("/")
+                .identity_header("X-Key")
+                .token_bucket(3_000_000, 0),
+        )
+        .start();
+    let http = client();
+    for _ in 0..3 {
+        let r = http
+            .get(gw.url("/x"))
+            .header("X-Key", "hc")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let half_closed = |request: &str| {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.admin_port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        conn.write_all(request.as_bytes()).unwrap();
+        conn.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        answer
+    };
+    let answer = half_closed("GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    let answer = half_closed(
+        "DELETE /limits/a.key?identity=header%3Ax-key%3Ahc HTTP/1.1\r\nHost: admin\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(answer.contains(r#""keys_deleted":1"#), "{answer}");
+    common::wait_until(Duration::from_secs(2), "the reset's log line", || {
+        gw.logs().contains("limits reset from the admin listener")
+    });
+    let r = http
+        .get(gw.url("/x"))
+        .header("X-Key", "hc")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the bucket starts full");
 }

@@ -342,6 +342,8 @@ struct Shared {
     /// A sink opened by a reload or `SIGUSR1` (`Some(None)`: the log was turned off), for the
     /// writer to take before its next batch.
     next: Mutex<Option<Option<Sink>>>,
+    /// The writer holds a batch it has not written yet (set and read under `records`'s lock).
+    writing: AtomicBool,
 }
 
 impl AccessLog {
@@ -356,6 +358,7 @@ impl AccessLog {
             wake: Condvar::new(),
             idle: AtomicBool::new(false),
             next: Mutex::new(None),
+            writing: AtomicBool::new(false),
         });
         let sink = target.map(Sink::open).transpose()?;
         let writer = Arc::clone(&shared);
@@ -389,6 +392,29 @@ impl AccessLog {
             // about to.
             let _held = self.shared.records.lock();
             self.shared.wake.notify_one();
+        }
+    }
+
+    /// Waits, up to `within`, until every line handed over so far is written: the process is
+    /// about to exit (the drain's end), and lines still queued would be lost with it.
+    pub fn flush(&self, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            {
+                let records = self
+                    .shared
+                    .records
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if records.is_empty() && !self.shared.writing.load(Ordering::Acquire) {
+                    return;
+                }
+                self.shared.wake.notify_one();
+            }
+            if std::time::Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
@@ -450,6 +476,7 @@ fn write_batches(shared: &Shared, mut sink: Option<Sink>, dropped: &prometheus::
                     .0;
                 shared.idle.store(false, Ordering::Release);
             }
+            shared.writing.store(!records.is_empty(), Ordering::Release);
             std::mem::swap(&mut *records, &mut batch);
         }
         if let Some(new) = shared.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -478,6 +505,7 @@ fn write_batches(shared: &Shared, mut sink: Option<Sink>, dropped: &prometheus::
             },
         }
         batch.clear();
+        shared.writing.store(false, Ordering::Release);
         json.clear();
         // A burst's worth of memory is not kept for good.
         batch.shrink_to(1024 * 1024);

@@ -11,23 +11,30 @@ const FLOOR: usize = 64;
 /// `max_connections` as configured, or derived from the open-file limit: every busy
 /// downstream connection may hold an upstream connection too, so half of what is left after
 /// the reserve. Raises the soft limit first; a configured bound the limit cannot carry is
-/// kept, with a WARN.
+/// lowered to what it carries, with a WARN: the admin listener, Redis and the upstreams never
+/// starve for descriptors.
 pub fn max_connections(configured: Option<usize>) -> usize {
     let limit = raise_open_file_limit();
-    let derived = limit.map_or(FLOOR * 16, |l| (l.saturating_sub(RESERVE) / 2).max(FLOOR));
-    match configured {
-        None => derived,
-        Some(n) => {
-            if n > derived {
-                tracing::warn!(
-                    max_connections = n,
-                    open_file_limit = limit,
-                    "server.max_connections is more than the open-file limit carries (two descriptors per busy connection): at the limit, new connections fail to accept; raise the limit (ulimit -n, LimitNOFILE=) or lower max_connections"
-                );
-            }
-            n
-        }
+    let bound = bounded(configured, limit);
+    if let Some(n) = configured.filter(|n| *n > bound) {
+        tracing::warn!(
+            max_connections = n,
+            open_file_limit = limit,
+            used = bound,
+            "server.max_connections is more than the open-file limit carries (two descriptors per busy connection, and a reserve for Redis, the upstreams and the admin listener): the lower bound is used; raise the limit (ulimit -n, LimitNOFILE=) for more"
+        );
     }
+    bound
+}
+
+/// The bound in force: `configured`, but never more than `limit` (the open-file limit, when
+/// known) carries; without one configured, what it carries (1024 when it is not known).
+fn bounded(configured: Option<usize>, limit: Option<usize>) -> usize {
+    let Some(limit) = limit else {
+        return configured.unwrap_or(FLOOR * 16);
+    };
+    let carried = (limit.saturating_sub(RESERVE) / 2).max(FLOOR);
+    configured.map_or(carried, |n| n.min(carried))
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard one; returns the soft limit now in force.
@@ -52,4 +59,24 @@ fn raise_open_file_limit() -> Option<usize> {
         }
     }
     Some(usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_the_open_file_limit_cannot_carry_is_lowered_to_what_it_carries() {
+        // 1024 descriptors: 256 kept, two per busy connection.
+        assert_eq!(bounded(None, Some(1024)), 384);
+        assert_eq!(bounded(Some(100), Some(1024)), 100);
+        assert_eq!(bounded(Some(5_000), Some(1024)), 384);
+        // However low the limit, 64 (the reserve is then what is short).
+        assert_eq!(bounded(None, Some(300)), 64);
+        assert_eq!(bounded(Some(5_000), Some(300)), 64);
+        assert_eq!(bounded(Some(10), Some(300)), 10);
+        // A limit that cannot be read: the configured bound, or 1024.
+        assert_eq!(bounded(None, None), 1024);
+        assert_eq!(bounded(Some(5_000), None), 5_000);
+    }
 }

@@ -223,6 +223,8 @@ impl Store {
                 if current.url != *url || current.access != config.access {
                     link.target
                         .store(Arc::new(Target::new(url, &config.access)?));
+                    // Another Redis's policy is not known until read (`/readyz` says null).
+                    link.eviction_policy.store(None);
                     tracing::info!("redis.url or its credentials changed; reconnecting");
                     link.conn.store(None);
                     link.wake.notify_one();

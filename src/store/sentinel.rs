@@ -171,6 +171,7 @@ impl Sentinel {
         let before = self.master.swap(Some(Arc::new(node.clone())));
         link.new_master.store(before.is_some(), Ordering::Release);
         link.target.store(Arc::new(target));
+        link.eviction_policy.store(None);
         link.forget_outage();
         link.conn.store(None);
         link.wake.notify_one();
