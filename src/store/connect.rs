@@ -582,12 +582,25 @@ impl Connector {
                 continue;
             }
             let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target));
-            let outcome = setup.await.unwrap_or_else(|_| {
-                Err(redis::RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "redis did not answer the connection checks and SCRIPT LOAD within 3 s",
-                )))
-            });
+            // A reload that points the link elsewhere meanwhile drops this attempt: the new
+            // target is tried at once, not after the old one's timeouts.
+            let retargeted = async {
+                loop {
+                    link.wake.notified().await;
+                    if !Arc::ptr_eq(&target, &link.target.load_full()) {
+                        return;
+                    }
+                }
+            };
+            let outcome = tokio::select! {
+                outcome = setup => outcome.unwrap_or_else(|_| {
+                    Err(redis::RedisError::from(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "redis did not answer the connection checks and SCRIPT LOAD within 3 s",
+                    )))
+                }),
+                () = retargeted => continue,
+            };
             match outcome {
                 // A reload may have changed the target while this one was connecting.
                 Ok(_) if !Arc::ptr_eq(&target, &link.target.load_full()) => continue,
