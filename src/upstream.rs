@@ -458,6 +458,7 @@ mod tests {
             tls: None,
             health_check: None,
             inert_tls: Vec::new(),
+            written_at: Default::default(),
         })
     }
 

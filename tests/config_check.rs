@@ -191,7 +191,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
-            "warning: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it".to_owned(),
+            format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "[upstreams.app]")),
         ],
         "{stderr}"
     );

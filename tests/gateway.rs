@@ -1113,3 +1113,37 @@ async fn no_log_line_carries_a_key_a_token_or_a_cookie_even_at_debug() {
         assert!(!logs.contains(secret), "{secret} logged:\n{logs}");
     }
 }
+
+/// The fields of the upstream's own connection end at the gateway (RFC 9110, 7.6.1): those
+/// its `Connection` names, `Keep-Alive`, `Proxy-Connection`, `TE`, `Upgrade`; the others pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstreams_hop_by_hop_fields_are_not_passed_on() {
+    use std::io::{Read, Write};
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = app_config(&redis.url(), &up)
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    conn.write_all(
+        b"GET /x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\
+          X-Demo-Reply-Keep-Alive: timeout=1, max=1\r\n\
+          X-Demo-Reply-Proxy-Connection: close\r\n\
+          X-Demo-Reply-TE: trailers\r\n\
+          X-Demo-Reply-Upgrade: h2c\r\n\
+          X-Demo-Reply-X-Kept: yes\r\n\r\n",
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = conn.read_to_string(&mut answer);
+    let head = answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("\r\nx-kept: yes"), "{head}");
+    for gone in ["keep-alive:", "proxy-connection:", "\r\nte:", "upgrade:"] {
+        assert!(!head.contains(gone), "{gone} in {head}");
+    }
+}

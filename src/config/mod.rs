@@ -320,6 +320,19 @@ pub struct UpstreamConfig {
     /// TLS fields written without `tls = true` (`sni`, `ca_path`, `verify = false`): they do
     /// nothing, and the start says so.
     pub inert_tls: Vec<&'static str>,
+    /// Where the file writes this upstream, for `check` to say where its warnings are.
+    pub written_at: WrittenAt,
+}
+
+/// A line and column in the config file. Not part of what the upstream is: two upstreams
+/// written alike are equal wherever they are written (a reload that moves one keeps it).
+#[derive(Debug, Clone, Copy, Default, Eq)]
+pub struct WrittenAt(pub Option<(usize, usize)>);
+
+impl PartialEq for WrittenAt {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl UpstreamConfig {
@@ -328,7 +341,7 @@ impl UpstreamConfig {
     pub fn unprotected(&self) -> Option<String> {
         match &self.tls {
             Some(tls) if !tls.verify => Some(format!("upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", self.name)),
-            None if !self.inert_tls.is_empty() => Some(format!("upstreams.{} has TLS fields without tls = true: they do nothing, the upstream is spoken to in plain HTTP", self.name)),
+            None if !self.inert_tls.is_empty() => Some(format!("upstreams.{} has TLS fields without tls = true ({}): they do nothing, the upstream is spoken to in plain HTTP", self.name, self.inert_tls.join(", "))),
             _ => None,
         }
     }
@@ -542,8 +555,15 @@ impl Config {
     /// Every warning in words, the file's own (with their place) and the upstreams' settings.
     pub fn warnings_in_words(&self) -> Vec<String> {
         let own = self.warnings.iter().map(ToString::to_string);
-        own.chain(self.upstreams.values().filter_map(|u| u.unprotected()))
-            .collect()
+        let source = self.source.display();
+        let upstreams = self.upstreams.values().filter_map(|u| {
+            let words = u.unprotected()?;
+            Some(match u.written_at.0 {
+                Some((line, column)) => format!("{source}:{line}:{column}: {words}"),
+                None => format!("{source}: {words}"),
+            })
+        });
+        own.chain(upstreams).collect()
     }
 
     /// Logs every warning: at start and after every reload that took effect, whether or not

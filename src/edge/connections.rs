@@ -35,7 +35,7 @@
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -572,9 +572,27 @@ pub struct Guarded {
     peeked: Vec<u8>,
     /// Where an HTTP/2 connection is in its first request's head (`H2_HEAD`).
     h2_head: H2Head,
+    /// The request in progress needs its upstream's answer whatever becomes of the client
+    /// (a cost it reports is charged): a reset is read as the end of the client's side
+    /// ([`Guarded::read_through_a_reset`]).
+    through_reset: AtomicBool,
+    /// A reset was read as such while a request was in progress.
+    was_reset: AtomicBool,
 }
 
 impl Guarded {
+    /// The request in progress is charged what its upstream reports: an HTTP/1 client that
+    /// resets its connection is read as one that closed its side, so the upstream's answer
+    /// is still read (and its cost charged) though it cannot be written. Until the answer.
+    pub fn read_through_a_reset(&self) {
+        self.through_reset.store(true, Ordering::Relaxed);
+    }
+
+    /// The client reset its connection while the request was in progress.
+    pub fn was_reset(&self) -> bool {
+        self.was_reset.load(Ordering::Relaxed)
+    }
+
     fn inner(&mut self) -> &mut Stream {
         &mut self.inner
     }
@@ -599,6 +617,7 @@ impl Guarded {
 
     /// The answer is finished: the connection waits for the next request.
     pub fn answered(&self) {
+        self.through_reset.store(false, Ordering::Relaxed);
         self.reg
             .conn
             .since_ms
@@ -657,12 +676,12 @@ impl AsyncRead for Guarded {
         let state = this.reg.conn.state.load(Ordering::Relaxed);
         if state == BUSY {
             return match Pin::new(&mut this.inner).poll_read(cx, buf) {
-                // An HTTP/1 client that resets its connection while its request is proxied
-                // is read as one that closed its side: the upstream's answer is still read
-                // (and a cost it reports charged: a reset would otherwise dodge it), and the
-                // reset is met when the answer cannot be written.
                 Poll::Ready(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
-                    Poll::Ready(Ok(()))
+                    this.was_reset.store(true, Ordering::Relaxed);
+                    match this.through_reset.load(Ordering::Relaxed) {
+                        true => Poll::Ready(Ok(())),
+                        false => Poll::Ready(Err(e)),
+                    }
                 }
                 read => read,
             };
@@ -1092,6 +1111,8 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 replacing: None,
                 peeked: Vec::new(),
                 h2_head: H2Head::at_preface(),
+                through_reset: AtomicBool::new(false),
+                was_reset: AtomicBool::new(false),
             };
             if guarded.reg.conn.state.load(Ordering::Relaxed) == H2_HEAD {
                 guarded.register_h2();

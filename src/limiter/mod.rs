@@ -117,7 +117,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     let policy = &endpoint.policy;
     let keys = endpoint.limit_keys(identity_hash);
     // A denial is remembered under the caller's own key, so that it is repeated to that
-    // caller only (a ceiling's denial, everyone's, has a place of its own: `two_calls`).
+    // caller only (a ceiling's denial, everyone's, has a place of its own: `across_slots`).
     // Where every limit is a ceiling, any denial is everyone's, and the first key is as good
     // as any.
     let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
@@ -242,7 +242,17 @@ async fn across_slots(
             return replies_of(evaluation);
         }
     }
-    two_calls(store, policy, keys, args_of, (overlimit, since), started).await
+    let split = (&own[..], &ceilings[..]);
+    two_calls(
+        store,
+        policy,
+        keys,
+        split,
+        args_of,
+        (overlimit, since),
+        started,
+    )
+    .await
 }
 
 /// The caller's limits are decided (and charged) first; when they admit, the ceilings are
@@ -253,12 +263,11 @@ async fn two_calls(
     store: &Store,
     policy: &Policy,
     keys: &[&str],
+    (own, ceilings): (&[usize], &[usize]),
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
     (overlimit, since): (&OverlimitCache, u64),
     started: std::time::Instant,
 ) -> Replies {
-    let (own, ceilings): (Vec<usize>, Vec<usize>) =
-        (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
     let mut replies = vec![None; keys.len()];
     // The decision's one budget, part of which a call across slots may have spent before it
@@ -266,8 +275,8 @@ async fn two_calls(
     let within = store.budget().saturating_sub(started.elapsed());
     let first = store
         .evaluate_limits(
-            &pick(&own),
-            &args_of(&own, mode::DECIDE),
+            &pick(own),
+            &args_of(own, mode::DECIDE),
             Some(within),
             if_late(policy),
         )
@@ -288,8 +297,8 @@ async fn two_calls(
         let peeked = match left >= store.budget() / 4 {
             true => store
                 .evaluate_limits(
-                    &pick(&ceilings),
-                    &args_of(&ceilings, mode::PEEK),
+                    &pick(ceilings),
+                    &args_of(ceilings, mode::PEEK),
                     Some(left),
                     IfLate::Stands,
                 )
@@ -318,8 +327,8 @@ async fn two_calls(
     let left = store.budget().saturating_sub(started.elapsed());
     let second = store
         .evaluate_limits(
-            &pick(&ceilings),
-            &args_of(&ceilings, mode::DECIDE),
+            &pick(ceilings),
+            &args_of(ceilings, mode::DECIDE),
             Some(left),
             if_late(policy),
         )
@@ -330,8 +339,8 @@ async fn two_calls(
     // caller's limits hold after it.
     let refund = |store: &Store| {
         let store = store.clone();
-        let keys: Vec<String> = pick(&own).into_iter().map(str::to_owned).collect();
-        let args = args_of(&own, mode::REFUND);
+        let keys: Vec<String> = pick(own).into_iter().map(str::to_owned).collect();
+        let args = args_of(own, mode::REFUND);
         let left = store.budget().saturating_sub(started.elapsed());
         let task = tokio::spawn(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();

@@ -5,6 +5,7 @@ pub mod access;
 pub mod forwarded;
 mod head;
 mod headers;
+mod hop;
 mod outgoing;
 pub mod respond;
 
@@ -622,6 +623,17 @@ impl ProxyHttp for Gateway {
         if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
             outgoing::drop_upgrade(upstream_request);
         }
+        // A cost the upstream will report is charged though the client resets meanwhile
+        // (never for a tunnel, which a reset ends).
+        let charges = ctx.route.as_ref().is_some_and(|r| {
+            r.endpoint.policy.cost_from_response.is_some()
+                && ctx.decision.is_some_and(|d| d.admitted_by_redis())
+        });
+        if charges && !upstream_request.headers.contains_key(http::header::UPGRADE) {
+            if let Some(connection) = Guarded::of(session.stream()) {
+                connection.read_through_a_reset();
+            }
+        }
         let version = session.req_header().version;
         if version == http::Version::HTTP_2 {
             outgoing::join_cookies(upstream_request)?;
@@ -664,6 +676,7 @@ impl ProxyHttp for Gateway {
             )
             .into_up());
         }
+        hop::end_at_this_hop(upstream_response);
         Ok(())
     }
 
@@ -730,7 +743,11 @@ impl ProxyHttp for Gateway {
             // Never shown to the client, charged or not.
             let reported = upstream_response.remove_header(&cost.header);
             let admitted_by_redis = ctx.decision.is_some_and(|d| d.admitted_by_redis());
-            if let (Some(value), true, Some(route)) = (reported, admitted_by_redis, &ctx.route) {
+            // A final answer's: an interim one (`103 Early Hints`) charges nothing.
+            let fin = upstream_response.status.as_u16() >= 200;
+            if let (Some(value), true, true, Some(route)) =
+                (reported, admitted_by_redis, fin, &ctx.route)
+            {
                 let charge = match fields {
                     1 => charge_of(value.as_bytes(), cost.unit_micro),
                     _ => None,
@@ -966,16 +983,20 @@ impl ProxyHttp for Gateway {
 
     /// Called once per request at its end: the one place metrics are recorded.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+        let mut reset = false;
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.answered();
+            reset = connection.was_reset();
         }
         // Nothing was answered: the client left first (or its connection broke before the
-        // answer's head went out). Counted and logged as nginx's 499, "client closed request".
-        // An interim answer alone (`100 Continue`) is no answer; `101` ends the exchange.
+        // answer's head went out, or it reset the connection while the upstream's answer was
+        // read for its reported cost). Counted and logged as nginx's 499, "client closed
+        // request". An interim answer alone (`100 Continue`) is no answer; `101` ends the
+        // exchange.
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
-            .filter(|s| *s >= 200 || *s == 101)
+            .filter(|s| (*s >= 200 || *s == 101) && !reset)
             .unwrap_or(CLIENT_CLOSED);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {

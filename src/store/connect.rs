@@ -507,6 +507,10 @@ impl Connector {
     /// Records a node's eviction policy, and says when it is one that can silently reset
     /// quotas: at every connection, and when a re-check finds it changed.
     fn note_policy(&self, link: &Link, node: &str, policy: EvictionPolicy, recheck: bool) {
+        // Read from a Redis the link has since been moved off: not this one's.
+        if link.target.load().node != node {
+            return;
+        }
         let text = match &policy {
             EvictionPolicy::NoEviction => Some("noeviction".to_owned()),
             EvictionPolicy::Evicting(p) => Some(p.clone()),
@@ -538,10 +542,11 @@ impl Connector {
         let Some(conn) = link.conn.load_full() else {
             return;
         };
+        let node = link.node();
         let mut c = conn.redis.clone();
         if let Ok(Ok(policy)) = tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
         {
-            self.note_policy(link, &link.node(), policy, true);
+            self.note_policy(link, &node, policy, true);
         }
     }
 
@@ -587,7 +592,9 @@ impl Connector {
             let retargeted = async {
                 loop {
                     link.wake.notified().await;
-                    if !Arc::ptr_eq(&target, &link.target.load_full()) {
+                    if !Arc::ptr_eq(&target, &link.target.load_full())
+                        || link.retired.load(Ordering::Relaxed)
+                    {
                         return;
                     }
                 }

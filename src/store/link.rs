@@ -178,6 +178,16 @@ impl Link {
         self.target.load().node.clone()
     }
 
+    /// Points the link at another Redis (a reload, a Sentinel failover): the connection is
+    /// dropped and made again there, and what was read of the old one (its eviction policy)
+    /// is forgotten.
+    pub(super) fn point_at(&self, target: Target) {
+        self.target.store(Arc::new(target));
+        self.eviction_policy.store(None);
+        self.conn.store(None);
+        self.wake.notify_one();
+    }
+
     pub(super) fn is_connected(&self) -> bool {
         self.conn.load().is_some()
     }

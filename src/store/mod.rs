@@ -46,7 +46,7 @@ use sentinel::Sentinel;
 
 use crate::clock::SharedClock;
 use crate::config::{BreakerConfig, RedisConfig, RedisTarget};
-use crate::decision::{BreakerState, Charge, Degradation, Failure, ScriptReply, StoreFailure};
+use crate::decision::{BreakerState, Degradation, Failure, ScriptReply, StoreFailure};
 use crate::metrics::{Metrics, StoreErrorCounters};
 
 /// One Redis, or the primaries of a cluster.
@@ -221,13 +221,8 @@ impl Store {
             (Layout::Single(link), RedisTarget::Single(url)) => {
                 let current = link.target.load();
                 if current.url != *url || current.access != config.access {
-                    link.target
-                        .store(Arc::new(Target::new(url, &config.access)?));
-                    // Another Redis's policy is not known until read (`/readyz` says null).
-                    link.eviction_policy.store(None);
+                    link.point_at(Target::new(url, &config.access)?);
                     tracing::info!("redis.url or its credentials changed; reconnecting");
-                    link.conn.store(None);
-                    link.wake.notify_one();
                 }
                 Ok(None)
             }
@@ -311,7 +306,8 @@ impl Store {
         within: Option<Duration>,
         if_late: IfLate,
     ) -> Evaluation<Vec<ScriptReply>> {
-        self.limits_call(keys, args, within, false, if_late).await
+        let evaluation = self.limits_call(keys, args, (within, false, false), if_late);
+        evaluation.await.unwrap_or_else(|| self.unasked())
     }
 
     /// [`Store::evaluate_limits`] of a call Redis applies whenever it runs it, past the
@@ -322,18 +318,19 @@ impl Store {
         keys: &[&str],
         args: &[u64],
     ) -> Evaluation<Vec<ScriptReply>> {
-        self.limits_call(keys, args, None, true, IfLate::Stands)
-            .await
+        let evaluation = self.limits_call(keys, args, (None, true, false), IfLate::Stands);
+        evaluation.await.unwrap_or_else(|| self.unasked())
     }
 
+    /// A call of the several-limits script: `within`, `compensation` and `across` as
+    /// [`Call`] has them; `None` only for a call across slots that must be split.
     async fn limits_call(
         &self,
         keys: &[&str],
         args: &[u64],
-        within: Option<Duration>,
-        compensation: bool,
+        (within, compensation, across): (Option<Duration>, bool, bool),
         if_late: IfLate,
-    ) -> Evaluation<Vec<ScriptReply>> {
+    ) -> Option<Evaluation<Vec<ScriptReply>>> {
         let call = Call {
             kind: ScriptKind::Limits,
             keys,
@@ -342,12 +339,10 @@ impl Store {
             deadline_us: 0,
             compensation,
             if_late,
-            across: false,
+            across,
         };
-        let evaluation = self
-            .evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
-            .await;
-        evaluation.unwrap_or_else(|| self.unasked())
+        self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
+            .await
     }
 
     /// [`Store::evaluate_limits`] of keys that lie in several slots of one Redis Cluster
@@ -362,17 +357,7 @@ impl Store {
         args: &[u64],
         if_late: IfLate,
     ) -> Option<Evaluation<Vec<ScriptReply>>> {
-        let call = Call {
-            kind: ScriptKind::Limits,
-            keys,
-            args,
-            within: None,
-            deadline_us: 0,
-            compensation: false,
-            if_late,
-            across: true,
-        };
-        self.evaluate_call(call, |reply| ScriptReply::parse_many(reply, keys.len()))
+        self.limits_call(keys, args, (None, false, true), if_late)
             .await
     }
 
@@ -459,7 +444,7 @@ impl Store {
             Ok(_) => permit.success(),
             Err(Failure::Split) => {
                 // Nothing decided: a probe goes to the next call.
-                permit.charge(Charge::Nothing, StoreFailure::ConnectionError);
+                permit.charge(Failure::Split.charge(probe), Failure::Split.cause());
                 return None;
             }
             Err(failure) => {

@@ -170,11 +170,8 @@ impl Sentinel {
         let node = target.node.clone();
         let before = self.master.swap(Some(Arc::new(node.clone())));
         link.new_master.store(before.is_some(), Ordering::Release);
-        link.target.store(Arc::new(target));
-        link.eviction_policy.store(None);
         link.forget_outage();
-        link.conn.store(None);
-        link.wake.notify_one();
+        link.point_at(target);
         match before {
             Some(old) => {
                 tracing::warn!(old = %old, new = %node, "redis sentinel: the master changed; following it")

@@ -1027,4 +1027,9 @@ const RESERVED_COST_HEADERS: &[&str] = &[
     "retry-after",
     "ratelimit",
     "ratelimit-policy",
+    "content-range",
+    "vary",
+    "sec-websocket-accept",
+    "sec-websocket-protocol",
+    "sec-websocket-extensions",
 ];

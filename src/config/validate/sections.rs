@@ -1136,6 +1136,16 @@ pub(super) fn upstream(
             .ok()
             .and_then(|mut it| it.next())
         {
+            // Port 0 is no port to connect to: every request would be a 502.
+            Some(addr) if addr.port() == 0 => c.push(
+                Some(&a.span()),
+                None,
+                format!(
+                    "{} entry \"{}\" has port 0, which no upstream listens on: write \"host:port\"",
+                    field("addrs"),
+                    a.get_ref()
+                ),
+            ),
             Some(addr) => {
                 addrs.push(addr);
                 let written = a.get_ref();
@@ -1261,6 +1271,7 @@ pub(super) fn upstream(
             .filter_map(|(field, set)| set.then_some(field))
             .collect()
         },
+        written_at: crate::config::WrittenAt(Some(c.position(&up.span()))),
     })
 }
 

@@ -1,0 +1,105 @@
+//! The upstream's answer loses the fields of its own connection before it is passed on
+//! (RFC 9110, 7.6.1), as nginx and Envoy do: those its `Connection` names, and `Keep-Alive`,
+//! `Proxy-Connection`, `TE` and `Upgrade` (kept on a `101`, whose tunnel they describe).
+//! The client's connection gets the gateway's own `Connection`.
+
+use http::header::{CONNECTION, TE, UPGRADE};
+use http::{HeaderName, StatusCode};
+use pingora_http::ResponseHeader;
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == CONNECTION
+        || *name == TE
+        || *name == UPGRADE
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Removes the hop-by-hop fields of `answer`; one pass over its names when it has none.
+pub fn end_at_this_hop(answer: &mut ResponseHeader) {
+    if !answer.headers.keys().any(is_hop_by_hop) {
+        return;
+    }
+    let tunnel = answer.status == StatusCode::SWITCHING_PROTOCOLS;
+    let named: Vec<HeaderName> = answer
+        .headers
+        .get_all(CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim_ascii()).ok())
+        .filter(|name| !(tunnel && *name == UPGRADE))
+        .collect();
+    for name in named {
+        answer.remove_header(&name);
+    }
+    for name in ["keep-alive", "proxy-connection", "te"] {
+        answer.remove_header(name);
+    }
+    if !tunnel {
+        answer.remove_header(&UPGRADE);
+        answer.remove_header(&CONNECTION);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, fields: &[(&str, &str)]) -> ResponseHeader {
+        let mut r = ResponseHeader::build(status, None).unwrap();
+        for (k, v) in fields {
+            r.append_header(k.to_string(), *v).unwrap();
+        }
+        r
+    }
+
+    fn names(r: &ResponseHeader) -> Vec<String> {
+        let mut n: Vec<String> = r.headers.keys().map(|k| k.to_string()).collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn the_upstreams_connection_fields_end_at_the_gateway() {
+        let mut r = answer(
+            200,
+            &[
+                ("Content-Type", "text/plain"),
+                ("Connection", "X-Private, keep-alive"),
+                ("Connection", "x-other"),
+                ("X-Private", "secret"),
+                ("X-Other", "1"),
+                ("Keep-Alive", "timeout=5"),
+                ("Proxy-Connection", "close"),
+                ("Upgrade", "h2c"),
+                ("TE", "trailers"),
+                ("Trailer", "X-Checksum"),
+                ("X-Kept", "yes"),
+            ],
+        );
+        end_at_this_hop(&mut r);
+        assert_eq!(names(&r), ["content-type", "trailer", "x-kept"]);
+    }
+
+    #[test]
+    fn a_switch_of_protocols_keeps_what_its_tunnel_needs() {
+        let mut r = answer(
+            101,
+            &[
+                ("Connection", "Upgrade"),
+                ("Upgrade", "websocket"),
+                ("Sec-WebSocket-Accept", "x"),
+                ("Keep-Alive", "timeout=5"),
+            ],
+        );
+        end_at_this_hop(&mut r);
+        assert_eq!(names(&r), ["connection", "sec-websocket-accept", "upgrade"]);
+    }
+
+    #[test]
+    fn an_answer_without_them_is_left_as_it_is() {
+        let mut r = answer(200, &[("Content-Type", "text/plain"), ("X-A", "1")]);
+        end_at_this_hop(&mut r);
+        assert_eq!(names(&r), ["content-type", "x-a"]);
+    }
+}
