@@ -43,8 +43,12 @@ fn main() {
         std::process::exit(2);
     };
     let threads = args.next().and_then(|t| t.parse().ok()).unwrap_or(2);
+    // Serving settings are Pingora's defaults; a SIGTERM ends it at once (the benchmark's
+    // cleanup waits for it, and Pingora's default drain is five minutes).
     let conf = ServerConf {
         threads,
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);

@@ -210,6 +210,18 @@ fn ceiling_limits() -> [Limit; 2] {
     ]
 }
 
+/// On `cluster`, the primary of [`ceiling`]'s ceiling, and the key of a caller's own limit
+/// (to pick callers on that node, or on another).
+fn ceiling_layout(cluster: &RedisCluster) -> (usize, impl Fn(&str) -> String) {
+    let limits = ceiling_limits();
+    let node = cluster.owner(&limit_keys("sentinel", "x", "e.api", 1, &limits)[1]);
+    let own_key = move |k: &str| {
+        let identity = format!("header:x-api-key:{k}");
+        limit_keys("sentinel", &identity, "e.api", 1, &limits)[0].clone()
+    };
+    (node, own_key)
+}
+
 async fn total_over_keys(gw: &common::Gateway, keys: &[&str], each: usize) -> Vec<u64> {
     let mut admitted = vec![0; keys.len()];
     for (i, k) in keys.iter().enumerate() {
@@ -462,19 +474,7 @@ async fn on_a_cluster_a_ceiling_whose_node_is_away_costs_the_callers_node_one_re
         .upstream("app", &[up.addr()])
         .route(route(ceiling))
         .start();
-    let limits = ceiling_limits();
-    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
-    let ceiling_node = cluster.owner(global_key);
-    let own_key = |k: &str| {
-        limit_keys(
-            "sentinel",
-            &format!("header:x-api-key:{k}"),
-            "e.api",
-            1,
-            &limits,
-        )[0]
-        .clone()
-    };
+    let (ceiling_node, own_key) = ceiling_layout(&cluster);
     let mut callers = (0..200)
         .map(|i| format!("key-{i}"))
         .filter(|k| cluster.owner(&own_key(k)) != ceiling_node);
@@ -532,19 +532,7 @@ async fn on_a_cluster_a_caller_on_the_ceilings_primary_is_decided_in_one_call() 
         .upstream("app", &[up.addr()])
         .route(route(ceiling))
         .start();
-    let limits = ceiling_limits();
-    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
-    let ceiling_node = cluster.owner(global_key);
-    let own_key = |k: &str| {
-        limit_keys(
-            "sentinel",
-            &format!("header:x-api-key:{k}"),
-            "e.api",
-            1,
-            &limits,
-        )[0]
-        .clone()
-    };
+    let (ceiling_node, own_key) = ceiling_layout(&cluster);
     let callers: Vec<String> = (0..200)
         .map(|i| format!("key-{i}"))
         .filter(|k| cluster.owner(&own_key(k)) == ceiling_node)
