@@ -242,7 +242,11 @@ pub fn run(config: Config) -> Result<(), StartError> {
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
     let stops = Arc::new(Stops::default());
-    control.spawn(keep_stops(early.term, early.int, Arc::clone(&stops)));
+    control.spawn(keep_stops(
+        [early.term, early.quit],
+        early.int,
+        Arc::clone(&stops),
+    ));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let watched = Arc::clone(&live);
     let mut fetched = false;
@@ -358,6 +362,8 @@ struct EarlySignals {
     hup: Option<Signal>,
     usr1: Option<Signal>,
     term: Option<Signal>,
+    /// SIGQUIT: nginx's graceful stop, taken as SIGTERM.
+    quit: Option<Signal>,
     int: Option<Signal>,
 }
 
@@ -368,6 +374,7 @@ impl EarlySignals {
             hup: signal(SignalKind::hangup()).ok(),
             usr1: signal(SignalKind::user_defined1()).ok(),
             term: signal(SignalKind::terminate()).ok(),
+            quit: signal(SignalKind::quit()).ok(),
             int: signal(SignalKind::interrupt()).ok(),
         }
     }
@@ -381,14 +388,15 @@ struct Stops {
     int: tokio::sync::Notify,
 }
 
-async fn keep_stops(term: Option<Signal>, int: Option<Signal>, stops: Arc<Stops>) {
-    let (Some(mut term), Some(mut int)) = (term, int) else {
+async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stops: Arc<Stops>) {
+    let (Some(mut term), Some(mut quit), Some(mut int)) = (term, quit, int) else {
         tracing::error!("cannot listen for SIGTERM");
         return;
     };
     loop {
         tokio::select! {
             Some(()) = term.recv() => stops.term.notify_one(),
+            Some(()) = quit.recv() => stops.term.notify_one(),
             Some(()) = int.recv() => stops.int.notify_one(),
             else => return,
         }

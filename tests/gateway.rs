@@ -1147,3 +1147,56 @@ async fn the_upstreams_hop_by_hop_fields_are_not_passed_on() {
         assert!(!head.contains(gone), "{gone} in {head}");
     }
 }
+
+/// An upstream's interim answer (`103 Early Hints`) reaches an HTTP/1.1 client, never an
+/// HTTP/1.0 one (RFC 9110, 15.2: a server must not send it a 1xx).
+#[test]
+fn an_interim_answer_never_reaches_an_http_1_0_client() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = conn.write_all(
+                    b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n\
+                      HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            });
+        }
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[addr])
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start();
+    let answer = |version: &str| {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        conn.write_all(
+            format!("GET /x {version}\r\nHost: gw\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .unwrap();
+        let mut text = String::new();
+        let _ = conn.read_to_string(&mut text);
+        text
+    };
+    let old = answer("HTTP/1.0");
+    assert!(
+        old.starts_with("HTTP/1.1 200") || old.starts_with("HTTP/1.0 200"),
+        "{old}"
+    );
+    assert!(!old.contains(" 103 "), "{old}");
+    let new = answer("HTTP/1.1");
+    assert!(new.starts_with("HTTP/1.1 103 "), "{new}");
+    assert!(new.contains("HTTP/1.1 200"), "{new}");
+}

@@ -97,6 +97,26 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     );
 }
 
+/// SIGQUIT, nginx's graceful stop, drains as SIGTERM does (it was ignored without a word).
+#[test]
+fn sigquit_drains_as_sigterm_does() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let mut gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100)).start();
+    assert!(blocking_get(&gw.url("/api/x")).is_some_and(|(s, _)| s == 200));
+    gw.proc.signal("QUIT");
+    let code = gw
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits once drained");
+    assert_eq!(code, 0);
+    assert!(
+        gw.logs().contains(r#""message":"drained; exiting""#),
+        "{}",
+        gw.logs()
+    );
+}
+
 /// A request still in flight when the grace period ends is cut, and one WARN says how many
 /// were: never "drained", never nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -430,6 +430,11 @@ impl ProxyHttp for Gateway {
                     h1.set_pipelining_enabled(true);
                 }
                 h1.set_abort_on_close(false);
+                // An HTTP/1.0 client is sent no interim answer (RFC 9110, 15.2): the
+                // upstream's `100` or `103` ends here.
+                if h1.req_header().version == http::Version::HTTP_10 {
+                    h1.set_ignore_info_resp(true);
+                }
             }
             // An HTTP/2 stream is its connection's request in progress, which is then not
             // idle (`max_connections` makes room with idle ones only).

@@ -1130,10 +1130,11 @@ pub(super) fn upstream(
         );
     }
     for a in u.addrs.get_ref() {
-        match a
-            .get_ref()
-            .to_socket_addrs()
-            .ok()
+        // `::1:8080` reads as [::1]:8080 to the resolver, and as nothing clear to a reader.
+        let bare_ipv6 = !a.get_ref().starts_with('[') && a.get_ref().matches(':').count() > 1;
+        match (!bare_ipv6)
+            .then(|| a.get_ref().to_socket_addrs().ok())
+            .flatten()
             .and_then(|mut it| it.next())
         {
             // Port 0 is no port to connect to: every request would be a 502.
@@ -1162,9 +1163,10 @@ pub(super) fn upstream(
                 Some(&a.span()),
                 None,
                 format!(
-                    "{} entry \"{}\" does not resolve to an address: write \"host:port\"",
+                    "{} entry \"{}\" {}",
                     field("addrs"),
-                    a.get_ref()
+                    a.get_ref(),
+                    why_not_an_address(a.get_ref())
                 ),
             ),
         }
@@ -1273,6 +1275,24 @@ pub(super) fn upstream(
         },
         written_at: crate::config::WrittenAt(Some(c.position(&up.span()))),
     })
+}
+
+/// Why an upstream address as written is none, and how to write one.
+fn why_not_an_address(written: &str) -> String {
+    let how = "write \"host:port\", an IPv6 address in brackets (\"[::1]:8080\")";
+    if written.contains("://") {
+        return format!("is a URL, not an address: {how}");
+    }
+    if !written.starts_with('[') && written.matches(':').count() > 1 {
+        return format!("is an IPv6 address without brackets: {how}");
+    }
+    match written.rsplit_once(':') {
+        None => format!("has no port: {how}"),
+        Some((_, port)) if port.parse::<u16>().is_err() => {
+            format!("has no port from 1 to 65535: {how}")
+        }
+        Some(_) => format!("does not resolve to an address: {how}"),
+    }
 }
 
 /// `tls`, `sni`, `ca_path` and `verify` of one upstream: `Some(None)` without TLS.
