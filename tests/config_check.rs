@@ -300,3 +300,27 @@ fn a_short_jwt_secret_is_named_and_refused() {
         String::from_utf8_lossy(&ok.stderr)
     );
 }
+
+/// An address listed twice, or a health check that waits longer than its interval, works
+/// but not as written: said, with the place.
+#[test]
+fn check_warns_of_an_upstream_written_twice_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out) = common::check_body(
+        dir.path(),
+        "[redis]\nurl = \"redis://127.0.0.1:1\"\n\
+         [upstreams.app]\naddrs = [\"127.0.0.1:9001\", \"127.0.0.1:9001\"]\n\
+         health_check = { path = \"/h\", interval_ms = 200, timeout_ms = 5000 }\n\
+         [[routes]]\nendpoint_id = \"a.open\"\npath_prefix = \"/a\"\nupstream = \"app\"\nalgorithm = \"none\"\n",
+        &[],
+    );
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(":6:28: upstreams.app.addrs entry \"127.0.0.1:9001\" is 127.0.0.1:9001 again"),
+        "{out}"
+    );
+    assert!(
+        out.contains(":7:63: upstreams.app.health_check.timeout_ms = 5000 is longer than its interval_ms = 200"),
+        "{out}"
+    );
+}

@@ -1148,6 +1148,9 @@ pub(super) fn upstream(
                 ),
             ),
             Some(addr) => {
+                if addrs.contains(&addr) {
+                    c.warn(Some(&a.span()), None, format!("{} entry \"{}\" is {addr} again: an address listed twice is still one address, with one share of the requests (weights are not written this way)", field("addrs"), a.get_ref()));
+                }
                 addrs.push(addr);
                 let written = a.get_ref();
                 let host = written
@@ -1240,6 +1243,11 @@ pub(super) fn upstream(
                 " checks",
             );
             let healthy = n(c, "healthy_after", &h.healthy_after, 2, (1, 100), " checks");
+            if let (Some(i), Some(t), Some(at)) = (interval, timeout, &h.timeout_ms) {
+                if t > i {
+                    c.warn(Some(&at.span()), None, format!("{}.timeout_ms = {t} is longer than its interval_ms = {i}: a check that waits that long delays the next, so an address is judged less often than written", field("health_check")));
+                }
+            }
             match (path_ok, interval, timeout, unhealthy, healthy) {
                 (true, Some(i), Some(t), Some(u), Some(h)) => Some(Some(HealthCheck {
                     path: path.clone(),
