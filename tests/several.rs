@@ -210,6 +210,16 @@ fn ceiling_limits() -> [Limit; 2] {
     ]
 }
 
+/// A gateway on `cluster` with [`ceiling`]'s route to `up`: two threads, a budget of 200 ms
+/// (room for a loaded machine; what is tested is which calls are made).
+fn ceiling_gateway(cluster: &RedisCluster, up: &Upstream) -> GatewayConfig {
+    GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "200")
+        .upstream("app", &[up.addr()])
+        .route(route(ceiling))
+}
+
 /// On `cluster`, the primary of [`ceiling`]'s ceiling, and the key of a caller's own limit
 /// (to pick callers on that node, or on another).
 fn ceiling_layout(cluster: &RedisCluster) -> (usize, impl Fn(&str) -> String) {
@@ -316,11 +326,7 @@ async fn a_callers_denial_is_never_repeated_to_others_whatever_the_order_of_the_
 async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_request() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");
-    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
-        .server("threads", "2")
-        .redis("timeout_ms", "200")
-        .upstream("app", &[up.addr()])
-        .route(route(ceiling))
+    let gw = ceiling_gateway(&cluster, &up)
         .route(
             Route::new("e.two")
                 .prefix("/two")
@@ -330,22 +336,11 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
                 .bucket_limit("daily", 9, 0),
         )
         .start();
-    let limits = ceiling_limits();
     // Callers whose own limits live on another primary than the ceiling.
-    let global_key = &limit_keys("sentinel", "x", "e.api", 1, &limits)[1];
-    let ceiling_node = cluster.owner(global_key);
+    let (ceiling_node, own_key) = ceiling_layout(&cluster);
     let callers: Vec<String> = (0..200)
         .map(|i| format!("key-{i}"))
-        .filter(|k| {
-            let own = &limit_keys(
-                "sentinel",
-                &format!("header:x-api-key:{k}"),
-                "e.api",
-                1,
-                &limits,
-            )[0];
-            cluster.owner(own) != ceiling_node
-        })
+        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node)
         .take(4)
         .collect();
     let keys: Vec<&str> = callers[..3].iter().map(String::as_str).collect();
@@ -467,13 +462,7 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
 async fn on_a_cluster_a_ceiling_whose_node_is_away_costs_the_callers_node_one_read() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");
-    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
-        .server("threads", "2")
-        .redis("timeout_ms", "200")
-        .breaker(2, 60)
-        .upstream("app", &[up.addr()])
-        .route(route(ceiling))
-        .start();
+    let gw = ceiling_gateway(&cluster, &up).breaker(2, 60).start();
     let (ceiling_node, own_key) = ceiling_layout(&cluster);
     let mut callers = (0..200)
         .map(|i| format!("key-{i}"))
@@ -526,12 +515,7 @@ async fn on_a_cluster_a_ceiling_whose_node_is_away_costs_the_callers_node_one_re
 async fn on_a_cluster_a_caller_on_the_ceilings_primary_is_decided_in_one_call() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");
-    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
-        .server("threads", "2")
-        .redis("timeout_ms", "200")
-        .upstream("app", &[up.addr()])
-        .route(route(ceiling))
-        .start();
+    let gw = ceiling_gateway(&cluster, &up).start();
     let (ceiling_node, own_key) = ceiling_layout(&cluster);
     let callers: Vec<String> = (0..200)
         .map(|i| format!("key-{i}"))
@@ -828,17 +812,19 @@ fn a_client_that_resets_its_connection_is_still_charged_the_reported_cost() {
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
         .route(ocr())
+        .route(Route::new("e.plain").prefix("/plain").unlimited())
         .start();
-    let conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    (&conn)
-        .write_all(b"GET /ocr/slow?ms=400 HTTP/1.1\r\nHost: gw\r\nX-API-Key: rst\r\nX-Demo-Reply-X-OCR-Pages: 4\r\n\r\n")
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(150));
-    // Closed with unread data pending, or with a zero linger: an RST either way.
-    socket2::SockRef::from(&conn)
-        .set_linger(Some(Duration::ZERO))
-        .unwrap();
-    drop(conn);
+    // Sent, then the connection reset (a zero linger) while the upstream works.
+    let reset_while_proxied = |request: &[u8]| {
+        let conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        (&conn).write_all(request).unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        socket2::SockRef::from(&conn)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(conn);
+    };
+    reset_while_proxied(b"GET /ocr/slow?ms=400 HTTP/1.1\r\nHost: gw\r\nX-API-Key: rst\r\nX-Demo-Reply-X-OCR-Pages: 4\r\n\r\n");
     common::wait_until(Duration::from_secs(3), "the charge", || {
         gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
             == 1.0
@@ -849,6 +835,12 @@ fn a_client_that_resets_its_connection_is_still_charged_the_reported_cost() {
         gw.metric("sentinel_requests_total{endpoint_id=\"e.ocr\",status=\"499\"}"),
         1.0
     );
+    // A route that charges nothing is cut short by a reset as before: 499 long before the
+    // upstream's answer (read through, it would count the upstream's 200 after 5 s).
+    reset_while_proxied(b"GET /plain/slow?ms=5000 HTTP/1.1\r\nHost: gw\r\n\r\n");
+    common::wait_until(Duration::from_secs(3), "the reset request's 499", || {
+        gw.metric("sentinel_requests_total{endpoint_id=\"e.plain\",status=\"499\"}") == 1.0
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
