@@ -74,7 +74,8 @@ impl Reloader {
         match &result {
             Ok(r) => tracing::info!(
                 config_generation = r.generation,
-                restart_required = ?r.restart_required,
+                // The fields as one list, `server.listen,server.threads` (empty: none).
+                restart_required = %r.restart_required.join(","),
                 "config reloaded"
             ),
             Err(e) => {

@@ -621,17 +621,21 @@ fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
     assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
-/// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII) is 400
-/// and never forwarded: it reached the upstream as it came, with no `X-Forwarded-Host` when
-/// it was not ASCII. Transfer codings other than one `chunked` are 400 and never forwarded:
+/// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII; a colon
+/// or bracket out of place; an empty label) is 400 and never forwarded: it reached the
+/// upstream as it came, with no `X-Forwarded-Host` when it was not ASCII, and
+/// `api.example..` was routed as `api.example`. Transfer codings other than one `chunked` are 400 and never forwarded:
 /// `gzip, chunked` reached the upstream as plain `chunked`, the gzip coding dropped.
 #[test]
 fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwarded() {
     let redis = Redis::start();
     let (upstream, received) = counting_upstream();
     let gw = closed_and_open(&redis.url(), &upstream, 100).start();
-    let refused: [&[u8]; 7] = [
+    let refused: [&[u8]; 10] = [
         b"GET /open HTTP/1.1\r\nHost: a b\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a.example..\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a]b\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a:x\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a\tb\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: \"a\"\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: \xc3\xa9\r\nX-API-Key: k\r\n\r\n",
@@ -656,7 +660,13 @@ fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwa
     );
     // What a Host may be: a name and port, an address, an IPv6 literal, nothing; and one
     // `chunked`, in any case.
-    for host in ["api.example:8080", "127.0.0.1", "[::1]:80", ""] {
+    for host in [
+        "api.example:8080",
+        "api.example.",
+        "127.0.0.1",
+        "[::1]:80",
+        "",
+    ] {
         let head = format!(
             "GET /open HTTP/1.1\r\nHost: {host}\r\nX-API-Key: k\r\nConnection: close\r\n\r\n"
         );

@@ -74,14 +74,30 @@ async fn handle(
     Ok(resp)
 }
 
+const USAGE: &str = "usage: demo-upstream [ADDR] [NAME]   (default 127.0.0.1:9001, demo)\n\
+answers every request with JSON describing it; /slow?ms=N waits N ms first; a request header\n\
+X-Demo-Reply-<Name>: <value> comes back as the answer's header <Name>: <value>";
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::io::Result<()> {
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args().skip(1).peekable();
+    if args
+        .peek()
+        .is_some_and(|a| matches!(a.as_str(), "-h" | "--help"))
+    {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let addr: SocketAddr = args
         .next()
         .unwrap_or_else(|| "127.0.0.1:9001".to_owned())
         .parse()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        .map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("ADDR is not an IP:port ({e})\n{USAGE}"),
+            )
+        })?;
     let name: &'static str = Box::leak(
         args.next()
             .unwrap_or_else(|| "demo".to_owned())

@@ -72,6 +72,17 @@ impl ServerName {
                 && !l.starts_with('-')
                 && !l.ends_with('-')
         };
+        // A name's last label is never all digits (RFC 1123, 2.1): such an entry is an IPv4
+        // address, which no client sends as its server name (RFC 6066, 3).
+        if host
+            .rsplit('.')
+            .next()
+            .is_some_and(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return Err(format!(
+                "\"{text}\" is an IP address, and an IP address is never a TLS server name (RFC 6066): a client connecting by address sends none and is served the listener's own `cert_path`"
+            ));
+        }
         if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
             return Err(format!(
                 "\"{text}\" is not a host name: write a name such as \"api.example.com\", or \"*.example.com\" for every name one label below it"
@@ -358,6 +369,15 @@ mod tests {
             "", ".", "*.", "a..b", "a.b..", "*.*.a", "a.*.b", "-a.b", "a_b.c", "a b",
         ] {
             assert!(ServerName::parse(bad).is_err(), "{bad:?}");
+        }
+        // No client sends an address as its server name (RFC 6066, 3): such an entry would
+        // never be served.
+        for address in ["127.0.0.1", "10.0.0.1.", "*.0.0.1"] {
+            let e = ServerName::parse(address).unwrap_err();
+            assert!(
+                e.contains("an IP address is never a TLS server name"),
+                "{e}"
+            );
         }
     }
 }

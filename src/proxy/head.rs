@@ -46,35 +46,63 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
     Some(Some(n.unwrap_or(u64::MAX)))
 }
 
-/// Whether `v` is made of the characters of an authority as a `Host` carries it (RFC 3986,
-/// 3.2): those of a host name or IPv4 address (unreserved characters, percent-encodings,
-/// sub-delimiters), the brackets of an IP literal, the `:` of a port. Only the characters
-/// are checked, not where they stand. Userinfo (`@`) is Pingora's to refuse before this.
+/// Whether `v` is an authority as a `Host` carries it (RFC 3986, 3.2): a host, then
+/// optionally `:` and a port of digits. The host is an IP literal in brackets, or a name or
+/// IPv4 address of unreserved characters, percent-encodings and sub-delimiters with no empty
+/// label (`a..b`, `a..`: nginx refuses them too; one trailing dot is a fully qualified name).
+/// Userinfo (`@`) is Pingora's to refuse before this. Empty is an authority (a target
+/// without one).
 pub fn is_authority(v: &[u8]) -> bool {
-    v.iter().all(|b| {
-        b.is_ascii_alphanumeric()
-            || matches!(
-                b,
-                b'-' | b'.'
-                    | b'_'
-                    | b'~'
-                    | b'%'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b':'
-                    | b'['
-                    | b']'
-            )
-    })
+    // What follows the host: nothing, or `:` and the port.
+    let port = match v.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let literal = &rest[..end];
+            if literal.is_empty() || !literal.iter().all(|&b| name_char(b) || b == b':') {
+                return false;
+            }
+            &rest[end + 1..]
+        }
+        None => {
+            let at = v.iter().position(|&b| b == b':').unwrap_or(v.len());
+            let name = &v[..at];
+            if !name.iter().all(|&b| name_char(b)) || name.windows(2).any(|w| w == b"..") {
+                return false;
+            }
+            &v[at..]
+        }
+    };
+    match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    }
+}
+
+/// A character of a host name or IPv4 address (RFC 3986, 3.2.2): unreserved, `%` of a
+/// percent-encoding, or a sub-delimiter.
+fn name_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'%'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
+        )
 }
 
 #[cfg(test)]
@@ -95,7 +123,29 @@ mod tests {
             assert!(is_authority(good.as_bytes()), "{good:?}");
         }
         for bad in [
-            "a b", "a\tb", "\"a\"", "a/b", "a\\b", "a<b>", "a{b}", "a|b", "a^b", "a`b",
+            "a b",
+            "a\tb",
+            "\"a\"",
+            "a/b",
+            "a\\b",
+            "a<b>",
+            "a{b}",
+            "a|b",
+            "a^b",
+            "a`b",
+            // Where the characters stand: a bracket or colon out of place, a port not of
+            // digits, an empty label.
+            "a]b",
+            "x:abc",
+            "a:1:2",
+            "[::1",
+            "[]",
+            "[::1]x",
+            "[::1]:8a",
+            "a[b]",
+            "api.example..",
+            "a..b:80",
+            "..",
         ] {
             assert!(!is_authority(bad.as_bytes()), "{bad:?}");
         }

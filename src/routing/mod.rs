@@ -138,7 +138,8 @@ pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>)
             }
         })
     };
-    Some(without_port.trim_end_matches('.').to_ascii_lowercase())
+    let name = without_port.strip_suffix('.').unwrap_or(without_port);
+    Some(name.to_ascii_lowercase())
 }
 
 #[cfg(test)]
@@ -225,5 +226,15 @@ mod tests {
         );
         assert_eq!(request_host(None, Some("[::1]:80")).as_deref(), Some("::1"));
         assert_eq!(request_host(None, None), None);
+        // A fully qualified name's one trailing dot, never two (an HTTP/2 authority is not
+        // refused for it as `Host` is: it must then match no route written without it).
+        assert_eq!(
+            request_host(None, Some("api.example.:80")).as_deref(),
+            Some("api.example")
+        );
+        assert_eq!(
+            request_host(Some("api.example.."), None).as_deref(),
+            Some("api.example.")
+        );
     }
 }
