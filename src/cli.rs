@@ -78,6 +78,14 @@ fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
         eprintln!("the key starts or ends with a space or tab, which HTTP strips from a header's value: no client could send it; hash it without them");
         return 1;
     }
+    if key.len() > crate::identity::MAX_HEADER_IDENTITY_BYTES {
+        eprintln!(
+            "the key is {} bytes: an identity header longer than {} bytes is refused (401), so no client could use it; issue a shorter key",
+            key.len(),
+            crate::identity::MAX_HEADER_IDENTITY_BYTES
+        );
+        return 1;
+    }
     if key.chars().any(char::is_control) {
         eprintln!("the key holds a control character, which no header value may carry: no client could send it");
         return 1;

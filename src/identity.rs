@@ -36,8 +36,8 @@ pub struct JwtVerifier {
     secret: Option<DecodingKey>,
     /// Public keys: `kid`, the `alg` the JWKS pins (if any), the key; from `jwks_path`.
     keys: Vec<VerifyKey>,
-    /// With `jwks_url`: the fetched keys.
-    remote: Option<Arc<JwksCache>>,
+    /// With `jwks_url`: the fetched keys, and the URL they must come from.
+    remote: Option<(Arc<JwksCache>, String)>,
     identity_claim: String,
     /// `iss` is configured: it must be one string.
     issuer: bool,
@@ -57,7 +57,11 @@ impl JwtVerifier {
             .as_ref()
             .and_then(|s| DecodingKey::from_secret(&s.0).ok());
         let keys = config.jwks.as_deref().map(verify_keys).unwrap_or_default();
-        let remote = config.jwks_url.as_ref().and(remote).cloned();
+        let remote = config
+            .jwks_url
+            .clone()
+            .zip(remote)
+            .map(|(url, cache)| (Arc::clone(cache), url));
         if secret.is_none() && keys.is_empty() && remote.is_none() {
             return None;
         }
@@ -107,7 +111,7 @@ impl JwtVerifier {
     /// refresh this asks for (see [`JwksCache::unknown_kid`]); the token is then verified
     /// again, and refused if its `kid` is still unknown.
     pub async fn unknown_kid(&self) {
-        if let Some(remote) = &self.remote {
+        if let Some((remote, _)) = &self.remote {
             remote.unknown_kid().await;
         }
     }
@@ -143,8 +147,8 @@ impl JwtVerifier {
             // another type, which an HMAC token does not match (as an ES256 token on an RSA
             // key is refused).
             if let Some(kid) = &header.kid {
-                let fetched = self.remote.as_ref().map(|r| r.keys());
-                let keys = fetched.as_deref().unwrap_or(&self.keys);
+                let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
+                let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
                 if keys.iter().any(|(k, _, _)| k.as_ref() == Some(kid)) {
                     return None;
                 }
@@ -153,8 +157,8 @@ impl JwtVerifier {
         } else {
             // The token's kid picks the key; without one, every key of its type is tried. A key
             // of another type is never tried (the library refuses the pairing too).
-            let fetched = self.remote.as_ref().map(|r| r.keys());
-            let keys = fetched.as_deref().unwrap_or(&self.keys);
+            let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
+            let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
             let usable = |(kid, pinned, key): &&VerifyKey| {
                 header.kid.as_ref().is_none_or(|k| kid.as_ref() == Some(k))
                     && pinned.is_none_or(|p| p == alg)

@@ -208,9 +208,16 @@ fn verify_keys_noting(
     keys
 }
 
-/// The process's copy of the remote JWKS, kept across reloads.
+/// Keys of the remote JWKS and the URL they were fetched from.
+#[derive(Default)]
+pub struct Fetched {
+    pub url: String,
+    pub keys: Vec<VerifyKey>,
+}
+
+/// The process's copy of the remote JWKS, kept across reloads that keep its URL.
 pub struct JwksCache {
-    keys: ArcSwap<Vec<VerifyKey>>,
+    keys: ArcSwap<Fetched>,
     wake: Notify,
     started: Instant,
     /// Milliseconds since `started` of the last refresh an unknown kid asked for.
@@ -226,7 +233,7 @@ pub struct JwksCache {
 impl Default for JwksCache {
     fn default() -> Self {
         Self {
-            keys: ArcSwap::from_pointee(Vec::new()),
+            keys: ArcSwap::from_pointee(Fetched::default()),
             wake: Notify::new(),
             started: Instant::now(),
             last_asked_ms: AtomicU64::new(0),
@@ -238,9 +245,16 @@ impl Default for JwksCache {
 }
 
 impl JwksCache {
-    /// The keys of the last good fetch (none before the first).
-    pub fn keys(&self) -> Arc<Vec<VerifyKey>> {
-        self.keys.load_full()
+    /// The keys of the last good fetch from `url` (none before the first). Keys fetched
+    /// from another URL (before a reload moved `jwks_url`) verify nothing: an operator who
+    /// moves off an identity provider stops trusting it at once, as a restart would.
+    pub fn keys(&self, url: &str) -> Arc<Fetched> {
+        let fetched = self.keys.load_full();
+        if fetched.url == url {
+            fetched
+        } else {
+            Arc::default()
+        }
     }
 
     /// A token named a `kid` the keys do not have: fetch again now, unless that was asked
@@ -271,7 +285,7 @@ impl JwksCache {
     pub fn note_left_out(&self, url: &str, left_out: Vec<String>) {
         let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
         if *before != left_out && !left_out.is_empty() {
-            tracing::warn!(url = %crate::config::redact_url(url), left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+            tracing::warn!(url = %shown(url), left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
         }
         *before = left_out;
     }
@@ -282,9 +296,12 @@ impl JwksCache {
         self.fetched.send_modify(|n| *n += 1);
     }
 
-    /// Keys fetched outside the refresh loop (at start).
-    pub fn install(&self, keys: Vec<VerifyKey>) {
-        self.keys.store(Arc::new(keys));
+    /// Keys fetched from `url`.
+    pub fn install(&self, url: &str, keys: Vec<VerifyKey>) {
+        self.keys.store(Arc::new(Fetched {
+            url: url.to_owned(),
+            keys,
+        }));
     }
 
     /// A reload changed the URL or the period: fetch now (and wait the new period after).
@@ -317,9 +334,73 @@ pub fn http_client() -> reqwest::Client {
         .tls_backend_preconfigured(tls)
         .timeout(FETCH_TIMEOUT)
         .no_proxy()
-        .redirect(reqwest::redirect::Policy::limited(3))
+        // A redirect is followed only where `jwks_url` itself may point.
+        .redirect(reqwest::redirect::Policy::custom(|attempt| {
+            if attempt.previous().len() > 3 {
+                attempt.error("more than 3 redirects")
+            } else if usable_url(attempt.url()) {
+                attempt.follow()
+            } else {
+                attempt.error(
+                    "redirected to a URL that is neither https nor http to a loopback address",
+                )
+            }
+        }))
         .build()
         .expect("an HTTP client")
+}
+
+/// Where a JWKS may be fetched from: https, or http to a loopback address.
+pub fn usable_url(url: &reqwest::Url) -> bool {
+    match url.scheme() {
+        "https" => url.host().is_some(),
+        "http" => url.host_str().is_some_and(|host| {
+            host.eq_ignore_ascii_case("localhost")
+                || host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        }),
+        _ => false,
+    }
+}
+
+/// `url` as a log line may show it: a password in it hidden ([`redact_url`]), and every
+/// query value too (a presigned or `client_secret=` URL carries its secret there).
+///
+/// [`redact_url`]: crate::config::redact_url
+pub fn shown(url: &str) -> String {
+    let url = crate::config::redact_url(url);
+    match url.split_once('?') {
+        None => url.into_owned(),
+        Some((head, query)) => {
+            let masked: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((k, _)) => format!("{k}=***"),
+                    None => pair.to_owned(),
+                })
+                .collect();
+            format!("{head}?{}", masked.join("&"))
+        }
+    }
+}
+
+/// An error and the errors under it, `a: b: c`: a failed fetch says why (refused, a
+/// certificate's name, TLS to a plain port), not only that it failed.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut under = e.source();
+    while let Some(cause) = under {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        under = cause.source();
+    }
+    text
 }
 
 /// One fetch: the JWKS at `url`, parsed: the keys that verify, and the ones left out as
@@ -333,7 +414,7 @@ pub async fn fetch(
         .header("accept", "application/json")
         .send()
         .await
-        .map_err(|e| format!("cannot fetch it: {}", e.without_url()))?;
+        .map_err(|e| format!("cannot fetch it: {}", with_causes(&e.without_url())))?;
     if !response.status().is_success() {
         return Err(format!("answered {}", response.status()));
     }
@@ -341,7 +422,7 @@ pub async fn fetch(
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|e| format!("cannot read it: {}", e.without_url()))?
+        .map_err(|e| format!("cannot read it: {}", with_causes(&e.without_url())))?
     {
         body.extend_from_slice(&chunk);
         if body.len() > MAX_JWKS_BYTES {
@@ -358,17 +439,18 @@ pub async fn fetch(
 }
 
 /// Keeps `cache` filled from the URL `target` returns (read again before every fetch, so a
-/// reload's new URL is followed); runs for the life of the process. `fetched`: the keys were
-/// fetched just now (at start): the first fetch is a period away.
+/// reload's new URL is followed); runs for the life of the process. `at_start`: the fetch
+/// made at start succeeded (`Some(true)`: the next is a period away) or failed and was
+/// logged (`Some(false)`: tried again at once, logged again only once it succeeds).
 pub async fn keep_fresh(
     cache: Arc<JwksCache>,
     target: impl Fn() -> Option<(String, Duration)>,
     counters: RefreshCounters,
-    fetched: bool,
+    at_start: Option<bool>,
 ) {
     let client = http_client();
-    let mut failing = false;
-    let mut skip = fetched;
+    let mut failing = at_start == Some(false);
+    let mut skip = at_start == Some(true);
     loop {
         let Some((url, every)) = target() else {
             tokio::select! {
@@ -392,12 +474,18 @@ pub async fn keep_fresh(
                     tracing::info!(keys = keys.len(), "the JWKS is fetched again");
                 }
                 failing = false;
-                cache.keys.store(Arc::new(keys));
+                cache.install(&url, keys);
             }
             Err(e) => {
                 counters.failure.inc();
                 if !failing {
-                    tracing::warn!(url = %crate::config::redact_url(&url), error = %e, "cannot refresh the JWKS; the last good keys stay in use");
+                    let none = cache.keys(&url).keys.is_empty();
+                    let url = shown(&url);
+                    if none {
+                        tracing::warn!(%url, error = %e, "cannot fetch the JWKS; tokens get 401 until it is fetched");
+                    } else {
+                        tracing::warn!(%url, error = %e, "cannot refresh the JWKS; the last good keys stay in use");
+                    }
                 }
                 failing = true;
             }

@@ -249,7 +249,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
     ));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let watched = Arc::clone(&live);
-    let mut fetched = false;
+    let mut at_start = None;
     if let Some(url) = jwks_target {
         // Fetched once before the gateway turns ready, so the first tokens verify; a provider
         // that cannot answer now is tried again in the background.
@@ -264,16 +264,18 @@ pub fn run(config: Config) -> Result<(), StartError> {
             Ok(Ok((keys, left_out))) => {
                 jwks.note_left_out(&url, left_out);
                 metrics.jwks_refresh.success.inc();
-                jwks.install(keys);
-                fetched = true;
+                jwks.install(&url, keys);
+                at_start = Some(true);
             }
             Ok(Err(e)) => {
+                at_start = Some(false);
                 metrics.jwks_refresh.failure.inc();
-                tracing::warn!(url = %crate::config::redact_url(&url), error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
+                tracing::warn!(url = %crate::remote_jwks::shown(&url), error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
             }
             Err(_) => {
+                at_start = Some(false);
                 metrics.jwks_refresh.failure.inc();
-                tracing::warn!(url = %crate::config::redact_url(&url), "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
+                tracing::warn!(url = %crate::remote_jwks::shown(&url), "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
             }
         }
     }
@@ -281,7 +283,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         jwks,
         move || watched.load().jwks_target(),
         metrics.jwks_refresh.clone(),
-        fetched,
+        at_start,
     ));
     for pool in live.load().upstreams.values().filter(|p| p.needs_tending()) {
         control.spawn(crate::upstream::tend(

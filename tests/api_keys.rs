@@ -159,7 +159,8 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     assert_eq!(empty.status.code(), Some(1));
     // Keys no client could send in a header: refused, not hashed into a line that matches
     // nothing.
-    for unsendable in [&b" key \n"[..], b"key\t", b"ke\x01y"] {
+    let long = vec![b'k'; sentinel_gateway::identity::MAX_HEADER_IDENTITY_BYTES + 1];
+    for unsendable in [&b" key \n"[..], b"key\t", b"ke\x01y", &long] {
         let out = common::run_binary_with_stdin(&[OsStr::new("hash-key")], unsendable);
         assert_eq!(out.status.code(), Some(1), "{unsendable:?}");
         assert!(out.stdout.is_empty());

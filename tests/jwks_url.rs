@@ -34,8 +34,9 @@ fn jwks_with(kids: &[&str]) -> String {
     serde_json::json!({ "keys": keys }).to_string()
 }
 
-/// An identity provider on loopback: answers every request with `body`, or 503 when it
-/// is `None`; counts the requests.
+/// An identity provider on loopback: answers every request with `body` (or with it as the
+/// whole answer when it starts with `HTTP/1.1 `), or 503 when it is `None`; counts the
+/// requests.
 struct Provider {
     port: u16,
     body: Arc<Mutex<Option<String>>>,
@@ -57,6 +58,8 @@ impl Provider {
                     let _ = socket.read(&mut buf).await;
                     *counted.lock().unwrap() += 1;
                     let answer = match served.lock().unwrap().clone() {
+                        // A whole answer of its own (a redirect).
+                        Some(b) if b.starts_with("HTTP/1.1 ") => b,
                         Some(b) => format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{b}",
                             b.len()
@@ -223,6 +226,89 @@ async fn a_reload_fetches_a_new_jwks_url_at_once_and_keeps_the_new_period() {
         Duration::from_secs(14),
         "the fetch at the new period",
         || new.hits() > before + 1,
+    );
+}
+
+/// A reload that moves `jwks_url` to another provider stops trusting the old one's keys at
+/// once, as a restart would (an operator moving off a compromised provider): while the new
+/// one cannot be fetched, tokens get 401 and the WARN says so. A secret in the URL's query
+/// (a presigned URL, `client_secret=`) is never logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
+    let old = Provider::start(jwks_with(&["rsa-1"])).await;
+    let new = Provider::start(jwks_with(&["rsa-1"])).await;
+    *new.body.lock().unwrap() = None;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let jwt = |provider: &Provider| {
+        format!(
+            "algorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = 3600",
+            quoted(&format!(
+                "http://127.0.0.1:{}/jwks.json?client_secret=hush-hush",
+                provider.port
+            ))
+        )
+    };
+    let gw = start(&redis, &up, &jwt(&old));
+    let signed = token("rsa-1", "rsa.der");
+    assert_eq!(status(&gw, &signed).await, 200);
+
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    gw.rewrite_config(&config.replace(&jwt(&old), &jwt(&new)));
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    wait_until(Duration::from_secs(3), "the new provider's fetch", || {
+        new.hits() >= 1
+    });
+    assert_eq!(status(&gw, &signed).await, 401, "the old provider's key");
+    wait_until(Duration::from_secs(3), "the WARN", || {
+        gw.logs()
+            .contains("cannot fetch the JWKS; tokens get 401 until it is fetched")
+    });
+    let logs = gw.logs();
+    assert!(!logs.contains("hush-hush"), "{logs}");
+    assert!(logs.contains("client_secret=***"), "{logs}");
+}
+
+/// A provider that cannot be fetched at start is logged once, with the reason (here the
+/// connection refused, not only "error sending request"), though it is tried again at once.
+/// A redirect is followed only where `jwks_url` itself may point: one to plain http off
+/// loopback is refused before any connection, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fetch_says_why_and_a_redirect_stays_where_the_url_may_point() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let gw = start(
+        &redis,
+        &up,
+        &format!("algorithms = [\"RS256\"]\njwks_url = \"http://127.0.0.1:{port}/jwks.json\""),
+    );
+    wait_until(Duration::from_secs(5), "the retry", || {
+        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}") >= 2.0
+    });
+    let logs = gw.logs();
+    let warned: Vec<_> = logs.lines().filter(|l| l.contains("JWKS")).collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains("Connection refused"), "{}", warned[0]);
+
+    // TEST-NET-1: never connected to, the policy refuses it first.
+    let redirecting = Provider::start(
+        "HTTP/1.1 302 Found\r\nlocation: http://192.0.2.1/jwks.json\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into(),
+    )
+    .await;
+    let gw = start(
+        &redis,
+        &up,
+        &format!(
+            "algorithms = [\"RS256\"]\njwks_url = \"http://127.0.0.1:{}/jwks.json\"",
+            redirecting.port
+        ),
+    );
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 401);
+    let logs = gw.logs();
+    assert!(
+        logs.contains("redirected to a URL that is neither https nor http to a loopback address"),
+        "{logs}"
     );
 }
 

@@ -978,23 +978,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         }
         (Some(u), None) => {
             let text = u.get_ref();
-            let loopback_http = text
-                .strip_prefix("http://")
-                .and_then(|rest| rest.split(['/', '?']).next())
-                .map(|authority| {
-                    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
-                    let host = host.trim_start_matches('[').trim_end_matches(']');
-                    host == "localhost"
-                        || host
-                            .parse::<std::net::IpAddr>()
-                            .is_ok_and(|ip| ip.is_loopback())
-                })
-                .unwrap_or(false);
-            let parsed = reqwest::Url::parse(text)
+            let usable = reqwest::Url::parse(text)
                 .ok()
-                .filter(|url| url.host().is_some());
-            if parsed.is_none() || !(text.starts_with("https://") || loopback_http) {
-                c.push(Some(&u.span()), None, format!("auth.jwt.jwks_url = \"{}\" is not usable: give an https:// URL (http:// only to a loopback address)", redact_url(text)));
+                .is_some_and(|url| crate::remote_jwks::usable_url(&url));
+            if !usable {
+                c.push(Some(&u.span()), None, format!("auth.jwt.jwks_url = \"{}\" is not usable: give an https:// URL (http:// only to a loopback address)", crate::remote_jwks::shown(text)));
                 None
             } else {
                 Some(text.clone())
