@@ -147,7 +147,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
         let (live, access_log) = (Arc::clone(&live), Arc::clone(&access_log));
         connections.on_bad_head(BadHeadHook(Box::new(move |head| {
             let snapshot = live.load();
-            snapshot.unmatched.inc(400);
+            snapshot.unmatched.inc(head.status);
             if snapshot.config.access_log.is_some() {
                 crate::proxy::access::bad_head(&access_log, head);
             }

@@ -578,7 +578,23 @@ pub struct Guarded {
     through_reset: AtomicBool,
     /// A reset was read as such while a request was in progress.
     was_reset: AtomicBool,
+    /// Bytes read of the HTTP/1 request head on its way (`HEAD`): past [`HEAD_WIRE_LIMIT`]
+    /// it is refused before Pingora buffers more of it.
+    head_bytes: usize,
+    /// The 431 written in place of further reads of a head past the limit, and how much of
+    /// it is written.
+    refusing: Option<(Vec<u8>, usize)>,
 }
+
+/// The most bytes of an HTTP/1 request head read while it is not complete: the 64 KiB its
+/// fields may hold ([`MAX_HEADER_BYTES`]) and 16 KiB for the request line and the fields'
+/// framing. Pingora would buffer up to 1 MiB of an unfinished head per connection (and
+/// answer a complete one past that 400); a head still unfinished here is answered 431 and
+/// its connection closed, so a trickled head holds at most about 128 KiB (Pingora's buffer
+/// doubles as it fills).
+///
+/// [`MAX_HEADER_BYTES`]: crate::proxy::respond::MAX_HEADER_BYTES
+pub const HEAD_WIRE_LIMIT: usize = crate::proxy::respond::MAX_HEADER_BYTES + 16 * 1024;
 
 impl Guarded {
     /// The request in progress is charged what its upstream reports: an HTTP/1 client that
@@ -658,6 +674,37 @@ impl Guarded {
         conn.cut.load(Ordering::Relaxed)
     }
 
+    /// A head past [`HEAD_WIRE_LIMIT`] and still not complete: 431 is written (a read waits
+    /// while the client does not take it, within the head's deadline), then the read fails
+    /// and Pingora closes the connection.
+    fn refuse_head(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.refusing.is_none() {
+            let answer = self.own_answer(
+                431,
+                "Request Header Fields Too Large",
+                r#"{"detail":"request header fields too large"}"#,
+            );
+            self.refusing = Some((answer, 0));
+        }
+        let Some((answer, written)) = &mut self.refusing else {
+            unreachable!("set above")
+        };
+        while *written < answer.len() {
+            match Pin::new(&mut self.inner).poll_write(cx, &answer[*written..]) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => break,
+                Poll::Ready(Ok(n)) => *written += n,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        if Pin::new(&mut self.inner).poll_flush(cx).is_pending() {
+            return Poll::Pending;
+        }
+        Poll::Ready(Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "request head larger than the gateway reads",
+        )))
+    }
+
     fn header_timed_out() -> std::io::Error {
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -709,10 +756,28 @@ impl AsyncRead for Guarded {
             // Idle too long, or closed to make room: an end-of-file, as if the client left.
             _ => return Poll::Ready(Ok(())),
         }
+        if state == HEAD && this.head_bytes > HEAD_WIRE_LIMIT {
+            this.reg.conn.waker.register(cx.waker());
+            return this.refuse_head(cx);
+        }
         let before = buf.filled().len();
         let read = if this.peeked.is_empty() {
             this.reg.conn.waker.register(cx.waker());
-            Pin::new(&mut this.inner).poll_read(cx, buf)
+            // A head is read no further than one byte past the limit: what Pingora holds of
+            // an unfinished one stays bounded.
+            let so_far = if state == HEAD { this.head_bytes } else { 0 };
+            let allowance = HEAD_WIRE_LIMIT + 1 - so_far;
+            if matches!(state, HEAD | IDLE) && buf.remaining() > allowance {
+                let mut limited = buf.take(allowance);
+                let read = Pin::new(&mut this.inner).poll_read(cx, &mut limited);
+                let n = limited.filled().len();
+                // SAFETY: the `n` bytes after `filled` were written by the read above.
+                unsafe { buf.assume_init(n) };
+                buf.advance(n);
+                read
+            } else {
+                Pin::new(&mut this.inner).poll_read(cx, buf)
+            }
         } else {
             let n = this.peeked.len().min(buf.remaining());
             buf.put_slice(&this.peeked[..n]);
@@ -723,9 +788,12 @@ impl AsyncRead for Guarded {
             return read;
         }
         let conn = &this.reg.conn;
+        let n = buf.filled().len() - before;
         match state {
+            HEAD => this.head_bytes += n,
             // The first bytes of the next request: its head has the full time from now.
             IDLE => {
+                this.head_bytes = n;
                 conn.since_ms
                     .store(this.reg.connections.now_ms(), Ordering::Relaxed);
                 conn.state.store(HEAD, Ordering::Relaxed);
@@ -814,9 +882,12 @@ fn is_pingora_400(buf: &[u8]) -> bool {
     buf.starts_with(b"HTTP/1.") && buf.get(8..13) == Some(b" 400 ")
 }
 
-/// A request head Pingora could not parse, answered with the gateway's 400 here: what the
-/// access log and the metrics are told of it ([`Connections::on_bad_head`]).
+/// A request head Pingora could not parse, answered with the gateway's 400 here, or one
+/// refused as too large before it was whole (431): what the access log and the metrics are
+/// told of it ([`Connections::on_bad_head`]).
 pub struct BadHead<'a> {
+    /// 400, or 431 for a head past [`HEAD_WIRE_LIMIT`].
+    pub status: u16,
     pub request_id: &'a str,
     /// The peer's address (the head was not read, so no forwarded header either).
     pub peer: Option<std::net::IpAddr>,
@@ -836,7 +907,12 @@ impl std::fmt::Debug for BadHeadHook {
 
 impl Guarded {
     fn bad_request(&self) -> Vec<u8> {
-        let body = r#"{"detail":"bad request"}"#;
+        self.own_answer(400, "Bad Request", r#"{"detail":"bad request"}"#)
+    }
+
+    /// The gateway's answer to a head it refuses before Pingora parses it, told to the
+    /// access log and the metrics as every answer is.
+    fn own_answer(&self, status: u16, reason: &str, body: &str) -> Vec<u8> {
         let request_id = crate::proxy::forwarded::new_request_id();
         if let Some(hook) = self.reg.connections.bad_head.get() {
             let peer = self
@@ -844,6 +920,7 @@ impl Guarded {
                 .get_socket_digest()
                 .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
             (hook.0)(&BadHead {
+                status,
                 request_id: &request_id,
                 peer,
                 tls: self.inner.get_ssl_digest().is_some(),
@@ -851,7 +928,7 @@ impl Guarded {
             });
         }
         format!(
-            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
+            "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
             body.len(),
             self.reg.connections.request_id_header.load(),
         )
@@ -1113,6 +1190,8 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 h2_head: H2Head::at_preface(),
                 through_reset: AtomicBool::new(false),
                 was_reset: AtomicBool::new(false),
+                head_bytes: 0,
+                refusing: None,
             };
             if guarded.reg.conn.state.load(Ordering::Relaxed) == H2_HEAD {
                 guarded.register_h2();

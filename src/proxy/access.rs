@@ -22,7 +22,7 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
         path: None,
         protocol: "HTTP/1.1",
         tls: head.tls,
-        status: 400,
+        status: head.status,
         endpoint_id: None,
         decision_reason: None,
         allowed: None,
