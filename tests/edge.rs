@@ -117,6 +117,35 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
         sent_id, answered_id,
         "the client sees the id the upstream saw"
     );
+    // Nor are spellings with `_`, which a CGI or WSGI backend reads as the same variables
+    // (`HTTP_X_REAL_IP`): the client's word came first, beside the gateway's. A field whose
+    // `-` spelling the request also carries goes too (an identity header's second value);
+    // other fields with `_` pass.
+    let r = http
+        .get(gw.url("/open/x"))
+        .header("X_Forwarded_For", "6.6.6.6")
+        .header("X_Real_IP", "6.6.6.6")
+        .header("X_Forwarded_Proto", "https")
+        .header("X_Request_Id", "forged")
+        .header("X-API-Key", "mine")
+        .header("X_API_Key", "someone-elses")
+        .header("X_Custom", "kept")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let seen = echo_headers(&r.text().await.unwrap());
+    for gone in [
+        "x_forwarded_for",
+        "x_real_ip",
+        "x_forwarded_proto",
+        "x_request_id",
+        "x_api_key",
+    ] {
+        assert!(!seen.contains_key(gone), "{gone}: {seen:?}");
+    }
+    assert_eq!(seen["x-api-key"], "mine");
+    assert_eq!(seen["x_custom"], "kept");
 
     // The gateway's own answers carry a request id too, and the deny log names it.
     let r = http.get(gw.url("/nowhere")).send().await.unwrap();

@@ -34,6 +34,44 @@ pub struct Origin {
 
 static X_FORWARDED_PORT: http::HeaderName = http::HeaderName::from_static("x-forwarded-port");
 
+/// The fields the gateway writes or drops on every request sent upstream (the request id's
+/// name is configured).
+const WRITTEN: [&str; 6] = [
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-forwarded-port",
+    "x-real-ip",
+    "forwarded",
+];
+
+/// CGI and WSGI backends (and the frameworks on them) read `X_Real_IP` and `X-Real-IP` as one
+/// variable, the values joined: a field written with `_` where one the gateway writes has
+/// `-`, or where the request also carries the `-` spelling, would reach such a backend beside
+/// the gateway's value, or beside the identity the gateway charged (`X_API_Key` with
+/// `X-API-Key`, which two `X-API-Key` fields could not do: 401). Such fields are dropped,
+/// as nginx drops every field with `_` by default. Other fields with `_` pass.
+fn drop_underscore_spellings(upstream: &mut RequestHeader, request_id_header: &[u8]) {
+    if !upstream.headers.keys().any(|k| k.as_str().contains('_')) {
+        return;
+    }
+    let aliases: Vec<http::HeaderName> = upstream
+        .headers
+        .keys()
+        .filter(|k| k.as_str().contains('_'))
+        .filter(|k| {
+            let dashed = k.as_str().replace('_', "-");
+            WRITTEN.contains(&dashed.as_str())
+                || dashed.as_bytes() == request_id_header
+                || upstream.headers.contains_key(dashed.as_str())
+        })
+        .cloned()
+        .collect();
+    for name in aliases {
+        upstream.remove_header(&name);
+    }
+}
+
 impl Origin {
     pub fn of(
         req: &RequestHeader,
@@ -64,6 +102,7 @@ impl Origin {
     /// header's name, lower case. Every value is made without the formatter and every name
     /// is static: this runs on every forwarded request.
     pub fn apply(&self, upstream: &mut RequestHeader, request_id_header: &Bytes) -> Result<()> {
+        drop_underscore_spellings(upstream, request_id_header);
         let Some(peer) = self.peer else {
             upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;
             return Ok(());
