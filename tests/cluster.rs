@@ -306,6 +306,46 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
     assert_eq!(decisions(&gw, "c.closed", "allowed", true), 4.0);
 }
 
+/// `/limits` follows `ASK` and `MOVED` as decisions do: mid-migration its read finds the
+/// bucket where it went, and once the slot has moved its reset deletes it there. It answered
+/// 503 for as long as a slot migrated, and logged nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admins_limits_follow_ask_and_moved() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = start_gateway(&cluster.seed_urls(), &up.addr());
+    let tenant = "admin-migrating";
+    let k = key(tenant, "c.closed");
+    let from = cluster.owner(&k);
+    let to = (from + 1) % 3;
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+    let slot = sentinel_gateway::store::slot(k.as_bytes());
+    cluster.migrate_key(slot, from, to, &k);
+    let limits = gw.admin(&format!(
+        "/limits/c.closed?identity=header%3Ax-api-key%3A{tenant}"
+    ));
+    let read = client().get(&limits).send().await.unwrap();
+    assert_eq!(read.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&read.text().await.unwrap()).unwrap();
+    assert_eq!(body["limits"][0]["remaining"], 2, "{body}");
+    let to_id = cluster.node_id(to);
+    for node in 0..3 {
+        cluster.setslot(node, slot, &["NODE", &to_id]);
+    }
+    let reset = client().delete(&limits).send().await.unwrap();
+    assert_eq!(reset.status(), 200);
+    assert_eq!(
+        reset.text().await.unwrap(),
+        r#"{"keys_deleted":1,"reset":true}"#
+    );
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&k)
+        .query(&mut cluster.nodes[to].conn())
+        .unwrap();
+    assert!(!exists, "deleted on the new owner");
+    assert!(!gw.logs().contains("admin: cannot"), "{}", gw.logs());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_identities_at_once_are_each_decided_exactly_on_their_primaries() {
     let cluster = RedisCluster::start();

@@ -34,7 +34,7 @@ const COMPENSATION_WAIT: Duration = Duration::from_secs(5);
 
 /// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
 /// is already unusual).
-const MAX_REDIRECTS: usize = 3;
+pub(super) const MAX_REDIRECTS: usize = 3;
 
 /// Which of a decision's `keys` its error was met on (from 0), and the error without what
 /// says so: the scripts of several limits end such an error with " (key i)", i from 1

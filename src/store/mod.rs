@@ -498,21 +498,18 @@ impl Store {
         key: &str,
         fields: &[&str],
     ) -> Result<(Vec<Option<i64>>, u64), StoreFailure> {
-        let conn = self
-            .link_for(key)
-            .and_then(|l| l.conn.load_full())
-            .ok_or(StoreFailure::ConnectionError)?;
-        let mut c = conn.redis.clone();
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME").cmd("HMGET").arg(key).arg(fields);
-        let call = pipe.query_async::<((u64, u64), Vec<Option<String>>)>(&mut c);
-        let ((secs, micros), values) = tokio::time::timeout(ADMIN_TIMEOUT, call)
-            .await
-            .map_err(|_| StoreFailure::Timeout)?
-            .map_err(|e| {
-                tracing::debug!(error = %e, "cannot read a bucket");
-                StoreFailure::ConnectionError
-            })?;
+        let ((secs, micros), values) = self
+            .admin_call::<((u64, u64), Vec<Option<String>>)>(key, "read a bucket", |asking| {
+                let mut pipe = redis::pipe();
+                pipe.cmd("TIME");
+                // `ASKING` holds for the next command only: the one that reads the key.
+                if asking {
+                    pipe.cmd("ASKING").ignore();
+                }
+                pipe.cmd("HMGET").arg(key).arg(fields);
+                pipe
+            })
+            .await?;
         let values = values
             .into_iter()
             .map(|v| v.and_then(|t| t.parse().ok()))
@@ -525,21 +522,79 @@ impl Store {
         let Some(first) = keys.first() else {
             return Ok(0);
         };
-        let conn = self
-            .link_for(first)
-            .and_then(|l| l.conn.load_full())
-            .ok_or(StoreFailure::ConnectionError)?;
-        let mut c = conn.redis.clone();
-        let mut del = redis::cmd("DEL");
-        del.arg(keys);
-        let call = del.query_async::<u64>(&mut c);
-        tokio::time::timeout(ADMIN_TIMEOUT, call)
-            .await
-            .map_err(|_| StoreFailure::Timeout)?
-            .map_err(|e| {
-                tracing::debug!(error = %e, "cannot delete a bucket");
-                StoreFailure::ConnectionError
+        let (deleted,) = self
+            .admin_call::<(u64,)>(first, "delete buckets", |asking| {
+                let mut pipe = redis::pipe();
+                if asking {
+                    pipe.cmd("ASKING").ignore();
+                }
+                pipe.cmd("DEL").arg(keys);
+                pipe
             })
+            .await?;
+        Ok(deleted)
+    }
+
+    /// One admin command on the node that serves `key` (`command(asking)` builds it), within
+    /// [`ADMIN_TIMEOUT`], following a cluster's `MOVED` and `ASK` as decisions do (a slot
+    /// being migrated is read and reset where it is). A failure is logged with its reason:
+    /// the admin's 503 says only that Redis could not answer.
+    async fn admin_call<T: redis::FromRedisValue>(
+        &self,
+        key: &str,
+        what: &str,
+        command: impl Fn(bool) -> redis::Pipeline,
+    ) -> Result<T, StoreFailure> {
+        let attempt = async {
+            let mut link = self.link_for(key).map(Cow::into_owned);
+            let mut asking = false;
+            for _ in 0..=eval::MAX_REDIRECTS {
+                let conn = link
+                    .as_ref()
+                    .and_then(|l| l.conn.load_full())
+                    .ok_or_else(|| "not connected".to_owned())?;
+                let mut c = conn.redis.clone();
+                let e = match command(asking).query_async::<T>(&mut c).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(e) => e,
+                };
+                // A pipeline's failure holds its commands' errors: the redirect is one of them.
+                let first = e
+                    .clone()
+                    .into_server_errors()
+                    .and_then(|errors| errors.first().map(|(_, e)| e.clone()))
+                    .map(redis::RedisError::from);
+                let (Some(redirect), Layout::Cluster(cluster)) =
+                    (first.as_ref().and_then(eval::redirect), &self.inner.layout)
+                else {
+                    return Err(e.to_string());
+                };
+                let connector = &self.inner.connector;
+                let next = match redirect.ask {
+                    true => cluster.asked(connector, &redirect.addr),
+                    false => cluster.moved(connector, redirect.slot, &redirect.addr),
+                }
+                .ok_or_else(|| format!("redirected to {}, which cannot be used", redirect.addr))?;
+                next.connected().await;
+                link = Some(next);
+                asking = redirect.ask;
+            }
+            Err("redirected too many times".to_owned())
+        };
+        let failure = match tokio::time::timeout(ADMIN_TIMEOUT, attempt).await {
+            Ok(Ok(answer)) => return Ok(answer),
+            Ok(Err(reason)) => (StoreFailure::ConnectionError, reason),
+            Err(_) => (
+                StoreFailure::Timeout,
+                format!("no answer within {} ms", ADMIN_TIMEOUT.as_millis()),
+            ),
+        };
+        tracing::warn!(
+            key_slot = slot(key.as_bytes()),
+            error = %failure.1,
+            "admin: cannot {what} in redis; answered 503"
+        );
+        Err(failure.0)
     }
 
     /// Redis's `maxmemory-policy` when last read; `None` until read or when not permitted.
