@@ -513,6 +513,65 @@ async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbea
     }
 }
 
+/// A master's user without `+role` (the check that the named node is the master): the
+/// sentinel's word is taken and said once at WARN, naming the grant. It made every request
+/// of the route a 503 for good, logged as a master that "does not answer as a master".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_who_may_not_run_role_is_decided_for_on_the_sentinels_word() {
+    let master = Redis::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "gateway",
+            "on",
+            ">gateway-pass",
+            "~sentinel:*",
+            "resetchannels",
+            "-@all",
+            "+evalsha",
+            "+script|load",
+            "+time",
+            "+hmget",
+            "+hset",
+            "+expire",
+            "+pexpire",
+            "+persist",
+            "+del",
+            "+config|get",
+            "+ping",
+            "+select",
+        ])
+        .query(&mut master.conn())
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let config = on_sentinel(sentinel_port)
+        .redis("username", quoted("gateway"))
+        .redis("password_env", quoted("TEST_REDIS_PASSWORD"))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("s.api")
+                .prefix("/api")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        );
+    let gw = config.start_with_env(&[("TEST_REDIS_PASSWORD", "gateway-pass")]);
+    wait_until(Duration::from_secs(5), "the master connected", || {
+        readyz(&gw)["redis"] == "up"
+    });
+    assert_eq!(statuses(&gw, "k", 4).await, [200, 200, 200, 429]);
+    let said: Vec<String> = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("may not run ROLE (grant +role)"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].contains(r#""level":"WARN""#), "{}", said[0]);
+}
+
 /// Sentinels, master and replica all over TLS (`rediss://` sentinels, `tls-replication`):
 /// the gateway asks the sentinel over TLS, decides on the master over TLS, and follows the
 /// promotion after the master is killed.

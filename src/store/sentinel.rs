@@ -139,30 +139,36 @@ impl Sentinel {
     /// credentials is taken as the master the sentinels say it is: its role cannot be
     /// read, and the decisions' own connection to it then fails with the reason
     /// (`WRONGPASS`), logged, instead of on an address that means nothing.
-    async fn is_master(target: &Target) -> bool {
+    async fn is_master(target: &Target) -> Result<bool, String> {
         let check = async {
             let mut opened = match connect::open(&target.dial).await {
                 Ok(opened) => opened,
-                Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => return Some(true),
-                Err(_) => return None,
+                Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => return Ok(true),
+                Err(e) => return Err(format!("cannot connect to it: {e}")),
             };
-            let role: redis::Value = redis::cmd("ROLE")
-                .query_async(&mut opened.conn)
-                .await
-                .ok()?;
+            let role: redis::Value = match redis::cmd("ROLE").query_async(&mut opened.conn).await {
+                Ok(role) => role,
+                // The user may not run ROLE: the sentinel's word is taken, said once.
+                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(node = %target.node, error = %e, "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
+                    });
+                    return Ok(true);
+                }
+                Err(e) => return Err(format!("ROLE failed: {e}")),
+            };
             match role {
                 redis::Value::Array(items) => match items.first() {
-                    Some(redis::Value::BulkString(b)) => Some(b.as_slice() == b"master"),
-                    _ => None,
+                    Some(redis::Value::BulkString(b)) => Ok(b.as_slice() == b"master"),
+                    _ => Err("ROLE answered an unknown shape".to_owned()),
                 },
-                _ => None,
+                _ => Err("ROLE answered an unknown shape".to_owned()),
             }
         };
         tokio::time::timeout(ASK_TIMEOUT, check)
             .await
-            .ok()
-            .flatten()
-            .unwrap_or(false)
+            .unwrap_or_else(|_| Err(format!("no answer within {} ms", ASK_TIMEOUT.as_millis())))
     }
 
     /// Points `link` at `target`, dropping the connection to the old master.
@@ -222,15 +228,24 @@ impl Sentinel {
             if in_use && !recheck {
                 return Ok((target, false));
             }
-            if Self::is_master(&target).await {
-                return Ok((target, true));
+            match Self::is_master(&target).await {
+                Ok(true) => return Ok((target, true)),
+                Ok(false) => {
+                    tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
+                    why = format!(
+                        "sentinel {} names {}, which does not answer as a master",
+                        dial.info.addr(),
+                        target.node
+                    );
+                }
+                Err(e) => {
+                    why = format!(
+                        "sentinel {} names {}, which cannot be asked whether it is the master: {e}",
+                        dial.info.addr(),
+                        target.node
+                    );
+                }
             }
-            tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
-            why = format!(
-                "sentinel {} names {}, which does not answer as a master",
-                dial.info.addr(),
-                target.node
-            );
             not_masters.push(target.node);
         }
         Err(why)
