@@ -168,11 +168,26 @@ pub enum PairError {
     Key(String),
 }
 
+/// Why a certificate is of an X.509 version TLS here cannot use: rustls (through webpki)
+/// takes v3 only, and `openssl x509 -req` without extensions signs a v1 one, which OpenSSL's
+/// own tools take. It would otherwise be refused as a key that does not fit.
+fn not_v3(cert: &x509_parser::certificate::X509Certificate<'_>) -> Option<String> {
+    (cert.version() != x509_parser::x509::X509Version::V3).then(|| {
+        format!(
+            "holds an X.509 v{} certificate, and TLS here takes v3 only: sign it with extensions (`openssl x509 -req ... -extfile ext.cnf`, or `-copy_extensions copy`)",
+            cert.version().0 + 1
+        )
+    })
+}
+
 /// Refuses a certificate whose validity has ended or not yet begun: served, every client
 /// would refuse it.
 fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64), PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
+    if let Some(why) = not_v3(&parsed) {
+        return Err(PairError::Cert(why));
+    }
     let validity = parsed.validity();
     let now = x509_parser::time::ASN1Time::now();
     if validity.not_after < now {
@@ -279,9 +294,11 @@ impl RedisTls {
                 if chain.is_empty() {
                     return Err(RedisTlsError::Cert("holds no certificate".into()));
                 }
-                not_after = x509_parser::parse_x509_certificate(chain[0].as_ref())
-                    .ok()
-                    .map(|(_, c)| c.validity().not_after.timestamp());
+                let parsed = x509_parser::parse_x509_certificate(chain[0].as_ref()).ok();
+                if let Some(why) = parsed.as_ref().and_then(|(_, c)| not_v3(c)) {
+                    return Err(RedisTlsError::Cert(why));
+                }
+                not_after = parsed.map(|(_, c)| c.validity().not_after.timestamp());
                 let key_pem = read(key_path, RedisTlsError::Key(String::new()))?;
                 let key = PrivateKeyDer::from_pem_slice(&key_pem)
                     .map_err(|e| RedisTlsError::Key(format!("holds no usable private key: {e}")))?;
@@ -289,7 +306,12 @@ impl RedisTls {
                 source.push(key_pem);
                 builder
                     .with_client_auth_cert(chain, key)
-                    .map_err(|e| RedisTlsError::Key(format!("does not fit the certificate: {e}")))?
+                    .map_err(|e| match e {
+                        rustls::Error::InconsistentKeys(_) => {
+                            RedisTlsError::Key(format!("does not fit the certificate: {e}"))
+                        }
+                        other => RedisTlsError::Cert(format!("is not usable: {other}")),
+                    })?
             }
         };
         Ok(Self {
