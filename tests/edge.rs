@@ -280,6 +280,30 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     );
 }
 
+/// A trusted proxy whose `X-Forwarded-For` names no usable client, on a route that does not
+/// key on the client: forwarded without `X-Real-IP`, and logged with the proxy's address
+/// (it was `null`: nothing in the line said who sent the request).
+#[test]
+fn a_trusted_proxy_naming_no_client_is_logged_as_itself() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("trusted_proxies", r#"["127.0.0.0/8"]"#)
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .access_log(&log)
+        .start();
+    let request =
+        b"GET /x HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: garbage\r\nConnection: close\r\n\r\n";
+    assert_eq!(common::raw_request(gw.port, request), Some(200));
+    wait_until(Duration::from_secs(3), "the line", || {
+        access_lines(&log).len() == 1
+    });
+    assert_eq!(access_lines(&log)[0]["client_ip"], "127.0.0.1");
+}
+
 /// A trusted proxy's `X-Forwarded-For` fields are passed on byte for byte, with the peer
 /// appended, whatever they hold: a field that is not text (a client's junk that the proxy
 /// passed on beside the real address) is not dropped, so no client can erase the address

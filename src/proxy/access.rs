@@ -63,7 +63,8 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     let line = Line {
         timestamp: Timestamp::of(started),
         request_id: origin.map(|o| o.request_id.as_str()),
-        client_ip: origin.and_then(|o| o.client),
+        // A trusted proxy that named no usable client: the proxy, as nginx's `$remote_addr`.
+        client_ip: origin.and_then(|o| o.client.or(o.peer)),
         method: Some(req.method.as_str()),
         host,
         path: ctx.path.as_deref(),
