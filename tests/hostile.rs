@@ -395,7 +395,8 @@ async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
 }
 
 /// An upstream on a free port that answers every request head with 200 and the request's path
-/// as the body, counting the heads it received.
+/// as the body (with a 70 KB field for a path under `/big-head`), counting the heads it
+/// received.
 fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -416,8 +417,13 @@ fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize
                         path = rest.split(' ').next().unwrap_or_default().to_owned();
                     } else if line.is_empty() {
                         count.fetch_add(1, Ordering::SeqCst);
+                        // `/big-head/...`: an answer head past 64 KiB.
+                        let big = match path.starts_with("/big-head") {
+                            true => format!("X-Big: {}\r\n", "a".repeat(70_000)),
+                            false => String::new(),
+                        };
                         let answer = format!(
-                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{path}",
+                            "HTTP/1.1 200 OK\r\n{big}Content-Length: {}\r\n\r\n{path}",
                             path.len()
                         );
                         if writer.write_all(answer.as_bytes()).is_err() {
@@ -894,6 +900,34 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
 /// A request Pingora refuses after the upstream was chosen and before anything is sent (a
 /// `Connection` header naming a protected field) was logged as forwarded, naming the
 /// upstream; nothing reached it.
+/// An upstream whose answer head is past 64 KiB is at fault: 502, as nginx's "upstream sent
+/// too big header", where the head was passed on (a client such as curl gives up on it) and
+/// logged 200.
+#[test]
+fn an_upstream_answer_head_past_64_kib_is_502() {
+    let redis = Redis::start();
+    let (upstream, _) = counting_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream.as_str()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let answer = raw_answer(
+        gw.port,
+        b"GET /big-head/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 502"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(!answer.contains("aaaa"), "nothing of it passed on");
+    let answer = raw_answer(
+        gw.port,
+        b"GET /small HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 /// An upstream that refuses the connection: the 502's access-log line names the upstream and
 /// the address that failed, as an operator reads it to find the broken backend.
 #[test]

@@ -681,6 +681,20 @@ impl ProxyHttp for Gateway {
             )
             .into_up());
         }
+        // An answer head past what a request's may hold is the upstream's fault: 502, as
+        // nginx's "upstream sent too big header" (Pingora reads up to 1 MiB of it).
+        let head_bytes: usize = upstream_response
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        if head_bytes > respond::MAX_HEADER_BYTES {
+            return Err(Error::explain(
+                ErrorType::InvalidHTTPHeader,
+                "the upstream's answer head is larger than 64 KiB",
+            )
+            .into_up());
+        }
         hop::end_at_this_hop(upstream_response);
         Ok(())
     }
