@@ -128,6 +128,33 @@ fn the_sni_name_chooses_the_certificate_and_unknown_names_get_the_default() {
 /// An address sent as the SNI name (RFC 6066 forbids it; wrk and some other clients send it)
 /// is the client's doing: the handshake goes on with the default certificate and nothing is
 /// logged above DEBUG.
+/// Plain HTTP sent to a TLS listener is answered with the gateway's 400 in plain HTTP, as
+/// nginx answers it, and counted; it got a raw TLS alert that no HTTP client can show. A TLS
+/// client on the same listener is served as before.
+#[test]
+fn plain_http_to_a_tls_listener_is_answered_400() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let gw = s.config(&redis, &up, "").start();
+    let answer = {
+        use std::io::{Read, Write};
+        let mut tcp = std::net::TcpStream::connect(("127.0.0.1", s.tls_port)).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        tcp.write_all(b"GET /open HTTP/1.1\r\nHost: a\r\n\r\n")
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = tcp.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer:?}");
+    assert!(answer.contains("\r\nx-request-id: "), "{answer}");
+    assert!(answer.ends_with(r#"{"detail":"bad request"}"#), "{answer}");
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="400"}"#),
+        1.0
+    );
+    assert_eq!(s.conn("localhost").unwrap().served(), s.default.der);
+}
+
 #[test]
 fn an_address_sent_as_the_sni_name_is_answered_and_logs_no_warning() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());

@@ -686,17 +686,10 @@ impl Guarded {
             );
             self.refusing = Some((answer, 0));
         }
-        let Some((answer, written)) = &mut self.refusing else {
+        let Some(refusing) = &mut self.refusing else {
             unreachable!("set above")
         };
-        while *written < answer.len() {
-            match Pin::new(&mut self.inner).poll_write(cx, &answer[*written..]) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => break,
-                Poll::Ready(Ok(n)) => *written += n,
-                Poll::Pending => return Poll::Pending,
-            }
-        }
-        if Pin::new(&mut self.inner).poll_flush(cx).is_pending() {
+        if write_out(&mut self.inner, cx, refusing).is_pending() {
             return Poll::Pending;
         }
         Poll::Ready(Err(std::io::Error::new(
@@ -913,27 +906,59 @@ impl Guarded {
     /// The gateway's answer to a head it refuses before Pingora parses it, told to the
     /// access log and the metrics as every answer is.
     fn own_answer(&self, status: u16, reason: &str, body: &str) -> Vec<u8> {
-        let request_id = crate::proxy::forwarded::new_request_id();
-        if let Some(hook) = self.reg.connections.bad_head.get() {
-            let peer = self
-                .inner
-                .get_socket_digest()
-                .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-            (hook.0)(&BadHead {
-                status,
-                request_id: &request_id,
-                peer,
-                tls: self.inner.get_ssl_digest().is_some(),
-                bytes_sent: body.len() as u64,
-            });
-        }
-        format!(
-            "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
-            body.len(),
-            self.reg.connections.request_id_header.load(),
+        own_answer(
+            &self.reg.connections,
+            &self.inner,
+            self.inner.get_ssl_digest().is_some(),
+            (status, reason, body),
         )
-        .into_bytes()
     }
+}
+
+/// The gateway's own answer, `(status, reason, body)`, to a request it refuses before
+/// Pingora has one: told to the access log and the metrics ([`Connections::on_bad_head`]).
+fn own_answer(
+    connections: &Connections,
+    stream: &Stream,
+    tls: bool,
+    (status, reason, body): (u16, &str, &str),
+) -> Vec<u8> {
+    let request_id = crate::proxy::forwarded::new_request_id();
+    if let Some(hook) = connections.bad_head.get() {
+        let peer = stream
+            .get_socket_digest()
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+        (hook.0)(&BadHead {
+            status,
+            request_id: &request_id,
+            peer,
+            tls,
+            bytes_sent: body.len() as u64,
+        });
+    }
+    format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
+        body.len(),
+        connections.request_id_header.load(),
+    )
+    .into_bytes()
+}
+
+/// Writes `answer` from `*written` on; `Ready(())` once it is all written and flushed, or
+/// the stream failed (the connection closes either way).
+fn write_out(
+    stream: &mut Stream,
+    cx: &mut Context<'_>,
+    (answer, written): &mut (Vec<u8>, usize),
+) -> Poll<()> {
+    while *written < answer.len() {
+        match Pin::new(&mut *stream).poll_write(cx, &answer[*written..]) {
+            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+            Poll::Ready(Ok(n)) => *written += n,
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+    Pin::new(stream).poll_flush(cx).map(drop)
 }
 
 impl AsyncWrite for Guarded {
@@ -1024,6 +1049,11 @@ impl AsyncWrite for Guarded {
 struct Handshaking {
     stream: Stream,
     conn: Arc<Conn>,
+    connections: Arc<Connections>,
+    /// Nothing was read yet: the first bytes say whether the client speaks TLS at all.
+    first: bool,
+    /// The 400 written to a client that sent plain HTTP, and how much of it is written.
+    refusing: Option<(Vec<u8>, usize)>,
 }
 
 impl Handshaking {
@@ -1050,11 +1080,38 @@ impl AsyncRead for Handshaking {
                 _ => return Poll::Ready(Ok(())),
             }
         }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
+        if let Some(refusing) = &mut this.refusing {
+            return write_out(&mut this.stream, cx, refusing).map(|()| Err(plain_http()));
+        }
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if this.first && buf.filled().len() > before {
+            this.first = false;
+            // A TLS record starts with its content type (22, a handshake); a request line
+            // with a method's capital letters. nginx answers such a client 400 too.
+            if buf.filled().get(before).is_some_and(u8::is_ascii_uppercase) {
+                let answer = own_answer(
+                    &this.connections,
+                    &this.stream,
+                    false,
+                    (400, "Bad Request", r#"{"detail":"bad request"}"#),
+                );
+                let refusing = this.refusing.insert((answer, 0));
+                return write_out(&mut this.stream, cx, refusing).map(|()| Err(plain_http()));
+            }
+        }
+        read
     }
 }
 
 delegate_io!(Handshaking);
+
+fn plain_http() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        "plain HTTP sent to a TLS listener",
+    )
+}
 
 #[async_trait]
 impl Peek for Handshaking {
@@ -1156,6 +1213,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                     let transport = Handshaking {
                         stream,
                         conn: Arc::clone(&reg.conn),
+                        connections: Arc::clone(&self.connections),
+                        first: true,
+                        refusing: None,
                     };
                     match tokio::time::timeout(timeout, acceptor.tls_handshake(transport)).await {
                         Ok(Ok(tls)) => {
