@@ -125,7 +125,9 @@ impl CertPair {
             .map_err(|e| PairError::Cert(format!("cannot be read: {e}")))?;
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
             .collect::<Result<_, _>>()
-            .map_err(|e| PairError::Cert(format!("is not a PEM certificate chain: {e}")))?;
+            .map_err(|e| {
+                PairError::Cert(format!("is not a PEM certificate chain: {}", pem_error(&e)))
+            })?;
         if chain.is_empty() {
             return Err(PairError::Cert(
                 "holds no certificate: give a PEM chain, the server's certificate first".into(),
@@ -136,7 +138,8 @@ impl CertPair {
             std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
             PairError::Key(format!(
-                "holds no usable private key (PKCS#8, PKCS#1 or SEC1 PEM): {e}"
+                "holds no usable private key (PKCS#8, PKCS#1 or SEC1 PEM): {}",
+                pem_error(&e)
             ))
         })?;
         let provider = rustls::crypto::ring::default_provider();
@@ -166,6 +169,25 @@ impl CertPair {
 pub enum PairError {
     Cert(String),
     Key(String),
+}
+
+/// A PEM file's error in words: the library writes a missing or broken marker line as a
+/// list of byte values.
+pub fn pem_error(e: &rustls::pki_types::pem::Error) -> String {
+    use rustls::pki_types::pem::Error;
+    match e {
+        Error::MissingSectionEnd { end_marker } => {
+            let label = String::from_utf8_lossy(end_marker);
+            format!(
+                "its {label} section has no `-----END {label}-----` line (is the file cut short?)"
+            )
+        }
+        Error::IllegalSectionStart { line } => format!(
+            "a section starts with an unreadable line `{}`",
+            String::from_utf8_lossy(line).trim()
+        ),
+        other => other.to_string(),
+    }
 }
 
 /// Why a certificate is of an X.509 version TLS here cannot use: rustls (through webpki)
@@ -259,7 +281,10 @@ impl RedisTls {
                 let pem = read(path, RedisTlsError::Ca(String::new()))?;
                 for cert in CertificateDer::pem_slice_iter(&pem) {
                     let cert = cert.map_err(|e| {
-                        RedisTlsError::Ca(format!("is not a PEM certificate file: {e}"))
+                        RedisTlsError::Ca(format!(
+                            "is not a PEM certificate file: {}",
+                            pem_error(&e)
+                        ))
                     })?;
                     roots.add(cert).map_err(|e| {
                         RedisTlsError::Ca(format!("holds a certificate that cannot be a root: {e}"))
@@ -289,7 +314,10 @@ impl RedisTls {
                 let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
                     .collect::<Result<_, _>>()
                     .map_err(|e| {
-                        RedisTlsError::Cert(format!("is not a PEM certificate chain: {e}"))
+                        RedisTlsError::Cert(format!(
+                            "is not a PEM certificate chain: {}",
+                            pem_error(&e)
+                        ))
                     })?;
                 if chain.is_empty() {
                     return Err(RedisTlsError::Cert("holds no certificate".into()));
@@ -300,8 +328,9 @@ impl RedisTls {
                 }
                 not_after = parsed.map(|(_, c)| c.validity().not_after.timestamp());
                 let key_pem = read(key_path, RedisTlsError::Key(String::new()))?;
-                let key = PrivateKeyDer::from_pem_slice(&key_pem)
-                    .map_err(|e| RedisTlsError::Key(format!("holds no usable private key: {e}")))?;
+                let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
+                    RedisTlsError::Key(format!("holds no usable private key: {}", pem_error(&e)))
+                })?;
                 source.push(cert_pem);
                 source.push(key_pem);
                 builder

@@ -1339,7 +1339,12 @@ fn upstream_tls(
                 rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
                     .map(|c| c.map(|c| c.to_vec()))
                     .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| format!("is not a PEM certificate file: {e}"))
+                    .map_err(|e| {
+                        format!(
+                            "is not a PEM certificate file: {}",
+                            crate::config::tls::pem_error(&e)
+                        )
+                    })
             });
             let certs = certs.and_then(|certs| {
                 if certs.is_empty() {
