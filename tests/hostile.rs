@@ -688,6 +688,34 @@ fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwa
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+/// A 400 answered before the route (here an HTTP/1.1 request without `Host`) leaves its body
+/// unread, so its connection is closed: kept, the body was read as the next request's head
+/// (a 431 after the 400, for a body past 80 KiB).
+#[test]
+fn a_400_before_the_route_closes_its_connection_with_its_body_unread() {
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = closed_and_open(&redis.url(), &upstream, 100).start();
+    let head = "POST /open HTTP/1.1\r\nX-API-Key: k\r\nContent-Length: 100000\r\n\r\n";
+    let request = [head.as_bytes(), &vec![b'a'; 100_000]].concat();
+    let answer = raw_answer(gw.port, &request);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(
+        answer.matches("HTTP/1.1 ").count(),
+        1,
+        "one answer: {answer}"
+    );
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="431"}"#),
+        0.0
+    );
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
 /// An HTTP/1.0 request without `Host` reaches the upstream, which is sent HTTP/1.1, with one:
 /// the upstream's address (a strict upstream such as nginx answered it 400).
 #[test]

@@ -584,7 +584,14 @@ pub struct Guarded {
     /// The 431 written in place of further reads of a head past the limit, and how much of
     /// it is written.
     refusing: Option<(Vec<u8>, usize)>,
+    /// Once the 431 is out and the writing side shut: the bytes of the client's read and
+    /// thrown away since.
+    lingering: Option<usize>,
 }
+
+/// The most of a refused head's rest read and thrown away after its 431 (nginx's lingering
+/// close; the head's deadline bounds the time).
+const LINGER_BYTES: usize = 1 << 20;
 
 /// The most bytes of an HTTP/1 request head read while it is not complete: the 64 KiB its
 /// fields may hold ([`MAX_HEADER_BYTES`]) and 16 KiB for the request line and the fields'
@@ -692,6 +699,32 @@ impl Guarded {
         if write_out(&mut self.inner, cx, refusing).is_pending() {
             return Poll::Pending;
         }
+        // Closed with the rest of the head unread, the connection would be reset, which can
+        // destroy the 431 before the client reads it: the writing side is shut, and what the
+        // client still sends is read and thrown away until it closes (or the head's deadline,
+        // or a megabyte), as nginx's lingering close does.
+        let discarded = match self.lingering {
+            Some(n) => n,
+            None => {
+                if Pin::new(&mut self.inner).poll_shutdown(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                *self.lingering.insert(0)
+            }
+        };
+        let mut thrown = discarded;
+        let mut scratch = [0u8; 8192];
+        while thrown < LINGER_BYTES {
+            let mut rest = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.inner).poll_read(cx, &mut rest) {
+                Poll::Ready(Ok(())) if !rest.filled().is_empty() => thrown += rest.filled().len(),
+                Poll::Ready(_) => break,
+                Poll::Pending => {
+                    self.lingering = Some(thrown);
+                    return Poll::Pending;
+                }
+            }
+        }
         Poll::Ready(Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             "request head larger than the gateway reads",
@@ -749,7 +782,8 @@ impl AsyncRead for Guarded {
             // Idle too long, or closed to make room: an end-of-file, as if the client left.
             _ => return Poll::Ready(Ok(())),
         }
-        if state == HEAD && this.head_bytes > HEAD_WIRE_LIMIT {
+        // Asked for more with the limit read: the head is not complete within it.
+        if state == HEAD && this.head_bytes >= HEAD_WIRE_LIMIT {
             this.reg.conn.waker.register(cx.waker());
             return this.refuse_head(cx);
         }
@@ -759,10 +793,17 @@ impl AsyncRead for Guarded {
             // A head is read no further than one byte past the limit: what Pingora holds of
             // an unfinished one stays bounded.
             let so_far = if state == HEAD { this.head_bytes } else { 0 };
-            let allowance = HEAD_WIRE_LIMIT + 1 - so_far;
+            let allowance = HEAD_WIRE_LIMIT - so_far;
             if matches!(state, HEAD | IDLE) && buf.remaining() > allowance {
                 let mut limited = buf.take(allowance);
+                let start = limited.filled().as_ptr();
                 let read = Pin::new(&mut this.inner).poll_read(cx, &mut limited);
+                // The reader wrote into the buffer it was given (as tokio's `Take` checks).
+                assert_eq!(
+                    start,
+                    limited.filled().as_ptr(),
+                    "the read swapped its buffer"
+                );
                 let n = limited.filled().len();
                 // SAFETY: the `n` bytes after `filled` were written by the read above.
                 unsafe { buf.assume_init(n) };
@@ -1252,6 +1293,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 was_reset: AtomicBool::new(false),
                 head_bytes: 0,
                 refusing: None,
+                lingering: None,
             };
             if guarded.reg.conn.state.load(Ordering::Relaxed) == H2_HEAD {
                 guarded.register_h2();

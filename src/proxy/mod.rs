@@ -259,10 +259,15 @@ impl Gateway {
             header.insert_header("ratelimit-policy", f.policy.as_str())?;
             header.insert_header("ratelimit", f.state.as_str())?;
         }
-        respond::write_with(session, answer, header).await?;
         // At capacity, nothing more is spent on the request; a broken request's body may be
-        // framed otherwise than Pingora reads it, and is not read.
-        if !matches!(answer, Answer::AtCapacity | Answer::BadRequest) {
+        // framed otherwise than Pingora reads it, and is not read. Nor is the connection kept:
+        // its next request would be read from where that body begins.
+        let lingers = !matches!(answer, Answer::AtCapacity | Answer::BadRequest);
+        if !lingers {
+            session.set_keepalive(None);
+        }
+        respond::write_with(session, answer, header).await?;
+        if lingers {
             linger(session, ctx).await;
         }
         Ok(true)

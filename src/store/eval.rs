@@ -472,8 +472,19 @@ async fn evalsha(
         .ignore()
         .add_command(cmd)
         .query_async(c)
-        .await?;
+        .await
+        .map_err(unpacked)?;
     Ok(reply)
+}
+
+/// A pipeline's failure as its command's own error: redis-rs wraps the errors of a
+/// pipeline's commands, and a `MOVED`, `NOSCRIPT` or `EXPIRED` met behind `ASKING` (or
+/// behind `TIME`) must read as what it is.
+pub(super) fn unpacked(e: RedisError) -> RedisError {
+    e.clone()
+        .into_server_errors()
+        .and_then(|errors| errors.first().map(|(_, e)| RedisError::from(e.clone())))
+        .unwrap_or(e)
 }
 
 #[cfg(test)]

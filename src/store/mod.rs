@@ -556,16 +556,10 @@ impl Store {
                 let mut c = conn.redis.clone();
                 let e = match command(asking).query_async::<T>(&mut c).await {
                     Ok(answer) => return Ok(answer),
-                    Err(e) => e,
+                    Err(e) => eval::unpacked(e),
                 };
-                // A pipeline's failure holds its commands' errors: the redirect is one of them.
-                let first = e
-                    .clone()
-                    .into_server_errors()
-                    .and_then(|errors| errors.first().map(|(_, e)| e.clone()))
-                    .map(redis::RedisError::from);
                 let (Some(redirect), Layout::Cluster(cluster)) =
-                    (first.as_ref().and_then(eval::redirect), &self.inner.layout)
+                    (eval::redirect(&e), &self.inner.layout)
                 else {
                     return Err(e.to_string());
                 };
