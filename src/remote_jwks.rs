@@ -336,9 +336,16 @@ pub fn http_client() -> reqwest::Client {
         .no_proxy()
         // A redirect is followed only where `jwks_url` itself may point.
         .redirect(reqwest::redirect::Policy::custom(|attempt| {
+            // From https, only to https: a redirect may not drop the provider's TLS.
+            let from_https = attempt
+                .previous()
+                .first()
+                .is_some_and(|u| u.scheme() == "https");
             if attempt.previous().len() > 3 {
                 attempt.error("more than 3 redirects")
-            } else if usable_url(attempt.url()) {
+            } else if usable_url(attempt.url())
+                && !(from_https && attempt.url().scheme() != "https")
+            {
                 attempt.follow()
             } else {
                 attempt.error(
@@ -366,25 +373,12 @@ pub fn usable_url(url: &reqwest::Url) -> bool {
     }
 }
 
-/// `url` as a log line may show it: a password in it hidden ([`redact_url`]), and every
-/// query value too (a presigned or `client_secret=` URL carries its secret there).
+/// `url` as a log line may show it: its password and every query value hidden
+/// ([`redact_url_and_query`]).
 ///
-/// [`redact_url`]: crate::config::redact_url
+/// [`redact_url_and_query`]: crate::config::redact_url_and_query
 pub fn shown(url: &str) -> String {
-    let url = crate::config::redact_url(url);
-    match url.split_once('?') {
-        None => url.into_owned(),
-        Some((head, query)) => {
-            let masked: Vec<String> = query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((k, _)) => format!("{k}=***"),
-                    None => pair.to_owned(),
-                })
-                .collect();
-            format!("{head}?{}", masked.join("&"))
-        }
-    }
+    crate::config::redact_url_and_query(url).into_owned()
 }
 
 /// An error and the errors under it, `a: b: c`: a failed fetch says why (refused, a
@@ -500,6 +494,43 @@ pub async fn keep_fresh(
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = cache.wake.notified() => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jwks_url_is_shown_without_its_secrets() {
+        assert_eq!(
+            shown("https://u:pw@idp.example/jwks?client_secret=s3&v=2&sig"),
+            "https://u:***@idp.example/jwks?client_secret=***&v=***&***"
+        );
+        assert_eq!(
+            shown("https://idp.example/jwks"),
+            "https://idp.example/jwks"
+        );
+    }
+
+    #[test]
+    fn a_jwks_is_fetched_over_https_or_from_loopback() {
+        let usable = |u: &str| usable_url(&reqwest::Url::parse(u).unwrap());
+        for good in [
+            "https://idp.example/j",
+            "http://127.0.0.1:8/j",
+            "http://[::1]:8/j",
+            "http://LOCALHOST/j",
+        ] {
+            assert!(usable(good), "{good}");
+        }
+        for bad in [
+            "http://idp.example/j",
+            "http://10.0.0.1/j",
+            "ftp://127.0.0.1/j",
+        ] {
+            assert!(!usable(bad), "{bad}");
         }
     }
 }

@@ -66,7 +66,8 @@ impl Snapshot {
         fleet: &Arc<Fleet>,
         previous: Option<&Snapshot>,
     ) -> std::io::Result<Snapshot> {
-        // The fetched JWKS outlives every snapshot: a reload keeps the last good keys.
+        // The fetched JWKS outlives every snapshot: a reload that keeps `jwks_url` keeps the
+        // last good keys (the verifier takes only keys fetched from the URL it names).
         let jwks = previous.map_or_else(Default::default, |p| Arc::clone(&p.jwks));
         let mut pools = HashMap::new();
         for (name, up) in &config.upstreams {

@@ -925,9 +925,6 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
     }
 }
 
-/// A request Pingora refuses after the upstream was chosen and before anything is sent (a
-/// `Connection` header naming a protected field) was logged as forwarded, naming the
-/// upstream; nothing reached it.
 /// An upstream whose answer head is past 64 KiB is at fault: 502, as nginx's "upstream sent
 /// too big header", where the head was passed on (a client such as curl gives up on it) and
 /// logged 200.
@@ -977,6 +974,9 @@ fn a_failed_upstream_connection_is_logged_with_the_address_that_failed() {
     assert_eq!(line["upstream_addr"], dead.as_str(), "{line}");
 }
 
+/// A request Pingora refuses after the upstream was chosen and before anything is sent (a
+/// `Connection` header naming a protected field) was logged as forwarded, naming the
+/// upstream; nothing reached it.
 #[test]
 fn a_request_refused_before_it_is_sent_is_logged_as_not_forwarded() {
     let redis = Redis::start();

@@ -125,9 +125,6 @@ fn the_sni_name_chooses_the_certificate_and_unknown_names_get_the_default() {
     assert_eq!(conn.get(PDFTALK, "/open/y"), 200, "keep-alive over TLS");
 }
 
-/// An address sent as the SNI name (RFC 6066 forbids it; wrk and some other clients send it)
-/// is the client's doing: the handshake goes on with the default certificate and nothing is
-/// logged above DEBUG.
 /// Plain HTTP sent to a TLS listener is answered with the gateway's 400 in plain HTTP, as
 /// nginx answers it, and counted; it got a raw TLS alert that no HTTP client can show. A TLS
 /// client on the same listener is served as before.
@@ -155,6 +152,9 @@ fn plain_http_to_a_tls_listener_is_answered_400() {
     assert_eq!(s.conn("localhost").unwrap().served(), s.default.der);
 }
 
+/// An address sent as the SNI name (RFC 6066 forbids it; wrk and some other clients send it)
+/// is the client's doing: the handshake goes on with the default certificate and nothing is
+/// logged above DEBUG.
 #[test]
 fn an_address_sent_as_the_sni_name_is_answered_and_logs_no_warning() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());

@@ -35,6 +35,17 @@ pub const REDIS_URL_ENV: &str = "SENTINEL_REDIS_URL";
 /// user information, so a password holding a `/` (which makes the URL unreadable) is hidden
 /// too; in text that does not start with a scheme and `://`, everything before the last `@`.
 pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
+    redacted(url, false)
+}
+
+/// As [`redact_url`], with every value of the query written `***` (and a bare token in it):
+/// for URLs that may carry a secret anywhere there (a presigned URL's signature, a
+/// `client_secret=`).
+pub fn redact_url_and_query(url: &str) -> std::borrow::Cow<'_, str> {
+    redacted(url, true)
+}
+
+fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
     // A scheme is letters, digits, `+`, `-` and `.` (RFC 3986): a `://` further on (inside a
     // password, say) does not make the text a URL.
     let scheme = url.find("://").filter(|&s| {
@@ -60,10 +71,13 @@ pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
             .split('&')
             .map(|pair| match pair.split_once('=') {
                 Some((k, _))
-                    if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") =>
+                    if every_value
+                        || k.eq_ignore_ascii_case("pass")
+                        || k.eq_ignore_ascii_case("password") =>
                 {
                     format!("{k}=***")
                 }
+                None if every_value && !pair.is_empty() => "***".to_owned(),
                 _ => pair.to_owned(),
             })
             .collect();

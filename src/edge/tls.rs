@@ -61,7 +61,7 @@ impl CertSet {
         let Some(name) = server_name else {
             return &self.default;
         };
-        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
         if let Some(key) = self.exact.get(&name) {
             return key;
         }

@@ -30,6 +30,9 @@ pub struct Origin {
     pub request_id: String,
     /// The connection is TLS.
     pub tls: bool,
+    /// A field name of the request may hold `_` ([`drop_underscore_spellings`]); cleared by
+    /// the pass over the request's fields that measures them, so most requests skip a second.
+    pub underscored: bool,
 }
 
 static X_FORWARDED_PORT: http::HeaderName = http::HeaderName::from_static("x-forwarded-port");
@@ -94,6 +97,7 @@ impl Origin {
             client,
             request_id: kept.map_or_else(new_request_id, str::to_owned),
             tls,
+            underscored: true,
         }
     }
 
@@ -102,7 +106,9 @@ impl Origin {
     /// header's name, lower case. Every value is made without the formatter and every name
     /// is static: this runs on every forwarded request.
     pub fn apply(&self, upstream: &mut RequestHeader, request_id_header: &Bytes) -> Result<()> {
-        drop_underscore_spellings(upstream, request_id_header);
+        if self.underscored {
+            drop_underscore_spellings(upstream, request_id_header);
+        }
         let Some(peer) = self.peer else {
             upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;
             return Ok(());

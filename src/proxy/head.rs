@@ -68,7 +68,8 @@ pub fn is_authority(v: &[u8]) -> bool {
         None => {
             let at = v.iter().position(|&b| b == b':').unwrap_or(v.len());
             let name = &v[..at];
-            if !name.iter().all(|&b| name_char(b)) || name.windows(2).any(|w| w == b"..") {
+            let empty_label = name.first() == Some(&b'.') || name.windows(2).any(|w| w == b"..");
+            if !name.iter().all(|&b| name_char(b)) || empty_label {
                 return false;
             }
             &v[at..]

@@ -479,11 +479,14 @@ impl ProxyHttp for Gateway {
             return self.answer(session, ctx, Answer::AtCapacity).await;
         }
         let req = session.req_header();
-        let header_bytes: usize = req
-            .headers
-            .iter()
-            .map(|(k, v)| k.as_str().len() + v.len())
-            .sum();
+        let (mut header_bytes, mut underscored) = (0, false);
+        for (k, v) in &req.headers {
+            header_bytes += k.as_str().len() + v.len();
+            underscored |= k.as_str().contains('_');
+        }
+        if let Some(origin) = &mut ctx.origin {
+            origin.underscored = underscored;
+        }
         if header_bytes > respond::MAX_HEADER_BYTES {
             return self.answer(session, ctx, Answer::HeadersTooLarge).await;
         }
@@ -688,12 +691,7 @@ impl ProxyHttp for Gateway {
         }
         // An answer head past what a request's may hold is the upstream's fault: 502, as
         // nginx's "upstream sent too big header" (Pingora reads up to 1 MiB of it).
-        let head_bytes: usize = upstream_response
-            .headers
-            .iter()
-            .map(|(k, v)| k.as_str().len() + v.len())
-            .sum();
-        if head_bytes > respond::MAX_HEADER_BYTES {
+        if respond::fields_bytes(&upstream_response.headers) > respond::MAX_HEADER_BYTES {
             return Err(Error::explain(
                 ErrorType::InvalidHTTPHeader,
                 "the upstream's answer head is larger than 64 KiB",

@@ -11,6 +11,14 @@ use rand::Rng;
 /// Largest total size of a request's header names and values accepted, in bytes.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 
+/// The total size of a head's field names and values, as [`MAX_HEADER_BYTES`] bounds it.
+pub fn fields_bytes(headers: &http::HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum()
+}
+
 /// Every answer that does not come from an upstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Answer {

@@ -43,6 +43,8 @@ pub(super) struct Sentinel {
     /// second, a sentinel is not dialled (and authenticated, over TLS handshaken) every
     /// second.
     kept: tokio::sync::Mutex<HashMap<String, Opened>>,
+    /// The master's user may not run `ROLE`, and it was said.
+    role_refused: AtomicBool,
 }
 
 impl Sentinel {
@@ -52,6 +54,7 @@ impl Sentinel {
             access: ArcSwap::from_pointee(access),
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
+            role_refused: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
             kept: tokio::sync::Mutex::new(HashMap::new()),
         }
@@ -139,7 +142,7 @@ impl Sentinel {
     /// credentials is taken as the master the sentinels say it is: its role cannot be
     /// read, and the decisions' own connection to it then fails with the reason
     /// (`WRONGPASS`), logged, instead of on an address that means nothing.
-    async fn is_master(target: &Target) -> Result<bool, String> {
+    async fn is_master(&self, target: &Target) -> Result<bool, String> {
         let check = async {
             let mut opened = match connect::open(&target.dial).await {
                 Ok(opened) => opened,
@@ -150,10 +153,9 @@ impl Sentinel {
                 Ok(role) => role,
                 // The user may not run ROLE: the sentinel's word is taken, said once.
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| {
+                    if !self.role_refused.swap(true, Ordering::Relaxed) {
                         tracing::warn!(node = %target.node, error = %e, "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
-                    });
+                    }
                     return Ok(true);
                 }
                 Err(e) => return Err(format!("ROLE failed: {e}")),
@@ -228,7 +230,7 @@ impl Sentinel {
             if in_use && !recheck {
                 return Ok((target, false));
             }
-            match Self::is_master(&target).await {
+            match self.is_master(&target).await {
                 Ok(true) => return Ok((target, true)),
                 Ok(false) => {
                     tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
