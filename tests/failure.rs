@@ -1100,6 +1100,42 @@ async fn a_redis_that_hangs_during_connection_setup_is_left_and_retried() {
     });
 }
 
+/// Decisions sent alone (`batch_max = 1`) on a Redis whose round trip is 8 ms of the 20 ms
+/// budget: after a stall has opened the breaker, the first probe asks the connection the
+/// node has and closes it. Every probe opened a fresh connection first (its set-up some
+/// round trips more), so such a Redis was never probed back: 503 for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alone_a_slow_redis_is_probed_back_on_its_connection() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = config(&proxy.url(), &up.addr(), 1)
+        .redis("batch_max", "1")
+        .start();
+    let http = client();
+    proxy.set(Mode::Stall(Duration::from_millis(8)));
+    assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);
+    proxy.set(Mode::Stall(Duration::from_millis(300)));
+    for i in 0..5 {
+        assert_eq!(
+            send(&http, &gw.url("/closed"), &format!("k{i}"))
+                .await
+                .status,
+            503
+        );
+    }
+    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0, "open");
+    proxy.set(Mode::Stall(Duration::from_millis(8)));
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    assert_eq!(
+        send(&http, &gw.url("/closed"), "probe").await.status,
+        200,
+        "the first probe: {}",
+        gw.logs()
+    );
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0, "closed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_leaves_a_silently_dead_connection_behind() {
     let r = rig(1);

@@ -230,9 +230,11 @@ impl Store {
         // round trips more: a Redis whose round trip is a third of the budget would never be
         // probed back.) Should that probe time out too, the next one opens a fresh
         // connection, as after a call still unanswered (a peer gone without a word). Where
-        // decisions do not go in batches, nothing says what is unanswered: replaced.
+        // decisions do not go in batches nothing says what is unanswered, so probes take
+        // turns: the first asks the connection the node has, the next (if that one timed out
+        // too) a fresh one.
         let answered =
-            |c: &Arc<Conn>| self.batches_on(link) && !c.wire.lock().batches.call_in_flight();
+            |c: &Arc<Conn>| !self.batches_on(link) || !c.wire.lock().batches.call_in_flight();
         if let Some(conn) = current.filter(|c| answered(c)) {
             if !link.probe_kept.swap(true, Ordering::Relaxed) {
                 return Ok(conn);
