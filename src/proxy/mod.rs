@@ -266,11 +266,21 @@ impl Gateway {
         if !lingers {
             session.set_keepalive(None);
         }
+        self.close_when_draining(session);
         respond::write_with(session, answer, header).await?;
         if lingers {
             linger(session, ctx).await;
         }
         Ok(true)
+    }
+
+    /// An HTTP/1 answer written while the gateway drains says `Connection: close`, as
+    /// nginx's do in a graceful stop: the client sends its next request elsewhere rather
+    /// than into a connection about to close. (HTTP/2 connections get Pingora's `GOAWAY`.)
+    fn close_when_draining(&self, session: &mut Session) {
+        if self.lifecycle.is_draining() {
+            session.set_keepalive(None);
+        }
     }
 
     /// Decides one limited request and returns the answer that denies it, if any.
@@ -742,11 +752,12 @@ impl ProxyHttp for Gateway {
     /// request.
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_response: &mut pingora_http::ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         ctx.tag(upstream_response)?;
+        self.close_when_draining(session);
         if let Some(f) = &ctx.ratelimit {
             upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
             upstream_response.insert_header("ratelimit", f.state.as_str())?;
