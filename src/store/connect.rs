@@ -499,21 +499,6 @@ impl Connector {
             Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
             Err(e) => link.turns.refuse(&target.node, &e),
         }
-        // A user who may load the scripts but not run them would show it only once requests
-        // fail: `EVALSHA` with no key fails inside the script, after the permission check,
-        // and writes nothing.
-        let probe = redis::cmd("EVALSHA")
-            .arg(&self.scripts.token_bucket.sha)
-            .arg(0)
-            .query_async::<redis::Value>(conn)
-            .await;
-        match probe {
-            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
-                tracing::error!(node = %target.node, error = %e, "redis: the user may not run EVALSHA (grant +evalsha); every limited request will fail by its route's fail mode");
-            }
-            _ => {}
-        }
         Ok((opened, wire))
     }
 }
