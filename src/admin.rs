@@ -480,10 +480,11 @@ impl Admin {
         if !ready && !self.lifecycle.is_draining() {
             body["starting"] = serde_json::json!(true);
         }
-        if let Some(target) = self.reloader.live.load().config.redis.target.sentinel() {
+        // The store as it runs: a reload that moves to or from Sentinel needs a restart.
+        if let Some((name, addr)) = store.sentinel() {
             body["redis_sentinel_master"] = serde_json::json!({
-                "name": target.master,
-                "addr": store.sentinel_master(),
+                "name": name,
+                "addr": addr,
             });
         }
         let nodes = store.nodes();

@@ -581,17 +581,73 @@ pub struct Guarded {
     /// Bytes read of the HTTP/1 request head on its way (`HEAD`): past [`HEAD_WIRE_LIMIT`]
     /// it is refused before Pingora buffers more of it.
     head_bytes: usize,
-    /// The 431 written in place of further reads of a head past the limit, and how much of
-    /// it is written.
-    refusing: Option<(Vec<u8>, usize)>,
-    /// Once the 431 is out and the writing side shut: the bytes of the client's read and
-    /// thrown away since.
+    /// The 431 written in place of further reads of a head past the limit.
+    refusing: Option<Refusal>,
+}
+
+/// The most of a refused request's rest read and thrown away after its answer (nginx's
+/// lingering close; the head's deadline bounds the time).
+const LINGER_BYTES: usize = 1 << 20;
+
+/// The gateway's answer to a request refused before Pingora has it, and the close after it.
+/// Closed with the client's bytes unread, the connection would be reset, which can destroy
+/// the answer before the client reads it: once the answer is written, the writing side is
+/// shut, and what the client still sends is read and thrown away until it closes (or the
+/// head's deadline, or a megabyte), as nginx's lingering close does.
+#[derive(Debug)]
+struct Refusal {
+    answer: Vec<u8>,
+    written: usize,
+    /// Once the writing side is shut: the bytes read and thrown away since.
     lingering: Option<usize>,
 }
 
-/// The most of a refused head's rest read and thrown away after its 431 (nginx's lingering
-/// close; the head's deadline bounds the time).
-const LINGER_BYTES: usize = 1 << 20;
+impl Refusal {
+    fn new(answer: Vec<u8>) -> Self {
+        Self {
+            answer,
+            written: 0,
+            lingering: None,
+        }
+    }
+
+    /// Writes the answer, shuts the writing side and lingers; `Ready` once the connection
+    /// may close (or the stream failed).
+    fn poll_out(&mut self, stream: &mut Stream, cx: &mut Context<'_>) -> Poll<()> {
+        while self.written < self.answer.len() {
+            match Pin::new(&mut *stream).poll_write(cx, &self.answer[self.written..]) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+                Poll::Ready(Ok(n)) => self.written += n,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        if self.lingering.is_none() && Pin::new(&mut *stream).poll_flush(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let mut thrown = match self.lingering {
+            Some(n) => n,
+            None => {
+                if Pin::new(&mut *stream).poll_shutdown(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                *self.lingering.insert(0)
+            }
+        };
+        let mut scratch = [0u8; 8192];
+        while thrown < LINGER_BYTES {
+            let mut rest = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut *stream).poll_read(cx, &mut rest) {
+                Poll::Ready(Ok(())) if !rest.filled().is_empty() => thrown += rest.filled().len(),
+                Poll::Ready(_) => break,
+                Poll::Pending => {
+                    self.lingering = Some(thrown);
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(())
+    }
+}
 
 /// The most bytes of an HTTP/1 request head read while it is not complete: the 64 KiB its
 /// fields may hold ([`MAX_HEADER_BYTES`]) and 16 KiB for the request line and the fields'
@@ -691,39 +747,13 @@ impl Guarded {
                 "Request Header Fields Too Large",
                 r#"{"detail":"request header fields too large"}"#,
             );
-            self.refusing = Some((answer, 0));
+            self.refusing = Some(Refusal::new(answer));
         }
         let Some(refusing) = &mut self.refusing else {
             unreachable!("set above")
         };
-        if write_out(&mut self.inner, cx, refusing).is_pending() {
+        if refusing.poll_out(&mut self.inner, cx).is_pending() {
             return Poll::Pending;
-        }
-        // Closed with the rest of the head unread, the connection would be reset, which can
-        // destroy the 431 before the client reads it: the writing side is shut, and what the
-        // client still sends is read and thrown away until it closes (or the head's deadline,
-        // or a megabyte), as nginx's lingering close does.
-        let discarded = match self.lingering {
-            Some(n) => n,
-            None => {
-                if Pin::new(&mut self.inner).poll_shutdown(cx).is_pending() {
-                    return Poll::Pending;
-                }
-                *self.lingering.insert(0)
-            }
-        };
-        let mut thrown = discarded;
-        let mut scratch = [0u8; 8192];
-        while thrown < LINGER_BYTES {
-            let mut rest = ReadBuf::new(&mut scratch);
-            match Pin::new(&mut self.inner).poll_read(cx, &mut rest) {
-                Poll::Ready(Ok(())) if !rest.filled().is_empty() => thrown += rest.filled().len(),
-                Poll::Ready(_) => break,
-                Poll::Pending => {
-                    self.lingering = Some(thrown);
-                    return Poll::Pending;
-                }
-            }
         }
         Poll::Ready(Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -985,23 +1015,6 @@ fn own_answer(
     .into_bytes()
 }
 
-/// Writes `answer` from `*written` on; `Ready(())` once it is all written and flushed, or
-/// the stream failed (the connection closes either way).
-fn write_out(
-    stream: &mut Stream,
-    cx: &mut Context<'_>,
-    (answer, written): &mut (Vec<u8>, usize),
-) -> Poll<()> {
-    while *written < answer.len() {
-        match Pin::new(&mut *stream).poll_write(cx, &answer[*written..]) {
-            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
-            Poll::Ready(Ok(n)) => *written += n,
-            Poll::Pending => return Poll::Pending,
-        }
-    }
-    Pin::new(stream).poll_flush(cx).map(drop)
-}
-
 impl AsyncWrite for Guarded {
     fn poll_write(
         mut self: Pin<&mut Self>,
@@ -1093,8 +1106,8 @@ struct Handshaking {
     connections: Arc<Connections>,
     /// Nothing was read yet: the first bytes say whether the client speaks TLS at all.
     first: bool,
-    /// The 400 written to a client that sent plain HTTP, and how much of it is written.
-    refusing: Option<(Vec<u8>, usize)>,
+    /// The 400 written to a client that sent plain HTTP.
+    refusing: Option<Refusal>,
 }
 
 impl Handshaking {
@@ -1122,7 +1135,9 @@ impl AsyncRead for Handshaking {
             }
         }
         if let Some(refusing) = &mut this.refusing {
-            return write_out(&mut this.stream, cx, refusing).map(|()| Err(plain_http()));
+            return refusing
+                .poll_out(&mut this.stream, cx)
+                .map(|()| Err(plain_http()));
         }
         let before = buf.filled().len();
         let read = Pin::new(&mut this.stream).poll_read(cx, buf);
@@ -1137,8 +1152,10 @@ impl AsyncRead for Handshaking {
                     false,
                     (400, "Bad Request", r#"{"detail":"bad request"}"#),
                 );
-                let refusing = this.refusing.insert((answer, 0));
-                return write_out(&mut this.stream, cx, refusing).map(|()| Err(plain_http()));
+                let refusing = this.refusing.insert(Refusal::new(answer));
+                return refusing
+                    .poll_out(&mut this.stream, cx)
+                    .map(|()| Err(plain_http()));
             }
         }
         read
@@ -1293,7 +1310,6 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 was_reset: AtomicBool::new(false),
                 head_bytes: 0,
                 refusing: None,
-                lingering: None,
             };
             if guarded.reg.conn.state.load(Ordering::Relaxed) == H2_HEAD {
                 guarded.register_h2();

@@ -412,7 +412,8 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> EvictionPolicy {
         // The master the sentinels name now, if they answer (else the store checks it once
         // they do, and says so in the log and `/readyz`).
         crate::config::RedisTarget::Sentinel(target) => {
-            let sentinel = super::sentinel::Sentinel::new(target.clone(), config.access.clone());
+            let sentinel =
+                super::sentinel::Sentinel::for_a_check(target.clone(), config.access.clone());
             let found = tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await;
             found
                 .ok()

@@ -361,9 +361,13 @@ impl Store {
             .await
     }
 
-    /// With Redis Sentinel: the master in use (`host:port`), once the sentinels named one.
-    pub fn sentinel_master(&self) -> Option<String> {
-        self.inner.sentinel.as_ref().and_then(|s| s.master())
+    /// Behind Sentinel (as the store was made: a reload cannot change it), the master's name
+    /// and the address in use (`host:port`, once the sentinels named one).
+    pub fn sentinel(&self) -> Option<(String, Option<String>)> {
+        self.inner
+            .sentinel
+            .as_ref()
+            .map(|s| (s.master_name(), s.master()))
     }
 
     /// Whether `keys` can be decided by one script call: always on one Redis; on a cluster

@@ -65,6 +65,19 @@ impl Sentinel {
         self.master.load().as_deref().cloned()
     }
 
+    /// One asked once, for a check beside the store's own (the eviction check at start and
+    /// on reload): what the store's says once, this one does not say again.
+    pub(super) fn for_a_check(target: SentinelTarget, access: RedisAccess) -> Self {
+        let sentinel = Self::new(target, access);
+        sentinel.role_refused.store(true, Ordering::Relaxed);
+        sentinel
+    }
+
+    /// The master's name the sentinels are asked for (`sentinel_master`).
+    pub(super) fn master_name(&self) -> String {
+        self.target.load().master.clone()
+    }
+
     /// A reload: new sentinels, master name or credentials; asked again at once.
     pub(super) fn retarget(&self, target: &SentinelTarget, access: &RedisAccess) -> bool {
         let changed = **self.target.load() != *target || **self.access.load() != *access;
