@@ -18,6 +18,10 @@
 //! busy is told, and the next call sent, within a millisecond or two, not after the workers'
 //! queue. With `false`, nothing but the workers reads it.
 //!
+//! A decision that would wait for the call in flight and then for its own past three
+//! quarters of what is left of its budget (a node far away: [`Batches::waits_too_long`])
+//! goes on its own at once instead, on the node's other connection.
+//!
 //! Each decision keeps its own deadline (it stops waiting at it and is a timeout, whatever
 //! the batch does after), its own reason (a broken key fails its own decision only: the
 //! script runs each under `pcall`) and its own exact outcome. A failure of the call itself
@@ -232,14 +236,50 @@ pub(super) struct Batches {
     sent: u64,
     /// When the call in flight was sent ([`deadline::mono_us`]).
     sent_us: u64,
+    /// The node's round trip as its fastest recent calls took it, in microseconds (0: none
+    /// answered yet): it falls to a faster call at once and rises by an eighth of the
+    /// difference a call, so a stall of the machine moves it little and the next fast call
+    /// undoes that.
+    round_trip_us: u64,
     /// The watch sleeps until the next call (see [`watch_over`]).
     watch_asleep: bool,
 }
+
+/// Below this round trip no decision is sent past the call in flight: two of them fit any
+/// budget but the smallest with room to spare.
+const ROUND_TRIP_WORTH_A_LOOK_US: u64 = 250;
 
 impl Batches {
     /// A call was sent and its answer has not been read yet.
     pub(super) fn call_in_flight(&self) -> bool {
         self.busy
+    }
+
+    /// Whether a decision due at `deadline_us` would spend more than three quarters of what
+    /// is left of its budget waiting for the call in flight and then for its own: two round
+    /// trips, where the node is far (8 ms of a 20 ms budget timed out a third of such
+    /// decisions under load). It then goes on its own, at once, in one round trip (on the
+    /// node's other connection, which takes calls in a pipeline).
+    fn waits_too_long(&self, deadline_us: u64) -> bool {
+        let trip = self.round_trip_us;
+        if !self.busy || trip < ROUND_TRIP_WORTH_A_LOOK_US || deadline_us == 0 {
+            return false;
+        }
+        let now = deadline::mono_us();
+        let own_call_from = self.sent_us.saturating_add(trip).max(now);
+        let done = own_call_from.saturating_add(trip) - now;
+        let left = deadline_us.saturating_sub(now);
+        done > left / 4 * 3
+    }
+
+    /// A call sent at `sent_us` was answered now.
+    fn note_round_trip(&mut self, sent_us: u64) {
+        let trip = deadline::mono_us().saturating_sub(sent_us);
+        self.round_trip_us = match self.round_trip_us {
+            0 => trip,
+            floor if trip <= floor => trip,
+            floor => floor + (trip - floor) / 8,
+        };
     }
 
     /// Appends the batch in flight's `EVALSHA` of `sha` to what is sent next, and notes when
@@ -329,7 +369,8 @@ impl Store {
     }
 
     /// Decides `call` in `link`'s next call. `None`: it must go on its own (see
-    /// [`Answer::Alone`]; also when batching is off).
+    /// [`Answer::Alone`]; also when batching is off, and when waiting for the call in flight
+    /// would cost it too much of its budget: [`Batches::waits_too_long`]).
     pub(super) async fn in_turn(&self, link: &Arc<Link>, call: Call<'_>) -> Option<Step> {
         if !self.batches_on(link) {
             return None;
@@ -352,6 +393,10 @@ impl Store {
                 return Some(Step::Failed(Failure::NotConnected));
             }
             let batches = &mut state.batches;
+            // A call across slots can only go in a batch (`Failure::Split`).
+            if !call.across && batches.waits_too_long(call.deadline_us) {
+                return None;
+            }
             if batches.busy
                 && batches.queue.waiting.len() >= batches.compact_at.max(QUEUE_COMPACT_AT)
             {
@@ -513,6 +558,8 @@ impl Store {
             }
         };
         batches.busy = false;
+        let sent_us = batches.sent_us;
+        batches.note_round_trip(sent_us);
         let queue = std::mem::take(&mut batches.in_flight);
         Ok(Some(Answered {
             queue,

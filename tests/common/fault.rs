@@ -7,7 +7,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -18,6 +18,10 @@ pub enum Mode {
     Blackhole,
     /// Every reply from Redis is held back this long.
     Stall(Duration),
+    /// Every reply from Redis arrives this long after Redis sent it, the replies in flight
+    /// together each delayed once (a Redis far away), where `Stall` queues them one after
+    /// another.
+    Delay(Duration),
     /// Connections pass until the client sends this text (any case); from that write on,
     /// nothing more reaches Redis: a Redis that hangs in the middle of a conversation.
     SwallowFrom(&'static str),
@@ -231,6 +235,17 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
     };
     let down_state = Arc::clone(st);
     let mut to_client = client;
+    // Replies pass through a line that releases each when it is due.
+    let (line, due) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    thread::spawn(move || {
+        while let Ok((at, bytes)) = due.recv() {
+            thread::sleep(at.saturating_duration_since(Instant::now()));
+            if to_client.write_all(&bytes).is_err() {
+                break;
+            }
+        }
+        let _ = to_client.shutdown(Shutdown::Both);
+    });
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -242,15 +257,18 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
             if born < down_state.silent_before.load(Ordering::SeqCst) {
                 continue;
             }
-            match mode {
+            let at = match mode {
                 Mode::Blackhole => continue,
-                Mode::Stall(d) => thread::sleep(d),
-                _ => {}
-            }
-            if to_client.write_all(&buf[..n]).is_err() {
+                Mode::Stall(d) => {
+                    thread::sleep(d);
+                    Instant::now()
+                }
+                Mode::Delay(d) => Instant::now() + d,
+                _ => Instant::now(),
+            };
+            if line.send((at, buf[..n].to_vec())).is_err() {
                 break;
             }
         }
-        let _ = to_client.shutdown(Shutdown::Both);
     });
 }
