@@ -241,6 +241,9 @@ pub(super) struct Batches {
     /// difference a call, so a stall of the machine moves it little and the next fast call
     /// undoes that.
     round_trip_us: u64,
+    /// Calls whose round trip was noted (up to [`ROUND_TRIPS_TO_TRUST`]): the first ones of
+    /// a connection (a cold start, the connection's move to the proxy's workers) say little.
+    round_trips: u32,
     /// The watch sleeps until the next call (see [`watch_over`]).
     watch_asleep: bool,
 }
@@ -248,6 +251,9 @@ pub(super) struct Batches {
 /// Below this round trip no decision is sent past the call in flight: two of them fit any
 /// budget but the smallest with room to spare.
 const ROUND_TRIP_WORTH_A_LOOK_US: u64 = 250;
+
+/// Calls noted before the round trip is believed.
+const ROUND_TRIPS_TO_TRUST: u32 = 16;
 
 impl Batches {
     /// A call was sent and its answer has not been read yet.
@@ -262,7 +268,11 @@ impl Batches {
     /// node's other connection, which takes calls in a pipeline).
     fn waits_too_long(&self, deadline_us: u64) -> bool {
         let trip = self.round_trip_us;
-        if !self.busy || trip < ROUND_TRIP_WORTH_A_LOOK_US || deadline_us == 0 {
+        if !self.busy
+            || trip < ROUND_TRIP_WORTH_A_LOOK_US
+            || deadline_us == 0
+            || self.round_trips < ROUND_TRIPS_TO_TRUST
+        {
             return false;
         }
         let now = deadline::mono_us();
@@ -272,8 +282,10 @@ impl Batches {
         done > left / 4 * 3
     }
 
-    /// A call sent at `sent_us` was answered now.
-    fn note_round_trip(&mut self, sent_us: u64) {
+    /// A call sent at `sent_us` was answered now: a batch, or a decision of this node sent on
+    /// its own (without these, decisions all sent alone would never lower it again).
+    pub(super) fn note_round_trip(&mut self, sent_us: u64) {
+        self.round_trips = self.round_trips.saturating_add(1).min(ROUND_TRIPS_TO_TRUST);
         let trip = deadline::mono_us().saturating_sub(sent_us);
         self.round_trip_us = match self.round_trip_us {
             0 => trip,

@@ -356,6 +356,9 @@ impl Store {
                 if let Value::BulkString(bytes) = &v {
                     link.clock.note(bytes, sent_us);
                 }
+                if self.batches_on(link) {
+                    conn.wire.lock().batches.note_round_trip(sent_us);
+                }
                 Step::Reply(Reply::Value(v))
             }
             Err(e) => match redirect(&e) {
