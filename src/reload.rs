@@ -72,9 +72,12 @@ impl Reloader {
         let result = self.try_reload();
         self.metrics.config_reload(result.is_ok());
         match &result {
+            Ok(r) if r.restart_required.is_empty() => {
+                tracing::info!(config_generation = r.generation, "config reloaded")
+            }
             Ok(r) => tracing::info!(
                 config_generation = r.generation,
-                // The fields as one list, `server.listen,server.threads` (empty: none).
+                // The fields as one list: `server.listen,server.threads`.
                 restart_required = %r.restart_required.join(","),
                 "config reloaded"
             ),
@@ -118,6 +121,14 @@ impl Reloader {
     fn try_reload(&self) -> Result<Reloaded, String> {
         let config = Config::load(&self.path).map_err(|e| e.to_string())?;
         let current = self.live.load_full();
+        // A file cut short after its first tables (a deploy's half-written copy) is valid
+        // TOML and would take every route away: every request 404.
+        if config.routes.is_empty() && !current.config.routes.is_empty() {
+            return Err(format!(
+                "{}: the file has no [[routes]]: loaded, every request would be 404 (a file cut short?); the previous config keeps serving",
+                self.path.display()
+            ));
+        }
         self.refuse_evicting(&current.config.redis, &config.redis)?;
         let (old, new) = (&self.running.server, &config.server);
         let mut restart_required: Vec<&'static str> = [

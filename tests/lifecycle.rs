@@ -803,3 +803,29 @@ fn sigusr1_without_an_access_log_says_there_is_none() {
     });
     assert!(!gw.logs().contains("access log reopened"));
 }
+
+/// A file cut short after its first tables (a deploy's half-written copy) is valid TOML with
+/// no route: a reload to it is refused, the routes keep serving, and `check` warns of it. It
+/// was taken, and every request was 404.
+#[test]
+fn a_reload_that_would_take_every_route_away_is_refused() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100)).start();
+    assert_eq!(blocking_get(&gw.url("/api/x")).map(|(s, _)| s), Some(200));
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let cut = &text[..text.find("[[routes]]").expect("a route")];
+    gw.rewrite_config(cut);
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("the file has no [[routes]]"), "{body}");
+    assert_eq!(blocking_get(&gw.url("/api/x")).map(|(s, _)| s), Some(200));
+    let out = common::check_config(&gw.config_path, &[]);
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no [[routes]]: every request is answered 404"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

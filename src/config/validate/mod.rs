@@ -71,6 +71,9 @@ pub fn validate(
             routes.push((r.span(), route));
         }
     }
+    if raw.routes.is_empty() {
+        c.warn(None, None, "no [[routes]]: every request is answered 404 (a reload to such a file is refused while routes are serving: a file cut short)".into());
+    }
     route::shared_endpoints(&mut c, &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
     for conflict in routing::ambiguities(routes.iter().map(|(_, r)| (r.matcher(), r))) {
@@ -186,8 +189,36 @@ fn past_i64(message: &str) -> String {
             "{number} is out of range: no field takes an integer past {} (each field's range is in docs/configuration.md)",
             i64::MAX
         ),
-        None => message.to_owned(),
+        None => in_words(message),
     }
+}
+
+/// The deserializer's type names in words: "expected i64" says what a Rust programmer reads.
+fn in_words(message: &str) -> String {
+    let mut out = message.to_owned();
+    for (rust, words) in [
+        (
+            "expected i64",
+            "expected an integer (underscores allowed: 5_000_000)",
+        ),
+        (
+            "expected u64",
+            "expected a whole number (underscores allowed: 5_000_000)",
+        ),
+        ("expected u32", "expected a whole number"),
+        ("expected u16", "expected a whole number"),
+        ("expected usize", "expected a whole number"),
+        ("expected f64", "expected a number"),
+    ] {
+        if let Some(at) = out.find(rust) {
+            // Not a longer name that starts the same (`expected u64` in `expected u640`).
+            let end = at + rust.len();
+            if !out[end..].starts_with(|c: char| c.is_ascii_alphanumeric()) {
+                out.replace_range(at..end, words);
+            }
+        }
+    }
+    out
 }
 
 pub(super) fn route_label(index: usize, endpoint_id: &str) -> String {
