@@ -454,6 +454,70 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
     assert_eq!(calls, 4, "one EVALSHA per request");
 }
 
+/// On a cluster whose ceiling lies on another primary, a caller's own limits are charged
+/// first and given back when the ceiling denies. The caller's concurrent requests must not
+/// take that passing charge for a denial by their own limit: they are refused by the ceiling,
+/// with its wait of a second, and once the ceiling has room the caller is admitted (its own
+/// limit's denial, with an hour's wait, was remembered and repeated for the hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_concurrent_requests_never_take_a_charge_given_back_for_their_own_denial() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let hourly_and_ceiling = |r: Route| {
+        r.bucket_limit("burst", 1, 277).limit(
+            "backend",
+            "identity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 1_000_000",
+        )
+    };
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "200")
+        .upstream("app", &[up.addr()])
+        .route(route(hourly_and_ceiling))
+        .start();
+    let (ceiling_node, own_key) = ceiling_layout(&cluster);
+    let callers: Vec<String> = (0..200)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node)
+        .take(4)
+        .collect();
+    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
+        blocking_get(&gw.url("/api/warm")).is_some()
+            && blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    for round in callers.chunks(2) {
+        let (other, fresh) = (&round[0], &round[1]);
+        // The ceiling full (a second refills it), then spent by another caller; then eight
+        // requests of a fresh caller at once.
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        assert_eq!(get(&gw, other).await.status(), 200, "{round:?}");
+        let answers = futures_util::future::join_all((0..8).map(|_| get(&gw, fresh))).await;
+        for answer in &answers {
+            assert_eq!(answer.status(), 429, "{round:?}");
+            let retry = answer.headers()["retry-after"].to_str().unwrap().to_owned();
+            assert!(
+                retry == "1" || retry == "2",
+                "the ceiling's wait, not the burst's hour: {retry} ({round:?})"
+            );
+        }
+        assert_eq!(
+            remaining(
+                &limits_of(&gw, &format!("header:x-api-key:{fresh}")),
+                "burst"
+            ),
+            1,
+            "never charged"
+        );
+        // The ceiling has room again: the caller's own limit admits it.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        assert_eq!(get(&gw, fresh).await.status(), 200, "{round:?}");
+    }
+    assert_eq!(
+        gw.metric("sentinel_limit_denials_total{endpoint_id=\"e.api\",limit=\"burst\"}"),
+        0.0
+    );
+}
+
 /// On a cluster, while the ceiling's primary stalls and its breaker is open, a caller on another
 /// primary is answered the ceiling's `circuit_open` after one read of its own limits: they
 /// were charged and given back for every such request (two writes on a node that was fine).

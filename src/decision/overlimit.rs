@@ -163,19 +163,20 @@ impl OverlimitCache {
     }
 
     /// [`remember`](Self::remember) with every limit's answer of a route with several, Redis
-    /// having been asked in epoch `since`; `ceiling`: the limit that denied is everyone's, and
-    /// the denial is repeated for [`CEILING_KEPT_US`] at most.
+    /// having been asked in epoch `since`; `briefly`: the denial is repeated for
+    /// [`CEILING_KEPT_US`] at most (the limit that denied is everyone's, or its limits live
+    /// on several nodes, where another gateway's charge given back can make a denial).
     pub fn remember_several(
         &self,
         since: u64,
         key: &str,
-        (wait_us, ceiling): (u64, bool),
+        (wait_us, briefly): (u64, bool),
         limit: usize,
         replies: &[ScriptReply],
     ) {
         let now = self.clock.now_us();
         let mut entry = entry(now, wait_us, limit, replies);
-        if ceiling {
+        if briefly {
             entry.kept = entry.kept.min(now + CEILING_KEPT_US);
         }
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());

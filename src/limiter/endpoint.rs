@@ -25,6 +25,9 @@ pub struct Endpoint {
     global_hash: String,
     pub emergency: Option<Arc<Emergency>>,
     pub overlimit: OverlimitCache,
+    /// Charges of callers' own limits that a ceiling on another node may still see given
+    /// back (Redis Cluster).
+    pub in_flight: Arc<super::in_flight::InFlight>,
     pub metrics: EndpointMetrics,
 }
 
@@ -56,6 +59,7 @@ impl Endpoint {
             policy,
             emergency,
             overlimit: OverlimitCache::new(clock),
+            in_flight: Arc::default(),
             metrics,
         }
     }

@@ -8,6 +8,7 @@
 
 pub mod endpoint;
 pub mod heartbeat;
+pub mod in_flight;
 pub mod inspect;
 
 pub use endpoint::{bucket_key, identity_hash, limit_keys, Endpoint};
@@ -16,6 +17,7 @@ use crate::config::{Algorithm, Enforcement, FailMode, Limit, Policy, ONE_TOKEN_M
 use crate::decision::overlimit::OverlimitCache;
 use crate::decision::{degrade, Decision, ScriptReply};
 use crate::store::{Evaluation, IfLate, ScriptKind, Store};
+use in_flight::Ticket;
 
 /// The several-limits script's modes (`lua/limits_multi.lua`).
 pub mod mode {
@@ -137,28 +139,31 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
         }
         args
     };
-    let replies = if store.one_call(&refs) {
+    let across = !store.one_call(&refs);
+    let (replies, doubtful) = if !across {
         let all: Vec<usize> = (0..keys.len()).collect();
         let args = args_of(&all, mode::DECIDE);
-        replies_of(
-            store
-                .evaluate_limits(&refs, &args, None, if_late(policy))
-                .await,
-        )
+        let evaluation = store
+            .evaluate_limits(&refs, &args, None, if_late(policy))
+            .await;
+        (replies_of(evaluation), false)
     } else {
-        across_slots(store, policy, &refs, &args_of, (&endpoint.overlimit, since)).await
+        decide_across(store, endpoint, &refs, &args_of, since, own).await
     };
     match replies {
         Ok((replies, breaker)) => {
             let (combined, denied_by) = combine(&replies);
-            if let (false, Some(wait), Some(limit)) =
-                (combined.allowed, combined.wait_us, denied_by)
+            if let (false, Some(wait), Some(limit), false) =
+                (combined.allowed, combined.wait_us, denied_by, doubtful)
             {
-                let ceiling = policy.limits[limit].global;
+                // Across nodes, a caller's own denial is repeated for a second at most too:
+                // another gateway's charge given back a moment later can make one, which
+                // this process cannot see (`in_flight` sees its own).
+                let briefly = policy.limits[limit].global || across;
                 endpoint.overlimit.remember_several(
                     since,
                     &keys[own],
-                    (wait, ceiling),
+                    (wait, briefly),
                     limit,
                     &replies,
                 );
@@ -191,6 +196,76 @@ fn replies_of(evaluation: Evaluation<Vec<ScriptReply>>) -> Replies {
     }
 }
 
+/// Whether Redis's replies have one of the caller's own limits denying.
+fn own_denied(policy: &Policy, replies: &Replies) -> bool {
+    replies.as_ref().is_ok_and(|(replies, _)| {
+        replies
+            .iter()
+            .zip(&policy.limits)
+            .any(|(r, l)| !l.global && !r.allowed)
+    })
+}
+
+/// [`across_slots`], with a denial by the caller's own limits believed only when no charge
+/// of the caller that was given back could have made it ([`in_flight`]): when one may have,
+/// the denial waits for the caller's charges begun before it to settle and, when one was
+/// given back, the request is decided once more, within the one budget. `true` beside the
+/// replies: a denial still in doubt, answered but not remembered.
+async fn decide_across(
+    store: &Store,
+    endpoint: &Endpoint,
+    keys: &[&str],
+    args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
+    since: u64,
+    own: usize,
+) -> (Replies, bool) {
+    let policy = &endpoint.policy;
+    let started = std::time::Instant::now();
+    let mut ticket = endpoint.in_flight.begin(keys[own]);
+    let overlimit = (&endpoint.overlimit, since);
+    let replies = across_slots(
+        store,
+        policy,
+        keys,
+        args_of,
+        overlimit,
+        &mut ticket,
+        started,
+    )
+    .await;
+    let doubt = match own_denied(policy, &replies) {
+        true => ticket.doubt(),
+        false => None,
+    };
+    let Some(doubt) = doubt else {
+        return (replies, false);
+    };
+    let left = store.budget().saturating_sub(started.elapsed());
+    if !ticket.settle(doubt, Store::timer_within(left)).await {
+        return (replies, true);
+    }
+    if !ticket.given_back_since() {
+        // The charges beside it were kept: the denial was the caller's own.
+        return (replies, false);
+    }
+    if store.budget().saturating_sub(started.elapsed()) < store.budget() / 4 {
+        return (replies, true);
+    }
+    ticket.renew();
+    let replies = across_slots(
+        store,
+        policy,
+        keys,
+        args_of,
+        overlimit,
+        &mut ticket,
+        started,
+    )
+    .await;
+    let doubtful = own_denied(policy, &replies) && ticket.doubt().is_some();
+    (replies, doubtful)
+}
+
 /// A cluster where the ceilings lie in another slot than the caller's limits. While the
 /// ceilings cannot admit anyone (their denial remembered, or their node short-circuiting),
 /// every caller is refused after one read of its own limits ([`refused_by_ceilings`]).
@@ -202,8 +277,10 @@ async fn across_slots(
     keys: &[&str],
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
     (overlimit, since): (&OverlimitCache, u64),
+    ticket: &mut Ticket,
+    started: std::time::Instant,
 ) -> Replies {
-    let started = std::time::Instant::now();
+    let left = || store.budget().saturating_sub(started.elapsed());
     let (own, ceilings): (Vec<usize>, Vec<usize>) =
         (0..keys.len()).partition(|i| !policy.limits[*i].global);
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
@@ -222,7 +299,7 @@ async fn across_slots(
             .evaluate_limits(
                 &pick(&own),
                 &args_of(&own, mode::PEEK),
-                None,
+                Some(left()),
                 IfLate::Stands,
             )
             .await;
@@ -233,7 +310,7 @@ async fn across_slots(
     if store.one_node(keys) {
         let all: Vec<usize> = (0..keys.len()).collect();
         let args = args_of(&all, mode::DECIDE);
-        let across = store.evaluate_limits_across(keys, &args, if_late(policy));
+        let across = store.evaluate_limits_across(keys, &args, left(), if_late(policy));
         if let Some(evaluation) = across.await {
             if let Ok(replies) = &evaluation.outcome {
                 let theirs: Vec<ScriptReply> = ceilings.iter().map(|i| replies[*i]).collect();
@@ -250,7 +327,7 @@ async fn across_slots(
         split,
         args_of,
         (overlimit, since),
-        started,
+        (ticket, started),
     )
     .await
 }
@@ -266,13 +343,14 @@ async fn two_calls(
     (own, ceilings): (&[usize], &[usize]),
     args_of: &impl Fn(&[usize], u64) -> Vec<u64>,
     (overlimit, since): (&OverlimitCache, u64),
-    started: std::time::Instant,
+    (ticket, started): (&mut Ticket, std::time::Instant),
 ) -> Replies {
     let pick = |indices: &[usize]| indices.iter().map(|i| keys[*i]).collect::<Vec<&str>>();
     let mut replies = vec![None; keys.len()];
     // The decision's one budget, part of which a call across slots may have spent before it
     // had to be split.
     let within = store.budget().saturating_sub(started.elapsed());
+    ticket.charging();
     let first = store
         .evaluate_limits(
             &pick(own),
@@ -281,8 +359,17 @@ async fn two_calls(
             if_late(policy),
         )
         .await;
-    let first_replies = first.outcome.map_err(|c| (c, first.breaker))?;
+    let first_replies = match first.outcome {
+        Ok(replies) => replies,
+        Err(cause) => {
+            ticket.settled();
+            return Err((cause, first.breaker));
+        }
+    };
     let admitted = first_replies.iter().all(|r| r.allowed);
+    if !admitted {
+        ticket.settled();
+    }
     for (i, r) in own.iter().zip(first_replies) {
         replies[*i] = Some(r);
     }
@@ -337,12 +424,15 @@ async fn two_calls(
     // answer waits for it while the budget lasts, so that the caller's next request (and an
     // admin read) finds the cost given back. Its replies, when in time, are what the
     // caller's limits hold after it.
-    let refund = |store: &Store| {
+    let refund = |store: &Store, ticket: &mut Ticket| {
+        let giving_back = ticket.giving_back();
         let store = store.clone();
         let keys: Vec<String> = pick(own).into_iter().map(str::to_owned).collect();
         let args = args_of(own, mode::REFUND);
         let left = store.budget().saturating_sub(started.elapsed());
         let task = tokio::spawn(async move {
+            // The caller's concurrent denials wait for this to be over.
+            let _giving_back = giving_back;
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             match store.evaluate_limits_late(&refs, &args).await.outcome {
                 Ok(replies) => Some(replies),
@@ -362,9 +452,11 @@ async fn two_calls(
     };
     match second.outcome {
         Ok(second_replies) => {
-            if !second_replies.iter().all(|r| r.allowed) {
+            if second_replies.iter().all(|r| r.allowed) {
+                ticket.settled();
+            } else {
                 remember_ceiling_denial(overlimit, since, &second_replies);
-                if let Some(refunded) = refund(store).await {
+                if let Some(refunded) = refund(store, ticket).await {
                     for (i, mut r) in own.iter().zip(refunded) {
                         r.allowed = true;
                         replies[*i] = Some(r);
@@ -380,7 +472,7 @@ async fn two_calls(
             ))
         }
         Err(cause) => {
-            refund(store).await;
+            refund(store, ticket).await;
             Err((cause, second.breaker))
         }
     }

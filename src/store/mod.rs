@@ -355,9 +355,10 @@ impl Store {
         &self,
         keys: &[&str],
         args: &[u64],
+        within: Duration,
         if_late: IfLate,
     ) -> Option<Evaluation<Vec<ScriptReply>>> {
-        self.limits_call(keys, args, (None, false, true), if_late)
+        self.limits_call(keys, args, (Some(within), false, true), if_late)
             .await
     }
 
