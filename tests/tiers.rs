@@ -255,9 +255,73 @@ fn check_refuses_tiers_that_cannot_work() {
     let too_small = tiered().set("cost_micro", "2_000_000").toml() + "\n[[routes.tiers.pro.limits]]\nname = \"b\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
     let (ok, out) = run(&too_small);
     assert!(
-        !ok && out.contains("(tiers.pro limits b) can never be admitted"),
+        !ok && out.contains("(tiers.pro limit b) can never be admitted"),
         "{out}"
     );
+
+    // A tier's limit named as the route's ceiling, which applies to the tier too: two limits
+    // of one name in the RateLimit fields, `/limits`, the metrics and the logs.
+    let shadowing = tiered().toml() + "\n[[routes.tiers.pro.limits]]\nname = \"backend\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
+    let (ok, out) = run(&shadowing);
+    assert!(
+        !ok && out
+            .contains("tiers.pro.limits[0].name = \"backend\" is the name of the route's ceiling"),
+        "{out}"
+    );
+}
+
+/// A tiered route with the single-limit fields: its own limit is the one named `default`
+/// (section 13), in the RateLimit fields too, so a caller sees one name whatever its tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiered_single_limit_routes_item_is_named_default_in_every_tier() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let both = [
+        entry("free-key", "a", None),
+        entry("pro-key", "b", Some("pro")),
+    ];
+    std::fs::write(&keys, both.join("\n")).unwrap();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.single")
+                .prefix("/ocr")
+                .identity("api_key")
+                .fail_closed()
+                .set("tier_from", quoted("api_key"))
+                .set("default_tier", quoted("free"))
+                .set("ratelimit_headers", "true")
+                .token_bucket(2_000_000, 0),
+        )
+        .section("\n[[routes.tiers.pro.limits]]\nname = \"default\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 4_000_000\nrefill_rate_micro_per_sec = 0\n")
+        .start();
+    let http = client();
+    for (key, policy) in [
+        ("free-key", "\"default\";q=2"),
+        ("pro-key", "\"default\";q=4"),
+    ] {
+        let r = http
+            .get(gw.url("/ocr/doc"))
+            .header("X-API-Key", key)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["ratelimit-policy"], policy, "{key}");
+        assert!(
+            r.headers()["ratelimit"]
+                .to_str()
+                .unwrap()
+                .starts_with("\"default\";r="),
+            "{key}: {:?}",
+            r.headers()["ratelimit"]
+        );
+    }
 }
 
 /// `tier_from = { claim = "plan" }`: the token's string claim picks the tier; a token

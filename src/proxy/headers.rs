@@ -21,13 +21,15 @@ pub struct RateLimitFields {
     pub state: String,
 }
 
+/// A single-limit route's item is named after the endpoint, as before `[[routes.limits]]`;
+/// on a tiered route, whose tiers' limits are named, it is the limit named `default` (as
+/// `/limits`, the metrics and the logs name it), so a caller sees one name whatever its tier.
 pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
-    let (policy_item, state_item) = item(
-        policy.endpoint_id.as_str(),
-        policy.algorithm,
-        policy.cost_micro,
-        reply,
-    )?;
+    let name = match policy.tiers {
+        Some(_) => "default",
+        None => policy.endpoint_id.as_str(),
+    };
+    let (policy_item, state_item) = item(name, policy.algorithm, policy.cost_micro, reply)?;
     Some(RateLimitFields {
         policy: policy_item,
         state: state_item,

@@ -65,10 +65,15 @@ pub fn validate(
         })
         .collect();
     let mut routes = Vec::new();
+    let mut matchers = Vec::new();
     for (index, r) in raw.routes.iter().enumerate() {
         let server_body = server.as_ref().and_then(|s| s.max_body_bytes);
-        if let Some(route) = route::route(&mut c, index, r, &raw, &upstreams, server_body) {
+        let (route, matcher) = route::route(&mut c, index, r, &raw, &upstreams, server_body);
+        if let Some(route) = route {
             routes.push((r.span(), route));
+        }
+        if let Some(matcher) = matcher {
+            matchers.push((matcher, index));
         }
     }
     if raw.routes.is_empty() {
@@ -76,19 +81,16 @@ pub fn validate(
     }
     route::shared_endpoints(&mut c, &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
-    for conflict in routing::ambiguities(routes.iter().map(|(_, r)| (r.matcher(), r))) {
-        let (a, b) = conflict;
-        let span = routes
-            .iter()
-            .find(|(_, r)| r.index == b.index)
-            .map(|(s, _)| s);
+    // Over every route whose path, host and methods are valid, whatever else is wrong with it.
+    for (a, b) in routing::ambiguities(matchers) {
+        let id = |i: usize| raw.routes[i].get_ref().endpoint_id.get_ref().as_str();
         c.push(
-            span,
-            Some(&route_label(b.index, b.policy.endpoint_id.as_str())),
+            Some(&raw.routes[b].span()),
+            Some(&route_label(b, id(b))),
             format!(
                 "matches the same requests as {} with equal specificity: give one of them a \
                  host, methods or a more specific path",
-                route_label(a.index, a.policy.endpoint_id.as_str())
+                route_label(a, id(a))
             ),
         );
     }

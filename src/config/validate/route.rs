@@ -19,7 +19,7 @@ pub(super) fn route(
     raw: &RawConfig,
     upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
     server_max_body_bytes: Option<u64>,
-) -> Option<RouteConfig> {
+) -> (Option<RouteConfig>, Option<Matcher>) {
     let r = spanned.get_ref();
     let id_text = r.endpoint_id.get_ref();
     let label = route_label(index, id_text);
@@ -76,6 +76,21 @@ pub(super) fn route(
         }
         valid.then_some(v)
     });
+    // What the route matches, when that much is valid: its clash with another route is
+    // reported beside its other problems.
+    let methods_valid = r.methods.as_ref().is_none_or(|m| {
+        methods
+            .as_ref()
+            .is_some_and(|v| !v.is_empty() && v.len() == m.get_ref().len())
+    });
+    let matcher = match (&path, methods_valid, r.host.is_none() || host.is_some()) {
+        (Some(path), true, true) => Some(Matcher {
+            path: path.clone(),
+            host: host.clone(),
+            methods: methods.clone(),
+        }),
+        _ => None,
+    };
     let upstream = upstreams.get(r.upstream.get_ref()).cloned();
     if upstream.is_none() && !raw.upstreams.contains_key(r.upstream.get_ref()) {
         let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
@@ -102,7 +117,7 @@ pub(super) fn route(
     let policy = policy(c, label, r, endpoint_id, limits, tiers);
 
     if c.errors.len() > before {
-        return None;
+        return (None, matcher);
     }
     if let (Some(IdentitySource::Header(name)), Some(p), Some(scope)) =
         (&identity, &policy, &r.emergency_scope)
@@ -121,18 +136,21 @@ pub(super) fn route(
         None => Some(server_max_body_bytes),
         own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
     };
-    Some(RouteConfig {
-        index,
-        path: path?,
-        methods,
-        host,
-        upstream: upstream?,
-        identity: identity?,
-        policy: Arc::new(policy?),
-        max_body_bytes: max_body_bytes?,
-        websocket: r.websocket.unwrap_or(false),
-        exempt_client_cidrs: exempt?,
-    })
+    let route = (|| {
+        Some(RouteConfig {
+            index,
+            path: path?,
+            methods,
+            host,
+            upstream: upstream?,
+            identity: identity?,
+            policy: Arc::new(policy?),
+            max_body_bytes: max_body_bytes?,
+            websocket: r.websocket.unwrap_or(false),
+            exempt_client_cidrs: exempt?,
+        })
+    })();
+    (route, matcher)
 }
 
 fn route_path(
@@ -657,7 +675,7 @@ fn policy(
             l.iter()
                 .map(|l| {
                     let at = if *several {
-                        format!(" (limits {})", l.name)
+                        format!(" (limit {})", l.name)
                     } else {
                         String::new()
                     };
@@ -674,7 +692,7 @@ fn policy(
         for (name, t) in &plan.tiers {
             if let TierLimits::Limits(limits) = t {
                 for l in limits {
-                    let at = format!(" (tiers.{name} limits {})", l.name);
+                    let at = format!(" (tiers.{name} limit {})", l.name);
                     cost_fits(c, label, r, cost, l.algorithm, &at);
                 }
             }
@@ -858,6 +876,19 @@ fn tiers(
             (_, false) => {
                 match named_limits(c, label, &raw_tier.limits, &format!("{at}.limits"), false) {
                     Some(l) => {
+                        // The route's ceilings apply to this tier too: a name shared with
+                        // one would name two limits in the RateLimit fields, `/limits`, the
+                        // metrics and the logs.
+                        let ceilings = limits.map(|(all, _)| all.iter().filter(|c| c.global));
+                        for (i, limit) in l.iter().enumerate() {
+                            if ceilings
+                                .clone()
+                                .is_some_and(|mut c| c.any(|c| c.name == limit.name))
+                            {
+                                c.push(Some(&raw_tier.limits[i].get_ref().name.span()), label, format!("{at}.limits[{i}].name = \"{}\" is the name of the route's ceiling (identity = \"global\"), which applies to this tier too: each limit a caller meets has a name of its own", limit.name));
+                                ok = false;
+                            }
+                        }
                         plan.insert(name.clone(), TierLimits::Limits(l));
                     }
                     None => ok = false,
@@ -891,7 +922,7 @@ fn cost_fits(
                 span.as_ref(),
                 label,
                 format!(
-                    "cost_micro = {cost}{at} can never be admitted: it must be <= limit x 1000000 ({})",
+                    "cost_micro = {cost}{at} can never be admitted: it must be <= {} (the window's limit = {limit} requests, in micro-tokens)",
                     limit * ONE_TOKEN_MICRO
                 ),
             );
