@@ -31,6 +31,9 @@ use crate::config::UpstreamConfig;
 /// How often host names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(30);
 
+/// How often while the upstream has no address at all (its names did not resolve yet).
+const NO_ADDRESS_RESOLVE: Duration = Duration::from_secs(1);
+
 /// The host an address came from, as written in `addrs`: the SNI name of a TLS upstream.
 #[derive(Debug, Clone)]
 pub struct UpstreamHost(pub String);
@@ -158,29 +161,34 @@ impl ServiceDiscovery for Discovery {
 /// Every address of every `host:port` of `up`, each tagged with its host; `None` when a name
 /// does not resolve (the caller keeps what it has).
 fn resolve(up: &UpstreamConfig) -> Option<BTreeSet<Backend>> {
+    let (set, every) = resolve_each(up);
+    (every && !set.is_empty()).then_some(set)
+}
+
+/// The addresses of the entries of `up` that resolve now, and whether every one did.
+fn resolve_each(up: &UpstreamConfig) -> (BTreeSet<Backend>, bool) {
     let mut set = BTreeSet::new();
+    let mut every = true;
     for (host, written) in up.hosts.iter().zip(&up.addrs) {
-        let port = written.port();
         let found: Vec<SocketAddr> = if host.parse::<std::net::IpAddr>().is_ok() {
             vec![*written]
         } else {
-            (host.as_str(), port).to_socket_addrs().ok()?.collect()
+            match (host.as_str(), written.port()).to_socket_addrs() {
+                Ok(found) => found.collect(),
+                Err(_) => Vec::new(),
+            }
         };
+        every &= !found.is_empty();
         set.extend(found.into_iter().map(|addr| backend(host, addr)));
     }
-    (!set.is_empty()).then_some(set)
+    (set, every)
 }
 
 impl UpstreamPool {
     pub fn new(up: &Arc<UpstreamConfig>) -> std::io::Result<Self> {
-        // At load: every address of every name (validation checked they resolve).
-        let initial = resolve(up).unwrap_or_else(|| {
-            up.addrs
-                .iter()
-                .zip(&up.hosts)
-                .map(|(addr, host)| backend(host, *addr))
-                .collect()
-        });
+        // At load: the addresses of every entry that resolves now; a name that does not is
+        // resolved again by `tend` (every second while the pool has no address at all).
+        let (initial, _) = resolve_each(up);
         let addresses = Arc::new(Addresses {
             latest: Mutex::new(initial),
         });
@@ -371,7 +379,15 @@ impl Failing {
 /// [`tend`] with `resolver` in place of the system's.
 pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver: Resolver) {
     let every = resolver.every;
-    let mut next_resolve = Instant::now() + every;
+    let empty = pool
+        .upgrade()
+        .is_some_and(|p| p.picks.load().all.is_empty());
+    let mut next_resolve = Instant::now()
+        + if empty {
+            every.min(NO_ADDRESS_RESOLVE)
+        } else {
+            every
+        };
     let mut shown: BTreeSet<String> = BTreeSet::new();
     let mut failing = Failing::default();
     let Some(name) = pool.upgrade().map(|p| p.config.name.clone()) else {
@@ -411,7 +427,14 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
                 ),
                 None => {}
             }
-            next_resolve = Instant::now() + every;
+            // A pool without any address (its names never resolved) asks again soon.
+            let empty = p.picks.load().all.is_empty();
+            next_resolve = Instant::now()
+                + if empty {
+                    every.min(NO_ADDRESS_RESOLVE)
+                } else {
+                    every
+                };
         }
         let wait = match &p.config.health_check {
             Some(hc) => {
@@ -466,7 +489,10 @@ mod tests {
     async fn chosen(pool: &UpstreamPool, n: usize) -> BTreeSet<SocketAddr> {
         let mut seen = BTreeSet::new();
         for _ in 0..n {
-            let backend = pool.select_turn(None).expect("an address").pick;
+            let Some(turn) = pool.select_turn(None) else {
+                return seen;
+            };
+            let backend = turn.pick;
             let addr = *backend.addr.as_inet().expect("an inet address");
             tokio::net::TcpStream::connect(addr)
                 .await
@@ -509,10 +535,12 @@ mod tests {
             }),
             every: Duration::from_millis(50),
         };
-        // The name does not resolve here: at load the pool starts from the written address.
+        // The name does not resolve with the system's resolver: the pool starts without an
+        // address (a request is a 502), and has the name's as soon as the resolver answers.
         let pool =
             Arc::new(UpstreamPool::new(&config(vec![a], vec!["app.internal".into()])).unwrap());
         assert!(pool.needs_tending());
+        assert!(pool.select_turn(None).is_none());
         let healthy =
             IntGaugeVec::new(prometheus::Opts::new("h", "h"), &["upstream", "addr"]).unwrap();
         tokio::spawn(tend_with(Arc::downgrade(&pool), healthy, resolver));
@@ -530,7 +558,7 @@ mod tests {
                 }
             }
         };
-        assert_eq!(chosen(&pool, 16).await, BTreeSet::from([a]));
+        within(BTreeSet::from([a])).await;
         *answer.lock().unwrap() = Some(vec![a, b]);
         within(BTreeSet::from([a, b])).await;
         // The resolver fails for a while: both stay.

@@ -139,3 +139,50 @@ async fn a_failed_connect_tries_every_other_address_under_concurrency() {
     let failed = statuses.iter().filter(|s| **s != 200).count();
     assert_eq!(failed, 0, "{failed} of {} not served", statuses.len());
 }
+
+/// A name that does not resolve when the gateway starts is an outage, not a mistake in the
+/// file (as a Redis that does not answer): `check` warns and passes, the gateway starts and
+/// answers that upstream's requests 502 while the other upstreams serve, and a reload is
+/// not refused for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_does_not_resolve_at_start_is_a_502_not_a_config_error() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    // `.invalid` never resolves (RFC 6761).
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("gone", &["backend.invalid:8080"])
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("away")
+                .prefix("/away")
+                .upstream("gone")
+                .unlimited(),
+        )
+        .route(
+            Route::new("here")
+                .prefix("/here")
+                .upstream("app")
+                .unlimited(),
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out) = common::check_body(dir.path(), &config.body(), &[]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("upstreams.gone.addrs entry \"backend.invalid:8080\" does not resolve now"),
+        "{out}"
+    );
+    let gw = config.start();
+    let http = client();
+    let away = http.get(gw.url("/away/x")).send().await.unwrap();
+    assert_eq!(away.status(), 502);
+    assert_eq!(
+        away.text().await.unwrap(),
+        r#"{"detail":"upstream unavailable"}"#
+    );
+    assert_eq!(
+        http.get(gw.url("/here/x")).send().await.unwrap().status(),
+        200
+    );
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200, "{body}");
+}

@@ -1117,47 +1117,54 @@ pub(super) fn upstream(
             ),
         );
     }
+    // Names written, lower case, with their ports: an entry written twice is said once.
+    let mut names: Vec<(String, u16)> = Vec::new();
     for a in u.addrs.get_ref() {
-        // `::1:8080` reads as [::1]:8080 to the resolver, and as nothing clear to a reader.
-        let bare_ipv6 = !a.get_ref().starts_with('[') && a.get_ref().matches(':').count() > 1;
-        match (!bare_ipv6)
-            .then(|| a.get_ref().to_socket_addrs().ok())
-            .flatten()
-            .and_then(|mut it| it.next())
-        {
+        let written = a.get_ref();
+        match host_and_port(written) {
             // Port 0 is no port to connect to: every request would be a 502.
-            Some(addr) if addr.port() == 0 => c.push(
+            Some((_, 0)) => c.push(
                 Some(&a.span()),
                 None,
                 format!(
-                    "{} entry \"{}\" has port 0, which no upstream listens on: write \"host:port\"",
+                    "{} entry \"{written}\" has port 0, which no upstream listens on: write \"host:port\"",
                     field("addrs"),
-                    a.get_ref()
                 ),
             ),
-            Some(addr) => {
+            Some((Host::Ip(ip), port)) => {
+                let addr = SocketAddr::new(ip, port);
                 if addrs.contains(&addr) {
-                    c.warn(Some(&a.span()), None, format!("{} entry \"{}\" is {addr} again: an address listed twice is still one address, with one share of the requests (weights are not written this way)", field("addrs"), a.get_ref()));
+                    c.warn(Some(&a.span()), None, format!("{} entry \"{written}\" is {addr} again: an address listed twice is still one address, with one share of the requests (weights are not written this way)", field("addrs")));
                 }
                 addrs.push(addr);
-                let written = a.get_ref();
-                let host = written
-                    .rsplit_once(':')
-                    .map_or(written.as_str(), |(h, _)| h);
-                hosts.push(
-                    host.trim_start_matches('[')
-                        .trim_end_matches(']')
-                        .to_owned(),
-                );
+                hosts.push(ip.to_string());
+            }
+            Some((Host::Name(name), port)) => {
+                // Resolved by the upstream's pool, at start and every 30 s: a name that does
+                // not resolve now is an outage of the resolver or of the upstream, not a
+                // mistake in the file (as a Redis that does not answer at start).
+                let resolves = (name.as_str(), port)
+                    .to_socket_addrs()
+                    .is_ok_and(|mut found| found.next().is_some());
+                if !resolves {
+                    c.warn(Some(&a.span()), None, format!("{} entry \"{written}\" does not resolve now: the upstream starts without its addresses and the name is resolved again every second until it has one (then every 30 s); meanwhile a request the upstream has no address for is answered 502", field("addrs")));
+                }
+                let key = (name.to_ascii_lowercase(), port);
+                if names.contains(&key) {
+                    c.warn(Some(&a.span()), None, format!("{} entry \"{written}\" is listed twice: a name listed twice is still its addresses once, with one share of the requests each (weights are not written this way)", field("addrs")));
+                }
+                names.push(key);
+                // The address is the pool's to find; the port is what the entry gives it.
+                addrs.push(SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port));
+                hosts.push(name);
             }
             None => c.push(
                 Some(&a.span()),
                 None,
                 format!(
-                    "{} entry \"{}\" {}",
+                    "{} entry \"{written}\" {}",
                     field("addrs"),
-                    a.get_ref(),
-                    why_not_an_address(a.get_ref())
+                    why_not_an_address(written)
                 ),
             ),
         }
@@ -1287,8 +1294,39 @@ fn why_not_an_address(written: &str) -> String {
         Some((_, port)) if port.parse::<u16>().is_err() => {
             format!("has no port from 1 to 65535: {how}")
         }
-        Some(_) => format!("does not resolve to an address: {how}"),
+        Some(_) => format!("is neither a host name nor an IP address: {how}"),
     }
+}
+
+/// The host of an upstream address as written.
+enum Host {
+    Ip(std::net::IpAddr),
+    Name(String),
+}
+
+/// `host:port`, `ip:port` or `[ipv6]:port`, as written; `None` when it is none of them (an
+/// IPv6 address without brackets, a URL, a name with characters no host name has).
+fn host_and_port(written: &str) -> Option<(Host, u16)> {
+    let (host, port) = written.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    if let Some(inner) = host.strip_prefix('[') {
+        let ip: std::net::Ipv6Addr = inner.strip_suffix(']')?.parse().ok()?;
+        return Some((Host::Ip(ip.into()), port));
+    }
+    if let Ok(ip) = host.parse::<std::net::Ipv4Addr>() {
+        return Some((Host::Ip(ip.into()), port));
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let valid = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+        });
+    valid.then(|| (Host::Name(host.to_owned()), port))
 }
 
 /// `tls`, `sni`, `ca_path` and `verify` of one upstream: `Some(None)` without TLS.
