@@ -285,8 +285,14 @@ fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
 /// The route in plain words; `claim` is the JWT claim that names a caller.
 pub fn describe(route: &RouteConfig, claim: &str) -> String {
     let p = &route.policy;
+    // A GET route matches HEAD too (section 3): the line says what it matches.
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
-        m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
+        let mut names: Vec<&str> = m.iter().map(|m| m.as_str()).collect();
+        if names.contains(&"GET") && !names.contains(&"HEAD") {
+            let at = names.iter().position(|n| *n == "GET").unwrap_or(0) + 1;
+            names.insert(at, "HEAD");
+        }
+        names.join(",")
     });
     let path = match &route.path {
         PathMatch::Exact(p) => p.clone(),

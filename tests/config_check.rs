@@ -103,6 +103,14 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
                 "{}: a shipped config warns of nothing",
                 path.display()
             );
+            // A GET route matches HEAD too, and its line says so.
+            if path.ends_with("tls.toml") {
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    stdout.contains("health: GET,HEAD /healthz -> pdftalk;"),
+                    "{stdout}"
+                );
+            }
             // An emergency bucket per identity is said so (it once read as one per process).
             if path.ends_with("cluster.toml") {
                 let stdout = String::from_utf8_lossy(&out.stdout);
@@ -321,6 +329,31 @@ fn check_warns_of_an_upstream_written_twice_over() {
     );
     assert!(
         out.contains(":7:63: upstreams.app.health_check.timeout_ms = 5000 is longer than its interval_ms = 200"),
+        "{out}"
+    );
+}
+
+/// An admin listener other hosts can reach, without a token: `/reload`, `DELETE /limits` and
+/// `/metrics` for anyone, which `check` says (it is not refused: a firewall may stand in
+/// front). A `SENTINEL_REDIS_URL` set but empty counts as unset.
+#[test]
+fn an_open_admin_listener_is_warned_of_and_an_empty_redis_url_is_unset() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = "[upstreams.a]\naddrs = [\"127.0.0.1:9\"]\n[[routes]]\nendpoint_id = \"x\"\npath = \"/x\"\nupstream = \"a\"\nalgorithm = \"none\"\n";
+    let open = format!(
+        "admin_listen = \"0.0.0.0:{}\"\n{routes}",
+        common::free_port()
+    );
+    let (ok, out) = common::check_body(dir.path(), &open, &[]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("is reachable from other hosts and no admin_token_env is set"),
+        "{out}"
+    );
+    let (ok, out) = common::check_body(dir.path(), routes, &[("SENTINEL_REDIS_URL", Some(""))]);
+    assert!(ok, "{out}");
+    assert!(
+        !out.contains("warn") && !out.contains("SENTINEL_REDIS_URL"),
         "{out}"
     );
 }

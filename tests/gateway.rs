@@ -411,6 +411,17 @@ async fn answers_before_the_limiter_never_reach_redis() {
             "{answer}"
         );
     }
+    // TRACE, as nginx: never echoed by a backend (cross-site tracing).
+    let trace = http
+        .request(reqwest::Method::TRACE, gw.url("/open"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(trace.status(), 405);
+    assert_eq!(
+        trace.text().await.unwrap(),
+        r#"{"detail":"method not allowed"}"#
+    );
 
     for _ in 0..5 {
         assert_eq!(

@@ -624,7 +624,8 @@ impl Config {
                 message: format!("cannot read the config file: {e}"),
             }])
         })?;
-        let redis_url = std::env::var(REDIS_URL_ENV).ok();
+        // Set but empty is unset, as shells and orchestrators leave a variable they blank.
+        let redis_url = std::env::var(REDIS_URL_ENV).ok().filter(|u| !u.is_empty());
         Self::from_source(path, &source, redis_url.as_deref())
     }
 

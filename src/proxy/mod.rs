@@ -514,8 +514,10 @@ impl ProxyHttp for Gateway {
             return self.answer(session, ctx, Answer::BadRequest).await;
         };
         // Pingora would answer CONNECT with a bare 405 before any hook; the server options
-        // let it through to here, where it gets the gateway's own answer.
-        if req.method == http::Method::CONNECT {
+        // let it through to here, where it gets the gateway's own answer. TRACE is refused
+        // as nginx refuses it: a backend that echoes it would hand a page's script the
+        // cookies and credentials the request carried (cross-site tracing).
+        if req.method == http::Method::CONNECT || req.method == http::Method::TRACE {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::MethodNotAllowed).await;
         }
