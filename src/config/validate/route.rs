@@ -49,6 +49,16 @@ pub(super) fn route(
             .iter()
             .filter_map(|name| {
                 match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
+                    Ok(method)
+                        if method == http::Method::CONNECT || method == http::Method::TRACE =>
+                    {
+                        c.push(
+                            Some(&m.span()),
+                            label,
+                            format!("methods: \"{name}\" never reaches a route: the gateway answers CONNECT and TRACE 405 itself (it is no tunnel, and a backend that echoes TRACE hands a page's script the request's cookies)"),
+                        );
+                        None
+                    }
                     Ok(method) => Some(method),
                     Err(_) => {
                         c.push(
