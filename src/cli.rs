@@ -213,7 +213,6 @@ fn counted(micro: u64, noun: &str) -> String {
     format!("{n} {noun}{s}")
 }
 
-/// One plain-words line per route, as `check` prints it.
 /// One TLS listener in plain words: its versions and which certificate each name gets.
 pub fn describe_tls(t: &crate::config::TlsListener) -> String {
     let versions = match t.min_version {
@@ -410,8 +409,22 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     } else {
         ""
     };
+    let exempt = match &route.exempt_client_cidrs[..] {
+        [] => String::new(),
+        cidrs => {
+            let cidrs: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+            format!("; clients in {} not limited", cidrs.join(", "))
+        }
+    };
+    let cost = p.cost_from_response.as_ref().map_or(String::new(), |c| {
+        format!(
+            "; charged {} per unit of the answer's {} header",
+            counted(c.unit_micro, "request"),
+            c.header
+        )
+    });
     format!(
-        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{fail}{shadow}; policy v{}",
+        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{fail}{shadow}; policy v{}",
         p.endpoint_id, route.upstream.name, p.policy_version
     )
 }

@@ -103,6 +103,16 @@ fn shipped_configs_are_valid_and_described_in_plain_words() {
                 "{}: a shipped config warns of nothing",
                 path.display()
             );
+            // A cost the upstream reports is part of the route's line.
+            if path.ends_with("pdftalk-plan.toml") {
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    stdout.contains(
+                        "; charged 1 request per unit of the answer's x-ocr-pages header;"
+                    ),
+                    "{stdout}"
+                );
+            }
             // A GET route matches HEAD too, and its line says so.
             if path.ends_with("tls.toml") {
                 let stdout = String::from_utf8_lossy(&out.stdout);

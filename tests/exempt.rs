@@ -111,3 +111,39 @@ async fn behind_a_trusted_proxy_only_the_client_it_names_can_be_exempt() {
         1.0
     );
 }
+
+/// `check` names the exempt networks in the route's line, and warns of them on a route that
+/// is not limited, where they change nothing.
+#[test]
+fn check_names_the_exempt_networks_and_warns_of_them_where_they_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = |route: Route| {
+        format!(
+            "[redis]\nurl = \"redis://127.0.0.1:1\"\n[upstreams.app]\naddrs = [\"127.0.0.1:1\"]\n{}",
+            route.toml()
+        )
+    };
+    let limited = Route::new("e.x")
+        .prefix("/x")
+        .identity("client_ip")
+        .token_bucket(2_000_000, 0)
+        .set(
+            "exempt_client_cidrs",
+            "[\"10.0.0.0/8\", \"192.168.1.0/24\"]",
+        );
+    let (ok, out) = common::check_body(dir.path(), &body(limited), &[]);
+    assert!(
+        ok && out.contains("per client IP; clients in 10.0.0.0/8, 192.168.1.0/24 not limited;"),
+        "{out}"
+    );
+    assert!(!out.contains("changes nothing"), "{out}");
+    let unlimited = Route::new("e.y")
+        .prefix("/y")
+        .unlimited()
+        .set("exempt_client_cidrs", "[\"10.0.0.0/8\"]");
+    let (ok, out) = common::check_body(dir.path(), &body(unlimited), &[]);
+    assert!(
+        ok && out.contains("exempt_client_cidrs on a route that is not limited"),
+        "{out}"
+    );
+}

@@ -201,6 +201,22 @@ fn check_refuses_tiers_that_cannot_work() {
     };
     let (ok, out) = run(&(tiered().toml() + TIERS));
     assert!(ok, "{out}");
+    assert!(!out.contains("is listed by no route"), "{out}");
+    // A tier no route lists (misspelt, say): its callers count as the default tier, and
+    // `check` says so.
+    std::fs::write(
+        dir.path().join("keys.toml"),
+        entry("k", "a", None) + "\n" + &entry("g", "b", Some("gold")),
+    )
+    .unwrap();
+    let (ok, out) = run(&(tiered().toml() + TIERS));
+    assert!(
+        ok && out.contains(
+            "tier = \"gold\" (1 key(s)) is listed by no route with tier_from = \"api_key\""
+        ),
+        "{out}"
+    );
+    std::fs::write(dir.path().join("keys.toml"), entry("k", "a", None)).unwrap();
     // The plain words say whose the route's own limits are.
     assert!(
         out.contains("; tiers from the key file (the limits above are tier free's, and a caller's without a listed tier); internal: not limited; pro: limit burst: token bucket of 4 requests, never refilled"),

@@ -64,6 +64,15 @@ impl ApiKeyTable {
         self.keys.is_empty()
     }
 
+    /// The tiers keys name, with how many keys name each.
+    pub fn tiers(&self) -> std::collections::BTreeMap<&str, usize> {
+        let mut tiers = std::collections::BTreeMap::new();
+        for tier in self.keys.values().filter_map(|o| o.tier.as_deref()) {
+            *tiers.entry(tier).or_insert(0) += 1;
+        }
+        tiers
+    }
+
     /// Distinct tenants.
     pub fn tenants(&self) -> usize {
         let mut tenants: Vec<&str> = self.keys.values().map(|o| &*o.tenant).collect();

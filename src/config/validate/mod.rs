@@ -80,6 +80,7 @@ pub fn validate(
         c.warn(None, None, "no [[routes]]: every request is answered 404 (a reload to such a file is refused while routes are serving: a file cut short)".into());
     }
     route::shared_endpoints(&mut c, &routes);
+    unlisted_key_tiers(&mut c, api_keys.as_ref(), &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
     // Over every route whose path, host and methods are valid, whatever else is wrong with it.
     for (a, b) in routing::ambiguities(matchers) {
@@ -110,6 +111,41 @@ pub fn validate(
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         warnings: c.warnings,
     })
+}
+
+/// A tier the key file gives keys that no route taking tiers from the key file lists (nor
+/// has as `default_tier`): a misspelt tier drops a paying tenant to every route's default
+/// tier without a word, so `check` and every reload say it.
+fn unlisted_key_tiers(
+    c: &mut Collector,
+    api_keys: Option<&ApiKeysConfig>,
+    routes: &[(std::ops::Range<usize>, RouteConfig)],
+) {
+    let Some(api_keys) = api_keys else {
+        return;
+    };
+    let mut listed = std::collections::BTreeSet::new();
+    let mut tiered = false;
+    for (_, r) in routes {
+        if let Some(plan) = r
+            .policy
+            .tiers
+            .as_ref()
+            .filter(|p| p.from == TierFrom::ApiKey)
+        {
+            tiered = true;
+            listed.insert(plan.default.as_str());
+            listed.extend(plan.tiers.keys().map(String::as_str));
+        }
+    }
+    if !tiered {
+        return;
+    }
+    for (tier, keys) in api_keys.keys.tiers() {
+        if !listed.contains(tier) {
+            c.warn(None, None, format!("auth.api_keys.file ({}): tier = \"{tier}\" ({keys} key(s)) is listed by no route with tier_from = \"api_key\": those callers count as each route's default tier", api_keys.file.display()));
+        }
+    }
 }
 
 /// `server.request_id_header` must not be a header a route reads an identity from, or the

@@ -142,6 +142,11 @@ pub(super) fn route(
         "exempt_client_cidrs",
         r.exempt_client_cidrs.as_ref(),
     );
+    if let (Some(set), Some(p)) = (&r.exempt_client_cidrs, &policy) {
+        if p.algorithm == Algorithm::None && !p.several {
+            c.warn(Some(&set.span()), label, "exempt_client_cidrs on a route that is not limited (algorithm = \"none\") changes nothing: every client is forwarded without a limit already".into());
+        }
+    }
     let max_body_bytes = match &r.max_body_bytes {
         None => Some(server_max_body_bytes),
         own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
