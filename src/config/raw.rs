@@ -181,12 +181,14 @@ impl<'de> Deserialize<'de> for RawIdentity {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawRoute {
-    pub endpoint_id: Spanned<String>,
+    /// Required: missing, it is reported with the route's other problems.
+    pub endpoint_id: Option<Spanned<String>>,
     pub path: Option<Spanned<String>>,
     pub path_prefix: Option<Spanned<String>>,
     pub methods: Option<Spanned<Vec<String>>>,
     pub host: Option<Spanned<String>>,
-    pub upstream: Spanned<String>,
+    /// Required, as `endpoint_id`.
+    pub upstream: Option<Spanned<String>>,
     pub identity: Option<Spanned<RawIdentity>>,
     pub algorithm: Option<Spanned<String>>,
     pub limit: Option<Spanned<i64>>,

@@ -84,7 +84,10 @@ pub fn validate(
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
     // Over every route whose path, host and methods are valid, whatever else is wrong with it.
     for (a, b) in routing::ambiguities(matchers) {
-        let id = |i: usize| raw.routes[i].get_ref().endpoint_id.get_ref().as_str();
+        let id = |i: usize| {
+            let id = raw.routes[i].get_ref().endpoint_id.as_ref();
+            id.map_or("?", |v| v.get_ref().as_str())
+        };
         c.push(
             Some(&raw.routes[b].span()),
             Some(&route_label(b, id(b))),

@@ -21,21 +21,38 @@ pub(super) fn route(
     server_max_body_bytes: Option<u64>,
 ) -> (Option<RouteConfig>, Option<Matcher>) {
     let r = spanned.get_ref();
-    let id_text = r.endpoint_id.get_ref();
+    let id_text = r.endpoint_id.as_ref().map_or("?", |v| v.get_ref().as_str());
     let label = route_label(index, id_text);
     let label = Some(label.as_str());
     let before = c.errors.len();
-
-    let endpoint_id = EndpointId::parse(id_text);
-    if endpoint_id.is_none() {
+    // A required field left out is said with the route's other problems, at the route.
+    let missing = |c: &mut Collector, field: &str, example: &str| {
         c.push(
-            Some(&r.endpoint_id.span()),
+            Some(&spanned.span()),
             label,
-            format!(
-                "endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"
-            ),
+            format!("`{field}` is missing: it is required, e.g. {example}"),
         );
-    }
+    };
+
+    let endpoint_id = match &r.endpoint_id {
+        None => {
+            missing(c, "endpoint_id", "endpoint_id = \"a.name\"");
+            None
+        }
+        Some(id) => {
+            let parsed = EndpointId::parse(id.get_ref());
+            if parsed.is_none() {
+                c.push(
+                    Some(&id.span()),
+                    label,
+                    format!(
+                        "endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"
+                    ),
+                );
+            }
+            parsed
+        }
+    };
     let path = route_path(c, label, spanned);
     let methods = r.methods.as_ref().map(|m| {
         if m.get_ref().is_empty() {
@@ -101,20 +118,33 @@ pub(super) fn route(
         }),
         _ => None,
     };
-    let upstream = upstreams.get(r.upstream.get_ref()).cloned();
-    if upstream.is_none() && !raw.upstreams.contains_key(r.upstream.get_ref()) {
-        let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
-        c.push(
-            Some(&r.upstream.span()),
-            label,
-            format!(
-                "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
-                r.upstream.get_ref(),
-                r.upstream.get_ref(),
-                known.join(", ")
-            ),
-        );
-    }
+    let upstream = match &r.upstream {
+        None => {
+            missing(
+                c,
+                "upstream",
+                "upstream = \"<a name of an [upstreams.NAME] table>\"",
+            );
+            None
+        }
+        Some(name) => {
+            let found = upstreams.get(name.get_ref()).cloned();
+            if found.is_none() && !raw.upstreams.contains_key(name.get_ref()) {
+                let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
+                c.push(
+                    Some(&name.span()),
+                    label,
+                    format!(
+                        "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
+                        name.get_ref(),
+                        name.get_ref(),
+                        known.join(", ")
+                    ),
+                );
+            }
+            found
+        }
+    };
     let limits = limits(c, label, spanned);
     let algorithm = limits.as_ref().map(|(l, _)| match l.first() {
         Some(first) => first.algorithm,
@@ -122,7 +152,7 @@ pub(super) fn route(
     });
     // An unknown algorithm is already an error; do not pile an identity error on it.
     let limited = algorithm.is_some_and(|a| a != Algorithm::None);
-    let identity = identity(c, label, r, limited, raw);
+    let identity = identity(c, label, spanned, limited, raw);
     let tiers = tiers(c, label, spanned, identity.as_ref(), limits.as_ref());
     let policy = policy(c, label, r, endpoint_id, limits, tiers);
 
@@ -384,13 +414,15 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &AlgorithmFields<'_>) ->
 fn identity(
     c: &mut Collector,
     label: Option<&str>,
-    r: &RawRoute,
+    route: &Spanned<RawRoute>,
     limited: bool,
     raw: &RawConfig,
 ) -> Option<IdentitySource> {
+    let r = route.get_ref();
     let Some(spanned) = &r.identity else {
         if limited {
-            c.push(Some(&r.endpoint_id.span()), label, "identity is required for a limited route: use \"jwt\", \"api_key\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
+            let at = r.endpoint_id.as_ref().map_or(route.span(), |v| v.span());
+            c.push(Some(&at), label, "identity is required for a limited route: use \"jwt\", \"api_key\", \"client_ip\", \"global\" or { header = \"X-API-Key\" }".into());
             return None;
         }
         return Some(IdentitySource::Global);
