@@ -232,6 +232,22 @@ fn ceiling_layout(cluster: &RedisCluster) -> (usize, impl Fn(&str) -> String) {
     (node, own_key)
 }
 
+/// Four callers whose own limits live on another primary than [`ceiling`]'s ceiling, once
+/// the gateway knows the slot map (the first answers may be 503 until then).
+fn off_the_ceilings_node(cluster: &RedisCluster, gw: &common::Gateway) -> Vec<String> {
+    let (ceiling_node, own_key) = ceiling_layout(cluster);
+    let callers = (0..200)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node)
+        .take(4)
+        .collect();
+    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
+        blocking_get(&gw.url("/api/warm")).is_some()
+            && blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    callers
+}
+
 async fn total_over_keys(gw: &common::Gateway, keys: &[&str], each: usize) -> Vec<u64> {
     let mut admitted = vec![0; keys.len()];
     for (i, k) in keys.iter().enumerate() {
@@ -336,19 +352,9 @@ async fn on_a_cluster_a_ceiling_on_another_primary_still_never_charges_a_denied_
                 .bucket_limit("daily", 9, 0),
         )
         .start();
-    // Callers whose own limits live on another primary than the ceiling.
-    let (ceiling_node, own_key) = ceiling_layout(&cluster);
-    let callers: Vec<String> = (0..200)
-        .map(|i| format!("key-{i}"))
-        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node)
-        .take(4)
-        .collect();
+    let (ceiling_node, _) = ceiling_layout(&cluster);
+    let callers = off_the_ceilings_node(&cluster, &gw);
     let keys: Vec<&str> = callers[..3].iter().map(String::as_str).collect();
-    // Wait until the gateway knows the slot map (the first answers may be 503 until then).
-    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
-        blocking_get(&gw.url("/api/warm")).is_some()
-            && blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
-    });
     let admitted = total_over_keys(&gw, &keys, 4).await;
     assert_eq!(admitted, [3, 2, 0], "{callers:?}");
     // The refunds are made before the answers: read at once.
@@ -475,16 +481,7 @@ async fn on_a_cluster_concurrent_requests_never_take_a_charge_given_back_for_the
         .upstream("app", &[up.addr()])
         .route(route(hourly_and_ceiling))
         .start();
-    let (ceiling_node, own_key) = ceiling_layout(&cluster);
-    let callers: Vec<String> = (0..200)
-        .map(|i| format!("key-{i}"))
-        .filter(|k| cluster.owner(&own_key(k)) != ceiling_node)
-        .take(4)
-        .collect();
-    common::wait_until(Duration::from_secs(10), "the cluster to be usable", || {
-        blocking_get(&gw.url("/api/warm")).is_some()
-            && blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200)
-    });
+    let callers = off_the_ceilings_node(&cluster, &gw);
     for round in callers.chunks(2) {
         let (other, fresh) = (&round[0], &round[1]);
         // The ceiling full (a second refills it), then spent by another caller; then eight

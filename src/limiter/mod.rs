@@ -223,47 +223,40 @@ async fn decide_across(
     let started = std::time::Instant::now();
     let mut ticket = endpoint.in_flight.begin(keys[own]);
     let overlimit = (&endpoint.overlimit, since);
-    let replies = across_slots(
-        store,
-        policy,
-        keys,
-        args_of,
-        overlimit,
-        &mut ticket,
-        started,
-    )
-    .await;
-    let doubt = match own_denied(policy, &replies) {
-        true => ticket.doubt(),
-        false => None,
-    };
-    let Some(doubt) = doubt else {
-        return (replies, false);
-    };
-    let left = store.budget().saturating_sub(started.elapsed());
-    if !ticket.settle(doubt, Store::timer_within(left)).await {
-        return (replies, true);
+    let left = || store.budget().saturating_sub(started.elapsed());
+    // Decided once more at most.
+    let mut again = false;
+    loop {
+        let replies = across_slots(
+            store,
+            policy,
+            keys,
+            args_of,
+            overlimit,
+            &mut ticket,
+            started,
+        )
+        .await;
+        let doubt = match own_denied(policy, &replies) {
+            true => ticket.doubt(),
+            false => None,
+        };
+        let Some(doubt) = doubt else {
+            return (replies, false);
+        };
+        if again || !ticket.settle(doubt, Store::timer_within(left())).await {
+            return (replies, true);
+        }
+        if !ticket.given_back_since() {
+            // The charges beside it were kept: the denial was the caller's own.
+            return (replies, false);
+        }
+        if left() < store.budget() / 4 {
+            return (replies, true);
+        }
+        ticket.renew();
+        again = true;
     }
-    if !ticket.given_back_since() {
-        // The charges beside it were kept: the denial was the caller's own.
-        return (replies, false);
-    }
-    if store.budget().saturating_sub(started.elapsed()) < store.budget() / 4 {
-        return (replies, true);
-    }
-    ticket.renew();
-    let replies = across_slots(
-        store,
-        policy,
-        keys,
-        args_of,
-        overlimit,
-        &mut ticket,
-        started,
-    )
-    .await;
-    let doubtful = own_denied(policy, &replies) && ticket.doubt().is_some();
-    (replies, doubtful)
 }
 
 /// A cluster where the ceilings lie in another slot than the caller's limits. While the
