@@ -49,6 +49,12 @@ local function tb_read(key, capacity, rate, now)
         end
       end
     end
+    -- A bucket written under a larger capacity (a reload lowered it) holds no more than the
+    -- new one, refilling or not.
+    if tokens >= capacity then
+      tokens = capacity
+      frac = 0
+    end
   end
   return tokens, frac, e
 end

@@ -176,3 +176,57 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
         }
     }
 }
+
+/// A reload that lowers a token bucket's capacity holds the callers who already have a
+/// bucket to it at once, whether the bucket refills or not (one that never refilled kept the
+/// tokens it held above the new capacity, and spent them all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_lowers_a_capacity_holds_existing_buckets_to_it() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let config = |capacity: u64, refill: u64| {
+        GatewayConfig::new(&redis.url())
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("q.never")
+                    .prefix("/never")
+                    .identity_header("X-Key")
+                    .fail_closed()
+                    .token_bucket(capacity * 1_000_000, 0),
+            )
+            .route(
+                Route::new("q.slow")
+                    .prefix("/slow")
+                    .identity_header("X-Key")
+                    .fail_closed()
+                    .token_bucket(capacity * 1_000_000, refill),
+            )
+    };
+    let gw = config(10, 1).start();
+    let http = client();
+    let admitted = |path: &'static str, n: usize| {
+        let (http, gw) = (&http, &gw);
+        async move {
+            let mut ok = 0;
+            for _ in 0..n {
+                let r = http
+                    .get(gw.url(path))
+                    .header("X-Key", "k")
+                    .send()
+                    .await
+                    .unwrap();
+                ok += usize::from(r.status() == 200);
+            }
+            ok
+        }
+    };
+    assert_eq!(admitted("/never/x", 2).await, 2);
+    assert_eq!(admitted("/slow/x", 2).await, 2);
+    gw.rewrite_config(&config(3, 1).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    assert_eq!(
+        admitted("/never/x", 10).await,
+        3,
+        "the new capacity, not the 8 left"
+    );
+    assert_eq!(admitted("/slow/x", 10).await, 3);
+}

@@ -66,6 +66,11 @@ impl Bucket {
         let Some(s) = state else {
             return (self.capacity, 0);
         };
+        // A bucket written under a larger capacity (a reload lowered it) holds no more than
+        // the new one, refilling or not.
+        if s.tokens >= self.capacity {
+            return (self.capacity, 0);
+        }
         let elapsed = now_us.saturating_sub(s.at_us);
         if elapsed == 0 || self.rate_per_sec == 0 {
             return (s.tokens, s.frac);
