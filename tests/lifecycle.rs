@@ -464,6 +464,62 @@ async fn reloads_under_load_drop_nothing() {
     );
 }
 
+/// A reload that moves `[redis] url` (to another Redis, or the same one spelt otherwise)
+/// makes the new connection before it leaves the old one: no request is failed by its fail
+/// mode meanwhile (dropped first, every decision of the few milliseconds a connection takes
+/// answered 503 on a `fail_closed` route).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_another_redis_url_fails_no_request_meanwhile() {
+    let (a, b) = (Redis::start(), Redis::start());
+    let up = Upstream::start("app");
+    // A budget of 1 s: a connection made late on a loaded machine is waited for, not failed;
+    // a dropped connection fails at once whatever the budget.
+    let config = |url: &str| {
+        routes(
+            file_config(url).redis("timeout_ms", "1000"),
+            &up.addr(),
+            api(1_000_000).fail_closed(),
+        )
+    };
+    let gw = config(&a.url()).start();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, stop) = (gw.url("/api"), std::sync::Arc::clone(&stop));
+            tokio::spawn(async move {
+                let http = client();
+                let mut statuses = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    statuses.push(http.get(&url).send().await.unwrap().status().as_u16());
+                }
+                statuses
+            })
+        })
+        .collect();
+    let respelt = a.url().trim_end_matches("/0").to_owned();
+    for url in [b.url(), a.url(), b.url(), respelt] {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        gw.rewrite_config(&config(&url).render(gw.port, gw.admin_port));
+        assert_eq!(gw.reload(), 200);
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    assert!(all.len() > 100, "load ran: {}", all.len());
+    let failed: Vec<&u16> = all.iter().filter(|s| **s != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {}: {failed:?}",
+        failed.len(),
+        all.len()
+    );
+    assert!(!b.keys("sentinel:*").is_empty(), "decided on b in between");
+    assert!(gw.logs().contains("redis connected at the reloaded url"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_mode_decides_and_counts_but_forwards() {
     let redis = Redis::start();

@@ -558,9 +558,11 @@ impl Connector {
         let mut attempt = 0u32;
         while !link.retired.load(Ordering::Relaxed) {
             let connected = link.is_connected();
+            // A reload moved the link to another Redis: connect there while this one serves.
+            let moving = connected && link.moving.load(Ordering::Relaxed);
             let movable = self.proxy_runtime.get().is_some()
                 && !link.on_proxy_runtime.load(Ordering::Relaxed);
-            if connected && !movable {
+            if connected && !movable && !moving {
                 tokio::select! {
                     _ = link.wake.notified() => {}
                     _ = tokio::time::sleep(POLICY_RECHECK_EVERY) => self.recheck_policy(&link).await,
@@ -568,7 +570,7 @@ impl Connector {
                 continue;
             }
             let target = link.target.load_full();
-            if connected && self.dedicated_io_thread {
+            if connected && self.dedicated_io_thread && !moving {
                 // Only the decisions' connection moves; redis-rs's stays on this thread.
                 let moved = tokio::time::timeout(SETUP_TIMEOUT, self.move_wire(&link, &target))
                     .await
@@ -617,6 +619,12 @@ impl Connector {
                     // Swapping is seamless: requests on the old connection finish on it.
                     link.install(opened, wire, self.proxy_runtime.get().is_some());
                     read_clock(&link).await;
+                    if moving {
+                        link.moving.store(false, Ordering::Relaxed);
+                        tracing::info!(node = %target.node, "redis connected at the reloaded url; the old connection finishes what it has");
+                        attempt = 0;
+                        continue;
+                    }
                     if connected {
                         tracing::info!(node = %target.node, "redis connection now driven by the proxy workers");
                         continue;
@@ -625,12 +633,18 @@ impl Connector {
                     tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
                     attempt = 0;
                 }
-                Err(e) if connected => {
+                Err(e) if connected && !moving => {
                     tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");
                     tokio::time::sleep(backoff(attempt)).await;
                     attempt = attempt.saturating_add(1);
                 }
                 Err(e) => {
+                    if moving {
+                        // The reloaded url does not answer: the old Redis is left now, and
+                        // its outage is the new url's.
+                        link.moving.store(false, Ordering::Relaxed);
+                        link.conn.store(None);
+                    }
                     // Requests meanwhile fail at once and count nothing: the attempts do, once
                     // a request has found the node down.
                     link.attempt_failed();

@@ -116,6 +116,9 @@ pub(super) struct Link {
     asked_while_down: AtomicBool,
     /// The target is a new master (a Sentinel failover) not yet connected.
     pub(super) new_master: AtomicBool,
+    /// A reload pointed the link at another Redis: its connection to the old one serves on
+    /// until one is made to the new one, or an attempt there fails ([`Link::move_to`]).
+    pub(super) moving: AtomicBool,
     /// The node's `maxmemory-policy` as last read, when it could be read.
     pub(super) eviction_policy: ArcSwapOption<String>,
     /// Whether the current connection is driven on the proxy's runtime.
@@ -157,6 +160,7 @@ impl Link {
             outage_logged: std::sync::Mutex::new(Vec::new()),
             asked_while_down: AtomicBool::new(false),
             new_master: AtomicBool::new(false),
+            moving: AtomicBool::new(false),
             clock: super::deadline::RedisClock::default(),
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
@@ -184,7 +188,20 @@ impl Link {
     pub(super) fn point_at(&self, target: Target) {
         self.target.store(Arc::new(target));
         self.eviction_policy.store(None);
+        self.moving.store(false, Ordering::Relaxed);
         self.conn.store(None);
+        self.wake.notify_one();
+    }
+
+    /// Points the link at another Redis for a reload, make before break: the connection to
+    /// the old one keeps deciding until one to the new one is made (then requests on the old
+    /// one finish on it), or until the first attempt there fails (then the new target's
+    /// outage is everyone's, as after a start). Dropped at once, the requests of the few
+    /// milliseconds a connection takes failed by their fail mode (503 on `fail_closed`).
+    pub(super) fn move_to(&self, target: Target) {
+        self.target.store(Arc::new(target));
+        self.eviction_policy.store(None);
+        self.moving.store(self.is_connected(), Ordering::Relaxed);
         self.wake.notify_one();
     }
 

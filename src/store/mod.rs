@@ -221,7 +221,7 @@ impl Store {
             (Layout::Single(link), RedisTarget::Single(url)) => {
                 let current = link.target.load();
                 if current.url != *url || current.access != config.access {
-                    link.point_at(Target::new(url, &config.access)?);
+                    link.move_to(Target::new(url, &config.access)?);
                     tracing::info!("redis.url or its credentials changed; reconnecting");
                 }
                 Ok(None)
