@@ -1053,3 +1053,33 @@ fn an_unfinished_head_past_its_limit_is_431_and_holds_little_memory() {
     assert!(grown < 80 * 1024, "{grown} KiB for 200 connections");
     drop(held);
 }
+
+/// `keepalive_timeout_seconds` takes effect at the next start, as the reload's
+/// `restart_required` says: a reload to 0 neither turns keep-alive off (every answer was
+/// made `Connection: close` at once) nor, from 0, leaves idle connections open for good.
+#[test]
+fn a_reloaded_keepalive_timeout_waits_for_the_restart_it_asks_for() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("keepalive_timeout_seconds", "1")]);
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    assert!(text.contains("keepalive_timeout_seconds = 1"), "{text}");
+    gw.rewrite_config(&text.replace(
+        "keepalive_timeout_seconds = 1",
+        "keepalive_timeout_seconds = 0",
+    ));
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200);
+    assert!(body.contains("server.keepalive_timeout_seconds"), "{body}");
+    let mut s = open(gw.port);
+    for _ in 0..2 {
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap();
+        let answer = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+        assert!(answer.starts_with("http/1.1 200"), "{answer}");
+        assert!(!answer.contains("connection: close"), "{answer}");
+    }
+    // Still the running second: the idle connection is closed after it.
+    let took = closed_after(s, b"");
+    assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+}

@@ -309,6 +309,12 @@ impl Connections {
             .store(Arc::new(name.to_ascii_lowercase()));
     }
 
+    /// `keepalive_timeout_seconds` as the process started with it (a reload's takes effect
+    /// at the next start): 0, no keep-alive.
+    pub fn keepalive_off(&self) -> bool {
+        self.keepalive_ms.load(Ordering::Relaxed) == 0
+    }
+
     /// A reload's `header_read_timeout_ms`, for heads that start from now on.
     pub fn set_header_timeout(&self, timeout: Duration) {
         self.header_timeout_ms

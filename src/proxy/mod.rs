@@ -460,9 +460,10 @@ impl ProxyHttp for Gateway {
             }
             _ => {}
         }
-        // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs);
+        // `keepalive_timeout_seconds` is kept by the connection watch (edge/connections.rs)
+        // as the process started with it (a reload's needs a restart, as the answer says);
         // 0: no keep-alive.
-        if server.keepalive_timeout.is_zero() {
+        if self.connections.keepalive_off() {
             session.set_keepalive(None);
         }
         // `send_timeout_seconds`: each write to the client (a body chunk, a head; an HTTP/2
