@@ -481,6 +481,18 @@ fn write_batches(shared: &Shared, mut sink: Option<Sink>, dropped: &prometheus::
         }
         if let Some(new) = shared.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
             if let Some(old) = sink.as_mut() {
+                if new.is_none() {
+                    // Turned off: the lines of requests answered before are written where
+                    // they were going, those taken and those appended since.
+                    batch.append(&mut shared.records.lock().unwrap_or_else(|p| p.into_inner()));
+                    let lines = to_json(&batch, &mut json);
+                    if lines > 0 && old.write_lines(&json).is_err() {
+                        dropped.inc_by(lines);
+                    }
+                    batch.clear();
+                    json.clear();
+                    shared.writing.store(false, Ordering::Release);
+                }
                 let _ = old.flush();
             }
             sink = new;
