@@ -166,6 +166,7 @@ impl Reloader {
         let access_log = AccessLog::open(config.access_log.as_ref())
             .map_err(|e| format!("access_log.path: cannot open it: {e}"))?;
         let generation = current.generation + 1;
+        let moved = buckets_moved(&current.config, &config);
         let snapshot = Snapshot::build(
             config,
             generation,
@@ -231,6 +232,9 @@ impl Reloader {
             jwks.refresh_now();
         }
         self.metrics.config_generation.set(generation as i64);
+        for (endpoint, why) in &moved {
+            tracing::warn!(endpoint_id = %endpoint, "{why}");
+        }
         Ok(Reloaded {
             generation,
             restart_required,
@@ -287,6 +291,70 @@ pub async fn watch(reloader: Arc<Reloader>) {
         pending = None;
         let _ = reloader.reload_off_thread().await;
     }
+}
+
+/// The endpoints a reload keeps under the same `key_prefix` and `policy_version` whose
+/// buckets it moves all the same, with why: limits moved between the single-limit fields and
+/// `[[routes.limits]]` (other keys: every caller starts afresh), or a limit whose algorithm
+/// changed (both kinds keep their state in the same key: the new one reads it as none, and
+/// a change back finds what the old one left). Said at WARN: `policy_version` says it on
+/// purpose.
+fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
+    use crate::config::{Algorithm, Policy};
+    let kind = |a: Algorithm| match a {
+        Algorithm::None => "none",
+        Algorithm::TokenBucket { .. } => "token_bucket",
+        Algorithm::SlidingWindow { .. } => "sliding_window",
+    };
+    if old.redis.key_prefix != new.redis.key_prefix {
+        return Vec::new();
+    }
+    let before: std::collections::HashMap<&str, &Policy> = old
+        .routes
+        .iter()
+        .map(|r| (r.policy.endpoint_id.as_str(), &*r.policy))
+        .collect();
+    let mut moved = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for route in &new.routes {
+        let p = &route.policy;
+        let id = p.endpoint_id.as_str();
+        let Some(q) = before
+            .get(id)
+            .filter(|q| q.policy_version == p.policy_version)
+        else {
+            continue;
+        };
+        if !seen.insert(id) {
+            continue;
+        }
+        let limited = |x: &Policy| x.algorithm != Algorithm::None || x.several;
+        if !limited(p) || !limited(q) {
+            continue;
+        }
+        if p.several != q.several {
+            moved.push((id.to_owned(), "a reload moved the endpoint's limits between the single-limit fields and [[routes.limits]] under the same policy_version: their buckets live under other keys, so every caller starts afresh".to_owned()));
+            continue;
+        }
+        let single = [(p.algorithm, q.algorithm)];
+        let pairs = p.limits.iter().filter_map(|l| {
+            let was = q
+                .limits
+                .iter()
+                .find(|o| o.name == l.name && o.global == l.global)?;
+            Some((l.algorithm, was.algorithm, l.name.as_str()))
+        });
+        let pairs: Vec<(Algorithm, Algorithm, &str)> = match p.several {
+            true => pairs.collect(),
+            false => single.iter().map(|(a, b)| (*a, *b, "default")).collect(),
+        };
+        for (now, was, name) in pairs {
+            if kind(was) != kind(now) {
+                moved.push((id.to_owned(), format!("a reload changed limit {name} from {} to {} under the same policy_version: both keep their state in the same Redis key, so the new one starts afresh and a change back finds what the old one left; bump policy_version with such a change", kind(was), kind(now))));
+            }
+        }
+    }
+    moved
 }
 
 /// A successful reload.

@@ -885,3 +885,50 @@ fn a_reload_that_would_take_every_route_away_is_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A reload that keeps an endpoint's `policy_version` but moves its buckets all the same (a
+/// limit's algorithm changed, or its limits moved to `[[routes.limits]]`) says so at WARN;
+/// with a new `policy_version`, which says it on purpose, it does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let with = |route: Route| routes(file_config(&redis.url()), &up.addr(), route);
+    let gw = with(api(5)).start();
+    let window = || {
+        Route::new("l.api")
+            .prefix("/api")
+            .identity("global")
+            .sliding_window(5, 60_000_000)
+    };
+    let said = |gw: &common::Gateway, what: &str| {
+        gw.logs()
+            .lines()
+            .filter(|l| l.contains("\"WARN\"") && l.contains(what))
+            .count()
+    };
+    let algorithm = "from token_bucket to sliding_window under the same policy_version";
+    gw.rewrite_config(&with(window()).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    wait_until(Duration::from_secs(3), "the warning", || {
+        said(&gw, algorithm) == 1
+    });
+    gw.rewrite_config(&with(window().policy_version(2)).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    let several = Route::new("l.api")
+        .prefix("/api")
+        .identity("global")
+        .policy_version(2)
+        .bucket_limit("default", 5, 0);
+    gw.rewrite_config(&with(several).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    wait_until(Duration::from_secs(3), "the warning", || {
+        said(&gw, "between the single-limit fields and [[routes.limits]]") == 1
+    });
+    assert_eq!(
+        said(&gw, "under the same policy_version"),
+        2,
+        "{}",
+        gw.logs()
+    );
+}
