@@ -142,6 +142,25 @@ pub fn run(config: Config) -> Result<(), StartError> {
         .and_then(|j| j.jwks_url.clone());
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
     {
+        // A charge answered too late and given back: a denial of its keys read in between
+        // is not repeated by the over-limit cache.
+        let live = Arc::clone(&live);
+        store.on_give_back(Box::new(move |keys| {
+            let snapshot = live.load();
+            for key in keys {
+                let endpoint = crate::limiter::endpoint::endpoint_of_key(key).and_then(|id| {
+                    snapshot
+                        .endpoints
+                        .values()
+                        .find(|e| e.policy.endpoint_id.as_str() == id)
+                });
+                if let Some(endpoint) = endpoint {
+                    endpoint.forget_denial(key);
+                }
+            }
+        }));
+    }
+    {
         // A request head the HTTP/1 parser refused is answered by the connection watch; it
         // is counted and logged as every other answer.
         let (live, access_log) = (Arc::clone(&live), Arc::clone(&access_log));

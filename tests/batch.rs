@@ -322,3 +322,74 @@ fn without_the_store_thread_a_stalled_worker_delays_the_next_call_past_its_budge
         (true, false)
     );
 }
+
+/// A `fail_closed` decision answered after its budget gets its charge back when the answer
+/// is read. A denial of the same caller read in between may have been made by that charge:
+/// it is not repeated by the over-limit cache for the bucket's whole wait, and once the
+/// charge is back the caller is admitted. Before, a busy caller that met one slow answer was
+/// refused for a whole refill (100 s here; an hour for a limit of one an hour) with tokens
+/// in its bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_made_by_a_charge_given_back_is_not_remembered() {
+    use common::config::Route;
+    use common::fault::Mode;
+    let redis = Redis::start();
+    let proxy = common::fault::FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&proxy.url())
+        .redis("timeout_ms", "100")
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.slow")
+                .prefix("/slow")
+                .identity_header("X-API-Key")
+                .token_bucket(10_000_000, 10_000)
+                .fail_closed(),
+        )
+        .start();
+    let get = |key: String| {
+        let url = gw.url("/slow/x");
+        async move {
+            client()
+                .get(url)
+                .header("X-API-Key", key)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    let remaining = |key: &str| {
+        let url = gw.admin(&format!(
+            "/limits/t.slow?identity=header%3Ax-api-key%3A{key}"
+        ));
+        let (_, body) = common::blocking_get(&url).unwrap();
+        let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+        view["limits"][0]["remaining"].as_i64().unwrap()
+    };
+    let mut denied_between = 0;
+    for round in 0..3 {
+        let key = format!("k{round}");
+        for _ in 0..9 {
+            assert_eq!(get(key.clone()).await, 200);
+        }
+        // One answer far too late (250 ms, of a budget of 100), then Redis near again while
+        // it is still on its way.
+        proxy.set(Mode::Delay(Duration::from_millis(250)));
+        let late = tokio::spawn(get(key.clone()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        proxy.set(Mode::Pass);
+        let between = get(key.clone()).await;
+        assert_eq!(late.await.unwrap(), 503, "fail_closed: the budget ran out");
+        denied_between += usize::from(between == 429);
+        // 429: decided before the give-back, with the late charge in the bucket; 200: after.
+        let left = if between == 429 { 1 } else { 0 };
+        common::wait_until(Duration::from_secs(5), "the give-back", || {
+            remaining(&key) == left
+        });
+        let after = get(key.clone()).await;
+        assert_eq!(after, if left == 1 { 200 } else { 429 }, "round {round}");
+    }
+    eprintln!("denied between the late charge and its give-back: {denied_between} of 3");
+}

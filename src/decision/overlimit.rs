@@ -153,13 +153,22 @@ impl OverlimitCache {
     }
 
     /// Remembers that Redis denied `key` for the next `wait_us` microseconds, by the limit
-    /// of index `limit`, which is full again in `full_in_s` seconds (`None`: never).
-    pub fn remember(&self, key: &str, wait_us: u64, limit: usize, full_in_s: Option<u64>) {
+    /// of index `limit`, which is full again in `full_in_s` seconds (`None`: never), Redis
+    /// having been asked in epoch `since` (a reset or a give-back since: not remembered).
+    pub fn remember(
+        &self,
+        since: u64,
+        key: &str,
+        wait_us: u64,
+        (limit, full_in_s): (usize, Option<u64>),
+    ) {
         let now = self.clock.now_us();
         let mut entry = entry(now, wait_us, limit, &[]);
         entry.full_at = at(now, full_in_s);
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
-        insert(&mut shard, key, entry, now);
+        if self.epoch() == since {
+            insert(&mut shard, key, entry, now);
+        }
     }
 
     /// [`remember`](Self::remember) with every limit's answer of a route with several, Redis
@@ -204,7 +213,9 @@ impl OverlimitCache {
         }
     }
 
-    /// Forgets a remembered denial of `key` (an operator reset the bucket).
+    /// Forgets a remembered denial of `key` (an operator reset the bucket, or a charge
+    /// answered too late was given back to it: a denial read before the give-back may have
+    /// been made by that charge).
     pub fn forget(&self, key: &str) {
         self.epoch.fetch_add(1, Ordering::SeqCst);
         self.shard(key)
@@ -313,7 +324,7 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         assert_eq!(cache.denied_for("k"), None);
-        cache.remember("k", 1_500_000, 2, Some(10));
+        cache.remember(cache.epoch(), "k", 1_500_000, (2, Some(10)));
         let denied = |left_us, full_in_s| {
             Some(Denied {
                 left_us,
@@ -371,7 +382,7 @@ mod tests {
             ]
         );
         // A single limit's denial has no list.
-        cache.remember("one", 5_000_000, 0, Some(3));
+        cache.remember(cache.epoch(), "one", 5_000_000, (0, Some(3)));
         assert!(cache.denied_with_replies("one").unwrap().1.is_empty());
     }
 
@@ -428,7 +439,7 @@ mod tests {
         assert!(cache.denied_for("own").is_none());
         // Callers' entries leave the ceiling's room alone.
         for i in 0..2 * CAPACITY {
-            cache.remember(&format!("key-{i}"), 60_000_000, 0, None);
+            cache.remember(cache.epoch(), &format!("key-{i}"), 60_000_000, (0, None));
         }
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
         assert!(cache.ceiling_denied().is_some(), "never short of room");
@@ -439,11 +450,11 @@ mod tests {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
         for i in 0..3 * CAPACITY {
-            cache.remember(&format!("key-{i}"), 60_000_000, 0, None);
+            cache.remember(cache.epoch(), &format!("key-{i}"), 60_000_000, (0, None));
         }
         assert!(cache.len() <= CAPACITY);
         clock.advance(Duration::from_secs(61));
-        cache.remember("fresh", 1_000_000, 0, None);
+        cache.remember(cache.epoch(), "fresh", 1_000_000, (0, None));
         assert_eq!(
             cache.denied_for("fresh").map(|d| (d.left_us, d.full_in_s)),
             Some((1_000_000, None)),

@@ -64,6 +64,17 @@ impl Endpoint {
         }
     }
 
+    /// Forgets a remembered denial of `key`, in this endpoint's over-limit cache and its
+    /// tiers' (the key says whose it is).
+    pub fn forget_denial(&self, key: &str) {
+        self.overlimit.forget(key);
+        if let Some(tiers) = &self.tiers {
+            for tier in tiers.endpoints() {
+                tier.overlimit.forget(key);
+            }
+        }
+    }
+
     /// `{key_prefix}:v1:{sha256_hex(identity)}:{endpoint_id}:{policy_version}`
     pub fn bucket_key(&self, identity_hash: &str) -> String {
         let mut key =
@@ -187,6 +198,16 @@ impl Endpoint {
     }
 }
 
+/// The `endpoint_id` a bucket key names: `{key_prefix}:v1:{hash}:{endpoint_id}:...`, the
+/// hash in braces (a cluster hash tag) for `[[routes.limits]]`.
+pub fn endpoint_of_key(key: &str) -> Option<&str> {
+    let (_, rest) = key.split_once(":v1:")?;
+    let rest = rest.strip_prefix('{').unwrap_or(rest);
+    let rest = rest.get(64..)?;
+    let rest = rest.strip_prefix('}').unwrap_or(rest).strip_prefix(':')?;
+    rest.split(':').next().filter(|id| !id.is_empty())
+}
+
 /// The keys of every limit of a several-limits endpoint for `identity` (an identity
 /// string, not its hash), as [`Endpoint::limit_keys`] builds them on the request path.
 pub fn limit_keys(
@@ -236,6 +257,18 @@ pub fn identity_hash(identity: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bucket_key_names_its_endpoint() {
+        let hash = identity_hash("header:x-api-key:k");
+        let single = format!("sentinel:v1:{hash}:pdftalk.ingest:3");
+        let several = format!("sentinel:v1:{{{hash}}}:v1:1:pro:burst");
+        assert_eq!(endpoint_of_key(&single), Some("pdftalk.ingest"));
+        assert_eq!(endpoint_of_key(&several), Some("v1"));
+        for junk in ["", "sentinel:v1:", "sentinel:v1:abc:e:1", "no-marker"] {
+            assert_eq!(endpoint_of_key(junk), None, "{junk}");
+        }
+    }
 
     #[test]
     fn the_request_path_builds_the_documented_key() {

@@ -630,13 +630,15 @@ pub async fn decide(store: &Store, endpoint: &Endpoint, identity_hash: &str) -> 
     if let Some(denied) = endpoint.overlimit.denied_for(&key) {
         return Decision::cached_denial(denied, store.breaker_state());
     }
+    let since = endpoint.overlimit.epoch();
     let evaluation = store
         .evaluate(kind, &key, args, if_late(&endpoint.policy))
         .await;
     match evaluation.outcome {
         Ok(reply) => {
             if let (false, Some(wait)) = (reply.allowed, reply.wait_us) {
-                endpoint.overlimit.remember(&key, wait, 0, reply.reset);
+                let limit = (0, reply.reset);
+                endpoint.overlimit.remember(since, &key, wait, limit);
             }
             Decision::by_redis(reply, evaluation.breaker)
         }

@@ -726,7 +726,11 @@ impl Store {
         drop(self.runtime.spawn(async move {
             for (keys, args) in by_slot(&keys, &args) {
                 match store.evaluate_limits_late(&keys, &args).await.outcome {
-                    Ok(_) => tracing::debug!("gave back an admission answered after its decision gave up"),
+                    Ok(_) => {
+                        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+                        store.gave_back(&keys);
+                        tracing::debug!("gave back an admission answered after its decision gave up");
+                    }
                     Err(e) => tracing::warn!(cause = ?e, "could not give back an admission answered after its decision gave up"),
                 }
             }

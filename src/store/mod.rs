@@ -71,7 +71,12 @@ struct Inner {
     broken_keys: BrokenKeys,
     /// With `sentinel_urls`: the watcher that keeps the one link on the master.
     sentinel: Option<Arc<Sentinel>>,
+    /// Told the keys of each charge given back after its decision gave up ([`Store::on_give_back`]).
+    gave_back: std::sync::OnceLock<GiveBackHook>,
 }
+
+/// What the store tells of a charge given back: its keys.
+pub type GiveBackHook = Box<dyn Fn(&[String]) + Send + Sync>;
 
 /// A cluster primary as `/readyz` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,11 +187,27 @@ impl Store {
             layout,
             broken_keys: BrokenKeys::default(),
             sentinel: sentinel_watcher,
+            gave_back: std::sync::OnceLock::new(),
         });
         Ok(Self {
             inner,
             runtime: Arc::new(runtime),
         })
+    }
+
+    /// Tells `hook` the keys of every charge given back once Redis applied the give-back (a
+    /// decision answered after it gave up, on a `fail_closed` route): a denial of those keys
+    /// read in between may have been made by that charge, and must not be repeated for its
+    /// whole wait. Set once, at start.
+    pub fn on_give_back(&self, hook: GiveBackHook) {
+        let _ = self.inner.gave_back.set(hook);
+    }
+
+    /// The keys of a charge given back, to the hook.
+    fn gave_back(&self, keys: &[String]) {
+        if let Some(hook) = self.inner.gave_back.get() {
+            hook(keys);
+        }
     }
 
     /// The runtime the store's connections start on; also hosts the gateway's control tasks.
