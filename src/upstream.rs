@@ -52,6 +52,8 @@ pub struct UpstreamPool {
     next: AtomicUsize,
     /// Logged once while every address is unhealthy.
     all_down: AtomicBool,
+    /// Logged once while the pool has no address at all (its names do not resolve).
+    no_address: AtomicBool,
 }
 
 /// One attempt's address: its place in the rotation (to continue from on a retry), how many
@@ -158,17 +160,10 @@ impl ServiceDiscovery for Discovery {
     }
 }
 
-/// Every address of every `host:port` of `up`, each tagged with its host; `None` when a name
-/// does not resolve (the caller keeps what it has).
-fn resolve(up: &UpstreamConfig) -> Option<BTreeSet<Backend>> {
-    let (set, every) = resolve_each(up);
-    (every && !set.is_empty()).then_some(set)
-}
-
-/// The addresses of the entries of `up` that resolve now, and whether every one did.
-fn resolve_each(up: &UpstreamConfig) -> (BTreeSet<Backend>, bool) {
+/// The addresses of the entries of `up` that resolve now (an IP is its own), each tagged
+/// with its host; a name that does not resolve has none here.
+fn resolve(up: &UpstreamConfig) -> BTreeSet<Backend> {
     let mut set = BTreeSet::new();
-    let mut every = true;
     for (host, written) in up.hosts.iter().zip(&up.addrs) {
         let found: Vec<SocketAddr> = if host.parse::<std::net::IpAddr>().is_ok() {
             vec![*written]
@@ -178,17 +173,52 @@ fn resolve_each(up: &UpstreamConfig) -> (BTreeSet<Backend>, bool) {
                 Err(_) => Vec::new(),
             }
         };
-        every &= !found.is_empty();
         set.extend(found.into_iter().map(|addr| backend(host, addr)));
     }
-    (set, every)
+    set
+}
+
+/// The host a backend came from, as written in `addrs`.
+fn host_of(b: &Backend) -> &str {
+    b.ext.get::<UpstreamHost>().map_or("", |h| h.0.as_str())
+}
+
+/// What a pool holds after a resolution that `found` these: each name's new addresses, and
+/// a name that did not resolve now keeps its last ones (none if it never resolved); and
+/// whether every entry resolved.
+fn merge(
+    up: &UpstreamConfig,
+    latest: &BTreeSet<Backend>,
+    found: BTreeSet<Backend>,
+) -> (BTreeSet<Backend>, bool) {
+    let resolved = |host: &str, set: &BTreeSet<Backend>| set.iter().any(|b| host_of(b) == host);
+    let every = up.hosts.iter().all(|h| resolved(h, &found));
+    let kept: Vec<Backend> = latest
+        .iter()
+        .filter(|b| !resolved(host_of(b), &found))
+        .cloned()
+        .collect();
+    let mut merged = found;
+    merged.extend(kept);
+    (merged, every)
+}
+
+/// When to resolve again: after `every`, or after a second while the pool has no address at
+/// all (its names never resolved).
+fn resolve_at(every: Duration, empty: bool) -> Instant {
+    Instant::now()
+        + if empty {
+            every.min(NO_ADDRESS_RESOLVE)
+        } else {
+            every
+        }
 }
 
 impl UpstreamPool {
     pub fn new(up: &Arc<UpstreamConfig>) -> std::io::Result<Self> {
         // At load: the addresses of every entry that resolves now; a name that does not is
         // resolved again by `tend` (every second while the pool has no address at all).
-        let (initial, _) = resolve_each(up);
+        let initial = resolve(up);
         let addresses = Arc::new(Addresses {
             latest: Mutex::new(initial),
         });
@@ -252,6 +282,7 @@ impl UpstreamPool {
             addresses,
             next: AtomicUsize::new(0),
             all_down: AtomicBool::new(false),
+            no_address: AtomicBool::new(false),
         })
     }
 
@@ -295,7 +326,18 @@ impl UpstreamPool {
             &picks.healthy
         };
         if list.is_empty() {
+            if !self.no_address.load(Ordering::Relaxed)
+                && !self.no_address.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    upstream = self.config.name.as_str(),
+                    "the upstream has no address (its host names did not resolve yet); its requests are answered 502"
+                );
+            }
             return None;
+        }
+        if self.no_address.load(Ordering::Relaxed) {
+            self.no_address.store(false, Ordering::Relaxed);
         }
         let place = after.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
         Some(Turn {
@@ -323,8 +365,8 @@ pub async fn tend(pool: Weak<UpstreamPool>, healthy: IntGaugeVec) {
     tend_with(pool, healthy, Resolver::system()).await
 }
 
-/// Every address of every name of an upstream; `None` when one does not resolve.
-pub type ResolveFn = dyn Fn(&UpstreamConfig) -> Option<BTreeSet<Backend>> + Send + Sync;
+/// The addresses of an upstream's entries that resolve now ([`resolve`]).
+pub type ResolveFn = dyn Fn(&UpstreamConfig) -> BTreeSet<Backend> + Send + Sync;
 
 /// How a pool's names become addresses, and how often it asks: the system's resolver every
 /// [`RESOLVE_EVERY`] in the gateway; tests put one of their own in its place.
@@ -382,12 +424,7 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
     let empty = pool
         .upgrade()
         .is_some_and(|p| p.picks.load().all.is_empty());
-    let mut next_resolve = Instant::now()
-        + if empty {
-            every.min(NO_ADDRESS_RESOLVE)
-        } else {
-            every
-        };
+    let mut next_resolve = resolve_at(every, empty);
     let mut shown: BTreeSet<String> = BTreeSet::new();
     let mut failing = Failing::default();
     let Some(name) = pool.upgrade().map(|p| p.config.name.clone()) else {
@@ -406,20 +443,20 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
             let resolve = Arc::clone(&resolver.resolve);
             let found = tokio::task::spawn_blocking(move || resolve(&config))
                 .await
-                .ok()
-                .flatten();
-            let resolved = found.is_some();
-            if let Some(set) = found {
-                *p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner()) = set;
-                if let Err(e) = p.balancer.update().await {
-                    tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
-                }
-                p.refresh_picks();
+                .unwrap_or_default();
+            let (merged, resolved) = {
+                let latest = p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner());
+                merge(&p.config, &latest, found)
+            };
+            *p.addresses.latest.lock().unwrap_or_else(|e| e.into_inner()) = merged;
+            if let Err(e) = p.balancer.update().await {
+                tracing::warn!(upstream = p.config.name.as_str(), error = %e, "cannot update the upstream's addresses");
             }
+            p.refresh_picks();
             match failing.saw(resolved) {
                 Some(Change::Failing) => tracing::warn!(
                     upstream = p.config.name.as_str(),
-                    "the upstream's host names do not resolve; it keeps the addresses it had until they do"
+                    "some of the upstream's host names do not resolve; each keeps the addresses it last had (none if it never resolved) until it does"
                 ),
                 Some(Change::Resolved) => tracing::info!(
                     upstream = p.config.name.as_str(),
@@ -427,14 +464,7 @@ pub async fn tend_with(pool: Weak<UpstreamPool>, healthy: IntGaugeVec, resolver:
                 ),
                 None => {}
             }
-            // A pool without any address (its names never resolved) asks again soon.
-            let empty = p.picks.load().all.is_empty();
-            next_resolve = Instant::now()
-                + if empty {
-                    every.min(NO_ADDRESS_RESOLVE)
-                } else {
-                    every
-                };
+            next_resolve = resolve_at(every, p.picks.load().all.is_empty());
         }
         let wait = match &p.config.health_check {
             Some(hc) => {
@@ -524,13 +554,11 @@ mod tests {
             resolve: Arc::new({
                 let answer = Arc::clone(&answer);
                 move |_: &UpstreamConfig| {
-                    let found = answer.lock().unwrap().clone()?;
-                    Some(
-                        found
-                            .into_iter()
-                            .map(|x| backend("app.internal", x))
-                            .collect(),
-                    )
+                    let found = answer.lock().unwrap().clone().unwrap_or_default();
+                    found
+                        .into_iter()
+                        .map(|x| backend("app.internal", x))
+                        .collect()
                 }
             }),
             every: Duration::from_millis(50),
@@ -632,6 +660,29 @@ mod tests {
         assert!(counts.values().all(|&n| n == 100), "{counts:?}");
     }
 
+    /// Two names: one resolves, the other never does, then stops and comes back. The one
+    /// that resolves is followed whatever the other does; the other keeps what it last had.
+    #[test]
+    fn each_name_keeps_its_own_last_addresses() {
+        let up = config(
+            vec!["0.0.0.0:80".parse().unwrap(), "0.0.0.0:80".parse().unwrap()],
+            vec!["a.internal".into(), "b.internal".into()],
+        );
+        let at = |host: &str, last: u8| backend(host, format!("10.0.0.{last}:80").parse().unwrap());
+        let set = |items: &[Backend]| items.iter().cloned().collect::<BTreeSet<Backend>>();
+        // b never resolved: a's addresses alone, and a's change is taken.
+        let (held, every) = merge(&up, &BTreeSet::new(), set(&[at("a.internal", 1)]));
+        assert_eq!((held.len(), every), (1, false));
+        let (held, _) = merge(&up, &held, set(&[at("a.internal", 2)]));
+        assert_eq!(held, set(&[at("a.internal", 2)]));
+        // b resolves; then b's resolver fails while a moves: b keeps its address.
+        let (held, every) = merge(&up, &held, set(&[at("a.internal", 2), at("b.internal", 7)]));
+        assert!(every);
+        let (held, every) = merge(&up, &held, set(&[at("a.internal", 3)]));
+        assert!(!every);
+        assert_eq!(held, set(&[at("a.internal", 3), at("b.internal", 7)]));
+    }
+
     #[test]
     fn every_address_of_a_name_is_used_and_tagged_with_its_host() {
         let up = config(
@@ -641,7 +692,7 @@ mod tests {
             ],
             vec!["localhost".into(), "127.0.0.1".into()],
         );
-        let set = resolve(&up).expect("localhost resolves");
+        let set = resolve(&up);
         let named: Vec<_> = set
             .iter()
             .filter(|b| {

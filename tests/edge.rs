@@ -562,7 +562,8 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     let log = dir.path().join("access.log");
     let config = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
-        .route(limited(1));
+        .route(limited(1))
+        .route(Route::new("e.slow").prefix("/slow").unlimited());
     let gw = config.clone().access_log(&log).start();
     let http = client();
     let ok = http
@@ -721,17 +722,25 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     assert_eq!(access_lines(&rotated).len(), 5);
 
     // Turned off by a reload: the lines of the requests answered before it are written (the
-    // writer's last batch was dropped), and no more.
+    // writer's last batch was dropped), and so is the line of one that began before it and
+    // ends after it; no more.
     let burst = (0..20).map(|_| http.get(gw.url("/nowhere")).send());
     for answer in futures_util::future::join_all(burst).await {
         assert_eq!(answer.unwrap().status(), 404);
     }
+    let slow = tokio::spawn(http.get(gw.url("/slow?ms=400")).send());
+    tokio::time::sleep(Duration::from_millis(100)).await;
     gw.rewrite_config(&config.render(gw.port, gw.admin_port));
     let r = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     http.get(gw.url("/nowhere")).send().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(access_lines(&log).len(), 21);
+    assert_eq!(slow.await.unwrap().unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    http.get(gw.url("/nowhere")).send().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines = access_lines(&log);
+    assert_eq!(lines.len(), 22, "{lines:?}");
+    assert_eq!(lines[21]["endpoint_id"], "e.slow");
     assert_eq!(gw.metric("sentinel_access_log_dropped_total"), 0.0);
 }
 

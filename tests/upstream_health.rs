@@ -183,6 +183,20 @@ async fn a_name_that_does_not_resolve_at_start_is_a_502_not_a_config_error() {
         http.get(gw.url("/here/x")).send().await.unwrap().status(),
         200
     );
+    // Said once (beside each request's own WARN line, as for any upstream failure), and
+    // never at ERROR: no fault of the gateway's.
+    for _ in 0..3 {
+        assert_eq!(
+            http.get(gw.url("/away/x")).send().await.unwrap().status(),
+            502
+        );
+    }
+    let logs = gw.logs();
+    let said = logs
+        .matches(r#""message":"the upstream has no address"#)
+        .count();
+    assert_eq!(said, 1, "{logs}");
+    assert!(!logs.contains("\"ERROR\""), "{logs}");
     let (status, body) = gw.reload_answer();
     assert_eq!(status, 200, "{body}");
 }

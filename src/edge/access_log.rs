@@ -16,7 +16,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
@@ -444,6 +444,10 @@ impl AccessLog {
 /// Lines reach the file within this long.
 const WRITE_EVERY: Duration = Duration::from_millis(20);
 
+/// How long the file of a log a reload turned off is still written after its last line: the
+/// lines of requests that began under the old config and end after the reload.
+const RETIRE_AFTER: Duration = Duration::from_secs(1);
+
 /// The JSON lines of `records`, each ending in a newline, appended to `out`; how many.
 fn to_json(mut records: &[u8], out: &mut Vec<u8>) -> u64 {
     let mut lines = 0;
@@ -463,6 +467,8 @@ fn write_batches(shared: &Shared, mut sink: Option<Sink>, dropped: &prometheus::
     let mut batch: Vec<u8> = Vec::with_capacity(64 * 1024);
     let mut json: Vec<u8> = Vec::with_capacity(128 * 1024);
     let mut failing = false;
+    // The log was turned off at this moment, the old file still written (see below).
+    let mut retiring: Option<Instant> = None;
     loop {
         {
             let mut records = shared.records.lock().unwrap_or_else(|p| p.into_inner());
@@ -480,30 +486,38 @@ fn write_batches(shared: &Shared, mut sink: Option<Sink>, dropped: &prometheus::
             std::mem::swap(&mut *records, &mut batch);
         }
         if let Some(new) = shared.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            if let Some(old) = sink.as_mut() {
-                if new.is_none() {
-                    // Turned off: the lines of requests answered before are written where
-                    // they were going, those taken and those appended since.
-                    batch.append(&mut shared.records.lock().unwrap_or_else(|p| p.into_inner()));
-                    let lines = to_json(&batch, &mut json);
-                    if lines > 0 && old.write_lines(&json).is_err() {
-                        dropped.inc_by(lines);
+            match new {
+                // Turned off: requests that began under the old config still end, and log;
+                // their lines go where they were going until a quiet second has passed.
+                None if sink.is_some() => retiring = Some(Instant::now()),
+                new => {
+                    if let Some(old) = sink.as_mut() {
+                        let _ = old.flush();
                     }
-                    batch.clear();
-                    json.clear();
-                    shared.writing.store(false, Ordering::Release);
+                    sink = new;
+                    retiring = None;
                 }
-                let _ = old.flush();
             }
-            sink = new;
             failing = false;
+        }
+        if let Some(since) = retiring {
+            if !batch.is_empty() {
+                retiring = Some(Instant::now());
+            } else if since.elapsed() >= RETIRE_AFTER {
+                if let Some(old) = sink.as_mut() {
+                    let _ = old.flush();
+                }
+                sink = None;
+                retiring = None;
+            }
         }
         if batch.is_empty() {
             continue;
         }
         let lines = to_json(&batch, &mut json);
         match sink.as_mut() {
-            // The log was turned off with lines still buffered: they are not written.
+            // A line of the old config's request that ended after the turned-off log's file
+            // was let go (a quiet second after the reload): not written, counted.
             None => dropped.inc_by(lines),
             Some(out) => match out.write_lines(&json).and_then(|()| out.flush()) {
                 Ok(()) => failing = false,

@@ -144,12 +144,12 @@ impl Ticket {
     }
 
     /// Whether a denial by the caller's own limits, read now, may have been made by a
-    /// charge that is given back: another decision of the caller that began before now
-    /// has one open, or one was given back since this ticket began.
+    /// charge that is given back: a decision of the caller that began before this one has
+    /// one open, or one was given back since this ticket began.
     pub fn doubt(&self) -> Option<Doubt> {
         let callers = self.in_flight.lock();
         let caller = callers.get(&self.key)?;
-        let open = caller.open.iter().any(|n| *n != self.number);
+        let open = caller.open.iter().any(|n| *n < self.number);
         (open || caller.given_back != self.given_back_at).then(|| Doubt {
             settled: Arc::clone(&caller.settled),
         })
@@ -163,16 +163,10 @@ impl Ticket {
             .is_some_and(|c| c.given_back != self.given_back_at)
     }
 
-    /// Waits, at most `within`, until no other decision of the caller that began before
-    /// this call has a charge open. `false` when the time ran out first.
+    /// Waits, at most `within`, until no decision of the caller that began before this one
+    /// has a charge open. `false` when the time ran out first.
     pub async fn settle(&self, doubt: Doubt, within: Duration) -> bool {
-        let horizon = {
-            let callers = self.in_flight.lock();
-            match callers.get(&self.key) {
-                Some(caller) => caller.next,
-                None => return true,
-            }
-        };
+        let horizon = self.number;
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let notified = doubt.settled.notified();
@@ -182,7 +176,7 @@ impl Ticket {
                 .in_flight
                 .lock()
                 .get(&self.key)
-                .is_some_and(|c| c.open.iter().any(|n| *n != self.number && *n < horizon));
+                .is_some_and(|c| c.open.iter().any(|n| *n < horizon));
             if !open {
                 return true;
             }

@@ -606,7 +606,10 @@ impl ProxyHttp for Gateway {
             .map(|p| p.wrapping_add(ctx.connect_attempts));
         let turn = pool
             .select_turn(after)
-            .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no upstream address"))?;
+            // The pool said it once (`select_turn`): not a line a request.
+            .ok_or_else(|| {
+                Error::explain(ErrorType::ConnectNoRoute, "no upstream address").into_up()
+            })?;
         ctx.first_place.get_or_insert(turn.place);
         ctx.rotation = turn.of;
         let backend = turn.pick;

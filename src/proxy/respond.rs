@@ -28,7 +28,7 @@ pub enum Answer {
     /// The body is larger than the route's `max_body_bytes`.
     BodyTooLarge,
     NoRoute,
-    /// `CONNECT`: the gateway is no tunnel.
+    /// `CONNECT` (the gateway is no tunnel) and `TRACE` (never echoed by a backend).
     MethodNotAllowed,
     /// `bearer`: the route reads a JWT, so the answer names the scheme.
     Unauthenticated {

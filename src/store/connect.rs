@@ -559,6 +559,10 @@ impl Connector {
         while !link.retired.load(Ordering::Relaxed) {
             let connected = link.is_connected();
             // A reload moved the link to another Redis: connect there while this one serves.
+            // Without a connection (lost meanwhile) it is an ordinary connect.
+            if !connected {
+                link.moving.store(false, Ordering::Relaxed);
+            }
             let moving = connected && link.moving.load(Ordering::Relaxed);
             let movable = self.proxy_runtime.get().is_some()
                 && !link.on_proxy_runtime.load(Ordering::Relaxed);
@@ -621,6 +625,7 @@ impl Connector {
                     read_clock(&link).await;
                     if moving {
                         link.moving.store(false, Ordering::Relaxed);
+                        link.connected_again();
                         tracing::info!(node = %target.node, "redis connected at the reloaded url; the old connection finishes what it has");
                         attempt = 0;
                         continue;

@@ -69,12 +69,12 @@ pub(super) fn route(
                     Ok(method)
                         if method == http::Method::CONNECT || method == http::Method::TRACE =>
                     {
-                        c.push(
+                        c.warn(
                             Some(&m.span()),
                             label,
                             format!("methods: \"{name}\" never reaches a route: the gateway answers CONNECT and TRACE 405 itself (it is no tunnel, and a backend that echoes TRACE hands a page's script the request's cookies)"),
                         );
-                        None
+                        Some(method)
                     }
                     Ok(method) => Some(method),
                     Err(_) => {
