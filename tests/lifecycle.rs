@@ -406,6 +406,45 @@ async fn a_reload_can_move_the_gateway_to_another_redis() {
     );
 }
 
+/// Eight clients asking one URL in a loop, each request after the last one's answer.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<Vec<u16>>>,
+}
+
+impl Load {
+    fn start(url: &str) -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers = (0..8)
+            .map(|_| {
+                let (url, stop) = (url.to_owned(), std::sync::Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let http = client();
+                    let mut statuses = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match http.get(&url).send().await {
+                            Ok(r) => statuses.push(r.status().as_u16()),
+                            Err(e) => panic!("a request failed under the load: {e}"),
+                        }
+                    }
+                    statuses
+                })
+            })
+            .collect();
+        Load { stop, workers }
+    }
+
+    /// Every status the clients got.
+    async fn stop(self) -> Vec<u16> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut all = Vec::new();
+        for w in self.workers {
+            all.extend(w.await.unwrap());
+        }
+        all
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reloads_under_load_drop_nothing() {
     let redis = Redis::start();
@@ -416,23 +455,7 @@ async fn reloads_under_load_drop_nothing() {
     let config = GatewayConfig::new(&redis.url()).redis("timeout_ms", "1000");
     let gw = routes(config, &up.addr(), api(1_000_000)).start();
     let good = std::fs::read_to_string(&gw.config_path).unwrap();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let workers: Vec<_> = (0..8)
-        .map(|_| {
-            let (url, stop) = (gw.url("/api"), std::sync::Arc::clone(&stop));
-            tokio::spawn(async move {
-                let http = client();
-                let mut statuses = Vec::new();
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    match http.get(&url).send().await {
-                        Ok(r) => statuses.push(r.status().as_u16()),
-                        Err(e) => panic!("request failed during reloads: {e}"),
-                    }
-                }
-                statuses
-            })
-        })
-        .collect();
+    let load = Load::start(&gw.url("/api"));
     let http = client();
     for i in 0..10 {
         // Alternate between two valid configs so every reload really changes something.
@@ -446,11 +469,7 @@ async fn reloads_under_load_drop_nothing() {
         assert_eq!(r.status(), 200);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut all = Vec::new();
-    for w in workers {
-        all.extend(w.await.unwrap());
-    }
+    let all = load.stop().await;
     assert!(all.len() > 100, "load ran: {}", all.len());
     assert!(
         all.iter().all(|s| *s == 200),
@@ -482,20 +501,7 @@ async fn a_reload_to_another_redis_url_fails_no_request_meanwhile() {
         )
     };
     let gw = config(&a.url()).start();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let workers: Vec<_> = (0..8)
-        .map(|_| {
-            let (url, stop) = (gw.url("/api"), std::sync::Arc::clone(&stop));
-            tokio::spawn(async move {
-                let http = client();
-                let mut statuses = Vec::new();
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    statuses.push(http.get(&url).send().await.unwrap().status().as_u16());
-                }
-                statuses
-            })
-        })
-        .collect();
+    let load = Load::start(&gw.url("/api"));
     let respelt = a.url().trim_end_matches("/0").to_owned();
     for url in [b.url(), a.url(), b.url(), respelt] {
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -503,11 +509,7 @@ async fn a_reload_to_another_redis_url_fails_no_request_meanwhile() {
         assert_eq!(gw.reload(), 200);
     }
     tokio::time::sleep(Duration::from_millis(150)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut all = Vec::new();
-    for w in workers {
-        all.extend(w.await.unwrap());
-    }
+    let all = load.stop().await;
     assert!(all.len() > 100, "load ran: {}", all.len());
     let failed: Vec<&u16> = all.iter().filter(|s| **s != 200).collect();
     assert!(
