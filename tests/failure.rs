@@ -1211,3 +1211,50 @@ async fn batching_comes_back_once_the_batch_script_may_load_again() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+/// The breaker's half-open probe of a `fail_closed` decision, answered after its budget,
+/// gets its charge back as a batched decision does: the request was refused. Before, each
+/// late probe kept its token (a quota that never refills lost one a quarantine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answered_too_late_is_given_back() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&proxy.url())
+        .breaker(2, 1)
+        .upstream("app", &[up.addr()])
+        .redis("timeout_ms", "50")
+        .route(
+            Route::new("t.quota")
+                .prefix("/quota")
+                .identity_header("X-API-Key")
+                .fail_closed()
+                .token_bucket(10_000_000, 0),
+        )
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/quota"), "k").await.status, 200);
+    proxy.set(Mode::Delay(Duration::from_millis(150)));
+    // Two timeouts open the breaker; each second after, one probe, late too.
+    let until = std::time::Instant::now() + Duration::from_millis(3_500);
+    while std::time::Instant::now() < until {
+        assert_unavailable(&send(&http, &gw.url("/quota"), "k").await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="half_open"}"#) >= 2.0,
+        "probes were made"
+    );
+    proxy.set(Mode::Pass);
+    let remaining = || {
+        let url = gw.admin("/limits/t.quota?identity=header%3Ax-api-key%3Ak");
+        let (_, body) = common::blocking_get(&url).unwrap();
+        let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+        view["limits"][0]["remaining"].as_i64().unwrap()
+    };
+    common::wait_until(
+        Duration::from_secs(6),
+        "every late charge given back",
+        || remaining() == 9,
+    );
+}

@@ -122,13 +122,7 @@ impl Queue {
     /// and the several-limits script's arguments that give each limit its cost back; `None`
     /// when the decision charged nothing whatever its answer (a peek, a refund, a charge).
     fn refund_of(&self, keys: Range<usize>, args: Range<usize>) -> Option<(Vec<String>, Vec<u64>)> {
-        let args = match &self.args[args] {
-            limit @ [1 | 2, ..] => [&[crate::limiter::mode::REFUND][..], limit].concat(),
-            [3, _, mode, limits @ ..] if *mode == crate::limiter::mode::DECIDE => {
-                [&[crate::limiter::mode::REFUND][..], limits].concat()
-            }
-            _ => return None,
-        };
+        let args = refund_args(&self.args[args])?;
         let keys = keys
             .map(|k| String::from_utf8_lossy(self.key(k)).into_owned())
             .collect();
@@ -721,7 +715,7 @@ impl Store {
     /// Gives back what a decision answered too late was charged, off the request path: in
     /// one call per slot (a decision across slots of its node was charged in a batch, which
     /// a give-back, sent on its own, may not get).
-    fn give_back(&self, keys: Vec<String>, args: Vec<u64>) {
+    pub(super) fn give_back(&self, keys: Vec<String>, args: Vec<u64>) {
         let store = self.clone();
         drop(self.runtime.spawn(async move {
             for (keys, args) in by_slot(&keys, &args) {
@@ -736,6 +730,30 @@ impl Store {
             }
         }));
     }
+}
+
+/// The several-limits script's arguments that give a decision's charge back, from the
+/// decision's arguments as a batch holds them (its kind's code, then, for several limits, its
+/// key count and mode, then its arguments); `None` when it charged nothing whatever its
+/// answer (a peek, a refund, a charge).
+pub(super) fn refund_args(args: &[u64]) -> Option<Vec<u64>> {
+    match args {
+        limit @ [1 | 2, ..] => Some([&[crate::limiter::mode::REFUND][..], limit].concat()),
+        [3, _, mode, limits @ ..] if *mode == crate::limiter::mode::DECIDE => {
+            Some([&[crate::limiter::mode::REFUND][..], limits].concat())
+        }
+        _ => None,
+    }
+}
+
+/// A decision's arguments as a batch holds them ([`refund_args`]).
+pub(super) fn as_queued(call: &Call<'_>) -> Vec<u64> {
+    let mut args = vec![kind_code(call.kind)];
+    if call.kind == ScriptKind::Limits {
+        args.push(call.keys.len() as u64);
+    }
+    args.extend_from_slice(call.args);
+    args
 }
 
 /// A several-limits call's `keys` and `args` (its mode, then four arguments a key) as one

@@ -292,6 +292,11 @@ impl Store {
                     Some(step) => step,
                     // On its own, Redis would refuse its keys (`CROSSSLOT`).
                     None if call.across => return Err(Failure::Split),
+                    // A probe answered late would keep its charge (its answer unread): it
+                    // is read, and given back, as a batch's late answer is.
+                    None if probe && hop == 0 && call.if_late == super::IfLate::GivenBack => {
+                        self.probe_reading_late(&link, call).await
+                    }
                     None => {
                         self.eval_on(&link, script, call, probe && hop == 0, asking)
                             .await
@@ -331,6 +336,47 @@ impl Store {
         tokio::time::timeout(timer, attempt)
             .await
             .unwrap_or(Err(Failure::Timeout))
+    }
+
+    /// A breaker's probe for a `fail_closed` decision, as [`Store::eval_on`] asks it, but on
+    /// a task of its own: when the decision gives up before the answer (its budget spent), the
+    /// task still reads it, up to [`COMPENSATION_WAIT`], and gives back what an admission
+    /// charged (the request was refused by its fail mode).
+    async fn probe_reading_late(&self, link: &Arc<Link>, call: Call<'_>) -> Step {
+        let (store, link) = (self.clone(), Arc::clone(link));
+        let keys: Vec<String> = call.keys.iter().map(|k| (*k).to_owned()).collect();
+        let (args, queued) = (call.args.to_vec(), super::batch::as_queued(&call));
+        let (kind, deadline_us, within) = (call.kind, call.deadline_us, call.within);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        drop(tokio::spawn(async move {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let call = Call {
+                kind,
+                keys: &refs,
+                args: &args,
+                within,
+                deadline_us,
+                compensation: false,
+                if_late: super::IfLate::GivenBack,
+                across: false,
+            };
+            let script = store.inner.scripts.get(kind);
+            let asked = store.eval_on(&link, script, call, true, false);
+            let Ok(step) = tokio::time::timeout(COMPENSATION_WAIT, asked).await else {
+                return;
+            };
+            // Nobody waits for it: the decision gave up.
+            if let Err(Step::Reply(reply)) = tx.send(step) {
+                let admitted = reply.bytes().and_then(|b| {
+                    crate::decision::ScriptReply::parse_many(b, refs.len())
+                        .map(|replies| replies.iter().all(|r| r.allowed))
+                });
+                if let (Some(true), Some(refund)) = (admitted, super::batch::refund_args(&queued)) {
+                    store.give_back(keys, refund);
+                }
+            }
+        }));
+        rx.await.unwrap_or(Step::Failed(Failure::Unavailable))
     }
 
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
