@@ -660,6 +660,51 @@ mod tests {
         assert!(counts.values().all(|&n| n == 100), "{counts:?}");
     }
 
+    /// A pool whose names did not resolve at load asks again after a second, not after the
+    /// 30 s of a pool that has addresses.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pool_without_an_address_asks_again_within_a_second() {
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let resolver = Resolver {
+            resolve: Arc::new({
+                let asked = Arc::clone(&asked);
+                move |_: &UpstreamConfig| {
+                    // The first ask fails, as the load's did; the next finds the name.
+                    match asked.fetch_add(1, Ordering::SeqCst) {
+                        0 => BTreeSet::new(),
+                        _ => [backend("app.internal", "127.0.0.1:9".parse().unwrap())].into(),
+                    }
+                }
+            }),
+            every: RESOLVE_EVERY,
+        };
+        let pool = Arc::new(
+            UpstreamPool::new(&config(
+                vec!["0.0.0.0:9".parse().unwrap()],
+                vec!["app.internal".into()],
+            ))
+            .unwrap(),
+        );
+        assert!(pool.select_turn(None).is_none());
+        let healthy =
+            IntGaugeVec::new(prometheus::Opts::new("h", "h"), &["upstream", "addr"]).unwrap();
+        tokio::spawn(tend_with(Arc::downgrade(&pool), healthy, resolver));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.select_turn(None).is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "asked {} times",
+                asked.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            asked.load(Ordering::SeqCst),
+            2,
+            "a second, then a second again"
+        );
+    }
+
     /// Two names: one resolves, the other never does, then stops and comes back. The one
     /// that resolves is followed whatever the other does; the other keeps what it last had.
     #[test]
