@@ -288,7 +288,12 @@ impl UpstreamPool {
 
     /// Makes the addresses requests choose from again, from the balancer's.
     fn refresh_picks(&self) {
-        self.picks.store(Arc::new(Picks::of(&self.balancer)));
+        let picks = Picks::of(&self.balancer);
+        // Addresses again: the next time there are none is said again (off the request path).
+        if !picks.all.is_empty() {
+            self.no_address.store(false, Ordering::Relaxed);
+        }
+        self.picks.store(Arc::new(picks));
     }
 
     /// The address of one attempt: round robin over the healthy ones; when none is healthy,
@@ -335,9 +340,6 @@ impl UpstreamPool {
                 );
             }
             return None;
-        }
-        if self.no_address.load(Ordering::Relaxed) {
-            self.no_address.store(false, Ordering::Relaxed);
         }
         let place = after.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
         Some(Turn {

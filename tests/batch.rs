@@ -360,14 +360,6 @@ async fn a_denial_made_by_a_charge_given_back_is_not_remembered() {
                 .as_u16()
         }
     };
-    let remaining = |key: &str| {
-        let url = gw.admin(&format!(
-            "/limits/t.slow?identity=header%3Ax-api-key%3A{key}"
-        ));
-        let (_, body) = common::blocking_get(&url).unwrap();
-        let view: serde_json::Value = serde_json::from_str(&body).unwrap();
-        view["limits"][0]["remaining"].as_i64().unwrap()
-    };
     let mut denied_between = 0;
     for round in 0..3 {
         let key = format!("k{round}");
@@ -386,7 +378,7 @@ async fn a_denial_made_by_a_charge_given_back_is_not_remembered() {
         // 429: decided before the give-back, with the late charge in the bucket; 200: after.
         let left = if between == 429 { 1 } else { 0 };
         common::wait_until(Duration::from_secs(5), "the give-back", || {
-            remaining(&key) == left
+            gw.remaining_of_key("t.slow", &key) == left
         });
         let after = get(key.clone()).await;
         assert_eq!(after, if left == 1 { 200 } else { 429 }, "round {round}");

@@ -1246,15 +1246,9 @@ async fn a_probe_answered_too_late_is_given_back() {
         "probes were made"
     );
     proxy.set(Mode::Pass);
-    let remaining = || {
-        let url = gw.admin("/limits/t.quota?identity=header%3Ax-api-key%3Ak");
-        let (_, body) = common::blocking_get(&url).unwrap();
-        let view: serde_json::Value = serde_json::from_str(&body).unwrap();
-        view["limits"][0]["remaining"].as_i64().unwrap()
-    };
     common::wait_until(
         Duration::from_secs(6),
         "every late charge given back",
-        || remaining() == 9,
+        || gw.remaining_of_key("t.quota", "k") == 9,
     );
 }

@@ -467,6 +467,19 @@ impl Gateway {
         f.write_all(config.as_bytes()).expect("write config");
     }
 
+    /// What `GET /limits/<endpoint>?identity=header:x-api-key:<key>` says is left of the
+    /// first limit.
+    pub fn remaining_of_key(&self, endpoint: &str, key: &str) -> i64 {
+        let url = self.admin(&format!(
+            "/limits/{endpoint}?identity=header%3Ax-api-key%3A{key}"
+        ));
+        let (_, body) = blocking_get(&url).expect("the admin answers");
+        let view: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        view["limits"][0]["remaining"]
+            .as_i64()
+            .expect("a remaining count")
+    }
+
     /// The value of one metric series from /metrics (0 when absent). Metrics are recorded
     /// when a request ends, just after its answer was sent, so this first waits (up to 2 s)
     /// for the requests in flight to finish.

@@ -1301,12 +1301,7 @@ fn why_not_an_address(written: &str) -> String {
         Some((_, port)) if port.parse::<u16>().is_err() => {
             format!("has no port from 1 to 65535: {how}")
         }
-        Some((host, _))
-            if host
-                .rsplit('.')
-                .next()
-                .is_some_and(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit())) =>
-        {
+        Some((host, _)) if ends_in_digits(host) => {
             format!("is not an IPv4 address (four numbers from 0 to 255): {how}")
         }
         Some(_) => format!("is neither a host name nor an IP address: {how}"),
@@ -1341,13 +1336,15 @@ fn host_and_port(written: &str) -> Option<(Host, u16)> {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
         });
-    // A last label of digits is an IPv4 address mistyped (`10.0.0.256`), or one the C
-    // resolver would read in its old forms (`0177.0.0.1`, `2130706433`), never a name.
-    let numeric = name
-        .rsplit('.')
+    (valid && !ends_in_digits(name)).then(|| (Host::Name(host.to_owned()), port))
+}
+
+/// A last label of digits: an IPv4 address mistyped (`10.0.0.256`), or one the C resolver
+/// would read in its old forms (`0177.0.0.1`, `2130706433`), never a host name.
+fn ends_in_digits(host: &str) -> bool {
+    host.rsplit('.')
         .next()
-        .is_some_and(|last| last.bytes().all(|b| b.is_ascii_digit()));
-    (valid && !numeric).then(|| (Host::Name(host.to_owned()), port))
+        .is_some_and(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// `tls`, `sni`, `ca_path` and `verify` of one upstream: `Some(None)` without TLS.
