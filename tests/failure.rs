@@ -1252,3 +1252,35 @@ async fn a_probe_answered_too_late_is_given_back() {
         || gw.remaining_of_key("t.quota", "k") == 9,
     );
 }
+
+/// The first limited request moves the decisions' connection onto the proxy's workers (a new
+/// socket). A call still in flight on the old one when the new one is in place is answered
+/// there, and an admission answered after its decision gave up is given back. Before, the
+/// old socket was closed at once: the call, run by Redis all the same, kept its token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_flight_when_the_connection_moves_is_still_given_back() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&proxy.url())
+        .upstream("app", &[up.addr()])
+        .redis("timeout_ms", "50")
+        .route(
+            Route::new("t.quota")
+                .prefix("/quota")
+                .identity_header("X-API-Key")
+                .fail_closed()
+                .token_bucket(10_000_000, 0),
+        )
+        .start();
+    // The first decision's answer comes 300 ms late on the socket it was sent on; the new
+    // socket, opened meanwhile, answers at once.
+    proxy.delay_live(Duration::from_millis(300));
+    let http = client();
+    assert_unavailable(&send(&http, &gw.url("/quota"), "k").await);
+    proxy.delay_live(Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    common::wait_until(Duration::from_secs(6), "the late charge given back", || {
+        gw.remaining_of_key("t.quota", "k") == 10
+    });
+}

@@ -30,7 +30,7 @@ pub(super) fn timer_for(budget: Duration) -> Duration {
 
 /// How long a compensation (a refund) is waited for, off the request path: queued behind a
 /// call Redis answers late, it is still sent, and applied, when that answer comes.
-const COMPENSATION_WAIT: Duration = Duration::from_secs(5);
+pub(super) const COMPENSATION_WAIT: Duration = Duration::from_secs(5);
 
 /// Redirects one evaluation follows before it gives up (a slot moving twice in one budget
 /// is already unusual).

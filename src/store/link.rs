@@ -15,6 +15,7 @@ use redis::aio::MultiplexedConnection;
 use tokio::sync::{watch, Notify};
 
 use super::dial::Dial;
+use super::eval::COMPENSATION_WAIT;
 use super::slots::node_name;
 use super::wire::Wire;
 use crate::config::RedisAccess;
@@ -246,7 +247,9 @@ impl Link {
         });
         // Perhaps another host (a failover): its clock is read afresh.
         self.clock.reset();
-        self.conn.store(Some(Arc::clone(&conn)));
+        if let Some(old) = self.conn.swap(Some(Arc::clone(&conn))) {
+            let_go_when_answered(old);
+        }
         self.on_proxy_runtime
             .store(on_proxy_runtime, Ordering::Relaxed);
         self.ready.notify_waiters();
@@ -284,6 +287,7 @@ impl Link {
         }
         self.on_proxy_runtime.store(true, Ordering::Relaxed);
         self.forget_when_closed(&watched);
+        let_go_when_answered(old);
         true
     }
 
@@ -387,6 +391,27 @@ impl Link {
         self.conn.store(None);
         self.wake.notify_one();
     }
+}
+
+/// Lets go of a connection the link no longer holds (a reload moved it, the decisions moved
+/// to the proxy's workers) once its call in flight is answered, or after
+/// [`COMPENSATION_WAIT`]: the decisions in that call and behind it are told their answers,
+/// and an admission answered after its decision gave up is given back. Dropped at once, they
+/// were all timeouts, charged for good.
+fn let_go_when_answered(old: Arc<Conn>) {
+    tokio::spawn(async move {
+        let until = tokio::time::Instant::now() + COMPENSATION_WAIT;
+        while tokio::time::Instant::now() < until {
+            {
+                let state = old.wire.lock();
+                if state.bytes.dead || !state.batches.call_in_flight() {
+                    break;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        drop(old);
+    });
 }
 
 /// Waits for an installed connection's socket to close, then forgets the connection if the

@@ -38,6 +38,9 @@ struct State {
     stop: AtomicBool,
     /// Connections accepted before this generation stay silent whatever the mode.
     silent_before: AtomicU64,
+    /// Replies on connections accepted before this generation are held back this long (the
+    /// mode applies to the others).
+    delayed_before: Mutex<(u64, Duration)>,
     generation: AtomicU64,
 }
 
@@ -58,6 +61,7 @@ impl FaultProxy {
             accepted: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             silent_before: AtomicU64::new(0),
+            delayed_before: Mutex::new((0, Duration::ZERO)),
             generation: AtomicU64::new(0),
         });
         let st = Arc::clone(&state);
@@ -91,6 +95,13 @@ impl FaultProxy {
         let next = self.state.generation.fetch_add(1, Ordering::SeqCst) + 1;
         self.state.silent_before.store(next, Ordering::SeqCst);
         *self.state.mode.lock().unwrap() = Mode::Pass;
+    }
+
+    /// Replies on the live connections are held back `delay` (zero: no longer), while new
+    /// connections follow the mode: a slow answer on a socket about to be replaced.
+    pub fn delay_live(&self, delay: Duration) {
+        let next = self.state.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        *self.state.delayed_before.lock().unwrap() = (next, delay);
     }
 
     /// Redis goes away: new connections are refused and live ones are cut.
@@ -255,6 +266,16 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
             };
             let mode = *down_state.mode.lock().unwrap();
             if born < down_state.silent_before.load(Ordering::SeqCst) {
+                continue;
+            }
+            let (old, delay) = *down_state.delayed_before.lock().unwrap();
+            if born < old && !delay.is_zero() {
+                if line
+                    .send((Instant::now() + delay, buf[..n].to_vec()))
+                    .is_err()
+                {
+                    break;
+                }
                 continue;
             }
             let at = match mode {
