@@ -161,6 +161,22 @@ pub fn run(config: Config) -> Result<(), StartError> {
         }));
     }
     {
+        // Another gateway's `DELETE /limits`: this one forgets its remembered denials of the
+        // identity too (listening once it has remembered one).
+        let (live, channel_of) = (Arc::clone(&live), Arc::clone(&live));
+        store.listen(
+            move || {
+                crate::limiter::inspect::reset_channel(&channel_of.load().config.redis.key_prefix)
+            },
+            crate::decision::overlimit::remembered_any,
+            Box::new(move |message| {
+                let snapshot = live.load();
+                let endpoints: Vec<_> = snapshot.endpoints.values().cloned().collect();
+                crate::limiter::inspect::heard_reset(&endpoints, message);
+            }),
+        );
+    }
+    {
         // A request head the HTTP/1 parser refused is answered by the connection watch; it
         // is counted and logged as every other answer.
         let (live, access_log) = (Arc::clone(&live), Arc::clone(&access_log));

@@ -230,3 +230,54 @@ async fn a_reload_that_lowers_a_capacity_holds_existing_buckets_to_it() {
     );
     assert_eq!(admitted("/slow/x", 10).await, 3);
 }
+
+/// A reset on one gateway reaches the others' over-limit caches: a gateway that remembered
+/// the identity's denial admits its next request, where it repeated the denial for the
+/// bucket's whole wait (100 s here) before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_on_one_gateway_is_heard_by_the_others() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("l.tb")
+                .prefix("/tb")
+                .identity_header("X-API-Key")
+                .token_bucket(2_000_000, 10_000),
+        );
+    let (one, two) = (config.start(), config.start());
+    let http = client();
+    let send = |gw: &common::Gateway| {
+        let req = http.get(gw.url("/tb")).header("X-API-Key", "k");
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!([send(&one).await, send(&one).await], [200, 200]);
+    assert_eq!([send(&two).await, send(&two).await], [429, 429]);
+    assert_eq!(
+        two.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="l.tb"}"#),
+        1.0,
+        "the second denial was the remembered one"
+    );
+    // The gateway that remembered a denial listens; the other has no reason to.
+    common::wait_until(std::time::Duration::from_secs(5), "one listener", || {
+        let subscribers: (String, i64) = redis::cmd("PUBSUB")
+            .arg(&["NUMSUB", "sentinel:v1:resets"])
+            .query(&mut redis.conn())
+            .unwrap();
+        subscribers.1 == 1
+    });
+    for round in 0..3 {
+        let r = http
+            .delete(one.admin("/limits/l.tb?identity=header%3Ax-api-key%3Ak"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            [send(&two).await, send(&two).await, send(&two).await],
+            [200, 200, 429],
+            "round {round}: the next request starts full"
+        );
+    }
+}

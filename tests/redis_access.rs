@@ -599,9 +599,9 @@ fn a_reload_with_a_password_in_the_file_is_refused_without_showing_it() {
 /// the breaker as an `OOM` is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outage() {
-    let least = "~sentinel:* resetchannels -@all +evalsha +script|load +time +hmget +hset \
-                 +expire +pexpire +persist +zadd +zremrangebyscore +zcard +del +config|get \
-                 +ping +select";
+    let least = "~sentinel:* resetchannels &sentinel:v1:resets -@all +evalsha +script|load \
+                 +time +hmget +hset +expire +pexpire +persist +zadd +zremrangebyscore +zcard \
+                 +del +publish +subscribe +config|get +ping +select";
     let user = |name: &str, rules: &str| {
         let mut args = vec![
             "--user".to_owned(),
@@ -626,6 +626,13 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
             &up,
         )
         .route(common::config::fleet_route())
+        .route(
+            // One request, then a wait of 1000 s: its denial is remembered.
+            Route::new("e.slow")
+                .prefix("/slow")
+                .identity_header("X-API-Key")
+                .token_bucket(1_000_000, 1_000),
+        )
         .breaker(5, 30)
         .start_with_env(&[("TEST_REDIS_PASSWORD", &format!("pw-{name}-0123"))])
     };
@@ -639,6 +646,21 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         .unwrap();
     assert_eq!(reset.status(), 200);
     assert_eq!(statuses(&least, "a", 1).await, [200], "reset by the admin");
+    let slow = |status: u16| {
+        let req = client().get(least.url("/slow")).header("X-API-Key", "a");
+        async move { assert_eq!(req.send().await.unwrap().status(), status) }
+    };
+    slow(200).await;
+    slow(429).await;
+    // It remembered a denial: it listens for the other gateways' resets.
+    wait_until(Duration::from_secs(5), "the resets channel", || {
+        redis::cmd("PUBSUB")
+            .arg(&["NUMSUB", "sentinel:v1:resets"])
+            .query::<(String, u32)>(&mut redis.conn())
+            .unwrap()
+            .1
+            == 1
+    });
     wait_until(Duration::from_secs(5), "the fleet heartbeat", || {
         redis::cmd("EXISTS")
             .arg("sentinel:v1:fleet")

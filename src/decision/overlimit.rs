@@ -3,7 +3,9 @@
 //! call. It only ever repeats a denial Redis gave; it never admits.
 //!
 //! Exact for the token bucket up to one round trip: a denial never changes the bucket, and
-//! only time refills it, so nothing another gateway does can make a token appear sooner. The
+//! only time refills it, so no request another gateway decides can make a token appear
+//! sooner. An operator's reset can: the gateway it is sent to forgets the identity here, and
+//! announces it to the others (`store/channel.rs`). The
 //! deadline is taken on the local monotonic clock when the answer arrives, which is after
 //! Redis evaluated: a client may be refused up to one round trip after its token appeared,
 //! never before. The sliding window uses the moment its estimate would admit the request.
@@ -20,11 +22,20 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::clock::SharedClock;
 use crate::decision::ScriptReply;
+
+/// Whether any cache of the process ever remembered a denial ([`remembered_any`]).
+static REMEMBERED: AtomicBool = AtomicBool::new(false);
+
+/// Whether any over-limit cache of the process has remembered a denial since it started:
+/// from then on it listens for other gateways' resets (`store/channel.rs`).
+pub fn remembered_any() -> bool {
+    REMEMBERED.load(Ordering::Relaxed)
+}
 
 /// Keys remembered per endpoint per process.
 pub const CAPACITY: usize = 16_384;
@@ -208,6 +219,7 @@ impl OverlimitCache {
         entry.kept = entry.kept.min(now + CEILING_KEPT_US);
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since {
+            REMEMBERED.store(true, Ordering::Relaxed);
             self.ceiling_until.store(entry.kept, Ordering::Relaxed);
             *ceiling = Some(entry);
         }
@@ -282,6 +294,9 @@ fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64)
         if shard.len() >= CAPACITY / SHARDS {
             return;
         }
+    }
+    if !REMEMBERED.load(Ordering::Relaxed) {
+        REMEMBERED.store(true, Ordering::Relaxed);
     }
     shard.insert(key.to_owned(), entry);
 }

@@ -64,6 +64,11 @@ impl Endpoint {
         }
     }
 
+    /// `[redis] key_prefix` as the endpoint was made with.
+    pub fn key_prefix(&self) -> &str {
+        self.key_head.strip_suffix(":v1:").unwrap_or(&self.key_head)
+    }
+
     /// Forgets a remembered denial of `key`, in this endpoint's over-limit cache and its
     /// tiers' (the key says whose it is).
     pub fn forget_denial(&self, key: &str) {

@@ -171,7 +171,51 @@ pub async fn reset(
         deleted
     };
     forget_denials(endpoints, identity_hash, everyone);
+    // The other gateways forget their remembered denials of it too.
+    if let Some(endpoint) = endpoints.first() {
+        let message = format!("{} {identity_hash}", endpoint.policy.endpoint_id);
+        store
+            .announce(&reset_channel(endpoint.key_prefix()), &message)
+            .await;
+    }
     Ok(deleted)
+}
+
+/// The channel resets are announced on: `{key_prefix}:v1:resets`, beside the keys (an ACL
+/// user's channel pattern can follow its key pattern).
+pub fn reset_channel(key_prefix: &str) -> String {
+    format!("{key_prefix}:v1:resets")
+}
+
+/// What another gateway's reset announced (`<endpoint_id> <identity_hash>`), heard: the
+/// endpoint's remembered denials of that identity (its tiers' too) are forgotten. `None`:
+/// the listener subscribed afresh and may have missed resets: every remembered denial is
+/// forgotten.
+pub fn heard_reset(endpoints: &[Arc<Endpoint>], message: Option<&str>) {
+    let Some(message) = message else {
+        for endpoint in endpoints {
+            endpoint.overlimit.clear();
+            for tier in endpoint.tiers.iter().flat_map(|t| t.endpoints()) {
+                tier.overlimit.clear();
+            }
+        }
+        return;
+    };
+    let Some((id, identity_hash)) = message.split_once(' ') else {
+        return;
+    };
+    let Some(endpoint) = endpoints
+        .iter()
+        .find(|e| e.policy.endpoint_id.as_str() == id)
+    else {
+        return;
+    };
+    let mut all = vec![Arc::clone(endpoint)];
+    if let Some(tiers) = &endpoint.tiers {
+        all.extend(tiers.endpoints());
+    }
+    let everyone = identity_hash == super::identity_hash("global");
+    forget_denials(&all, identity_hash, everyone);
 }
 
 /// The over-limit cache remembers a denial under the caller's own key, and a ceiling's in a

@@ -255,8 +255,8 @@ pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
     }
 }
 
-/// A RESP2 subscriber connection to the node of `dial` (a sentinel's `+switch-master`),
-/// over TLS for `rediss://`; connect and handshake within 1 s.
+/// A RESP2 subscriber connection to the node of `dial` (a sentinel's `+switch-master`, the
+/// resets channel), over TLS for `rediss://`; connect and handshake within 1 s.
 pub(super) async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub> {
     let settings = dial.info.redis_settings();
     let setup = async {
@@ -271,7 +271,7 @@ pub(super) async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub
         .map_err(|_| {
             redis::RedisError::from(io::Error::new(
                 io::ErrorKind::TimedOut,
-                "the sentinel did not accept the subscription within 1 s",
+                "the server did not accept the subscription within 1 s",
             ))
         })?
 }

@@ -15,6 +15,7 @@
 pub mod batch;
 mod breakers;
 mod broken_keys;
+mod channel;
 mod cluster;
 mod connect;
 pub mod deadline;
@@ -37,6 +38,7 @@ pub use slots::slot;
 
 use breakers::BreakerBoard;
 use broken_keys::BrokenKeys;
+pub use channel::Listener;
 use cluster::{keep_topology, Cluster};
 use connect::Connector;
 use eval::Call;
@@ -73,6 +75,8 @@ struct Inner {
     sentinel: Option<Arc<Sentinel>>,
     /// Told the keys of each charge given back after its decision gave up ([`Store::on_give_back`]).
     gave_back: std::sync::OnceLock<GiveBackHook>,
+    /// An announcement failed (said at INFO once).
+    announce_failed: std::sync::atomic::AtomicBool,
 }
 
 /// What the store tells of a charge given back: its keys.
@@ -188,6 +192,7 @@ impl Store {
             broken_keys: BrokenKeys::default(),
             sentinel: sentinel_watcher,
             gave_back: std::sync::OnceLock::new(),
+            announce_failed: std::sync::atomic::AtomicBool::new(false),
         });
         Ok(Self {
             inner,
@@ -201,6 +206,49 @@ impl Store {
     /// whole wait. Set once, at start.
     pub fn on_give_back(&self, hook: GiveBackHook) {
         let _ = self.inner.gave_back.set(hook);
+    }
+
+    /// Listens, on the store's runtime, to the channel `channel()` names from the moment
+    /// `wanted()` first says so, telling `listener` each message (and `None` each time it
+    /// subscribed afresh: messages may have been missed). See `channel.rs`.
+    pub fn listen(
+        &self,
+        channel: impl Fn() -> String + Send + 'static,
+        wanted: fn() -> bool,
+        listener: Listener,
+    ) {
+        let store = self.clone();
+        let node = move || store.links().into_iter().find(|l| l.is_connected());
+        self.runtime
+            .spawn(channel::listen(channel, wanted, node, listener));
+    }
+
+    /// Publishes `message` on `channel` (to every gateway listening), within
+    /// [`ADMIN_TIMEOUT`]; best effort: a failure is logged (at INFO the first time), not
+    /// returned.
+    pub async fn announce(&self, channel: &str, message: &str) {
+        let conn = self.link_for(channel).and_then(|l| l.conn.load_full());
+        let published = match conn {
+            None => Err("not connected".to_owned()),
+            Some(conn) => {
+                let mut c = conn.redis.clone();
+                let mut publish = redis::cmd("PUBLISH");
+                publish.arg(channel).arg(message);
+                let publish = publish.query_async::<i64>(&mut c);
+                match tokio::time::timeout(ADMIN_TIMEOUT, publish).await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no answer within {} ms", ADMIN_TIMEOUT.as_millis())),
+                }
+            }
+        };
+        if let Err(error) = published {
+            if !self.inner.announce_failed.swap(true, Ordering::Relaxed) {
+                tracing::info!(channel, error = %error, "could not announce a reset to the other gateways (the ACL user needs +publish and the channel); their remembered denials of it last their wait");
+            } else {
+                tracing::debug!(channel, error = %error, "could not announce a reset to the other gateways");
+            }
+        }
     }
 
     /// The keys of a charge given back, to the hook.
