@@ -357,6 +357,17 @@ async fn a_decision_redis_runs_after_its_budget_writes_nothing() {
 /// was forwarded: their charges stand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refused() {
+    admission_answered_too_late(None).await;
+}
+
+/// The same with every decision sent alone (`batch_max = 1`): its late answer is read, and
+/// given back, as a batch's is. Before, the refused requests' charges stood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_sent_alone_answered_too_late_is_given_back_too() {
+    admission_answered_too_late(Some(1)).await;
+}
+
+async fn admission_answered_too_late(batch_max: Option<u32>) {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
@@ -367,7 +378,11 @@ async fn an_admission_answered_too_late_is_given_back_when_its_request_was_refus
             .fail_closed()
     };
     // Five timeouts in all: a breaker of ten keeps every one a call to Redis.
-    let gw = GatewayConfig::new(&proxy.url())
+    let mut config = GatewayConfig::new(&proxy.url());
+    if let Some(max) = batch_max {
+        config = config.redis("batch_max", max.to_string());
+    }
+    let gw = config
         .breaker(10, 30)
         .upstream("app", &[up.addr()])
         .redis("timeout_ms", "100")

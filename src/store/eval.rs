@@ -292,10 +292,12 @@ impl Store {
                     Some(step) => step,
                     // On its own, Redis would refuse its keys (`CROSSSLOT`).
                     None if call.across => return Err(Failure::Split),
-                    // A probe answered late would keep its charge (its answer unread): it
-                    // is read, and given back, as a batch's late answer is.
-                    None if probe && hop == 0 && call.if_late == super::IfLate::GivenBack => {
-                        self.probe_reading_late(&link, call).await
+                    // A decision sent alone (a probe, a redirect's, one a batch could not
+                    // carry) answered late would keep its charge (its answer unread): it is
+                    // read, and given back, as a batch's late answer is.
+                    None if call.if_late == super::IfLate::GivenBack && !call.compensation => {
+                        self.alone_reading_late(&link, call, (probe && hop == 0, asking))
+                            .await
                     }
                     None => {
                         self.eval_on(&link, script, call, probe && hop == 0, asking)
@@ -338,11 +340,18 @@ impl Store {
             .unwrap_or(Err(Failure::Timeout))
     }
 
-    /// A breaker's probe for a `fail_closed` decision, as [`Store::eval_on`] asks it, but on
-    /// a task of its own: when the decision gives up before the answer (its budget spent), the
-    /// task still reads it, up to [`COMPENSATION_WAIT`], and gives back what an admission
-    /// charged (the request was refused by its fail mode).
-    async fn probe_reading_late(&self, link: &Arc<Link>, call: Call<'_>) -> Step {
+    /// A `fail_closed` decision sent alone (a breaker's probe, `batch_max = 1`, a node that
+    /// refused the batch script, a redirect), as [`Store::eval_on`] asks it, but on a task of
+    /// its own: when the decision gives up before the answer (its budget spent, its request
+    /// gone), the task still reads it, up to [`COMPENSATION_WAIT`], and gives back what an
+    /// admission charged (the request was refused by its fail mode). A spawn and a copy of
+    /// the keys and arguments a decision.
+    async fn alone_reading_late(
+        &self,
+        link: &Arc<Link>,
+        call: Call<'_>,
+        (probe, asking): (bool, bool),
+    ) -> Step {
         let (store, link) = (self.clone(), Arc::clone(link));
         let keys: Vec<String> = call.keys.iter().map(|k| (*k).to_owned()).collect();
         let (args, queued) = (call.args.to_vec(), super::batch::as_queued(&call));
@@ -361,7 +370,7 @@ impl Store {
                 across: false,
             };
             let script = store.inner.scripts.get(kind);
-            let asked = store.eval_on(&link, script, call, true, false);
+            let asked = store.eval_on(&link, script, call, probe, asking);
             let Ok(step) = tokio::time::timeout(COMPENSATION_WAIT, asked).await else {
                 return;
             };
