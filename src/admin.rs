@@ -421,11 +421,7 @@ impl Admin {
         };
         if method == Method::DELETE {
             // Every tier's buckets: the caller may have changed tier since.
-            let mut all = vec![Arc::clone(&endpoint)];
-            if let Some(tiers) = &endpoint.tiers {
-                all.extend(tiers.endpoints());
-            }
-            return match inspect::reset(&self.store, &all, &hash).await {
+            return match inspect::reset(&self.store, &endpoint.with_tiers(), &hash).await {
                 Ok(deleted) => {
                     tracing::info!(
                         endpoint_id,

@@ -148,12 +148,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
         store.on_give_back(Box::new(move |keys| {
             let snapshot = live.load();
             for key in keys {
-                let endpoint = crate::limiter::endpoint::endpoint_of_key(key).and_then(|id| {
-                    snapshot
-                        .endpoints
-                        .values()
-                        .find(|e| e.policy.endpoint_id.as_str() == id)
-                });
+                let endpoint = crate::limiter::endpoint::endpoint_of_key(key)
+                    .and_then(crate::config::EndpointId::parse)
+                    .and_then(|id| snapshot.endpoints.get(&id));
                 if let Some(endpoint) = endpoint {
                     endpoint.forget_denial(key);
                 }
@@ -168,11 +165,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
             move || {
                 crate::limiter::inspect::reset_channel(&channel_of.load().config.redis.key_prefix)
             },
-            crate::decision::overlimit::remembered_any,
+            crate::decision::overlimit::first_remembered(),
             Box::new(move |message| {
-                let snapshot = live.load();
-                let endpoints: Vec<_> = snapshot.endpoints.values().cloned().collect();
-                crate::limiter::inspect::heard_reset(&endpoints, message);
+                crate::limiter::inspect::heard_reset(&live.load().endpoints, message);
             }),
         );
     }

@@ -267,7 +267,15 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
             .unwrap();
         subscribers.1 == 1
     });
-    for round in 0..3 {
+    let listener = || -> String {
+        let clients: String = redis::cmd("CLIENT")
+            .arg(&["LIST", "TYPE", "pubsub"])
+            .query(&mut redis.conn())
+            .unwrap();
+        clients.split(' ').next().unwrap_or_default().to_owned()
+    };
+    let first = listener();
+    for round in 0..20 {
         let r = http
             .delete(one.admin("/limits/l.tb?identity=header%3Ax-api-key%3Ak"))
             .send()
@@ -280,4 +288,8 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
             "round {round}: the next request starts full"
         );
     }
+    // Its connection answers the pings it gets every 5 s: the same subscription stays.
+    tokio::time::sleep(std::time::Duration::from_millis(6_500)).await;
+    assert_eq!(listener(), first, "still listening on the same connection");
+    assert!(first.starts_with("id="), "{first}");
 }

@@ -227,7 +227,15 @@ async fn over_tls_as_an_acl_user_batched_decisions_are_exact_in_the_urls_databas
     );
     assert!(t.redis.command_calls("script|load") > loads);
     let decisions = 2.0 * 24.0 * 4.0;
-    assert_eq!(gw.metric("sentinel_redis_batch_size_sum"), decisions);
+    // Each decision went in a batch but for a few sent alone: those queued on the first
+    // connection when the decisions' connection moved onto the workers, and any that would
+    // have waited too long behind a call on a machine busy enough to make the round trip
+    // look far.
+    let batched = gw.metric("sentinel_redis_batch_size_sum");
+    assert!(
+        batched <= decisions && batched >= decisions - 24.0,
+        "{batched} of {decisions} decisions in batches"
+    );
     assert!(
         gw.metric("sentinel_redis_batch_size_count") < decisions,
         "decisions in flight together shared calls"
@@ -599,7 +607,7 @@ fn a_reload_with_a_password_in_the_file_is_refused_without_showing_it() {
 /// the breaker as an `OOM` is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outage() {
-    let least = "~sentinel:* resetchannels &sentinel:v1:resets -@all +evalsha +script|load \
+    let least = "~sentinel:* resetchannels &sentinel:v1:resets* -@all +evalsha +script|load \
                  +time +hmget +hset +expire +pexpire +persist +zadd +zremrangebyscore +zcard \
                  +del +publish +subscribe +config|get +ping +select";
     let user = |name: &str, rules: &str| {

@@ -477,7 +477,10 @@ async fn on_a_cluster_concurrent_requests_never_take_a_charge_given_back_for_the
     };
     let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
         .server("threads", "2")
-        .redis("timeout_ms", "200")
+        // A denial in doubt waits for the give-back within the budget, and is answered as
+        // it is when the budget runs out first (documented): a budget a loaded machine
+        // cannot spend on a few milliseconds' work.
+        .redis("timeout_ms", "1000")
         .upstream("app", &[up.addr()])
         .route(route(hourly_and_ceiling))
         .start();
@@ -490,10 +493,10 @@ async fn on_a_cluster_concurrent_requests_never_take_a_charge_given_back_for_the
         assert_eq!(get(&gw, other).await.status(), 200, "{round:?}");
         let asked = std::time::Instant::now();
         let answers = futures_util::future::join_all((0..8).map(|_| get(&gw, fresh))).await;
-        // A doubted denial waits and is decided again within the one budget (200 ms): the
-        // round is over well within a second, however loaded the machine.
+        // A doubted denial waits and is decided again within the one budget (1 s), never
+        // for a give-back's own 5 s: the round is over within the budget and some room.
         let took = asked.elapsed();
-        assert!(took < Duration::from_secs(1), "{took:?}");
+        assert!(took < Duration::from_millis(2_500), "{took:?}");
         for answer in &answers {
             assert_eq!(answer.status(), 429, "{round:?}");
             let retry = answer.headers()["retry-after"].to_str().unwrap().to_owned();

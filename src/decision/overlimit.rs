@@ -28,13 +28,29 @@ use std::sync::Mutex;
 use crate::clock::SharedClock;
 use crate::decision::ScriptReply;
 
-/// Whether any cache of the process ever remembered a denial ([`remembered_any`]).
+/// Whether any cache of the process ever remembered a denial ([`first_remembered`]).
 static REMEMBERED: AtomicBool = AtomicBool::new(false);
+static FIRST_REMEMBERED: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
-/// Whether any over-limit cache of the process has remembered a denial since it started:
-/// from then on it listens for other gateways' resets (`store/channel.rs`).
-pub fn remembered_any() -> bool {
-    REMEMBERED.load(Ordering::Relaxed)
+/// Done once any over-limit cache of the process has remembered a denial: from then on the
+/// process listens for other gateways' resets (`store/channel.rs`).
+pub async fn first_remembered() {
+    loop {
+        let notified = FIRST_REMEMBERED.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if REMEMBERED.load(Ordering::Relaxed) {
+            return;
+        }
+        notified.await;
+    }
+}
+
+/// Notes that a denial is remembered (the first one wakes [`first_remembered`]).
+fn remembering() {
+    if !REMEMBERED.load(Ordering::Relaxed) && !REMEMBERED.swap(true, Ordering::Relaxed) {
+        FIRST_REMEMBERED.notify_waiters();
+    }
 }
 
 /// Keys remembered per endpoint per process.
@@ -219,7 +235,7 @@ impl OverlimitCache {
         entry.kept = entry.kept.min(now + CEILING_KEPT_US);
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since {
-            REMEMBERED.store(true, Ordering::Relaxed);
+            remembering();
             self.ceiling_until.store(entry.kept, Ordering::Relaxed);
             *ceiling = Some(entry);
         }
@@ -295,9 +311,7 @@ fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64)
             return;
         }
     }
-    if !REMEMBERED.load(Ordering::Relaxed) {
-        REMEMBERED.store(true, Ordering::Relaxed);
-    }
+    remembering();
     shard.insert(key.to_owned(), entry);
 }
 

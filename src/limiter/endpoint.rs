@@ -71,13 +71,19 @@ impl Endpoint {
 
     /// Forgets a remembered denial of `key`, in this endpoint's over-limit cache and its
     /// tiers' (the key says whose it is).
-    pub fn forget_denial(&self, key: &str) {
-        self.overlimit.forget(key);
-        if let Some(tiers) = &self.tiers {
-            for tier in tiers.endpoints() {
-                tier.overlimit.forget(key);
-            }
+    pub fn forget_denial(self: &Arc<Self>, key: &str) {
+        for endpoint in self.with_tiers() {
+            endpoint.overlimit.forget(key);
         }
+    }
+
+    /// This endpoint and each of its tiers' (a tier without limits has none).
+    pub fn with_tiers(self: &Arc<Self>) -> Vec<Arc<Endpoint>> {
+        let mut all = vec![Arc::clone(self)];
+        if let Some(tiers) = &self.tiers {
+            all.extend(tiers.endpoints());
+        }
+        all
     }
 
     /// `{key_prefix}:v1:{sha256_hex(identity)}:{endpoint_id}:{policy_version}`

@@ -1,9 +1,10 @@
 //! What an operator sees of, and does to, one identity's buckets (`/limits` on the admin):
 //! read without writing, or deleted so the identity starts full. Off the request path.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::config::{Algorithm, Limit, ONE_TOKEN_MICRO};
+use crate::config::{Algorithm, EndpointId, Limit, ONE_TOKEN_MICRO};
 use crate::decision::sliding_window::{Window, WindowState};
 use crate::decision::token_bucket::{Bucket, BucketState};
 use crate::decision::StoreFailure;
@@ -191,31 +192,21 @@ pub fn reset_channel(key_prefix: &str) -> String {
 /// endpoint's remembered denials of that identity (its tiers' too) are forgotten. `None`:
 /// the listener subscribed afresh and may have missed resets: every remembered denial is
 /// forgotten.
-pub fn heard_reset(endpoints: &[Arc<Endpoint>], message: Option<&str>) {
+pub fn heard_reset(endpoints: &HashMap<EndpointId, Arc<Endpoint>>, message: Option<&str>) {
     let Some(message) = message else {
-        for endpoint in endpoints {
+        for endpoint in endpoints.values().flat_map(Endpoint::with_tiers) {
             endpoint.overlimit.clear();
-            for tier in endpoint.tiers.iter().flat_map(|t| t.endpoints()) {
-                tier.overlimit.clear();
-            }
         }
         return;
     };
     let Some((id, identity_hash)) = message.split_once(' ') else {
         return;
     };
-    let Some(endpoint) = endpoints
-        .iter()
-        .find(|e| e.policy.endpoint_id.as_str() == id)
-    else {
+    let Some(endpoint) = EndpointId::parse(id).and_then(|id| endpoints.get(&id)) else {
         return;
     };
-    let mut all = vec![Arc::clone(endpoint)];
-    if let Some(tiers) = &endpoint.tiers {
-        all.extend(tiers.endpoints());
-    }
     let everyone = identity_hash == super::identity_hash("global");
-    forget_denials(&all, identity_hash, everyone);
+    forget_denials(&endpoint.with_tiers(), identity_hash, everyone);
 }
 
 /// The over-limit cache remembers a denial under the caller's own key, and a ceiling's in a

@@ -304,11 +304,18 @@ impl Batches {
         }
     }
 
-    /// A connection let go (replaced, retired) with decisions on it: those in flight have no
-    /// answer to wait for (their call may still run in Redis: dropped, they are timeouts,
-    /// never sent twice); those never sent go on their own.
+    /// A connection let go (retired, or replaced and its call in flight answered or waited
+    /// for long enough) with decisions on it: those in flight have no answer to wait for
+    /// (their call may still run in Redis: dropped, they are timeouts, never sent twice);
+    /// those never sent go on their own.
     pub(super) fn let_go(mut self) {
         self.in_flight.clear();
+        self.send_queued_alone();
+    }
+
+    /// The decisions waiting for the next call go on their own instead (the connection was
+    /// replaced: only its call in flight is still read).
+    pub(super) fn send_queued_alone(&mut self) {
         self.queue.tell_all(|| Answer::Alone);
     }
 }

@@ -6,84 +6,215 @@
 //! reset on a channel, and every gateway that remembers a denial listens and forgets it.
 //!
 //! A gateway listens only once it has remembered a denial (a gateway that never refused
-//! holds no extra connection), on one connection of its own to the node a decision would
-//! reach first (one Redis, Sentinel's master, a cluster's first connected primary: Redis
-//! passes a message published on one node of a cluster, or on a master, to the others). A
-//! message missed while not listening cannot be read later: each time the subscription is
-//! made again (after a lost connection), the listener forgets every remembered denial, so
-//! none outlives a reset it did not hear. The first subscription forgets nothing (a denial
-//! remembered in the tenth of a second before it, reset on another gateway in that moment,
-//! is repeated for its wait): forgetting there would ask Redis again for the denial that
-//! made it listen.
+//! holds no extra connection), on one connection of its own to the node the announcements
+//! are published on (one Redis, Sentinel's master, the cluster primary serving the channel
+//! name's slot). Each listener answers every announcement, once it has acted on it, on the
+//! announcement's own reply channel, and the announcer waits (up to [`HEARD_WITHIN`]) for
+//! as many answers as Redis said it had listeners: when the operator's `DELETE` is
+//! answered, every gateway listening has forgotten the identity.
+//!
+//! The connection is pinged every few seconds: one that stopped answering is made again.
+//! A message missed while not listening cannot be read later: when a subscription is lost
+//! the listener forgets every remembered denial at once, and again when it subscribes after
+//! a lost subscription or a failed attempt. The first subscription, made at once, forgets
+//! nothing (a denial remembered in the moment before it, reset on another gateway in that
+//! moment, is repeated for its wait): forgetting there would ask Redis again for the denial
+//! that made it listen.
 
+use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use rand::Rng;
+use tokio::time::Instant;
 
-use super::connect;
+use super::connect::{self, backoff, CONNECT_TIMEOUT};
 use super::link::Link;
+use super::{Store, ADMIN_TIMEOUT};
 
-/// What a listener is told: `Some(message)`, or `None` when it (re)subscribed and may have
-/// missed messages meanwhile.
+/// What a listener is told: `Some(message)`, or `None` when it subscribed after one that was
+/// lost or failed, and may have missed messages meanwhile.
 pub type Listener = Box<dyn Fn(Option<&str>) + Send + Sync>;
 
-/// Between attempts to subscribe again, and between looks for whether to.
-const RETRY: Duration = Duration::from_secs(1);
+/// How long an announcement waits for its listeners to say they acted on it.
+const HEARD_WITHIN: Duration = Duration::from_millis(250);
 
-/// After Redis refused the subscription itself (an ACL without the channel): the reason
-/// does not go away by retrying sooner.
+impl Store {
+    /// Listens, on the store's runtime, to the channel `channel_of()` names once `wanted` is
+    /// done, telling `listener` each announcement (and `None` when it
+    /// may have missed some), and answering each once `listener` returned.
+    pub fn listen(
+        &self,
+        channel_of: impl Fn() -> String + Send + 'static,
+        wanted: impl std::future::Future<Output = ()> + Send + 'static,
+        listener: Listener,
+    ) {
+        let store = self.clone();
+        let node = move |channel: &str| store.link_for(channel).map(Cow::into_owned);
+        let store = self.clone();
+        let answering = Box::new(move |message: Option<&str>| {
+            let Some(message) = message else {
+                listener(None);
+                return;
+            };
+            let Some((reply_to, body)) = message.split_once(' ') else {
+                return;
+            };
+            listener(Some(body));
+            let (store, reply_to) = (store.clone(), reply_to.to_owned());
+            tokio::spawn(async move {
+                let _ = store.publish(&reply_to, "").await;
+            });
+        });
+        self.runtime
+            .spawn(listen(channel_of, wanted, node, answering));
+    }
+
+    /// Publishes `message` on `channel` to every gateway listening, and waits (up to
+    /// [`HEARD_WITHIN`]) until each said it acted on it; best effort: a failure is logged
+    /// (at INFO the first time), not returned.
+    pub async fn announce(&self, channel: &str, message: &str) {
+        let nonce: u64 = rand::rng().random();
+        let reply_to = format!("{channel}:{nonce:016x}");
+        // Subscribed before the announcement goes, on the node the answers are published on.
+        let replies = match self.link_for(&reply_to) {
+            Some(link) => subscribe(&link.target.load().dial, &reply_to).await.ok(),
+            None => None,
+        };
+        match self
+            .publish(channel, &format!("{reply_to} {message}"))
+            .await
+        {
+            Err(error) => {
+                if !self.inner.announce_failed.swap(true, Ordering::Relaxed) {
+                    tracing::info!(channel, error = %error, "could not announce a reset to the other gateways (the ACL user needs +publish and the channel); their remembered denials of it last their wait");
+                } else {
+                    tracing::debug!(channel, error = %error, "could not announce a reset to the other gateways");
+                }
+            }
+            Ok(listeners) => {
+                let Some(replies) = replies else {
+                    return;
+                };
+                let mut replies = replies.into_on_message();
+                let heard = async {
+                    for _ in 0..listeners {
+                        if replies.next().await.is_none() {
+                            return;
+                        }
+                    }
+                };
+                if tokio::time::timeout(HEARD_WITHIN, heard).await.is_err() {
+                    tracing::debug!(
+                        channel,
+                        listeners,
+                        "not every gateway said it heard a reset in time"
+                    );
+                }
+            }
+        }
+    }
+
+    /// `PUBLISH`es `message` on `channel` on the node serving its name, within
+    /// [`ADMIN_TIMEOUT`]: how many listeners Redis handed it to.
+    async fn publish(&self, channel: &str, message: &str) -> Result<i64, String> {
+        let conn = self
+            .link_for(channel)
+            .and_then(|l| l.conn.load_full())
+            .ok_or_else(|| "not connected".to_owned())?;
+        let mut c = conn.redis.clone();
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(channel).arg(message);
+        match tokio::time::timeout(ADMIN_TIMEOUT, publish.query_async::<i64>(&mut c)).await {
+            Ok(Ok(listeners)) => Ok(listeners),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {} ms", ADMIN_TIMEOUT.as_millis())),
+        }
+    }
+}
+
+/// A subscriber connection to the node of `dial`, subscribed to `channel`, within
+/// [`CONNECT_TIMEOUT`] for each step.
+async fn subscribe(
+    dial: &super::dial::Dial,
+    channel: &str,
+) -> redis::RedisResult<redis::aio::PubSub> {
+    let mut pubsub = connect::pubsub(dial).await?;
+    tokio::time::timeout(CONNECT_TIMEOUT, pubsub.subscribe(channel))
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no answer to SUBSCRIBE within 1 s",
+            ))
+        })??;
+    Ok(pubsub)
+}
+
+/// How often a listener looks whether its node or channel moved.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// Every this many looks, the listening connection is pinged.
+const PING_EVERY_LOOKS: u32 = 5;
+
+/// A subscription that lasted less than this was lost soon: the next one waits longer.
+const LASTED: Duration = Duration::from_secs(10);
+
+/// After Redis refused the subscription itself (an ACL without the channel or
+/// `+subscribe`): the reason does not go away by retrying sooner.
 const RETRY_REFUSED: Duration = Duration::from_secs(30);
 
-/// Listens on the channel `channel()` names (followed when it changes) while `wanted()` says
-/// so (once true, for good), through a connection to the node `node()` names, telling
-/// `listener` each message.
-pub(super) async fn listen(
+/// Listens on the channel `channel_of()` names (followed when it changes) once `wanted` is
+/// done, through a connection to the node `node(channel)` names, telling `listener` each
+/// message.
+async fn listen(
     channel_of: impl Fn() -> String,
-    wanted: impl Fn() -> bool,
-    node: impl Fn() -> Option<Arc<Link>>,
+    wanted: impl std::future::Future<Output = ()>,
+    node: impl Fn(&str) -> Option<Arc<Link>>,
     listener: Listener,
 ) {
+    wanted.await;
     let mut refused_said = false;
-    let mut subscribed = false;
+    // Messages may have been missed: a subscription was lost, or an attempt failed.
+    let mut missed = false;
+    let mut attempt = 0u32;
     loop {
-        if !wanted() {
-            tokio::time::sleep(RETRY / 10).await;
-            continue;
-        }
-        let Some(link) = node() else {
-            tokio::time::sleep(RETRY).await;
+        let channel = channel_of();
+        let Some(link) = node(&channel) else {
+            missed = true;
+            tokio::time::sleep(backoff(attempt)).await;
+            attempt = attempt.saturating_add(1);
             continue;
         };
         let target = link.target.load_full();
-        let channel = channel_of();
-        let mut pubsub = match connect::pubsub(&target.dial).await {
-            Ok(p) => p,
+        let pubsub = match subscribe(&target.dial, &channel).await {
+            Ok(pubsub) => pubsub,
+            Err(e) if e.code() == Some("NOPERM") => {
+                missed = true;
+                if !std::mem::replace(&mut refused_said, true) {
+                    tracing::info!(node = %target.node, channel = channel.as_str(), error = %e, "redis refused the subscription to the resets channel (the ACL user needs +subscribe and the channel); a DELETE /limits on another gateway is not heard here: remembered denials last their wait");
+                }
+                tokio::time::sleep(RETRY_REFUSED).await;
+                continue;
+            }
             Err(e) => {
-                tracing::debug!(node = %target.node, error = %e, "cannot open the resets channel's connection yet");
-                tokio::time::sleep(RETRY).await;
+                missed = true;
+                tracing::debug!(node = %target.node, error = %e, "cannot listen to the resets channel yet");
+                retry_after(&link, &mut attempt).await;
                 continue;
             }
         };
-        if let Err(e) = pubsub.subscribe(&channel).await {
-            if !std::mem::replace(&mut refused_said, true) {
-                tracing::info!(node = %target.node, channel = channel.as_str(), error = %e, "redis refused the subscription to the resets channel (the ACL user needs +subscribe and the channel); a DELETE /limits on another gateway is not heard here: remembered denials last their wait");
-            }
-            tokio::time::sleep(RETRY_REFUSED).await;
-            continue;
-        }
         refused_said = false;
-        // The first time, what was remembered before came after the last thing this
-        // gateway could have missed but for the moment it took to subscribe; each time
-        // after, a lost connection may have hidden resets.
-        if subscribed {
+        if std::mem::replace(&mut missed, false) {
             listener(None);
         }
-        subscribed = true;
-        let mut messages = pubsub.into_on_message();
-        let mut look = tokio::time::interval(RETRY * 5);
+        let since = Instant::now();
+        let (mut sink, mut messages) = pubsub.split();
+        let mut look = tokio::time::interval(LOOK_EVERY);
         look.tick().await;
+        let mut looks = 0u32;
         loop {
             tokio::select! {
                 msg = messages.next() => match msg {
@@ -94,19 +225,44 @@ pub(super) async fn listen(
                     }
                     None => break,
                 },
-                // The node left (a failover, a reload, a cluster's new map) or the channel moved
-                // (a reload of `key_prefix`): listen where decisions go now.
+                // The node left (a failover, a reload, a cluster's new map), the channel
+                // moved (a reload of `key_prefix`), or the connection stopped answering:
+                // listen again where announcements go now.
                 _ = look.tick() => {
-                    if link.retired.load(Ordering::Relaxed)
+                    looks = looks.wrapping_add(1);
+                    let moved = link.retired.load(Ordering::Relaxed)
                         || !Arc::ptr_eq(&link.target.load_full(), &target)
-                        || !link.is_connected()
-                        || channel_of() != channel
-                    {
+                        || channel_of() != channel;
+                    if moved {
                         break;
+                    }
+                    if looks.is_multiple_of(PING_EVERY_LOOKS) {
+                        let ping = sink.ping::<redis::Value>();
+                        if !matches!(tokio::time::timeout(CONNECT_TIMEOUT, ping).await, Ok(Ok(_))) {
+                            break;
+                        }
                     }
                 }
             }
         }
-        tokio::time::sleep(RETRY / 10).await;
+        // Not listening from now until subscribed again: nothing remembered may outlive a
+        // reset made meanwhile.
+        listener(None);
+        missed = true;
+        if since.elapsed() < LASTED {
+            retry_after(&link, &mut attempt).await;
+        } else {
+            attempt = 0;
+        }
     }
+}
+
+/// Waits before the next attempt: the backoff, or less when the link's decisions connect
+/// again (a Redis back: the listener follows at once).
+async fn retry_after(link: &Link, attempt: &mut u32) {
+    tokio::select! {
+        _ = tokio::time::sleep(backoff(*attempt)) => {}
+        _ = link.ready.notified() => {}
+    }
+    *attempt = attempt.saturating_add(1);
 }

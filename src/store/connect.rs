@@ -145,7 +145,7 @@ pub(super) fn is_transport(e: &RedisError) -> bool {
 
 /// Backoff between reconnection attempts: 50 ms doubling to 2 s, with full jitter on top of
 /// half the step so a fleet does not reconnect in lockstep.
-fn backoff(attempt: u32) -> Duration {
+pub(super) fn backoff(attempt: u32) -> Duration {
     let step_ms = (50u64 << attempt.min(6)).min(2_000);
     let jitter = rand::rng().random_range(0..=step_ms / 2);
     Duration::from_millis(step_ms / 2 + jitter)
@@ -169,7 +169,7 @@ async fn read_clock(link: &Link) {
 /// The checks and script loads after a connection opens, bounded as a whole.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TCP (or unix socket) connect and the handshake.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a connected node's `maxmemory-policy` is read again.
 const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
 

@@ -341,11 +341,12 @@ impl Store {
     }
 
     /// A `fail_closed` decision sent alone (a breaker's probe, `batch_max = 1`, a node that
-    /// refused the batch script, a redirect), as [`Store::eval_on`] asks it, but on a task of
-    /// its own: when the decision gives up before the answer (its budget spent, its request
-    /// gone), the task still reads it, up to [`COMPENSATION_WAIT`], and gives back what an
-    /// admission charged (the request was refused by its fail mode). A spawn and a copy of
-    /// the keys and arguments a decision.
+    /// refused the batch script, a far node's decision that would wait too long for the
+    /// batch, a redirect), as [`Store::eval_on`] asks it, but on a task of its own: when the
+    /// decision gives up before the answer (its budget spent, its request gone), the task
+    /// still reads it, up to [`COMPENSATION_WAIT`] past the decision's deadline, and gives
+    /// back what an admission charged (the request was refused by its fail mode). A spawn and
+    /// a copy of the keys and arguments a decision.
     async fn alone_reading_late(
         &self,
         link: &Arc<Link>,
@@ -371,7 +372,9 @@ impl Store {
             };
             let script = store.inner.scripts.get(kind);
             let asked = store.eval_on(&link, script, call, probe, asking);
-            let Ok(step) = tokio::time::timeout(COMPENSATION_WAIT, asked).await else {
+            // The decision's own budget, then as long as a late answer is waited for.
+            let left = Duration::from_micros(deadline_us.saturating_sub(deadline::mono_us()));
+            let Ok(step) = tokio::time::timeout(left + COMPENSATION_WAIT, asked).await else {
                 return;
             };
             // Nobody waits for it: the decision gave up.
@@ -385,7 +388,8 @@ impl Store {
                 }
             }
         }));
-        rx.await.unwrap_or(Step::Failed(Failure::Unavailable))
+        // Dropped unanswered: its wait ran out.
+        rx.await.unwrap_or(Step::Failed(Failure::Timeout))
     }
 
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.

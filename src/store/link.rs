@@ -394,13 +394,16 @@ impl Link {
 }
 
 /// Lets go of a connection the link no longer holds (a reload moved it, the decisions moved
-/// to the proxy's workers) once its call in flight is answered, or after
-/// [`COMPENSATION_WAIT`]: the decisions in that call and behind it are told their answers,
-/// and an admission answered after its decision gave up is given back. Dropped at once, they
-/// were all timeouts, charged for good.
+/// to the proxy's workers) once its call in flight is answered, or after [`LET_GO_AFTER`]:
+/// the decisions in that call are told their answers, and an admission answered after its
+/// decision gave up is given back. Dropped at once, they were all timeouts, charged for
+/// good. The decisions queued behind that call go on their own at once (on the new
+/// connection); the old one's loss, if it breaks meanwhile, is not the node's failure.
 fn let_go_when_answered(old: Arc<Conn>) {
+    old.loss_counted.store(true, Ordering::Relaxed);
+    old.wire.lock().batches.send_queued_alone();
     tokio::spawn(async move {
-        let until = tokio::time::Instant::now() + COMPENSATION_WAIT;
+        let until = tokio::time::Instant::now() + LET_GO_AFTER;
         while tokio::time::Instant::now() < until {
             {
                 let state = old.wire.lock();
@@ -413,6 +416,11 @@ fn let_go_when_answered(old: Arc<Conn>) {
         drop(old);
     });
 }
+
+/// How long a replaced connection's call in flight is waited for: the longest budget
+/// (`timeout_ms` = 10 000) and then [`COMPENSATION_WAIT`], as a late answer is.
+const LET_GO_AFTER: std::time::Duration =
+    std::time::Duration::from_secs(10).saturating_add(COMPENSATION_WAIT);
 
 /// Waits for an installed connection's socket to close, then forgets the connection if the
 /// link still holds it. Ends quietly when the connection was replaced and let go.

@@ -107,7 +107,8 @@ pub enum IfLate {
     /// emergency limiter, a shadow route), or the call was no decision.
     Stands,
     /// Given back, as a denied request's charge is: the request was refused (a
-    /// `fail_closed` route answers 503). Done where the answer is read (batched calls).
+    /// `fail_closed` route answers 503). Done where the answer is read: a batch's reader,
+    /// or the task a decision sent alone is asked from (`eval.rs`).
     GivenBack,
 }
 
@@ -206,49 +207,6 @@ impl Store {
     /// whole wait. Set once, at start.
     pub fn on_give_back(&self, hook: GiveBackHook) {
         let _ = self.inner.gave_back.set(hook);
-    }
-
-    /// Listens, on the store's runtime, to the channel `channel()` names from the moment
-    /// `wanted()` first says so, telling `listener` each message (and `None` each time it
-    /// subscribed afresh: messages may have been missed). See `channel.rs`.
-    pub fn listen(
-        &self,
-        channel: impl Fn() -> String + Send + 'static,
-        wanted: fn() -> bool,
-        listener: Listener,
-    ) {
-        let store = self.clone();
-        let node = move || store.links().into_iter().find(|l| l.is_connected());
-        self.runtime
-            .spawn(channel::listen(channel, wanted, node, listener));
-    }
-
-    /// Publishes `message` on `channel` (to every gateway listening), within
-    /// [`ADMIN_TIMEOUT`]; best effort: a failure is logged (at INFO the first time), not
-    /// returned.
-    pub async fn announce(&self, channel: &str, message: &str) {
-        let conn = self.link_for(channel).and_then(|l| l.conn.load_full());
-        let published = match conn {
-            None => Err("not connected".to_owned()),
-            Some(conn) => {
-                let mut c = conn.redis.clone();
-                let mut publish = redis::cmd("PUBLISH");
-                publish.arg(channel).arg(message);
-                let publish = publish.query_async::<i64>(&mut c);
-                match tokio::time::timeout(ADMIN_TIMEOUT, publish).await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("no answer within {} ms", ADMIN_TIMEOUT.as_millis())),
-                }
-            }
-        };
-        if let Err(error) = published {
-            if !self.inner.announce_failed.swap(true, Ordering::Relaxed) {
-                tracing::info!(channel, error = %error, "could not announce a reset to the other gateways (the ACL user needs +publish and the channel); their remembered denials of it last their wait");
-            } else {
-                tracing::debug!(channel, error = %error, "could not announce a reset to the other gateways");
-            }
-        }
     }
 
     /// The keys of a charge given back, to the hook.
