@@ -310,12 +310,6 @@ impl Batches {
     /// those never sent go on their own.
     pub(super) fn let_go(mut self) {
         self.in_flight.clear();
-        self.send_queued_alone();
-    }
-
-    /// The decisions waiting for the next call go on their own instead (the connection was
-    /// replaced: only its call in flight is still read).
-    pub(super) fn send_queued_alone(&mut self) {
         self.queue.tell_all(|| Answer::Alone);
     }
 }

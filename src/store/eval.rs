@@ -342,23 +342,23 @@ impl Store {
 
     /// A `fail_closed` decision sent alone (a breaker's probe, `batch_max = 1`, a node that
     /// refused the batch script, a far node's decision that would wait too long for the
-    /// batch, a redirect), as [`Store::eval_on`] asks it, but on a task of its own: when the
-    /// decision gives up before the answer (its budget spent, its request gone), the task
-    /// still reads it, up to [`COMPENSATION_WAIT`] past the decision's deadline, and gives
-    /// back what an admission charged (the request was refused by its fail mode). A spawn and
-    /// a copy of the keys and arguments a decision.
-    async fn alone_reading_late(
+    /// batch, a redirect), as [`Store::eval_on`] asks it, but able to outlive the decision:
+    /// when the decision gives up before the answer (its budget spent, its request gone), a
+    /// task takes the call over, reads the answer up to [`COMPENSATION_WAIT`] past the
+    /// decision's deadline, and gives back what an admission charged (the request was
+    /// refused by its fail mode). What it costs a decision: a copy of its keys and arguments
+    /// and one allocation; the task only for those that give up.
+    fn alone_reading_late(
         &self,
         link: &Arc<Link>,
         call: Call<'_>,
         (probe, asking): (bool, bool),
-    ) -> Step {
+    ) -> ReadLate {
         let (store, link) = (self.clone(), Arc::clone(link));
         let keys: Vec<String> = call.keys.iter().map(|k| (*k).to_owned()).collect();
         let (args, queued) = (call.args.to_vec(), super::batch::as_queued(&call));
         let (kind, deadline_us, within) = (call.kind, call.deadline_us, call.within);
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        drop(tokio::spawn(async move {
+        let asked = Box::pin(async move {
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let call = Call {
                 kind,
@@ -371,25 +371,21 @@ impl Store {
                 across: false,
             };
             let script = store.inner.scripts.get(kind);
-            let asked = store.eval_on(&link, script, call, probe, asking);
-            // The decision's own budget, then as long as a late answer is waited for.
-            let left = Duration::from_micros(deadline_us.saturating_sub(deadline::mono_us()));
-            let Ok(step) = tokio::time::timeout(left + COMPENSATION_WAIT, asked).await else {
-                return;
-            };
-            // Nobody waits for it: the decision gave up.
-            if let Err(Step::Reply(reply)) = tx.send(step) {
-                let admitted = reply.bytes().and_then(|b| {
-                    crate::decision::ScriptReply::parse_many(b, refs.len())
-                        .map(|replies| replies.iter().all(|r| r.allowed))
-                });
-                if let (Some(true), Some(refund)) = (admitted, super::batch::refund_args(&queued)) {
-                    store.give_back(keys, refund);
-                }
-            }
-        }));
-        // Dropped unanswered: its wait ran out.
-        rx.await.unwrap_or(Step::Failed(Failure::Timeout))
+            let step = store.eval_on(&link, script, call, probe, asking).await;
+            drop(refs);
+            (
+                step,
+                Late {
+                    store,
+                    keys,
+                    queued,
+                },
+            )
+        });
+        ReadLate {
+            asked: Some(asked),
+            deadline_us,
+        }
     }
 
     /// One node's answer: EVALSHA, and on NOSCRIPT one SCRIPT LOAD and one retry.
@@ -549,6 +545,70 @@ pub(super) fn unpacked(e: RedisError) -> RedisError {
         .into_server_errors()
         .and_then(|errors| errors.first().map(|(_, e)| RedisError::from(e.clone())))
         .unwrap_or(e)
+}
+
+/// A decision sent alone, in flight: its answer, and what giving its charge back needs.
+type Asked = std::pin::Pin<Box<dyn std::future::Future<Output = (Step, Late)> + Send>>;
+
+/// What a decision sent alone needs to give its charge back once it gave up.
+struct Late {
+    store: Store,
+    keys: Vec<String>,
+    /// Its arguments as a batch holds them (`batch::as_queued`).
+    queued: Vec<u64>,
+}
+
+/// A decision sent alone, asked from the request's own task ([`Store::alone_reading_late`]);
+/// dropped before its answer (the decision gave up), the call is handed to a task that reads
+/// the answer and gives an admission back.
+struct ReadLate {
+    asked: Option<Asked>,
+    /// The decision's deadline ([`deadline::mono_us`]).
+    deadline_us: u64,
+}
+
+impl std::future::Future for ReadLate {
+    type Output = Step;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Step> {
+        let Some(asked) = self.asked.as_mut() else {
+            return std::task::Poll::Ready(Step::Failed(Failure::Timeout));
+        };
+        let (step, _) = std::task::ready!(asked.as_mut().poll(cx));
+        self.asked = None;
+        std::task::Poll::Ready(step)
+    }
+}
+
+impl Drop for ReadLate {
+    fn drop(&mut self) {
+        let Some(asked) = self.asked.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // The decision's own budget, then as long as a late answer is waited for.
+        let left = Duration::from_micros(self.deadline_us.saturating_sub(deadline::mono_us()));
+        drop(runtime.spawn(async move {
+            let Ok((Step::Reply(reply), late)) =
+                tokio::time::timeout(left + COMPENSATION_WAIT, asked).await
+            else {
+                return;
+            };
+            let admitted = reply.bytes().and_then(|b| {
+                crate::decision::ScriptReply::parse_many(b, late.keys.len())
+                    .map(|replies| replies.iter().all(|r| r.allowed))
+            });
+            if let (Some(true), Some(refund)) = (admitted, super::batch::refund_args(&late.queued))
+            {
+                late.store.give_back(late.keys, refund);
+            }
+        }));
+    }
 }
 
 #[cfg(test)]

@@ -397,11 +397,11 @@ impl Link {
 /// to the proxy's workers) once its call in flight is answered, or after [`LET_GO_AFTER`]:
 /// the decisions in that call are told their answers, and an admission answered after its
 /// decision gave up is given back. Dropped at once, they were all timeouts, charged for
-/// good. The decisions queued behind that call go on their own at once (on the new
-/// connection); the old one's loss, if it breaks meanwhile, is not the node's failure.
+/// good. The decisions queued behind that call go in the next call on it, as they would
+/// have (each holds the connection while it waits); the old one's loss, if it breaks
+/// meanwhile, is not the node's failure.
 fn let_go_when_answered(old: Arc<Conn>) {
     old.loss_counted.store(true, Ordering::Relaxed);
-    old.wire.lock().batches.send_queued_alone();
     tokio::spawn(async move {
         let until = tokio::time::Instant::now() + LET_GO_AFTER;
         while tokio::time::Instant::now() < until {
