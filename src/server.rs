@@ -166,8 +166,27 @@ pub fn run(config: Config) -> Result<(), StartError> {
                 crate::limiter::inspect::reset_channel(&channel_of.load().config.redis.key_prefix)
             },
             crate::decision::overlimit::first_remembered(),
-            Box::new(move |message| {
-                crate::limiter::inspect::heard_reset(&live.load().endpoints, message);
+            Box::new(move |heard| {
+                use crate::decision::overlimit::set_deaf;
+                use crate::limiter::inspect::heard_reset;
+                use crate::store::Heard;
+                let endpoints = &live.load().endpoints;
+                match heard {
+                    Heard::Message(message) => heard_reset(endpoints, Some(message)),
+                    // Deaf first: nothing remembered after the caches are emptied.
+                    Heard::Lost => {
+                        set_deaf(true);
+                        heard_reset(endpoints, None);
+                    }
+                    Heard::Back { missed } => {
+                        if missed {
+                            heard_reset(endpoints, None);
+                        }
+                        set_deaf(false);
+                    }
+                    // The cache as it was before there were announcements (documented).
+                    Heard::Refused => set_deaf(false),
+                }
             }),
         );
     }

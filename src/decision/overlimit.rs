@@ -46,11 +46,25 @@ pub async fn first_remembered() {
     }
 }
 
-/// Notes that a denial is remembered (the first one wakes [`first_remembered`]).
-fn remembering() {
+/// The process listened for other gateways' resets and lost its subscription: until it
+/// listens again, no denial is remembered (one remembered then could outlive a reset it
+/// cannot hear).
+static DEAF: AtomicBool = AtomicBool::new(false);
+
+/// Says whether the process lost its subscription to the resets channel (`true`) or holds
+/// one again, or gave it up for good (`false`); losing it also forgets every remembered
+/// denial (the caller does).
+pub fn set_deaf(deaf: bool) {
+    DEAF.store(deaf, Ordering::Relaxed);
+}
+
+/// Notes that a denial is to be remembered (the first one wakes [`first_remembered`]):
+/// false while the process cannot hear resets.
+fn remembering() -> bool {
     if !REMEMBERED.load(Ordering::Relaxed) && !REMEMBERED.swap(true, Ordering::Relaxed) {
         FIRST_REMEMBERED.notify_waiters();
     }
+    !DEAF.load(Ordering::Relaxed)
 }
 
 /// Keys remembered per endpoint per process.
@@ -234,8 +248,7 @@ impl OverlimitCache {
         let mut entry = entry(now, wait_us, limit, replies);
         entry.kept = entry.kept.min(now + CEILING_KEPT_US);
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
-        if self.epoch() == since {
-            remembering();
+        if self.epoch() == since && remembering() {
             self.ceiling_until.store(entry.kept, Ordering::Relaxed);
             *ceiling = Some(entry);
         }
@@ -311,8 +324,9 @@ fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64)
             return;
         }
     }
-    remembering();
-    shard.insert(key.to_owned(), entry);
+    if remembering() {
+        shard.insert(key.to_owned(), entry);
+    }
 }
 
 fn denied_of(entry: &Entry, now: u64) -> Denied {

@@ -13,13 +13,15 @@
 //! as many answers as Redis said it had listeners: when the operator's `DELETE` is
 //! answered, every gateway listening has forgotten the identity.
 //!
-//! The connection is pinged every few seconds: one that stopped answering is made again.
-//! A message missed while not listening cannot be read later: when a subscription is lost
-//! the listener forgets every remembered denial at once, and again when it subscribes after
-//! a lost subscription or a failed attempt. The first subscription, made at once, forgets
+//! The connection is pinged every few seconds (one that stopped answering is made again),
+//! and the node looked at every quarter of a second (a failover, the channel's slot moved):
+//! a subscription that ends is [`Heard::Lost`], and the gateway then forgets every
+//! remembered denial and remembers none until it is [`Heard::Back`] (a message sent while
+//! not listening cannot be read later). The first subscription, made at once, forgets
 //! nothing (a denial remembered in the moment before it, reset on another gateway in that
 //! moment, is repeated for its wait): forgetting there would ask Redis again for the denial
-//! that made it listen.
+//! that made it listen. A subscription Redis refuses ([`Heard::Refused`]) leaves the cache as
+//! it was before there were announcements.
 
 use std::borrow::Cow;
 use std::sync::atomic::Ordering;
@@ -34,12 +36,28 @@ use super::connect::{self, backoff, CONNECT_TIMEOUT};
 use super::link::Link;
 use super::{Store, ADMIN_TIMEOUT};
 
-/// What a listener is told: `Some(message)`, or `None` when it subscribed after one that was
-/// lost or failed, and may have missed messages meanwhile.
-pub type Listener = Box<dyn Fn(Option<&str>) + Send + Sync>;
+/// What a listener is told.
+pub enum Heard<'a> {
+    /// An announcement.
+    Message(&'a str),
+    /// The subscription is lost: until [`Heard::Back`], announcements go unheard.
+    Lost,
+    /// Subscribed; `missed`: announcements may have gone unheard since the first
+    /// remembered denial (an attempt failed, or a subscription was lost).
+    Back { missed: bool },
+    /// Redis refuses the subscription (the ACL): announcements go unheard for good.
+    Refused,
+}
+
+/// Told what the listener hears ([`Heard`]).
+pub type Listener = Box<dyn Fn(Heard<'_>) + Send + Sync>;
 
 /// How long an announcement waits for its listeners to say they acted on it.
 const HEARD_WITHIN: Duration = Duration::from_millis(250);
+
+/// How long an announcement whose answers cannot be heard waits before the `DELETE` is
+/// answered: listeners on this machine's network act on it in well under a millisecond.
+const UNHEARD_GRACE: Duration = Duration::from_millis(10);
 
 impl Store {
     /// Listens, on the store's runtime, to the channel `channel_of()` names once `wanted` is
@@ -47,22 +65,22 @@ impl Store {
     /// may have missed some), and answering each once `listener` returned.
     pub fn listen(
         &self,
-        channel_of: impl Fn() -> String + Send + 'static,
+        channel_of: impl Fn() -> String + Send + Sync + 'static,
         wanted: impl std::future::Future<Output = ()> + Send + 'static,
         listener: Listener,
     ) {
         let store = self.clone();
         let node = move |channel: &str| store.link_for(channel).map(Cow::into_owned);
         let store = self.clone();
-        let answering = Box::new(move |message: Option<&str>| {
-            let Some(message) = message else {
-                listener(None);
+        let answering = Box::new(move |heard: Heard<'_>| {
+            let Heard::Message(message) = heard else {
+                listener(heard);
                 return;
             };
             let Some((reply_to, body)) = message.split_once(' ') else {
                 return;
             };
-            listener(Some(body));
+            listener(Heard::Message(body));
             let (store, reply_to) = (store.clone(), reply_to.to_owned());
             tokio::spawn(async move {
                 let _ = store.publish(&reply_to, "").await;
@@ -80,22 +98,44 @@ impl Store {
         let reply_to = format!("{channel}:{nonce:016x}");
         // Subscribed before the announcement goes, on the node the answers are published on.
         let replies = match self.link_for(&reply_to) {
-            Some(link) => subscribe(&link.target.load().dial, &reply_to).await.ok(),
-            None => None,
+            Some(link) => subscribe(&link.target.load().dial, &reply_to).await,
+            None => Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "no node serves the reply channel now",
+            ))),
         };
+        if let Err(e) = &replies {
+            if !self.inner.replies_failed.swap(true, Ordering::Relaxed) {
+                let hint = match e.code() {
+                    Some("NOPERM") => {
+                        " (the ACL user needs the channel pattern <key_prefix>:v1:resets*)"
+                    }
+                    _ => "",
+                };
+                tracing::info!(error = %e, "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
+            }
+        }
         match self
             .publish(channel, &format!("{reply_to} {message}"))
             .await
         {
             Err(error) => {
                 if !self.inner.announce_failed.swap(true, Ordering::Relaxed) {
-                    tracing::info!(channel, error = %error, "could not announce a reset to the other gateways (the ACL user needs +publish and the channel); their remembered denials of it last their wait");
+                    let hint = match error.contains("NOPERM") {
+                        true => " (the ACL user needs +publish and the channel)",
+                        false => "",
+                    };
+                    tracing::info!(channel, error = %error, "could not announce a reset to the other gateways{hint}; their remembered denials of it last their wait");
                 } else {
                     tracing::debug!(channel, error = %error, "could not announce a reset to the other gateways");
                 }
             }
             Ok(listeners) => {
-                let Some(replies) = replies else {
+                let Ok(replies) = replies else {
+                    // Without their word, a moment for the listeners to act on it.
+                    if listeners > 0 {
+                        tokio::time::sleep(UNHEARD_GRACE).await;
+                    }
                     return;
                 };
                 let mut replies = replies.into_on_message();
@@ -154,30 +194,30 @@ async fn subscribe(
 }
 
 /// How often a listener looks whether its node or channel moved.
-const LOOK_EVERY: Duration = Duration::from_secs(1);
+const LOOK_EVERY: Duration = Duration::from_millis(250);
 
 /// Every this many looks, the listening connection is pinged.
-const PING_EVERY_LOOKS: u32 = 5;
+const PING_EVERY_LOOKS: u32 = 20;
 
 /// A subscription that lasted less than this was lost soon: the next one waits longer.
-const LASTED: Duration = Duration::from_secs(10);
+const LASTED: Duration = Duration::from_secs(1);
 
 /// After Redis refused the subscription itself (an ACL without the channel or
 /// `+subscribe`): the reason does not go away by retrying sooner.
 const RETRY_REFUSED: Duration = Duration::from_secs(30);
 
 /// Listens on the channel `channel_of()` names (followed when it changes) once `wanted` is
-/// done, through a connection to the node `node(channel)` names, telling `listener` each
-/// message.
+/// done, through a connection to the node `node(channel)` names, telling `listener` what
+/// it hears.
 async fn listen(
-    channel_of: impl Fn() -> String,
+    channel_of: impl Fn() -> String + Sync,
     wanted: impl std::future::Future<Output = ()>,
-    node: impl Fn(&str) -> Option<Arc<Link>>,
+    node: impl Fn(&str) -> Option<Arc<Link>> + Sync,
     listener: Listener,
 ) {
     wanted.await;
     let mut refused_said = false;
-    // Messages may have been missed: a subscription was lost, or an attempt failed.
+    // Announcements may have gone unheard: a subscription was lost, or an attempt failed.
     let mut missed = false;
     let mut attempt = 0u32;
     loop {
@@ -193,6 +233,7 @@ async fn listen(
             Ok(pubsub) => pubsub,
             Err(e) if e.code() == Some("NOPERM") => {
                 missed = true;
+                listener(Heard::Refused);
                 if !std::mem::replace(&mut refused_said, true) {
                     tracing::info!(node = %target.node, channel = channel.as_str(), error = %e, "redis refused the subscription to the resets channel (the ACL user needs +subscribe and the channel); a DELETE /limits on another gateway is not heard here: remembered denials last their wait");
                 }
@@ -207,33 +248,42 @@ async fn listen(
             }
         };
         refused_said = false;
-        if std::mem::replace(&mut missed, false) {
-            listener(None);
-        }
+        listener(Heard::Back {
+            missed: std::mem::replace(&mut missed, false),
+        });
         let since = Instant::now();
         let (mut sink, mut messages) = pubsub.split();
         let mut look = tokio::time::interval(LOOK_EVERY);
         look.tick().await;
         let mut looks = 0u32;
         loop {
+            let moved = || {
+                link.retired.load(Ordering::Relaxed)
+                    || !Arc::ptr_eq(&link.target.load_full(), &target)
+                    || channel_of() != channel
+                    || !node(&channel).is_some_and(|n| Arc::ptr_eq(&n, &link))
+            };
             tokio::select! {
                 msg = messages.next() => match msg {
                     Some(msg) => {
                         if let Ok(payload) = msg.get_payload::<String>() {
-                            listener(Some(&payload));
+                            listener(Heard::Message(&payload));
                         }
                     }
                     None => break,
                 },
-                // The node left (a failover, a reload, a cluster's new map), the channel
-                // moved (a reload of `key_prefix`), or the connection stopped answering:
-                // listen again where announcements go now.
+                // The link connected anew (a failover: perhaps to another node).
+                _ = link.ready.notified() => {
+                    if moved() {
+                        break;
+                    }
+                }
+                // The node left (a failover, a reload, a cluster's new map, the channel's
+                // slot moved), the channel moved (a reload of `key_prefix`), or the
+                // connection stopped answering: listen again where announcements go now.
                 _ = look.tick() => {
                     looks = looks.wrapping_add(1);
-                    let moved = link.retired.load(Ordering::Relaxed)
-                        || !Arc::ptr_eq(&link.target.load_full(), &target)
-                        || channel_of() != channel;
-                    if moved {
+                    if moved() {
                         break;
                     }
                     if looks.is_multiple_of(PING_EVERY_LOOKS) {
@@ -247,7 +297,8 @@ async fn listen(
         }
         // Not listening from now until subscribed again: nothing remembered may outlive a
         // reset made meanwhile.
-        listener(None);
+        listener(Heard::Lost);
+        tracing::info!(node = %target.node, channel = channel.as_str(), "the resets channel's subscription ended; remembered denials forgotten until it is made again");
         missed = true;
         if since.elapsed() < LASTED {
             retry_after(&link, &mut attempt).await;

@@ -38,7 +38,7 @@ pub use slots::slot;
 
 use breakers::BreakerBoard;
 use broken_keys::BrokenKeys;
-pub use channel::Listener;
+pub use channel::{Heard, Listener};
 use cluster::{keep_topology, Cluster};
 use connect::Connector;
 use eval::Call;
@@ -77,6 +77,8 @@ struct Inner {
     gave_back: std::sync::OnceLock<GiveBackHook>,
     /// An announcement failed (said at INFO once).
     announce_failed: std::sync::atomic::AtomicBool,
+    /// An announcement's replies could not be heard (said at INFO once).
+    replies_failed: std::sync::atomic::AtomicBool,
 }
 
 /// What the store tells of a charge given back: its keys.
@@ -194,6 +196,7 @@ impl Store {
             sentinel: sentinel_watcher,
             gave_back: std::sync::OnceLock::new(),
             announce_failed: std::sync::atomic::AtomicBool::new(false),
+            replies_failed: std::sync::atomic::AtomicBool::new(false),
         });
         Ok(Self {
             inner,
