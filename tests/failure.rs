@@ -1227,16 +1227,10 @@ async fn batching_comes_back_once_the_batch_script_may_load_again() {
     }
 }
 
-/// The breaker's half-open probe of a `fail_closed` decision, answered after its budget,
-/// gets its charge back as a batched decision does: the request was refused. Before, each
-/// late probe kept its token (a quota that never refills lost one a quarantine).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_probe_answered_too_late_is_given_back() {
-    let redis = Redis::start();
-    let proxy = FaultProxy::start(redis.port);
-    let up = Upstream::start("app");
-    let gw = GatewayConfig::new(&proxy.url())
-        .breaker(2, 1)
+/// `/quota`: 10 requests per `X-API-Key` that never refill, `fail_closed`, a 50 ms budget,
+/// Redis reached through `proxy`.
+fn quota_of_ten(proxy: &FaultProxy, up: &Upstream) -> GatewayConfig {
+    GatewayConfig::new(&proxy.url())
         .upstream("app", &[up.addr()])
         .redis("timeout_ms", "50")
         .route(
@@ -1246,7 +1240,17 @@ async fn a_probe_answered_too_late_is_given_back() {
                 .fail_closed()
                 .token_bucket(10_000_000, 0),
         )
-        .start();
+}
+
+/// The breaker's half-open probe of a `fail_closed` decision, answered after its budget,
+/// gets its charge back as a batched decision does: the request was refused. Before, each
+/// late probe kept its token (a quota that never refills lost one a quarantine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answered_too_late_is_given_back() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = quota_of_ten(&proxy, &up).breaker(2, 1).start();
     let http = client();
     assert_eq!(send(&http, &gw.url("/quota"), "k").await.status, 200);
     proxy.set(Mode::Delay(Duration::from_millis(150)));
@@ -1277,17 +1281,7 @@ async fn a_call_in_flight_when_the_connection_moves_is_still_given_back() {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
-    let gw = GatewayConfig::new(&proxy.url())
-        .upstream("app", &[up.addr()])
-        .redis("timeout_ms", "50")
-        .route(
-            Route::new("t.quota")
-                .prefix("/quota")
-                .identity_header("X-API-Key")
-                .fail_closed()
-                .token_bucket(10_000_000, 0),
-        )
-        .start();
+    let gw = quota_of_ten(&proxy, &up).start();
     // The first decision's answer comes 300 ms late on the socket it was sent on; the new
     // socket, opened meanwhile, answers at once.
     proxy.delay_live(Duration::from_millis(300));
