@@ -829,3 +829,57 @@ async fn sentinel_redis_url_overrides_cluster_urls_too() {
     assert_eq!(redis.keys("sentinel:v1:*").len(), 1);
     assert!(gw.logs().contains("it overrides redis.cluster_urls"));
 }
+
+/// On a cluster, a reset on one gateway reaches another's over-limit cache before the
+/// DELETE is answered: the listeners subscribe on the primary serving the channel's slot,
+/// where the announcement is published, and the announcer waits for the listeners of every
+/// primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_on_one_gateway_is_heard_by_the_others_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "1000")
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("c.slow")
+                .path("/api")
+                .identity_header("x-api-key")
+                .token_bucket(2_000_000, 10_000),
+        );
+    let (one, two) = (config.start(), config.start());
+    let http = client();
+    let send = |gw: &Gateway, who: String| {
+        let req = http.get(gw.url("/api")).header("x-api-key", who);
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    for round in 0..10 {
+        let who = format!("t{round}");
+        assert_eq!(
+            [send(&one, who.clone()).await, send(&one, who.clone()).await],
+            [200, 200]
+        );
+        assert_eq!(
+            [send(&two, who.clone()).await, send(&two, who.clone()).await],
+            [429, 429]
+        );
+        let r = http
+            .delete(one.admin(&format!(
+                "/limits/c.slow?identity=header%3Ax-api-key%3A{who}"
+            )))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            [
+                send(&two, who.clone()).await,
+                send(&two, who.clone()).await,
+                send(&two, who.clone()).await
+            ],
+            [200, 200, 429],
+            "round {round}: the next request starts full"
+        );
+    }
+}

@@ -636,8 +636,8 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         .route(common::config::fleet_route())
         .route(
             // One request, then a wait of 1000 s: its denial is remembered.
-            Route::new("e.slow")
-                .prefix("/slow")
+            Route::new("e.rare")
+                .prefix("/rare")
                 .identity_header("X-API-Key")
                 .token_bucket(1_000_000, 1_000),
         )
@@ -655,7 +655,7 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     assert_eq!(reset.status(), 200);
     assert_eq!(statuses(&least, "a", 1).await, [200], "reset by the admin");
     let slow = |status: u16| {
-        let req = client().get(least.url("/slow")).header("X-API-Key", "a");
+        let req = client().get(least.url("/rare")).header("X-API-Key", "a");
         async move { assert_eq!(req.send().await.unwrap().status(), status) }
     };
     slow(200).await;

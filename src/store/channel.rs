@@ -10,8 +10,10 @@
 //! are published on (one Redis, Sentinel's master, the cluster primary serving the channel
 //! name's slot). Each listener answers every announcement, once it has acted on it, on the
 //! announcement's own reply channel, and the announcer waits (up to [`HEARD_WITHIN`]) for
-//! as many answers as Redis said it had listeners: when the operator's `DELETE` is
-//! answered, every gateway listening has forgotten the identity.
+//! as many answers as Redis said it had listeners (on a cluster, as many as listen on every
+//! primary: while the channel's slot moves, some still listen on the node it left and hear
+//! the announcement over the cluster bus): when the operator's `DELETE` is answered, every
+//! gateway listening has forgotten the identity.
 //!
 //! The connection is pinged every few seconds (one that stopped answering is made again),
 //! and the node looked at every quarter of a second (a failover, the channel's slot moved):
@@ -115,6 +117,9 @@ impl Store {
                 tracing::info!(error = %e, "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
             }
         }
+        // On a cluster, Redis counts only the publishing node's listeners; those still on
+        // another node (the channel's slot just moved) hear it over the cluster bus.
+        let elsewhere = self.listeners_on_every_node(channel).await;
         match self
             .publish(channel, &format!("{reply_to} {message}"))
             .await
@@ -131,6 +136,7 @@ impl Store {
                 }
             }
             Ok(listeners) => {
+                let listeners = listeners.max(elsewhere);
                 let Ok(replies) = replies else {
                     // Without their word, a moment for the listeners to act on it.
                     if listeners > 0 {
@@ -155,6 +161,30 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// How many listeners `channel` has on all a cluster's primaries together (0 with one
+    /// Redis, whose `PUBLISH` counts them all), each asked within [`HEARD_WITHIN`].
+    async fn listeners_on_every_node(&self, channel: &str) -> i64 {
+        if !matches!(self.inner.layout, super::Layout::Cluster(_)) {
+            return 0;
+        }
+        let asks = self.links().into_iter().map(|link| async move {
+            let conn = link.conn.load_full()?;
+            let mut c = conn.redis.clone();
+            let mut numsub = redis::cmd("PUBSUB");
+            numsub.arg("NUMSUB").arg(channel);
+            let ask = numsub.query_async::<(String, i64)>(&mut c);
+            match tokio::time::timeout(HEARD_WITHIN, ask).await {
+                Ok(Ok((_, n))) => Some(n),
+                _ => None,
+            }
+        });
+        futures_util::future::join_all(asks)
+            .await
+            .into_iter()
+            .flatten()
+            .sum()
     }
 
     /// `PUBLISH`es `message` on `channel` on the node serving its name, within
