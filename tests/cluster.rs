@@ -849,34 +849,28 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others_on_a_cluster() {
                 .token_bucket(2_000_000, 10_000),
         );
     let (one, two) = (config.start(), config.start());
-    let http = client();
-    let send = |gw: &Gateway, who: String| {
-        let req = http.get(gw.url("/api")).header("x-api-key", who);
-        async move { req.send().await.unwrap().status().as_u16() }
-    };
     for round in 0..10 {
         let who = format!("t{round}");
         assert_eq!(
-            [send(&one, who.clone()).await, send(&one, who.clone()).await],
+            [
+                one.status_for("/api", &who).await,
+                one.status_for("/api", &who).await
+            ],
             [200, 200]
         );
         assert_eq!(
-            [send(&two, who.clone()).await, send(&two, who.clone()).await],
+            [
+                two.status_for("/api", &who).await,
+                two.status_for("/api", &who).await
+            ],
             [429, 429]
         );
-        let r = http
-            .delete(one.admin(&format!(
-                "/limits/c.slow?identity=header%3Ax-api-key%3A{who}"
-            )))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(one.reset_key("c.slow", &who).await, 200);
         assert_eq!(
             [
-                send(&two, who.clone()).await,
-                send(&two, who.clone()).await,
-                send(&two, who.clone()).await
+                two.status_for("/api", &who).await,
+                two.status_for("/api", &who).await,
+                two.status_for("/api", &who).await
             ],
             [200, 200, 429],
             "round {round}: the next request starts full"

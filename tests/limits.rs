@@ -247,13 +247,20 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
                 .token_bucket(2_000_000, 10_000),
         );
     let (one, two) = (config.start(), config.start());
-    let http = client();
-    let send = |gw: &common::Gateway| {
-        let req = http.get(gw.url("/tb")).header("X-API-Key", "k");
-        async move { req.send().await.unwrap().status().as_u16() }
-    };
-    assert_eq!([send(&one).await, send(&one).await], [200, 200]);
-    assert_eq!([send(&two).await, send(&two).await], [429, 429]);
+    assert_eq!(
+        [
+            one.status_for("/tb", "k").await,
+            one.status_for("/tb", "k").await
+        ],
+        [200, 200]
+    );
+    assert_eq!(
+        [
+            two.status_for("/tb", "k").await,
+            two.status_for("/tb", "k").await
+        ],
+        [429, 429]
+    );
     assert_eq!(
         two.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="l.tb"}"#),
         1.0,
@@ -276,14 +283,13 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     };
     let first = listener();
     for round in 0..20 {
-        let r = http
-            .delete(one.admin("/limits/l.tb?identity=header%3Ax-api-key%3Ak"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(one.reset_key("l.tb", "k").await, 200);
         assert_eq!(
-            [send(&two).await, send(&two).await, send(&two).await],
+            [
+                two.status_for("/tb", "k").await,
+                two.status_for("/tb", "k").await,
+                two.status_for("/tb", "k").await
+            ],
             [200, 200, 429],
             "round {round}: the next request starts full"
         );

@@ -467,6 +467,31 @@ impl Gateway {
         f.write_all(config.as_bytes()).expect("write config");
     }
 
+    /// The status of `GET <path>` with `X-API-Key: <key>`.
+    pub async fn status_for(&self, path: &str, key: &str) -> u16 {
+        client()
+            .get(self.url(path))
+            .header("X-API-Key", key)
+            .send()
+            .await
+            .expect("the gateway answers")
+            .status()
+            .as_u16()
+    }
+
+    /// The status of `DELETE /limits/<endpoint>?identity=header:x-api-key:<key>`.
+    pub async fn reset_key(&self, endpoint: &str, key: &str) -> u16 {
+        client()
+            .delete(self.admin(&format!(
+                "/limits/{endpoint}?identity=header%3Ax-api-key%3A{key}"
+            )))
+            .send()
+            .await
+            .expect("the admin answers")
+            .status()
+            .as_u16()
+    }
+
     /// What `GET /limits/<endpoint>?identity=header:x-api-key:<key>` says is left of the
     /// first limit.
     pub fn remaining_of_key(&self, endpoint: &str, key: &str) -> i64 {
