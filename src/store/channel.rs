@@ -100,7 +100,7 @@ impl Store {
         let reply_to = format!("{channel}:{nonce:016x}");
         // Subscribed before the announcement goes, on the node the answers are published on.
         let replies = match self.link_for(&reply_to) {
-            Some(link) => subscribe(&link.target.load().dial, &reply_to).await,
+            Some(link) => connect::subscribed(&link.target.load().dial, &reply_to).await,
             None => Err(redis::RedisError::from(std::io::Error::new(
                 std::io::ErrorKind::NotConnected,
                 "no node serves the reply channel now",
@@ -205,24 +205,6 @@ impl Store {
     }
 }
 
-/// A subscriber connection to the node of `dial`, subscribed to `channel`, within
-/// [`CONNECT_TIMEOUT`] for each step.
-async fn subscribe(
-    dial: &super::dial::Dial,
-    channel: &str,
-) -> redis::RedisResult<redis::aio::PubSub> {
-    let mut pubsub = connect::pubsub(dial).await?;
-    tokio::time::timeout(CONNECT_TIMEOUT, pubsub.subscribe(channel))
-        .await
-        .map_err(|_| {
-            redis::RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "no answer to SUBSCRIBE within 1 s",
-            ))
-        })??;
-    Ok(pubsub)
-}
-
 /// How often a listener looks whether its node or channel moved.
 const LOOK_EVERY: Duration = Duration::from_millis(250);
 
@@ -259,7 +241,7 @@ async fn listen(
             continue;
         };
         let target = link.target.load_full();
-        let pubsub = match subscribe(&target.dial, &channel).await {
+        let pubsub = match connect::subscribed(&target.dial, &channel).await {
             Ok(pubsub) => pubsub,
             Err(e) if e.code() == Some("NOPERM") => {
                 missed = true;

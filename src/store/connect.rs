@@ -257,7 +257,7 @@ pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
 
 /// A RESP2 subscriber connection to the node of `dial` (a sentinel's `+switch-master`, the
 /// resets channel), over TLS for `rediss://`; connect and handshake within 1 s.
-pub(super) async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub> {
+async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub> {
     let settings = dial.info.redis_settings();
     let setup = async {
         match socket(dial).await? {
@@ -274,6 +274,24 @@ pub(super) async fn pubsub(dial: &Dial) -> redis::RedisResult<redis::aio::PubSub
                 "the server did not accept the subscription within 1 s",
             ))
         })?
+}
+
+/// A subscriber connection to the node of `dial`, subscribed to `channel`, within
+/// [`CONNECT_TIMEOUT`] for each step.
+pub(super) async fn subscribed(
+    dial: &Dial,
+    channel: &str,
+) -> redis::RedisResult<redis::aio::PubSub> {
+    let mut pubsub = pubsub(dial).await?;
+    tokio::time::timeout(CONNECT_TIMEOUT, pubsub.subscribe(channel))
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no answer to SUBSCRIBE within 1 s",
+            ))
+        })??;
+    Ok(pubsub)
 }
 
 /// The handshake over a watched socket, and the connection's driver task, which runs until

@@ -332,12 +332,9 @@ async fn watch_switches(sentinel: Arc<Sentinel>) {
             let Some(dial) = sentinel.sentinel_dial(url) else {
                 continue;
             };
-            let Ok(mut pubsub) = connect::pubsub(&dial).await else {
+            let Ok(pubsub) = connect::subscribed(&dial, "+switch-master").await else {
                 continue;
             };
-            if pubsub.subscribe("+switch-master").await.is_err() {
-                continue;
-            }
             let mut messages = pubsub.into_on_message();
             while let Some(msg) = messages.next().await {
                 let payload: String = msg.get_payload().unwrap_or_default();
