@@ -68,6 +68,10 @@ impl JwtVerifier {
         let mut validation = Validation::new(*algorithms.first()?);
         validation.leeway = config.leeway_secs;
         validation.validate_exp = true;
+        // RFC 7519: a token is good only before `exp` (plus the leeway); the library takes it
+        // at `exp` itself too, a second late. Asking it to refuse tokens one second earlier
+        // moves its bound onto `exp`.
+        validation.reject_tokens_expiring_in_less_than = 1;
         validation.validate_nbf = true;
         if let Some(iss) = &config.issuer {
             validation.set_issuer(&[iss]);
@@ -774,6 +778,12 @@ mod tests {
                 t(late.clone()).as_deref(),
                 Some("org-7"),
                 "within the 30 s leeway"
+            );
+            late["exp"] = serde_json::json!(now() - 30);
+            assert_eq!(
+                t(late.clone()),
+                None,
+                "at the leeway's end: only a time before exp is good (RFC 7519)"
             );
             late["exp"] = serde_json::json!(now() - 40);
             assert_eq!(t(late), None, "past the leeway");

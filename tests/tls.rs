@@ -386,6 +386,40 @@ fn check_refuses_missing_and_mismatched_files_naming_file_and_field() {
     );
 }
 
+/// A certificate out of its validity is served with a warning, not refused: a gateway that
+/// did not start (or reload) with it would take down every client, the plain listeners' and
+/// the other certificates' included, where only the clients that check it are refused.
+#[test]
+fn an_expired_certificate_is_served_with_a_warning_not_refused() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let expired = s.ca.leaf_until(&["localhost"], Some(2020));
+    expired.write(s.dir.path(), "default");
+    let config = s.config(&redis, &up, "");
+    let path = s.path("check.toml");
+    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+    let out = check_config(&path, &[]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("server.tls[0].cert_path") && text.contains("expired on"),
+        "{text}"
+    );
+    let gw = config.start();
+    let refused = s
+        .conn("localhost")
+        .err()
+        .expect("an expired certificate verified");
+    assert!(refused.contains("expired"), "{refused}");
+    let mut config = s.ca.client_config(rustls::ALL_VERSIONS);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut named = Conn::open(config, s.tls_port, PDFTALK).expect("the other certificate");
+    assert_eq!(named.served(), s.named.der);
+    assert_eq!(named.get(PDFTALK, "/open/x"), 200);
+    let logs = gw.logs();
+    assert!(logs.contains("expired on"), "the start warns of it: {logs}");
+}
+
 /// The same limited route over HTTP/1.1 and HTTP/2 on TLS, and over h2c: the exact
 /// sequence of 200s and 429s, and the forwarded headers the upstream sees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -115,6 +115,9 @@ pub struct CertPair {
     pub expires: String,
     /// The same, in Unix seconds.
     pub not_after: i64,
+    /// Why the certificate is outside its validity now (expired, or not yet valid): it is
+    /// served all the same, and the config warns of it.
+    pub out_of_date: Option<String>,
 }
 
 impl CertPair {
@@ -133,7 +136,7 @@ impl CertPair {
                 "holds no certificate: give a PEM chain, the server's certificate first".into(),
             ));
         }
-        let (expires, not_after) = check_validity(&chain[0])?;
+        let (expires, not_after, out_of_date) = check_validity(&chain[0])?;
         let key_pem =
             std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
@@ -160,6 +163,7 @@ impl CertPair {
             key: Arc::new(certified),
             expires,
             not_after,
+            out_of_date,
         })
     }
 }
@@ -202,9 +206,11 @@ fn not_v3(cert: &x509_parser::certificate::X509Certificate<'_>) -> Option<String
     })
 }
 
-/// Refuses a certificate whose validity has ended or not yet begun: served, every client
-/// would refuse it.
-fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64), PairError> {
+/// The certificate's end of validity, and why it is outside its validity now, if it is.
+/// An expired or not yet valid certificate is not refused: a gateway that would not start (or
+/// reload) with it would turn an outage of the clients that check it into one of every
+/// client, the plain listeners' included, as nginx and Envoy do not.
+fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64, Option<String>), PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
     if let Some(why) = not_v3(&parsed) {
@@ -212,21 +218,23 @@ fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64), PairError>
     }
     let validity = parsed.validity();
     let now = x509_parser::time::ASN1Time::now();
-    if validity.not_after < now {
-        return Err(PairError::Cert(format!(
-            "holds a certificate that expired on {}: renew it",
+    let out_of_date = if validity.not_after < now {
+        Some(format!(
+            "holds a certificate that expired on {}",
             validity.not_after
-        )));
-    }
-    if validity.not_before > now {
-        return Err(PairError::Cert(format!(
+        ))
+    } else if validity.not_before > now {
+        Some(format!(
             "holds a certificate that is not valid before {}",
             validity.not_before
-        )));
-    }
+        ))
+    } else {
+        None
+    };
     Ok((
         validity.not_after.to_string(),
         validity.not_after.timestamp(),
+        out_of_date,
     ))
 }
 

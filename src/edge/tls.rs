@@ -230,6 +230,7 @@ mod tests {
             key: key(marker),
             expires: String::new(),
             not_after: 0,
+            out_of_date: None,
         }
     }
 

@@ -142,7 +142,19 @@ fn pair(
     };
     let (cert_path, key_path) = (resolve(cert.get_ref()), resolve(key.get_ref()));
     match CertPair::load(&cert_path, &key_path) {
-        Ok(pair) => Some(pair),
+        Ok(pair) => {
+            if let Some(why) = &pair.out_of_date {
+                c.warn(
+                    Some(&cert.span()),
+                    None,
+                    format!(
+                        "{at}.cert_path = \"{}\" {why}: it is served, and every client that checks it refuses the handshake; renew it and reload",
+                        cert.get_ref()
+                    ),
+                );
+            }
+            Some(pair)
+        }
         Err(PairError::Cert(why)) => {
             c.push(
                 Some(&cert.span()),
