@@ -167,10 +167,13 @@ pub fn run(config: Config) -> Result<(), StartError> {
             },
             crate::decision::overlimit::first_remembered(),
             Box::new(move |heard| {
-                use crate::decision::overlimit::set_deaf;
+                use crate::decision::overlimit::{set_deaf, tried_listening};
                 use crate::limiter::inspect::heard_reset;
                 use crate::store::Heard;
                 let endpoints = &live.load().endpoints;
+                if !matches!(heard, Heard::Message(_)) {
+                    tried_listening();
+                }
                 match heard {
                     Heard::Message(message) => heard_reset(endpoints, Some(message)),
                     // Deaf first: nothing remembered after the caches are emptied.
@@ -186,6 +189,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
                     }
                     // The cache as it was before there were announcements (documented).
                     Heard::Refused => set_deaf(false),
+                    Heard::Failed => {}
                 }
             }),
         );

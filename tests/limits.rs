@@ -4,6 +4,9 @@
 mod common;
 
 use common::config::{GatewayConfig, Route};
+use std::time::{Duration, Instant};
+
+use common::fault::FaultProxy;
 use common::{client, Redis, Upstream};
 use sentinel_gateway::limiter::{bucket_key, identity_hash};
 use serde_json::{json, Value};
@@ -298,4 +301,57 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     tokio::time::sleep(std::time::Duration::from_millis(6_500)).await;
     assert_eq!(listener(), first, "still listening on the same connection");
     assert!(first.starts_with("id="), "{first}");
+}
+
+/// A gateway's first remembered denial makes it listen for resets, on a connection of its
+/// own; that denial is answered once it listens (within the budget), so that a reset made as
+/// soon as the client has it is heard there. Here the listening connection's commands reach
+/// Redis 150 ms late: before, the reset found no listener, and the gateway repeated the
+/// denial for its whole wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_remembered_denial_is_answered_once_its_gateway_listens() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let config = |url: &str| {
+        GatewayConfig::new(url)
+            .redis("timeout_ms", "1000")
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("l.tb")
+                    .prefix("/tb")
+                    .identity_header("X-API-Key")
+                    .token_bucket(2_000_000, 10_000),
+            )
+    };
+    let (one, two) = (config(&redis.url()).start(), config(&proxy.url()).start());
+    // The second gateway's decisions have their connection (made at the first one).
+    assert_eq!(two.status_for("/tb", "warm").await, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.slow_new(Duration::from_millis(150));
+    assert_eq!(
+        [
+            one.status_for("/tb", "k").await,
+            one.status_for("/tb", "k").await
+        ],
+        [200, 200]
+    );
+    let asked = Instant::now();
+    assert_eq!(two.status_for("/tb", "k").await, 429);
+    assert!(
+        asked.elapsed() >= Duration::from_millis(150),
+        "answered before the gateway listened: {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(one.reset_key("l.tb", "k").await, 200);
+    assert_eq!(
+        two.status_for("/tb", "k").await,
+        200,
+        "the next request starts full"
+    );
+    // Listening now: a denial is answered at once.
+    assert_eq!(two.status_for("/tb", "k").await, 200);
+    let asked = Instant::now();
+    assert_eq!(two.status_for("/tb", "k").await, 429);
+    assert!(asked.elapsed() < Duration::from_millis(150));
 }

@@ -46,6 +46,40 @@ pub async fn first_remembered() {
     }
 }
 
+/// Whether the process's first attempt to listen for other gateways' resets, made at its
+/// first remembered denial, has ended (subscribed, refused or failed): until then a denial
+/// Redis gave is answered only once it has ([`until_hearing`]).
+static TRIED: AtomicBool = AtomicBool::new(false);
+static TRIED_NOW: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Says the first attempt to listen for resets has ended, whatever became of it.
+pub fn tried_listening() {
+    if !TRIED.swap(true, Ordering::Relaxed) {
+        TRIED_NOW.notify_waiters();
+    }
+}
+
+/// Whether a denial Redis gave can be answered at once: the process has not remembered one
+/// yet (it does not listen, and needs not), or has tried to listen.
+pub fn hearing() -> bool {
+    TRIED.load(Ordering::Relaxed) || !REMEMBERED.load(Ordering::Relaxed)
+}
+
+/// Waits, up to `left`, until the first attempt to listen for resets has ended. A gateway's
+/// first remembered denial starts it listening; its answer waits so that a reset made on
+/// another gateway once the client has it (the next thing a client that was refused may
+/// ask an operator for) is heard here: a denial remembered before the subscription could not
+/// hear it.
+pub async fn until_hearing(left: std::time::Duration) {
+    let tried = TRIED_NOW.notified();
+    tokio::pin!(tried);
+    tried.as_mut().enable();
+    if TRIED.load(Ordering::Relaxed) {
+        return;
+    }
+    let _ = tokio::time::timeout(left, tried).await;
+}
+
 /// The process listened for other gateways' resets and lost its subscription: until it
 /// listens again, no denial is remembered (one remembered then could outlive a reset it
 /// cannot hear).

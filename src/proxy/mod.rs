@@ -21,7 +21,7 @@ use pingora_http::RequestHeader;
 use pingora_proxy::{FailToProxy, ProxyWarnLogContext};
 
 use crate::config::{Enforcement, IdentitySource};
-use crate::decision::{Decision, DecisionReason};
+use crate::decision::{overlimit, Decision, DecisionReason};
 use crate::edge::connections::Guarded;
 use crate::edge::AccessLog;
 use crate::identity;
@@ -373,6 +373,15 @@ impl Gateway {
             }
             decision
         };
+        if decision.reason() == DecisionReason::RateLimited
+            && !decision.cached()
+            && !overlimit::hearing()
+        {
+            // The process's first remembered denial: answered once the process listens for
+            // other gateways' resets (within the budget), so that one made after the client
+            // has this answer is heard here.
+            overlimit::until_hearing(self.store.budget().saturating_sub(started.elapsed())).await;
+        }
         ctx.decision_time = started.elapsed();
         // Kept only for the access log and response charges: no copy per request without.
         if snapshot.config.access_log.is_some() || policy.cost_from_response.is_some() {

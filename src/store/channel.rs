@@ -20,9 +20,11 @@
 //! a subscription that ends is [`Heard::Lost`], and the gateway then forgets every
 //! remembered denial and remembers none until it is [`Heard::Back`] (a message sent while
 //! not listening cannot be read later). The first subscription, made at once, forgets
-//! nothing (a denial remembered in the moment before it, reset on another gateway in that
-//! moment, is repeated for its wait): forgetting there would ask Redis again for the denial
-//! that made it listen. A subscription Redis refuses ([`Heard::Refused`]) leaves the cache as
+//! nothing (forgetting there would ask Redis again for the denial that made it listen):
+//! instead the proxy answers the denials Redis gives before it is made only once it is made
+//! or failed, within their budget (`overlimit::until_hearing`), so a reset asked for once a
+//! client has such an answer is heard. The first attempt's end is told too
+//! ([`Heard::Failed`]). A subscription Redis refuses ([`Heard::Refused`]) leaves the cache as
 //! it was before there were announcements.
 
 use std::borrow::Cow;
@@ -49,6 +51,9 @@ pub enum Heard<'a> {
     Back { missed: bool },
     /// Redis refuses the subscription (the ACL): announcements go unheard for good.
     Refused,
+    /// An attempt to subscribe failed (no connection to the node, or no answer in time):
+    /// tried again, and [`Heard::Back`] says `missed` once subscribed.
+    Failed,
 }
 
 /// Told what the listener hears ([`Heard`]).
@@ -236,6 +241,7 @@ async fn listen(
         let channel = channel_of();
         let Some(link) = node(&channel) else {
             missed = true;
+            listener(Heard::Failed);
             tokio::time::sleep(backoff(attempt)).await;
             attempt = attempt.saturating_add(1);
             continue;
@@ -254,6 +260,7 @@ async fn listen(
             }
             Err(e) => {
                 missed = true;
+                listener(Heard::Failed);
                 tracing::debug!(node = %target.node, error = %e, "cannot listen to the resets channel yet");
                 retry_after(&link, &mut attempt).await;
                 continue;

@@ -41,6 +41,9 @@ struct State {
     /// Replies on connections accepted before this generation are held back this long (the
     /// mode applies to the others).
     delayed_before: Mutex<(u64, Duration)>,
+    /// What clients send on connections accepted from this generation on reaches Redis this
+    /// long after they sent it.
+    slow_from: Mutex<(u64, Duration)>,
     generation: AtomicU64,
 }
 
@@ -62,6 +65,7 @@ impl FaultProxy {
             stop: AtomicBool::new(false),
             silent_before: AtomicU64::new(0),
             delayed_before: Mutex::new((0, Duration::ZERO)),
+            slow_from: Mutex::new((u64::MAX, Duration::ZERO)),
             generation: AtomicU64::new(0),
         });
         let st = Arc::clone(&state);
@@ -102,6 +106,13 @@ impl FaultProxy {
     pub fn delay_live(&self, delay: Duration) {
         let next = self.state.generation.fetch_add(1, Ordering::SeqCst) + 1;
         *self.state.delayed_before.lock().unwrap() = (next, delay);
+    }
+
+    /// What clients send on connections made from now on reaches Redis `delay` late, while
+    /// the live connections pass as before: a new connection to a node far away.
+    pub fn slow_new(&self, delay: Duration) {
+        let next = self.state.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        *self.state.slow_from.lock().unwrap() = (next, delay);
     }
 
     /// Redis goes away: new connections are refused and live ones are cut.
@@ -230,6 +241,10 @@ fn handle(client: TcpStream, redis_port: u16, st: &Arc<State>) {
                 || born < up_state.silent_before.load(Ordering::SeqCst)
             {
                 continue;
+            }
+            let (from, slow) = *up_state.slow_from.lock().unwrap();
+            if born >= from {
+                thread::sleep(slow);
             }
             if let Some(s) = to_server.as_mut() {
                 if s.write_all(&buf[..n]).is_err() {
