@@ -840,6 +840,74 @@ fn recording_upstream() -> (String, Arc<Mutex<Vec<u8>>>) {
     (addr, received)
 }
 
+/// `GET path` over HTTP/2 with prior knowledge on its own connection, with `authority`
+/// as the request's `:authority`: the status, whether it carried a request id, the body.
+async fn h2_get(port: u16, authority: &str, path: &str) -> (u16, bool, String) {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut h2 = h2.ready().await.unwrap();
+    let request = http::Request::get(format!("http://{authority}{path}"))
+        .body(())
+        .unwrap();
+    let (response, _) = h2.send_request(request, true).unwrap();
+    let response = response.await.unwrap();
+    let (status, id) = (
+        response.status().as_u16(),
+        response.headers().contains_key("x-request-id"),
+    );
+    let mut body = response.into_body();
+    let mut text = Vec::new();
+    while let Some(chunk) = body.data().await {
+        text.extend_from_slice(&chunk.unwrap());
+    }
+    (status, id, String::from_utf8_lossy(&text).into_owned())
+}
+
+/// An HTTP/2 `:authority` is held to what a `Host` must be: one with an empty label or a
+/// port not of digits is the gateway's 400 with its request id, as over HTTP/1.1, where it
+/// was forwarded: `api.example..` stepped around the `host` route to the route without one,
+/// and `api.example:x` reached the host's route with a port nobody could read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_authority_is_held_to_what_a_host_must_be() {
+    let redis = Redis::start();
+    let (hosted, other) = (Upstream::start("hosted"), Upstream::start("other"));
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("hosted", &[hosted.addr()])
+        .upstream("other", &[other.addr()])
+        .route(
+            Route::new("e.hosted")
+                .prefix("/h")
+                .host("api.example")
+                .upstream("hosted")
+                .unlimited(),
+        )
+        .route(
+            Route::new("e.other")
+                .prefix("/h")
+                .upstream("other")
+                .unlimited(),
+        )
+        .start();
+    let (status, _, body) = h2_get(gw.port, "api.example", "/h/x").await;
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""upstream":"hosted""#), "{body}");
+    let (status, _, body) = h2_get(gw.port, "else.example", "/h/x").await;
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""upstream":"other""#), "{body}");
+    for authority in ["api.example..", "api.example:x", ".api.example"] {
+        let (status, id, body) = h2_get(gw.port, authority, "/h/x").await;
+        assert_eq!(
+            (status, id, body.as_str()),
+            (400, true, r#"{"detail":"bad request"}"#),
+            "{authority}"
+        );
+    }
+}
+
 /// An HTTP/2 body of unknown length whose end comes in an empty DATA frame (as `curl -T -`
 /// sends it) reaches the upstream chunked with one terminator: a second one would be read
 /// by the upstream as the start of another request, and its answer to that given to the

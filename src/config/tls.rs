@@ -140,10 +140,12 @@ impl CertPair {
         let key_pem =
             std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
-            PairError::Key(format!(
-                "holds no usable private key (PKCS#8, PKCS#1 or SEC1 PEM): {}",
-                pem_error(&e)
-            ))
+            PairError::Key(encrypted(&key_pem).unwrap_or_else(|| {
+                format!(
+                    "holds no usable private key (PKCS#8, PKCS#1 or SEC1 PEM): {}",
+                    pem_error(&e)
+                )
+            }))
         })?;
         let provider = rustls::crypto::ring::default_provider();
         let signing = provider
@@ -173,6 +175,15 @@ impl CertPair {
 pub enum PairError {
     Cert(String),
     Key(String),
+}
+
+/// Why a key file that holds no key TLS can read is refused, when it is encrypted (a PEM
+/// `ENCRYPTED PRIVATE KEY`, or an OpenSSL `Proc-Type: 4,ENCRYPTED` key): the library's own
+/// word is only that it found no key.
+fn encrypted(pem: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(pem);
+    (text.contains("-----BEGIN ENCRYPTED PRIVATE KEY-----") || text.contains("Proc-Type: 4,ENCRYPTED"))
+        .then(|| "holds an encrypted private key, and TLS here reads unencrypted keys only: decrypt it (`openssl pkey -in <file> -out <new file>` asks for the passphrase) and keep the file readable by the gateway alone".to_owned())
 }
 
 /// A PEM file's error in words: the library writes a missing or broken marker line as a
@@ -337,7 +348,9 @@ impl RedisTls {
                 not_after = parsed.map(|(_, c)| c.validity().not_after.timestamp());
                 let key_pem = read(key_path, RedisTlsError::Key(String::new()))?;
                 let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
-                    RedisTlsError::Key(format!("holds no usable private key: {}", pem_error(&e)))
+                    RedisTlsError::Key(encrypted(&key_pem).unwrap_or_else(|| {
+                        format!("holds no usable private key: {}", pem_error(&e))
+                    }))
                 })?;
                 source.push(cert_pem);
                 source.push(key_pem);
@@ -438,5 +451,24 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// An encrypted key is named as such: the library says only that it found no key.
+    #[test]
+    fn an_encrypted_key_is_named_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("k.pem");
+        let cert = dir.path().join("c.pem");
+        std::fs::write(
+            &key,
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIBvTBXBgkqhkiG9w0BBQ0wSjAp\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let leaf = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        std::fs::write(&cert, leaf.cert.pem()).unwrap();
+        let Err(PairError::Key(why)) = CertPair::load(&cert, &key) else {
+            panic!("an encrypted key was taken");
+        };
+        assert!(why.contains("encrypted private key"), "{why}");
     }
 }

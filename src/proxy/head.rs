@@ -12,12 +12,19 @@ use pingora_http::RequestHeader;
 ///   arrive labelled as plain (one whose last coding is not `chunked` Pingora refuses itself);
 /// - RFC 9110, 7.2: a `Host` that is not an authority ([`is_authority`]): one with a space, a
 ///   quote or a byte past ASCII names no host, and would reach the upstream (and its
-///   `X-Forwarded-Host`) as it came. Empty is allowed (a target without authority).
+///   `X-Forwarded-Host`) as it came. Empty is allowed (a target without authority). The
+///   same of the target's authority (HTTP/2's `:authority`, an absolute-form target), which
+///   routes the request where it has no `Host`: `api.example..` would otherwise miss a
+///   `host = "api.example"` route over HTTP/2 and reach the route without a host.
 pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
     if req
         .headers
         .get(http::header::HOST)
         .is_some_and(|h| !is_authority(h.as_bytes()))
+        || req
+            .uri
+            .authority()
+            .is_some_and(|a| !is_authority(a.as_str().as_bytes()))
     {
         return None;
     }

@@ -133,6 +133,10 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     let request_id_header = match s.and_then(|s| s.request_id_header.as_ref()) {
         None => Some(http::HeaderName::from_static(DEFAULT_REQUEST_ID_HEADER)),
         Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(_) if h.get_ref().contains('_') => {
+                c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" has '_': use letters, digits and '-', such as \"X-Request-Id\" (a backend behind CGI or WSGI reads '_' and '-' as one name, and a client's field of the other spelling would reach it beside the gateway's)", h.get_ref()));
+                None
+            }
             Ok(name) if RESERVED_REQUEST_ID_HEADERS.contains(&name.as_str()) => {
                 c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is a header the gateway or HTTP itself uses: choose another, such as \"X-Request-Id\"", h.get_ref()));
                 None
@@ -252,40 +256,103 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     .filter(|_| ok)
 }
 
-/// Headers that cannot carry the request id: HTTP's own, and those the gateway sets.
+/// Headers that cannot carry the request id: every field HTTP gives a meaning of its own (the
+/// `http` crate's standard names: an id written over `Cache-Control`, `Range` or `Vary`
+/// would change what the request asks or what caches do with the answer), and those the
+/// gateway sets or drops.
 const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
-    "host",
+    "accept",
+    "accept-charset",
+    "accept-encoding",
+    "accept-language",
+    "accept-ranges",
+    "access-control-allow-credentials",
+    "access-control-allow-headers",
+    "access-control-allow-methods",
+    "access-control-allow-origin",
+    "access-control-expose-headers",
+    "access-control-max-age",
+    "access-control-request-headers",
+    "access-control-request-method",
+    "age",
+    "allow",
+    "alt-svc",
     "authorization",
-    "cookie",
+    "cache-control",
+    "cache-status",
+    "cdn-cache-control",
     "connection",
+    "content-disposition",
+    "content-encoding",
+    "content-language",
     "content-length",
+    "content-location",
+    "content-range",
+    "content-security-policy",
+    "content-security-policy-report-only",
     "content-type",
+    "cookie",
+    "date",
+    "dnt",
+    "etag",
+    "expect",
+    "expires",
+    "forwarded",
+    "from",
+    "host",
+    "if-match",
+    "if-modified-since",
+    "if-none-match",
+    "if-range",
+    "if-unmodified-since",
+    "last-modified",
+    "link",
+    "location",
+    "max-forwards",
+    "origin",
+    "pragma",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "public-key-pins",
+    "public-key-pins-report-only",
+    "range",
+    "referer",
+    "referrer-policy",
+    "refresh",
+    "retry-after",
+    "sec-websocket-accept",
+    "sec-websocket-extensions",
+    "sec-websocket-key",
+    "sec-websocket-protocol",
+    "sec-websocket-version",
+    "server",
+    "set-cookie",
+    "strict-transport-security",
+    "te",
+    "trailer",
     "transfer-encoding",
     "upgrade",
-    "te",
+    "upgrade-insecure-requests",
+    "user-agent",
+    "vary",
+    "via",
+    "warning",
+    "www-authenticate",
+    "x-content-type-options",
+    "x-dns-prefetch-control",
+    "x-frame-options",
+    "x-xss-protection",
+    // Hop by hop: a proxy does not pass these on as they came.
+    "proxy-connection",
+    "keep-alive",
+    // What the gateway sets, drops or answers with.
     "x-forwarded-for",
     "x-forwarded-proto",
     "x-forwarded-host",
+    "x-forwarded-port",
     "x-real-ip",
-    // Hop by hop, or about credentials: a proxy does not pass these on as they came.
-    "proxy-authorization",
-    "proxy-authenticate",
-    "proxy-connection",
-    "keep-alive",
-    "trailer",
-    "forwarded",
-    // What the gateway's own answers say: the id written over them would change their sense.
-    "set-cookie",
-    "retry-after",
-    "www-authenticate",
-    "allow",
     "ratelimit",
     "ratelimit-policy",
-    "date",
-    "server",
-    "location",
-    "content-encoding",
-    "expect",
 ];
 
 /// A list of CIDRs (or plain addresses, as /32 and /128), each checked; `field` names it.
