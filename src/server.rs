@@ -88,8 +88,10 @@ pub fn run(config: Config) -> Result<(), StartError> {
         })?;
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
-    if config.redis.env_overrides_cluster {
-        tracing::warn!("SENTINEL_REDIS_URL is set: it overrides redis.cluster_urls, and the gateway uses that one Redis");
+    if let Some(field) = config.redis.env_overrides {
+        tracing::warn!(
+            "SENTINEL_REDIS_URL is set: it overrides {field}, and the gateway uses that one Redis"
+        );
     }
     let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics)
         .map_err(StartError::Store)?;

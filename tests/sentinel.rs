@@ -804,6 +804,33 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     let (ok, out) =
         run("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
     assert!(ok, "{out}");
+    // A database or options on a sentinel's URL would be dropped without a word.
+    for url in [
+        "redis://127.0.0.1:26379/3",
+        "redis://127.0.0.1:26379/0?protocol=3",
+    ] {
+        let (ok, out) = run(&format!(
+            "sentinel_urls = [\"{url}\"]\nsentinel_master = \"mymaster\""
+        ));
+        assert!(!ok && out.contains("with no database or options"), "{out}");
+    }
+    // SENTINEL_REDIS_URL overrides the sentinels as it overrides a cluster's seeds: said,
+    // and a TLS field left beside `rediss://` sentinels names the variable.
+    let env = [("SENTINEL_REDIS_URL", Some("redis://127.0.0.1:6379/0"))];
+    let with_env =
+        |redis: &str| common::check_body(dir.path(), &format!("[redis]\n{redis}\n"), &env);
+    let (ok, out) =
+        with_env("sentinel_urls = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"");
+    assert!(
+        ok && out.contains("SENTINEL_REDIS_URL is set: it overrides redis.sentinel_urls"),
+        "{out}"
+    );
+    let (ok, out) = with_env("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"\ntls_ca_path = \"ca.pem\"");
+    assert!(
+        !ok && out
+            .contains("SENTINEL_REDIS_URL, which overrides the file's Redis, is not rediss://"),
+        "{out}"
+    );
 }
 
 /// Sentinels that stop answering while the master serves: decisions go on exactly on the

@@ -182,8 +182,9 @@ impl ServerConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub target: RedisTarget,
-    /// `SENTINEL_REDIS_URL` replaced the file's `cluster_urls` (logged at start).
-    pub env_overrides_cluster: bool,
+    /// The field of the file `SENTINEL_REDIS_URL` replaced (`redis.cluster_urls` or
+    /// `redis.sentinel_urls`; logged at start, and by `check`).
+    pub env_overrides: Option<&'static str>,
     pub timeout: Duration,
     pub key_prefix: String,
     pub require_noeviction: bool,

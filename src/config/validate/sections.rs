@@ -632,10 +632,26 @@ pub(super) fn redis(
         " decisions per call (1 sends each decision alone)",
     )
     .map(|n| n as usize);
-    let access = target.as_ref().and_then(|t| redis_access(c, r, t, config));
+    let access = target
+        .as_ref()
+        .and_then(|t| redis_access(c, r, t, url_override, config));
+    let env_overrides = match (url_override, cluster, sentinel) {
+        (Some(_), Some(_), _) => Some("redis.cluster_urls"),
+        (Some(_), None, Some(_)) => Some("redis.sentinel_urls"),
+        _ => None,
+    };
+    if let Some(field) = env_overrides {
+        c.warn(
+            None,
+            None,
+            format!(
+                "{REDIS_URL_ENV} is set: it overrides {field}, and the gateway uses that one Redis"
+            ),
+        );
+    }
     Some(RedisConfig {
         target: target?,
-        env_overrides_cluster: url_override.is_some() && cluster.is_some(),
+        env_overrides,
         timeout: Duration::from_millis(timeout?),
         key_prefix: key_prefix?,
         require_noeviction,
@@ -652,6 +668,7 @@ fn redis_access(
     c: &mut Collector,
     r: Option<&crate::config::raw::RawRedis>,
     target: &RedisTarget,
+    url_override: Option<&str>,
     config: &Path,
 ) -> Option<RedisAccess> {
     let urls = match target {
@@ -729,7 +746,11 @@ fn redis_access(
             ("tls_key_path", key),
         ] {
             if let Some(v) = value {
-                c.push(Some(&v.span()), None, format!("redis.{field} is set but the Redis URL is not rediss://: write rediss://host:port to use TLS, or remove {field}"));
+                let url = match url_override {
+                    Some(_) => format!("{REDIS_URL_ENV}, which overrides the file's Redis,"),
+                    None => "the Redis URL".to_owned(),
+                };
+                c.push(Some(&v.span()), None, format!("redis.{field} is set but {url} is not rediss://: write rediss://host:port to use TLS, or remove {field}"));
                 ok = false;
             }
         }
@@ -775,6 +796,16 @@ fn redis_access(
     })
 }
 
+/// Whether a URL says more than where to connect: a database (`/3`) or options (`?...`).
+fn beyond_the_address(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    match rest.find(['/', '?', '#']) {
+        None => false,
+        Some(at) => !matches!(&rest[at..], "/" | "/0"),
+    }
+}
+
 /// `sentinel_urls`, `sentinel_master` and `sentinel_password_env`.
 fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Option<RedisTarget> {
     let urls = r.sentinel_urls.as_ref()?;
@@ -798,8 +829,21 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
             &what,
             Some("redis.sentinel_password_env"),
         ) {
-            Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+            Some(url)
+                if (url.starts_with("redis://") || url.starts_with("rediss://"))
+                    && !beyond_the_address(&url) =>
+            {
                 sentinels.push(url)
+            }
+            Some(url) if beyond_the_address(&url) => {
+                c.push(
+                    Some(&u.span()),
+                    None,
+                    format!(
+                        "{what}: a sentinel is reached as redis://host:port, with no database or options (the master's database 0 holds the limits)"
+                    ),
+                );
+                ok = false;
             }
             Some(_) => {
                 c.push(
