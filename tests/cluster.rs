@@ -812,6 +812,53 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
     }
 }
 
+/// A cluster none of whose seeds answers (down, or refusing the password) before any slot
+/// map was read: each decision fails at once as a connection error and is counted, and each
+/// failed attempt to read the map counts against a breaker, which opens as one Redis's does
+/// (before, no error was counted and no breaker ever opened); seeds that answer close it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_never_reached_counts_its_failures_and_opens_the_breaker() {
+    let up = Upstream::start("app");
+    let nowhere = format!("redis://127.0.0.1:{}", free_port());
+    let gw = GatewayConfig::bare_cluster(std::slice::from_ref(&nowhere))
+        .breaker(2, 1)
+        .upstream("app", &[up.addr()])
+        .route(per_tenant("c.closed", "/closed"))
+        .start();
+    assert_eq!(get("/closed", &gw, "t").await.0, 503);
+    assert!(
+        gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#) >= 1.0,
+        "the failed decision is a store error"
+    );
+    wait_until(Duration::from_secs(10), "the breaker to open", || {
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#) >= 1.0
+    });
+    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
+    assert_eq!(get("/closed", &gw, "t").await.0, 503);
+    assert!(
+        decisions(&gw, "c.closed", "circuit_open", false) >= 1.0,
+        "an open breaker short-circuits: {}",
+        gw.logs()
+    );
+    // Seeds that answer: the map is read, the breaker closes, Redis decides.
+    let cluster = RedisCluster::start();
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    gw.rewrite_config(&config.replace(&nowhere, &cluster.seed_urls()[0]));
+    assert_eq!(gw.reload(), 200);
+    wait_until(Duration::from_secs(10), "the breaker to close", || {
+        gw.metric("sentinel_breaker_state") == 0.0
+    });
+    let began = Instant::now();
+    while get("/closed", &gw, "t").await.0 != 200 {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "no decision by Redis: {}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_redis_url_overrides_cluster_urls_too() {
     let redis = common::Redis::start();

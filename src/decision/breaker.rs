@@ -246,6 +246,17 @@ impl Breaker {
         }
     }
 
+    /// Closes the breaker on an answer of Redis that was no decision: a cluster's slot map
+    /// read at last, for the breaker that stands for a cluster with none (every decision
+    /// then goes to its primary's own breaker).
+    pub fn close(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+        if !self.transition(BreakerState::Open, BreakerState::Closed) {
+            self.transition(BreakerState::HalfOpen, BreakerState::Closed);
+        }
+        self.probe_taken.store(false, Ordering::Release);
+    }
+
     /// A store failure with no request behind it (a connection lost, a connection attempt
     /// failed): counts toward the threshold while closed; a probe decides the other states.
     pub fn count_failure(&self) {

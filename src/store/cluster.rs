@@ -21,9 +21,10 @@ use super::dial::Dial;
 use crate::config::{redact_url, RedisAccess};
 use tokio::sync::Notify;
 
+use crate::decision::breaker::Breaker;
 use crate::decision::BreakerState;
 
-use super::connect::{open, Connector};
+use super::connect::{open, reason, Connector};
 use super::link::{Link, Target};
 use super::slots::{node_name, parse_addr, parse_slots, slot, SlotMap, SlotRange};
 
@@ -51,11 +52,17 @@ pub(super) struct Cluster {
     refresh: Arc<Notify>,
     /// Every link by `host:port`: the topology's, and those only a redirect named.
     known: Mutex<HashMap<String, Arc<Link>>>,
+    /// The breaker of the cluster while no slot map is known (at start, after new seeds):
+    /// no primary's breaker can count the failed attempts to reach it, so this one counts one
+    /// failure per failed attempt to read the map, and short-circuits the decisions when
+    /// open, as one Redis's breaker does while its connection cannot be made.
+    pub(super) mapless: Breaker,
 }
 
 impl Cluster {
-    pub(super) fn new(seeds: Vec<String>, access: RedisAccess) -> Self {
+    pub(super) fn new(seeds: Vec<String>, access: RedisAccess, mapless: Breaker) -> Self {
         Self {
+            mapless,
             seeds: ArcSwap::from_pointee(seeds),
             access: ArcSwap::from_pointee(access),
             epoch: AtomicU64::new(0),
@@ -76,6 +83,11 @@ impl Cluster {
 
     pub(super) fn access(&self) -> Arc<RedisAccess> {
         self.access.load_full()
+    }
+
+    /// Whether no slot map is known (none read yet since the start or the last new seeds).
+    pub(super) fn has_no_map(&self) -> bool {
+        self.topology.load().nodes().is_empty()
     }
 
     /// The primaries of the current map.
@@ -195,7 +207,7 @@ impl Cluster {
                     redis::ConnectionAddr::Tcp(h, _) => h.clone(),
                     _ => String::new(),
                 };
-                let mut opened = open(&dial).await.map_err(|e| e.to_string())?;
+                let mut opened = open(&dial).await.map_err(|e| reason(&e))?;
                 query_slots(&mut opened.conn, &host).await
             };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
@@ -256,8 +268,16 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
     let mut failing = false;
     loop {
         match cluster.refresh_once(&connector).await {
-            Ok(()) => failing = false,
+            Ok(()) => {
+                failing = false;
+                if !cluster.has_no_map() {
+                    cluster.mapless.close();
+                }
+            }
             Err(e) => {
+                if cluster.has_no_map() {
+                    cluster.mapless.count_failure();
+                }
                 if !failing {
                     tracing::warn!(error = %e, "cannot read the redis cluster slot map; retrying");
                 }

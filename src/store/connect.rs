@@ -67,6 +67,12 @@ impl Connector {
         &self.breakers
     }
 
+    /// A breaker of the process's board that stands for no one node (a cluster with no slot
+    /// map yet).
+    pub(super) fn breaker(&self) -> crate::decision::breaker::Breaker {
+        self.breakers.breaker(None)
+    }
+
     pub(super) fn set_require_noeviction(&self, required: bool) {
         self.require_noeviction.store(required, Ordering::Relaxed);
     }

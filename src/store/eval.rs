@@ -200,7 +200,7 @@ impl Store {
         reply
     }
 
-    fn count(&self, failure: StoreFailure) {
+    pub(super) fn count(&self, failure: StoreFailure) {
         let e = &self.inner.errors;
         match failure {
             StoreFailure::Timeout => e.timeout.inc(),

@@ -177,7 +177,11 @@ impl Store {
                 Layout::Single(link)
             }
             RedisTarget::Cluster(seeds) => {
-                let cluster = Arc::new(Cluster::new(seeds.clone(), config.access.clone()));
+                let cluster = Arc::new(Cluster::new(
+                    seeds.clone(),
+                    config.access.clone(),
+                    connector.breaker(),
+                ));
                 runtime.spawn(keep_topology(Arc::clone(&cluster), Arc::clone(&connector)));
                 Layout::Cluster(cluster)
             }
@@ -277,6 +281,9 @@ impl Store {
         };
         for link in links {
             link.breaker.reconfigure(config);
+        }
+        if let Layout::Cluster(cluster) = &self.inner.layout {
+            cluster.mapless.reconfigure(config);
         }
     }
 
@@ -432,6 +439,32 @@ impl Store {
     }
 
     /// A call no node was asked: it fails at once, as a disconnected Redis does.
+    /// A decision no node can be asked for: a cluster whose slot map is not known yet, or
+    /// whose slot no primary serves. It fails at once as a connection error (and is counted
+    /// as one); with no map, through the breaker that stands for the cluster meanwhile
+    /// (`Cluster::mapless`, one failure per failed attempt to read the map): open, it
+    /// short-circuits as one Redis's does, and its half-open probe fails at once.
+    fn unlinked<T>(&self) -> Evaluation<T> {
+        if let Layout::Cluster(cluster) = &self.inner.layout {
+            if cluster.has_no_map() {
+                match cluster.mapless.acquire() {
+                    Err(short) => {
+                        return Evaluation {
+                            outcome: Err(Degradation::BreakerOpen {
+                                retry_in: short.retry_in,
+                            }),
+                            breaker: self.breaker_state(),
+                        }
+                    }
+                    Ok(permit) if permit.is_probe() => permit.failure(),
+                    Ok(permit) => permit.nothing(),
+                }
+            }
+        }
+        self.count(StoreFailure::ConnectionError);
+        self.unasked()
+    }
+
     fn unasked<T>(&self) -> Evaluation<T> {
         Evaluation {
             outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
@@ -449,7 +482,7 @@ impl Store {
         // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
         // serves.
         let Some(link) = self.link_for(call.keys[0]) else {
-            return Some(self.unasked());
+            return Some(self.unlinked());
         };
         let breaker = &link.breaker;
         // A compensation (giving back what a denied request was charged) is owed whatever the
@@ -688,6 +721,9 @@ impl Store {
     /// ([`crate::decision::breaker::Breaker::refresh`]), for a reader of the state (`/readyz`,
     /// `/metrics`) on a gateway no request reached since.
     pub fn refresh_breakers(&self) {
+        if let Layout::Cluster(cluster) = &self.inner.layout {
+            cluster.mapless.refresh();
+        }
         for link in self.links() {
             // A primary that left the cluster no longer counts in the process's state.
             if !link.retired.load(Ordering::Relaxed) {
