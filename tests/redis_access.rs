@@ -326,6 +326,13 @@ async fn mutual_tls_needs_the_client_certificate() {
     )
     .start();
     assert_eq!(statuses(&without, "a", 2).await, [503, 503]);
+    // Said as TLS's refusal, and what it asks for (TLS 1.3 sends the alert after the
+    // handshake, where it read as a bare "received fatal alert").
+    wait_until(Duration::from_secs(5), "the refusal's reason", || {
+        without
+            .logs()
+            .contains("TLS handshake with redis: received fatal alert: CertificateRequired: it asks for a client certificate")
+    });
 
     let leaf = t.ca.leaf(&["sentinel-gateway"]);
     let not_after = x509_parser::parse_x509_certificate(&leaf.der)

@@ -411,11 +411,35 @@ async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult
 /// redis-rs's `AuthenticationFailed`, without Redis's own text (`WRONGPASS`, `ERR invalid
 /// password` before Redis 6, or an `ERR AUTH ... called without any password configured`),
 /// so every cause is named.
+/// A TLS alert Redis sends once the handshake is over (TLS 1.3 checks the client's
+/// certificate then) reaches the first command: said to be TLS's too, and what it means.
 pub(super) fn reason(e: &RedisError) -> String {
+    let text = e.to_string();
     if e.kind() == redis::ErrorKind::AuthenticationFailed {
         format!("Redis refused AUTH: a wrong username or password (WRONGPASS), a disabled user, or a password sent to a Redis that has none set ({e})")
+    } else if text.contains("received fatal alert") {
+        let hint = if text.contains("CertificateRequired") {
+            ": it asks for a client certificate (tls-auth-clients): set tls_cert_path and tls_key_path"
+        } else if [
+            "UnknownCA",
+            "BadCertificate",
+            "CertificateExpired",
+            "CertificateUnknown",
+            "DecryptError",
+        ]
+        .iter()
+        .any(|a| text.contains(a))
+        {
+            ": it refused the client certificate (tls_cert_path): is it signed by a CA Redis trusts (tls-ca-cert-file), and still valid?"
+        } else {
+            ""
+        };
+        match text.contains("TLS handshake with redis") {
+            true => format!("{text}{hint}"),
+            false => format!("TLS handshake with redis: {text}{hint}"),
+        }
     } else {
-        e.to_string()
+        text
     }
 }
 
