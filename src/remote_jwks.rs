@@ -434,17 +434,20 @@ pub async fn fetch(
 
 /// Keeps `cache` filled from the URL `target` returns (read again before every fetch, so a
 /// reload's new URL is followed); runs for the life of the process. `at_start`: the fetch
-/// made at start succeeded (`Some(true)`: the next is a period away) or failed and was
-/// logged (`Some(false)`: tried again at once, logged again only once it succeeds).
+/// made at start succeeded (`Some(Ok(()))`: the next is a period away) or failed for the
+/// reason given and was logged (tried again at once; logged again once it succeeds, or
+/// fails for another reason).
 pub async fn keep_fresh(
     cache: Arc<JwksCache>,
     target: impl Fn() -> Option<(String, Duration)>,
     counters: RefreshCounters,
-    at_start: Option<bool>,
+    at_start: Option<Result<(), String>>,
 ) {
     let client = http_client();
-    let mut failing = at_start == Some(false);
-    let mut skip = at_start == Some(true);
+    // The reason of the outage going on, as last logged: a fetch failing for another reason
+    // is logged again (an operator looking at the provider needs today's reason).
+    let mut skip = matches!(at_start, Some(Ok(())));
+    let mut failing: Option<String> = at_start.and_then(Result::err);
     loop {
         let Some((url, every)) = target() else {
             tokio::select! {
@@ -464,15 +467,19 @@ pub async fn keep_fresh(
             Ok((keys, left_out)) => {
                 cache.note_left_out(&url, left_out);
                 counters.success.inc();
-                if failing {
+                if failing.take().is_some() {
                     tracing::info!(keys = keys.len(), "the JWKS is fetched again");
                 }
-                failing = false;
                 cache.install(&url, keys);
             }
             Err(e) => {
                 counters.failure.inc();
-                if !failing {
+                let reason = e.to_string();
+                // At start the first failure was logged by the caller.
+                let said = failing
+                    .as_ref()
+                    .is_some_and(|r| r.is_empty() || *r == reason);
+                if !said {
                     let none = cache.keys(&url).keys.is_empty();
                     let url = shown(&url);
                     if none {
@@ -481,12 +488,12 @@ pub async fn keep_fresh(
                         tracing::warn!(%url, error = %e, "cannot refresh the JWKS; the last good keys stay in use");
                     }
                 }
-                failing = true;
+                failing = Some(reason);
             }
         }
         cache.fetch_done();
         // After a failure, try again sooner than the refresh period.
-        let wait = if failing {
+        let wait = if failing.is_some() {
             every.min(Duration::from_secs(30))
         } else {
             every

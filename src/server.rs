@@ -320,15 +320,15 @@ pub fn run(config: Config) -> Result<(), StartError> {
                 jwks.note_left_out(&url, left_out);
                 metrics.jwks_refresh.success.inc();
                 jwks.install(&url, keys);
-                at_start = Some(true);
+                at_start = Some(Ok(()));
             }
             Ok(Err(e)) => {
-                at_start = Some(false);
+                at_start = Some(Err(e.to_string()));
                 metrics.jwks_refresh.failure.inc();
                 tracing::warn!(url = %crate::remote_jwks::shown(&url), error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
             }
             Err(_) => {
-                at_start = Some(false);
+                at_start = Some(Err("no answer within 5 s".to_owned()));
                 metrics.jwks_refresh.failure.inc();
                 tracing::warn!(url = %crate::remote_jwks::shown(&url), "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
             }

@@ -312,6 +312,36 @@ async fn a_failed_fetch_says_why_and_a_redirect_stays_where_the_url_may_point() 
     );
 }
 
+/// An outage whose reason changes says the new one: the provider answers 503, then a body
+/// that is no JWKS; each reason is logged once (one line said the first reason for the whole
+/// outage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_whose_reason_changes_says_the_new_one() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let provider = Provider::start(String::new()).await;
+    *provider.body.lock().unwrap() = None;
+    let gw = start(
+        &redis,
+        &up,
+        &format!(
+            "algorithms = [\"RS256\"]\njwks_url = \"http://127.0.0.1:{}/jwks.json\"\njwks_refresh_seconds = 10",
+            provider.port
+        ),
+    );
+    *provider.body.lock().unwrap() = Some("not a JWKS".into());
+    wait_until(Duration::from_secs(15), "the retry", || {
+        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}") >= 2.0
+    });
+    let logs = gw.logs();
+    let warned: Vec<_> = logs
+        .lines()
+        .filter(|l| l.contains("JWKS") && l.contains("WARN"))
+        .collect();
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    assert!(warned[0].contains("503"), "{}", warned[0]);
+    assert!(!warned[1].contains("503"), "{}", warned[1]);
+}
+
 /// A fetched set may hold a key that cannot verify (here an Ed25519 key of 16 bytes, which
 /// made the JWT library panic on a token signed for it): it is left out, the others serve,
 /// and one WARN names it, not one for every fetch.
