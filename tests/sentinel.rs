@@ -463,6 +463,41 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
     );
 }
 
+/// A sentinel that does not answer (listed first here) is passed over for the next, and
+/// said once at WARN: one fewer sentinel to follow a failover with was invisible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_that_does_not_answer_is_said_once_and_passed_over() {
+    let master = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let (_live, live_port) = sentinel(master.port, dir.path());
+    let urls = format!(
+        "[\"redis://127.0.0.1:{}\", \"redis://127.0.0.1:{live_port}\"]",
+        free_port()
+    );
+    let gw = gateway_on(
+        on_sentinel(live_port)
+            .redis("sentinel_urls", urls)
+            .redis("timeout_ms", "1000"),
+        &up,
+        None,
+    );
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+    // Asked every second: three more questions, still one line.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let said = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("a sentinel does not answer"))
+        .count();
+    let logs = gw.logs();
+    let lines: Vec<_> = logs
+        .lines()
+        .filter(|l| l.contains("a sentinel does not answer"))
+        .collect();
+    assert_eq!(said, 1, "{lines:#?}");
+}
+
 /// The master in use dies and the first sentinel, stale, still names it: the gateway checks
 /// it (its connection is gone) and follows the next sentinel's master. (The master in use was
 /// taken on the first sentinel's word: the gateway stayed on the dead one.)

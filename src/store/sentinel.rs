@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 use super::connect;
 use super::dial::Dial;
 use super::link::{Link, Opened, Target};
-use crate::config::{RedisAccess, SentinelTarget};
+use crate::config::{redact_url, RedisAccess, SentinelTarget};
 
 /// How long one question to one sentinel (or the master's `ROLE`) may take.
 const ASK_TIMEOUT: Duration = Duration::from_millis(500);
@@ -46,6 +46,11 @@ pub(super) struct Sentinel {
     /// The master's user may not run `ROLE`, and it was said.
     role_refused: AtomicBool,
 }
+
+/// The sentinels (by URL) that did not answer when last asked, each said once: one fewer
+/// sentinel to follow a failover with is an operator's business. The process's, not a
+/// store's: the check made before the start asks the same sentinels.
+static SILENT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 impl Sentinel {
     pub(super) fn new(target: SentinelTarget, access: RedisAccess) -> Self {
@@ -203,6 +208,24 @@ impl Sentinel {
         }
     }
 
+    /// Notes whether the sentinel at `url` answered (`None`) or not (why): a sentinel that
+    /// stops answering is said once at WARN, and once at INFO when it answers again.
+    fn answered(&self, url: &str, failed: Option<&str>) {
+        let mut silent = SILENT.lock().unwrap_or_else(|p| p.into_inner());
+        let known = silent.iter().position(|u| u == url);
+        match (failed, known) {
+            (None, Some(at)) => {
+                silent.swap_remove(at);
+                tracing::info!(sentinel = %redact_url(url), "redis sentinel: the sentinel answers again");
+            }
+            (Some(reason), None) => {
+                silent.push(url.to_owned());
+                tracing::warn!(reason = %reason, "redis sentinel: a sentinel does not answer; the next one is asked (one fewer to follow a failover with)");
+            }
+            _ => {}
+        }
+    }
+
     /// The master's target: the first address a sentinel names that is the master in use or
     /// answers `ROLE` as a master; a sentinel that cannot be asked, or names a node that is
     /// not a master (a stale or misconfigured sentinel), is passed over for the next one.
@@ -223,8 +246,12 @@ impl Sentinel {
                 continue;
             };
             let (host, port) = match self.ask_one(url, &dial, &sentinels.master).await {
-                Ok(addr) => addr,
+                Ok(addr) => {
+                    self.answered(url, None);
+                    addr
+                }
                 Err(e) => {
+                    self.answered(url, Some(&e));
                     why = e;
                     continue;
                 }
@@ -291,7 +318,8 @@ impl Sentinel {
 /// Keeps `link` on the master for the life of the store.
 pub(super) async fn follow(sentinel: Arc<Sentinel>, link: Arc<Link>) {
     tokio::spawn(watch_switches(Arc::clone(&sentinel)));
-    let mut warned = false;
+    // No master at start was said as the store started.
+    let mut warned = sentinel.master().is_none();
     loop {
         match sentinel.follow_once(&link).await {
             // Warned again only after a master was found that answers as one: taking the one
@@ -336,14 +364,21 @@ async fn watch_switches(sentinel: Arc<Sentinel>) {
                 continue;
             };
             let mut messages = pubsub.into_on_message();
+            let mut ended = true;
             while let Some(msg) = messages.next().await {
                 let payload: String = msg.get_payload().unwrap_or_default();
                 if payload.split(' ').next() == Some(target.master.as_str()) {
                     sentinel.ask.notify_one();
                 }
                 if **sentinel.target.load() != *target {
+                    ended = false;
                     break;
                 }
+            }
+            if ended {
+                // A failover is still followed (the sentinels are asked every second); this
+                // says one of them went away.
+                tracing::info!(sentinel = %redact_url(url), "redis sentinel: the subscription to +switch-master on this sentinel ended; subscribing on the next that takes it");
             }
         }
         tokio::time::sleep(POLL_EVERY).await;
