@@ -234,6 +234,15 @@ async fn a_reload_that_lowers_a_capacity_holds_existing_buckets_to_it() {
     assert_eq!(admitted("/slow/x", 10).await, 3);
 }
 
+/// The resets' route: two requests a key, then one every 100 s (a denial is remembered
+/// for long enough to be seen).
+fn two_a_key() -> Route {
+    Route::new("l.tb")
+        .prefix("/tb")
+        .identity_header("X-API-Key")
+        .token_bucket(2_000_000, 10_000)
+}
+
 /// A reset on one gateway reaches the others' over-limit caches: a gateway that remembered
 /// the identity's denial admits its next request, where it repeated the denial for the
 /// bucket's whole wait (100 s here) before.
@@ -243,12 +252,7 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     let up = Upstream::start("app");
     let config = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
-        .route(
-            Route::new("l.tb")
-                .prefix("/tb")
-                .identity_header("X-API-Key")
-                .token_bucket(2_000_000, 10_000),
-        );
+        .route(two_a_key());
     let (one, two) = (config.start(), config.start());
     assert_eq!(
         [
@@ -317,12 +321,7 @@ async fn the_first_remembered_denial_is_answered_once_its_gateway_listens() {
         GatewayConfig::new(url)
             .redis("timeout_ms", "1000")
             .upstream("app", &[up.addr()])
-            .route(
-                Route::new("l.tb")
-                    .prefix("/tb")
-                    .identity_header("X-API-Key")
-                    .token_bucket(2_000_000, 10_000),
-            )
+            .route(two_a_key())
     };
     let (one, two) = (config(&redis.url()).start(), config(&proxy.url()).start());
     // The second gateway's decisions have their connection (made at the first one).

@@ -829,31 +829,21 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
             &what,
             Some("redis.sentinel_password_env"),
         ) {
-            Some(url)
-                if (url.starts_with("redis://") || url.starts_with("rediss://"))
-                    && !beyond_the_address(&url) =>
-            {
-                sentinels.push(url)
-            }
-            Some(url) if beyond_the_address(&url) => {
-                c.push(
-                    Some(&u.span()),
-                    None,
-                    format!(
-                        "{what}: a sentinel is reached as redis://host:port, with no database or options (the master's database 0 holds the limits)"
-                    ),
-                );
-                ok = false;
-            }
-            Some(_) => {
-                c.push(
-                    Some(&u.span()),
-                    None,
-                    format!(
-                        "{what}: a sentinel is reached as redis://host:port (rediss:// for TLS)"
-                    ),
-                );
-                ok = false;
+            Some(url) => {
+                let why = if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                    Some("a sentinel is reached as redis://host:port (rediss:// for TLS)")
+                } else if beyond_the_address(&url) {
+                    Some("a sentinel is reached as redis://host:port, with no database or options (the master's database 0 holds the limits)")
+                } else {
+                    None
+                };
+                match why {
+                    None => sentinels.push(url),
+                    Some(why) => {
+                        c.push(Some(&u.span()), None, format!("{what}: {why}"));
+                        ok = false;
+                    }
+                }
             }
             None => ok = false,
         }
