@@ -500,7 +500,7 @@ impl Admin {
     }
 
     async fn reload(&self) -> AdminResponse {
-        match self.reloader.reload_off_thread().await {
+        match self.reloader.reload_off_thread("admin").await {
             Ok(r) => {
                 let mut body =
                     serde_json::json!({"reloaded": true, "config_generation": r.generation});

@@ -66,32 +66,39 @@ impl Reloader {
         }
     }
 
-    /// Reloads; returns the new generation, or every problem found.
-    pub fn reload(&self) -> Result<Reloaded, String> {
+    /// Reloads; returns the new generation, or every problem found. `trigger` says what
+    /// asked (`admin`, `signal`, `watch`), for the log line.
+    pub fn reload(&self, trigger: &'static str) -> Result<Reloaded, String> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let result = self.try_reload();
         self.metrics.config_reload(result.is_ok());
+        let config = self.path.display();
         match &result {
             Ok(r) if r.restart_required.is_empty() => {
-                tracing::info!(config_generation = r.generation, "config reloaded")
+                tracing::info!(config_generation = r.generation, %config, trigger, "config reloaded")
             }
             Ok(r) => tracing::info!(
                 config_generation = r.generation,
+                %config,
+                trigger,
                 // The fields as one list: `server.listen,server.threads`.
                 restart_required = %r.restart_required.join(","),
                 "config reloaded"
             ),
             Err(e) => {
-                tracing::error!(error = %e, "config reload failed; the previous config keeps serving")
+                tracing::error!(error = %e, %config, trigger, "config reload failed; the previous config keeps serving")
             }
         }
         result
     }
 
     /// `reload` from async code: file reading and validation run on a blocking thread.
-    pub async fn reload_off_thread(self: &Arc<Self>) -> Result<Reloaded, String> {
+    pub async fn reload_off_thread(
+        self: &Arc<Self>,
+        trigger: &'static str,
+    ) -> Result<Reloaded, String> {
         let reloader = Arc::clone(self);
-        tokio::task::spawn_blocking(move || reloader.reload())
+        tokio::task::spawn_blocking(move || reloader.reload(trigger))
             .await
             .unwrap_or_else(|e| Err(format!("reload task failed: {e}")))
     }
@@ -289,7 +296,7 @@ pub async fn watch(reloader: Arc<Reloader>) {
         }
         loaded = now;
         pending = None;
-        let _ = reloader.reload_off_thread().await;
+        let _ = reloader.reload_off_thread("watch").await;
     }
 }
 

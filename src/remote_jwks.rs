@@ -475,7 +475,8 @@ pub async fn keep_fresh(
             Err(e) => {
                 counters.failure.inc();
                 let reason = e.to_string();
-                // At start the first failure was logged by the caller.
+                // Said already: this reason, or (empty) the outage, at start, without the
+                // fetch's own words (it timed out there).
                 let said = failing
                     .as_ref()
                     .is_some_and(|r| r.is_empty() || *r == reason);

@@ -88,11 +88,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
         })?;
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
-    if let Some(field) = config.redis.env_overrides {
-        tracing::warn!(
-            "SENTINEL_REDIS_URL is set: it overrides {field}, and the gateway uses that one Redis"
-        );
-    }
     let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics)
         .map_err(StartError::Store)?;
     // From here on no signal ends the process by its default action while it starts (a
@@ -178,8 +173,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
                 }
                 match heard {
                     Heard::Message(message) => heard_reset(endpoints, Some(message)),
-                    // Deaf first: nothing remembered after the caches are emptied.
-                    Heard::Lost => {
+                    // Deaf first: nothing remembered after the caches are emptied. Not
+                    // listening, whether it never was (an attempt failed) or no longer is.
+                    Heard::Lost | Heard::Failed => {
                         set_deaf(true);
                         heard_reset(endpoints, None);
                     }
@@ -191,7 +187,6 @@ pub fn run(config: Config) -> Result<(), StartError> {
                     }
                     // The cache as it was before there were announcements (documented).
                     Heard::Refused => set_deaf(false),
-                    Heard::Failed => {}
                 }
             }),
         );
@@ -328,7 +323,9 @@ pub fn run(config: Config) -> Result<(), StartError> {
                 tracing::warn!(url = %crate::remote_jwks::shown(&url), error = %e, "cannot fetch the JWKS at start; tokens are refused until it is fetched");
             }
             Err(_) => {
-                at_start = Some(Err("no answer within 5 s".to_owned()));
+                // Said without the fetch's own words: whatever the next failure says, it
+                // is this outage's, already said.
+                at_start = Some(Err(String::new()));
                 metrics.jwks_refresh.failure.inc();
                 tracing::warn!(url = %crate::remote_jwks::shown(&url), "the JWKS did not come within 5 s at start; tokens are refused until it is fetched");
             }
@@ -389,7 +386,7 @@ async fn reload_on_sighup(reloader: Arc<Reloader>, hup: Option<Signal>) {
         return;
     };
     while hup.recv().await.is_some() {
-        let _ = reloader.reload_off_thread().await;
+        let _ = reloader.reload_off_thread("signal").await;
     }
 }
 

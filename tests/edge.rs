@@ -905,6 +905,13 @@ async fn an_http2_authority_is_held_to_what_a_host_must_be() {
             (400, true, r#"{"detail":"bad request"}"#),
             "{authority}"
         );
+        // An HTTP/1 absolute-form target without `Host` is routed by its authority too.
+        let request = format!("GET http://{authority}/h/x HTTP/1.0\r\n\r\n");
+        assert_eq!(
+            common::raw_request(gw.port, request.as_bytes()),
+            Some(400),
+            "{authority} over HTTP/1.0"
+        );
     }
 }
 

@@ -343,8 +343,8 @@ async fn an_outage_whose_reason_changes_says_the_new_one() {
     });
     let warned = warned(&gw);
     assert_eq!(warned.len(), 2, "{warned:?}");
-    assert!(warned[0].contains("503"), "{}", warned[0]);
-    assert!(!warned[1].contains("503"), "{}", warned[1]);
+    assert!(warned[0].contains("answered 503"), "{}", warned[0]);
+    assert!(warned[1].contains("is not a JWKS"), "{}", warned[1]);
 }
 
 /// A fetched set may hold a key that cannot verify (here an Ed25519 key of 16 bytes, which

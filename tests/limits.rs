@@ -324,9 +324,20 @@ async fn the_first_remembered_denial_is_answered_once_its_gateway_listens() {
             .route(two_a_key())
     };
     let (one, two) = (config(&redis.url()).start(), config(&proxy.url()).start());
-    // The second gateway's decisions have their connection (made at the first one).
+    // The second gateway's decisions have their connection (made at the first one): once
+    // the fault proxy has taken no new connection for 300 ms.
     assert_eq!(two.status_for("/tb", "warm").await, 200);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (began, mut seen, mut still) = (Instant::now(), proxy.accepted(), Instant::now());
+    while still.elapsed() < Duration::from_millis(300) {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "connections keep coming"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if proxy.accepted() != seen {
+            (seen, still) = (proxy.accepted(), Instant::now());
+        }
+    }
     proxy.slow_new(Duration::from_millis(150));
     assert_eq!(
         [

@@ -488,12 +488,12 @@ async fn a_sentinel_that_does_not_answer_is_said_once_and_passed_over() {
     let said = gw
         .logs()
         .lines()
-        .filter(|l| l.contains("a sentinel does not answer"))
+        .filter(|l| l.contains("a sentinel cannot be asked"))
         .count();
     let logs = gw.logs();
     let lines: Vec<_> = logs
         .lines()
-        .filter(|l| l.contains("a sentinel does not answer"))
+        .filter(|l| l.contains("a sentinel cannot be asked"))
         .collect();
     assert_eq!(said, 1, "{lines:#?}");
 }
@@ -843,6 +843,7 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     for url in [
         "redis://127.0.0.1:26379/3",
         "redis://127.0.0.1:26379/0?protocol=3",
+        "redis://127.0.0.1:26379/3?x=a@b",
     ] {
         let (ok, out) = run(&format!(
             "sentinel_urls = [\"{url}\"]\nsentinel_master = \"mymaster\""
@@ -859,6 +860,13 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     assert!(
         ok && out.contains("SENTINEL_REDIS_URL is set: it overrides redis.sentinel_urls"),
         "{out}"
+    );
+    let (ok, out) = with_env(
+        "sentinel_urls = [\"redis://:pw@127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"",
+    );
+    assert!(
+        !ok && out.contains("redis.sentinel_password_env") && !out.contains("pw@"),
+        "a password in the file is refused with the variable set too: {out}"
     );
     let (ok, out) = with_env("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"\ntls_ca_path = \"ca.pem\"");
     assert!(

@@ -182,9 +182,6 @@ impl ServerConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub target: RedisTarget,
-    /// The field of the file `SENTINEL_REDIS_URL` replaced (`redis.cluster_urls` or
-    /// `redis.sentinel_urls`; logged at start, and by `check`).
-    pub env_overrides: Option<&'static str>,
     pub timeout: Duration,
     pub key_prefix: String,
     pub require_noeviction: bool,
@@ -578,7 +575,34 @@ impl Config {
                 None => format!("{source}: {words}"),
             })
         });
-        own.chain(upstreams).collect()
+        own.chain(upstreams)
+            .chain(self.out_of_date_certificates())
+            .collect()
+    }
+
+    /// What is wrong with each certificate a TLS listener serves out of its validity, by
+    /// field: such a certificate is served (refused, it would stop a start or a reload of any
+    /// field, for every client), and every client that checks it refuses the handshake.
+    pub fn out_of_date_certificates(&self) -> Vec<String> {
+        let mut said = Vec::new();
+        for (i, listener) in self.server.tls.iter().enumerate() {
+            let pairs = std::iter::once((format!("server.tls[{i}]"), &listener.default)).chain(
+                listener
+                    .sni
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, s)| (format!("server.tls[{i}].sni[{j}]"), &s.pair)),
+            );
+            for (field, pair) in pairs {
+                if let Some(why) = &pair.out_of_date {
+                    said.push(format!(
+                        "{field}.cert_path ({}) {why}: it is served, and every client that checks it refuses the handshake",
+                        pair.cert_path.display()
+                    ));
+                }
+            }
+        }
+        said
     }
 
     /// Logs every warning: at start and after every reload that took effect, whether or not
@@ -588,6 +612,9 @@ impl Config {
         // kept for what goes wrong at run time (and for `verify = false`, as promised).
         for w in &self.warnings {
             tracing::info!(config = %self.source.display(), "config warning: {w}");
+        }
+        for why in self.out_of_date_certificates() {
+            tracing::error!(config = %self.source.display(), "{why}");
         }
         for up in self.upstreams.values() {
             if let Some(words) = up.unprotected() {

@@ -21,10 +21,7 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
         .headers
         .get(http::header::HOST)
         .is_some_and(|h| !is_authority(h.as_bytes()))
-        || req
-            .uri
-            .authority()
-            .is_some_and(|a| !is_authority(a.as_str().as_bytes()))
+        || target_authority(req).is_some_and(|a| !is_authority(a.as_bytes()))
     {
         return None;
     }
@@ -51,6 +48,15 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
         .ok()
         .and_then(|v| v.parse::<u64>().ok());
     Some(Some(n.unwrap_or(u64::MAX)))
+}
+
+/// The authority the request's target names: HTTP/2's `:authority`, or an HTTP/1
+/// absolute-form target's (`GET http://host/path`, which Pingora takes off the URI).
+pub fn target_authority(req: &RequestHeader) -> Option<&str> {
+    match req.uri.authority() {
+        Some(a) => Some(a.as_str()),
+        None => super::forwarded::absolute_form_authority(req),
+    }
 }
 
 /// Whether `v` is an authority as a `Host` carries it (RFC 3986, 3.2): a host, then

@@ -373,13 +373,11 @@ impl Gateway {
             }
             decision
         };
-        if decision.reason() == DecisionReason::RateLimited
-            && !decision.cached()
-            && !overlimit::hearing()
-        {
-            // The process's first remembered denial: answered once the process listens for
-            // other gateways' resets (within the budget), so that one made after the client
-            // has this answer is heard here.
+        if decision.reason() == DecisionReason::RateLimited && !overlimit::hearing() {
+            // The process's first remembered denial (or its repeat from the cache, or another
+            // Redis gave meanwhile): answered once the process has tried to listen for other
+            // gateways' resets (within the budget), so that one made after the client has
+            // this answer is heard here.
             overlimit::until_hearing(self.store.budget().saturating_sub(started.elapsed())).await;
         }
         ctx.decision_time = started.elapsed();
@@ -400,7 +398,10 @@ impl Gateway {
             },
         };
         let shadow = route.endpoint.policy.mode == Enforcement::Shadow;
+        // A target of their own: under a flood they are most of the log, and an operator may
+        // filter them apart from the rest (`RUST_LOG=info,sentinel_gateway::denials=error`).
         tracing::warn!(
+            target: "sentinel_gateway::denials",
             endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
             decision_reason = decision.reason().as_str(),
             identity_hash = hash.as_str(),

@@ -482,7 +482,14 @@ impl Store {
         // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
         // serves.
         let Some(link) = self.link_for(call.keys[0]) else {
-            return Some(self.unlinked());
+            // A compensation is no decision: it counts for no breaker (below).
+            return Some(match call.compensation {
+                true => {
+                    self.count(StoreFailure::ConnectionError);
+                    self.unasked()
+                }
+                false => self.unlinked(),
+            });
         };
         let breaker = &link.breaker;
         // A compensation (giving back what a denied request was charged) is owed whatever the

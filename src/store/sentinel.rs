@@ -208,19 +208,20 @@ impl Sentinel {
         }
     }
 
-    /// Notes whether the sentinel at `url` answered (`None`) or not (why): a sentinel that
-    /// stops answering is said once at WARN, and once at INFO when it answers again.
+    /// Notes whether the sentinel at `url` named a master (`None`) or not (why: no answer, a
+    /// refused password, no master of that name): said once at WARN, and once at INFO when
+    /// it names one again.
     fn answered(&self, url: &str, failed: Option<&str>) {
         let mut silent = SILENT.lock().unwrap_or_else(|p| p.into_inner());
         let known = silent.iter().position(|u| u == url);
         match (failed, known) {
             (None, Some(at)) => {
                 silent.swap_remove(at);
-                tracing::info!(sentinel = %redact_url(url), "redis sentinel: the sentinel answers again");
+                tracing::info!(sentinel = %redact_url(url), "redis sentinel: the sentinel names a master again");
             }
             (Some(reason), None) => {
                 silent.push(url.to_owned());
-                tracing::warn!(reason = %reason, "redis sentinel: a sentinel does not answer; the next one is asked (one fewer to follow a failover with)");
+                tracing::warn!(reason = %reason, "redis sentinel: a sentinel cannot be asked for the master; the next one is asked (one fewer to follow a failover with)");
             }
             _ => {}
         }
@@ -238,6 +239,11 @@ impl Sentinel {
     /// is `trusted` and not suspect. With whether the target was checked.
     async fn discover_checking(&self, trusted: bool) -> Result<(Target, bool), String> {
         let sentinels = self.target.load_full();
+        // A sentinel a reload removed is forgotten: listed again, it is said again.
+        SILENT
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|u| sentinels.sentinels.contains(u));
         let recheck = self.suspect.swap(false, Ordering::Relaxed) || !trusted;
         let mut why = String::from("no sentinel to ask");
         let mut not_masters: Vec<String> = Vec::new();

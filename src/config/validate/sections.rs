@@ -556,17 +556,25 @@ pub(super) fn redis(
         (Some(env), file_url, file_seeds) => {
             // The environment's URL is used; the file's must still hold no password.
             let seeds = file_seeds.map(|s| s.get_ref().iter()).into_iter().flatten();
-            for (u, field) in file_url
+            let sentinels = sentinel.map(|s| s.get_ref().iter()).into_iter().flatten();
+            for (u, field, instead) in file_url
                 .into_iter()
-                .map(|u| (u, "redis.url"))
-                .chain(seeds.map(|u| (u, "redis.cluster_urls entry")))
+                .map(|u| (u, "redis.url", "redis.password_env"))
+                .chain(seeds.map(|u| (u, "redis.cluster_urls entry", "redis.password_env")))
+                .chain(sentinels.map(|u| {
+                    (
+                        u,
+                        "redis.sentinel_urls entry",
+                        "redis.sentinel_password_env",
+                    )
+                }))
             {
                 check_redis_url(
                     c,
                     Some(&u.span()),
                     u.get_ref(),
                     &format!("{field} \"{}\"", redact_url(u.get_ref())),
-                    Some("redis.password_env"),
+                    Some(instead),
                 );
             }
             check_redis_url(
@@ -635,12 +643,13 @@ pub(super) fn redis(
     let access = target
         .as_ref()
         .and_then(|t| redis_access(c, r, t, url_override, config));
-    let env_overrides = match (url_override, cluster, sentinel) {
+    // Said by `check`, and logged at every start and reload with the file's other warnings.
+    let overridden = match (url_override, cluster, sentinel) {
         (Some(_), Some(_), _) => Some("redis.cluster_urls"),
         (Some(_), None, Some(_)) => Some("redis.sentinel_urls"),
         _ => None,
     };
-    if let Some(field) = env_overrides {
+    if let Some(field) = overridden {
         c.warn(
             None,
             None,
@@ -651,7 +660,6 @@ pub(super) fn redis(
     }
     Some(RedisConfig {
         target: target?,
-        env_overrides,
         timeout: Duration::from_millis(timeout?),
         key_prefix: key_prefix?,
         require_noeviction,
@@ -798,8 +806,8 @@ fn redis_access(
 
 /// Whether a URL says more than where to connect: a database (`/3`) or options (`?...`).
 fn beyond_the_address(url: &str) -> bool {
+    // Userinfo holds none of `/`, `?`, `#` unencoded: the first of them ends the address.
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
     match rest.find(['/', '?', '#']) {
         None => false,
         Some(at) => !matches!(&rest[at..], "/" | "/0"),

@@ -142,19 +142,9 @@ fn pair(
     };
     let (cert_path, key_path) = (resolve(cert.get_ref()), resolve(key.get_ref()));
     match CertPair::load(&cert_path, &key_path) {
-        Ok(pair) => {
-            if let Some(why) = &pair.out_of_date {
-                c.warn(
-                    Some(&cert.span()),
-                    None,
-                    format!(
-                        "{at}.cert_path = \"{}\" {why}: it is served, and every client that checks it refuses the handshake; renew it and reload",
-                        cert.get_ref()
-                    ),
-                );
-            }
-            Some(pair)
-        }
+        // Out of its validity, it is served: said by `check` and logged at ERROR at every
+        // start and reload (`Config::out_of_date_certificates`).
+        Ok(pair) => Some(pair),
         Err(PairError::Cert(why)) => {
             c.push(
                 Some(&cert.span()),
