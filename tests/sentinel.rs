@@ -868,6 +868,17 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
         !ok && out.contains("redis.sentinel_password_env") && !out.contains("pw@"),
         "a password in the file is refused with the variable set too: {out}"
     );
+    // The file's sentinels are checked as they would be read without the variable, and a
+    // password in a query is a password in the file.
+    for (url, said) in [
+        ("redis://127.0.0.1:26379/3", "with no database or options"),
+        ("redis://127.0.0.1:26379?password=pw", "holds a password"),
+    ] {
+        let (ok, out) = with_env(&format!(
+            "sentinel_urls = [\"{url}\"]\nsentinel_master = \"mymaster\""
+        ));
+        assert!(!ok && out.contains(said), "{url}: {out}");
+    }
     let (ok, out) = with_env("sentinel_urls = [\"rediss://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"\ntls_ca_path = \"ca.pem\"");
     assert!(
         !ok && out

@@ -231,12 +231,12 @@ fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64, Option<Stri
     let now = x509_parser::time::ASN1Time::now();
     let out_of_date = if validity.not_after < now {
         Some(format!(
-            "holds a certificate that expired on {}: renew it and reload",
+            "holds a certificate that expired on {} (renew it and reload)",
             validity.not_after
         ))
     } else if validity.not_before > now {
         Some(format!(
-            "holds a certificate that is not valid before {}: is this host's clock right?",
+            "holds a certificate that is not valid before {} (is this host's clock right?)",
             validity.not_before
         ))
     } else {

@@ -342,6 +342,28 @@ const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
     "x-dns-prefetch-control",
     "x-frame-options",
     "x-xss-protection",
+    // Standard too, beyond the `http` crate's list: authentication, HTTP/2's upgrade,
+    // priorities, digests and signatures, preferences, what a server tells a browser.
+    "authentication-info",
+    "http2-settings",
+    "priority",
+    "early-data",
+    "prefer",
+    "proxy-status",
+    "alt-used",
+    "accept-ch",
+    "content-digest",
+    "repr-digest",
+    "want-digest",
+    "want-content-digest",
+    "want-repr-digest",
+    "signature",
+    "signature-input",
+    "server-timing",
+    "clear-site-data",
+    // W3C trace context has a format of its own, which an id of 32 hex digits is not.
+    "traceparent",
+    "tracestate",
     // Hop by hop: a proxy does not pass these on as they came.
     "proxy-connection",
     "keep-alive",
@@ -554,28 +576,23 @@ pub(super) fn redis(
             sentinel_target(c, r.expect("a [redis] section"))
         }
         (Some(env), file_url, file_seeds) => {
-            // The environment's URL is used; the file's must still hold no password.
-            let seeds = file_seeds.map(|s| s.get_ref().iter()).into_iter().flatten();
-            let sentinels = sentinel.map(|s| s.get_ref().iter()).into_iter().flatten();
-            for (u, field, instead) in file_url
-                .into_iter()
-                .map(|u| (u, "redis.url", "redis.password_env"))
-                .chain(seeds.map(|u| (u, "redis.cluster_urls entry", "redis.password_env")))
-                .chain(sentinels.map(|u| {
-                    (
-                        u,
-                        "redis.sentinel_urls entry",
-                        "redis.sentinel_password_env",
-                    )
-                }))
-            {
+            // The environment's URL is used; the file's are checked all the same (no password
+            // in them, and each as it would be read without the variable), so that a file
+            // that passes now still loads once the variable is gone.
+            if let Some(u) = file_url {
                 check_redis_url(
                     c,
                     Some(&u.span()),
                     u.get_ref(),
-                    &format!("{field} \"{}\"", redact_url(u.get_ref())),
-                    Some(instead),
+                    &format!("redis.url \"{}\"", redact_url(u.get_ref())),
+                    Some("redis.password_env"),
                 );
+            }
+            if let Some(seeds) = file_seeds {
+                let _ = cluster_urls(c, seeds);
+            }
+            if let (Some(_), Some(r)) = (sentinel, r) {
+                let _ = sentinel_target(c, r);
             }
             check_redis_url(
                 c,
@@ -962,14 +979,23 @@ fn check_redis_url(
         Some(rest) => format!("redis://{rest}"),
         None => url.to_owned(),
     };
+    // A password in the query (`?password=`): redis-rs reads one there only for a socket's
+    // URL, but it is a secret written in the file all the same.
+    let in_query = url.split_once('?').is_some_and(|(_, query)| {
+        query.split('&').any(|pair| {
+            let key = pair.split('=').next().unwrap_or_default();
+            key.eq_ignore_ascii_case("password") || key.eq_ignore_ascii_case("pass")
+        })
+    });
     match redis::Client::open(plain.as_str()) {
         Ok(client)
             if in_file.is_some()
-                && client
-                    .get_connection_info()
-                    .redis_settings()
-                    .password()
-                    .is_some() =>
+                && (in_query
+                    || client
+                        .get_connection_info()
+                        .redis_settings()
+                        .password()
+                        .is_some()) =>
         {
             c.push(
                 span,
