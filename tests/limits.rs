@@ -307,6 +307,22 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     assert!(first.starts_with("id="), "{first}");
 }
 
+/// Once the fault proxy has taken no new connection for 300 ms: the gateway's decisions
+/// have their connection (it moves to the proxy's workers at the first decision).
+async fn settled(proxy: &FaultProxy) {
+    let (began, mut seen, mut still) = (Instant::now(), proxy.accepted(), Instant::now());
+    while still.elapsed() < Duration::from_millis(300) {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "connections keep coming"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if proxy.accepted() != seen {
+            (seen, still) = (proxy.accepted(), Instant::now());
+        }
+    }
+}
+
 /// A gateway's first remembered denial makes it listen for resets, on a connection of its
 /// own; that denial is answered once it listens (within the budget), so that a reset made as
 /// soon as the client has it is heard there. Here the listening connection's commands reach
@@ -327,17 +343,7 @@ async fn the_first_remembered_denial_is_answered_once_its_gateway_listens() {
     // The second gateway's decisions have their connection (made at the first one): once
     // the fault proxy has taken no new connection for 300 ms.
     assert_eq!(two.status_for("/tb", "warm").await, 200);
-    let (began, mut seen, mut still) = (Instant::now(), proxy.accepted(), Instant::now());
-    while still.elapsed() < Duration::from_millis(300) {
-        assert!(
-            began.elapsed() < Duration::from_secs(10),
-            "connections keep coming"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        if proxy.accepted() != seen {
-            (seen, still) = (proxy.accepted(), Instant::now());
-        }
-    }
+    settled(&proxy).await;
     proxy.slow_new(Duration::from_millis(150));
     assert_eq!(
         [
@@ -364,4 +370,36 @@ async fn the_first_remembered_denial_is_answered_once_its_gateway_listens() {
     let asked = Instant::now();
     assert_eq!(two.status_for("/tb", "k").await, 429);
     assert!(asked.elapsed() < Duration::from_millis(150));
+}
+
+/// The first denial's wait for the listener is the budget's: a subscription slower than it
+/// (its commands reach Redis 600 ms late here, the budget is 50 ms) does not hold the 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_denials_wait_for_the_listener_ends_with_the_budget() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&proxy.url())
+        .redis("timeout_ms", "50")
+        .upstream("app", &[up.addr()])
+        .route(two_a_key())
+        .start();
+    assert_eq!(gw.status_for("/tb", "warm").await, 200);
+    settled(&proxy).await;
+    proxy.slow_new(Duration::from_millis(600));
+    assert_eq!(
+        [
+            gw.status_for("/tb", "k").await,
+            gw.status_for("/tb", "k").await
+        ],
+        [200, 200]
+    );
+    let asked = Instant::now();
+    assert_eq!(gw.status_for("/tb", "k").await, 429);
+    // 50 ms of budget; the rest is a loaded machine's slack, far below the 600 ms.
+    assert!(
+        asked.elapsed() < Duration::from_millis(400),
+        "the 429 waited past the budget: {:?}",
+        asked.elapsed()
+    );
 }

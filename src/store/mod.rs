@@ -438,15 +438,15 @@ impl Store {
         })
     }
 
-    /// A call no node was asked: it fails at once, as a disconnected Redis does.
     /// A decision no node can be asked for: a cluster whose slot map is not known yet, or
     /// whose slot no primary serves. It fails at once as a connection error (and is counted
     /// as one); with no map, through the breaker that stands for the cluster meanwhile
     /// (`Cluster::mapless`, one failure per failed attempt to read the map): open, it
-    /// short-circuits as one Redis's does, and its half-open probe fails at once.
-    fn unlinked<T>(&self) -> Evaluation<T> {
+    /// short-circuits as one Redis's does, and its half-open probe fails at once. A
+    /// `compensation` is no decision: it counts for no breaker.
+    fn unlinked<T>(&self, compensation: bool) -> Evaluation<T> {
         if let Layout::Cluster(cluster) = &self.inner.layout {
-            if cluster.has_no_map() {
+            if cluster.has_no_map() && !compensation {
                 match cluster.mapless.acquire() {
                     Err(short) => {
                         return Evaluation {
@@ -465,6 +465,7 @@ impl Store {
         self.unasked()
     }
 
+    /// A call no node was asked: it fails at once, as a disconnected Redis does.
     fn unasked<T>(&self) -> Evaluation<T> {
         Evaluation {
             outcome: Err(Degradation::Store(StoreFailure::ConnectionError)),
@@ -482,14 +483,7 @@ impl Store {
         // No node to ask: a cluster whose slot map is not known yet, or whose slot no primary
         // serves.
         let Some(link) = self.link_for(call.keys[0]) else {
-            // A compensation is no decision: it counts for no breaker (below).
-            return Some(match call.compensation {
-                true => {
-                    self.count(StoreFailure::ConnectionError);
-                    self.unasked()
-                }
-                false => self.unlinked(),
-            });
+            return Some(self.unlinked(call.compensation));
         };
         let breaker = &link.breaker;
         // A compensation (giving back what a denied request was charged) is owed whatever the

@@ -208,25 +208,6 @@ impl Sentinel {
         }
     }
 
-    /// Notes whether the sentinel at `url` named a master (`None`) or not (why: no answer, a
-    /// refused password, no master of that name): said once at WARN, and once at INFO when
-    /// it names one again.
-    fn answered(&self, url: &str, failed: Option<&str>) {
-        let mut silent = SILENT.lock().unwrap_or_else(|p| p.into_inner());
-        let known = silent.iter().position(|u| u == url);
-        match (failed, known) {
-            (None, Some(at)) => {
-                silent.swap_remove(at);
-                tracing::info!(sentinel = %redact_url(url), "redis sentinel: the sentinel names a master again");
-            }
-            (Some(reason), None) => {
-                silent.push(url.to_owned());
-                tracing::warn!(reason = %reason, "redis sentinel: a sentinel cannot be asked for the master; the next one is asked (one fewer to follow a failover with)");
-            }
-            _ => {}
-        }
-    }
-
     /// The master's target: the first address a sentinel names that is the master in use or
     /// answers `ROLE` as a master; a sentinel that cannot be asked, or names a node that is
     /// not a master (a stale or misconfigured sentinel), is passed over for the next one.
@@ -253,11 +234,11 @@ impl Sentinel {
             };
             let (host, port) = match self.ask_one(url, &dial, &sentinels.master).await {
                 Ok(addr) => {
-                    self.answered(url, None);
+                    answered(url, None);
                     addr
                 }
                 Err(e) => {
-                    self.answered(url, Some(&e));
+                    answered(url, Some(&e));
                     why = e;
                     continue;
                 }
@@ -318,6 +299,25 @@ impl Sentinel {
             return Ok(true);
         }
         Ok(checked)
+    }
+}
+
+/// Notes whether the sentinel at `url` named a master (`None`) or not (why: no answer, a
+/// refused password, no master of that name): said once at WARN, and once at INFO when
+/// it names one again.
+fn answered(url: &str, failed: Option<&str>) {
+    let mut silent = SILENT.lock().unwrap_or_else(|p| p.into_inner());
+    let known = silent.iter().position(|u| u == url);
+    match (failed, known) {
+        (None, Some(at)) => {
+            silent.swap_remove(at);
+            tracing::info!(sentinel = %redact_url(url), "redis sentinel: the sentinel names a master again");
+        }
+        (Some(reason), None) => {
+            silent.push(url.to_owned());
+            tracing::warn!(reason = %reason, "redis sentinel: a sentinel cannot be asked for the master; the next one is asked (one fewer to follow a failover with)");
+        }
+        _ => {}
     }
 }
 
