@@ -114,7 +114,11 @@ impl Reloader {
             return Ok(());
         }
         match self.store.runtime().block_on(preflight(new)) {
-            EvictionPolicy::Evicting(policy) => Err(StartError::Evicting(policy).to_string()),
+            EvictionPolicy::Evicting(policy) => Err(format!(
+                "{}: [redis] require_noeviction: {}",
+                self.path.display(),
+                StartError::Evicting(policy)
+            )),
             // The same Redis, the requirement turned on: its connections are not made again,
             // so the connector would not say it.
             EvictionPolicy::Unknown if !elsewhere => {

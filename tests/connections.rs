@@ -939,6 +939,73 @@ fn loud_lines(gw: &common::Gateway) -> Vec<String> {
         .collect()
 }
 
+/// A client that resets its connection (RST) the moment it has sent its request, before the
+/// gateway's own answer (a 404 here; a 401, 429, 413 or 400 alike) is written, is the
+/// client's doing: logged at DEBUG, never at ERROR, and counted and logged as 499 like any
+/// request whose client left before its answer.
+#[test]
+fn a_client_that_resets_before_the_gateways_own_answer_is_a_499_not_an_error() {
+    let redis = Redis::start();
+    let upstream = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream.addr()])
+        .route(Route::new("e.open").prefix("/open").unlimited())
+        .access_log(&log)
+        .start();
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    // A reset races the gateway's read of the request and its write of the answer: some
+    // requests are never read (no line), some answered before the reset came (404), the rest
+    // meet the reset while their answer is written. Tried until that has happened a few times.
+    let mut sent = 0;
+    while lines().iter().filter(|l| l["status"] == 499).count() < 3 {
+        assert!(
+            sent < 2_000,
+            "no reset met an answer being written in {sent} requests"
+        );
+        for _ in 0..20 {
+            let s = open(gw.port);
+            (&s).write_all(b"GET /nothing HTTP/1.1\r\nHost: a\r\n\r\n")
+                .unwrap();
+            socket2::SockRef::from(&s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+            drop(s);
+            sent += 1;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let counted = |status: u16| {
+        gw.metric(&format!(
+            r#"sentinel_requests_total{{endpoint_id="_unmatched",status="{status}"}}"#
+        ))
+    };
+    common::wait_until(
+        Duration::from_secs(5),
+        "a line for every request counted",
+        || lines().len() as f64 == counted(404) + counted(499),
+    );
+    assert_eq!(
+        loud_lines(&gw),
+        Vec::<String>::new(),
+        "what a client does is DEBUG"
+    );
+    let lines = lines();
+    for line in &lines {
+        assert!(line["status"] == 404 || line["status"] == 499, "{line}");
+        assert_eq!(line["path"], "/nothing", "{line}");
+    }
+    let closed = lines.iter().filter(|l| l["status"] == 499).count();
+    assert_eq!(counted(499), closed as f64);
+}
+
 /// The same over HTTP/2: a client that reads its socket but never opens its stream's
 /// window (no WINDOW_UPDATE) holds its stream, and the upstream connection behind it, until
 /// `send_timeout_seconds`; then the stream is reset and the upstream connection let go.

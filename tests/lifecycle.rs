@@ -311,7 +311,9 @@ fn an_evicting_redis_refuses_start_unless_allowed() {
         assert_eq!(status, 400, "{body}");
         assert!(
             body.contains(r#""reloaded":false"#)
-                && body.contains("redis maxmemory-policy is allkeys-lru"),
+                && body
+                    .contains("[redis] require_noeviction: redis maxmemory-policy is allkeys-lru")
+                && body.contains(&gw.config_path.display().to_string()),
             "{body}"
         );
         let ready = blocking_get(&gw.admin("/readyz")).unwrap().1;

@@ -87,11 +87,32 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
             .filter(|_| forwarded)
             .map(|r| r.upstream.config.name.as_str()),
         upstream_addr: ctx.upstream_addr.filter(|_| forwarded),
-        duration_ms: took.as_secs_f64() * 1000.0,
+        duration_ms: millis(took),
         bytes_received: session.body_bytes_read() as u64,
         bytes_sent: session.body_bytes_sent() as u64,
         identity_hash: ctx.identity_hash.as_deref(),
         user_agent: header(http::header::USER_AGENT),
     };
     log.log(&line);
+}
+
+/// `took` in milliseconds, to the microsecond: `0.868`, not `0.8684419999999999`, the noise
+/// of a double made from seconds.
+fn millis(took: std::time::Duration) -> f64 {
+    took.as_micros() as f64 / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn durations_are_written_in_milliseconds_to_the_microsecond() {
+        let written = |took| serde_json::to_string(&super::millis(took)).unwrap();
+        assert_eq!(written(Duration::from_nanos(868_442_999)), "868.442");
+        assert_eq!(written(Duration::from_nanos(868_442)), "0.868");
+        assert_eq!(written(Duration::from_micros(1)), "0.001");
+        assert_eq!(written(Duration::ZERO), "0.0");
+        assert_eq!(written(Duration::from_secs(3)), "3000.0");
+    }
 }

@@ -157,6 +157,16 @@ async fn linger(session: &mut Session, ctx: &mut RequestCtx) {
     }
 }
 
+/// The gateway's own answer could not be written: the client reset its connection (or its
+/// HTTP/2 stream) first. The client's doing, so DEBUG (contract section 8), and counted and
+/// logged as 499 like any request whose client left before its answer; the connection is not
+/// kept.
+fn client_left(session: &mut Session, ctx: &mut RequestCtx, error: &Error) {
+    tracing::debug!(error = %crate::telemetry::Redacted(error), request_id = ctx.request_id(), "the client left before its answer was written");
+    ctx.answered = Some(CLIENT_CLOSED);
+    session.set_keepalive(None);
+}
+
 /// Pingora's own bodiless answer with `code` (what `respond_error` writes), with the request id
 /// on it: every answer carries it (contract section 9), these too. The connection is not
 /// reused.
@@ -267,7 +277,10 @@ impl Gateway {
             session.set_keepalive(None);
         }
         self.close_when_draining(session);
-        respond::write_with(session, answer, header).await?;
+        if let Err(e) = respond::write_with(session, answer, header).await {
+            client_left(session, ctx, &e);
+            return Ok(true);
+        }
         if lingers {
             linger(session, ctx).await;
         }
@@ -957,8 +970,8 @@ impl ProxyHttp for Gateway {
                         status
                     }
                     Err(err) => {
-                        tracing::debug!(error = %err, "cannot write the error answer");
-                        answer.status()
+                        client_left(session, ctx, &err);
+                        CLIENT_CLOSED
                     }
                 }
             }
