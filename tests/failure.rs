@@ -1151,6 +1151,77 @@ async fn alone_a_slow_redis_is_probed_back_on_its_connection() {
     assert_eq!(gw.metric("sentinel_breaker_state"), 0.0, "closed");
 }
 
+/// A connection whose peer went without a word (no reset: a host gone, a failover to
+/// another address behind the same name, a NAT that forgot it) while new connections work:
+/// the first decision that times out on it has a new connection opened beside it, which
+/// replaces it, and the quarantine its timeouts opened ends there, so decisions are Redis's
+/// again within moments, not after `open_seconds` (30 s here) of fail mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_dead_connection_is_replaced_without_waiting_out_the_quarantine() {
+    let r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.pass_new_only();
+    let started = Instant::now();
+    let mut unavailable = 0;
+    loop {
+        let key = format!("k{unavailable}");
+        match send(&r.http, &r.gw.url("/closed"), &key).await.status {
+            200 => break,
+            503 => unavailable += 1,
+            other => panic!("status {other}"),
+        }
+        // Far below the quarantine: the loaded machine's connection set-up, with room.
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still 503 after {unavailable} requests: {}",
+            r.gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(unavailable >= 1, "the silent connection answered nothing");
+    assert!(r.gw.logs().contains(
+        "a redis connection left a call unanswered while a new connection was answered at once"
+    ));
+    assert_eq!(r.gw.metric("sentinel_breaker_state"), 0.0, "closed");
+    let statuses = futures_statuses(&r, "/closed", "fresh", 4).await;
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 429],
+        "enforced again on the new connection"
+    );
+}
+
+/// A slow Redis is not a silent one: a new connection opened beside one whose call timed
+/// out has its set-up answered only after that call (Redis answers in order), so the
+/// connection is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_redis_keeps_the_connection_whose_call_timed_out() {
+    let r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    r.proxy.set(Mode::Stall(Duration::from_millis(80)));
+    for i in 0..3 {
+        let key = format!("slow{i}");
+        assert_eq!(send(&r.http, &r.gw.url("/closed"), &key).await.status, 503);
+    }
+    // The new connections' set-ups, each several replies held back, are over by then.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    assert!(!r
+        .gw
+        .logs()
+        .contains("a redis connection left a call unanswered"));
+    r.proxy.set(Mode::Pass);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "after").await.status,
+        200
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_leaves_a_silently_dead_connection_behind() {
     let r = rig(1);

@@ -255,6 +255,12 @@ impl Batches {
         self.busy
     }
 
+    /// The number of the call in flight, if one is: a later look tells the same call
+    /// unanswered from the next one.
+    fn unanswered_call(&self) -> Option<u64> {
+        self.busy.then_some(self.sent)
+    }
+
     /// Whether a decision due at `deadline_us` would spend more than three quarters of what
     /// is left of its budget waiting for the call in flight and then for its own: two round
     /// trips, where the node is far (8 ms of a 20 ms budget timed out a third of such
@@ -807,6 +813,68 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
         if !store.pump(&link, &conn, Look::Ready) {
             return;
         }
+    }
+}
+
+/// Least time between two attempts to replace one node's silent connection.
+const REPLACE_SILENT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Store {
+    /// A decision on `link` timed out with a batched call unanswered: Redis is slow, or the
+    /// connection's peer is gone without a word (a host gone, a failover to another address
+    /// behind the same name, a firewall or NAT that forgot the connection), which no reset
+    /// will ever say. A new connection is opened beside it in the background ([`Self::replace_silent`]).
+    /// At most one attempt a node at a time, and one a second.
+    pub(super) fn replace_if_silent(&self, link: &Arc<Link>) {
+        if !self.batches_on(link) || link.moving.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(conn) = link.conn.load_full() else {
+            return;
+        };
+        let Some(call) = conn.wire.lock().batches.unanswered_call() else {
+            return;
+        };
+        if link.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let store = self.clone();
+        let link = Arc::clone(link);
+        // On the store's thread, where the connector makes its connections.
+        self.runtime().spawn(async move {
+            store.replace_silent(&link, &conn, call).await;
+            drop(conn);
+            tokio::time::sleep(REPLACE_SILENT_EVERY).await;
+            link.replacing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Opens a new connection to `link`'s node; when Redis has answered its set-up (several
+    /// round trips) while `old`'s call `call` is still unanswered, even read now, it is not
+    /// Redis that is slow (a slow Redis answers in order, the old call first): the new
+    /// connection replaces `old` (which is let go once answered, or after the longest
+    /// wait), and a quarantine the old one's timeouts opened ends, so the next request
+    /// probes the node on the new connection rather than after `open_seconds`. A Redis that
+    /// is stopped or out of reach makes no new connection, and nothing changes.
+    async fn replace_silent(&self, link: &Arc<Link>, old: &Arc<Conn>, call: u64) {
+        let target = link.target.load_full();
+        let Some((fresh, wire)) = self.inner.connector.fresh(link, &target).await else {
+            return;
+        };
+        let held = link.conn.load_full();
+        if !held.is_some_and(|c| Arc::ptr_eq(&c, old))
+            || !Arc::ptr_eq(&target, &link.target.load_full())
+            || !self.pump(link, old, Look::Now)
+        {
+            // Replaced, moved or lost meanwhile: the connector or a probe made a new one.
+            return;
+        }
+        if old.wire.lock().batches.unanswered_call() != Some(call) {
+            return;
+        }
+        self.inner.connector.install_fresh(link, fresh, wire).await;
+        tracing::warn!(node = %target.node, "a redis connection left a call unanswered while a new connection was answered at once (its peer gone without a word); the new connection replaces it");
+        link.breaker.end_quarantine();
     }
 }
 

@@ -508,6 +508,26 @@ impl Connector {
             .map_err(io::Error::other)?
     }
 
+    /// A connection to `target` made as the connector makes its own (within its set-up
+    /// time), beside the one `link` holds: `None` when it could not be made.
+    pub(super) async fn fresh(&self, link: &Link, target: &Target) -> Option<(Opened, Wire)> {
+        match tokio::time::timeout(SETUP_TIMEOUT, self.connect(link, target)).await {
+            Ok(Ok(made)) => Some(made),
+            Ok(Err(e)) => {
+                tracing::debug!(node = %target.node, error = %e, "cannot open a redis connection beside the one that left a call unanswered");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Puts a connection from [`Self::fresh`] in the place of the one `link` holds, as the
+    /// connector's own are put.
+    pub(super) async fn install_fresh(&self, link: &Arc<Link>, opened: Opened, wire: Wire) {
+        link.install(opened, wire, self.proxy_runtime.get().is_some());
+        read_clock(link).await;
+    }
+
     /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
     /// scripts.
     async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<(Opened, Wire)> {

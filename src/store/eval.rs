@@ -176,6 +176,9 @@ impl Store {
         }
         let timed_out = matches!(result, Err(Failure::Timeout));
         link.suspect.store(timed_out, Ordering::Relaxed);
+        if timed_out {
+            self.replace_if_silent(link);
+        }
         // Loaded first: a store on every decision would bounce the line between workers.
         if !timed_out && link.probe_kept.load(Ordering::Relaxed) {
             link.probe_kept.store(false, Ordering::Relaxed);

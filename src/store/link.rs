@@ -128,6 +128,9 @@ pub(super) struct Link {
     /// without a word (no RST), so the next breaker probe opens a fresh one, unless every call
     /// on it has been answered since and no probe kept it yet (see `Store::connection`).
     pub(super) suspect: AtomicBool,
+    /// A new connection is being tried beside one that left a call unanswered
+    /// (`Store::replace_if_silent`), or was, less than a second ago.
+    pub(super) replacing: AtomicBool,
     /// A probe since the last timeout kept the connections (see `Store::connection`): the
     /// next one while still suspect replaces them.
     pub(super) probe_kept: AtomicBool,
@@ -166,6 +169,7 @@ impl Link {
             eviction_policy: ArcSwapOption::empty(),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
+            replacing: AtomicBool::new(false),
             probe_kept: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
