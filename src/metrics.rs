@@ -74,8 +74,12 @@ pub struct StoreErrorCounters {
 /// One endpoint's handles.
 #[derive(Clone)]
 pub struct EndpointMetrics {
-    /// Indexed by `DecisionReason as usize`, then by allowed.
-    decisions: Vec<[IntCounter; 2]>,
+    /// Indexed by `DecisionReason as usize`, then by allowed: the pairs the endpoint can
+    /// give, made ahead ([`possible`]); `None` for the others, made if one ever comes.
+    decisions: Vec<[Option<IntCounter>; 2]>,
+    /// `sentinel_decisions_total`, and the endpoint's label in it, for a pair not made ahead.
+    decisions_vec: IntCounterVec,
+    endpoint_id: String,
     pub decision_duration: Histogram,
     pub degraded: IntCounter,
     pub shadow_denials: IntCounter,
@@ -97,8 +101,42 @@ pub struct ResponseCharges {
 }
 
 impl EndpointMetrics {
-    pub fn decision(&self, reason: DecisionReason, allowed: bool) -> &IntCounter {
-        &self.decisions[reason as usize][usize::from(allowed)]
+    /// Counts a decision in `sentinel_decisions_total`.
+    pub fn count_decision(&self, reason: DecisionReason, allowed: bool) {
+        match &self.decisions[reason as usize][usize::from(allowed)] {
+            Some(counter) => counter.inc(),
+            None => self
+                .decisions_vec
+                .with_label_values(&[&self.endpoint_id, reason.as_str(), bool_label(allowed)])
+                .inc(),
+        }
+    }
+}
+
+fn bool_label(b: bool) -> &'static str {
+    if b {
+        "true"
+    } else {
+        "false"
+    }
+}
+
+/// Whether an endpoint failing by `fail_mode` can give the decision `reason` with `allowed`
+/// (the decision table): Redis's two; on `fail_open`, the emergency limiter's admissions by
+/// each cause of failure and its denial; on `fail_closed`, the two denials. Only those are
+/// shown at zero before the first one, so a dashboard is not filled with pairs that cannot
+/// occur (a `fail_closed` admitted).
+fn possible(reason: DecisionReason, allowed: bool, fail_mode: FailMode) -> bool {
+    let open = fail_mode == FailMode::FailOpen;
+    match reason {
+        DecisionReason::Allowed => allowed,
+        DecisionReason::RateLimited => !allowed,
+        DecisionReason::RedisTimeout
+        | DecisionReason::RedisConnectionError
+        | DecisionReason::RedisNoscriptRetry => allowed && open,
+        DecisionReason::EmergencyLocalLimit => !allowed && open,
+        DecisionReason::CircuitOpen => allowed == open,
+        DecisionReason::FailClosed => !allowed && !open,
     }
 }
 
@@ -407,20 +445,25 @@ impl Metrics {
                 .with_label_values(&[endpoint_id, name])
                 .set(i64::from(current));
         }
+        // A route without limits (`algorithm = "none"`) decides nothing.
         let decisions = DecisionReason::ALL
             .iter()
-            .map(|reason| {
+            .map(|&reason| {
                 [false, true].map(|allowed| {
-                    self.decisions.with_label_values(&[
-                        endpoint_id,
-                        reason.as_str(),
-                        if allowed { "true" } else { "false" },
-                    ])
+                    (!limits.is_empty() && possible(reason, allowed, fail_mode)).then(|| {
+                        self.decisions.with_label_values(&[
+                            endpoint_id,
+                            reason.as_str(),
+                            bool_label(allowed),
+                        ])
+                    })
                 })
             })
             .collect();
         EndpointMetrics {
             decisions,
+            decisions_vec: self.decisions.clone(),
+            endpoint_id: endpoint_id.to_owned(),
             decision_duration: self.decision_duration.with_label_values(&[endpoint_id]),
             degraded: self
                 .degraded
@@ -540,5 +583,78 @@ impl Metrics {
             .encode_utf8(&self.registry.gather(), &mut out)
             .unwrap_or_else(|e| tracing::error!(error = %e, "cannot encode metrics"));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sentinel_decisions_total`'s series of `endpoint`, as `reason/allowed = value`.
+    fn decisions(m: &Metrics, endpoint: &str) -> Vec<String> {
+        let label = format!("endpoint_id=\"{endpoint}\"");
+        let mut found: Vec<String> = m
+            .render()
+            .lines()
+            .filter(|l| l.starts_with("sentinel_decisions_total{") && l.contains(&label))
+            .map(|l| {
+                let field = |name: &str| {
+                    let at = l.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+                    l[at..].split('"').next().unwrap().to_owned()
+                };
+                let value = l.rsplit(' ').next().unwrap();
+                format!(
+                    "{}/{} = {value}",
+                    field("decision_reason"),
+                    field("allowed")
+                )
+            })
+            .collect();
+        found.sort();
+        found
+    }
+
+    #[test]
+    fn only_the_decisions_an_endpoint_can_give_are_shown_before_the_first() {
+        let m = Metrics::new();
+        let enforce = Enforcement::Enforce;
+        let closed = m.endpoint("e.closed", FailMode::FailClosed, enforce, &["default"]);
+        m.endpoint("e.open", FailMode::FailOpen, enforce, &["burst", "daily"]);
+        m.endpoint("e.none", FailMode::FailOpen, enforce, &[]);
+        assert_eq!(
+            decisions(&m, "e.closed"),
+            [
+                "allowed/true = 0",
+                "circuit_open/false = 0",
+                "fail_closed/false = 0",
+                "rate_limited/false = 0"
+            ]
+        );
+        assert_eq!(
+            decisions(&m, "e.open"),
+            [
+                "allowed/true = 0",
+                "circuit_open/true = 0",
+                "emergency_local_limit/false = 0",
+                "rate_limited/false = 0",
+                "redis_connection_error/true = 0",
+                "redis_noscript_retry/true = 0",
+                "redis_timeout/true = 0"
+            ]
+        );
+        assert_eq!(decisions(&m, "e.none"), Vec::<String>::new());
+        // Counted where made ahead; a pair not made ahead is made when it comes.
+        closed.count_decision(DecisionReason::FailClosed, false);
+        closed.count_decision(DecisionReason::RedisTimeout, true);
+        assert_eq!(
+            decisions(&m, "e.closed"),
+            [
+                "allowed/true = 0",
+                "circuit_open/false = 0",
+                "fail_closed/false = 1",
+                "rate_limited/false = 0",
+                "redis_timeout/true = 1"
+            ]
+        );
     }
 }

@@ -1084,7 +1084,7 @@ impl ProxyHttp for Gateway {
             }
         }
         if let Some(d) = ctx.decision {
-            m.decision(d.reason(), d.allowed()).inc();
+            m.count_decision(d.reason(), d.allowed());
             m.decision_duration.observe(ctx.decision_time.as_secs_f64());
             if !d.reason().by_redis() {
                 m.degraded.inc();
