@@ -1006,6 +1006,90 @@ fn a_client_that_resets_before_the_gateways_own_answer_is_a_499_not_an_error() {
     assert_eq!(counted(499), closed as f64);
 }
 
+/// A reset after the answer reached the client leaves the answer's status: a 404 to a POST
+/// whose announced body never came (read whole, then the connection reset while the gateway
+/// waited to throw the body away), and a 200 cut in the middle of its body, are logged and
+/// counted 404 and 200 (as nginx logs them), not 499, which is for a client that left
+/// before its answer.
+#[test]
+fn a_reset_after_the_answer_reached_the_client_keeps_its_status() {
+    let redis = Redis::start();
+    let (upstream, _released) = endless_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream])
+        .route(Route::new("e.big").prefix("/big").unlimited())
+        .access_log(&log)
+        .start();
+    let reset = |s: TcpStream| {
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(s);
+    };
+    let read_until = |s: &mut TcpStream, enough: &dyn Fn(&[u8]) -> bool| {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        while !enough(&got) {
+            let n = s.read(&mut buf).expect("the answer");
+            assert!(n > 0, "closed after {} bytes", got.len());
+            got.extend_from_slice(&buf[..n]);
+        }
+        got
+    };
+    let mut s = open(gw.port);
+    s.write_all(b"POST /nothing HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n")
+        .unwrap();
+    let got = read_until(&mut s, &|got| got.ends_with(br#"{"detail":"no route"}"#));
+    assert!(got.starts_with(b"HTTP/1.1 404"));
+    reset(s);
+    let mut s = open(gw.port);
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let got = read_until(&mut s, &|got| got.len() > 2 << 20);
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    reset(s);
+    let status = |endpoint: &str, status: u16| {
+        gw.metric(&format!(
+            r#"sentinel_requests_total{{endpoint_id="{endpoint}",status="{status}"}}"#
+        ))
+    };
+    common::wait_until(Duration::from_secs(10), "both requests counted", || {
+        status("_unmatched", 404)
+            + status("_unmatched", 499)
+            + status("e.big", 200)
+            + status("e.big", 499)
+            == 2.0
+    });
+    assert_eq!(status("_unmatched", 404), 1.0);
+    assert_eq!(status("e.big", 200), 1.0);
+    let lines = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    common::wait_until(Duration::from_secs(5), "both lines written", || {
+        lines().len() == 2
+    });
+    let lines = lines();
+    assert_eq!(lines[0]["status"], 404, "{}", lines[0]);
+    assert_eq!(lines[1]["status"], 200, "{}", lines[1]);
+    assert!(
+        lines[1]["bytes_sent"].as_u64().unwrap() > 1 << 20,
+        "{}",
+        lines[1]
+    );
+    assert_eq!(
+        loud_lines(&gw),
+        Vec::<String>::new(),
+        "what a client does is DEBUG"
+    );
+}
+
 /// The same over HTTP/2: a client that reads its socket but never opens its stream's
 /// window (no WINDOW_UPDATE) holds its stream, and the upstream connection behind it, until
 /// `send_timeout_seconds`; then the stream is reset and the upstream connection let go.

@@ -71,6 +71,11 @@ pub struct RequestCtx {
     ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
+    /// The client had reset its connection when the upstream's answer came (read on for
+    /// the cost it reports): that answer never reached it. A reset after the answer's head
+    /// went out (in the middle of its body, or while the gateway threw away a body it
+    /// answered without reading) leaves the answer's status.
+    reset_before_answer: bool,
     connect_attempts: usize,
     /// The request was sent again after a kept-alive upstream connection failed under it.
     resent: bool,
@@ -785,6 +790,7 @@ impl ProxyHttp for Gateway {
         upstream_response: &mut pingora_http::ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.reset_before_answer = Guarded::of(session.stream()).is_some_and(Guarded::was_reset);
         ctx.tag(upstream_response)?;
         self.close_when_draining(session);
         if let Some(f) = &ctx.ratelimit {
@@ -1045,20 +1051,18 @@ impl ProxyHttp for Gateway {
 
     /// Called once per request at its end: the one place metrics are recorded.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
-        let mut reset = false;
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.answered();
-            reset = connection.was_reset();
         }
         // Nothing was answered: the client left first (or its connection broke before the
-        // answer's head went out, or it reset the connection while the upstream's answer was
-        // read for its reported cost). Counted and logged as nginx's 499, "client closed
-        // request". An interim answer alone (`100 Continue`) is no answer; `101` ends the
-        // exchange.
+        // answer's head went out, or it reset the connection before the upstream's answer,
+        // read for its reported cost, came). Counted and logged as nginx's 499, "client
+        // closed request". An interim answer alone (`100 Continue`) is no answer; `101` ends
+        // the exchange.
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
-            .filter(|s| (*s >= 200 || *s == 101) && !reset)
+            .filter(|s| (*s >= 200 || *s == 101) && !ctx.reset_before_answer)
             .unwrap_or(CLIENT_CLOSED);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
