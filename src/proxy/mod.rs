@@ -960,12 +960,15 @@ impl ProxyHttp for Gateway {
                 // client does not send its next request into a closing socket.
                 session.set_keepalive(None);
                 ctx.answered = Some(answer.status());
-                let written = match answer.header() {
-                    Ok(mut header) => match ctx.tag(&mut header) {
-                        Ok(()) => respond::write_with(session, answer, header).await,
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
+                let header = answer
+                    .header()
+                    .and_then(|mut h| ctx.tag(&mut h).map(|()| h));
+                let written = match header {
+                    Ok(header) => respond::write_with(session, answer, header).await,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot make the error answer: this is a bug");
+                        Ok(answer.status())
+                    }
                 };
                 match written {
                     Ok(status) => {
@@ -1059,10 +1062,16 @@ impl ProxyHttp for Gateway {
         // read for its reported cost, came). Counted and logged as nginx's 499, "client
         // closed request". An interim answer alone (`100 Continue`) is no answer; `101` ends
         // the exchange.
+        // An upstream's answer whose head was still in Pingora's buffer (it goes out with the
+        // first bytes of the body) when the reset came never reached the client either.
+        let reset_first = ctx.reset_before_answer
+            || (ctx.answered.is_none()
+                && session.body_bytes_sent() == 0
+                && Guarded::of(session.stream()).is_some_and(Guarded::was_reset));
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
-            .filter(|s| (*s >= 200 || *s == 101) && !ctx.reset_before_answer)
+            .filter(|s| *s == 101 || (*s >= 200 && !reset_first))
             .unwrap_or(CLIENT_CLOSED);
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {

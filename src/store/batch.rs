@@ -816,15 +816,18 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
     }
 }
 
-/// Least time between two attempts to replace one node's silent connection.
+/// Least time between two attempts to replace one node's silent connection; doubled by each
+/// attempt dropped since the last that replaced one, up to [`REPLACE_SILENT_AT_MOST`].
 const REPLACE_SILENT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+const REPLACE_SILENT_AT_MOST: std::time::Duration = std::time::Duration::from_secs(32);
 
 impl Store {
     /// A decision on `link` timed out with a batched call unanswered: Redis is slow, or the
     /// connection's peer is gone without a word (a host gone, a failover to another address
     /// behind the same name, a firewall or NAT that forgot the connection), which no reset
-    /// will ever say. A new connection is opened beside it in the background ([`Self::replace_silent`]).
-    /// At most one attempt a node at a time, and one a second.
+    /// will ever say. A new connection is opened beside it in the background
+    /// ([`Self::replace_silent`]): one attempt a node at a time, the next a second later at
+    /// the soonest, and later still after each attempt that found Redis only slow.
     pub(super) fn replace_if_silent(&self, link: &Arc<Link>) {
         if !self.batches_on(link) || link.moving.load(Ordering::Relaxed) {
             return;
@@ -842,24 +845,33 @@ impl Store {
         let link = Arc::clone(link);
         // On the store's thread, where the connector makes its connections.
         self.runtime().spawn(async move {
-            store.replace_silent(&link, &conn, call).await;
+            let replaced = store.replace_silent(&link, &conn, call).await;
             drop(conn);
-            tokio::time::sleep(REPLACE_SILENT_EVERY).await;
+            let misses = if replaced {
+                link.replace_misses.store(0, Ordering::Relaxed);
+                0
+            } else {
+                link.replace_misses.fetch_add(1, Ordering::Relaxed) + 1
+            };
+            let pause = REPLACE_SILENT_EVERY
+                .saturating_mul(1 << misses.min(5))
+                .min(REPLACE_SILENT_AT_MOST);
+            tokio::time::sleep(pause).await;
             link.replacing.store(false, Ordering::Release);
         });
     }
 
     /// Opens a new connection to `link`'s node; when Redis has answered its set-up (several
     /// round trips) while `old`'s call `call` is still unanswered, even read now, it is not
-    /// Redis that is slow (a slow Redis answers in order, the old call first): the new
-    /// connection replaces `old` (which is let go once answered, or after the longest
-    /// wait), and a quarantine the old one's timeouts opened ends, so the next request
-    /// probes the node on the new connection rather than after `open_seconds`. A Redis that
-    /// is stopped or out of reach makes no new connection, and nothing changes.
-    async fn replace_silent(&self, link: &Arc<Link>, old: &Arc<Conn>, call: u64) {
+    /// Redis that is slow (a Redis that answers in order answers the old call first): the
+    /// new connection takes `old`'s place (which is let go once answered, or after the
+    /// longest wait). The breaker is left to count as before: what opened it is probed on
+    /// the new connection when its quarantine ends. A Redis that is stopped or out of reach
+    /// makes no new connection, and nothing changes. Whether it replaced `old`.
+    async fn replace_silent(&self, link: &Arc<Link>, old: &Arc<Conn>, call: u64) -> bool {
         let target = link.target.load_full();
         let Some((fresh, wire)) = self.inner.connector.fresh(link, &target).await else {
-            return;
+            return false;
         };
         let held = link.conn.load_full();
         if !held.is_some_and(|c| Arc::ptr_eq(&c, old))
@@ -867,14 +879,21 @@ impl Store {
             || !self.pump(link, old, Look::Now)
         {
             // Replaced, moved or lost meanwhile: the connector or a probe made a new one.
-            return;
+            return false;
         }
         if old.wire.lock().batches.unanswered_call() != Some(call) {
-            return;
+            return false;
         }
-        self.inner.connector.install_fresh(link, fresh, wire).await;
-        tracing::warn!(node = %target.node, "a redis connection left a call unanswered while a new connection was answered at once (its peer gone without a word); the new connection replaces it");
-        link.breaker.end_quarantine();
+        if !self
+            .inner
+            .connector
+            .install_fresh(link, old, fresh, wire)
+            .await
+        {
+            return false;
+        }
+        tracing::warn!(node = %target.node, "a redis connection left a call unanswered while a new one was answered at once (a peer gone without a word, or a Redis that answers other connections first); the new connection replaces it");
+        true
     }
 }
 

@@ -511,7 +511,7 @@ impl Connector {
     /// A connection to `target` made as the connector makes its own (within its set-up
     /// time), beside the one `link` holds: `None` when it could not be made.
     pub(super) async fn fresh(&self, link: &Link, target: &Target) -> Option<(Opened, Wire)> {
-        match tokio::time::timeout(SETUP_TIMEOUT, self.connect(link, target)).await {
+        match tokio::time::timeout(SETUP_TIMEOUT, self.connect(link, target, true)).await {
             Ok(Ok(made)) => Some(made),
             Ok(Err(e)) => {
                 tracing::debug!(node = %target.node, error = %e, "cannot open a redis connection beside the one that left a call unanswered");
@@ -521,16 +521,31 @@ impl Connector {
         }
     }
 
-    /// Puts a connection from [`Self::fresh`] in the place of the one `link` holds, as the
-    /// connector's own are put.
-    pub(super) async fn install_fresh(&self, link: &Arc<Link>, opened: Opened, wire: Wire) {
-        link.install(opened, wire, self.proxy_runtime.get().is_some());
+    /// Puts a connection from [`Self::fresh`] in the place of `old`, as the connector's own
+    /// are put; false (and the new one dropped) when the link no longer holds `old`.
+    pub(super) async fn install_fresh(
+        &self,
+        link: &Arc<Link>,
+        old: &Arc<super::link::Conn>,
+        opened: Opened,
+        wire: Wire,
+    ) -> bool {
+        if !link.replace(old, opened, wire, self.proxy_runtime.get().is_some()) {
+            return false;
+        }
         read_clock(link).await;
+        true
     }
 
     /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
-    /// scripts.
-    async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<(Opened, Wire)> {
+    /// scripts. `beside`: a connection opened beside the link's own, whose eviction policy
+    /// is said only when it changed.
+    async fn connect(
+        &self,
+        link: &Link,
+        target: &Target,
+        beside: bool,
+    ) -> redis::RedisResult<(Opened, Wire)> {
         let (mut opened, wire) = match self.proxy_runtime.get() {
             // The decision connection is registered with the proxy's workers (whose waiting
             // decisions read its answers); redis-rs's stays here, and this thread watches
@@ -551,7 +566,7 @@ impl Connector {
         };
         let conn = &mut opened.conn;
         let policy = eviction_policy(conn).await?;
-        self.note_policy(link, &target.node, policy, false);
+        self.note_policy(link, &target.node, policy, beside);
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
                 Ok(_) => {}
@@ -661,7 +676,7 @@ impl Connector {
                 }
                 continue;
             }
-            let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target));
+            let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target, false));
             // A reload that points the link elsewhere meanwhile drops this attempt: the new
             // target is tried at once, not after the old one's timeouts.
             let retargeted = async {

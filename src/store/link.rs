@@ -129,8 +129,12 @@ pub(super) struct Link {
     /// on it has been answered since and no probe kept it yet (see `Store::connection`).
     pub(super) suspect: AtomicBool,
     /// A new connection is being tried beside one that left a call unanswered
-    /// (`Store::replace_if_silent`), or was, less than a second ago.
+    /// (`Store::replace_if_silent`), or was, less than its pause ago.
     pub(super) replacing: AtomicBool,
+    /// New connections tried beside one that left a call unanswered and dropped since the
+    /// last that replaced one (Redis was slow, not gone): each doubles the pause before the
+    /// next try.
+    pub(super) replace_misses: std::sync::atomic::AtomicU32,
     /// A probe since the last timeout kept the connections (see `Store::connection`): the
     /// next one while still suspect replaces them.
     pub(super) probe_kept: AtomicBool,
@@ -170,6 +174,7 @@ impl Link {
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
             replacing: AtomicBool::new(false),
+            replace_misses: std::sync::atomic::AtomicU32::new(0),
             probe_kept: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
@@ -259,6 +264,34 @@ impl Link {
         self.ready.notify_waiters();
         // Once installed: a socket already closed is then forgotten at once.
         self.forget_when_closed(&conn);
+    }
+
+    /// As [`Self::install`], in the place of `old` only: false (the new connection dropped)
+    /// when the link no longer holds it (a probe, the connector or a reload replaced it).
+    pub(super) fn replace(
+        self: &Arc<Self>,
+        old: &Arc<Conn>,
+        opened: Opened,
+        wire: Wire,
+        on_proxy_runtime: bool,
+    ) -> bool {
+        let conn = Arc::new(Conn {
+            redis: opened.conn,
+            wire: Arc::new(wire),
+            closed: opened.closed,
+            loss_counted: AtomicBool::new(false),
+        });
+        let prev = self.conn.compare_and_swap(old, Some(Arc::clone(&conn)));
+        if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, old)) {
+            return false;
+        }
+        self.clock.reset();
+        let_go_when_answered(Arc::clone(old));
+        self.on_proxy_runtime
+            .store(on_proxy_runtime, Ordering::Relaxed);
+        self.ready.notify_waiters();
+        self.forget_when_closed(&conn);
+        true
     }
 
     /// Watches `conn`'s redis-rs socket: when Redis closes it, the connection is forgotten

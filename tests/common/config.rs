@@ -213,7 +213,9 @@ impl GatewayConfig {
         self
     }
 
-    pub fn breaker(self, failure_threshold: u32, open_seconds: u64) -> GatewayConfig {
+    /// The `[breaker]` section; a later call replaces an earlier one.
+    pub fn breaker(mut self, failure_threshold: u32, open_seconds: u64) -> GatewayConfig {
+        self.sections.retain(|s| !s.starts_with("\n[breaker]"));
         self.section(&format!(
             "[breaker]\nfailure_threshold = {failure_threshold}\nopen_seconds = {open_seconds}\n"
         ))
