@@ -1206,10 +1206,18 @@ async fn a_silently_dead_connection_is_replaced_at_its_first_timeout() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(unavailable >= 1, "the silent connection answered nothing");
-    assert!(r.gw.logs().contains(
-        "a redis connection left a call unanswered while a new one was answered at once"
-    ));
-    let statuses = futures_statuses(&r, "/closed", "fresh", 4).await;
+    replaced_and_enforced(
+        &r,
+        "a redis connection left a call unanswered while a new one was answered at once",
+    )
+    .await;
+}
+
+/// The gateway said it replaced a connection with `said`, and a fresh key's burst of 3 is
+/// enforced exactly on the new one.
+async fn replaced_and_enforced(r: &Rig, said: &str) {
+    assert!(r.gw.logs().contains(said), "{}", r.gw.logs());
+    let statuses = futures_statuses(r, "/closed", "fresh", 4).await;
     assert_eq!(
         statuses,
         vec![200, 200, 200, 429],
@@ -1270,16 +1278,11 @@ async fn a_probe_leaves_a_silently_dead_connection_behind() {
         },
     );
     assert_eq!(r.gw.metric("sentinel_breaker_state"), 0.0);
-    assert!(r
-        .gw
-        .logs()
-        .contains("the breaker probe replaced a redis connection that had timed out"));
-    let statuses = futures_statuses(&r, "/closed", "fresh", 4).await;
-    assert_eq!(
-        statuses,
-        vec![200, 200, 200, 429],
-        "enforced again on the new connection"
-    );
+    replaced_and_enforced(
+        &r,
+        "the breaker probe replaced a redis connection that had timed out",
+    )
+    .await;
 }
 
 /// A Redis that refused the batch script (an ACL without `SCRIPT LOAD`, say) gets each
