@@ -829,7 +829,12 @@ impl Store {
     /// ([`Self::replace_silent`]): one attempt a node at a time, the next a second later at
     /// the soonest, and later still after each attempt that found Redis only slow.
     pub(super) fn replace_if_silent(&self, link: &Arc<Link>) {
-        if !self.batches_on(link) || link.moving.load(Ordering::Relaxed) {
+        // Looked at first: under a slow Redis every decision times out, and most find an
+        // attempt made (or its pause running) without taking the connection's lock.
+        if link.replacing.load(Ordering::Relaxed)
+            || !self.batches_on(link)
+            || link.moving.load(Ordering::Relaxed)
+        {
             return;
         }
         let Some(conn) = link.conn.load_full() else {
