@@ -50,6 +50,9 @@ pub enum StartError {
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.
+/// Longest wait at start for the first connection to Redis before the listeners open.
+const FIRST_CONNECTION_WAIT: Duration = Duration::from_secs(1);
+
 pub fn run(config: Config) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
     let plain = config
@@ -101,6 +104,13 @@ pub fn run(config: Config) -> Result<(), StartError> {
         {
             return Err(StartError::Evicting(policy));
         }
+    }
+    // The listeners open once Redis is connected, or after at most a second: a Redis down at
+    // start does not stop the gateway, but one a few milliseconds from connected does not
+    // have the first requests answered by their fail mode for want of the connection.
+    let connecting = Instant::now();
+    while !store.is_connected() && connecting.elapsed() < FIRST_CONNECTION_WAIT {
+        std::thread::sleep(Duration::from_millis(5));
     }
     let access_log = Arc::new(
         AccessLog::start(

@@ -109,6 +109,9 @@ pub struct Ticket {
 /// What a denial by the caller's own limits waits for before it is believed.
 pub struct Doubt {
     settled: Arc<Notify>,
+    /// The caller's decisions numbered below this began before the denial was read: one of
+    /// their charges may be in it.
+    horizon: u64,
 }
 
 impl Ticket {
@@ -144,14 +147,16 @@ impl Ticket {
     }
 
     /// Whether a denial by the caller's own limits, read now, may have been made by a
-    /// charge that is given back: a decision of the caller that began before this one has
-    /// one open, or one was given back since this ticket began.
+    /// charge that is given back: another decision of the caller has one open (begun before
+    /// or after this one: their calls reach Redis in either order), or one was given back
+    /// since this ticket began.
     pub fn doubt(&self) -> Option<Doubt> {
         let callers = self.in_flight.lock();
         let caller = callers.get(&self.key)?;
-        let open = caller.open.iter().any(|n| *n < self.number);
+        let open = caller.open.iter().any(|n| *n != self.number);
         (open || caller.given_back != self.given_back_at).then(|| Doubt {
             settled: Arc::clone(&caller.settled),
+            horizon: caller.next,
         })
     }
 
@@ -163,10 +168,10 @@ impl Ticket {
             .is_some_and(|c| c.given_back != self.given_back_at)
     }
 
-    /// Waits, at most `within`, until no decision of the caller that began before this one
-    /// has a charge open. `false` when the time ran out first.
+    /// Waits, at most `within`, until no other decision of the caller that began before
+    /// the denial was read has a charge open. `false` when the time ran out first.
     pub async fn settle(&self, doubt: Doubt, within: Duration) -> bool {
-        let horizon = self.number;
+        let (horizon, own) = (doubt.horizon, self.number);
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let notified = doubt.settled.notified();
@@ -176,7 +181,7 @@ impl Ticket {
                 .in_flight
                 .lock()
                 .get(&self.key)
-                .is_some_and(|c| c.open.iter().any(|n| *n < horizon));
+                .is_some_and(|c| c.open.iter().any(|n| *n < horizon && *n != own));
             if !open {
                 return true;
             }
@@ -263,8 +268,21 @@ mod tests {
         assert!(other.doubt().is_none(), "callers are apart");
     }
 
+    /// Two decisions of one caller reach Redis in either order: the later one's charge,
+    /// made first, may be what denied the earlier.
+    #[test]
+    fn a_later_decisions_open_charge_puts_an_earlier_denial_in_doubt() {
+        let in_flight = Arc::new(InFlight::default());
+        let first = in_flight.begin("k");
+        let mut second = in_flight.begin("k");
+        second.charging();
+        assert!(first.doubt().is_some(), "the second's charge is open");
+        second.settled();
+        assert!(first.doubt().is_none(), "kept: the denial stands");
+    }
+
     #[tokio::test]
-    async fn settling_waits_for_the_charges_begun_before_it_only() {
+    async fn settling_waits_for_the_charges_begun_before_the_denial_only() {
         let in_flight = Arc::new(InFlight::default());
         let mut first = in_flight.begin("k");
         first.charging();
