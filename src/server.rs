@@ -49,10 +49,10 @@ pub enum StartError {
     },
 }
 
-/// Runs the gateway until SIGTERM or SIGINT.
 /// Longest wait at start for the first connection to Redis before the listeners open.
 const FIRST_CONNECTION_WAIT: Duration = Duration::from_secs(1);
 
+/// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
     let plain = config

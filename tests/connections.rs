@@ -1090,6 +1090,65 @@ fn a_reset_after_the_answer_reached_the_client_keeps_its_status() {
     );
 }
 
+/// An upstream whose answer's head comes a second before its body: Pingora's HTTP/1 writer
+/// sends the head with the first bytes of the body, so a client that resets meanwhile never
+/// had an answer. Counted and logged 499, not the 200 it never saw.
+#[test]
+fn a_reset_while_the_answers_head_waits_for_its_body_is_a_499() {
+    let redis = Redis::start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        if common::read_head(&mut s).is_none() {
+            return;
+        }
+        let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n");
+        std::thread::sleep(Duration::from_secs(1));
+        let _ = s.write_all(b"hello");
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream])
+        .route(Route::new("e.late").prefix("/").unlimited())
+        .access_log(&log)
+        .start();
+    let mut s = open(gw.port);
+    s.write_all(b"GET /late HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(400)))
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    assert!(
+        s.read(&mut buf).is_err(),
+        "nothing of the answer reaches the client before its body"
+    );
+    socket2::SockRef::from(&s)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(s);
+    let status = |status: u16| {
+        gw.metric(&format!(
+            r#"sentinel_requests_total{{endpoint_id="e.late",status="{status}"}}"#
+        ))
+    };
+    common::wait_until(Duration::from_secs(10), "the request counted", || {
+        status(200) + status(499) == 1.0
+    });
+    assert_eq!(status(499), 1.0);
+    common::wait_until(Duration::from_secs(5), "its line written", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("/late"))
+    });
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&log).unwrap().trim()).unwrap();
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["bytes_sent"], 0, "{line}");
+    assert_eq!(loud_lines(&gw), Vec::<String>::new());
+}
+
 /// The same over HTTP/2: a client that reads its socket but never opens its stream's
 /// window (no WINDOW_UPDATE) holds its stream, and the upstream connection behind it, until
 /// `send_timeout_seconds`; then the stream is reset and the upstream connection let go.

@@ -128,6 +128,33 @@ fn sigquit_drains_as_sigterm_does() {
     );
 }
 
+/// The listeners open once the first Redis connection is made: with a Redis 100 ms away (its
+/// connection's set-up takes a few of its round trips), the first request is decided by Redis
+/// within its budget, not answered at once by its fail mode (`fail_closed`: a 503) for want of
+/// a connection. One that cannot be reached still lets the gateway start, after at most a
+/// second's wait, its requests answered by their fail mode.
+#[test]
+fn the_listeners_open_once_the_first_redis_connection_is_made() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let far = common::fault::FaultProxy::start(redis.port);
+    far.set(common::fault::Mode::Delay(Duration::from_millis(100)));
+    let config = GatewayConfig::new(&far.url()).redis("timeout_ms", "1000");
+    let gw = routes(config, &up.addr(), api(100).fail_closed()).start();
+    let (status, body) = blocking_get(&gw.url("/api/x")).expect("an answer");
+    assert_eq!(status, 200, "{body}\n{}", gw.logs());
+
+    let unreachable = common::fault::FaultProxy::start(redis.port);
+    unreachable.set(common::fault::Mode::Blackhole);
+    let started = Instant::now();
+    let gw = routes(GatewayConfig::new(&unreachable.url()), &up.addr(), api(100)).start();
+    // A second's wait, and the gateway's own start: generous for a loaded machine.
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(8), "{waited:?}");
+    let (status, body) = blocking_get(&gw.url("/api/x")).expect("an answer");
+    assert_eq!(status, 503, "{body}");
+}
+
 /// A request still in flight when the grace period ends is cut, and one WARN says how many
 /// were: never "drained", never nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

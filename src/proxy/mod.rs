@@ -71,11 +71,6 @@ pub struct RequestCtx {
     ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
-    /// The client had reset its connection when the upstream's answer came (read on for
-    /// the cost it reports): that answer never reached it. A reset after the answer's head
-    /// went out (in the middle of its body, or while the gateway threw away a body it
-    /// answered without reading) leaves the answer's status.
-    reset_before_answer: bool,
     connect_attempts: usize,
     /// The request was sent again after a kept-alive upstream connection failed under it.
     resent: bool,
@@ -790,7 +785,6 @@ impl ProxyHttp for Gateway {
         upstream_response: &mut pingora_http::ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        ctx.reset_before_answer = Guarded::of(session.stream()).is_some_and(Guarded::was_reset);
         ctx.tag(upstream_response)?;
         self.close_when_draining(session);
         if let Some(f) = &ctx.ratelimit {
@@ -1064,10 +1058,9 @@ impl ProxyHttp for Gateway {
         // the exchange.
         // An upstream's answer whose head was still in Pingora's buffer (it goes out with the
         // first bytes of the body) when the reset came never reached the client either.
-        let reset_first = ctx.reset_before_answer
-            || (ctx.answered.is_none()
-                && session.body_bytes_sent() == 0
-                && Guarded::of(session.stream()).is_some_and(Guarded::was_reset));
+        let reset_first = ctx.answered.is_none()
+            && session.body_bytes_sent() == 0
+            && Guarded::of(session.stream()).is_some_and(Guarded::was_reset);
         let status = ctx
             .answered
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))

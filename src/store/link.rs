@@ -248,22 +248,7 @@ impl Link {
     /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
     /// when Redis closes it, it is forgotten at once, in use or not.
     pub(super) fn install(self: &Arc<Self>, opened: Opened, wire: Wire, on_proxy_runtime: bool) {
-        let conn = Arc::new(Conn {
-            redis: opened.conn,
-            wire: Arc::new(wire),
-            closed: opened.closed,
-            loss_counted: AtomicBool::new(false),
-        });
-        // Perhaps another host (a failover): its clock is read afresh.
-        self.clock.reset();
-        if let Some(old) = self.conn.swap(Some(Arc::clone(&conn))) {
-            let_go_when_answered(old);
-        }
-        self.on_proxy_runtime
-            .store(on_proxy_runtime, Ordering::Relaxed);
-        self.ready.notify_waiters();
-        // Once installed: a socket already closed is then forgotten at once.
-        self.forget_when_closed(&conn);
+        self.put(opened, wire, on_proxy_runtime, None);
     }
 
     /// As [`Self::install`], in the place of `old` only: false (the new connection dropped)
@@ -275,21 +260,41 @@ impl Link {
         wire: Wire,
         on_proxy_runtime: bool,
     ) -> bool {
+        self.put(opened, wire, on_proxy_runtime, Some(old))
+    }
+
+    fn put(
+        self: &Arc<Self>,
+        opened: Opened,
+        wire: Wire,
+        on_proxy_runtime: bool,
+        in_place_of: Option<&Arc<Conn>>,
+    ) -> bool {
         let conn = Arc::new(Conn {
             redis: opened.conn,
             wire: Arc::new(wire),
             closed: opened.closed,
             loss_counted: AtomicBool::new(false),
         });
-        let prev = self.conn.compare_and_swap(old, Some(Arc::clone(&conn)));
-        if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, old)) {
-            return false;
-        }
+        let previous = match in_place_of {
+            None => self.conn.swap(Some(Arc::clone(&conn))),
+            Some(old) => {
+                let previous = self.conn.compare_and_swap(old, Some(Arc::clone(&conn)));
+                if !previous.as_ref().is_some_and(|p| Arc::ptr_eq(p, old)) {
+                    return false;
+                }
+                Some(Arc::clone(old))
+            }
+        };
+        // Perhaps another host (a failover): its clock is read afresh.
         self.clock.reset();
-        let_go_when_answered(Arc::clone(old));
+        if let Some(old) = previous {
+            let_go_when_answered(old);
+        }
         self.on_proxy_runtime
             .store(on_proxy_runtime, Ordering::Relaxed);
         self.ready.notify_waiters();
+        // Once installed: a socket already closed is then forgotten at once.
         self.forget_when_closed(&conn);
         true
     }
