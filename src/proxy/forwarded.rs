@@ -223,7 +223,7 @@ pub fn absolute_form_authority(req: &RequestHeader) -> Option<&str> {
 pub fn received_host(req: &RequestHeader) -> Option<std::borrow::Cow<'_, [u8]>> {
     use std::borrow::Cow;
     match req.uri.authority() {
-        Some(authority) => Some(Cow::Owned(without_userinfo(authority).into_bytes())),
+        Some(authority) => Some(Cow::Borrowed(without_userinfo(authority).as_bytes())),
         None => req
             .headers
             .get(http::header::HOST)
@@ -232,12 +232,11 @@ pub fn received_host(req: &RequestHeader) -> Option<std::borrow::Cow<'_, [u8]>> 
     }
 }
 
-/// An authority's `host[:port]`, without any `user:password@` an absolute-form target sent.
-pub fn without_userinfo(authority: &http::uri::Authority) -> String {
-    match authority.port() {
-        Some(port) => format!("{}:{port}", authority.host()),
-        None => authority.host().to_owned(),
-    }
+/// An authority's `host[:port]` as sent (a port past 65535 too), without any
+/// `user:password@` an absolute-form target sent.
+pub fn without_userinfo(authority: &http::uri::Authority) -> &str {
+    let sent = authority.as_str();
+    sent.rsplit_once('@').map_or(sent, |(_, host)| host)
 }
 
 /// 1 to 128 visible ASCII characters.
@@ -269,6 +268,23 @@ mod tests {
         assert_eq!(host(&absolute).as_deref(), Some(&b"a.example:81"[..]));
         let origin = RequestHeader::build("GET", b"/x", None).unwrap();
         assert_eq!(host(&origin), None);
+        // HTTP/2's authority, as sent but for any userinfo: a port no socket has is still
+        // the client's.
+        let h2 = |uri: &str| {
+            let mut r = RequestHeader::build("GET", b"/x", None).unwrap();
+            r.set_uri(uri.parse().unwrap());
+            r
+        };
+        let odd = h2("https://u:p@a.example:99999/x");
+        assert_eq!(host(&odd).as_deref(), Some(&b"a.example:99999"[..]));
+        assert_eq!(
+            host(&h2("https://[::1]:8443/x")).as_deref(),
+            Some(&b"[::1]:8443"[..])
+        );
+        assert_eq!(
+            host(&h2("https://a.example/x")).as_deref(),
+            Some(&b"a.example"[..])
+        );
     }
 
     fn req(headers: &[(&str, &str)]) -> RequestHeader {
