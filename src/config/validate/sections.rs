@@ -1082,7 +1082,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 format!("auth.jwt.algorithms is empty: use a subset of {accepted}"),
             );
         }
-        algorithms = a.get_ref().clone();
+        // Those not accepted are said above, once: the checks below look at the rest.
+        algorithms = (a.get_ref().iter())
+            .filter(|alg| JWT_ALGORITHMS.contains(&alg.as_str()))
+            .cloned()
+            .collect();
     }
     let symmetric = algorithms.iter().any(|a| a.starts_with("HS"));
     let asymmetric = algorithms.iter().any(|a| !a.starts_with("HS"));
