@@ -52,6 +52,7 @@ fn config(redis_url: &str, upstream: &str, open_seconds: u64) -> GatewayConfig {
 struct Answer {
     status: u16,
     retry_after: Option<u64>,
+    content_type: Option<String>,
     body: String,
     elapsed: Duration,
 }
@@ -70,9 +71,14 @@ async fn send(http: &reqwest::Client, url: &str, key: &str) -> Answer {
         .headers()
         .get("retry-after")
         .map(|v| v.to_str().unwrap().parse().unwrap());
+    let content_type = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned());
     Answer {
         status,
         retry_after,
+        content_type,
         body: r.text().await.unwrap(),
         elapsed,
     }
@@ -162,6 +168,7 @@ impl Rig {
 fn assert_unavailable(a: &Answer) {
     assert_eq!(a.status, 503);
     assert_eq!(a.body, r#"{"detail":"rate limiter unavailable"}"#);
+    assert_eq!(a.content_type.as_deref(), Some("application/json"));
     assert!(
         a.retry_after.is_some_and(|s| s >= 1),
         "503 carries Retry-After"
@@ -1389,4 +1396,50 @@ async fn a_call_in_flight_when_the_connection_moves_is_still_given_back() {
     common::wait_until(Duration::from_secs(6), "the late charge given back", || {
         gw.remaining_of_key("t.quota", "k") == 10
     });
+}
+
+/// Without `timeout_ms` or `[breaker]`, the contract's defaults: a 20 ms budget, and a
+/// breaker that opens after 5 consecutive store failures and keeps its quarantine 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_defaults_are_a_20_ms_budget_and_a_breaker_of_5_failures_for_30_s() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare(&proxy.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(3_000_000, 0)
+                .fail_closed(),
+        )
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);
+    proxy.set(Mode::Blackhole);
+    for i in 0..5 {
+        let a = send(&http, &gw.url("/closed"), &format!("k{i}")).await;
+        assert_unavailable(&a);
+        // A black hole never answers: each waits its whole budget, and not much more (a
+        // loaded machine's scheduling on top).
+        assert!(
+            a.elapsed >= Duration::from_millis(BUDGET_MS - 1)
+                && a.elapsed < Duration::from_millis(500),
+            "failure {i} took {:?}",
+            a.elapsed
+        );
+        assert_eq!(
+            gw.metric("sentinel_breaker_state"),
+            if i < 4 { 0.0 } else { 1.0 },
+            "after failure {i}"
+        );
+    }
+    assert_eq!(gw.metric(&series("t.closed", "fail_closed", false)), 5.0);
+    let a = send(&http, &gw.url("/closed"), "k5").await;
+    assert_unavailable(&a);
+    assert_eq!(gw.metric(&series("t.closed", "circuit_open", false)), 1.0);
+    // The quarantine left (30 s, rounded up), plus up to half of it as jitter.
+    let retry = a.retry_after.unwrap();
+    assert!((28..=45).contains(&retry), "Retry-After: {retry}");
 }
