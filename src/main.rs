@@ -2,5 +2,7 @@
 static ALLOCATOR: sentinel_gateway::Allocator = sentinel_gateway::ALLOCATOR;
 
 fn main() {
-    std::process::exit(sentinel_gateway::cli::main());
+    let code = sentinel_gateway::cli::main();
+    sentinel_gateway::telemetry::flush();
+    std::process::exit(code);
 }

@@ -50,6 +50,8 @@ pub struct Metrics {
     pub fleet_instances: IntGauge,
     /// Access log lines dropped because the writer could not keep up (or could not write).
     pub access_log_dropped: IntCounter,
+    /// Log lines (stdout) dropped rather than slowing requests; set at scrape time.
+    pub log_dropped: IntCounter,
     pub admin_refused: IntCounter,
     endpoint_mode: IntGaugeVec,
     /// Redis Cluster only: each primary's breaker state, labelled by `node` (`host:port`).
@@ -326,6 +328,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let log_dropped = register(
+            &r,
+            IntCounter::new(
+                "sentinel_log_dropped_total",
+                "Log lines dropped rather than slowing requests: stdout could not take them (a pipe nobody reads).",
+            )
+            .expect("valid"),
+        );
         let admin_refused = register(
             &r,
             IntCounter::new(
@@ -425,6 +435,7 @@ impl Metrics {
             in_flight,
             fleet_instances,
             access_log_dropped,
+            log_dropped,
             admin_refused,
             endpoint_mode,
         }

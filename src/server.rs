@@ -509,6 +509,7 @@ impl ShutdownSignalWatch for Drain {
             }
             // The lines of the requests answered are written before the process ends.
             access_log.flush(Duration::from_secs(1));
+            crate::telemetry::flush();
             std::process::exit(0);
         });
         ShutdownSignal::GracefulTerminate

@@ -963,3 +963,72 @@ async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
         gw.logs()
     );
 }
+
+/// Logs go to stdout through a thread of their own: a stdout nobody reads (a log collector
+/// that stalled) stops no request, limited or not, and not the exit at SIGTERM; the lines it
+/// cannot take past a buffer are dropped and counted in `sentinel_log_dropped_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let keyed = Route::new("l.keyed")
+        .prefix("/keyed")
+        .identity_header("X-API-Key")
+        .token_bucket(1_000_000, 0);
+    let config = routes(GatewayConfig::new(&redis.url()), &up.addr(), keyed)
+        .route(Route::new("l.open").prefix("/open").unlimited());
+    let [port, admin_port] = common::free_ports();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, config.render(port, admin_port)).unwrap();
+    // Its stdout is a pipe held open and never read.
+    let mut gw = common::Proc {
+        child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+            .arg("--config")
+            .arg(&path)
+            .env_remove("SENTINEL_REDIS_URL")
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        name: "sentinel-gateway",
+    };
+    let admin = |p: &str| format!("http://127.0.0.1:{admin_port}{p}");
+    wait_until(Duration::from_secs(20), "the gateway ready", || {
+        blocking_get(&admin("/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    // A WARN line each (about 400 bytes): far more than the pipe and the buffer hold.
+    let http = client();
+    let mut senders = Vec::new();
+    for _ in 0..8 {
+        let http = http.clone();
+        let url = format!("http://127.0.0.1:{port}/keyed/x");
+        senders.push(tokio::spawn(async move {
+            let mut denied = 0;
+            for _ in 0..2_600 {
+                let r = http.get(&url).header("X-API-Key", "k").send().await;
+                denied += u32::from(r.expect("answered").status() == 429);
+            }
+            denied
+        }));
+    }
+    let mut denied = 0;
+    for s in senders {
+        denied += s.await.unwrap();
+    }
+    assert!(denied >= 20_799, "{denied} denials");
+    let open = http
+        .get(format!("http://127.0.0.1:{port}/open/x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(open.status(), 200);
+    let (_, metrics) = blocking_get(&admin("/metrics")).unwrap();
+    let dropped = common::metric_value(&metrics, "sentinel_log_dropped_total");
+    assert!(dropped > 0.0, "{dropped}");
+    gw.signal("TERM");
+    // The drain, then at most a second and a half for the lines left: room for a loaded
+    // machine.
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+}
