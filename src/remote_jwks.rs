@@ -169,16 +169,27 @@ pub fn private_keys(source: &[u8]) -> Vec<bool> {
 /// The keys of a JWKS that can verify a signature: a key [`not_for_signing`], of a kind that
 /// signs nothing configured, or [`unusable`], verifies nothing.
 pub fn verify_keys(set: &JwkSet) -> Vec<VerifyKey> {
-    verify_keys_noting(set, &[], &mut Vec::new())
+    verify_keys_noting(set, &[], &mut LeftOut::default())
 }
 
-/// [`verify_keys`], and in `left_out` each key that signs but is [`unusable`], or that
-/// `private` says came with its private half: its `kid` (or `-`) and why.
-fn verify_keys_noting(
-    set: &JwkSet,
-    private: &[bool],
-    left_out: &mut Vec<String>,
-) -> Vec<VerifyKey> {
+/// The keys of a fetched set that verify no token, each as its `kid` (or `-`) and why.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LeftOut {
+    /// Keys that would sign but cannot be trusted or used: a symmetric or private key
+    /// published, a point off its curve, a short modulus, a kind or `alg` nothing verifies.
+    pub unusable: Vec<String>,
+    /// Keys a provider publishes beside its signing keys: for encryption, or whose
+    /// `key_ops` leave out `verify`.
+    pub beside: Vec<String>,
+}
+
+/// [`verify_keys`], and in `left_out` each key left out: its `kid` (or `-`) and why
+/// (`private` says which came with their private half).
+fn verify_keys_noting(set: &JwkSet, private: &[bool], noted: &mut LeftOut) -> Vec<VerifyKey> {
+    let LeftOut {
+        unusable: left_out,
+        beside,
+    } = noted;
     let mut keys = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
         let kid = jwk.common.key_id.as_deref().unwrap_or("-");
@@ -186,18 +197,39 @@ fn verify_keys_noting(
             left_out.push(format!("{kid}: it holds its private key, published to anyone who can fetch the JWKS: tokens it signs prove nothing"));
             continue;
         }
-        if jwk_family(jwk).is_none() || not_for_signing(jwk).is_some() {
+        if matches!(
+            jwk.algorithm,
+            jsonwebtoken::jwk::AlgorithmParameters::OctetKey(_)
+        ) {
+            left_out.push(format!("{kid}: a symmetric key (kty \"oct\"), published to anyone who can fetch the JWKS: tokens it signs prove nothing"));
+            continue;
+        }
+        if let Some(why) = not_for_signing(jwk) {
+            beside.push(format!("{kid}: {why}"));
+            continue;
+        }
+        if jwk_family(jwk).is_none() {
+            left_out.push(format!(
+                "{kid}: a kind of key no accepted algorithm verifies"
+            ));
             continue;
         }
         let pinned = match jwk.common.key_algorithm {
             Some(a) => match a.to_string().parse::<jsonwebtoken::Algorithm>() {
                 Ok(a) => Some(a),
-                Err(_) => continue,
+                Err(_) => {
+                    left_out.push(format!("{kid}: it is pinned to \"alg\": \"{a}\", which signs nothing this gateway verifies"));
+                    continue;
+                }
             },
             None => None,
         };
-        let Ok(key) = jsonwebtoken::DecodingKey::from_jwk(jwk) else {
-            continue;
+        let key = match jsonwebtoken::DecodingKey::from_jwk(jwk) {
+            Ok(key) => key,
+            Err(e) => {
+                left_out.push(format!("{kid}: it cannot be read as a public key ({e})"));
+                continue;
+            }
         };
         if let Some(why) = unusable(jwk, &key) {
             left_out.push(format!("{kid}: {why}"));
@@ -219,6 +251,8 @@ pub struct Fetched {
 pub struct JwksCache {
     keys: ArcSwap<Fetched>,
     wake: Notify,
+    /// A reload moved `jwks_url`: a fetch under way from the old one is let go.
+    moved: Notify,
     started: Instant,
     /// Milliseconds since `started` of the last refresh an unknown kid asked for.
     last_asked_ms: AtomicU64,
@@ -227,7 +261,7 @@ pub struct JwksCache {
     /// Fetches done (whatever their result), for the requests that wait for one.
     fetched: watch::Sender<u64>,
     /// The keys the last fetch left out as unusable.
-    left_out: std::sync::Mutex<Vec<String>>,
+    left_out: std::sync::Mutex<LeftOut>,
 }
 
 impl Default for JwksCache {
@@ -235,11 +269,12 @@ impl Default for JwksCache {
         Self {
             keys: ArcSwap::from_pointee(Fetched::default()),
             wake: Notify::new(),
+            moved: Notify::new(),
             started: Instant::now(),
             last_asked_ms: AtomicU64::new(0),
             asked: AtomicBool::new(false),
             fetched: watch::Sender::new(0),
-            left_out: std::sync::Mutex::new(Vec::new()),
+            left_out: std::sync::Mutex::new(LeftOut::default()),
         }
     }
 }
@@ -281,11 +316,15 @@ impl JwksCache {
         }
     }
 
-    /// Logs the keys a fetch left out as unusable, once each time they change.
-    pub fn note_left_out(&self, url: &str, left_out: Vec<String>) {
+    /// Logs the keys a fetch left out, once each time they change: at WARN those that would
+    /// sign but cannot be used, at INFO those published for something else.
+    pub fn note_left_out(&self, url: &str, left_out: LeftOut) {
         let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
-        if *before != left_out && !left_out.is_empty() {
-            tracing::warn!(url = %shown(url), left_out = ?left_out, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+        if before.unusable != left_out.unusable && !left_out.unusable.is_empty() {
+            tracing::warn!(url = %shown(url), left_out = ?left_out.unusable, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+        }
+        if before.beside != left_out.beside && !left_out.beside.is_empty() {
+            tracing::info!(url = %shown(url), left_out = ?left_out.beside, "the JWKS holds keys not for signing; no token is verified with them");
         }
         *before = left_out;
     }
@@ -304,9 +343,12 @@ impl JwksCache {
         }));
     }
 
-    /// A reload changed the URL or the period: fetch now (and wait the new period after).
+    /// A reload changed the URL or the period: fetch now (and wait the new period after);
+    /// a fetch under way from a URL the config no longer names is let go, so the new one is
+    /// asked at once.
     pub fn refresh_now(&self) {
         self.wake.notify_one();
+        self.moved.notify_one();
     }
 }
 
@@ -397,12 +439,12 @@ fn with_causes(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// One fetch: the JWKS at `url`, parsed: the keys that verify, and the ones left out as
-/// [`unusable`] (`kid: why`).
+/// One fetch: the JWKS at `url`, parsed: the keys that verify, and the ones left out
+/// ([`LeftOut`]).
 pub async fn fetch(
     client: &reqwest::Client,
     url: &str,
-) -> Result<(Vec<VerifyKey>, Vec<String>), String> {
+) -> Result<(Vec<VerifyKey>, LeftOut), String> {
     let mut response = client
         .get(url)
         .header("accept", "application/json")
@@ -424,7 +466,7 @@ pub async fn fetch(
         }
     }
     let set: JwkSet = serde_json::from_slice(&body).map_err(|e| format!("is not a JWKS: {e}"))?;
-    let mut left_out = Vec::new();
+    let mut left_out = LeftOut::default();
     let keys = verify_keys_noting(&set, &private_keys(&body), &mut left_out);
     if keys.is_empty() {
         return Err("holds no key that verifies signatures".into());
@@ -444,9 +486,11 @@ pub async fn keep_fresh(
     at_start: Option<Result<(), String>>,
 ) {
     let client = http_client();
+    // The start's fetch, made or failed, counts as the last: the next is a period away (30 s
+    // at most after a failure; a token with a `kid` the keys lack asks for one sooner).
+    let mut skip = at_start.is_some();
     // The reason of the outage going on, as last logged: a fetch failing for another reason
     // is logged again (an operator looking at the provider needs today's reason).
-    let mut skip = matches!(at_start, Some(Ok(())));
     let mut failing: Option<String> = at_start.and_then(Result::err);
     loop {
         let Some((url, every)) = target() else {
@@ -458,12 +502,32 @@ pub async fn keep_fresh(
         };
         if std::mem::take(&mut skip) {
             tokio::select! {
-                _ = tokio::time::sleep(every) => {}
+                _ = tokio::time::sleep(wait_after(&failing, every)) => {}
                 _ = cache.wake.notified() => {}
             }
             continue;
         }
-        match fetch(&client, &url).await {
+        let fetched = {
+            let fetching = fetch(&client, &url);
+            tokio::pin!(fetching);
+            loop {
+                tokio::select! {
+                    fetched = &mut fetching => break Some(fetched),
+                    _ = cache.moved.notified() => {
+                        if target().is_none_or(|(now, _)| now != url) {
+                            break None;
+                        }
+                    }
+                }
+            }
+        };
+        let Some(fetched) = fetched else {
+            // Its keys would verify nothing: the new URL is fetched at once (the reload's
+            // wake-up, still pending, is taken here so it does not ask twice).
+            let _ = tokio::time::timeout(Duration::ZERO, cache.wake.notified()).await;
+            continue;
+        };
+        match fetched {
             Ok((keys, left_out)) => {
                 cache.note_left_out(&url, left_out);
                 counters.success.inc();
@@ -493,16 +557,19 @@ pub async fn keep_fresh(
             }
         }
         cache.fetch_done();
-        // After a failure, try again sooner than the refresh period.
-        let wait = if failing.is_some() {
-            every.min(Duration::from_secs(30))
-        } else {
-            every
-        };
         tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
+            _ = tokio::time::sleep(wait_after(&failing, every)) => {}
             _ = cache.wake.notified() => {}
         }
+    }
+}
+
+/// The wait before the next fetch: the refresh period, or at most 30 s after a failure.
+fn wait_after(failing: &Option<String>, every: Duration) -> Duration {
+    if failing.is_some() {
+        every.min(Duration::from_secs(30))
+    } else {
+        every
     }
 }
 

@@ -268,8 +268,46 @@ async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
     assert!(logs.contains("client_secret=***"), "{logs}");
 }
 
+/// A reload that moves `jwks_url` while a fetch from the old URL hangs lets that fetch go:
+/// the new provider is asked at once, and its tokens verify within moments, not after the
+/// hanging fetch's 5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_off_a_hanging_provider_fetches_the_new_one_at_once() {
+    let first = Provider::start(jwks_with(&["rsa-1"])).await;
+    let next = Provider::start(jwks_with(&["rsa-1"])).await;
+    // Connections are taken (the listen queue) and never answered.
+    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let jwt = |port: u16| {
+        format!(
+            "algorithms = [\"RS256\"]\njwks_url = \"http://127.0.0.1:{port}/jwks.json\"\njwks_refresh_seconds = 3600"
+        )
+    };
+    let gw = start(&redis, &up, &jwt(first.port));
+    let signed = token("rsa-1", "rsa.der");
+    assert_eq!(status(&gw, &signed).await, 200);
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    let hanging_port = hanging.local_addr().unwrap().port();
+    gw.rewrite_config(&config.replace(&jwt(first.port), &jwt(hanging_port)));
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    std::thread::sleep(Duration::from_millis(300));
+    gw.rewrite_config(&config.replace(&jwt(first.port), &jwt(next.port)));
+    let moved = std::time::Instant::now();
+    assert_eq!(gw.reload(), 200, "{}", gw.logs());
+    assert_eq!(status(&gw, &signed).await, 200);
+    // Without letting the hanging fetch go: its 5 s first, then a 401 (the new provider not
+    // yet asked). Room for a loaded machine.
+    assert!(
+        moved.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        moved.elapsed()
+    );
+    assert_eq!(next.hits(), 1, "asked once");
+}
+
 /// A provider that cannot be fetched at start is logged once, with the reason (here the
-/// connection refused, not only "error sending request"), though it is tried again at once.
+/// connection refused, not only "error sending request"), and asked again when a token
+/// needs it (not at once: a second failure to count and nothing new to say).
 /// A redirect is followed only where `jwks_url` itself may point: one to plain http off
 /// loopback is refused before any connection, and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,8 +321,16 @@ async fn a_failed_fetch_says_why_and_a_redirect_stays_where_the_url_may_point() 
         &up,
         &format!("algorithms = [\"RS256\"]\njwks_url = \"http://127.0.0.1:{port}/jwks.json\""),
     );
+    // The start's fetch, once: the next is the refresh's, 30 s after a failure at most...
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}"),
+        1.0
+    );
+    // ...or a token's whose `kid` the keys lack (none here).
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 401);
     wait_until(Duration::from_secs(5), "the retry", || {
-        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}") >= 2.0
+        gw.metric("sentinel_jwks_refresh_total{result=\"failure\"}") == 2.0
     });
     let logs = gw.logs();
     let warned: Vec<_> = logs.lines().filter(|l| l.contains("JWKS")).collect();
@@ -348,14 +394,22 @@ async fn an_outage_whose_reason_changes_says_the_new_one() {
 }
 
 /// A fetched set may hold a key that cannot verify (here an Ed25519 key of 16 bytes, which
-/// made the JWT library panic on a token signed for it): it is left out, the others serve,
-/// and one WARN names it, not one for every fetch.
+/// made the JWT library panic on a token signed for it, and a symmetric key, a secret
+/// published): it is left out, the others serve, and one WARN names it, not one for every
+/// fetch. A key for encryption is named once at INFO.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     let mut set: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1"])).unwrap();
-    set["keys"].as_array_mut().unwrap().push(serde_json::json!({
+    let keys = set["keys"].as_array_mut().unwrap();
+    keys.push(serde_json::json!({
         "kty": "OKP", "crv": "Ed25519", "kid": "short-ed", "x": "AAAAAAAAAAAAAAAAAAAAAA"
     }));
+    // A published secret, and an encryption key as providers publish beside their own.
+    keys.push(serde_json::json!({"kty": "oct", "kid": "shared", "k": "c2VjcmV0LXNlY3JldA"}));
+    let mut enc = keys[0].clone();
+    enc["kid"] = "for-enc".into();
+    enc["use"] = "enc".into();
+    keys.push(enc);
     let (provider, gw, _processes) = verifying_from(&set, r#"["RS256", "EdDSA"]"#).await;
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     // An unknown kid fetches the same set again.
@@ -363,6 +417,18 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
     assert_eq!(provider.hits(), before + 1);
     warned_once(&gw, "cannot verify a signature", "short-ed");
+    warned_once(&gw, "cannot verify a signature", "shared: a symmetric key");
+    // Not for signing: said at INFO, once.
+    let beside: Vec<_> = (gw.logs().lines())
+        .filter(|l| l.contains("keys not for signing"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(beside.len(), 1, "{beside:?}");
+    assert!(
+        beside[0].contains("for-enc") && beside[0].contains("\"level\":\"INFO\""),
+        "{}",
+        beside[0]
+    );
 }
 
 /// A gateway whose `jwks_url` is a provider serving `set`, verifying `algorithms` (a TOML
