@@ -26,6 +26,9 @@ pub struct Reloader {
     pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
+    /// The files as the last reload that was taken found them before reading them, and its
+    /// generation: what `watch_config` compares with.
+    read: Mutex<(u64, Vec<FileStamp>)>,
     /// The settings the process started with, of those only a restart changes: a reload is
     /// told a restart is required while the file differs from them (and no longer once it is
     /// back to them).
@@ -52,8 +55,10 @@ impl Reloader {
             server: started.config.server.clone(),
             dedicated_io_thread: started.config.redis.dedicated_io_thread,
         };
+        let read = (started.generation, stamp(&path, &started.config));
         drop(started);
         Self {
+            read: Mutex::new(read),
             running,
             path,
             live,
@@ -70,7 +75,13 @@ impl Reloader {
     /// asked (`admin`, `signal`, `watch`), for the log line.
     pub fn reload(&self, trigger: &'static str) -> Result<Reloaded, String> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        // Before reading: a change made while the reload reads is then seen by the watch
+        // (one more reload at worst), never missed.
+        let before = stamp(&self.path, &self.live.load().config);
         let result = self.try_reload();
+        if let Ok(r) = &result {
+            *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, before);
+        }
         self.metrics.config_reload(result.is_ok());
         let config = self.path.display();
         match &result {
@@ -261,35 +272,30 @@ pub const WATCH_EVERY: Duration = Duration::from_millis(500);
 /// changes, once it has been stable for one more look. Failed reloads are counted and logged
 /// as any reload; the next change is tried again.
 pub async fn watch(reloader: Arc<Reloader>) {
-    let file = |path: &std::path::Path| {
-        std::fs::metadata(path)
-            .ok()
-            .map(|m| (m.modified().ok(), m.len()))
-    };
-    // The config file and the files it names (API keys, JWKS, certificates and keys): a
-    // change to any reloads.
-    let stamp = |path: &std::path::Path| {
-        let config = &reloader.live.load().config;
-        std::iter::once(file(path))
-            .chain(config.named_files().iter().map(|f| file(f)))
-            .collect::<Vec<_>>()
-    };
-    let mut loaded = stamp(&reloader.path);
+    let (mut seen, mut loaded) = reloader
+        .read
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     let mut pending = None;
-    let mut watching = reloader.live.load().config.server.watch_config;
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
-        let was_watching = std::mem::replace(
-            &mut watching,
-            reloader.live.load().config.server.watch_config,
-        );
-        // Off, or just turned on by the reload of the file as it is now: nothing to reload.
-        if !watching || !was_watching {
-            loaded = stamp(&reloader.path);
+        if !reloader.live.load().config.server.watch_config {
             pending = None;
             continue;
         }
-        let now = stamp(&reloader.path);
+        // A reload by any trigger (the one that turned the watch on, too): the files as it
+        // read them, so a change made just after it is still a change.
+        let (generation, read) = reloader
+            .read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if generation != seen {
+            (seen, loaded) = (generation, read);
+            pending = None;
+        }
+        let now = stamp(&reloader.path, &reloader.live.load().config);
         if now == loaded {
             pending = None;
             continue;
@@ -302,6 +308,22 @@ pub async fn watch(reloader: Arc<Reloader>) {
         pending = None;
         let _ = reloader.reload_off_thread("watch").await;
     }
+}
+
+/// A file's modification time and length (`None`: it cannot be read).
+type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+
+/// The config file and the files it names (API keys, JWKS, certificates and keys), as
+/// `watch_config` compares them.
+fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
+    let file = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .ok()
+            .map(|m| (m.modified().ok(), m.len()))
+    };
+    std::iter::once(file(path))
+        .chain(config.named_files().iter().map(|f| file(f)))
+        .collect()
 }
 
 /// The endpoints a reload keeps under the same `key_prefix` and `policy_version` whose

@@ -767,6 +767,28 @@ async fn watch_config_turned_on_by_a_reload_watches_from_then_on() {
     );
 }
 
+/// A change made right after the reload that turned `watch_config` on is loaded: the watch
+/// compares with the files as that reload read them, not as its next look finds them (which
+/// took in, and so lost, a change made in the half second between).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_right_after_the_reload_that_turned_the_watch_on_is_loaded() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let watched = text.replacen("[server]\n", "[server]\nwatch_config = true\n", 1);
+    gw.rewrite_config(&watched);
+    assert_eq!(gw.reload(), 200);
+    gw.rewrite_config(&format!("{watched}{}", new_route()));
+    wait_until(Duration::from_secs(5), "the watcher to reload", || {
+        gw.metric("sentinel_config_generation") == 3.0
+    });
+    assert_eq!(
+        client().get(gw.url("/new")).send().await.unwrap().status(),
+        200
+    );
+}
+
 #[test]
 fn a_busy_listen_address_fails_fast_and_names_it() {
     let redis = Redis::start();
