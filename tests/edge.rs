@@ -554,6 +554,62 @@ fn access_lines(path: &std::path::Path) -> Vec<Value> {
         .collect()
 }
 
+/// A route limited by the `User-Agent` or `Host` header: that field of its lines would be the
+/// raw identity, and is null (the identity's hash is there); other routes keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_header_the_access_log_names_is_not_written() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("e.agent")
+                .prefix("/agent")
+                .identity_header("User-Agent")
+                .token_bucket(5_000_000, 0),
+        )
+        .route(
+            Route::new("e.host")
+                .prefix("/host")
+                .identity_header("Host")
+                .token_bucket(5_000_000, 0),
+        )
+        .route(Route::new("e.open").prefix("/open").unlimited())
+        .access_log(&log)
+        .start();
+    let http = client();
+    for path in ["/agent/x", "/host/x", "/open/x"] {
+        let r = http
+            .get(gw.url(path))
+            .header("User-Agent", "tenant-key-7f3a")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    wait_until(Duration::from_secs(3), "three access lines", || {
+        access_lines(&log).len() == 3
+    });
+    let lines = access_lines(&log);
+    let of = |endpoint: &str| {
+        lines
+            .iter()
+            .find(|l| l["endpoint_id"] == endpoint)
+            .unwrap()
+            .clone()
+    };
+    let (agent, host, open) = (of("e.agent"), of("e.host"), of("e.open"));
+    assert_eq!(agent["user_agent"], Value::Null, "{agent}");
+    assert!(agent["identity_hash"].is_string(), "{agent}");
+    assert_eq!(agent["host"], format!("127.0.0.1:{}", gw.port), "{agent}");
+    assert_eq!(host["host"], Value::Null, "{host}");
+    assert_eq!(host["user_agent"], "tenant-key-7f3a", "{host}");
+    assert_eq!(open["user_agent"], "tenant-key-7f3a", "{open}");
+    assert!(open["host"].is_string(), "{open}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     let redis = Redis::start();

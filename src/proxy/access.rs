@@ -47,14 +47,20 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     let req = session.req_header();
     let header =
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));
-    let received = super::forwarded::received_host(req);
+    let route = ctx.route.as_ref();
+    // A route limited by the `Host` or `User-Agent` header: that field would be the raw
+    // identity, which no line carries (its hash does).
+    let identity_header = route.and_then(|r| match &r.identity {
+        crate::config::IdentitySource::Header(name) => Some(name.as_str()),
+        _ => None,
+    });
+    let received = super::forwarded::received_host(req).filter(|_| identity_header != Some("host"));
     let host = received.as_deref().map(Lossy);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",
         http::Version::HTTP_10 => "HTTP/1.0",
         _ => "HTTP/1.1",
     };
-    let route = ctx.route.as_ref();
     let decision = ctx.decision.as_ref();
     // Sent upstream, or an upstream connection tried for it (a 502's address is the one that
     // failed).
@@ -91,7 +97,8 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         bytes_received: session.body_bytes_read() as u64,
         bytes_sent: session.body_bytes_sent() as u64,
         identity_hash: ctx.identity_hash.as_deref(),
-        user_agent: header(http::header::USER_AGENT),
+        user_agent: header(http::header::USER_AGENT)
+            .filter(|_| identity_header != Some("user-agent")),
     };
     log.log(&line);
 }
