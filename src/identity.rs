@@ -128,23 +128,33 @@ impl JwtVerifier {
         token: &str,
         also: Option<&str>,
     ) -> Result<(String, Option<String>), IdentityError> {
-        self.verified(token, also)
-            .unwrap_or(Err(IdentityError::InvalidToken))
+        self.verified(token, also).map_err(|why| match why {
+            Refusal::UnknownKid => IdentityError::UnknownKid,
+            _ => IdentityError::InvalidToken,
+        })
+    }
+
+    /// Why a token is refused, in words for a DEBUG line (none of the token's content);
+    /// `None` when it is not.
+    pub fn refusal(&self, token: &str) -> Option<&'static str> {
+        self.verified(token, None).err().map(Refusal::words)
     }
 
     fn verified(
         &self,
         token: &str,
         also: Option<&str>,
-    ) -> Option<Result<(String, Option<String>), IdentityError>> {
-        let header = jsonwebtoken::decode_header(token).ok()?;
+    ) -> Result<(String, Option<String>), Refusal> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| Refusal::Unreadable)?;
         let alg = header.alg;
-        let (_, validation) = self.validations.iter().find(|(a, _)| *a == alg)?;
+        let (_, validation) = (self.validations.iter())
+            .find(|(a, _)| *a == alg)
+            .ok_or(Refusal::AlgorithmNotAccepted)?;
         let verify = |key: &DecodingKey| {
             jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(
                 token, key, validation,
             )
-            .ok()
+            .map_err(|e| Refusal::Claims(claims_refusal(e.kind())))
         };
         let claims = if alg.family() == AlgorithmFamily::Hmac {
             // The shared secret has no kid; a kid that names a key of the JWKS names a key of
@@ -154,10 +164,10 @@ impl JwtVerifier {
                 let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
                 let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
                 if keys.iter().any(|(k, _, _)| k.as_ref() == Some(kid)) {
-                    return None;
+                    return Err(Refusal::HmacKidOfAKey);
                 }
             }
-            verify(self.secret.as_ref()?)?
+            verify(self.secret.as_ref().ok_or(Refusal::NoKey)?)?
         } else {
             // The token's kid picks the key; without one, every key of its type is tried. A key
             // of another type is never tried (the library refuses the pairing too).
@@ -172,24 +182,81 @@ impl JwtVerifier {
                 if !keys.iter().any(|k| usable(&k)) {
                     // A kid the keys do not have: the provider may have rotated. The caller
                     // asks for a refresh and tries again ([`Self::unknown_kid`]).
-                    return Some(Err(IdentityError::UnknownKid));
+                    return Err(Refusal::UnknownKid);
                 }
             }
-            keys.iter()
-                .filter(usable)
-                .find_map(|(_, _, key)| verify(key))?
+            let mut refused = Refusal::NoKey;
+            let mut found = None;
+            for (_, _, key) in keys.iter().filter(usable) {
+                match verify(key) {
+                    Ok(claims) => {
+                        found = Some(claims);
+                        break;
+                    }
+                    Err(why) => refused = why,
+                }
+            }
+            found.ok_or(refused)?
         };
         // `iss` is one string (RFC 7519, 4.1.1): the library also takes a list holding it.
         if self.issuer && !claims.claims.get("iss").is_some_and(|v| v.is_string()) {
-            return None;
+            return Err(Refusal::Claims("iss is not one string"));
         }
-        let id = claims.claims.get(&self.identity_claim)?.as_str()?;
+        let id = (claims.claims.get(&self.identity_claim))
+            .and_then(|v| v.as_str())
+            .filter(|id| !id.is_empty() && id.len() <= MAX_SUBJECT_BYTES)
+            .ok_or(Refusal::IdentityClaim)?;
         let extra = also
             .and_then(|c| claims.claims.get(c))
             .and_then(|v| v.as_str())
             .filter(|v| v.len() <= MAX_SUBJECT_BYTES)
             .map(str::to_owned);
-        (!id.is_empty() && id.len() <= MAX_SUBJECT_BYTES).then(|| Ok((id.to_owned(), extra)))
+        Ok((id.to_owned(), extra))
+    }
+}
+
+/// Why a bearer token is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    Unreadable,
+    AlgorithmNotAccepted,
+    HmacKidOfAKey,
+    /// No key (or secret) of the token's type, or none with its `kid`.
+    NoKey,
+    UnknownKid,
+    /// The signature, or a claim the library checks, in words.
+    Claims(&'static str),
+    IdentityClaim,
+}
+
+impl Refusal {
+    fn words(self) -> &'static str {
+        match self {
+            Refusal::Unreadable => "not a JWT: its header cannot be read",
+            Refusal::AlgorithmNotAccepted => "its alg is not in auth.jwt.algorithms",
+            Refusal::HmacKidOfAKey => "an HMAC token whose kid names a key of the JWKS",
+            Refusal::NoKey => "no key of its alg (and kid) to verify it with",
+            Refusal::UnknownKid => "its kid is not among the fetched keys",
+            Refusal::Claims(why) => why,
+            Refusal::IdentityClaim => {
+                "the identity claim is missing, not a string, empty or over 256 bytes"
+            }
+        }
+    }
+}
+
+/// The library's refusal in words.
+fn claims_refusal(kind: &jsonwebtoken::errors::ErrorKind) -> &'static str {
+    use jsonwebtoken::errors::ErrorKind as K;
+    match kind {
+        K::InvalidSignature => "its signature does not verify",
+        K::ExpiredSignature => "expired (exp, with the leeway)",
+        K::ImmatureSignature => "not yet valid (nbf, with the leeway)",
+        K::InvalidAudience => "its aud is not among auth.jwt.audiences",
+        K::InvalidIssuer => "its iss is not auth.jwt.issuer",
+        K::MissingRequiredClaim(_) => "a required claim is missing (exp; iss, aud when set)",
+        K::InvalidAlgorithm => "its alg does not fit the key",
+        _ => "malformed (its claims cannot be read)",
     }
 }
 
@@ -248,6 +315,41 @@ pub enum IdentityError {
     /// Behind a trusted proxy, the `X-Forwarded-For` entry that names the client is not an
     /// address: the request is refused (400) rather than charged to the proxy's bucket.
     UnusableForwardedFor,
+}
+
+/// Why [`identify`] refused a request with `error`, in words for a DEBUG line: never the
+/// header's value, the key or the token.
+pub fn refusal(
+    req: &RequestHeader,
+    jwt: Option<&JwtVerifier>,
+    error: IdentityError,
+) -> &'static str {
+    match error {
+        IdentityError::AmbiguousHeader => {
+            "its identity header (or Authorization) is sent more than once"
+        }
+        IdentityError::MissingHeader => {
+            "its identity header is absent, empty, over 1024 bytes or not UTF-8"
+        }
+        IdentityError::NoPeerAddress => "its peer has no IP address",
+        IdentityError::UnknownApiKey => "no API key, or one the key file does not list",
+        IdentityError::UnusableForwardedFor => {
+            "the X-Forwarded-For entry that names the client is not an address"
+        }
+        IdentityError::UnknownKid => "its kid is not among the fetched keys, even after a refresh",
+        IdentityError::InvalidToken => {
+            let Ok(Some(authorization)) = single(req, http::header::AUTHORIZATION) else {
+                return "no Authorization header";
+            };
+            match (bearer(authorization), jwt) {
+                (None, _) => {
+                    "Authorization is not Bearer and a token of visible ASCII, up to 8 KiB"
+                }
+                (Some(_), None) => "no [auth.jwt] to verify it with",
+                (Some(token), Some(jwt)) => jwt.refusal(token).unwrap_or("refused"),
+            }
+        }
+    }
 }
 
 /// The identity string of a request, before hashing.
@@ -842,6 +944,54 @@ mod tests {
                 serde_json::json!({"sub": "t", "exp": now() + 60}),
             );
             assert_eq!(subject_of(&v, &format!("Bearer {t}")).unwrap(), "jwt:t");
+        }
+
+        /// A refused request's DEBUG line says why, in words: never the token.
+        #[test]
+        fn a_refusal_says_why() {
+            let v = verifier(&["HS256"]);
+            let why = |authorization: Option<&str>| {
+                let mut r = RequestHeader::build("GET", b"/x", None).unwrap();
+                if let Some(a) = authorization {
+                    r.insert_header("authorization", a).unwrap();
+                }
+                let e = identify(&IdentitySource::Jwt, &r, None, &[], Some(&v), None)
+                    .expect_err("refused");
+                refusal(&r, Some(&v), e)
+            };
+            let signed = |alg, key: &[u8], claims| format!("Bearer {}", token(alg, key, claims));
+            assert_eq!(why(None), "no Authorization header");
+            assert_eq!(
+                why(Some("Basic dXNlcjpwdw==")),
+                "Authorization is not Bearer and a token of visible ASCII, up to 8 KiB"
+            );
+            assert_eq!(
+                why(Some("Bearer not.a.jwt")),
+                "not a JWT: its header cannot be read"
+            );
+            let valid = serde_json::json!({"sub": "t", "exp": now() + 60});
+            assert_eq!(
+                why(Some(&signed(Algorithm::HS512, SECRET, valid.clone()))),
+                "its alg is not in auth.jwt.algorithms"
+            );
+            assert_eq!(
+                why(Some(&signed(
+                    Algorithm::HS256,
+                    b"another secret, as long as it",
+                    valid
+                ))),
+                "its signature does not verify"
+            );
+            let expired = serde_json::json!({"sub": "t", "exp": now() - 600});
+            assert_eq!(
+                why(Some(&signed(Algorithm::HS256, SECRET, expired))),
+                "expired (exp, with the leeway)"
+            );
+            let no_sub = serde_json::json!({"exp": now() + 60});
+            assert_eq!(
+                why(Some(&signed(Algorithm::HS256, SECRET, no_sub))),
+                "the identity claim is missing, not a string, empty or over 256 bytes"
+            );
         }
 
         #[test]

@@ -329,11 +329,22 @@ impl Gateway {
         }
         let (identity, caller_tier) = match identified {
             Ok(found) => found,
-            Err(identity::IdentityError::UnusableForwardedFor) => return Some(Answer::BadRequest),
-            Err(_) => {
-                return Some(Answer::Unauthenticated {
-                    bearer: route.identity == IdentitySource::Jwt,
-                })
+            Err(e) => {
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    let reason = identity::refusal(session.req_header(), snapshot.jwt.as_ref(), e);
+                    tracing::debug!(
+                        endpoint_id = %route.endpoint.policy.endpoint_id,
+                        request_id = ctx.request_id(),
+                        reason,
+                        "request refused: no usable identity"
+                    );
+                }
+                return Some(match e {
+                    identity::IdentityError::UnusableForwardedFor => Answer::BadRequest,
+                    _ => Answer::Unauthenticated {
+                        bearer: route.identity == IdentitySource::Jwt,
+                    },
+                });
             }
         };
         let hash = identity_hash(&identity);
