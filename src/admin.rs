@@ -302,11 +302,9 @@ impl Admin {
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
-                let dropped = crate::telemetry::dropped_lines();
-                let counted = self.metrics.log_dropped.get();
                 self.metrics
                     .log_dropped
-                    .inc_by(dropped.saturating_sub(counted));
+                    .inc_by(crate::telemetry::newly_dropped_lines());
                 for n in self.store.nodes() {
                     self.metrics.redis_node(&n.node, Some(n.connected));
                 }

@@ -193,7 +193,12 @@ impl JwtVerifier {
                         found = Some(claims);
                         break;
                     }
-                    Err(why) => refused = why,
+                    // A key that is not the token's says only that its signature does
+                    // not verify: any other reason is the one to tell.
+                    Err(why) if refused == Refusal::NoKey || refused == NOT_VERIFIED => {
+                        refused = why
+                    }
+                    Err(_) => {}
                 }
             }
             found.ok_or(refused)?
@@ -214,6 +219,10 @@ impl JwtVerifier {
         Ok((id.to_owned(), extra))
     }
 }
+
+/// A signature that does not verify with the key tried.
+const NOT_VERIFIED_WORDS: &str = "its signature does not verify";
+const NOT_VERIFIED: Refusal = Refusal::Claims(NOT_VERIFIED_WORDS);
 
 /// Why a bearer token is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,7 +258,7 @@ impl Refusal {
 fn claims_refusal(kind: &jsonwebtoken::errors::ErrorKind) -> &'static str {
     use jsonwebtoken::errors::ErrorKind as K;
     match kind {
-        K::InvalidSignature => "its signature does not verify",
+        K::InvalidSignature => NOT_VERIFIED_WORDS,
         K::ExpiredSignature => "expired (exp, with the leeway)",
         K::ImmatureSignature => "not yet valid (nbf, with the leeway)",
         K::InvalidAudience => "its aud is not among auth.jwt.audiences",
@@ -336,7 +345,9 @@ pub fn refusal(
         IdentityError::UnusableForwardedFor => {
             "the X-Forwarded-For entry that names the client is not an address"
         }
-        IdentityError::UnknownKid => "its kid is not among the fetched keys, even after a refresh",
+        IdentityError::UnknownKid => {
+            "its kid is not among the fetched keys (fetched again at most every 10 s)"
+        }
         IdentityError::InvalidToken => {
             let Ok(Some(authorization)) = single(req, http::header::AUTHORIZATION) else {
                 return "no Authorization header";

@@ -17,6 +17,7 @@ pub mod remote_jwks;
 pub mod routing;
 pub mod server;
 pub mod snapshot;
+mod stdout_log;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;

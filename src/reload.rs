@@ -26,8 +26,8 @@ pub struct Reloader {
     pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
-    /// The files as the last reload that was taken found them before reading them, and its
-    /// generation: what `watch_config` compares with.
+    /// The files as the last reload that was taken (or the start) found them before reading
+    /// them, and its generation: what `watch_config` compares with.
     read: Mutex<(u64, Vec<FileStamp>)>,
     /// The settings the process started with, of those only a restart changes: a reload is
     /// told a restart is required while the file differs from them (and no longer once it is
@@ -71,16 +71,31 @@ impl Reloader {
         }
     }
 
+    /// The files as the start read them (before this reloader was made): what the watch
+    /// compares with until the first reload.
+    pub fn read_at_start(&self, read: Vec<FileStamp>) {
+        self.read.lock().unwrap_or_else(|p| p.into_inner()).1 = read;
+    }
+
     /// Reloads; returns the new generation, or every problem found. `trigger` says what
     /// asked (`admin`, `signal`, `watch`), for the log line.
     pub fn reload(&self, trigger: &'static str) -> Result<Reloaded, String> {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // Before reading: a change made while the reload reads is then seen by the watch
         // (one more reload at worst), never missed.
-        let before = stamp(&self.path, &self.live.load().config);
+        let old_files = files(&self.path, &self.live.load().config);
+        let before: Vec<FileStamp> = old_files.iter().map(|f| file_stamp(f)).collect();
         let result = self.try_reload();
         if let Ok(r) = &result {
-            *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, before);
+            // The new config's files: as they were before reading, or (a file it names
+            // anew) as they are now.
+            let read = (files(&self.path, &self.live.load().config).iter())
+                .map(|f| match old_files.iter().position(|o| o == f) {
+                    Some(i) => before[i],
+                    None => file_stamp(f),
+                })
+                .collect();
+            *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
         }
         self.metrics.config_reload(result.is_ok());
         let config = self.path.display();
@@ -311,19 +326,25 @@ pub async fn watch(reloader: Arc<Reloader>) {
 }
 
 /// A file's modification time and length (`None`: it cannot be read).
-type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+pub(crate) type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
 
-/// The config file and the files it names (API keys, JWKS, certificates and keys), as
-/// `watch_config` compares them.
-fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
-    let file = |path: &std::path::Path| {
-        std::fs::metadata(path)
-            .ok()
-            .map(|m| (m.modified().ok(), m.len()))
-    };
-    std::iter::once(file(path))
-        .chain(config.named_files().iter().map(|f| file(f)))
+fn file_stamp(path: &std::path::Path) -> FileStamp {
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.modified().ok(), m.len()))
+}
+
+/// The config file and the files it names (API keys, JWKS, certificates and keys): what
+/// `watch_config` looks at.
+fn files(path: &std::path::Path, config: &Config) -> Vec<PathBuf> {
+    std::iter::once(path.to_path_buf())
+        .chain(config.named_files())
         .collect()
+}
+
+/// The files of `config` (read from `path`) as they are now.
+pub(crate) fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
+    files(path, config).iter().map(|f| file_stamp(f)).collect()
 }
 
 /// The endpoints a reload keeps under the same `key_prefix` and `policy_version` whose

@@ -183,59 +183,77 @@ pub struct LeftOut {
     pub beside: Vec<String>,
 }
 
+/// What one key of a JWKS is to the gateway: the file's check and a fetched set's both read
+/// keys by it, so they leave out the same keys for the same reasons.
+pub enum Verdict {
+    /// Published with its private half (`private` of [`classify`]).
+    Private,
+    /// A symmetric (`oct`) key: a secret published.
+    Symmetric,
+    /// Published for something else ([`not_for_signing`]): why.
+    NotForSigning(String),
+    /// Would sign but verifies nothing: why.
+    Unusable(String),
+    Verifies(VerifyKey),
+}
+
+/// The [`Verdict`] on `jwk`; `private`: it came with its private half ([`private_keys`]).
+pub fn classify(jwk: &jsonwebtoken::jwk::Jwk, private: bool) -> Verdict {
+    if private {
+        return Verdict::Private;
+    }
+    if matches!(
+        jwk.algorithm,
+        jsonwebtoken::jwk::AlgorithmParameters::OctetKey(_)
+    ) {
+        return Verdict::Symmetric;
+    }
+    if let Some(why) = not_for_signing(jwk) {
+        return Verdict::NotForSigning(why);
+    }
+    if jwk_family(jwk).is_none() {
+        return Verdict::Unusable("a kind of key no accepted algorithm verifies".into());
+    }
+    let pinned = match jwk.common.key_algorithm {
+        Some(a) => match a.to_string().parse::<jsonwebtoken::Algorithm>() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                return Verdict::Unusable(format!(
+                    "it is pinned to \"alg\": \"{a}\", which signs nothing this gateway verifies"
+                ))
+            }
+        },
+        None => None,
+    };
+    let key = match jsonwebtoken::DecodingKey::from_jwk(jwk) {
+        Ok(key) => key,
+        Err(e) => return Verdict::Unusable(e.to_string()),
+    };
+    match unusable(jwk, &key) {
+        Some(why) => Verdict::Unusable(why),
+        None => Verdict::Verifies((jwk.common.key_id.clone(), pinned, key)),
+    }
+}
+
 /// [`verify_keys`], and in `left_out` each key left out: its `kid` (or `-`) and why
 /// (`private` says which came with their private half).
 fn verify_keys_noting(set: &JwkSet, private: &[bool], noted: &mut LeftOut) -> Vec<VerifyKey> {
-    let LeftOut {
-        unusable: left_out,
-        beside,
-    } = noted;
+    const PUBLISHED: &str =
+        "published to anyone who can fetch the JWKS: tokens it signs prove nothing";
     let mut keys = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
         let kid = jwk.common.key_id.as_deref().unwrap_or("-");
-        if private.get(i).copied().unwrap_or(false) {
-            left_out.push(format!("{kid}: it holds its private key, published to anyone who can fetch the JWKS: tokens it signs prove nothing"));
-            continue;
-        }
-        if matches!(
-            jwk.algorithm,
-            jsonwebtoken::jwk::AlgorithmParameters::OctetKey(_)
-        ) {
-            left_out.push(format!("{kid}: a symmetric key (kty \"oct\"), published to anyone who can fetch the JWKS: tokens it signs prove nothing"));
-            continue;
-        }
-        if let Some(why) = not_for_signing(jwk) {
-            beside.push(format!("{kid}: {why}"));
-            continue;
-        }
-        if jwk_family(jwk).is_none() {
-            left_out.push(format!(
-                "{kid}: a kind of key no accepted algorithm verifies"
-            ));
-            continue;
-        }
-        let pinned = match jwk.common.key_algorithm {
-            Some(a) => match a.to_string().parse::<jsonwebtoken::Algorithm>() {
-                Ok(a) => Some(a),
-                Err(_) => {
-                    left_out.push(format!("{kid}: it is pinned to \"alg\": \"{a}\", which signs nothing this gateway verifies"));
-                    continue;
-                }
-            },
-            None => None,
-        };
-        let key = match jsonwebtoken::DecodingKey::from_jwk(jwk) {
-            Ok(key) => key,
-            Err(e) => {
-                left_out.push(format!("{kid}: it cannot be read as a public key ({e})"));
-                continue;
+        match classify(jwk, private.get(i).copied().unwrap_or(false)) {
+            Verdict::Private => {
+                (noted.unusable).push(format!("{kid}: it holds its private key, {PUBLISHED}"))
             }
-        };
-        if let Some(why) = unusable(jwk, &key) {
-            left_out.push(format!("{kid}: {why}"));
-            continue;
+            Verdict::Symmetric => {
+                (noted.unusable).push(format!("{kid}: a symmetric key (kty \"oct\"), {PUBLISHED}"))
+            }
+            Verdict::NotForSigning(why) => noted.beside.push(format!("{kid}: {why}")),
+            Verdict::Unusable(why) => noted.unusable.push(format!("{kid}: {why}")),
+            Verdict::Verifies(key) => keys.push(key),
         }
-        keys.push((jwk.common.key_id.clone(), pinned, key));
     }
     keys
 }
@@ -258,6 +276,8 @@ pub struct JwksCache {
     last_asked_ms: AtomicU64,
     /// An unknown kid's refresh is asked for and not yet done.
     asked: AtomicBool,
+    /// A fetch is under way: an unknown kid waits for it rather than asking for another.
+    fetching: AtomicBool,
     /// Fetches done (whatever their result), for the requests that wait for one.
     fetched: watch::Sender<u64>,
     /// The keys the last fetch left out as unusable.
@@ -273,6 +293,7 @@ impl Default for JwksCache {
             started: Instant::now(),
             last_asked_ms: AtomicU64::new(0),
             asked: AtomicBool::new(false),
+            fetching: AtomicBool::new(false),
             fetched: watch::Sender::new(0),
             left_out: std::sync::Mutex::new(LeftOut::default()),
         }
@@ -308,7 +329,9 @@ impl JwksCache {
                 .is_ok()
         {
             self.asked.store(true, Ordering::SeqCst);
-            self.wake.notify_one();
+            if !self.fetching.load(Ordering::SeqCst) {
+                self.wake.notify_one();
+            }
         }
         if self.asked.load(Ordering::SeqCst) {
             let _ =
@@ -507,6 +530,7 @@ pub async fn keep_fresh(
             }
             continue;
         }
+        cache.fetching.store(true, Ordering::SeqCst);
         let fetched = {
             let fetching = fetch(&client, &url);
             tokio::pin!(fetching);
@@ -521,6 +545,7 @@ pub async fn keep_fresh(
                 }
             }
         };
+        cache.fetching.store(false, Ordering::SeqCst);
         let Some(fetched) = fetched else {
             // Its keys would verify nothing: the new URL is fetched at once (the reload's
             // wake-up, still pending, is taken here so it does not ask twice).

@@ -54,6 +54,9 @@ const FIRST_CONNECTION_WAIT: Duration = Duration::from_secs(1);
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub fn run(config: Config) -> Result<(), StartError> {
+    // The files as the start read them, for `watch_config`: a change made while the gateway
+    // starts (a JWKS fetch, the first Redis connection) is a change.
+    let read = crate::reload::stamp(&config.source, &config);
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
     let plain = config
         .server
@@ -227,6 +230,7 @@ pub fn run(config: Config) -> Result<(), StartError> {
             connections: Arc::clone(&connections),
         },
     ));
+    reloader.read_at_start(read);
 
     let conf = ServerConf {
         threads: server_cfg.threads,

@@ -35,6 +35,17 @@ pub struct Route {
     pub exempt_client_cidrs: Vec<ipnet::IpNet>,
 }
 
+impl Route {
+    /// The request header the route's callers are told apart by, lower-case: a field a line
+    /// would otherwise show (`Host`, `User-Agent`) is then left out, as the raw identity.
+    pub fn identity_header(&self) -> Option<&str> {
+        match &self.identity {
+            IdentitySource::Header(name) => Some(name.as_str()),
+            _ => None,
+        }
+    }
+}
+
 pub struct Snapshot {
     pub generation: u64,
     pub config: Arc<Config>,

@@ -1,11 +1,10 @@
 //! Logs: one JSON object per line on stdout; `RUST_LOG` filters; Pingora's `log` output is
 //! bridged in, with what a client causes turned down to DEBUG.
 //!
-//! Lines are written to stdout by a thread of their own, never by the thread that logs: a
-//! stdout that does not drain (a pipe whose reader stopped, a stalled log collector) would
-//! otherwise block every worker that logs a denial, and with them every route. Up to
-//! [`LINES_BUFFERED`] lines wait for it; past that they are dropped and counted
-//! (`sentinel_log_dropped_total`), as the access log's are.
+//! A stdout that does not drain (a pipe whose reader stopped, a stalled log collector) never
+//! blocks the thread that logs: lines it would wait for go to a thread of their own, and past
+//! a few megabytes are dropped and counted (`sentinel_log_dropped_total`), as the access
+//! log's are ([`crate::stdout_log`]).
 //!
 //! No line carries what a request or an answer carried: Pingora's errors quote the bytes of
 //! a head they could not parse (`buf: ...`), which may hold a key, a token or a cookie, and
@@ -18,28 +17,12 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
-
-use tracing_appender::non_blocking::{ErrorCounter, NonBlockingBuilder, WorkerGuard};
 
 use tracing_log::AsLog;
 use tracing_subscriber::EnvFilter;
 
-/// Lines that may wait for stdout before the next are dropped: a few megabytes.
-pub const LINES_BUFFERED: usize = 16_384;
-
-/// The log writer's thread, kept until [`flush`].
-static WRITER: Mutex<Option<WorkerGuard>> = Mutex::new(None);
-static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
-
 pub fn init() {
-    let (writer, guard) = NonBlockingBuilder::default()
-        .lossy(true)
-        .buffered_lines_limit(LINES_BUFFERED)
-        .thread_name("sentinel-log")
-        .finish(std::io::stdout());
-    let dropped = writer.error_counter();
     let asked = std::env::var("RUST_LOG").unwrap_or_default();
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     for chatty in ["h2", "rustls"] {
@@ -55,13 +38,11 @@ pub fn init() {
         .with_current_span(false)
         .with_span_list(false)
         .with_env_filter(filter)
-        .with_writer(writer)
+        .with_writer(crate::stdout_log::MakeLineWriter)
         .finish();
     if tracing::subscriber::set_global_default(subscriber).is_err() {
         return;
     }
-    let _ = DROPPED.set(dropped);
-    *WRITER.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
     let pingora_debug = asked.contains("pingora");
     if log::set_boxed_logger(Box::new(PingoraLog(
         tracing_log::LogTracer::new(),
@@ -73,23 +54,15 @@ pub fn init() {
     }
 }
 
-/// Log lines dropped so far because stdout could not take them.
-pub fn dropped_lines() -> u64 {
-    DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
+/// Log lines dropped because stdout could not take them, since the last call.
+pub fn newly_dropped_lines() -> u64 {
+    crate::stdout_log::stdout().newly_dropped()
 }
 
 /// Writes out the lines still waiting for stdout, before the process exits: waits for them
 /// at most a second and a half (a stdout nobody reads must not hold the exit).
 pub fn flush() {
-    let Some(guard) = WRITER.lock().unwrap_or_else(|p| p.into_inner()).take() else {
-        return;
-    };
-    let (done, written) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        drop(guard);
-        let _ = done.send(());
-    });
-    let _ = written.recv_timeout(Duration::from_millis(1_500));
+    crate::stdout_log::stdout().flush(Duration::from_millis(1_500));
 }
 
 /// Pingora logs at ERROR what a client alone causes: a connection closed in the middle of a

@@ -128,7 +128,7 @@ fn sigquit_drains_as_sigterm_does() {
     );
 }
 
-/// The listeners open once the first Redis connection is made: with a Redis 100 ms away (its
+/// The listeners open once the first Redis connection is made: with a Redis 50 ms away (its
 /// connection's set-up takes a few of its round trips), the first request is decided by Redis
 /// within its budget, not answered at once by its fail mode (`fail_closed`: a 503) for want of
 /// a connection. One that cannot be reached still lets the gateway start, after at most a
@@ -138,7 +138,7 @@ fn the_listeners_open_once_the_first_redis_connection_is_made() {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let far = common::fault::FaultProxy::start(redis.port);
-    far.set(common::fault::Mode::Delay(Duration::from_millis(100)));
+    far.set(common::fault::Mode::Delay(Duration::from_millis(50)));
     let config = GatewayConfig::new(&far.url()).redis("timeout_ms", "1000");
     let gw = routes(config, &up.addr(), api(100).fail_closed()).start();
     let (status, body) = blocking_get(&gw.url("/api/x")).expect("an answer");
@@ -997,8 +997,10 @@ async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
         .prefix("/keyed")
         .identity_header("X-API-Key")
         .token_bucket(1_000_000, 0);
+    // A budget no busy machine overruns: every one of the denials below is Redis's.
     let config = routes(GatewayConfig::new(&redis.url()), &up.addr(), keyed)
-        .route(Route::new("l.open").prefix("/open").unlimited());
+        .route(Route::new("l.open").prefix("/open").unlimited())
+        .redis("timeout_ms", "1000");
     let [port, admin_port] = common::free_ports();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");

@@ -5,10 +5,10 @@
 
 use std::path::Path;
 
-use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
-use jsonwebtoken::DecodingKey;
+use jsonwebtoken::jwk::JwkSet;
 
 use super::error::ConfigError;
+use crate::remote_jwks::{classify, Verdict};
 
 /// Reads and checks a JWKS file; `algorithms` are the configured ones (for messages). With the
 /// set, a warning for each key left out as not for signing (an encryption key).
@@ -42,47 +42,84 @@ pub fn load(
             Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
             None => format!("keys[{i}]"),
         };
-        if private.get(i).copied().unwrap_or(false) {
-            errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into()));
-            continue;
-        }
-        if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_)) {
-            errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into()));
-            continue;
-        }
-        // After the private and symmetric checks: such a key is an error whatever it is
-        // marked for.
-        if let Some(why) = crate::remote_jwks::not_for_signing(jwk) {
-            warnings.push(error(
+        match classify(jwk, private.get(i).copied().unwrap_or(false)) {
+            Verdict::Private => errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into())),
+            Verdict::Symmetric => errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into())),
+            Verdict::NotForSigning(why) => warnings.push(error(
                 None,
                 Some(label),
                 format!("left out: {why}; no token is verified with it"),
-            ));
-            continue;
-        }
-        let why = match DecodingKey::from_jwk(jwk) {
-            Err(e) => Some(e.to_string()),
-            Ok(key) => crate::remote_jwks::unusable(jwk, &key),
-        };
-        if let Some(why) = why {
-            errors.push(error(
+            )),
+            Verdict::Unusable(why) => errors.push(error(
                 None,
                 Some(label),
                 format!(
                     "cannot be used to verify tokens ({why}); auth.jwt.algorithms is [{}]",
                     algorithms.join(", ")
                 ),
-            ));
+            )),
+            Verdict::Verifies(_) => {}
         }
     }
-    if errors.is_empty() && crate::remote_jwks::verify_keys(&set).is_empty() {
+    let keys = crate::remote_jwks::verify_keys(&set);
+    if errors.is_empty() && keys.is_empty() {
         errors.push(error(None, None, "the JWKS holds no key that verifies signatures (every key is marked \"use\": \"enc\", or pinned to an algorithm that signs nothing)".into()));
     }
     if errors.is_empty() {
+        warnings.extend(
+            not_as_meant(&set, &keys, algorithms)
+                .into_iter()
+                .map(|(key, message)| error(None, key, message)),
+        );
         Ok((set, warnings))
     } else {
         Err(errors)
     }
+}
+
+/// What loads but perhaps not as meant: an asymmetric algorithm of `auth.jwt.algorithms` no
+/// key of the set verifies (its tokens all get 401), a key pinned to an algorithm that is
+/// not listed (it verifies no token), two keys of one `kid`. Each with the key it is about.
+fn not_as_meant(
+    set: &JwkSet,
+    keys: &[crate::remote_jwks::VerifyKey],
+    algorithms: &[String],
+) -> Vec<(Option<String>, String)> {
+    let mut said = Vec::new();
+    let listed: Vec<jsonwebtoken::Algorithm> =
+        algorithms.iter().filter_map(|a| a.parse().ok()).collect();
+    for alg in listed
+        .iter()
+        .filter(|a| a.family() != jsonwebtoken::AlgorithmFamily::Hmac)
+    {
+        let verified = keys.iter().any(|(_, pinned, key)| {
+            pinned.is_none_or(|p| p == *alg) && key.family() == alg.family()
+        });
+        if !verified {
+            said.push((None, format!("auth.jwt.algorithms lists {alg:?} but no key of the JWKS verifies it: {alg:?} tokens get 401")));
+        }
+    }
+    let mut kids = std::collections::HashMap::new();
+    for (i, jwk) in set.keys.iter().enumerate() {
+        let Some(kid) = jwk.common.key_id.as_deref() else {
+            continue;
+        };
+        let label = format!("keys[{i}] (kid \"{kid}\")");
+        if let Some(first) = kids.insert(kid, i) {
+            said.push((
+                Some(label.clone()),
+                format!("has the kid of keys[{first}]: a token naming it is tried against both"),
+            ));
+        }
+        let pinned = jwk
+            .common
+            .key_algorithm
+            .and_then(|a| a.to_string().parse::<jsonwebtoken::Algorithm>().ok());
+        if let Some(p) = pinned.filter(|p| !listed.contains(p)) {
+            said.push((Some(label), format!("is pinned to {p:?}, which auth.jwt.algorithms does not list: no token is verified with it")));
+        }
+    }
+    said
 }
 
 #[cfg(test)]
@@ -217,6 +254,38 @@ mod tests {
 
     /// Keys an identity provider publishes beside its signing keys load, left out with a
     /// warning each; a key that could only forge is an error.
+    /// A set that loads but perhaps not as meant is warned of: an algorithm no key
+    /// verifies, a `kid` given twice, a key pinned to an algorithm not listed.
+    #[test]
+    fn a_set_that_loads_but_not_as_meant_is_warned_of() {
+        let fixture = fixture();
+        let rsa = fixture["keys"][0].clone();
+        let mut twin = fixture["keys"][1].clone();
+        twin["kid"] = "rsa-1".into();
+        let mut pinned = fixture["keys"][1].clone();
+        pinned["kid"] = "ps".into();
+        pinned["alg"] = "PS512".into();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jwks.json");
+        let set = serde_json::json!({"keys": [rsa, twin, pinned]});
+        std::fs::write(&path, set.to_string()).unwrap();
+        let (_, warnings) = load(&path, &["RS256".into(), "ES256".into()]).unwrap();
+        let said: Vec<String> = (warnings.iter())
+            .map(|w| {
+                w.to_string()
+                    .replace(&path.display().to_string(), "jwks.json")
+            })
+            .collect();
+        assert_eq!(
+            said,
+            [
+                "jwks.json: auth.jwt.algorithms lists ES256 but no key of the JWKS verifies it: ES256 tokens get 401",
+                "jwks.json: keys[1] (kid \"rsa-1\"): has the kid of keys[0]: a token naming it is tried against both",
+                "jwks.json: keys[2] (kid \"ps\"): is pinned to PS512, which auth.jwt.algorithms does not list: no token is verified with it",
+            ]
+        );
+    }
+
     #[test]
     fn keys_not_for_signing_are_left_out_with_a_warning() {
         let fixture = fixture();

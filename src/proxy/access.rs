@@ -50,10 +50,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     let route = ctx.route.as_ref();
     // A route limited by the `Host` or `User-Agent` header: that field would be the raw
     // identity, which no line carries (its hash does).
-    let identity_header = route.and_then(|r| match &r.identity {
-        crate::config::IdentitySource::Header(name) => Some(name.as_str()),
-        _ => None,
-    });
+    let identity_header = route.and_then(|r| r.identity_header());
     let received = super::forwarded::received_host(req).filter(|_| identity_header != Some("host"));
     let host = received.as_deref().map(Lossy);
     let protocol = match req.version {

@@ -1043,12 +1043,15 @@ impl ProxyHttp for Gateway {
     /// may carry tokens), host and request id.
     fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
         let req = session.req_header();
+        // A route limited by `Host`: the raw identity, which no line shows.
+        let identity = ctx.route.as_ref().and_then(|r| r.identity_header());
         let host = req
             .headers
             .get(http::header::HOST)
             .and_then(|h| h.to_str().ok())
             .or_else(|| req.uri.host())
-            .unwrap_or_default();
+            .filter(|_| identity != Some("host"))
+            .unwrap_or("-");
         format!(
             "{} {}, Host: {host}, request_id: {}",
             req.method,
