@@ -390,8 +390,16 @@ pub fn identify_with_tier(
     match source {
         IdentitySource::Global => plain("global".to_owned()),
         IdentitySource::Header(name) => {
-            let value = single(req, name.as_str())?
-                .map(|v| v.as_bytes())
+            // HTTP/2 carries the host in its authority, not in a `Host` field: the host as
+            // received, so a caller is the same one over every protocol.
+            let host;
+            let sent = if name == "host" {
+                host = crate::proxy::forwarded::received_host(req);
+                host.as_deref()
+            } else {
+                single(req, name.as_str())?.map(|v| v.as_bytes())
+            };
+            let value = sent
                 .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .filter(|v| !v.trim().is_empty())

@@ -339,15 +339,18 @@ impl JwksCache {
         }
     }
 
-    /// Logs the keys a fetch left out, once each time they change: at WARN those that would
-    /// sign but cannot be used, at INFO those published for something else.
+    /// Logs the keys a fetch left out, all of them once each time the keys left out change: at
+    /// WARN those that would sign but cannot be used, at INFO those published for something
+    /// else.
     pub fn note_left_out(&self, url: &str, left_out: LeftOut) {
         let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
-        if before.unusable != left_out.unusable && !left_out.unusable.is_empty() {
-            tracing::warn!(url = %shown(url), left_out = ?left_out.unusable, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
-        }
-        if before.beside != left_out.beside && !left_out.beside.is_empty() {
-            tracing::info!(url = %shown(url), left_out = ?left_out.beside, "the JWKS holds keys not for signing; no token is verified with them");
+        if *before != left_out {
+            if !left_out.unusable.is_empty() {
+                tracing::warn!(url = %shown(url), left_out = ?left_out.unusable, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+            }
+            if !left_out.beside.is_empty() {
+                tracing::info!(url = %shown(url), left_out = ?left_out.beside, "the JWKS holds keys not for signing; no token is verified with them");
+            }
         }
         *before = left_out;
     }

@@ -2,7 +2,9 @@
 //! so a line is out before the event that logged it goes on (an answer, an exit); handed to a
 //! thread of its own when stdout would block (a pipe whose reader stopped, a stalled log
 //! collector), so no worker ever waits for it. Lines wait there in order, up to
-//! [`LINES_WAITING`]; past that they are dropped and counted.
+//! [`BYTES_WAITING`]; past that they are dropped and counted. The access log, when it writes
+//! to stdout (`path = "-"`), hands its lines here too: every write to stdout goes through one
+//! queue, so no line is ever cut by another.
 //!
 //! Kept here rather than taken from `tracing-appender`, whose non-blocking writer hands every
 //! line to its thread: a line then reaches stdout some time after the event, which a reader of
@@ -14,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Lines that may wait for stdout; the next are dropped: a few megabytes.
-pub const LINES_WAITING: usize = 16_384;
+/// What may wait for stdout (about 20 000 log lines); what comes past it is dropped.
+pub const BYTES_WAITING: usize = 8 << 20;
 
 /// A line longer than this may not fit the room a writable pipe has (one page): it always
 /// goes through the thread, which may wait.
@@ -24,6 +26,8 @@ const AT_ONCE_MAX: usize = 4096;
 #[derive(Default)]
 struct Waiting {
     lines: VecDeque<Vec<u8>>,
+    /// The bytes of `lines`.
+    bytes: usize,
     /// The thread has a line out (written outside the lock): a line written at once now
     /// would pass it.
     writing: bool,
@@ -60,24 +64,33 @@ impl Stdout {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// One whole line: written now if stdout takes it without waiting, else queued.
+    /// One whole log line: written now if stdout takes it without waiting, else queued; past
+    /// [`BYTES_WAITING`], dropped and counted.
     pub fn line(&self, line: Vec<u8>) {
+        if !self.write(line) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whole lines, as [`Self::line`]; false when they were dropped (the caller counts them).
+    pub fn write(&self, lines: Vec<u8>) -> bool {
         let mut waiting = self.lock();
         if waiting.lines.is_empty()
             && !waiting.writing
-            && line.len() <= AT_ONCE_MAX
+            && lines.len() <= AT_ONCE_MAX
             && writable_now()
         {
             // Under the lock: lines keep their order.
-            write_out(&line);
-            return;
+            write_out(&lines);
+            return true;
         }
-        if waiting.lines.len() >= LINES_WAITING {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+        if waiting.bytes + lines.len() > BYTES_WAITING {
+            return false;
         }
-        waiting.lines.push_back(line);
+        waiting.bytes += lines.len();
+        waiting.lines.push_back(lines);
         self.more.notify_one();
+        true
     }
 
     /// Lines dropped since the last call (the metric adds them): two scrapes at once never
@@ -112,6 +125,7 @@ impl Stdout {
                 waiting = self.more.wait(waiting).unwrap_or_else(|p| p.into_inner());
                 continue;
             };
+            waiting.bytes -= line.len();
             waiting.writing = true;
             drop(waiting);
             write_out(&line);
@@ -186,21 +200,31 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for MakeLineWriter {
 mod tests {
     use super::*;
 
-    /// Queued lines are written in order by the thread; `flush` waits for them.
+    /// Lines queue in order behind a line being written; past the bound they are dropped,
+    /// and counted once.
     #[test]
-    fn queued_lines_are_written_in_order_and_counted_when_too_many() {
+    fn queued_lines_keep_their_order_and_are_counted_when_too_many() {
         let out = Stdout::default();
-        {
-            let mut w = out.lock();
-            w.writing = true;
-        }
-        for i in 0..LINES_WAITING + 3 {
-            out.line(format!("{i}\n").into_bytes());
+        out.lock().writing = true;
+        let line = vec![b'x'; 1023];
+        let fit = BYTES_WAITING / 1024;
+        for i in 0..fit + 3 {
+            out.line([format!("{i:09}").as_bytes(), &line[9..], b"\n"].concat());
         }
         assert_eq!(out.newly_dropped(), 3);
         assert_eq!(out.newly_dropped(), 0, "counted once");
+        assert!(
+            !out.write(line.clone()),
+            "a batch past the bound is refused"
+        );
         let w = out.lock();
-        assert_eq!(w.lines.len(), LINES_WAITING);
-        assert_eq!(w.lines.front().map(Vec::as_slice), Some(&b"0\n"[..]));
+        assert_eq!(w.lines.len(), fit);
+        assert_eq!(w.bytes, fit * 1024);
+        assert!(w.lines.front().unwrap().starts_with(b"000000000"));
+        assert!(w
+            .lines
+            .back()
+            .unwrap()
+            .starts_with(format!("{:09}", fit - 1).as_bytes()));
     }
 }

@@ -578,8 +578,16 @@ async fn an_identity_header_the_access_log_names_is_not_written() {
         )
         .route(Route::new("e.open").prefix("/open").unlimited())
         .access_log(&log)
+        .server("h2c", "true")
         .start();
     let http = client();
+    // Over HTTP/2 the host is the authority: the same caller as over HTTP/1.1.
+    let h2 = common::h2c_client()
+        .get(gw.url("/host/y"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(h2.status(), 200);
     for path in ["/agent/x", "/host/x", "/open/x"] {
         let r = http
             .get(gw.url(path))
@@ -589,22 +597,29 @@ async fn an_identity_header_the_access_log_names_is_not_written() {
             .unwrap();
         assert_eq!(r.status(), 200);
     }
-    wait_until(Duration::from_secs(3), "three access lines", || {
-        access_lines(&log).len() == 3
+    wait_until(Duration::from_secs(3), "four access lines", || {
+        access_lines(&log).len() == 4
     });
     let lines = access_lines(&log);
     let of = |endpoint: &str| {
         lines
             .iter()
-            .find(|l| l["endpoint_id"] == endpoint)
+            .rfind(|l| l["endpoint_id"] == endpoint)
             .unwrap()
             .clone()
     };
+    let over_h2 = lines.iter().find(|l| l["path"] == "/host/y").unwrap();
+    assert_eq!(over_h2["protocol"], "HTTP/2", "{over_h2}");
+    assert_eq!(over_h2["host"], Value::Null, "{over_h2}");
     let (agent, host, open) = (of("e.agent"), of("e.host"), of("e.open"));
     assert_eq!(agent["user_agent"], Value::Null, "{agent}");
     assert!(agent["identity_hash"].is_string(), "{agent}");
     assert_eq!(agent["host"], format!("127.0.0.1:{}", gw.port), "{agent}");
     assert_eq!(host["host"], Value::Null, "{host}");
+    assert_eq!(
+        host["identity_hash"], over_h2["identity_hash"],
+        "one caller"
+    );
     assert_eq!(host["user_agent"], "tenant-key-7f3a", "{host}");
     assert_eq!(open["user_agent"], "tenant-key-7f3a", "{open}");
     assert!(open["host"].is_string(), "{open}");

@@ -21,14 +21,17 @@ fn config_with(redis_url: &str, upstream: &str, open_seconds: u64, open: Route) 
     GatewayConfig::new(redis_url)
         .breaker(5, open_seconds)
         .upstream("app", &[upstream])
-        .route(
-            Route::new("t.closed")
-                .prefix("/closed")
-                .identity_header("X-API-Key")
-                .token_bucket(3_000_000, 0)
-                .fail_closed(),
-        )
+        .route(closed_route())
         .route(open)
+}
+
+/// `/closed`: 3 requests per X-API-Key that never refill, `fail_closed`.
+fn closed_route() -> Route {
+    Route::new("t.closed")
+        .prefix("/closed")
+        .identity_header("X-API-Key")
+        .token_bucket(3_000_000, 0)
+        .fail_closed()
 }
 
 /// The `/open` route before its fail mode is chosen.
@@ -1407,13 +1410,7 @@ async fn the_defaults_are_a_20_ms_budget_and_a_breaker_of_5_failures_for_30_s() 
     let up = Upstream::start("app");
     let gw = GatewayConfig::bare(&proxy.url())
         .upstream("app", &[up.addr()])
-        .route(
-            Route::new("t.closed")
-                .prefix("/closed")
-                .identity_header("X-API-Key")
-                .token_bucket(3_000_000, 0)
-                .fail_closed(),
-        )
+        .route(closed_route())
         .start();
     let http = client();
     assert_eq!(send(&http, &gw.url("/closed"), "warm").await.status, 200);

@@ -747,6 +747,20 @@ async fn a_watched_file_reloads_itself_when_it_changes() {
 /// is not followed by another of the same file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_config_turned_on_by_a_reload_watches_from_then_on() {
+    turn_the_watch_on_then_add_a_route(Duration::from_millis(2000)).await;
+}
+
+/// A change made right after the reload that turned `watch_config` on is loaded: the watch
+/// compares with the files as that reload read them, not as its next look finds them (which
+/// took in, and so lost, a change made in the half second between).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_right_after_the_reload_that_turned_the_watch_on_is_loaded() {
+    turn_the_watch_on_then_add_a_route(Duration::ZERO).await;
+}
+
+/// Turns `watch_config` on by a reload, waits `pause`, then adds a route to the file: the
+/// watch loads it, and only it.
+async fn turn_the_watch_on_then_add_a_route(pause: Duration) {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
@@ -755,30 +769,8 @@ async fn watch_config_turned_on_by_a_reload_watches_from_then_on() {
     assert_ne!(watched, text);
     gw.rewrite_config(&watched);
     assert_eq!(gw.reload(), 200);
-    std::thread::sleep(Duration::from_millis(2000));
+    std::thread::sleep(pause);
     assert_eq!(gw.metric("sentinel_config_generation"), 2.0, "one reload");
-    gw.rewrite_config(&format!("{watched}{}", new_route()));
-    wait_until(Duration::from_secs(5), "the watcher to reload", || {
-        gw.metric("sentinel_config_generation") == 3.0
-    });
-    assert_eq!(
-        client().get(gw.url("/new")).send().await.unwrap().status(),
-        200
-    );
-}
-
-/// A change made right after the reload that turned `watch_config` on is loaded: the watch
-/// compares with the files as that reload read them, not as its next look finds them (which
-/// took in, and so lost, a change made in the half second between).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_change_right_after_the_reload_that_turned_the_watch_on_is_loaded() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
-    let text = std::fs::read_to_string(&gw.config_path).unwrap();
-    let watched = text.replacen("[server]\n", "[server]\nwatch_config = true\n", 1);
-    gw.rewrite_config(&watched);
-    assert_eq!(gw.reload(), 200);
     gw.rewrite_config(&format!("{watched}{}", new_route()));
     wait_until(Duration::from_secs(5), "the watcher to reload", || {
         gw.metric("sentinel_config_generation") == 3.0
@@ -986,9 +978,10 @@ async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
     );
 }
 
-/// Logs go to stdout through a thread of their own: a stdout nobody reads (a log collector
-/// that stalled) stops no request, limited or not, and not the exit at SIGTERM; the lines it
-/// cannot take past a buffer are dropped and counted in `sentinel_log_dropped_total`.
+/// A stdout nobody reads (a log collector that stalled) stops no request, limited or not,
+/// and not the exit at SIGTERM: the lines it cannot take go to a thread of their own, and
+/// past a buffer are dropped and counted. With the access log on stdout too, every line that
+/// comes out is whole, none cut by another (each writer's, through one queue).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
     let redis = Redis::start();
@@ -1000,7 +993,8 @@ async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
     // A budget no busy machine overruns: every one of the denials below is Redis's.
     let config = routes(GatewayConfig::new(&redis.url()), &up.addr(), keyed)
         .route(Route::new("l.open").prefix("/open").unlimited())
-        .redis("timeout_ms", "1000");
+        .redis("timeout_ms", "1000")
+        .access_log(std::path::Path::new("-"));
     let [port, admin_port] = common::free_ports();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
@@ -1049,10 +1043,27 @@ async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
         .unwrap();
     assert_eq!(open.status(), 200);
     let (_, metrics) = blocking_get(&admin("/metrics")).unwrap();
-    let dropped = common::metric_value(&metrics, "sentinel_log_dropped_total");
+    let dropped = common::metric_value(&metrics, "sentinel_log_dropped_total")
+        + common::metric_value(&metrics, "sentinel_access_log_dropped_total");
     assert!(dropped > 0.0, "{dropped}");
+    // Read from now on: what waited comes out, then the exit's lines.
+    let mut out = gw.child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        std::io::Read::read_to_string(&mut out, &mut all).unwrap();
+        all
+    });
     gw.signal("TERM");
     // The drain, then at most a second and a half for the lines left: room for a loaded
     // machine.
     assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+    let all = reader.join().unwrap();
+    let (mut denials, mut requests) = (0, 0);
+    for line in all.lines() {
+        let line: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a line cut or spliced ({e}): {line}"));
+        denials += u32::from(line["message"] == "request denied");
+        requests += u32::from(line["request_id"].is_string() && line["status"].is_number());
+    }
+    assert!(denials > 0 && requests > 0, "{denials} {requests}");
 }

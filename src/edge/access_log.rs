@@ -306,15 +306,21 @@ impl Sink {
     /// Whole lines, each ending in a newline.
     fn write_lines(&mut self, lines: &[u8]) -> io::Result<()> {
         match self {
-            // One write of whole lines under the lock, so lines never interleave with the logs.
-            Sink::Stdout => io::stdout().lock().write_all(lines),
+            // Through the log lines' own queue: stdout is written by one queue, so lines
+            // never cut one another, and a stdout that does not drain is never waited for.
+            Sink::Stdout => match crate::stdout_log::stdout().write(lines.to_vec()) {
+                true => Ok(()),
+                false => Err(io::Error::other(
+                    "stdout is not taking lines: more than 8 MiB wait for it",
+                )),
+            },
             Sink::File(w) => w.write_all(lines),
         }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         match self {
-            Sink::Stdout => io::stdout().flush(),
+            Sink::Stdout => Ok(()),
             Sink::File(w) => w.flush(),
         }
     }
