@@ -134,8 +134,8 @@ impl Stdout {
     }
 }
 
-/// Writes `line` to file descriptor 1 itself, not through Rust's `stdout()`, whose lock
-/// another writer (the access log at `path = "-"`) may hold while it waits for a full pipe.
+/// Writes `line` to file descriptor 1 itself, not through Rust's `stdout()`: its buffer and
+/// lock are not wanted here, where one queue already orders every write.
 fn write_out(mut line: &[u8]) {
     while !line.is_empty() {
         // SAFETY: a valid buffer of `line.len()` bytes, for the duration of the call.
