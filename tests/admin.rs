@@ -22,7 +22,21 @@ async fn the_admin_token_guards_everything_but_the_probes() {
     for path in ["/healthz", "/readyz"] {
         let r = http.get(gw.admin(path)).send().await.unwrap();
         assert_eq!(r.status(), 200, "{path} stays open for probes");
+        if path == "/readyz" {
+            let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+            assert_eq!(body["ready"], true, "{body}");
+        }
     }
+    let metrics = (http.get(gw.admin("/metrics")))
+        .header("Authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        metrics.headers()["content-type"],
+        "text/plain; version=0.0.4",
+        "Prometheus' text format"
+    );
     for (method, path) in [
         ("GET", "/metrics"),
         ("POST", "/reload"),

@@ -367,3 +367,36 @@ fn an_open_admin_listener_is_warned_of_and_an_empty_redis_url_is_unset() {
         "{out}"
     );
 }
+
+/// Without `--config`, the gateway reads `./gateway.toml`: `check` with no flag, run where the
+/// file is, checks it (and names it).
+#[test]
+fn without_config_the_file_is_gateway_toml_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/single-api.toml");
+    std::fs::copy(&shipped, dir.path().join("gateway.toml")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .arg("check")
+        .current_dir(dir.path())
+        .env_remove("SENTINEL_REDIS_URL")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .is_some_and(|l| l.starts_with("gateway.toml: ok, ")),
+        "{stdout}"
+    );
+    // And an empty folder has none to read: exit 2, naming it.
+    let empty = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+        .arg("check")
+        .current_dir(empty.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("gateway.toml"));
+}

@@ -932,7 +932,9 @@ async fn a_hot_identity_over_its_limit_is_denied_locally_until_its_token_is_due(
         .collect();
     assert_eq!(denied.len(), 50);
     assert!(
-        denied.iter().all(|l| l.contains(r#""limit":"default""#)),
+        denied
+            .iter()
+            .all(|l| l.contains(r#""limit":"default""#) && l.contains(r#""level":"WARN""#)),
         "{denied:#?}"
     );
     // Once the token is due, Redis decides again and admits exactly one.

@@ -598,6 +598,15 @@ fn a_head_that_cannot_be_parsed_gets_the_gateways_own_400() {
     let mut answer = Vec::new();
     let _ = conn.read_to_end(&mut answer);
     is_the_gateways(&String::from_utf8_lossy(&answer));
+    // A chunk size that is no number: the gateway's 400 too. None of it is logged at WARN
+    // or ERROR: it is the client's doing.
+    let chunked = b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n";
+    is_the_gateways(&raw_answer(gw.port, chunked));
+    let logs = gw.logs();
+    let loud: Vec<&str> = (logs.lines())
+        .filter(|l| l.contains(r#""level":"WARN""#) || l.contains(r#""level":"ERROR""#))
+        .collect();
+    assert!(loud.is_empty(), "{loud:#?}");
 }
 
 /// A `Content-Length` that is not one number (`5, 5`, or two fields) is answered 400 and
