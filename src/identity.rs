@@ -454,8 +454,12 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 /// An `X-Forwarded-For` entry's address: an address alone, or with the port some proxies
-/// (Azure's Application Gateway) write after it, `1.2.3.4:5678` or `[2001:db8::1]:5678`.
+/// (Azure's Application Gateway) write after it, `1.2.3.4:5678` or `[2001:db8::1]:5678`, or
+/// an IPv6 address in the brackets without a port (`[2001:db8::1]`, as `Forwarded` writes it).
 fn forwarded_address(entry: &str) -> Option<IpAddr> {
+    if let Some(v6) = entry.strip_prefix('[').and_then(|e| e.strip_suffix(']')) {
+        return v6.parse::<std::net::Ipv6Addr>().ok().map(IpAddr::V6);
+    }
     entry
         .parse::<IpAddr>()
         .ok()
@@ -604,15 +608,21 @@ mod tests {
                 "{with_port}"
             );
         }
-        assert_eq!(
-            client_ip(&req(&["[2001:db8::1]:443"], &[]), proxy, &trusted),
-            Ok(ip("2001:db8::1"))
-        );
+        for v6 in ["[2001:db8::1]:443", "[2001:db8::1]", "2001:db8::1"] {
+            assert_eq!(
+                client_ip(&req(&[v6], &[]), proxy, &trusted),
+                Ok(ip("2001:db8::1")),
+                "{v6}"
+            );
+        }
         for unusable in [
             "1.2.3.4, not-an-ip",
             "1.2.3.4, not-an-ip, 10.0.0.5",
             "1.2.3.4:99999",
             "2001:db8::1:80:x",
+            "[1.2.3.4]",
+            "[2001:db8::1",
+            "[2001:db8::1]]",
             // A header that names no one: not the proxy's bucket either.
             "",
             " , ,",

@@ -212,7 +212,7 @@ pub fn classify(jwk: &jsonwebtoken::jwk::Jwk, private: bool) -> Verdict {
         return Verdict::NotForSigning(why);
     }
     if jwk_family(jwk).is_none() {
-        return Verdict::Unusable("a kind of key no accepted algorithm verifies".into());
+        return Verdict::Unusable(unknown_kind(jwk));
     }
     let pinned = match jwk.common.key_algorithm {
         Some(a) => match a.to_string().parse::<jsonwebtoken::Algorithm>() {
@@ -232,6 +232,38 @@ pub fn classify(jwk: &jsonwebtoken::jwk::Jwk, private: bool) -> Verdict {
     match unusable(jwk, &key) {
         Some(why) => Verdict::Unusable(why),
         None => Verdict::Verifies((jwk.common.key_id.clone(), pinned, key)),
+    }
+}
+
+/// Why a key of no family the library reads verifies nothing, in the key's own terms: a
+/// curve EdDSA does not sign with (Ed448, X25519), a key given only as a certificate chain
+/// (`x5c`, without `n` and `e`), a `kty` no signing algorithm takes.
+fn unknown_kind(jwk: &jsonwebtoken::jwk::Jwk) -> String {
+    let jsonwebtoken::jwk::AlgorithmParameters::Other(other) = &jwk.algorithm else {
+        return "a kind of key no accepted algorithm verifies".into();
+    };
+    let field = |name: &str| other.fields.get(name).and_then(|v| v.as_str());
+    match (field("kty"), field("crv")) {
+        (Some(kty @ ("OKP" | "EC")), Some(crv)) => {
+            format!("an \"{kty}\" key on curve \"{crv}\", which no accepted algorithm verifies (EdDSA: Ed25519; ES256: P-256; ES384: P-384)")
+        }
+        (Some(kty @ ("RSA" | "EC" | "OKP")), _) => {
+            let public = match kty {
+                "RSA" => "\"n\" and \"e\"",
+                "EC" => "\"crv\", \"x\" and \"y\"",
+                _ => "\"crv\" and \"x\"",
+            };
+            let chain = if other.fields.contains_key("x5c") || jwk.common.x509_chain.is_some() {
+                " (a key given only as a certificate chain, \"x5c\", is not read)"
+            } else {
+                ""
+            };
+            format!("an \"{kty}\" key without its public parameters {public}{chain}")
+        }
+        (Some(kty), _) => {
+            format!("kty \"{kty}\" is not a kind of key any accepted algorithm verifies")
+        }
+        (None, _) => "a key without \"kty\"".into(),
     }
 }
 

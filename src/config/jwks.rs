@@ -200,6 +200,19 @@ mod tests {
                 r#"{"kty":"OKP","crv":"Ed25519","kid":"o","x":"AAAA"}"#,
                 "an Ed25519 key is 32 bytes",
             ),
+            // Keys of no kind the library reads, said in the key's own terms.
+            (
+                r#"{"kty":"OKP","crv":"Ed448","kid":"o","x":"AAAA"}"#,
+                "an \"OKP\" key on curve \"Ed448\"",
+            ),
+            (
+                r#"{"kty":"RSA","kid":"r","x5c":["MIIB"]}"#,
+                "an \"RSA\" key without its public parameters \"n\" and \"e\" (a key given only as a certificate chain",
+            ),
+            (
+                r#"{"kty":"PQC","kid":"p","x":"AAAA"}"#,
+                "kty \"PQC\" is not a kind of key",
+            ),
         ] {
             let errors = check(&format!("{{\"keys\": [{jwk}]}}")).unwrap_err();
             assert_eq!(errors.len(), 1, "{errors:?}");
