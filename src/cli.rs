@@ -128,6 +128,8 @@ pub fn main() -> i32 {
         Some(Command::Check) => true,
         None => false,
     };
+    // Before reading: a change made while it is read is then seen by `watch_config`.
+    let config_file = crate::reload::file_stamp(&cli.config);
     let loaded = Config::load(&cli.config);
     match (check, loaded) {
         (_, Err(errors)) => {
@@ -180,7 +182,8 @@ pub fn main() -> i32 {
         }
         (false, Ok(config)) => {
             crate::telemetry::init();
-            match crate::server::run(config) {
+            let read = crate::reload::stamp_read(&config.source, &config, config_file);
+            match crate::server::run(config, read) {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!(error = %e, "cannot start");

@@ -41,6 +41,9 @@ struct Running {
 }
 
 impl Reloader {
+    /// `read`: the started config's files as its reading found them, what the watch compares
+    /// with until the first reload.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         path: PathBuf,
         live: Arc<ArcSwap<Snapshot>>,
@@ -49,16 +52,17 @@ impl Reloader {
         clock: SharedClock,
         fleet: Arc<Fleet>,
         edge: Edge,
+        read: Vec<FileStamp>,
     ) -> Self {
         let started = live.load();
         let running = Running {
             server: started.config.server.clone(),
             dedicated_io_thread: started.config.redis.dedicated_io_thread,
         };
-        let read = (started.generation, stamp(&path, &started.config));
+        let generation = started.generation;
         drop(started);
         Self {
-            read: Mutex::new(read),
+            read: Mutex::new((generation, read)),
             running,
             path,
             live,
@@ -69,12 +73,6 @@ impl Reloader {
             edge,
             lock: Mutex::new(()),
         }
-    }
-
-    /// The files as the start read them (before this reloader was made): what the watch
-    /// compares with until the first reload.
-    pub fn read_at_start(&self, read: Vec<FileStamp>) {
-        self.read.lock().unwrap_or_else(|p| p.into_inner()).1 = read;
     }
 
     /// Reloads; returns the new generation, or every problem found. `trigger` says what
@@ -326,9 +324,9 @@ pub async fn watch(reloader: Arc<Reloader>) {
 }
 
 /// A file's modification time and length (`None`: it cannot be read).
-pub(crate) type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+pub type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
 
-fn file_stamp(path: &std::path::Path) -> FileStamp {
+pub(crate) fn file_stamp(path: &std::path::Path) -> FileStamp {
     std::fs::metadata(path)
         .ok()
         .map(|m| (m.modified().ok(), m.len()))
@@ -345,6 +343,18 @@ fn files(path: &std::path::Path, config: &Config) -> Vec<PathBuf> {
 /// The files of `config` (read from `path`) as they are now.
 pub(crate) fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
     files(path, config).iter().map(|f| file_stamp(f)).collect()
+}
+
+/// The files of `config` as its reading found them: the config file as `before` stamped it
+/// before it was read, the files it names (known only once it is read) as they are now.
+pub(crate) fn stamp_read(
+    path: &std::path::Path,
+    config: &Config,
+    before: FileStamp,
+) -> Vec<FileStamp> {
+    let mut read = stamp(path, config);
+    read[0] = before;
+    read
 }
 
 /// The endpoints a reload keeps under the same `key_prefix` and `policy_version` whose

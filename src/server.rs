@@ -53,10 +53,11 @@ pub enum StartError {
 const FIRST_CONNECTION_WAIT: Duration = Duration::from_secs(1);
 
 /// Runs the gateway until SIGTERM or SIGINT.
-pub fn run(config: Config) -> Result<(), StartError> {
-    // The files as the start read them, for `watch_config`: a change made while the gateway
-    // starts (a JWKS fetch, the first Redis connection) is a change.
-    let read = crate::reload::stamp(&config.source, &config);
+///
+/// `read`: the config's files as its reading found them ([`crate::reload::stamp_read`]), for
+/// `watch_config`: a change made since (while the gateway starts: a JWKS fetch, the first
+/// Redis connection) is a change.
+pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), StartError> {
     // Pingora retries a busy listen address forever; fail fast and say which one instead.
     let plain = config
         .server
@@ -229,8 +230,8 @@ pub fn run(config: Config) -> Result<(), StartError> {
             certificates: Arc::clone(&certificates),
             connections: Arc::clone(&connections),
         },
+        read,
     ));
-    reloader.read_at_start(read);
 
     let conf = ServerConf {
         threads: server_cfg.threads,
