@@ -237,9 +237,12 @@ impl Gateway {
     /// the caller's next request, pipelined or sent the moment the answer came, is decided
     /// with it. Within the charge's own budget (two calls on a cluster whose ceiling lives
     /// in another slot), and usually no wait at all: it went out with the answer's head.
+    /// The task keeps that budget itself; the bound here is only a backstop, with room for a
+    /// loaded machine's late start of the task (a charge not yet sent when the next request
+    /// is decided would let that request pass on the debt).
     async fn charged(&self, ctx: &mut RequestCtx) {
         if let Some(task) = ctx.charging.take() {
-            let bound = 2 * self.store.budget() + Duration::from_millis(5);
+            let bound = 2 * self.store.budget() + Duration::from_millis(100);
             let _ = tokio::time::timeout(bound, task).await;
         }
     }
