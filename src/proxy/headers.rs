@@ -23,7 +23,7 @@ pub struct RateLimitFields {
 
 /// A single-limit route's item is named after the endpoint, as before `[[routes.limits]]`;
 /// on a tiered route, whose tiers' limits are named, it is the limit named `default` (as
-/// `/limits`, the metrics and the logs name it), so a caller sees one name whatever its tier.
+/// `/limits`, the metrics and the logs name it), beside the names a tier's limits have.
 pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
     let name = match policy.tiers {
         Some(_) => "default",
