@@ -202,6 +202,7 @@ fn check_refuses_tiers_that_cannot_work() {
     let (ok, out) = run(&(tiered().toml() + TIERS));
     assert!(ok, "{out}");
     assert!(!out.contains("is listed by no route"), "{out}");
+    assert!(!out.contains("warning"), "{out}");
     // A tier no route lists (misspelt, say): its callers count as the default tier, and
     // `check` says so.
     std::fs::write(
@@ -230,6 +231,9 @@ fn check_refuses_tiers_that_cannot_work() {
         ),
         "{out}"
     );
+    // The route's own limits then apply to no caller: said, as written in vain.
+    let in_vain = "default_tier = \"internal\" is listed under tiers, so callers without a tier get tiers.internal's limits: the route's own limits (those on the caller's identity) apply to no caller";
+    assert!(out.contains(in_vain), "{out}");
 
     // No tier listed: every caller has the route's own limits, and the line says no more.
     let (ok, out) = run(&tiered().toml());

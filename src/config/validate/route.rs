@@ -943,6 +943,14 @@ fn tiers(
             }
         }
     }
+    // Callers without a tier get the listed default tier's limits: the route's own limits
+    // (on the caller's identity) then apply to no caller.
+    if let (Some(d), Some(listed)) = (&r.default_tier, default.as_ref()) {
+        let own = limits.is_some_and(|(l, _)| l.iter().any(|l| !l.global));
+        if own && plan.contains_key(listed) {
+            c.warn(Some(&d.span()), label, format!("default_tier = \"{listed}\" is listed under tiers, so callers without a tier get tiers.{listed}'s limits: the route's own limits (those on the caller's identity) apply to no caller"));
+        }
+    }
     let plan = TierPlan {
         from: from_kind?,
         default: default?,
