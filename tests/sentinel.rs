@@ -850,6 +850,25 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
         ));
         assert!(!ok && out.contains("with no database or options"), "{out}");
     }
+    // A sentinel's address needs its port (6379, a Redis URL's default, is not a sentinel's);
+    // an address alone is not a URL, and the form said is a sentinel's.
+    for (url, said) in [
+        (
+            "redis://10.0.1.1",
+            "name the sentinel's port, redis://host:26379 as a rule",
+        ),
+        ("redis://u@[::1]/", "name the sentinel's port"),
+        ("127.0.0.1:26379", "is not a Redis URL"),
+    ] {
+        let (ok, out) = run(&format!(
+            "sentinel_urls = [\"{url}\"]\nsentinel_master = \"mymaster\""
+        ));
+        assert!(!ok && out.contains(said), "{out}");
+        assert!(!out.contains("/db"), "{out}");
+    }
+    let (ok, out) =
+        run("sentinel_urls = [\"redis://[::1]:26379\"]\nsentinel_master = \"mymaster\"");
+    assert!(ok, "{out}");
     // SENTINEL_REDIS_URL overrides the sentinels as it overrides a cluster's seeds: said,
     // and a TLS field left beside `rediss://` sentinels names the variable.
     let env = [("SENTINEL_REDIS_URL", Some("redis://127.0.0.1:6379/0"))];

@@ -586,6 +586,7 @@ pub(super) fn redis(
                     u.get_ref(),
                     &format!("redis.url \"{}\"", redact_url(u.get_ref())),
                     Some("redis.password_env"),
+                    SINGLE_FORM,
                 );
             }
             if let Some(seeds) = file_seeds {
@@ -600,6 +601,7 @@ pub(super) fn redis(
                 env,
                 &format!("{REDIS_URL_ENV} = \"{}\"", redact_url(env)),
                 None,
+                SINGLE_FORM,
             )
             .map(RedisTarget::Single)
         }
@@ -617,6 +619,7 @@ pub(super) fn redis(
             u.get_ref(),
             &format!("redis.url = \"{}\"", redact_url(u.get_ref())),
             Some("redis.password_env"),
+            SINGLE_FORM,
         )
         .map(RedisTarget::Single),
         (None, None, Some(seeds)) => cluster_urls(c, seeds),
@@ -831,6 +834,20 @@ fn beyond_the_address(url: &str) -> bool {
     }
 }
 
+/// Whether the URL's address names no port (`redis://host`).
+fn without_port(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let address = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    match address.rsplit_once(']') {
+        Some((_, after)) => !after.starts_with(':'),
+        None => !address.contains(':'),
+    }
+}
+
+/// The form of a URL of one Redis, said when one is not a URL.
+const SINGLE_FORM: &str = "redis://host:port/db (rediss:// for TLS)";
+
 /// `sentinel_urls`, `sentinel_master` and `sentinel_password_env`.
 fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Option<RedisTarget> {
     let urls = r.sentinel_urls.as_ref()?;
@@ -853,12 +870,15 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
             u.get_ref(),
             &what,
             Some("redis.sentinel_password_env"),
+            "redis://host:port (rediss:// for TLS)",
         ) {
             Some(url) => {
                 let why = if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                     Some("a sentinel is reached as redis://host:port (rediss:// for TLS)")
                 } else if beyond_the_address(&url) {
                     Some("a sentinel is reached as redis://host:port, with no database or options (the master's database 0 holds the limits)")
+                } else if without_port(&url) {
+                    Some("name the sentinel's port, redis://host:26379 as a rule (without one, the URL means Redis's 6379)")
                 } else {
                     None
                 };
@@ -935,6 +955,7 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
             text,
             &what,
             Some("redis.password_env"),
+            "redis://host:port (rediss:// for TLS)",
         ) else {
             ok = false;
             continue;
@@ -966,13 +987,14 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
 
 /// A Redis URL named `what` (the URL in it already without its password). `in_file`: the
 /// URL was written in the file, which must not hold a password (contract section 11): the
-/// field to name instead.
+/// field to name instead. `form`: the URL's form, said when it is not one.
 fn check_redis_url(
     c: &mut Collector,
     span: Option<&Range<usize>>,
     url: &str,
     what: &str,
     in_file: Option<&str>,
+    form: &str,
 ) -> Option<String> {
     // rediss:// is parsed as its redis:// twin: the store makes the TLS handshake itself.
     let plain = match url.strip_prefix("rediss://") {
@@ -1027,7 +1049,7 @@ fn check_redis_url(
             c.push(
                 span,
                 None,
-                format!("{what} is not a Redis URL ({e}): write redis://host:port/db"),
+                format!("{what} is not a Redis URL ({e}): write {form}"),
             );
             None
         }
