@@ -112,6 +112,38 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
     );
     assert!(l["reset_seconds"].as_u64().unwrap() <= 120);
 
+    // A bucket the limiter cannot read (its decisions fail) is not read as full: 503, and
+    // a WARN naming the key. Its reset deletes it.
+    let sw_key = bucket_key("sentinel", "header:x-api-key:k+1", "l.sw", 1);
+    let _: () = redis::cmd("HSET")
+        .arg(&sw_key)
+        .arg("c")
+        .arg("x7")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(send("/sw").await, 503, "the script cannot read it either");
+    assert_eq!(
+        limits("GET", "l.sw", who).await,
+        (503, json!({"detail": "rate limiter unavailable"}))
+    );
+    assert!(
+        gw.logs()
+            .lines()
+            .any(|l| l.contains("admin: cannot read a bucket")
+                && l.contains(&sw_key)
+                && l.contains("field c is not an integer")),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(
+        limits("DELETE", "l.sw", who).await,
+        (200, json!({"reset": true, "keys_deleted": 1}))
+    );
+    assert_eq!(
+        limits("GET", "l.sw", who).await.1["limits"][0]["remaining"],
+        5
+    );
+
     // Exhausted, denied from the over-limit cache, reset: the next request is admitted.
     assert_eq!(
         [send("/tb").await, send("/tb").await, send("/tb").await],
@@ -126,7 +158,9 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
     assert_eq!(
         gw.logs()
             .lines()
-            .filter(|l| l.contains("limits reset") && l.contains(hash.as_str()))
+            .filter(|l| l.contains("limits reset")
+                && l.contains(hash.as_str())
+                && l.contains("\"l.tb\""))
             .count(),
         1
     );

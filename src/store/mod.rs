@@ -579,10 +579,16 @@ impl Store {
                 pipe
             })
             .await?;
-        let values = values
-            .into_iter()
-            .map(|v| v.and_then(|t| t.parse().ok()))
-            .collect();
+        let values = read_as_the_script_does(fields, values).map_err(|why| {
+            // As a decision meets it (the script's arithmetic on it fails): not a bucket
+            // never used, which would read full.
+            tracing::warn!(
+                key,
+                error = %why,
+                "admin: cannot read a bucket in redis; answered 503 (the key holds data the limiter cannot read: redis-cli DEL <key> starts it afresh)"
+            );
+            StoreFailure::ConnectionError
+        })?;
         Ok((values, secs * 1_000_000 + micros))
     }
 
@@ -756,5 +762,62 @@ impl Store {
             Layout::Single(link) => Some(Cow::Borrowed(link)),
             Layout::Cluster(cluster) => cluster.link_for(key).map(Cow::Owned),
         }
+    }
+}
+
+/// A bucket's fields as the scripts read them: none when its first field is absent (a bucket
+/// never used, or expired), else every field an integer; why not, naming the field.
+fn read_as_the_script_does(
+    fields: &[&str],
+    values: Vec<Option<String>>,
+) -> Result<Vec<Option<i64>>, String> {
+    if values.first().is_none_or(Option::is_none) {
+        return Ok(vec![None; values.len()]);
+    }
+    (fields.iter().zip(values))
+        .map(|(field, value)| match value {
+            None => Err(format!("field {field} is missing")),
+            Some(text) => match text.parse() {
+                Ok(n) => Ok(Some(n)),
+                Err(_) => Err(format!("field {field} is not an integer")),
+            },
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_as_the_script_does;
+
+    #[test]
+    fn a_bucket_is_read_whole_or_not_at_all() {
+        let read = |values: &[Option<&str>]| {
+            read_as_the_script_does(
+                &["t", "f", "ts"],
+                values.iter().map(|v| v.map(str::to_owned)).collect(),
+            )
+        };
+        assert_eq!(read(&[None, None, None]), Ok(vec![None, None, None]));
+        assert_eq!(
+            read(&[Some("-5"), Some("0"), Some("17")]),
+            Ok(vec![Some(-5), Some(0), Some(17)])
+        );
+        assert_eq!(
+            read(&[None, Some("x"), None]),
+            Ok(vec![None, None, None]),
+            "without its first field the scripts take a bucket for new"
+        );
+        assert_eq!(
+            read(&[Some("12x"), Some("0"), Some("1")]),
+            Err("field t is not an integer".into())
+        );
+        assert_eq!(
+            read(&[Some("1"), Some("1.5e"), Some("1")]),
+            Err("field f is not an integer".into())
+        );
+        assert_eq!(
+            read(&[Some("1"), Some("0"), None]),
+            Err("field ts is missing".into())
+        );
     }
 }
