@@ -67,8 +67,9 @@ pub fn normalized(raw: &str) -> Result<Cow<'_, str>, PathError> {
     }
 }
 
-/// Whether `normalize_slow` would answer `raw` itself: absolute, not too long, printable
-/// ASCII without `%` or a backslash, and no empty (but the last), `.` or `..` segment.
+/// Whether `normalize_slow` would answer `raw` itself: absolute, not too long, visible
+/// ASCII without `%`, a backslash, `?` or `#`, and no empty (but the last), `.` or `..`
+/// segment.
 fn is_normal(raw: &str) -> bool {
     let bytes = raw.as_bytes();
     if bytes.first() != Some(&b'/') || bytes.len() > MAX_PATH_BYTES {
@@ -76,7 +77,7 @@ fn is_normal(raw: &str) -> bool {
     }
     if !bytes
         .iter()
-        .all(|&b| (0x20..0x7f).contains(&b) && b != b'%' && b != b'\\')
+        .all(|&b| (0x21..0x7f).contains(&b) && !matches!(b, b'%' | b'\\' | b'?' | b'#'))
     {
         return false;
     }
@@ -127,7 +128,11 @@ fn normalize_slow(raw: &str) -> Result<String, PathError> {
             _ => {}
         }
         decoded.push(b);
-        if b.is_ascii() {
+        if matches!(b, b' ' | b'?' | b'#') {
+            // Only a config file can hold these raw (a request's path ends at `?` and `#`,
+            // and a space ends its target): encoded as a client sends them.
+            push_escape(&mut text, b);
+        } else if b.is_ascii() {
             text.push(char::from(b));
         } else {
             // Only a config file can hold raw non-ASCII (request targets cannot): encode it
@@ -182,7 +187,7 @@ mod tests {
         /// The borrowed fast path answers what the full normalization does, for every path
         /// it takes.
         #[test]
-        fn a_path_already_normal_is_borrowed_unchanged(raw in "(/|/\\.|/\\.\\.|/a|/%2[eEfF]|/%41|\\\\|/b\\.c|/~| |\\?){0,8}") {
+        fn a_path_already_normal_is_borrowed_unchanged(raw in "(/|/\\.|/\\.\\.|/a|/%2[eEfF]|/%41|\\\\|/b\\.c|/~| |\\?|#){0,8}") {
             prop_assert_eq!(normalized(&raw).map(Cow::into_owned), normalize_slow(&raw));
             if is_normal(&raw) {
                 prop_assert_eq!(normalize_slow(&raw), Ok(raw.clone()));
@@ -206,6 +211,10 @@ mod tests {
             ("/a/b/", "/a/b/"),
             ("/A/B", "/A/B"),
             ("/a%20b", "/a%20b"),
+            ("/a b", "/a%20b"),
+            ("/q?b", "/q%3Fb"),
+            ("/h#b", "/h%23b"),
+            ("/q%3fb%23", "/q%3Fb%23"),
         ];
         for (raw, want) in ok {
             assert_eq!(normalize_path(raw).as_deref(), Ok(want), "{raw}");
