@@ -240,40 +240,51 @@ pub fn describe_tls(t: &crate::config::TlsListener) -> String {
     line
 }
 
-/// One limit's algorithm in plain words.
+/// One limit's algorithm in plain words: in requests, or, when a request costs other than
+/// one token, in tokens with the requests they make.
 fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
+    let one = cost_micro == 1_000_000;
     match algorithm {
         Algorithm::None => "not limited".to_owned(),
         Algorithm::TokenBucket {
             capacity_micro,
             refill_micro_per_sec,
         } => {
+            let unit = if one { "request" } else { "token" };
             let refill = if refill_micro_per_sec == 0 {
                 "never refilled".to_owned()
             } else {
                 format!(
                     "refilled at {} per second",
-                    counted(refill_micro_per_sec, "request")
+                    counted(refill_micro_per_sec, unit)
                 )
             };
-            let cost = if cost_micro == 1_000_000 {
-                String::new()
-            } else {
-                format!(", {} per request", counted(cost_micro, "token"))
-            };
-            format!(
-                "token bucket of {}, {refill}{cost}",
+            let size = if one {
                 counted(capacity_micro, "request")
-            )
+            } else {
+                let whole = capacity_micro / cost_micro;
+                let s = if whole == 1 { "" } else { "s" };
+                format!(
+                    "{} ({whole} request{s} at {} each)",
+                    counted(capacity_micro, "token"),
+                    counted(cost_micro, "token")
+                )
+            };
+            format!("token bucket of {size}, {refill}")
         }
         Algorithm::SlidingWindow {
             limit,
             window_micro,
         } => {
-            let cost = if cost_micro == 1_000_000 {
+            let cost = if one {
                 String::new()
             } else {
-                format!(", {} per call", counted(cost_micro, "request"))
+                let whole = limit / (cost_micro / 1_000_000).max(1);
+                let s = if whole == 1 { "" } else { "s" };
+                format!(
+                    ", each call counting as {} ({whole} call{s})",
+                    counted(cost_micro, "request")
+                )
             };
             let s = if limit == 1 { "" } else { "s" };
             format!(

@@ -149,7 +149,8 @@ fn bounds_at_the_limit_are_accepted() {
         .identity("global")
         .set("algorithm", "\"sliding_window\"")
         .set("limit", "1_000_000_000")
-        .set("window_size_micro", "86_400_000_000");
+        .set("window_size_micro", "86_400_000_000")
+        .set("cost_micro", "4_000_000");
     std::fs::write(
         &path,
         format!(
@@ -161,9 +162,9 @@ fn bounds_at_the_limit_are_accepted() {
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("token bucket of 1000000000 requests, refilled at 1000000 requests per second, 1000000000 tokens per request"), "{stdout}");
+    assert!(stdout.contains("token bucket of 1000000000 tokens (1 request at 1000000000 tokens each), refilled at 1000000 tokens per second"), "{stdout}");
     assert!(
-        stdout.contains("sliding window of 1000000000 requests per"),
+        stdout.contains("sliding window of 1000000000 requests per 86400 seconds, each call counting as 4 requests (250000000 calls)"),
         "{stdout}"
     );
 }
