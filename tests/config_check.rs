@@ -238,6 +238,18 @@ fn the_redis_url_variable_is_validated_too() {
         stderr.contains("SENTINEL_REDIS_URL = \"http://nope\" is not a Redis URL"),
         "{stderr}"
     );
+    // A value that is no URL at all (a password pasted into the variable) is not shown.
+    let out = common::check_config(
+        &root.join("gateway.toml"),
+        &[("SENTINEL_REDIS_URL", Some("Hunter2-pw"))],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("SENTINEL_REDIS_URL = \"***\" is not a Redis URL")
+            && !stderr.contains("Hunter2"),
+        "{stderr}"
+    );
 }
 
 #[test]

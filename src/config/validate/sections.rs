@@ -599,7 +599,7 @@ pub(super) fn redis(
                 c,
                 None,
                 env,
-                &format!("{REDIS_URL_ENV} = \"{}\"", redact_url(env)),
+                &format!("{REDIS_URL_ENV} = \"{}\"", env_url_shown(env)),
                 None,
                 SINGLE_FORM,
             )
@@ -842,6 +842,20 @@ fn without_port(url: &str) -> bool {
     match address.rsplit_once(']') {
         Some((_, after)) => !after.starts_with(':'),
         None => !address.contains(':'),
+    }
+}
+
+/// `SENTINEL_REDIS_URL`'s value as messages show it: a URL without its password, and
+/// anything else not at all (a password pasted into the variable by mistake, say).
+fn env_url_shown(value: &str) -> std::borrow::Cow<'_, str> {
+    let scheme = value.split_once("://").is_some_and(|(scheme, _)| {
+        !scheme.is_empty()
+            && (scheme.bytes()).all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
+    });
+    if scheme {
+        redact_url(value)
+    } else {
+        "***".into()
     }
 }
 
