@@ -262,6 +262,27 @@ fn a_missing_file_is_an_invalid_config() {
     );
 }
 
+/// A byte that is not UTF-8 (a file saved as Latin-1) is named by its line and column.
+#[test]
+fn a_file_that_is_not_utf8_says_where() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        b"[upstreams.a]\naddrs = [\"127.0.0.1:9\"] # caf\xe9\n",
+    )
+    .unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.starts_with(&format!(
+            "{}:2:30: the config file is not UTF-8 here",
+            path.display()
+        )),
+        "{stderr}"
+    );
+}
+
 /// Started (not `check`), an invalid config is also one JSON ERROR line on stdout, as the
 /// log's config errors are (contract section 8), besides the plain text on stderr.
 #[test]

@@ -644,13 +644,32 @@ impl Config {
 
     /// Reads, parses and validates `path`; `SENTINEL_REDIS_URL` overrides `[redis] url`.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
-        let source = std::fs::read_to_string(path).map_err(|e| {
+        let error = |position, message| {
             ConfigErrors(vec![ConfigError {
                 file: path.to_path_buf(),
-                position: None,
+                position,
                 route: None,
-                message: format!("cannot read the config file: {e}"),
+                message,
             }])
+        };
+        let bytes = std::fs::read(path)
+            .map_err(|e| error(None, format!("cannot read the config file: {e}")))?;
+        let source = String::from_utf8(bytes).map_err(|e| {
+            let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+            // Where the bad byte is: its line, and its column counted in characters.
+            let valid = std::str::from_utf8(valid).unwrap_or_default();
+            let line = valid.matches('\n').count() + 1;
+            let column = valid
+                .rsplit('\n')
+                .next()
+                .unwrap_or_default()
+                .chars()
+                .count()
+                + 1;
+            error(
+                Some((line, column)),
+                "the config file is not UTF-8 here: TOML is UTF-8 (re-save it so)".into(),
+            )
         })?;
         // Set but empty is unset, as shells and orchestrators leave a variable they blank.
         let redis_url = std::env::var(REDIS_URL_ENV).ok().filter(|u| !u.is_empty());
