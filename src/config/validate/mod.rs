@@ -43,9 +43,16 @@ pub fn validate(
                 (None, None) => message,
             };
             let message = match field {
+                Some(field) if message == "duplicate key" => {
+                    format!("{field} is written twice: keep one")
+                }
                 Some(field) => format!("{field}: {message}"),
                 None => message,
             };
+            let message = e
+                .span()
+                .and_then(|s| about_a_header(source, s.start, &message))
+                .unwrap_or(message);
             c.push(e.span().as_ref(), route.as_deref(), message);
             return Err(ConfigErrors(c.errors));
         }
@@ -419,6 +426,40 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
         .filter(|p| !p.is_empty())
         .collect();
     (!path.is_empty()).then(|| path.join("."))
+}
+
+/// TOML's words for an error in a table's header (the line `offset` is on), which name
+/// neither the table nor what would do: a table written twice, `[routes]` for `[[routes]]`,
+/// `[[upstreams]]` for `[upstreams.NAME]`. `None` for an error elsewhere.
+fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> {
+    let offset = offset.min(source.len());
+    let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let line = source[line_start..].lines().next().unwrap_or_default();
+    let header = line.split('#').next().unwrap_or_default().trim();
+    if !header.starts_with('[') {
+        return None;
+    }
+    let name = header.trim_matches(|c| c == '[' || c == ']').trim();
+    let listed = |name: &str| format!("[[{name}]] (one per entry)");
+    let named = |name: &str| match name {
+        "upstreams" => "[upstreams.NAME] (one table per upstream, by its name)".to_owned(),
+        n => format!("[{n}]"),
+    };
+    Some(if message.ends_with("duplicate key") {
+        format!("{header} is written twice: give each table once (merge their keys into one)")
+    } else if message.starts_with("invalid type: map, expected a sequence") {
+        format!(
+            "{header} is one table where {name} is a list of tables: write {}",
+            listed(name)
+        )
+    } else if message.starts_with("invalid type: sequence, expected a map") {
+        format!(
+            "{header} is a list of tables where {name} is one table: write {}",
+            named(name)
+        )
+    } else {
+        return None;
+    })
 }
 
 /// How an `*_env` field's variable is named in a message: as written when the environment
