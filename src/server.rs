@@ -306,6 +306,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
+    control.spawn(ignore_sigusr2(early.usr2));
     let stops = Arc::new(Stops::default());
     control.spawn(keep_stops(
         [early.term, early.quit],
@@ -425,11 +426,24 @@ async fn reopen_on_sigusr1(reloader: Arc<Reloader>, usr1: Option<Signal>) {
     }
 }
 
+/// `SIGUSR2`, nginx's binary upgrade, which has no counterpart here: said and ignored,
+/// rather than ending the process at once by its default action.
+async fn ignore_sigusr2(usr2: Option<Signal>) {
+    let Some(mut usr2) = usr2 else {
+        return;
+    };
+    while usr2.recv().await.is_some() {
+        tracing::warn!("SIGUSR2 ignored: this gateway has no binary upgrade; to replace it, send it SIGTERM (it drains) and start the new one");
+    }
+}
+
 /// The signals the gateway acts on, listened for as soon as it has a runtime: from then on
 /// each one that comes is kept until the gateway runs and acts on it.
 struct EarlySignals {
     hup: Option<Signal>,
     usr1: Option<Signal>,
+    /// SIGUSR2: ignored (nginx's binary upgrade).
+    usr2: Option<Signal>,
     term: Option<Signal>,
     /// SIGQUIT: nginx's graceful stop, taken as SIGTERM.
     quit: Option<Signal>,
@@ -442,6 +456,7 @@ impl EarlySignals {
         Self {
             hup: signal(SignalKind::hangup()).ok(),
             usr1: signal(SignalKind::user_defined1()).ok(),
+            usr2: signal(SignalKind::user_defined2()).ok(),
             term: signal(SignalKind::terminate()).ok(),
             quit: signal(SignalKind::quit()).ok(),
             int: signal(SignalKind::interrupt()).ok(),

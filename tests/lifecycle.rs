@@ -115,6 +115,12 @@ fn sigquit_drains_as_sigterm_does() {
     let up = Upstream::start("app");
     let mut gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100)).start();
     assert!(blocking_get(&gw.url("/api/x")).is_some_and(|(s, _)| s == 200));
+    // nginx's binary upgrade has no counterpart: said and ignored, never the default end.
+    gw.proc.signal("USR2");
+    common::wait_until(Duration::from_secs(5), "the SIGUSR2 line", || {
+        gw.logs().contains("SIGUSR2 ignored")
+    });
+    assert!(blocking_get(&gw.url("/api/x")).is_some_and(|(s, _)| s == 200));
     gw.proc.signal("QUIT");
     let code = gw
         .proc

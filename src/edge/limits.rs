@@ -5,8 +5,13 @@
 /// files, and the listeners themselves.
 const RESERVE: usize = 256;
 
-/// The fewest downstream connections a default allows, however low the limit.
-const FLOOR: usize = 64;
+/// The least of the reserve, under a low limit (where a quarter of the limit is kept): the
+/// process holds about 25 descriptors idle (its runtimes' `epoll` and `eventfd`, listeners,
+/// Redis, files).
+const LEAST_RESERVE: usize = 32;
+
+/// The bound when the open-file limit is not known.
+const UNKNOWN_LIMIT_BOUND: usize = 1024;
 
 /// `max_connections` as configured, or derived from the open-file limit: every busy
 /// downstream connection may hold an upstream connection too, so half of what is left after
@@ -31,9 +36,10 @@ pub fn max_connections(configured: Option<usize>) -> usize {
 /// known) carries; without one configured, what it carries (1024 when it is not known).
 fn bounded(configured: Option<usize>, limit: Option<usize>) -> usize {
     let Some(limit) = limit else {
-        return configured.unwrap_or(FLOOR * 16);
+        return configured.unwrap_or(UNKNOWN_LIMIT_BOUND);
     };
-    let carried = (limit.saturating_sub(RESERVE) / 2).max(FLOOR);
+    let reserve = RESERVE.min((limit / 4).max(LEAST_RESERVE));
+    let carried = (limit.saturating_sub(reserve) / 2).max(1);
     configured.map_or(carried, |n| n.min(carried))
 }
 
@@ -71,10 +77,13 @@ mod tests {
         assert_eq!(bounded(None, Some(1024)), 384);
         assert_eq!(bounded(Some(100), Some(1024)), 100);
         assert_eq!(bounded(Some(5_000), Some(1024)), 384);
-        // However low the limit, 64 (the reserve is then what is short).
-        assert_eq!(bounded(None, Some(300)), 64);
-        assert_eq!(bounded(Some(5_000), Some(300)), 64);
+        // Under a low limit a quarter of it is kept, never under 32: what the rest carries,
+        // two descriptors a busy connection.
+        assert_eq!(bounded(None, Some(300)), 112);
+        assert_eq!(bounded(Some(5_000), Some(300)), 112);
         assert_eq!(bounded(Some(10), Some(300)), 10);
+        assert_eq!(bounded(None, Some(100)), 34);
+        assert_eq!(bounded(None, Some(20)), 1);
         // A limit that cannot be read: the configured bound, or 1024.
         assert_eq!(bounded(None, None), 1024);
         assert_eq!(bounded(Some(5_000), None), 5_000);
