@@ -249,6 +249,10 @@ const ROUND_TRIP_WORTH_A_LOOK_US: u64 = 250;
 /// Calls noted before the round trip is believed.
 const ROUND_TRIPS_TO_TRUST: u32 = 16;
 
+/// A call in flight this long is late whatever the round trip learned (a Redis on the same
+/// host answers a batch in well under a millisecond): see [`Batches::in_flight_late`].
+const LATE_AFTER_US: u64 = 2_000;
+
 impl Batches {
     /// A call was sent and its answer has not been read yet.
     pub(super) fn call_in_flight(&self) -> bool {
@@ -267,6 +271,10 @@ impl Batches {
     /// decisions under load). It then goes on its own, at once, in one round trip (on the
     /// node's other connection, which takes calls in a pipeline).
     fn waits_too_long(&self, deadline_us: u64) -> bool {
+        let now = deadline::mono_us();
+        if deadline_us != 0 && self.in_flight_late(now) {
+            return self.late_for(deadline_us, now);
+        }
         let trip = self.round_trip_us;
         if !self.busy
             || trip < ROUND_TRIP_WORTH_A_LOOK_US
@@ -275,11 +283,63 @@ impl Batches {
         {
             return false;
         }
-        let now = deadline::mono_us();
         let own_call_from = self.sent_us.saturating_add(trip).max(now);
         let done = own_call_from.saturating_add(trip) - now;
         let left = deadline_us.saturating_sub(now);
         done > left / 4 * 3
+    }
+
+    /// Whether the call in flight is late at `now`: out for more than four round trips as
+    /// learned and more than [`LATE_AFTER_US`]. The node slowed at once (a Redis that began to
+    /// swap, a network path that changed), and the learned round trip, which rises slowly,
+    /// no longer says when the call in flight or the next one will be answered.
+    fn in_flight_late(&self, now: u64) -> bool {
+        self.busy
+            && now.saturating_sub(self.sent_us)
+                > self.round_trip_us.saturating_mul(4).max(LATE_AFTER_US)
+    }
+
+    /// With the call in flight late, whether a decision due at `deadline_us` goes on its own:
+    /// waiting, it would take the rest of the late call (unknown) and then a call of its own,
+    /// which may well take as long as the late one has so far (a step in the round trip);
+    /// once that is more than an eighth of what is left of its budget, a call of its own now
+    /// is its chance (a near Redis 10 ms away at once, a 20 ms budget: about 2 ms into the
+    /// late call; a quarter, measured, left too little for the call of its own on a loaded
+    /// machine). A decision with much budget left keeps waiting (a 1 s budget, a Redis
+    /// stalled 5 ms): while Redis itself is slow (busy, or stalled), calls of their own would
+    /// only add to its work.
+    fn late_for(&self, deadline_us: u64, now: u64) -> bool {
+        late_for(self.sent_us, deadline_us, now)
+    }
+
+    /// The decisions waiting for the next call that go on their own now, taken out of the
+    /// queue (the others keep their place): the call in flight is late, and waiting for the
+    /// next would spend their budget ([`Batches::late_for`]). A step in the node's round
+    /// trip (a near Redis 10 ms away at once) timed out such decisions in a burst that
+    /// opened the breaker.
+    fn release_if_late(&mut self, now: u64) -> Option<Vec<Waiting>> {
+        if self.queue.is_empty() || !self.in_flight_late(now) {
+            return None;
+        }
+        let sent_us = self.sent_us;
+        let goes = |w: &Waiting| w.deadline_us != 0 && late_for(sent_us, w.deadline_us, now);
+        if !self.queue.waiting.iter().any(goes) {
+            return None;
+        }
+        let mut kept = std::mem::take(&mut self.spare);
+        let mut queue = std::mem::take(&mut self.queue);
+        let mut released = Vec::new();
+        for w in std::mem::take(&mut queue.waiting) {
+            if goes(&w) {
+                released.push(w);
+            } else {
+                kept.adopt(&queue, w);
+            }
+        }
+        queue.clear();
+        self.queue = kept;
+        self.spare = queue;
+        Some(released)
     }
 
     /// A call sent at `sent_us` was answered now: a batch, or a decision of this node sent on
@@ -318,6 +378,11 @@ impl Batches {
         self.in_flight.clear();
         self.queue.tell_all(|| Answer::Alone);
     }
+}
+
+/// [`Batches::late_for`] of a call sent at `sent_us`.
+fn late_for(sent_us: u64, deadline_us: u64, now: u64) -> bool {
+    now.saturating_sub(sent_us) > deadline_us.saturating_sub(now) / 8
 }
 
 /// Queued behind a call in flight, at most this many decisions are kept before the ones that
@@ -949,6 +1014,11 @@ async fn watch_over(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
             };
             if !store.pump(&link, &conn, Look::Now) {
                 return;
+            }
+            // Still unanswered, and late: what waits for the next call goes on its own now.
+            let released = wire.lock().batches.release_if_late(deadline::mono_us());
+            for w in released.into_iter().flatten() {
+                let _ = w.tx.send(Answer::Alone);
             }
         }
         if asleep {
