@@ -119,36 +119,36 @@ async fn far_from_redis_a_decision_does_not_wait_two_round_trips() {
     );
 }
 
-/// A Redis that goes from near to 10 ms away at once, under 8 clients at once: the round
-/// trip the gateway learned (a near one) no longer says when the call in flight will be
-/// answered, and decisions that waited for it and then for the next call timed out in a
-/// burst that opened the breaker (3 of 3 runs, then 503 for most of the next seconds). A call
-/// in flight that is late sends what waits on its own, at once: every decision is Redis's.
+/// A Redis that goes from near to far at once (30 ms of a 60 ms budget), under 8 clients at
+/// once: the round trip the gateway learned (a near one) no longer says when the call in
+/// flight will be answered, and decisions that waited for it and then for the next call
+/// timed out (13-20 of 320 here; with the default breaker of 5 failures it opened, and 305-319
+/// of the 320 answers were 503). A call in flight that is late sends what would spend its
+/// budget waiting on its own, at once: every decision is Redis's (0-2 of 320 timed out).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_that_slows_at_once_under_load_does_not_open_the_breaker() {
+async fn a_redis_that_slows_at_once_under_load_is_still_deciding() {
     let redis = Redis::start();
     let proxy = common::fault::FaultProxy::start(redis.port);
     let up = Upstream::start("app");
-    let gw = closed_and_open(&proxy.url(), &up.addr(), 15).start();
+    // No breaker to open: the timeouts themselves are counted.
+    let gw = closed_and_open(&proxy.url(), &up.addr(), 15)
+        .redis("timeout_ms", "60")
+        .breaker(100_000, 30)
+        .start();
     // Enough calls for the near round trip to be believed.
     let warm = load(&gw, "/open", 1, 40, |_, i| format!("warm-{i}")).await;
     assert!(warm.iter().all(|(_, s)| *s == 200), "{warm:?}");
-    proxy.set(common::fault::Mode::Delay(Duration::from_millis(10)));
+    proxy.set(common::fault::Mode::Delay(Duration::from_millis(30)));
     let answers = load(&gw, "/closed", 8, 40, |c, i| {
         format!("step-{}", (c * 40 + i) % 16)
     })
     .await;
     let refused = answers.iter().filter(|(_, s)| *s == 503).count();
-    // A noisy machine may stall a decision past its budget now and then (as above); before,
-    // 305-319 of the 320 answers were 503, the breaker open.
-    assert!(refused <= 8, "{refused} of {} answers 503", answers.len());
-    assert_eq!(
-        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
-        0.0,
-        "{}",
-        gw.logs()
-    );
+    // A noisy machine may stall a decision past its budget now and then.
+    assert!(refused <= 6, "{refused} of {} answers 503", answers.len());
     let admitted = answers.iter().filter(|(_, s)| *s == 200).count();
+    let denied = answers.iter().filter(|(_, s)| *s == 429).count();
+    assert_eq!(admitted + denied + refused, 320);
     assert!(
         admitted <= 16 * 15,
         "never past a key's capacity: {admitted}"

@@ -82,6 +82,8 @@ struct Waiting {
     args: Range<usize>,
     /// An admission answered after it gave up is given back ([`super::IfLate`]).
     give_back: bool,
+    /// Its keys lie in several slots of a cluster node: it can only go in a batch.
+    across: bool,
 }
 
 /// Decisions waiting for a call or for its answer, their keys and arguments back to back:
@@ -114,6 +116,7 @@ impl Queue {
             keys: first_key..self.key_ends.len(),
             args: first_arg..self.args.len(),
             give_back: call.if_late == super::IfLate::GivenBack,
+            across: call.across,
         });
         rx
     }
@@ -250,8 +253,14 @@ const ROUND_TRIP_WORTH_A_LOOK_US: u64 = 250;
 const ROUND_TRIPS_TO_TRUST: u32 = 16;
 
 /// A call in flight this long is late whatever the round trip learned (a Redis on the same
-/// host answers a batch in well under a millisecond): see [`Batches::in_flight_late`].
+/// host answers a batch of a few decisions in well under a millisecond): see
+/// [`Batches::in_flight_late`].
 const LATE_AFTER_US: u64 = 2_000;
+
+/// What each decision of the call in flight adds to [`LATE_AFTER_US`]: about twice what
+/// Redis takes to decide one in a batch (256 in 3.8-5.2 ms, docs/benchmarks.md), so a large
+/// batch is not taken for a late one.
+const LATE_PER_DECISION_US: u64 = 40;
 
 impl Batches {
     /// A call was sent and its answer has not been read yet.
@@ -271,16 +280,15 @@ impl Batches {
     /// decisions under load). It then goes on its own, at once, in one round trip (on the
     /// node's other connection, which takes calls in a pipeline).
     fn waits_too_long(&self, deadline_us: u64) -> bool {
+        if !self.busy || deadline_us == 0 {
+            return false;
+        }
         let now = deadline::mono_us();
-        if deadline_us != 0 && self.in_flight_late(now) {
+        if self.in_flight_late(now) {
             return self.late_for(deadline_us, now);
         }
         let trip = self.round_trip_us;
-        if !self.busy
-            || trip < ROUND_TRIP_WORTH_A_LOOK_US
-            || deadline_us == 0
-            || self.round_trips < ROUND_TRIPS_TO_TRUST
-        {
+        if trip < ROUND_TRIP_WORTH_A_LOOK_US || self.round_trips < ROUND_TRIPS_TO_TRUST {
             return false;
         }
         let own_call_from = self.sent_us.saturating_add(trip).max(now);
@@ -290,13 +298,16 @@ impl Batches {
     }
 
     /// Whether the call in flight is late at `now`: out for more than four round trips as
-    /// learned and more than [`LATE_AFTER_US`]. The node slowed at once (a Redis that began to
+    /// learned and more than [`LATE_AFTER_US`], and [`LATE_PER_DECISION_US`] more for each of
+    /// its decisions (a full batch of 256 takes Redis 4-5 ms). The node slowed at once (a Redis that began to
     /// swap, a network path that changed), and the learned round trip, which rises slowly,
     /// no longer says when the call in flight or the next one will be answered.
     fn in_flight_late(&self, now: u64) -> bool {
+        let size = self.in_flight.waiting.len() as u64;
         self.busy
             && now.saturating_sub(self.sent_us)
-                > self.round_trip_us.saturating_mul(4).max(LATE_AFTER_US)
+                > (self.round_trip_us.saturating_mul(4).max(LATE_AFTER_US))
+                    .saturating_add(size.saturating_mul(LATE_PER_DECISION_US))
     }
 
     /// With the call in flight late, whether a decision due at `deadline_us` goes on its own:
@@ -322,7 +333,8 @@ impl Batches {
             return None;
         }
         let sent_us = self.sent_us;
-        let goes = |w: &Waiting| w.deadline_us != 0 && late_for(sent_us, w.deadline_us, now);
+        let goes =
+            |w: &Waiting| !w.across && w.deadline_us != 0 && late_for(sent_us, w.deadline_us, now);
         if !self.queue.waiting.iter().any(goes) {
             return None;
         }
