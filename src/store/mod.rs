@@ -766,7 +766,9 @@ impl Store {
 }
 
 /// A bucket's fields as the scripts read them: none when its first field is absent (a bucket
-/// never used, or expired), else every field an integer; why not, naming the field.
+/// never used, or expired), else every field a number as Lua's `tonumber` takes one (an
+/// integer, or a decimal such as `5.0` or `1e3`, spaces around it allowed); why not, naming
+/// the field.
 fn read_as_the_script_does(
     fields: &[&str],
     values: Vec<Option<String>>,
@@ -777,10 +779,16 @@ fn read_as_the_script_does(
     (fields.iter().zip(values))
         .map(|(field, value)| match value {
             None => Err(format!("field {field} is missing")),
-            Some(text) => match text.parse() {
-                Ok(n) => Ok(Some(n)),
-                Err(_) => Err(format!("field {field} is not an integer")),
-            },
+            Some(text) => {
+                let text = text.trim();
+                match text.parse::<i64>() {
+                    Ok(n) => Ok(Some(n)),
+                    Err(_) => match text.parse::<f64>() {
+                        Ok(x) if x.is_finite() => Ok(Some(x as i64)),
+                        _ => Err(format!("field {field} is not a number")),
+                    },
+                }
+            }
         })
         .collect()
 }
@@ -809,15 +817,20 @@ mod tests {
         );
         assert_eq!(
             read(&[Some("12x"), Some("0"), Some("1")]),
-            Err("field t is not an integer".into())
+            Err("field t is not a number".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("1.5e"), Some("1")]),
-            Err("field f is not an integer".into())
+            Err("field f is not a number".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("0"), None]),
             Err("field ts is missing".into())
+        );
+        // What Lua's `tonumber` reads, the scripts read too.
+        assert_eq!(
+            read(&[Some("5000000.0"), Some(" 3"), Some("1e3")]),
+            Ok(vec![Some(5_000_000), Some(3), Some(1000)])
         );
     }
 }

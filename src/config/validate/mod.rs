@@ -43,9 +43,9 @@ pub fn validate(
                 (None, None) => message,
             };
             let message = match field {
-                Some(field) if message == "duplicate key" => {
-                    format!("{field} is written twice: keep one")
-                }
+                Some(field) if message == "duplicate key" => format!(
+                    "{field}: duplicate key: a key is written twice here (or a table in two places): keep one"
+                ),
                 Some(field) => format!("{field}: {message}"),
                 None => message,
             };
@@ -440,19 +440,31 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
         return None;
     }
     let name = header.trim_matches(|c| c == '[' || c == ']').trim();
+    let list = header.starts_with("[[");
     let listed = |name: &str| format!("[[{name}]] (one per entry)");
     let named = |name: &str| match name {
         "upstreams" => "[upstreams.NAME] (one table per upstream, by its name)".to_owned(),
         n => format!("[{n}]"),
     };
-    Some(if message.ends_with("duplicate key") {
+    // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
+    let other_form = source.lines().any(|l| {
+        let l = l.split('#').next().unwrap_or_default().trim();
+        l.starts_with('[')
+            && l.trim_matches(|c| c == '[' || c == ']').trim() == name
+            && l.starts_with("[[") != list
+    });
+    // A message about a table above this one (`[[server.tls.sni]]` with no `[[server.tls]]`)
+    // is left as TOML's own: the header's own form is not what is wrong.
+    Some(if message.ends_with("duplicate key") && other_form {
+        format!("{name} is written both as [{name}] and as [[{name}]]: write each entry of a list of tables {}, or the one table [{name}] once", listed(name))
+    } else if message.ends_with("duplicate key") {
         format!("{header} is written twice: give each table once (merge their keys into one)")
-    } else if message.starts_with("invalid type: map, expected a sequence") {
+    } else if message.starts_with("invalid type: map, expected a sequence") && !list {
         format!(
             "{header} is one table where {name} is a list of tables: write {}",
             listed(name)
         )
-    } else if message.starts_with("invalid type: sequence, expected a map") {
+    } else if message.starts_with("invalid type: sequence, expected a map") && list {
         format!(
             "{header} is a list of tables where {name} is one table: write {}",
             named(name)

@@ -233,6 +233,16 @@ fn route_path(
                 PathMatch::Prefix(n)
             })
         }
+        // A query or fragment written into the path: the route would match neither what
+        // was meant (routes match the path alone) nor, written `%3F`, any usual request.
+        Ok(_) if text.contains(['?', '#']) => {
+            c.push(
+                Some(&value.span()),
+                label,
+                format!("{field} = \"{text}\" holds a '?' or '#': routes match a request's path alone, never its query or fragment, so write the path without them (a literal one in the path is %3F or %23)"),
+            );
+            None
+        }
         Ok(n) => {
             let suggestion = if n.len() > 1 {
                 n.trim_end_matches('/')
