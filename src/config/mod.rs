@@ -45,15 +45,20 @@ pub fn redact_url_and_query(url: &str) -> std::borrow::Cow<'_, str> {
     redacted(url, true)
 }
 
-fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
-    // A scheme is letters, digits, `+`, `-` and `.` (RFC 3986): a `://` further on (inside a
-    // password, say) does not make the text a URL.
-    let scheme = url.find("://").filter(|&s| {
+/// Where the `://` after a URL's scheme is, if `text` starts with one: a scheme is letters,
+/// digits, `+`, `-` and `.` (RFC 3986), so a `://` further on (inside a password, say) does
+/// not make the text a URL.
+pub fn scheme_end(text: &str) -> Option<usize> {
+    text.find("://").filter(|&s| {
         s > 0
-            && url[..s]
+            && text[..s]
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
-    });
+    })
+}
+
+fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
+    let scheme = scheme_end(url);
     let start = scheme.map_or(0, |s| s + 3);
     let mut out = std::borrow::Cow::Borrowed(url);
     if let Some(at) = url[start..].rfind('@').map(|i| start + i) {

@@ -338,20 +338,7 @@ impl Batches {
         if !self.queue.waiting.iter().any(goes) {
             return None;
         }
-        let mut kept = std::mem::take(&mut self.spare);
-        let mut queue = std::mem::take(&mut self.queue);
-        let mut released = Vec::new();
-        for w in std::mem::take(&mut queue.waiting) {
-            if goes(&w) {
-                released.push(w);
-            } else {
-                kept.adopt(&queue, w);
-            }
-        }
-        queue.clear();
-        self.queue = kept;
-        self.spare = queue;
-        Some(released)
+        Some(take_out(self, goes))
     }
 
     /// A call sent at `sent_us` was answered now: a batch, or a decision of this node sent on
@@ -1080,16 +1067,26 @@ impl Got {
 
 /// Drops the queued decisions that gave up, keeping the others in order.
 fn compact(batches: &mut Batches) {
+    drop(take_out(batches, |w| w.tx.is_closed()));
+}
+
+/// Takes the waiting decisions `out` picks out of the queue, the others keeping their order;
+/// answers those taken.
+fn take_out(batches: &mut Batches, out: impl Fn(&Waiting) -> bool) -> Vec<Waiting> {
     let mut kept = std::mem::take(&mut batches.spare);
     let mut queue = std::mem::take(&mut batches.queue);
+    let mut taken = Vec::new();
     for w in std::mem::take(&mut queue.waiting) {
-        if !w.tx.is_closed() {
+        if out(&w) {
+            taken.push(w);
+        } else {
             kept.adopt(&queue, w);
         }
     }
     queue.clear();
     batches.queue = kept;
     batches.spare = queue;
+    taken
 }
 
 /// What a waiting decision does with what it was told: `None`, go alone, only when the

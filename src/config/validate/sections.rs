@@ -848,11 +848,7 @@ fn without_port(url: &str) -> bool {
 /// `SENTINEL_REDIS_URL`'s value as messages show it: a URL without its password, and
 /// anything else not at all (a password pasted into the variable by mistake, say).
 fn env_url_shown(value: &str) -> std::borrow::Cow<'_, str> {
-    let scheme = value.split_once("://").is_some_and(|(scheme, _)| {
-        !scheme.is_empty()
-            && (scheme.bytes()).all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
-    });
-    if scheme {
+    if crate::config::scheme_end(value).is_some() {
         redact_url(value)
     } else {
         "***".into()
