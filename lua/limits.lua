@@ -22,7 +22,14 @@ local function tb_read(key, capacity, rate, now)
   if state[1] then
     tokens = tonumber(state[1])
     frac = tonumber(state[2])
-    local elapsed = now - tonumber(state[3])
+    local ts = tonumber(state[3])
+    -- Fields written by something else: `inf` or `nan` would make idiv loop for ever and
+    -- hold Redis from every caller (x - x is 0 for a finite x only).
+    if not (tokens and frac and ts) or tokens - tokens ~= 0 or frac - frac ~= 0
+      or ts - ts ~= 0 then
+      error('a bucket field is not a finite number')
+    end
+    local elapsed = now - ts
     if elapsed > 0 and rate > 0 then
       local secs = idiv(elapsed, MICRO)
       -- While the key lives (it expires once full), secs <= 2 x capacity / rate + 1, so the
@@ -196,6 +203,10 @@ local function sw_read(key, window, now)
       p = tonumber(s[3])
     elseif w == index - 1 then
       p = tonumber(s[2])
+    end
+    -- As tb_read: a count of `inf` or `nan` would make idiv loop for ever.
+    if not (c and p) or c - c ~= 0 or p - p ~= 0 then
+      error('a window count is not a finite number')
     end
   end
   return index, elapsed, c, p

@@ -90,6 +90,48 @@ async fn a_connection_killed_under_load_opens_no_breaker() {
     assert_eq!(status(&http, &gw.url("/closed"), "after").await, 200);
 }
 
+/// Bucket fields of `inf`, `-inf` or `nan` written by hand: Lua reads them as numbers, and
+/// the scripts' integer division looped for ever on them, holding Redis `BUSY` for every
+/// caller for seconds (the breaker opened) until a `SCRIPT KILL`. They are a broken key now,
+/// of their identity alone, one call and one WARN each, in a batch and alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_of_infinite_tokens_is_a_broken_key_and_holds_no_one_else() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1_000);
+    let http = client();
+    let mut c = redis.conn();
+    for (who, value) in [("minus", "-inf"), ("plus", "inf"), ("nan", "nan")] {
+        assert_eq!(status(&http, &gw.url("/closed"), who).await, 200);
+        let key = bucket_key(
+            "sentinel",
+            &format!("header:x-api-key:{who}"),
+            "t.closed",
+            1,
+        );
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("t")
+            .arg(value)
+            .query(&mut c)
+            .unwrap();
+        let started = Instant::now();
+        assert_eq!(status(&http, &gw.url("/closed"), who).await, 503, "{value}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{value}");
+        let pong: String = redis::cmd("PING").query(&mut c).unwrap();
+        assert_eq!(pong, "PONG", "Redis free after {value}");
+        assert_eq!(status(&http, &gw.url("/closed"), "innocent").await, 200);
+        assert!(
+            gw.logs()
+                .lines()
+                .any(|l| l.contains("a bucket key holds data") && l.contains(key.as_str())),
+            "{value}: {}",
+            gw.logs()
+        );
+    }
+    assert_eq!(opened(&gw), 0.0, "{}", gw.logs());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_bucket_key_harms_only_its_identity() {
     let redis = Redis::start();

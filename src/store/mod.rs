@@ -766,9 +766,9 @@ impl Store {
 }
 
 /// A bucket's fields as the scripts read them: none when its first field is absent (a bucket
-/// never used, or expired), else every field a number as Lua's `tonumber` takes one (an
-/// integer, or a decimal such as `5.0` or `1e3`, spaces around it allowed); why not, naming
-/// the field.
+/// never used, or expired), else every field a finite number as Lua's `tonumber` takes one
+/// (an integer, `0x10`, or a decimal such as `5.0` or `1e3`, spaces around it allowed); why
+/// not, naming the field.
 fn read_as_the_script_does(
     fields: &[&str],
     values: Vec<Option<String>>,
@@ -781,11 +781,15 @@ fn read_as_the_script_does(
             None => Err(format!("field {field} is missing")),
             Some(text) => {
                 let text = text.trim();
+                let hex = (text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")))
+                    .and_then(|digits| i64::from_str_radix(digits, 16).ok());
                 match text.parse::<i64>() {
                     Ok(n) => Ok(Some(n)),
-                    Err(_) => match text.parse::<f64>() {
-                        Ok(x) if x.is_finite() => Ok(Some(x as i64)),
-                        _ => Err(format!("field {field} is not a number")),
+                    Err(_) => match (hex, text.parse::<f64>()) {
+                        (Some(n), _) => Ok(Some(n)),
+                        (None, Ok(x)) if x.is_finite() => Ok(Some(x as i64)),
+                        // `inf` and `nan` too: the scripts refuse them (they would loop).
+                        _ => Err(format!("field {field} is not a finite number")),
                     },
                 }
             }
@@ -817,11 +821,11 @@ mod tests {
         );
         assert_eq!(
             read(&[Some("12x"), Some("0"), Some("1")]),
-            Err("field t is not a number".into())
+            Err("field t is not a finite number".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("1.5e"), Some("1")]),
-            Err("field f is not a number".into())
+            Err("field f is not a finite number".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("0"), None]),
@@ -832,5 +836,15 @@ mod tests {
             read(&[Some("5000000.0"), Some(" 3"), Some("1e3")]),
             Ok(vec![Some(5_000_000), Some(3), Some(1000)])
         );
+        assert_eq!(
+            read(&[Some("0x10"), Some("0"), Some("1")]),
+            Ok(vec![Some(16), Some(0), Some(1)])
+        );
+        for endless in ["inf", "-inf", "nan"] {
+            assert_eq!(
+                read(&[Some(endless), Some("0"), Some("1")]),
+                Err("field t is not a finite number".into())
+            );
+        }
     }
 }

@@ -428,6 +428,12 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
     (!path.is_empty()).then(|| path.join("."))
 }
 
+/// Whether the file's table `name` is a list of tables (`[[routes]]`, `[[routes.limits]]`,
+/// `[[server.tls]]`): by the config's shape.
+fn is_a_list(name: &str) -> bool {
+    name == "routes" || name.ends_with(".limits") || name.starts_with("server.tls")
+}
+
 /// TOML's words for an error in a table's header (the line `offset` is on), which name
 /// neither the table nor what would do: a table written twice, `[routes]` for `[[routes]]`,
 /// `[[upstreams]]` for `[upstreams.NAME]`. `None` for an error elsewhere.
@@ -456,7 +462,11 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
     // A message about a table above this one (`[[server.tls.sni]]` with no `[[server.tls]]`)
     // is left as TOML's own: the header's own form is not what is wrong.
     Some(if message.ends_with("duplicate key") && other_form {
-        format!("{name} is written both as [{name}] and as [[{name}]]: write each entry of a list of tables {}, or the one table [{name}] once", listed(name))
+        if is_a_list(name) {
+            format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {}", listed(name))
+        } else {
+            format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(name))
+        }
     } else if message.ends_with("duplicate key") {
         format!("{header} is written twice: give each table once (merge their keys into one)")
     } else if message.starts_with("invalid type: map, expected a sequence") && !list {
