@@ -14,6 +14,10 @@
 -- back, down to -capacity), f = refill remainder (< 10^6), ts = last write (us), e = when
 -- the key's time to live ends (Redis TIME, whole seconds; -1: it has none).
 -- capacity 10^6 .. 10^15 micro-tokens, rate 0 .. 10^12 per second, cost 1 .. capacity.
+-- 2^53: below it doubles are exact integers, and every number the scripts write is.
+local EXACT = 9007199254740992
+local abs = math.abs
+
 local function tb_read(key, capacity, rate, now)
   local state = redis.call('HMGET', key, 't', 'f', 'ts', 'e')
   local tokens = capacity
@@ -23,11 +27,12 @@ local function tb_read(key, capacity, rate, now)
     tokens = tonumber(state[1])
     frac = tonumber(state[2])
     local ts = tonumber(state[3])
-    -- Fields written by something else: `inf` or `nan` would make idiv loop for ever and
-    -- hold Redis from every caller (x - x is 0 for a finite x only).
-    if not (tokens and frac and ts) or tokens - tokens ~= 0 or frac - frac ~= 0
-      or ts - ts ~= 0 then
-      error('a bucket field is not a finite number')
+    -- Fields written by something else: past 2^53 (`inf`, `-1e300`) or `nan`, idiv's steps
+    -- of one no longer move its quotient, and it loops for ever, holding Redis from every
+    -- caller. The scripts write nothing near that bound.
+    if not (tokens and frac and ts and abs(tokens) < EXACT and abs(frac) < EXACT
+      and abs(ts) < EXACT) then
+      error('a bucket field is not a number the limiter wrote')
     end
     local elapsed = now - ts
     if elapsed > 0 and rate > 0 then
@@ -204,9 +209,9 @@ local function sw_read(key, window, now)
     elseif w == index - 1 then
       p = tonumber(s[2])
     end
-    -- As tb_read: a count of `inf` or `nan` would make idiv loop for ever.
-    if not (c and p) or c - c ~= 0 or p - p ~= 0 then
-      error('a window count is not a finite number')
+    -- As tb_read: a count past 2^53 or `nan` would make idiv loop for ever.
+    if not (c and p and abs(c) < EXACT and abs(p) < EXACT) then
+      error('a window count is not a number the limiter wrote')
     end
   end
   return index, elapsed, c, p

@@ -90,8 +90,8 @@ async fn a_connection_killed_under_load_opens_no_breaker() {
     assert_eq!(status(&http, &gw.url("/closed"), "after").await, 200);
 }
 
-/// Bucket fields of `inf`, `-inf` or `nan` written by hand: Lua reads them as numbers, and
-/// the scripts' integer division looped for ever on them, holding Redis `BUSY` for every
+/// Bucket fields of `inf`, `-inf`, `nan` or `-1e300` written by hand: Lua reads them as
+/// numbers, and the scripts' integer division looped for ever on them, holding Redis `BUSY` for every
 /// caller for seconds (the breaker opened) until a `SCRIPT KILL`. They are a broken key now,
 /// of their identity alone, one call and one WARN each, in a batch and alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,7 +101,12 @@ async fn a_bucket_of_infinite_tokens_is_a_broken_key_and_holds_no_one_else() {
     let gw = limited(&redis, &up, 1_000);
     let http = client();
     let mut c = redis.conn();
-    for (who, value) in [("minus", "-inf"), ("plus", "inf"), ("nan", "nan")] {
+    for (who, value) in [
+        ("minus", "-inf"),
+        ("plus", "inf"),
+        ("nan", "nan"),
+        ("huge", "-1e300"),
+    ] {
         assert_eq!(status(&http, &gw.url("/closed"), who).await, 200);
         let key = bucket_key(
             "sentinel",

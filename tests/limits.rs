@@ -131,7 +131,7 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
             .lines()
             .any(|l| l.contains("admin: cannot read a bucket")
                 && l.contains(&sw_key)
-                && l.contains("field c is not a finite number")),
+                && l.contains("field c is not a number the limiter wrote")),
         "{}",
         gw.logs()
     );

@@ -765,10 +765,13 @@ impl Store {
     }
 }
 
+/// 2^53: the scripts refuse a bucket's number at or past it (lua/limits.lua, `EXACT`).
+const EXACT: u64 = 1 << 53;
+
 /// A bucket's fields as the scripts read them: none when its first field is absent (a bucket
-/// never used, or expired), else every field a finite number as Lua's `tonumber` takes one
-/// (an integer, `0x10`, or a decimal such as `5.0` or `1e3`, spaces around it allowed); why
-/// not, naming the field.
+/// never used, or expired), else every field a number below 2^53 as Lua's `tonumber` takes
+/// one (an integer, `0x10`, or a decimal such as `5.0` or `1e3`, spaces around it allowed);
+/// why not, naming the field.
 fn read_as_the_script_does(
     fields: &[&str],
     values: Vec<Option<String>>,
@@ -783,14 +786,18 @@ fn read_as_the_script_does(
                 let text = text.trim();
                 let hex = (text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")))
                     .and_then(|digits| i64::from_str_radix(digits, 16).ok());
-                match text.parse::<i64>() {
-                    Ok(n) => Ok(Some(n)),
+                let n = match text.parse::<i64>() {
+                    Ok(n) => Some(n),
                     Err(_) => match (hex, text.parse::<f64>()) {
-                        (Some(n), _) => Ok(Some(n)),
-                        (None, Ok(x)) if x.is_finite() => Ok(Some(x as i64)),
-                        // `inf` and `nan` too: the scripts refuse them (they would loop).
-                        _ => Err(format!("field {field} is not a finite number")),
+                        (Some(n), _) => Some(n),
+                        (None, Ok(x)) if x.is_finite() && x.abs() < EXACT as f64 => Some(x as i64),
+                        _ => None,
                     },
+                };
+                // Past 2^53, `inf` and `nan`: the scripts refuse them (they would loop).
+                match n.filter(|n| n.unsigned_abs() < EXACT) {
+                    Some(n) => Ok(Some(n)),
+                    None => Err(format!("field {field} is not a number the limiter wrote")),
                 }
             }
         })
@@ -821,11 +828,11 @@ mod tests {
         );
         assert_eq!(
             read(&[Some("12x"), Some("0"), Some("1")]),
-            Err("field t is not a finite number".into())
+            Err("field t is not a number the limiter wrote".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("1.5e"), Some("1")]),
-            Err("field f is not a finite number".into())
+            Err("field f is not a number the limiter wrote".into())
         );
         assert_eq!(
             read(&[Some("1"), Some("0"), None]),
@@ -840,10 +847,10 @@ mod tests {
             read(&[Some("0x10"), Some("0"), Some("1")]),
             Ok(vec![Some(16), Some(0), Some(1)])
         );
-        for endless in ["inf", "-inf", "nan"] {
+        for endless in ["inf", "-inf", "nan", "-1e300", "9007199254740992"] {
             assert_eq!(
                 read(&[Some(endless), Some("0"), Some("1")]),
-                Err("field t is not a finite number".into())
+                Err("field t is not a number the limiter wrote".into())
             );
         }
     }
