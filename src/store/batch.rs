@@ -287,7 +287,7 @@ impl Batches {
         }
         let now = deadline::mono_us();
         if self.in_flight_late(now) {
-            return self.late_for(deadline_us, now);
+            return late_for(self.sent_us, deadline_us, now);
         }
         let trip = self.round_trip_us;
         if trip < ROUND_TRIP_WORTH_A_LOOK_US || self.round_trips < ROUND_TRIPS_TO_TRUST {
@@ -300,10 +300,10 @@ impl Batches {
     }
 
     /// Whether the call in flight is late at `now`: out for more than four round trips as
-    /// learned and more than [`LATE_AFTER_US`], and [`LATE_PER_DECISION_US`] more for each of
-    /// its decisions (a full batch of 256 takes Redis 4-5 ms). The node slowed at once (a Redis that began to
-    /// swap, a network path that changed), and the learned round trip, which rises slowly,
-    /// no longer says when the call in flight or the next one will be answered.
+    /// learned and more than [`LATE_AFTER_US`], and [`LATE_PER_DECISION_US`] more for each
+    /// of its decisions. The node slowed at once (a Redis that began to swap, a network path
+    /// that changed), and the learned round trip, which rises slowly, no longer says when the
+    /// call in flight or the next one will be answered.
     fn in_flight_late(&self, now: u64) -> bool {
         let size = self.in_flight.waiting.len() as u64;
         self.busy
@@ -312,22 +312,9 @@ impl Batches {
                     .saturating_add(size.saturating_mul(LATE_PER_DECISION_US))
     }
 
-    /// With the call in flight late, whether a decision due at `deadline_us` goes on its own:
-    /// waiting, it would take the rest of the late call (unknown) and then a call of its own,
-    /// which may well take as long as the late one has so far (a step in the round trip);
-    /// once that is more than an eighth of what is left of its budget, a call of its own now
-    /// is its chance (a near Redis 10 ms away at once, a 20 ms budget: about 2 ms into the
-    /// late call; a quarter, measured, left too little for the call of its own on a loaded
-    /// machine). A decision with much budget left keeps waiting (a 1 s budget, a Redis
-    /// stalled 5 ms): while Redis itself is slow (busy, or stalled), calls of their own would
-    /// only add to its work.
-    fn late_for(&self, deadline_us: u64, now: u64) -> bool {
-        late_for(self.sent_us, deadline_us, now)
-    }
-
     /// The decisions waiting for the next call that go on their own now, taken out of the
     /// queue (the others keep their place): the call in flight is late, and waiting for the
-    /// next would spend their budget ([`Batches::late_for`]). A step in the node's round
+    /// next would spend their budget ([`late_for`]). A step in the node's round
     /// trip (a near Redis 10 ms away at once) timed out such decisions in a burst that
     /// opened the breaker.
     fn release_if_late(&mut self, now: u64) -> Option<Vec<Waiting>> {
@@ -381,7 +368,13 @@ impl Batches {
     }
 }
 
-/// [`Batches::late_for`] of a call sent at `sent_us`.
+/// With the call in flight (sent at `sent_us`) late, whether a decision due at `deadline_us`
+/// goes on its own: waiting, it would take the rest of the late call (unknown) and then a call
+/// of its own, which may well take as long as the late one has so far (a step in the round
+/// trip); once that is more than an eighth of what is left of its budget, a call of its own
+/// now is its chance (a quarter, measured, left too little for it on a loaded machine). A
+/// decision with much budget left keeps waiting (a 1 s budget, a Redis stalled 5 ms): while
+/// Redis itself is slow (busy, or stalled), calls of their own would only add to its work.
 fn late_for(sent_us: u64, deadline_us: u64, now: u64) -> bool {
     now.saturating_sub(sent_us) > deadline_us.saturating_sub(now) / 8
 }
