@@ -834,15 +834,10 @@ fn beyond_the_address(url: &str) -> bool {
     }
 }
 
-/// Whether the URL's address names no port (`redis://host`).
+/// Whether the URL's address names no port (`redis://host`): `redis` has no port of its
+/// own to the URL parser, so one is named exactly when it is written.
 fn without_port(url: &str) -> bool {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    let address = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
-    match address.rsplit_once(']') {
-        Some((_, after)) => !after.starts_with(':'),
-        None => !address.contains(':'),
-    }
+    reqwest::Url::parse(url).is_ok_and(|u| u.port().is_none())
 }
 
 /// `SENTINEL_REDIS_URL`'s value as messages show it: a URL without its password, and
