@@ -689,6 +689,9 @@ async fn routes_by_specificity_not_file_order() {
         .route(route("r.post").prefix("/a").methods(&["POST"]))
         // The fully qualified form, in any case, is the same host.
         .route(route("r.fqdn").prefix("/a").host("Fqdn.Example."))
+        // An IPv6 address as a `Host` carries it, and a name with `_` (both were refused).
+        .route(route("r.v6").prefix("/a").host("[::1]"))
+        .route(route("r.under").prefix("/a").host("Under_Score.example"))
         .start();
     let http = client();
     let cases: &[(&str, &str, Option<&str>, &str)] = &[
@@ -702,6 +705,9 @@ async fn routes_by_specificity_not_file_order() {
         ("GET", "/zzz", None, "r.root"),
         ("GET", "/a", Some("fqdn.example"), "r.fqdn"),
         ("GET", "/a/q", Some("FQDN.example.:8080"), "r.fqdn"),
+        ("GET", "/a", Some("[::1]:8080"), "r.v6"),
+        ("GET", "/a/v", Some("[0:0::0:1]"), "r.v6"),
+        ("GET", "/a", Some("under_score.example"), "r.under"),
     ];
     for (method, path, host, want) in cases {
         let mut req = http.request(method.parse().unwrap(), gw.url(path));
@@ -716,7 +722,7 @@ async fn routes_by_specificity_not_file_order() {
         );
     }
     let total: f64 = [
-        "r.root", "r.short", "r.long", "r.exact", "r.host", "r.post", "r.fqdn",
+        "r.root", "r.short", "r.long", "r.exact", "r.host", "r.post", "r.fqdn", "r.v6", "r.under",
     ]
     .iter()
     .map(|id| {

@@ -128,7 +128,12 @@ pub fn ambiguities<T: Copy>(entries: impl IntoIterator<Item = (Matcher, T)>) -> 
 pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>) -> Option<String> {
     let raw = uri_host.or(host_header)?;
     let without_port = if let Some(rest) = raw.strip_prefix('[') {
-        rest.split(']').next().unwrap_or(rest)
+        let inside = rest.split(']').next().unwrap_or(rest);
+        // One address, one form (as a route's `host` is kept): `[0:0::1]` is `::1`.
+        if let Ok(ip) = inside.parse::<std::net::Ipv6Addr>() {
+            return Some(ip.to_string());
+        }
+        inside
     } else {
         raw.rsplit_once(':').map_or(raw, |(h, port)| {
             if port.bytes().all(|b| b.is_ascii_digit()) {
@@ -225,6 +230,14 @@ mod tests {
             Some("h.example")
         );
         assert_eq!(request_host(None, Some("[::1]:80")).as_deref(), Some("::1"));
+        assert_eq!(
+            request_host(None, Some("[0:0::0:1]")).as_deref(),
+            Some("::1")
+        );
+        assert_eq!(
+            request_host(Some("[FE80::A]"), None).as_deref(),
+            Some("fe80::a")
+        );
         assert_eq!(request_host(None, None), None);
         // A fully qualified name's one trailing dot, never two (an HTTP/2 authority is not
         // refused for it as `Host` is: it must then match no route written without it).
