@@ -121,6 +121,9 @@ pub fn main() -> i32 {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
+    if cli.command.is_none() {
+        crate::server::hold_early_signals();
+    }
     let check = match &cli.command {
         Some(Command::HashKey { tenant, tier }) => {
             return hash_key(tenant.as_deref(), tier.as_deref())

@@ -1,6 +1,7 @@
 //! Builds the whole gateway from a validated config and runs it under Pingora: the proxy
 //! service, the admin service, reload on SIGHUP and the drain on SIGTERM.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -401,6 +402,11 @@ async fn reload_on_sighup(reloader: Arc<Reloader>, hup: Option<Signal>) {
         tracing::error!("cannot listen for SIGHUP; reload with POST /reload");
         return;
     };
+    // One that came before the runtime listened (one that came after is also in `hup`: it
+    // then reloads twice, which costs nothing but a generation).
+    if EARLY_HUP.swap(false, Ordering::Relaxed) {
+        let _ = reloader.reload_off_thread("signal").await;
+    }
     while hup.recv().await.is_some() {
         let _ = reloader.reload_off_thread("signal").await;
     }
@@ -437,6 +443,34 @@ async fn ignore_sigusr2(usr2: Option<Signal>) {
     }
 }
 
+/// A SIGHUP that came before the runtime could listen (while the config was read, say):
+/// noted by [`hold_early_signals`]'s handler and acted on once the gateway runs. (A SIGUSR1
+/// then needs nothing: the access log is opened after it.)
+static EARLY_HUP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note_early_signal(sig: libc::c_int) {
+    // Only an atomic store: what a signal handler may do.
+    if sig == libc::SIGHUP {
+        EARLY_HUP.store(true, Ordering::Relaxed);
+    }
+}
+
+/// From the first line of a start, before the config is read: SIGHUP, SIGUSR1 and SIGUSR2
+/// no longer end the process by their default action (a SIGHUP sent by a supervisor right
+/// after the start did). Tokio's handlers, installed later, chain to this one, so it goes on
+/// noting them; only what came before the gateway runs is acted on ([`EARLY_HUP`]).
+pub fn hold_early_signals() {
+    for sig in [libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2] {
+        // SAFETY: the handler only stores to an atomic; no thread is started yet.
+        unsafe {
+            libc::signal(
+                sig,
+                note_early_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
 /// The signals the gateway acts on, listened for as soon as it has a runtime: from then on
 /// each one that comes is kept until the gateway runs and acts on it.
 struct EarlySignals {
@@ -470,6 +504,8 @@ impl EarlySignals {
 struct Stops {
     term: tokio::sync::Notify,
     int: tokio::sync::Notify,
+    /// The drain was asked for by SIGQUIT (said as such in its line).
+    quit: AtomicBool,
 }
 
 async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stops: Arc<Stops>) {
@@ -480,7 +516,10 @@ async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stop
     loop {
         tokio::select! {
             Some(()) = term.recv() => stops.term.notify_one(),
-            Some(()) = quit.recv() => stops.term.notify_one(),
+            Some(()) = quit.recv() => {
+                stops.quit.store(true, Ordering::Relaxed);
+                stops.term.notify_one();
+            }
             Some(()) = int.recv() => stops.int.notify_one(),
             else => return,
         }
@@ -506,10 +545,17 @@ impl ShutdownSignalWatch for Drain {
                 return ShutdownSignal::FastShutdown;
             }
         }
-        tracing::info!(
-            grace_period_seconds = self.grace.as_secs(),
-            "SIGTERM: draining"
-        );
+        if self.stops.quit.load(Ordering::Relaxed) {
+            tracing::info!(
+                grace_period_seconds = self.grace.as_secs(),
+                "SIGQUIT: draining"
+            );
+        } else {
+            tracing::info!(
+                grace_period_seconds = self.grace.as_secs(),
+                "SIGTERM: draining"
+            );
+        }
         self.lifecycle.start_draining();
         let lifecycle = Arc::clone(&self.lifecycle);
         let access_log = Arc::clone(&self.access_log);

@@ -24,7 +24,11 @@ use tracing_subscriber::EnvFilter;
 
 pub fn init() {
     let asked = std::env::var("RUST_LOG").unwrap_or_default();
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let (mut filter, refused) = match EnvFilter::try_from_default_env() {
+        Ok(filter) => (filter, None),
+        Err(_) if asked.trim().is_empty() => (EnvFilter::new("info"), None),
+        Err(e) => (EnvFilter::new("info"), Some(e)),
+    };
     for chatty in ["h2", "rustls"] {
         if !asked.contains(chatty) {
             if let Ok(quiet) = format!("{chatty}=error").parse() {
@@ -42,6 +46,10 @@ pub fn init() {
         .finish();
     if tracing::subscriber::set_global_default(subscriber).is_err() {
         return;
+    }
+    if let Some(e) = refused {
+        // The value itself is the operator's own setting (no secret), shown to be fixed.
+        tracing::warn!(rust_log = %asked, error = %e, "RUST_LOG is not a valid filter; logging at info (write e.g. RUST_LOG=info,sentinel_gateway=debug)");
     }
     let pingora_debug = asked.contains("pingora");
     if log::set_boxed_logger(Box::new(PingoraLog(

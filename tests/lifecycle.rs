@@ -132,6 +132,9 @@ fn sigquit_drains_as_sigterm_does() {
         "{}",
         gw.logs()
     );
+    // Said as what it was (it was logged "SIGTERM: draining").
+    assert!(gw.logs().contains("SIGQUIT: draining"), "{}", gw.logs());
+    assert!(!gw.logs().contains("SIGTERM: draining"), "{}", gw.logs());
 }
 
 /// The listeners open once the first Redis connection is made: with a Redis 50 ms away (its
@@ -897,12 +900,80 @@ fn signals_while_it_starts_do_not_kill_it() {
     }
 }
 
+/// A SIGHUP that comes while the config file is still being read (a supervisor's reload
+/// right after the start) is a reload once the gateway runs: it ended the process by its
+/// default action, as any signal before the runtime listened did. The config file is a FIFO
+/// here, so the read waits for it as long as the test needs.
+#[test]
+fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let [port, admin] = common::free_ports();
+    let config = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).render(port, admin);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let fifo = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a C string that lives through the call.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let out = dir.path().join("out.log");
+    let mut proc = common::Proc {
+        child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+            .arg("--config")
+            .arg(&path)
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        name: "sentinel-gateway",
+    };
+    // Once it catches SIGHUP (bit 0 of its caught-signals mask), it waits in the read.
+    let pid = proc.pid();
+    wait_until(Duration::from_secs(10), "SIGHUP caught", || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|st| {
+                let mask = st.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                u64::from_str_radix(mask.trim(), 16).ok()
+            })
+            .is_some_and(|m| m & 1 == 1)
+    });
+    proc.signal("HUP");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        proc.wait_exit(Duration::ZERO),
+        None,
+        "alive after the SIGHUP"
+    );
+    std::fs::write(&path, &config).unwrap();
+    // The reload reads a plain file (a FIFO would wait for another writer).
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, &config).unwrap();
+    wait_until(Duration::from_secs(15), "ready", || {
+        blocking_get(&format!("http://127.0.0.1:{admin}/readyz")).is_some_and(|(s, _)| s == 200)
+    });
+    wait_until(
+        Duration::from_secs(10),
+        "the reload the SIGHUP asked for",
+        || std::fs::read_to_string(&out).is_ok_and(|l| l.contains(r#""trigger":"signal""#)),
+    );
+    assert!(blocking_get(&format!("http://127.0.0.1:{port}/api/x")).is_some_and(|(s, _)| s == 200));
+    assert_eq!(proc.wait_exit(Duration::ZERO), None, "it runs");
+}
+
 /// SIGUSR1 without an access log reopens nothing and says so (it said "access log reopened").
+/// And a `RUST_LOG` that is no filter is said, not silently taken as `info`.
 #[test]
 fn sigusr1_without_an_access_log_says_there_is_none() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).start();
+    let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5))
+        .start_with_env(&[("RUST_LOG", "info,sentinel_gateway=loud")]);
+    assert!(
+        gw.logs()
+            .contains("RUST_LOG is not a valid filter; logging at info"),
+        "{}",
+        gw.logs()
+    );
     gw.proc.signal("USR1");
     wait_until(Duration::from_secs(5), "the SIGUSR1 line", || {
         gw.logs()
