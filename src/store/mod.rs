@@ -770,7 +770,8 @@ const EXACT: u64 = 1 << 53;
 
 /// A bucket's fields as the scripts read them: none when its first field is absent (a bucket
 /// never used, or expired), else every field a number below 2^53 as Lua's `tonumber` takes
-/// one (an integer, `0x10`, or a decimal such as `5.0` or `1e3`, spaces around it allowed);
+/// one (an integer, a decimal such as `5.0` or `1e3`, or hexadecimal as C's `strtod` reads
+/// it, `0x10` or `0x1p4`; spaces around it allowed);
 /// why not, naming the field.
 fn read_as_the_script_does(
     fields: &[&str],
@@ -784,13 +785,10 @@ fn read_as_the_script_does(
             None => Err(format!("field {field} is missing")),
             Some(text) => {
                 let text = text.trim();
-                let hex = (text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")))
-                    .and_then(|digits| i64::from_str_radix(digits, 16).ok());
                 let n = match text.parse::<i64>() {
                     Ok(n) => Some(n),
-                    Err(_) => match (hex, text.parse::<f64>()) {
-                        (Some(n), _) => Some(n),
-                        (None, Ok(x)) if x.is_finite() && x.abs() < EXACT as f64 => Some(x as i64),
+                    Err(_) => match hex_number(text).or_else(|| text.parse::<f64>().ok()) {
+                        Some(x) if x.is_finite() && x.abs() < EXACT as f64 => Some(x as i64),
                         _ => None,
                     },
                 };
@@ -802,6 +800,33 @@ fn read_as_the_script_does(
             }
         })
         .collect()
+}
+
+/// A hexadecimal number as C's `strtod` reads it, which Lua's `tonumber` uses: a sign, `0x`,
+/// hex digits with an optional point and an optional binary exponent (`-0x10`, `0x1.8p1` is
+/// 3, `0x1p-2` is 0.25).
+fn hex_number(text: &str) -> Option<f64> {
+    let (negative, rest) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let rest = (rest.strip_prefix("0x")).or_else(|| rest.strip_prefix("0X"))?;
+    let (mantissa, exponent) = match rest.split_once(['p', 'P']) {
+        Some((m, e)) => (m, e.parse::<i32>().ok()?),
+        None => (rest, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if whole.is_empty() && fraction.is_empty() {
+        return None;
+    }
+    let mut value = 0f64;
+    for digit in whole.chars().chain(fraction.chars()) {
+        value = value * 16.0 + f64::from(digit.to_digit(16)?);
+    }
+    let shift = i32::try_from(fraction.len()).ok()?.checked_mul(4)?;
+    let x = value * 2f64.powi(exponent.checked_sub(shift)?);
+    Some(if negative { -x } else { x })
 }
 
 #[cfg(test)]
@@ -847,6 +872,29 @@ mod tests {
             read(&[Some("0x10"), Some("0"), Some("1")]),
             Ok(vec![Some(16), Some(0), Some(1)])
         );
+        // Hexadecimal as C's `strtod` reads it (each value as Redis 7's Lua read it).
+        for (text, n) in [
+            ("0x1p4", 16),
+            ("-0x10", -16),
+            ("0x1.8p1", 3),
+            (" 0X1P+4 ", 16),
+            ("+0x10", 16),
+            ("0x.8p1", 1),
+            ("0x1p-2", 0),
+        ] {
+            assert_eq!(
+                read(&[Some(text), Some("0"), Some("1")]),
+                Ok(vec![Some(n), Some(0), Some(1)]),
+                "{text}"
+            );
+        }
+        for unread in ["0x", "0x1p", "0xg", "0x1.2.3", "0x1p2.5", "--0x1"] {
+            assert_eq!(
+                read(&[Some(unread), Some("0"), Some("1")]),
+                Err("field t is not a number the limiter wrote".into()),
+                "{unread}"
+            );
+        }
         for endless in ["inf", "-inf", "nan", "-1e300", "9007199254740992"] {
             assert_eq!(
                 read(&[Some(endless), Some("0"), Some("1")]),
