@@ -81,18 +81,11 @@ impl Reloader {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // Before reading: a change made while the reload reads is then seen by the watch
         // (one more reload at worst), never missed.
-        let old_files = files(&self.path, &self.live.load().config);
-        let before: Vec<FileStamp> = old_files.iter().map(|f| file_stamp(f)).collect();
+        let before = file_stamp(&self.path);
         let result = self.try_reload();
         if let Ok(r) = &result {
-            // The new config's files: as they were before reading, or (a file it names
-            // anew) as they are now.
-            let read = (files(&self.path, &self.live.load().config).iter())
-                .map(|f| match old_files.iter().position(|o| o == f) {
-                    Some(i) => before[i],
-                    None => file_stamp(f),
-                })
-                .collect();
+            // The new config's files as they were before it read them.
+            let read = stamp_read(&self.path, &self.live.load().config, before);
             *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
         }
         self.metrics.config_reload(result.is_ok());
@@ -323,14 +316,7 @@ pub async fn watch(reloader: Arc<Reloader>) {
     }
 }
 
-/// A file's modification time and length (`None`: it cannot be read).
-pub type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
-
-pub(crate) fn file_stamp(path: &std::path::Path) -> FileStamp {
-    std::fs::metadata(path)
-        .ok()
-        .map(|m| (m.modified().ok(), m.len()))
-}
+pub(crate) use crate::config::{file_stamp, FileStamp};
 
 /// The config file and the files it names (API keys, JWKS, certificates and keys): what
 /// `watch_config` looks at.
@@ -346,15 +332,21 @@ pub(crate) fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
 }
 
 /// The files of `config` as its reading found them: the config file as `before` stamped it
-/// before it was read, the files it names (known only once it is read) as they are now.
+/// before it was read, the files it names as they were just before each was read (one it
+/// names but did not read, as it is now).
 pub(crate) fn stamp_read(
     path: &std::path::Path,
     config: &Config,
     before: FileStamp,
 ) -> Vec<FileStamp> {
-    let mut read = stamp(path, config);
-    read[0] = before;
-    read
+    let files = files(path, config);
+    std::iter::once(before)
+        .chain(files[1..].iter().map(|f| {
+            (config.named_read.iter())
+                .find(|(read, _)| read == f)
+                .map_or_else(|| file_stamp(f), |(_, stamp)| *stamp)
+        }))
+        .collect()
 }
 
 /// The endpoints a reload keeps under the same `key_prefix` and `policy_version` whose

@@ -6,6 +6,7 @@ mod common;
 
 use std::ffi::OsStr;
 use std::path::Path;
+use std::time::Duration;
 
 use common::config::{quoted, GatewayConfig, Route};
 use common::{client, Redis, Upstream};
@@ -207,4 +208,73 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("identity = \"api_key\" needs an [auth.api_keys] section"));
+}
+
+/// With `watch_config`, a change to the key file made while the start reads it is seen: the
+/// file was stamped after it was read, so a change in those moments looked like the file
+/// the gateway had read and waited for its next change. The key file is a FIFO here, so
+/// the read waits for the test: the file is replaced (key B) while the gateway reads key A
+/// from the FIFO; the watch then loads key B.
+#[test]
+fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let c_path = std::ffi::CString::new(keys.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a C string that lives through the call.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let [port, admin] = common::free_ports();
+    let text = config(&redis, &up, &keys)
+        .server("watch_config", "true")
+        .render(port, admin);
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, text).unwrap();
+    let _proc = common::Proc {
+        child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
+            .arg("--config")
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        name: "sentinel-gateway",
+    };
+    // A non-blocking open for writing succeeds once the gateway has the FIFO open to read.
+    let mut fifo = None;
+    common::wait_until(Duration::from_secs(15), "the key file opened", || {
+        fifo = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&keys)
+            .ok();
+        fifo.is_some()
+    });
+    let staged = dir.path().join("keys.new");
+    write_keys(&staged, &[hash_key("key-b", "beta")]);
+    std::fs::rename(&staged, &keys).unwrap();
+    let mut fifo = fifo.unwrap();
+    fifo.write_all(hash_key("key-a", "alpha").as_bytes())
+        .unwrap();
+    drop(fifo);
+    common::wait_until(Duration::from_secs(15), "ready", || {
+        common::blocking_get(&format!("http://127.0.0.1:{admin}/readyz"))
+            .is_some_and(|(s, _)| s == 200)
+    });
+    let status = |key: &str| {
+        let head = format!(
+            "POST /ocr HTTP/1.1\r\nHost: x\r\nX-API-Key: {key}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        common::raw_request(port, head.as_bytes())
+    };
+    common::wait_until(Duration::from_secs(10), "key B loaded by the watch", || {
+        status("key-b") == Some(200)
+    });
+    assert_eq!(
+        status("key-a"),
+        Some(401),
+        "key A went with the FIFO's read"
+    );
 }

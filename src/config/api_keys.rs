@@ -89,7 +89,7 @@ pub fn key_line(key: &[u8]) -> String {
 
 /// Reads and validates a key file.
 pub fn load(path: &Path) -> Result<ApiKeyTable, Vec<ConfigError>> {
-    match std::fs::read_to_string(path) {
+    match super::read_named_to_string(path) {
         Ok(source) => parse(path, &source),
         Err(e) => Err(vec![ConfigError {
             file: path.to_path_buf(),

@@ -22,7 +22,7 @@ pub fn load(
         route: key,
         message,
     };
-    let source = std::fs::read_to_string(path)
+    let source = super::read_named_to_string(path)
         .map_err(|e| vec![error(None, None, format!("cannot read the JWKS file: {e}"))])?;
     let set: JwkSet = serde_json::from_str(&source).map_err(|e| {
         vec![error(

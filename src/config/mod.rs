@@ -113,6 +113,43 @@ pub const MAX_CAPACITY_MICRO: u64 = 1_000_000_000_000_000;
 /// Largest accepted `refill_rate_micro_per_sec` and fallback rates (10^6 requests per second).
 pub const MAX_RATE_MICRO_PER_SEC: u64 = 1_000_000_000_000;
 
+/// A file's modification time and length (`None`: it cannot be read): what `watch_config`
+/// compares.
+pub type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+
+/// `path` as it is now.
+pub(crate) fn file_stamp(path: &Path) -> FileStamp {
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.modified().ok(), m.len()))
+}
+
+thread_local! {
+    /// The files a config names, each stamped just before the load on this thread first read
+    /// it ([`read_named`]); taken into [`Config::named_read`] when the load ends.
+    static NAMED_READ: std::cell::RefCell<Vec<(PathBuf, FileStamp)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Reads a file the config names (API keys, JWKS, a certificate or key), stamped first: a
+/// change made while it is read is then a change to `watch_config`, never missed.
+pub(crate) fn read_named(path: &Path) -> std::io::Result<Vec<u8>> {
+    let stamp = file_stamp(path);
+    NAMED_READ.with(|read| {
+        let mut read = read.borrow_mut();
+        if !read.iter().any(|(p, _)| p == path) {
+            read.push((path.to_path_buf(), stamp));
+        }
+    });
+    std::fs::read(path)
+}
+
+/// [`read_named`], as UTF-8.
+pub(crate) fn read_named_to_string(path: &Path) -> std::io::Result<String> {
+    String::from_utf8(read_named(path)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
 /// A validated gateway configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -128,6 +165,8 @@ pub struct Config {
     /// What the file says that works, but perhaps not as meant (a CIDR with host bits set):
     /// printed by `check`, logged at start and after each reload.
     pub warnings: Vec<ConfigError>,
+    /// The files it names, as they were just before this load read them.
+    pub named_read: Vec<(PathBuf, FileStamp)>,
 }
 
 /// Where `[access_log]` lines go.
@@ -687,7 +726,13 @@ impl Config {
         source: &str,
         redis_url_override: Option<&str>,
     ) -> Result<Config, ConfigErrors> {
-        validate::validate(path, source, redis_url_override)
+        NAMED_READ.with(|read| read.borrow_mut().clear());
+        let config = validate::validate(path, source, redis_url_override);
+        let named_read = NAMED_READ.with(|read| std::mem::take(&mut *read.borrow_mut()));
+        config.map(|config| Config {
+            named_read,
+            ..config
+        })
     }
 }
 

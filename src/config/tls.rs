@@ -124,7 +124,7 @@ impl CertPair {
     /// Reads both files. The error names which file is wrong and why; `field` prefixes say
     /// which field named it (the caller adds them).
     pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, PairError> {
-        let cert_pem = std::fs::read(cert_path)
+        let cert_pem = super::read_named(cert_path)
             .map_err(|e| PairError::Cert(format!("cannot be read: {e}")))?;
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
             .collect::<Result<_, _>>()
@@ -137,8 +137,8 @@ impl CertPair {
             ));
         }
         let (expires, not_after, out_of_date) = check_validity(&chain[0])?;
-        let key_pem =
-            std::fs::read(key_path).map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
+        let key_pem = super::read_named(key_path)
+            .map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
             PairError::Key(encrypted(&key_pem).unwrap_or_else(|| {
                 format!(

@@ -120,6 +120,7 @@ pub fn validate(
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         warnings: c.warnings,
+        named_read: Vec::new(),
     })
 }
 
