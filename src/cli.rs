@@ -436,7 +436,15 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     let cost = p.cost_from_response.as_ref().map_or(String::new(), |c| {
         format!(
             "; charged {} per unit of the answer's {} header",
-            counted(c.unit_micro, "request"),
+            // In the bucket's unit: tokens, unless a request costs one token.
+            counted(
+                c.unit_micro,
+                if p.cost_micro == 1_000_000 {
+                    "request"
+                } else {
+                    "token"
+                }
+            ),
             c.header
         )
     });

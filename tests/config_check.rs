@@ -142,7 +142,12 @@ fn bounds_at_the_limit_are_accepted() {
         .path("/big")
         .identity("global")
         .token_bucket(1_000_000_000_000_000, 1_000_000_000_000)
-        .set("cost_micro", "1_000_000_000_000_000");
+        .set("cost_micro", "1_000_000_000_000_000")
+        // Said in the bucket's unit, tokens here (it said "requests").
+        .set(
+            "cost_from_response",
+            "{ header = \"X-Cost\", unit_micro = 250_000 }",
+        );
     // A sliding window of 10^9 requests a day: its products pass 2^53, and are exact.
     let daily = Route::new("daily")
         .path("/daily")
@@ -163,6 +168,10 @@ fn bounds_at_the_limit_are_accepted() {
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("token bucket of 1000000000 tokens (1 request at 1000000000 tokens each), refilled at 1000000 tokens per second"), "{stdout}");
+    assert!(
+        stdout.contains("; charged 0.25 tokens per unit of the answer's x-cost header"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("sliding window of 1000000000 requests per 86400 seconds, each call counting as 4 requests (250000000 calls)"),
         "{stdout}"
