@@ -96,6 +96,8 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         })?;
     let metrics = Arc::new(Metrics::new());
     let clock: SharedClock = Arc::new(MonotonicClock::default());
+    // The listeners open once Redis is connected, or at most a second from here (below).
+    let connecting = Instant::now();
     let store = Store::start(&config.redis, config.breaker, Arc::clone(&clock), &metrics)
         .map_err(StartError::Store)?;
     // From here on no signal ends the process by its default action while it starts (a
@@ -110,10 +112,11 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
             return Err(StartError::Evicting(policy));
         }
     }
-    // The listeners open once Redis is connected, or after at most a second: a Redis down at
-    // start does not stop the gateway, but one a few milliseconds from connected does not
-    // have the first requests answered by their fail mode for want of the connection.
-    let connecting = Instant::now();
+    // The listeners open once Redis is connected, or after at most a second (the eviction
+    // check's included: a Redis that does not answer took it a second, then this wait
+    // another): a Redis down at start does not stop the gateway, but one a few milliseconds
+    // from connected does not have the first requests answered by their fail mode for want of
+    // the connection.
     while !store.is_connected() && connecting.elapsed() < FIRST_CONNECTION_WAIT {
         std::thread::sleep(Duration::from_millis(5));
     }

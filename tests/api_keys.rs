@@ -232,16 +232,7 @@ fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
         .render(port, admin);
     let path = dir.path().join("gateway.toml");
     std::fs::write(&path, text).unwrap();
-    let _proc = common::Proc {
-        child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-            .arg("--config")
-            .arg(&path)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-        name: "sentinel-gateway",
-    };
+    let _proc = common::Proc::gateway(&path, None);
     // A non-blocking open for writing succeeds once the gateway has the FIFO open to read.
     let mut fifo = None;
     common::wait_until(Duration::from_secs(15), "the key file opened", || {

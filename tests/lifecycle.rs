@@ -155,12 +155,37 @@ fn the_listeners_open_once_the_first_redis_connection_is_made() {
 
     let unreachable = common::fault::FaultProxy::start(redis.port);
     unreachable.set(common::fault::Mode::Blackhole);
-    let started = Instant::now();
-    let gw = routes(GatewayConfig::new(&unreachable.url()), &up.addr(), api(100)).start();
-    // A second's wait, and the gateway's own start: generous for a loaded machine.
-    let waited = started.elapsed();
-    assert!(waited < Duration::from_secs(8), "{waited:?}");
-    let (status, body) = blocking_get(&gw.url("/api/x")).expect("an answer");
+    // With the eviction check on (the default), which waits a second for the Redis that
+    // does not answer: the listeners still open a second after the start, not two (the wait
+    // for the first connection began after the check). Timed from the admin's first
+    // "starting" answer to ready, which leaves the process's own start out.
+    let [port, admin] = common::free_ports();
+    let config = routes(GatewayConfig::new(&unreachable.url()), &up.addr(), api(100))
+        .redis("require_noeviction", "true")
+        .render(port, admin);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut proc = common::Proc::gateway(&path, None);
+    let readyz = format!("http://127.0.0.1:{admin}/readyz");
+    let mut starting = None;
+    wait_until(Duration::from_secs(10), "ready", || {
+        match blocking_get(&readyz) {
+            Some((200, _)) => return true,
+            Some((503, b)) if b.contains(r#""starting":true"#) => {
+                starting.get_or_insert_with(Instant::now);
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        false
+    });
+    let waited = starting.expect("seen starting").elapsed();
+    // A second, and 0.6 s of room for a loaded machine (two seconds before).
+    assert!(waited < Duration::from_millis(1_600), "{waited:?}");
+    assert_eq!(proc.wait_exit(Duration::ZERO), None);
+    let (status, body) =
+        blocking_get(&format!("http://127.0.0.1:{port}/api/x")).expect("an answer");
     assert_eq!(status, 503, "{body}");
 }
 
@@ -852,28 +877,11 @@ fn signals_while_it_starts_do_not_kill_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("gateway.toml");
         std::fs::write(&path, config).unwrap();
-        let mut proc = common::Proc {
-            child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-                .arg("--config")
-                .arg(&path)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .unwrap(),
-            name: "sentinel-gateway",
-        };
+        let mut proc = common::Proc::gateway(&path, None);
         // Once the process catches SIGHUP, SIGUSR1 and SIGTERM (bits 0, 9 and 14 of its
         // caught-signals mask), while it still waits for the silent Redis.
-        let pid = proc.pid();
-        let all = 1u64 << 0 | 1 << 9 | 1 << 14;
         wait_until(Duration::from_secs(10), "the signals caught", || {
-            std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .ok()
-                .and_then(|st| {
-                    let mask = st.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
-                    u64::from_str_radix(mask.trim(), 16).ok()
-                })
-                .is_some_and(|m| m & all == all)
+            proc.catches(1 << 0 | 1 << 9 | 1 << 14)
         });
         assert_eq!(
             proc.wait_exit(Duration::ZERO),
@@ -916,27 +924,9 @@ fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs() {
     // SAFETY: a C string that lives through the call.
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
     let out = dir.path().join("out.log");
-    let mut proc = common::Proc {
-        child: std::process::Command::new(env!("CARGO_BIN_EXE_sentinel-gateway"))
-            .arg("--config")
-            .arg(&path)
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-        name: "sentinel-gateway",
-    };
+    let mut proc = common::Proc::gateway(&path, Some(&out));
     // Once it catches SIGHUP (bit 0 of its caught-signals mask), it waits in the read.
-    let pid = proc.pid();
-    wait_until(Duration::from_secs(10), "SIGHUP caught", || {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|st| {
-                let mask = st.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
-                u64::from_str_radix(mask.trim(), 16).ok()
-            })
-            .is_some_and(|m| m & 1 == 1)
-    });
+    wait_until(Duration::from_secs(10), "SIGHUP caught", || proc.catches(1));
     proc.signal("HUP");
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(

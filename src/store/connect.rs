@@ -664,7 +664,7 @@ impl Connector {
                     .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()));
                 match moved {
                     Ok(true) => {
-                        tracing::info!(node = %target.node, "redis decision connection now read by the proxy workers");
+                        tracing::info!(node = %target.node, "redis decision connection now read by the proxy workers, watched by the store thread (dedicated_io_thread)");
                         attempt = 0;
                     }
                     Ok(false) => {}

@@ -68,8 +68,41 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// The gateway on `config`, not waited for (it may not get ready); stdout to `log`, or
+    /// nowhere.
+    pub fn gateway(config: &Path, log: Option<&Path>) -> Proc {
+        let stdout = log.map_or_else(Stdio::null, |l| {
+            Stdio::from(std::fs::File::create(l).expect("log file"))
+        });
+        Proc {
+            child: binary()
+                .arg("--config")
+                .arg(config)
+                .env_remove("SENTINEL_REDIS_URL")
+                .env_remove("SENTINEL_JWT_SECRET")
+                .env("RUST_LOG", "info")
+                .stdout(stdout)
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("gateway starts"),
+            name: "sentinel-gateway",
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Whether the process catches every signal of `mask` (bit n: signal n + 1; SIGHUP is
+    /// bit 0), by its `SigCgt` in /proc.
+    pub fn catches(&self, mask: u64) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|st| {
+                let caught = st.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                u64::from_str_radix(caught.trim(), 16).ok()
+            })
+            .is_some_and(|m| m & mask == mask)
     }
 
     pub fn signal(&self, sig: &str) {
