@@ -471,15 +471,22 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> EvictionPolicy {
                 .collect()
         }
     };
-    let mut found = EvictionPolicy::NoEviction;
-    for dial in dials {
+    // Every node at once: seeds that do not answer cost their timeout once, not each.
+    let checks = dials.iter().map(|dial| async move {
         let check = async {
-            let mut opened = open(&dial).await.ok()?;
+            let mut opened = open(dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok()
         };
-        match tokio::time::timeout(Duration::from_secs(3), check).await {
-            Ok(Some(EvictionPolicy::Evicting(p))) => return EvictionPolicy::Evicting(p),
-            Ok(Some(EvictionPolicy::Unknown)) => found = EvictionPolicy::Unknown,
+        tokio::time::timeout(Duration::from_secs(3), check)
+            .await
+            .ok()
+            .flatten()
+    });
+    let mut found = EvictionPolicy::NoEviction;
+    for policy in futures_util::future::join_all(checks).await {
+        match policy {
+            Some(EvictionPolicy::Evicting(p)) => return EvictionPolicy::Evicting(p),
+            Some(EvictionPolicy::Unknown) => found = EvictionPolicy::Unknown,
             _ => {}
         }
     }
