@@ -423,11 +423,19 @@ async fn reopen_on_sigusr1(reloader: Arc<Reloader>, usr1: Option<Signal>) {
     };
     while usr1.recv().await.is_some() {
         let target = reloader.live.load().config.access_log.clone();
-        match reloader.edge.access_log.reopen(target.as_ref()) {
-            Ok(()) if target.is_none() => {
+        // Off this runtime's threads (the admin listener's and the signals'): opening a file
+        // can wait (a slow network file system).
+        let log = Arc::clone(&reloader);
+        let reopened = tokio::task::spawn_blocking(move || {
+            log.edge.access_log.reopen(target.as_ref()).map(|()| target)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        match reopened.map(|target| target.is_none()) {
+            Ok(true) => {
                 tracing::info!("SIGUSR1: no access log is configured; nothing to reopen")
             }
-            Ok(()) => tracing::info!("access log reopened"),
+            Ok(false) => tracing::info!("access log reopened"),
             Err(e) => {
                 tracing::error!(error = %e, "cannot reopen the access log; writing on to the old file")
             }

@@ -972,6 +972,49 @@ fn sigusr1_without_an_access_log_says_there_is_none() {
     assert!(!gw.logs().contains("access log reopened"));
 }
 
+/// A `SIGUSR1` while the access log is a FIFO whose reader went away (a log shipper that
+/// restarts) cannot reopen it and says so at once: the reopen waited in the open for a
+/// reader, on the thread of the admin listener and the signals, so `/healthz` stopped
+/// answering and a SIGTERM no longer ended the process.
+#[test]
+fn a_reopen_to_a_fifo_nobody_reads_holds_nothing() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("access.fifo");
+    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a C string that lives through the call.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    // A reader while the gateway starts (its open waits for one, as nginx's does).
+    let reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    let mut gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(100))
+        .access_log(&fifo)
+        .server("grace_period_seconds", "5")
+        .start();
+    drop(reader);
+    gw.proc.signal("USR1");
+    wait_until(Duration::from_secs(5), "the failed reopen said", || {
+        gw.logs().contains("cannot reopen the access log")
+    });
+    assert!(
+        gw.logs().contains("a FIFO no process reads"),
+        "{}",
+        gw.logs()
+    );
+    let started = Instant::now();
+    let health = blocking_get(&gw.admin("/healthz"));
+    assert_eq!(health.map(|(s, _)| s), Some(200));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(blocking_get(&gw.url("/api/x")).is_some_and(|(s, _)| s == 200));
+    gw.proc.signal("TERM");
+    assert_eq!(gw.proc.wait_exit(Duration::from_secs(10)), Some(0));
+}
+
 /// A file cut short after its first tables (a deploy's half-written copy) is valid TOML with
 /// no route: a reload to it is refused, the routes keep serving, and `check` warns of it. It
 /// was taken, and every request was 404.

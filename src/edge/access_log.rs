@@ -292,12 +292,14 @@ enum Sink {
 }
 
 impl Sink {
-    fn open(target: &AccessLogTarget) -> io::Result<Sink> {
+    /// `wait_for_reader`: a FIFO with no reader is waited for (the start, as nginx's open
+    /// waits) rather than refused (a reload or `SIGUSR1`, whose thread must not stop).
+    fn open(target: &AccessLogTarget, wait_for_reader: bool) -> io::Result<Sink> {
         match target {
             AccessLogTarget::Stdout => Ok(Sink::Stdout),
             AccessLogTarget::File(path) => Ok(Sink::File(BufWriter::with_capacity(
                 64 * 1024,
-                open_append(path)
+                open_append(path, wait_for_reader)
                     .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?,
             ))),
         }
@@ -326,8 +328,37 @@ impl Sink {
     }
 }
 
-fn open_append(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+fn open_append(path: &Path, wait_for_reader: bool) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = OpenOptions::new();
+    options.create(true).append(true);
+    if wait_for_reader {
+        return options.open(path);
+    }
+    // Opened without waiting: a FIFO no process reads is refused at once (`ENXIO`) instead of
+    // holding the thread that opens it (a `SIGUSR1` held the admin listener and the signals
+    // with it). Writes then wait as before: the writer's thread is its own.
+    let file = options
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENXIO) => io::Error::new(
+                e.kind(),
+                "a FIFO no process reads: start its reader, then reopen",
+            ),
+            _ => e,
+        })?;
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is this open file's, for the duration of the calls.
+    let cleared = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// The process's access log. Lines are only built while the live config has an
@@ -366,7 +397,7 @@ impl AccessLog {
             next: Mutex::new(None),
             writing: AtomicBool::new(false),
         });
-        let sink = target.map(Sink::open).transpose()?;
+        let sink = target.map(|t| Sink::open(t, true)).transpose()?;
         let writer = Arc::clone(&shared);
         let writer_dropped = dropped.clone();
         std::thread::Builder::new()
@@ -435,7 +466,7 @@ impl AccessLog {
     /// Opens `target` without using it yet: a reload opens first (a path that cannot be
     /// opened fails it) and installs only once nothing else can fail.
     pub fn open(target: Option<&AccessLogTarget>) -> io::Result<Opened> {
-        Ok(Opened(target.map(Sink::open).transpose()?))
+        Ok(Opened(target.map(|t| Sink::open(t, false)).transpose()?))
     }
 
     /// The writer takes `opened` before its next batch.
