@@ -24,10 +24,15 @@ use tracing_subscriber::EnvFilter;
 
 pub fn init() {
     let asked = std::env::var("RUST_LOG").unwrap_or_default();
-    let (mut filter, refused) = match EnvFilter::try_from_default_env() {
-        Ok(filter) => (filter, None),
-        Err(_) if asked.trim().is_empty() => (EnvFilter::new("info"), None),
-        Err(e) => (EnvFilter::new("info"), Some(e)),
+    // Set but blank is unset (as a blanked `SENTINEL_REDIS_URL` is): an empty filter would
+    // pass nothing at all.
+    let (mut filter, refused) = if asked.trim().is_empty() {
+        (EnvFilter::new("info"), None)
+    } else {
+        match EnvFilter::try_new(&asked) {
+            Ok(filter) => (filter, None),
+            Err(e) => (EnvFilter::new("info"), Some(e)),
+        }
     };
     for chatty in ["h2", "rustls"] {
         if !asked.contains(chatty) {

@@ -784,7 +784,8 @@ fn read_as_the_script_does(
         .map(|(field, value)| match value {
             None => Err(format!("field {field} is missing")),
             Some(text) => {
-                let text = text.trim();
+                // C's `isspace`, not Unicode's.
+                let text = text.trim_matches([' ', '\t', '\n', '\x0b', '\x0c', '\r']);
                 let n = match text.parse::<i64>() {
                     Ok(n) => Some(n),
                     Err(_) => match hex_number(text).or_else(|| text.parse::<f64>().ok()) {
@@ -804,7 +805,8 @@ fn read_as_the_script_does(
 
 /// A hexadecimal number as C's `strtod` reads it, which Lua's `tonumber` uses: a sign, `0x`,
 /// hex digits with an optional point and an optional binary exponent (`-0x10`, `0x1.8p1` is
-/// 3, `0x1p-2` is 0.25).
+/// 3, `0x1p-2` is 0.25). The first 32 significant digits are kept (128 bits, rounded once to
+/// a double), an exponent past any double's is saturated, as `strtod` rounds and saturates.
 fn hex_number(text: &str) -> Option<f64> {
     let (negative, rest) = match text.as_bytes().first()? {
         b'-' => (true, &text[1..]),
@@ -813,20 +815,45 @@ fn hex_number(text: &str) -> Option<f64> {
     };
     let rest = (rest.strip_prefix("0x")).or_else(|| rest.strip_prefix("0X"))?;
     let (mantissa, exponent) = match rest.split_once(['p', 'P']) {
-        Some((m, e)) => (m, e.parse::<i32>().ok()?),
+        Some((m, e)) => (m, saturated_exponent(e)?),
         None => (rest, 0),
     };
     let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     if whole.is_empty() && fraction.is_empty() {
         return None;
     }
-    let mut value = 0f64;
-    for digit in whole.chars().chain(fraction.chars()) {
-        value = value * 16.0 + f64::from(digit.to_digit(16)?);
+    let (mut value, mut kept, mut shift) = (0u128, 0u32, 0i64);
+    for (i, digit) in whole.chars().chain(fraction.chars()).enumerate() {
+        let d = digit.to_digit(16)?;
+        let in_fraction = i >= whole.len();
+        if kept < 32 {
+            value = value * 16 + u128::from(d);
+            // Leading zeros are no significant digits.
+            kept += u32::from(value != 0);
+            shift -= 4 * i64::from(in_fraction);
+        } else if !in_fraction {
+            shift += 4;
+        }
     }
-    let shift = i32::try_from(fraction.len()).ok()?.checked_mul(4)?;
-    let x = value * 2f64.powi(exponent.checked_sub(shift)?);
+    let scale = (shift + exponent).clamp(-2_000, 2_000) as i32;
+    let x = (value as f64) * 2f64.powi(scale);
     Some(if negative { -x } else { x })
+}
+
+/// A binary exponent's decimal digits with their sign, saturated far past any double's.
+fn saturated_exponent(text: &str) -> Option<i64> {
+    let (negative, digits) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n = digits
+        .bytes()
+        .fold(0i64, |n, b| (n * 10 + i64::from(b - b'0')).min(1_000_000));
+    Some(if negative { -n } else { n })
 }
 
 #[cfg(test)]
@@ -888,7 +915,32 @@ mod tests {
                 "{text}"
             );
         }
-        for unread in ["0x", "0x1p", "0xg", "0x1.2.3", "0x1p2.5", "--0x1"] {
+        // Past what a double holds, as `strtod` reads them: many digits, a huge exponent.
+        let long = format!("0x1.{}", "0".repeat(256));
+        let many = format!("0x1{}p-1024", "0".repeat(256));
+        for (text, n) in [
+            (long.as_str(), 1),
+            (many.as_str(), 1),
+            ("0x1p-99999999999", 0),
+            ("0x0000000000000000000000000000000000001p4", 16),
+            ("0xce2466fe4a1.16464e1p9", 7_252_983_746_740_781),
+        ] {
+            assert_eq!(
+                read(&[Some(text), Some("0"), Some("1")]),
+                Ok(vec![Some(n), Some(0), Some(1)]),
+                "{text}"
+            );
+        }
+        for unread in [
+            "0x",
+            "0x1p",
+            "0xg",
+            "0x1.2.3",
+            "0x1p2.5",
+            "--0x1",
+            "16\u{a0}",
+            "0x1p99999999999",
+        ] {
             assert_eq!(
                 read(&[Some(unread), Some("0"), Some("1")]),
                 Err("field t is not a number the limiter wrote".into()),
