@@ -269,6 +269,19 @@ fn claims_refusal(kind: &jsonwebtoken::errors::ErrorKind) -> &'static str {
     }
 }
 
+/// A field value without the spaces and tabs around it (RFC 9110, 5.5): HTTP/1's parser
+/// leaves them out, HTTP/2 carries them as the client sent them (a malformed field the `h2`
+/// library lets through), and an upstream reading HTTP/1.1 never sees them. Hashed with
+/// them, `abc ` was a new bucket for the caller `abc` each time.
+fn without_ows(value: &[u8]) -> &[u8] {
+    let start = value.iter().position(|b| !matches!(b, b' ' | b'\t'));
+    let end = value.iter().rposition(|b| !matches!(b, b' ' | b'\t'));
+    match (start, end) {
+        (Some(start), Some(end)) => &value[start..=end],
+        _ => &[],
+    }
+}
+
 /// The one value of header `name`: `Err` when the request carries the field more than once
 /// (a client could then be charged for one value while the backend reads another).
 fn single(
@@ -397,7 +410,7 @@ pub fn identify_with_tier(
                 host = crate::proxy::forwarded::received_host(req);
                 host.as_deref()
             } else {
-                single(req, name.as_str())?.map(|v| v.as_bytes())
+                single(req, name.as_str())?.map(|v| without_ows(v.as_bytes()))
             };
             let value = sent
                 .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
@@ -413,7 +426,7 @@ pub fn identify_with_tier(
         IdentitySource::ApiKey => {
             let keys = api_keys.ok_or(IdentityError::UnknownApiKey)?;
             let key = single(req, keys.header.as_str())?
-                .map(|v| v.as_bytes())
+                .map(|v| without_ows(v.as_bytes()))
                 .filter(|v| !v.is_empty() && v.len() <= MAX_HEADER_IDENTITY_BYTES)
                 .ok_or(IdentityError::UnknownApiKey)?;
             let owner = keys.keys.owner(key).ok_or(IdentityError::UnknownApiKey)?;
@@ -694,6 +707,28 @@ mod tests {
             identify(&src, &empty, None, &[], None, None),
             Err(IdentityError::MissingHeader)
         );
+        // As HTTP/2 carries a value: the spaces and tabs around it are no part of it (each
+        // was a bucket of its own); inside it they are.
+        for padded in ["abc ", " abc", "\tabc  ", " \t abc\t"] {
+            let r = req(&[], &[("X-API-Key", padded)]);
+            assert_eq!(
+                identify(&src, &r, None, &[], None, None).unwrap(),
+                "header:x-api-key:abc",
+                "{padded:?}"
+            );
+        }
+        let inner = req(&[], &[("X-API-Key", " a b ")]);
+        assert_eq!(
+            identify(&src, &inner, None, &[], None, None).unwrap(),
+            "header:x-api-key:a b"
+        );
+        for blank in [" ", "\t \t"] {
+            let r = req(&[], &[("X-API-Key", blank)]);
+            assert_eq!(
+                identify(&src, &r, None, &[], None, None),
+                Err(IdentityError::MissingHeader)
+            );
+        }
         let long = "k".repeat(MAX_HEADER_IDENTITY_BYTES + 1);
         let r = req(&[], &[("X-API-Key", long.as_str())]);
         assert_eq!(

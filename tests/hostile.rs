@@ -256,6 +256,31 @@ async fn an_identity_header_sent_twice_is_401_and_never_charged() {
     );
 }
 
+/// Over HTTP/2 a field value reaches the gateway with the spaces and tabs the client put
+/// around it (HTTP/1's parser drops them; an upstream over HTTP/1.1 never sees them): each
+/// padding of one key was a bucket of its own, as many requests as paddings past a limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spaces_around_an_identity_over_http2_are_no_new_bucket() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = closed_and_open(&redis.url(), &up.addr(), 1)
+        .server("h2c", "true")
+        .start();
+    let h2 = common::h2c_client();
+    assert_eq!(status(&h2, &gw.url("/closed"), "abc").await, 200);
+    for padded in ["abc ", " abc", "abc\t", "\t abc  "] {
+        let r = h2
+            .get(gw.url("/closed"))
+            .header("X-API-Key", padded)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status(), 429, "{padded:?}");
+    }
+    assert_eq!(redis.keys("sentinel:*").len(), 1, "one bucket");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket() {
     let redis = Redis::start();
@@ -681,6 +706,71 @@ fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
     );
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// What could pass a limit by the route it picks: a method not in upper case (`post` matched
+/// no `methods = ["POST"]` route and went to a catch-all, unlimited, while a backend that
+/// folds the case served it as a POST), and a `Connection` naming a field the gateway writes
+/// (refused by Pingora only after the limiter had charged a token). Both are 400 before the
+/// route: never forwarded, never charged.
+#[test]
+fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_before_the_limit() {
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream])
+        .route(
+            Route::new("t.post")
+                .prefix("/ingest")
+                .methods(&["POST"])
+                .identity_header("X-API-Key")
+                .token_bucket(1_000_000, 0)
+                .fail_closed(),
+        )
+        .route(Route::new("t.all").prefix("/").unlimited())
+        .start();
+    redis.reset_stats();
+    for method in ["post", "Post", "pOST", "get", "M-SEARCH!"] {
+        let head = format!(
+            "{method} /ingest HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 0\r\n\r\n"
+        );
+        let answer = raw_answer(gw.port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 400"), "{method}: {answer}");
+        assert!(answer.contains(r#"{"detail":"bad request"}"#), "{answer}");
+        assert!(answer.contains("x-request-id: "), "{answer}");
+    }
+    for connection in [
+        "X-Forwarded-For",
+        "keep-alive, x-forwarded-host",
+        "Host",
+        "X-Forwarded-Proto",
+        "\"x-api-key\"",
+        "a, b, c, d, e, f, g, h, i, j",
+    ] {
+        let head = format!(
+            "POST /ingest HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nConnection: {connection}\r\nContent-Length: 0\r\n\r\n"
+        );
+        let answer = raw_answer(gw.port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 400"), "{connection}: {answer}");
+    }
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(redis.limiter_calls(), 0, "refused before the limiter");
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="400"}"#),
+        11.0
+    );
+    // The methods and `Connection` a client sends every day pass (nine names too).
+    for (method, connection) in [
+        ("POST", "close"),
+        ("M-SEARCH", "a, b, c, d, e, f, g, h, close"),
+    ] {
+        let head = format!(
+            "{method} /ingest HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nConnection: {connection}\r\nContent-Length: 0\r\n\r\n"
+        );
+        let answer = raw_answer(gw.port, head.as_bytes());
+        assert!(!answer.starts_with("HTTP/1.1 400"), "{method}: {answer}");
+    }
+    assert_eq!(redis.command_calls("evalsha"), 1, "the one POST decided");
 }
 
 /// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII; a colon

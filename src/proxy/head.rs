@@ -52,6 +52,55 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
 
 /// The authority the request's target names: HTTP/2's `:authority`, or an HTTP/1
 /// absolute-form target's (`GET http://host/path`, which Pingora takes off the URI).
+/// Whether the request's method is one an upstream cannot read otherwise than the routes
+/// do: upper-case letters, `-` and `_` (nginx's rule). Methods are case-sensitive (RFC 9110,
+/// 9.1), so `post` matched no `methods = ["POST"]` route and went to a less specific one,
+/// unlimited, while a backend that folds the case serves it as the POST it limits.
+pub fn method_is_plain(req: &RequestHeader) -> bool {
+    (req.method.as_str().bytes()).all(|b| b.is_ascii_uppercase() || b == b'-' || b == b'_')
+}
+
+/// Whether the request's `Connection` names what Pingora refuses to send on (a protected
+/// field, `host` or an `x-forwarded-*` the gateway writes; a pseudo-header; a token with
+/// bytes no token may hold; ten names or more) once the request was decided, which then
+/// cost a token for a 400. Refused before the route and the limiter instead, by the same
+/// rule (`pingora-proxy`'s `ConnectionNominations`).
+pub fn connection_refused(req: &RequestHeader) -> bool {
+    let mut fields = req
+        .headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .peekable();
+    if fields.peek().is_none() {
+        return false;
+    }
+    let mut names = 0;
+    for token in fields
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+    {
+        names += 1;
+        let protected = [
+            "host",
+            "x-forwarded-for",
+            "x-forwarded-host",
+            "x-forwarded-proto",
+        ]
+        .iter()
+        .any(|p| token.eq_ignore_ascii_case(p.as_bytes()));
+        if names >= 10 || protected || !token.iter().all(|b| is_tchar(*b)) {
+            return true;
+        }
+    }
+    false
+}
+
+/// RFC 9110, 5.6.2: a byte of a `token`.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 pub fn target_authority(req: &RequestHeader) -> Option<&str> {
     match req.uri.authority() {
         Some(a) => Some(a.as_str()),

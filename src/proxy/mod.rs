@@ -559,6 +559,10 @@ impl ProxyHttp for Gateway {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::MethodNotAllowed).await;
         }
+        if !head::method_is_plain(req) || head::connection_refused(req) {
+            session.set_keepalive(None);
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        }
         // A target neither in origin form (`/path`) nor in absolute form (`http://host/path`),
         // such as `GET free`, whose URI Pingora reads as the path `/`, is not a request for it.
         if req.raw_path().first() != Some(&b'/')
