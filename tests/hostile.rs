@@ -1021,6 +1021,144 @@ fn upgrading_upstream() -> String {
 /// A route becomes a tunnel only with `websocket = true`: elsewhere an `Upgrade` request
 /// reaches the upstream as a plain request, so one decision cannot buy a connection whose
 /// every later message goes through undecided.
+/// A tunnel idle past the upstream's read timeout is closed with nothing of the gateway's
+/// written into it: a `101` is an interim status, and the gateway took the tunnel's end
+/// for a request still waiting for its answer, writing a JSON 408 into the tunnel (a 400 at
+/// the default timeouts) with a WARN of Pingora's. Logged 101, no WARN.
+#[test]
+fn an_idle_websocket_tunnel_closes_with_nothing_written_into_it() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let upstream = upgrading_upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[&upstream], None, Some(300))
+        .access_log(&log)
+        .route(
+            Route::new("e.ws")
+                .prefix("/ws")
+                .unlimited()
+                .set("websocket", "true"),
+        )
+        .start();
+    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    tunnel
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    tunnel
+        .write_all(b"GET /ws/idle HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .unwrap();
+    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tunnel.write_all(b"ping").unwrap();
+    let mut echoed = [0u8; 4];
+    tunnel.read_exact(&mut echoed).unwrap();
+    // Idle past the 300 ms read timeout: closed, and nothing but the echo ever came.
+    let started = Instant::now();
+    let mut rest = Vec::new();
+    let _ = tunnel.read_to_end(&mut rest);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "closed once idle"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&rest),
+        "",
+        "nothing written into the tunnel"
+    );
+    wait_until(Duration::from_secs(5), "the tunnel's line", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains(r#""status":101"#))
+    });
+    assert!(!gw.logs().contains(r#""level":"WARN""#), "{}", gw.logs());
+    assert!(!gw.logs().contains(r#""level":"ERROR""#), "{}", gw.logs());
+}
+
+/// An answer of unknown length to an HTTP/1.0 request goes until the connection closes, as
+/// nginx sends it: Pingora framed it `chunked`, which HTTP/1.0 does not know, so the client
+/// read the chunk sizes as body (or waited, kept alive, for an end it could not see).
+#[test]
+fn an_http_1_0_client_gets_no_chunked_answer() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            std::thread::spawn(move || {
+                if common::read_head(&mut s).is_some() {
+                    let _ = s.write_all(
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+                    );
+                }
+            });
+        }
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[&upstream])
+        .route(Route::new("e.all").prefix("/").unlimited())
+        .start();
+    for connection in ["", "Connection: keep-alive\r\n"] {
+        let answer = raw_answer(
+            gw.port,
+            format!("GET /x HTTP/1.0\r\nHost: a\r\n{connection}\r\n").as_bytes(),
+        );
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        let head = head.to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        assert!(head.contains("connection: close"), "{head}");
+        assert_eq!(body, "hello world");
+    }
+    // HTTP/1.1 keeps its chunks.
+    let answer = raw_answer(
+        gw.port,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "{answer}"
+    );
+}
+
+/// An upstream's `Content-Length` given twice with one value reaches an HTTP/2 client once:
+/// its stream was refused with `PROTOCOL_ERROR` (two in a head), where HTTP/1.1 read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_length_given_twice_by_the_upstream_reaches_http2_once() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            std::thread::spawn(move || {
+                while common::read_head(&mut s).is_some() {
+                    let answer =
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello";
+                    if s.write_all(answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[&upstream])
+        .route(Route::new("e.all").prefix("/").unlimited())
+        .start();
+    for http in [common::h2c_client(), client()] {
+        let r = http.get(gw.url("/x")).send().await.expect("an answer");
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers().get_all("content-length").iter().count(), 1);
+        assert_eq!(r.text().await.unwrap(), "hello");
+    }
+}
+
 #[test]
 fn only_a_websocket_route_passes_an_upgrade_on() {
     use std::io::{Read, Write};

@@ -41,6 +41,19 @@ pub fn end_at_this_hop(answer: &mut ResponseHeader) {
     }
 }
 
+/// An upstream's `Content-Length` given twice with one value is sent on once (Pingora
+/// refuses differing values, and a list, with a 502): HTTP/2 clients refuse a stream whose
+/// head carries two (`PROTOCOL_ERROR`), where HTTP/1.1 clients read it. As nginx does.
+pub fn one_content_length(answer: &mut ResponseHeader) {
+    let mut values = answer.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let (Some(first), Some(_)) = (values.next(), values.next()) else {
+        return;
+    };
+    let first = first.clone();
+    // Replaces every field of the name; cannot fail for a value that was one already.
+    let _ = answer.insert_header(http::header::CONTENT_LENGTH, first);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

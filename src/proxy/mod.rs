@@ -756,6 +756,7 @@ impl ProxyHttp for Gateway {
             .into_up());
         }
         hop::end_at_this_hop(upstream_response);
+        hop::one_content_length(upstream_response);
         Ok(())
     }
 
@@ -805,6 +806,7 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.tag(upstream_response)?;
         self.close_when_draining(session);
+        outgoing::frame_for_http_1_0(session, upstream_response);
         if let Some(f) = &ctx.ratelimit {
             upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
             upstream_response.insert_header("ratelimit", f.state.as_str())?;
@@ -886,6 +888,24 @@ impl ProxyHttp for Gateway {
         e: &Error,
         ctx: &mut RequestCtx,
     ) -> FailToProxy {
+        // A tunnel (`101` went out) carries the peers' bytes alone: however it ends (idle past
+        // the upstream's read timeout, as nginx's `proxy_read_timeout` ends one; a peer gone),
+        // it is closed with nothing of the gateway's written into it (a JSON 408 or 400 was,
+        // a `101` being an interim status), and it ended as it should: no WARN.
+        if session
+            .response_written()
+            .is_some_and(|r| r.status == http::StatusCode::SWITCHING_PROTOCOLS)
+        {
+            tracing::debug!(
+                request_id = ctx.request_id(),
+                error = %crate::telemetry::Redacted(e),
+                "the websocket tunnel ended"
+            );
+            return FailToProxy {
+                error_code: 101,
+                can_reuse_downstream: false,
+            };
+        }
         // The upstream waited past its read timeout for a body the client announced and held
         // back (or sends too slowly): the client's doing, not the upstream's (nginx's
         // `client_body_timeout`). Only while less of it came than any socket between here and

@@ -45,6 +45,20 @@ pub fn host_for_http_1_0(
         .or_else(|| upstream_addr.map(|a| a.to_string()))
 }
 
+/// An answer to an HTTP/1.0 request whose length is not known ahead: Pingora frames it
+/// `chunked`, which HTTP/1.0 does not know (RFC 9112, 6.1: never sent to a 1.0 client), so
+/// the client read the chunk sizes as body bytes, or waited on a kept-alive connection for
+/// an end that never came. It is sent as nginx sends it: until the connection closes.
+pub fn frame_for_http_1_0(session: &mut Session, answer: &mut pingora_http::ResponseHeader) {
+    if session.req_header().version != http::Version::HTTP_10
+        || !answer.headers.contains_key(http::header::TRANSFER_ENCODING)
+    {
+        return;
+    }
+    answer.remove_header(&http::header::TRANSFER_ENCODING);
+    session.set_keepalive(None);
+}
+
 /// An HTTP/2 client may split `Cookie` into one field per cookie (browsers do, for header
 /// compression); an HTTP/1.1 hop must get them as one field joined by "; " (RFC 9113,
 /// 8.2.3): a backend reading one field would lose the others.
