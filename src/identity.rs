@@ -178,8 +178,10 @@ impl JwtVerifier {
                     && pinned.is_none_or(|p| p == alg)
                     && key.family() == alg.family()
             };
-            if let (Some(_), Some(_)) = (&self.remote, &header.kid) {
-                if !keys.iter().any(|k| usable(&k)) {
+            if let (Some(_), Some(want)) = (&self.remote, &header.kid) {
+                // A kid a key has, of another type than the token's, is no rotation: refused
+                // below without a fetch (it asked for one, as an unknown kid does).
+                if !keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(want)) {
                     // A kid the keys do not have: the provider may have rotated. The caller
                     // asks for a refresh and tries again ([`Self::unknown_kid`]).
                     return Err(Refusal::UnknownKid);

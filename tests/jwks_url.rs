@@ -183,6 +183,28 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
 }
 
+/// A token whose `kid` names a key of another type (an RS256 token naming the EC key) is
+/// refused without asking the provider: a rotation brings new kids, not a kid's new type
+/// (it asked, as for an unknown kid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kid_of_a_key_of_another_type_is_refused_without_a_fetch() {
+    let provider = Provider::start(jwks_with(&["rsa-1", "ec-1"])).await;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
+    let gw = start(
+        &redis,
+        &up,
+        &format!(
+            "algorithms = [\"RS256\", \"ES256\"]\njwks_url = {}\njwks_refresh_seconds = 3600",
+            quoted(&url)
+        ),
+    );
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    assert_eq!(status(&gw, &token("ec-1", "rsa.der")).await, 401);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(provider.hits(), 1, "fetched at start only");
+}
+
 /// A reload that names another identity provider, or another period, is followed at once:
 /// the new URL is fetched when the new config is live (not at the old period's end, and not
 /// from the old URL), and the new period counts from there.
