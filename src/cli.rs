@@ -133,7 +133,7 @@ pub fn main() -> i32 {
     };
     // Before reading: a change made while it is read is then seen by `watch_config`.
     let config_file = crate::reload::file_stamp(&cli.config);
-    let loaded = Config::load(&cli.config);
+    let loaded = Config::load_at_start(&cli.config);
     match (check, loaded) {
         (_, Err(errors)) => {
             eprintln!("{errors}");

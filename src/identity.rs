@@ -312,7 +312,7 @@ fn bearer(value: &http::HeaderValue) -> Option<&str> {
     if value.len() > MAX_AUTHORIZATION_BYTES {
         return None;
     }
-    let token = bearer_token(value.as_bytes())?;
+    let token = bearer_token(without_ows(value.as_bytes()))?;
     token
         .iter()
         .all(|b| b.is_ascii_graphic())
@@ -694,6 +694,21 @@ mod tests {
             Err(IdentityError::AmbiguousHeader),
             "even with the same value"
         );
+    }
+
+    /// HTTP/2 carries `Authorization` with the spaces a client put before it (HTTP/1 drops
+    /// them): a bearer token is read the same both ways (it was refused over HTTP/2).
+    #[test]
+    fn a_bearer_value_with_spaces_around_it_is_read_as_without() {
+        for value in [
+            " Bearer abc",
+            "\tBearer abc",
+            " \t Bearer abc \t ",
+            "Bearer abc\t",
+        ] {
+            let v = http::HeaderValue::from_str(value).unwrap();
+            assert_eq!(bearer(&v), Some("abc"), "{value:?}");
+        }
     }
 
     #[test]

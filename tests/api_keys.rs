@@ -269,3 +269,32 @@ fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
         "key A went with the FIFO's read"
     );
 }
+
+/// A reload does not wait for a writer of a FIFO among the config's files (a key file
+/// swapped for one by mistake): it held `POST /reload`, and every reload after it, until a
+/// writer came. Read as empty, which no key file may be: refused at once, the old keys
+/// serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_does_not_wait_for_a_fifo_without_a_writer() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    write_keys(&keys, &[hash_key("key-a", "alpha")]);
+    let gw = config(&redis, &up, &keys).start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
+    std::fs::remove_file(&keys).unwrap();
+    let c_path = std::ffi::CString::new(keys.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a C string that lives through the call.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let started = std::time::Instant::now();
+    let (status, body) = gw.reload_answer();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered at once"
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("keys.toml"), "{body}");
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
+}

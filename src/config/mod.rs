@@ -141,7 +141,42 @@ pub(crate) fn read_named(path: &Path) -> std::io::Result<Vec<u8>> {
             read.push((path.to_path_buf(), stamp));
         }
     });
-    std::fs::read(path)
+    read_whole(path)
+}
+
+thread_local! {
+    /// Set while [`Config::load_at_start`] reads: a FIFO's writer is waited for.
+    static AT_START: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A file of the config, whole. At start a FIFO (a file a process writes as it is read) is
+/// waited for until its writer ends, as a start waits for the access log's reader; a reload
+/// does not wait for a writer that is not there (it held `POST /reload`, and every reload
+/// after it, until one came): such a FIFO reads as empty, which no file of the config may be.
+fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    if AT_START.get() {
+        return std::fs::read(path);
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    // Reads wait again (for a writer that is there and still writing).
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is this open file's, for the duration of the calls.
+    let cleared = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// [`read_named`], as UTF-8.
@@ -686,6 +721,15 @@ impl Config {
         files
     }
 
+    /// [`load`](Self::load) for a start or `check`: a FIFO among the files waits for its
+    /// writer.
+    pub fn load_at_start(path: &Path) -> Result<Config, ConfigErrors> {
+        AT_START.set(true);
+        let loaded = Self::load(path);
+        AT_START.set(false);
+        loaded
+    }
+
     /// Reads, parses and validates `path`; `SENTINEL_REDIS_URL` overrides `[redis] url`.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         let error = |position, message| {
@@ -696,7 +740,7 @@ impl Config {
                 message,
             }])
         };
-        let bytes = std::fs::read(path)
+        let bytes = read_whole(path)
             .map_err(|e| error(None, format!("cannot read the config file: {e}")))?;
         let source = String::from_utf8(bytes).map_err(|e| {
             let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];

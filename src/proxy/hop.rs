@@ -41,17 +41,32 @@ pub fn end_at_this_hop(answer: &mut ResponseHeader) {
     }
 }
 
-/// An upstream's `Content-Length` given twice with one value is sent on once (Pingora
-/// refuses differing values, and a list, with a 502): HTTP/2 clients refuse a stream whose
-/// head carries two (`PROTOCOL_ERROR`), where HTTP/1.1 clients read it. As nginx does.
+/// An upstream's `Content-Length` given twice with one value (two fields, or a list: `5, 5`)
+/// is sent on once, as `5` (Pingora refuses differing values with a 502): HTTP/2 clients
+/// refuse a stream whose head carries two or a list (`PROTOCOL_ERROR`), where HTTP/1.1
+/// clients read them. As nginx does.
 pub fn one_content_length(answer: &mut ResponseHeader) {
-    let mut values = answer.headers.get_all(http::header::CONTENT_LENGTH).iter();
-    let (Some(first), Some(_)) = (values.next(), values.next()) else {
+    let mut fields = answer.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let Some(first) = fields.next() else {
         return;
     };
-    let first = first.clone();
-    // Replaces every field of the name; cannot fail for a value that was one already.
-    let _ = answer.insert_header(http::header::CONTENT_LENGTH, first);
+    let listed = |v: &http::HeaderValue| v.as_bytes().contains(&b',');
+    if fields.next().is_none() && !listed(first) {
+        return;
+    }
+    let mut values = (answer.headers.get_all(http::header::CONTENT_LENGTH).iter())
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii);
+    let Some(one) = values.next() else {
+        return;
+    };
+    if !values.all(|v| v == one) {
+        return;
+    }
+    if let Ok(one) = http::HeaderValue::from_bytes(one) {
+        // Replaces every field of the name.
+        let _ = answer.insert_header(http::header::CONTENT_LENGTH, one);
+    }
 }
 
 #[cfg(test)]

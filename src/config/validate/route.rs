@@ -76,12 +76,21 @@ pub(super) fn route(
                         );
                         Some(method)
                     }
-                    Ok(method) => Some(method),
-                    Err(_) => {
+                    // What the edge lets through (letters, `-`, `_`): a method of other
+                    // characters is answered 400 before any route, and would match nothing.
+                    Ok(method)
+                        if method
+                            .as_str()
+                            .bytes()
+                            .all(|b| b.is_ascii_uppercase() || b == b'-' || b == b'_') =>
+                    {
+                        Some(method)
+                    }
+                    _ => {
                         c.push(
                             Some(&m.span()),
                             label,
-                            format!("methods: \"{name}\" is not an HTTP method"),
+                            format!("methods: \"{name}\" is not an HTTP method the gateway takes: letters, '-' and '_' (requests with others are answered 400)"),
                         );
                         None
                     }
