@@ -223,9 +223,7 @@ fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
     let up = Upstream::start("app");
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
-    let c_path = std::ffi::CString::new(keys.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a C string that lives through the call.
-    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&keys);
     let [port, admin] = common::free_ports();
     let text = config(&redis, &up, &keys)
         .server("watch_config", "true")
@@ -285,9 +283,7 @@ async fn a_reload_does_not_wait_for_a_fifo_without_a_writer() {
     let http = client();
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
     std::fs::remove_file(&keys).unwrap();
-    let c_path = std::ffi::CString::new(keys.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a C string that lives through the call.
-    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&keys);
     let started = std::time::Instant::now();
     let (status, body) = gw.reload_answer();
     assert!(

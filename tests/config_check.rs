@@ -184,8 +184,10 @@ fn bounds_at_the_limit_are_accepted() {
 fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
+    // A method no request can carry past the edge (a digit: answered 400 before any route).
     let route = Route::new("x.api")
         .prefix("/x")
+        .methods(&["GET", "X1"])
         .identity("client_ip")
         .token_bucket(5_000_000, 1_000_000)
         .set("exempt_client_cidrs", r#"["10.1.2.3/16", "10.9.0.0/16"]"#);
@@ -217,6 +219,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         [
             format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
             format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
+            format!("warning: {file}:{}: routes[0] (x.api): methods: \"X1\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400", position_of(&path, "[\"GET\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "[upstreams.app]")),

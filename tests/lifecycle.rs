@@ -923,9 +923,7 @@ fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs() {
     let config = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5)).render(port, admin);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
-    let fifo = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a C string that lives through the call.
-    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&path);
     let out = dir.path().join("out.log");
     let mut proc = common::Proc::gateway(&path, Some(&out));
     // Once it catches SIGHUP (bit 0 of its caught-signals mask), it waits in the read.
@@ -1002,9 +1000,7 @@ fn a_reopen_to_a_fifo_nobody_reads_holds_nothing() {
     let up = Upstream::start("app");
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("access.fifo");
-    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a C string that lives through the call.
-    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    common::mkfifo(&fifo);
     // A reader while the gateway starts (its open waits for one, as nginx's does).
     let reader = std::fs::OpenOptions::new()
         .read(true)

@@ -724,10 +724,16 @@ impl Config {
     /// [`load`](Self::load) for a start or `check`: a FIFO among the files waits for its
     /// writer.
     pub fn load_at_start(path: &Path) -> Result<Config, ConfigErrors> {
+        /// Unsets [`AT_START`] however the load ends.
+        struct Unset;
+        impl Drop for Unset {
+            fn drop(&mut self) {
+                AT_START.set(false);
+            }
+        }
         AT_START.set(true);
-        let loaded = Self::load(path);
-        AT_START.set(false);
-        loaded
+        let _unset = Unset;
+        Self::load(path)
     }
 
     /// Reads, parses and validates `path`; `SENTINEL_REDIS_URL` overrides `[redis] url`.

@@ -291,7 +291,7 @@ impl RedisTls {
         client: Option<(&Path, &Path)>,
     ) -> Result<Self, RedisTlsError> {
         let read = |p: &Path, which: RedisTlsError| {
-            std::fs::read(p).map_err(|e| which.with(format!("cannot be read: {e}")))
+            super::read_named(p).map_err(|e| which.with(format!("cannot be read: {e}")))
         };
         let mut source = Vec::new();
         let mut roots = rustls::RootCertStore::empty();

@@ -50,8 +50,6 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
     Some(Some(n.unwrap_or(u64::MAX)))
 }
 
-/// The authority the request's target names: HTTP/2's `:authority`, or an HTTP/1
-/// absolute-form target's (`GET http://host/path`, which Pingora takes off the URI).
 /// Whether the request's method is one an upstream cannot read otherwise than the routes
 /// do: upper-case letters, `-` and `_` (nginx's rule). Methods are case-sensitive (RFC 9110,
 /// 9.1), so `post` matched no `methods = ["POST"]` route and went to a less specific one,
@@ -101,6 +99,8 @@ fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
+/// The authority the request's target names: HTTP/2's `:authority`, or an HTTP/1
+/// absolute-form target's (`GET http://host/path`, which Pingora takes off the URI).
 pub fn target_authority(req: &RequestHeader) -> Option<&str> {
     match req.uri.authority() {
         Some(a) => Some(a.as_str()),

@@ -54,18 +54,21 @@ pub fn one_content_length(answer: &mut ResponseHeader) {
     if fields.next().is_none() && !listed(first) {
         return;
     }
+    // Compared as numbers, as Pingora does (`05, 5` is 5).
     let mut values = (answer.headers.get_all(http::header::CONTENT_LENGTH).iter())
         .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii);
-    let Some(one) = values.next() else {
+        .map(|v| {
+            std::str::from_utf8(v.trim_ascii())
+                .ok()?
+                .parse::<u64>()
+                .ok()
+        });
+    let Some(Some(one)) = values.next() else {
         return;
     };
-    if !values.all(|v| v == one) {
-        return;
-    }
-    if let Ok(one) = http::HeaderValue::from_bytes(one) {
+    if values.all(|v| v == Some(one)) {
         // Replaces every field of the name.
-        let _ = answer.insert_header(http::header::CONTENT_LENGTH, one);
+        let _ = answer.insert_header(http::header::CONTENT_LENGTH, one.to_string());
     }
 }
 

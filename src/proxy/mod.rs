@@ -891,16 +891,29 @@ impl ProxyHttp for Gateway {
         // A tunnel (`101` went out) carries the peers' bytes alone: however it ends (idle past
         // the upstream's read timeout, as nginx's `proxy_read_timeout` ends one; a peer gone),
         // it is closed with nothing of the gateway's written into it (a JSON 408 or 400 was,
-        // a `101` being an interim status), and it ended as it should: no WARN.
+        // a `101` being an interim status). Idle, or ended by the client: as it should, at
+        // DEBUG; an upstream that failed under it (a reset, a crash) is a WARN, as before.
         if session
             .response_written()
             .is_some_and(|r| r.status == http::StatusCode::SWITCHING_PROTOCOLS)
         {
-            tracing::debug!(
-                request_id = ctx.request_id(),
-                error = %crate::telemetry::Redacted(e),
-                "the websocket tunnel ended"
-            );
+            let failed = matches!(e.esource(), ErrorSource::Upstream)
+                && !matches!(e.etype(), ErrorType::ReadTimedout);
+            if let (true, Some(route)) = (failed, &ctx.route) {
+                tracing::warn!(
+                    endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
+                    upstream = route.upstream.config.name.as_str(),
+                    error = %crate::telemetry::Redacted(e),
+                    request_id = ctx.request_id(),
+                    "the upstream failed under a websocket tunnel; closed"
+                );
+            } else {
+                tracing::debug!(
+                    request_id = ctx.request_id(),
+                    error = %crate::telemetry::Redacted(e),
+                    "the websocket tunnel ended"
+                );
+            }
             return FailToProxy {
                 error_code: 101,
                 can_reuse_downstream: false,

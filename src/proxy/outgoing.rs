@@ -56,7 +56,14 @@ pub fn frame_for_http_1_0(session: &mut Session, answer: &mut pingora_http::Resp
         return;
     }
     answer.remove_header(&http::header::TRANSFER_ENCODING);
-    session.set_keepalive(None);
+    // An answer without a body (to HEAD, a 204 or 304, an interim one: an upstream may still
+    // name its coding) needs no close to end it.
+    let bodiless = session.req_header().method == http::Method::HEAD
+        || matches!(answer.status.as_u16(), 204 | 304)
+        || answer.status.is_informational();
+    if !bodiless {
+        session.set_keepalive(None);
+    }
 }
 
 /// An HTTP/2 client may split `Cookie` into one field per cookie (browsers do, for header

@@ -61,6 +61,14 @@ fn port_open(port: u16) -> bool {
     TcpStream::connect(("127.0.0.1", port)).is_ok()
 }
 
+/// Makes a FIFO at `path` (a file a process writes as another reads it): tests hold a read of
+/// the gateway's on one for as long as they need.
+pub fn mkfifo(path: &Path) {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a C string that lives through the call.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
+}
+
 /// A child process killed (SIGKILL) by its PID when dropped.
 pub struct Proc {
     pub child: Child,

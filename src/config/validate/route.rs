@@ -86,11 +86,21 @@ pub(super) fn route(
                     {
                         Some(method)
                     }
-                    _ => {
+                    // Said, not refused: a file that started before (when such a method could
+                    // still reach a route) keeps starting.
+                    Ok(method) => {
+                        c.warn(
+                            Some(&m.span()),
+                            label,
+                            format!("methods: \"{name}\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400"),
+                        );
+                        Some(method)
+                    }
+                    Err(_) => {
                         c.push(
                             Some(&m.span()),
                             label,
-                            format!("methods: \"{name}\" is not an HTTP method the gateway takes: letters, '-' and '_' (requests with others are answered 400)"),
+                            format!("methods: \"{name}\" is not an HTTP method"),
                         );
                         None
                     }

@@ -1556,7 +1556,7 @@ fn upstream_tls(
             let file = config
                 .parent()
                 .map_or_else(|| PathBuf::from(p.get_ref()), |dir| dir.join(p.get_ref()));
-            let read = std::fs::read(&file).map_err(|e| format!("cannot be read: {e}"));
+            let read = crate::config::read_named(&file).map_err(|e| format!("cannot be read: {e}"));
             let certs = read.and_then(|pem| {
                 rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
                     .map(|c| c.map(|c| c.to_vec()))
