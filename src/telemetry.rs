@@ -26,7 +26,8 @@ pub fn init() {
     let asked = std::env::var("RUST_LOG").unwrap_or_default();
     // Set but blank is unset (as a blanked `SENTINEL_REDIS_URL` is): an empty filter would
     // pass nothing at all.
-    let (mut filter, refused) = if asked.trim().is_empty() {
+    // (A list of nothing, `,` say, too.)
+    let (mut filter, refused) = if asked.split(',').all(|d| d.trim().is_empty()) {
         (EnvFilter::new("info"), None)
     } else {
         match EnvFilter::try_new(&asked) {

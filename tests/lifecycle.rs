@@ -987,6 +987,16 @@ fn sigusr1_without_an_access_log_says_there_is_none() {
             .contains("no access log is configured; nothing to reopen")
     });
     assert!(!gw.logs().contains("access log reopened"));
+    // Blank, or a list of nothing, is `info` (an empty filter passed no line at all).
+    for blank in ["", " ", ","] {
+        let gw = routes(GatewayConfig::new(&redis.url()), &up.addr(), api(5))
+            .start_with_env(&[("RUST_LOG", blank)]);
+        assert!(
+            gw.logs().contains("gateway ready"),
+            "{blank:?}: {}",
+            gw.logs()
+        );
+    }
 }
 
 /// A `SIGUSR1` while the access log is a FIFO whose reader went away (a log shipper that
