@@ -155,16 +155,26 @@ thread_local! {
 /// after it, until one came): such a FIFO reads as empty, which no file of the config may be.
 fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
     if AT_START.get() {
         return std::fs::read(path);
     }
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    // Reads wait again (for a writer that is there and still writing).
+    let mut file = open_without_waiting(std::fs::OpenOptions::new().read(true), path)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// Opens `path` as `options` say without waiting for a FIFO's other end (a FIFO read with
+/// no writer reads as empty; one written with no reader is `ENXIO`), then makes the file's
+/// reads and writes wait as usual (for a peer that is there and still busy). A regular file
+/// is opened as `options.open` opens it.
+pub(crate) fn open_without_waiting(
+    options: &mut std::fs::OpenOptions,
+    path: &Path,
+) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = options.custom_flags(libc::O_NONBLOCK).open(path)?;
     let fd = file.as_raw_fd();
     // SAFETY: `fd` is this open file's, for the duration of the calls.
     let cleared = unsafe {
@@ -174,9 +184,7 @@ fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
     if !cleared {
         return Err(std::io::Error::last_os_error());
     }
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
-    Ok(bytes)
+    Ok(file)
 }
 
 /// [`read_named`], as UTF-8.

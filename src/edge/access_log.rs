@@ -329,8 +329,6 @@ impl Sink {
 }
 
 fn open_append(path: &Path, wait_for_reader: bool) -> io::Result<File> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
     let mut options = OpenOptions::new();
     options.create(true).append(true);
     if wait_for_reader {
@@ -339,26 +337,13 @@ fn open_append(path: &Path, wait_for_reader: bool) -> io::Result<File> {
     // Opened without waiting: a FIFO no process reads is refused at once (`ENXIO`) instead of
     // holding the thread that opens it (a `SIGUSR1` held the admin listener and the signals
     // with it). Writes then wait as before: the writer's thread is its own.
-    let file = options
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENXIO) => io::Error::new(
-                e.kind(),
-                "a FIFO no process reads: start its reader, then reopen",
-            ),
-            _ => e,
-        })?;
-    let fd = file.as_raw_fd();
-    // SAFETY: `fd` is this open file's, for the duration of the calls.
-    let cleared = unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
-    };
-    if !cleared {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(file)
+    crate::config::open_without_waiting(&mut options, path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENXIO) => io::Error::new(
+            e.kind(),
+            "a FIFO no process reads: start its reader, then reopen",
+        ),
+        _ => e,
+    })
 }
 
 /// The process's access log. Lines are only built while the live config has an

@@ -50,14 +50,6 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
     Some(Some(n.unwrap_or(u64::MAX)))
 }
 
-/// Whether the request's method is one an upstream cannot read otherwise than the routes
-/// do: upper-case letters, `-` and `_` (nginx's rule). Methods are case-sensitive (RFC 9110,
-/// 9.1), so `post` matched no `methods = ["POST"]` route and went to a less specific one,
-/// unlimited, while a backend that folds the case serves it as the POST it limits.
-pub fn method_is_plain(req: &RequestHeader) -> bool {
-    (req.method.as_str().bytes()).all(|b| b.is_ascii_uppercase() || b == b'-' || b == b'_')
-}
-
 /// Whether the request's `Connection` names what Pingora refuses to send on (a protected
 /// field, `host` or an `x-forwarded-*` the gateway writes; a pseudo-header; a token with
 /// bytes no token may hold; ten names or more) once the request was decided, which then

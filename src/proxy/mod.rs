@@ -559,7 +559,7 @@ impl ProxyHttp for Gateway {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::MethodNotAllowed).await;
         }
-        if !head::method_is_plain(req) || head::connection_refused(req) {
+        if !crate::routing::plain_method(&req.method) || head::connection_refused(req) {
             session.set_keepalive(None);
             return self.answer(session, ctx, Answer::BadRequest).await;
         }

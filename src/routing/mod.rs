@@ -123,6 +123,14 @@ pub fn ambiguities<T: Copy>(entries: impl IntoIterator<Item = (Matcher, T)>) -> 
     out
 }
 
+/// Whether a method is one the gateway takes at its edge, and so one a route can match:
+/// upper-case letters, `-` and `_` (nginx's rule). Methods are case-sensitive (RFC 9110,
+/// 9.1): `post` matched no `methods = ["POST"]` route and went to a less specific one,
+/// unlimited, while a backend that folds the case serves it as the POST it limits.
+pub fn plain_method(method: &Method) -> bool {
+    (method.as_str().bytes()).all(|b| b.is_ascii_uppercase() || b == b'-' || b == b'_')
+}
+
 /// The request's host, lower-case and without port: HTTP/2 carries it in the URI authority,
 /// HTTP/1 in `Host`.
 pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>) -> Option<String> {

@@ -78,14 +78,7 @@ pub(super) fn route(
                     }
                     // What the edge lets through (letters, `-`, `_`): a method of other
                     // characters is answered 400 before any route, and would match nothing.
-                    Ok(method)
-                        if method
-                            .as_str()
-                            .bytes()
-                            .all(|b| b.is_ascii_uppercase() || b == b'-' || b == b'_') =>
-                    {
-                        Some(method)
-                    }
+                    Ok(method) if crate::routing::plain_method(&method) => Some(method),
                     // Said, not refused: a file that started before (when such a method could
                     // still reach a route) keeps starting.
                     Ok(method) => {
