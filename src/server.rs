@@ -556,17 +556,14 @@ impl ShutdownSignalWatch for Drain {
                 return ShutdownSignal::FastShutdown;
             }
         }
-        if self.stops.quit.load(Ordering::Relaxed) {
-            tracing::info!(
-                grace_period_seconds = self.grace.as_secs(),
-                "SIGQUIT: draining"
-            );
-        } else {
-            tracing::info!(
-                grace_period_seconds = self.grace.as_secs(),
-                "SIGTERM: draining"
-            );
-        }
+        let signal = match self.stops.quit.load(Ordering::Relaxed) {
+            true => "SIGQUIT",
+            false => "SIGTERM",
+        };
+        tracing::info!(
+            grace_period_seconds = self.grace.as_secs(),
+            "{signal}: draining"
+        );
         self.lifecycle.start_draining();
         let lifecycle = Arc::clone(&self.lifecycle);
         let access_log = Arc::clone(&self.access_log);
