@@ -912,6 +912,50 @@ fn an_http_1_0_request_without_host_reaches_the_upstream_with_one() {
     );
 }
 
+/// `Expect: 100-continue` is the gateway's to answer, after the decision: an admitted client
+/// is told to send its body and keeps its connection, the upstream never sees the field (a
+/// backend that answers no `100` held every upload for the client's own timeout, curl's
+/// second, and one that did closed the client's connection after its answer), and a denied
+/// client is answered at once, its body never asked for.
+#[test]
+fn expect_100_continue_is_answered_by_the_gateway_after_the_decision() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(&redis, &up, 1);
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let head = b"POST /closed HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n";
+    conn.write_all(head).unwrap();
+    let interim = read_until(&mut conn, |t| t.contains("\r\n\r\n"));
+    assert_eq!(interim, "HTTP/1.1 100 Continue\r\n\r\n");
+    conn.write_all(b"hello").unwrap();
+    let answer = read_until(&mut conn, |t| t.ends_with('}'));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: keep-alive\r\n"),
+        "{answer}"
+    );
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let echoed: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(echoed["body"], "hello", "{echoed}");
+    assert_eq!(
+        echoed["headers"]["expect"],
+        serde_json::Value::Null,
+        "{echoed}"
+    );
+    // The bucket is spent: the same connection's next upload is refused without its body.
+    conn.write_all(head).unwrap();
+    let denied = read_until(&mut conn, |t| t.ends_with('}'));
+    assert!(denied.starts_with("HTTP/1.1 429"), "{denied}");
+    assert!(
+        denied.ends_with(r#"{"detail":"rate limit exceeded"}"#),
+        "{denied}"
+    );
+}
+
 /// A client that leaves after its request's `100 Continue` left before the answer: 499, as
 /// any client that leaves first (it was counted and logged as status 100).
 #[test]

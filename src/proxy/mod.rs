@@ -693,6 +693,7 @@ impl ProxyHttp for Gateway {
         if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
             outgoing::drop_upgrade(upstream_request);
         }
+        outgoing::answer_expect(session, upstream_request).await?;
         // A cost the upstream will report is charged though the client resets meanwhile
         // (never for a tunnel, which a reset ends).
         let charges = ctx.route.as_ref().is_some_and(|r| {
