@@ -135,13 +135,8 @@ pub fn plain_method(method: &Method) -> bool {
 /// HTTP/1 in `Host`.
 pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>) -> Option<String> {
     let raw = uri_host.or(host_header)?;
-    let without_port = if let Some(rest) = raw.strip_prefix('[') {
-        let inside = rest.split(']').next().unwrap_or(rest);
-        // One address, one form (as a route's `host` is kept): `[0:0::1]` is `::1`.
-        if let Ok(ip) = inside.parse::<std::net::Ipv6Addr>() {
-            return Some(ip.to_string());
-        }
-        inside
+    let without_port = if raw.starts_with('[') {
+        raw.find(']').map_or(raw, |end| &raw[..=end])
     } else {
         raw.rsplit_once(':').map_or(raw, |(h, port)| {
             if port.bytes().all(|b| b.is_ascii_digit()) {
@@ -151,8 +146,21 @@ pub fn request_host<'a>(uri_host: Option<&'a str>, host_header: Option<&'a str>)
             }
         })
     };
-    let name = without_port.strip_suffix('.').unwrap_or(without_port);
-    Some(name.to_ascii_lowercase())
+    Some(host_form(without_port))
+}
+
+/// A host as requests and routes are compared in: an IPv6 address (bracketed or not) in one
+/// form (`[0:0::1]` is `::1`), a name in lower case without the trailing dot of its fully
+/// qualified form (`API.example.com.` is `api.example.com`).
+pub fn host_form(host: &str) -> String {
+    let inside = host
+        .strip_prefix('[')
+        .map_or(host, |h| h.strip_suffix(']').unwrap_or(h));
+    if let Ok(ip) = inside.parse::<std::net::Ipv6Addr>() {
+        return ip.to_string();
+    }
+    let name = inside.strip_suffix('.').unwrap_or(inside);
+    name.to_ascii_lowercase()
 }
 
 #[cfg(test)]

@@ -102,19 +102,17 @@ pub(super) fn route(
             .collect::<Vec<_>>()
     });
     let host = r.host.as_ref().and_then(|h| {
-        // The fully qualified form (`api.example.com.`) is the same host: a request's `Host` is
-        // compared without its trailing dot, so the route's is kept without it too.
-        // An IPv6 address, bracketed as a `Host` carries it or not, in the form requests'
-        // are compared in (`[0:0::1]` is `::1`).
+        // Kept in the form requests' hosts are compared in: the fully qualified form
+        // (`api.example.com.`) is the same host, an IPv6 address is bracketed as a `Host`
+        // carries it or not (`[0:0::1]` is `::1`).
         let raw = h.get_ref();
-        let v6 = raw.strip_prefix('[').and_then(|r| r.strip_suffix(']')).unwrap_or(raw);
-        if let Ok(ip) = v6.parse::<std::net::Ipv6Addr>() {
-            return Some(ip.to_string());
+        let v = crate::routing::host_form(raw);
+        if v.parse::<std::net::Ipv6Addr>().is_ok() {
+            return Some(v);
         }
-        let v = raw.to_ascii_lowercase();
-        let v = v.strip_suffix('.').unwrap_or(&v).to_owned();
         // `_` is no host name's, yet internal names carry it and a `Host` may.
         let valid = !v.is_empty()
+            && !raw.contains(['[', ']'])
             && v.len() <= 253
             && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
             && v.split('.').all(|label| !label.is_empty());
