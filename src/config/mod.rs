@@ -124,29 +124,31 @@ pub(crate) fn file_stamp(path: &Path) -> FileStamp {
         .map(|m| (m.modified().ok(), m.len()))
 }
 
+/// What the config load running on a thread keeps beside what it reads.
+struct Load {
+    /// Set while [`Config::load_at_start`] reads: a FIFO's writer is waited for.
+    at_start: bool,
+    /// The files a config names, each stamped just before the load first read it
+    /// ([`read_named`]); taken into [`Config::named_read`] when the load ends.
+    named_read: Vec<(PathBuf, FileStamp)>,
+}
+
 thread_local! {
-    /// The files a config names, each stamped just before the load on this thread first read
-    /// it ([`read_named`]); taken into [`Config::named_read`] when the load ends.
-    static NAMED_READ: std::cell::RefCell<Vec<(PathBuf, FileStamp)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    static LOAD: std::cell::RefCell<Load> = const {
+        std::cell::RefCell::new(Load { at_start: false, named_read: Vec::new() })
+    };
 }
 
 /// Reads a file the config names (API keys, JWKS, a certificate or key), stamped first: a
 /// change made while it is read is then a change to `watch_config`, never missed.
 pub(crate) fn read_named(path: &Path) -> std::io::Result<Vec<u8>> {
     let stamp = file_stamp(path);
-    NAMED_READ.with(|read| {
-        let mut read = read.borrow_mut();
-        if !read.iter().any(|(p, _)| p == path) {
-            read.push((path.to_path_buf(), stamp));
+    LOAD.with_borrow_mut(|load| {
+        if !load.named_read.iter().any(|(p, _)| p == path) {
+            load.named_read.push((path.to_path_buf(), stamp));
         }
     });
     read_whole(path)
-}
-
-thread_local! {
-    /// Set while [`Config::load_at_start`] reads: a FIFO's writer is waited for.
-    static AT_START: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A file of the config, whole. At start a FIFO (a file a process writes as it is read) is
@@ -155,7 +157,7 @@ thread_local! {
 /// after it, until one came): such a FIFO reads as empty, which no file of the config may be.
 fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    if AT_START.get() {
+    if LOAD.with_borrow(|load| load.at_start) {
         return std::fs::read(path);
     }
     let mut file = open_without_waiting(std::fs::OpenOptions::new().read(true), path)?;
@@ -732,14 +734,14 @@ impl Config {
     /// [`load`](Self::load) for a start or `check`: a FIFO among the files waits for its
     /// writer.
     pub fn load_at_start(path: &Path) -> Result<Config, ConfigErrors> {
-        /// Unsets [`AT_START`] however the load ends.
+        /// Unsets [`Load::at_start`] however the load ends.
         struct Unset;
         impl Drop for Unset {
             fn drop(&mut self) {
-                AT_START.set(false);
+                LOAD.with_borrow_mut(|load| load.at_start = false);
             }
         }
-        AT_START.set(true);
+        LOAD.with_borrow_mut(|load| load.at_start = true);
         let _unset = Unset;
         Self::load(path)
     }
@@ -784,9 +786,9 @@ impl Config {
         source: &str,
         redis_url_override: Option<&str>,
     ) -> Result<Config, ConfigErrors> {
-        NAMED_READ.with(|read| read.borrow_mut().clear());
+        LOAD.with_borrow_mut(|load| load.named_read.clear());
         let config = validate::validate(path, source, redis_url_override);
-        let named_read = NAMED_READ.with(|read| std::mem::take(&mut *read.borrow_mut()));
+        let named_read = LOAD.with_borrow_mut(|load| std::mem::take(&mut load.named_read));
         config.map(|config| Config {
             named_read,
             ..config
