@@ -191,6 +191,11 @@ async fn many_identities_in_flight_together_share_calls_and_are_admitted_exactly
     assert_eq!(gw.metric("sentinel_redis_batch_size_sum"), decisions);
     let calls = redis.command_calls("evalsha") as f64;
     assert_eq!(gw.metric("sentinel_redis_batch_size_count"), calls);
+    // The buckets reach the largest `batch_max`.
+    assert_eq!(
+        gw.metric(r#"sentinel_redis_batch_size_bucket{le="1024"}"#),
+        calls
+    );
     assert!(
         calls < decisions,
         "decisions waiting together shared calls: {calls} calls for {decisions}"
