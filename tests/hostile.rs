@@ -1042,7 +1042,12 @@ fn upgrading_upstream() -> String {
                 };
                 let mut buf = [0u8; 4096];
                 let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
-                if asked.contains("always101") {
+                if asked.contains("/ws/reset") {
+                    // The tunnel's first bytes are left unread when the socket closes: the
+                    // close is a reset.
+                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
+                    std::thread::sleep(Duration::from_millis(300));
+                } else if asked.contains("always101") {
                     let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
                     let _ = s.read(&mut buf);
                 } else if asked.contains("\r\nupgrade: websocket") {
@@ -1113,6 +1118,54 @@ fn an_idle_websocket_tunnel_closes_with_nothing_written_into_it() {
     });
     assert!(!gw.logs().contains(r#""level":"WARN""#), "{}", gw.logs());
     assert!(!gw.logs().contains(r#""level":"ERROR""#), "{}", gw.logs());
+}
+
+/// An upstream that fails under a tunnel (a reset, a crash) is the operator's to see: a WARN
+/// naming the route and upstream, and the client's connection closed with nothing of the
+/// gateway's written into it.
+#[test]
+fn an_upstream_reset_under_a_websocket_tunnel_is_a_warn_and_closes_it() {
+    use std::io::{Read, Write};
+    let redis = Redis::start();
+    let upstream = upgrading_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[&upstream])
+        .route(
+            Route::new("e.ws")
+                .prefix("/ws")
+                .unlimited()
+                .set("websocket", "true"),
+        )
+        .start();
+    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    tunnel
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    tunnel
+        .write_all(b"GET /ws/reset HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .unwrap();
+    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tunnel.write_all(b"ping").unwrap();
+    let mut rest = Vec::new();
+    let _ = tunnel.read_to_end(&mut rest);
+    assert_eq!(
+        String::from_utf8_lossy(&rest),
+        "",
+        "nothing written into the tunnel"
+    );
+    wait_until(Duration::from_secs(5), "the WARN line", || {
+        gw.logs()
+            .contains("the upstream failed under a websocket tunnel; closed")
+    });
+    let logs = gw.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("under a websocket tunnel"))
+        .unwrap();
+    assert!(line.contains(r#""level":"WARN""#), "{line}");
+    assert!(line.contains(r#""endpoint_id":"e.ws""#), "{line}");
+    assert!(line.contains(r#""upstream":"app""#), "{line}");
 }
 
 /// An answer of unknown length to an HTTP/1.0 request goes until the connection closes, as
