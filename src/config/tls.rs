@@ -321,7 +321,7 @@ impl RedisTls {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
             .expect("ring supports the default versions")
             .with_root_certificates(roots);
@@ -352,6 +352,14 @@ impl RedisTls {
                         format!("holds no usable private key: {}", pem_error(&e))
                     }))
                 })?;
+                // A key file in PEM form may still hold no key rustls can sign with: that is
+                // the key's fault, not the certificate's (the certificate was named for it).
+                provider
+                    .key_provider
+                    .load_private_key(key.clone_key())
+                    .map_err(|e| {
+                        RedisTlsError::Key(format!("is not a key TLS can sign with: {e}"))
+                    })?;
                 source.push(cert_pem);
                 source.push(key_pem);
                 builder
@@ -470,5 +478,25 @@ mod tests {
             panic!("an encrypted key was taken");
         };
         assert!(why.contains("encrypted private key"), "{why}");
+    }
+
+    /// A Redis client key in PEM form that holds no key rustls can sign with is the key's
+    /// fault: it was named as the certificate's (`tls_cert_path ... is not usable`).
+    #[test]
+    fn a_redis_client_key_that_cannot_sign_is_named_as_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("k.pem");
+        let cert = dir.path().join("c.pem");
+        std::fs::write(
+            &key,
+            "-----BEGIN PRIVATE KEY-----\nU3VwZXJTZWNyZXRLZXlNYXRlcmlhbDQ1Ng==\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let leaf = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        std::fs::write(&cert, leaf.cert.pem()).unwrap();
+        let Err(RedisTlsError::Key(why)) = RedisTls::load(None, Some((&cert, &key))) else {
+            panic!("not refused as the key");
+        };
+        assert!(why.starts_with("is not a key TLS can sign with"), "{why}");
     }
 }
