@@ -739,3 +739,46 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     assert_eq!(relaxed.reload(), 200);
     assert_eq!(told(&relaxed), 1, "{}", relaxed.logs());
 }
+
+/// A Redis busy running a script (`BUSY`) cannot serve now; it does not refuse `CONFIG` or
+/// `SCRIPT LOAD`. When the gateway connects, the attempt fails and the next one after the
+/// script connects as usual; when the eviction policy is read again (every 15 s), the last
+/// reading stands. Neither said `CONFIG` was not permitted (and `/readyz`'s policy was lost
+/// until the next reading) nor that the scripts were refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_busy_with_a_script_cannot_serve_and_refuses_nothing() {
+    let redis = Redis::start_with(free_port(), &["--busy-reply-threshold", "50"]);
+    let up = Upstream::start("app");
+    let hold = |seconds: u32| {
+        let mut held = redis.conn();
+        std::thread::spawn(move || {
+            let _: redis::RedisResult<i64> = redis::cmd("EVAL")
+                .arg("local t = redis.call('TIME')[1] + ARGV[1] while redis.call('TIME')[1] + 0 < t do end return 1")
+                .arg(0)
+                .arg(seconds)
+                .query(&mut held);
+        })
+    };
+    let policy = |gw: &common::Gateway| {
+        let (_, ready) = common::blocking_get(&gw.admin("/readyz")).unwrap();
+        let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
+        ready["redis_maxmemory_policy"].clone()
+    };
+    let busy = hold(2);
+    std::thread::sleep(Duration::from_millis(300));
+    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    busy.join().unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "connected after the script",
+        || redis_up(&gw),
+    );
+    assert_eq!(statuses(&gw, "k", 4).await, [200, 200, 200, 429]);
+    assert_eq!(policy(&gw), "noeviction");
+    // Busy for longer than the time between two readings of the policy.
+    hold(16).join().unwrap();
+    assert_eq!(policy(&gw), "noeviction");
+    let logs = gw.logs();
+    assert!(!logs.contains("CONFIG not permitted"), "{logs}");
+    assert!(!logs.contains("refused SCRIPT LOAD"), "{logs}");
+}

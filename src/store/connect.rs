@@ -390,21 +390,37 @@ pub enum EvictionPolicy {
     Unknown,
 }
 
-async fn eviction_policy(conn: &mut MultiplexedConnection) -> redis::RedisResult<EvictionPolicy> {
+/// The policy, or `None` when Redis could not answer it now (`BUSY` while a script runs): the
+/// last reading stands, as `CONFIG` is not refused.
+async fn eviction_policy(
+    conn: &mut MultiplexedConnection,
+) -> redis::RedisResult<Option<EvictionPolicy>> {
     let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")
         .query_async(conn)
         .await;
     match reply {
-        Ok(v) => Ok(match v.get(1).map(String::as_str) {
+        Ok(v) => Ok(Some(match v.get(1).map(String::as_str) {
             Some("noeviction") => EvictionPolicy::NoEviction,
             Some(other) => EvictionPolicy::Evicting(other.to_owned()),
             None => EvictionPolicy::Unknown,
-        }),
+        })),
         Err(e) if is_transport(&e) || e.is_timeout() => Err(e),
-        Err(_) => Ok(EvictionPolicy::Unknown),
+        Err(e) if unable_now(&e) => Ok(None),
+        // Refused: an ACL without `CONFIG`, a managed Redis that disabled or renamed it.
+        Err(_) => Ok(Some(EvictionPolicy::Unknown)),
     }
+}
+
+/// Whether Redis answered that it cannot serve now (`BUSY` while a script runs, `LOADING`,
+/// `MASTERDOWN`, ...): an error reply other than a refusal of the command itself (`ERR`:
+/// unknown, disabled or renamed, a script that does not compile; `NOPERM`: the ACL).
+fn unable_now(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+    ) && e.code().is_some_and(|c| !matches!(c, "ERR" | "NOPERM"))
 }
 
 /// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` becomes
@@ -475,7 +491,7 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> EvictionPolicy {
     let checks = dials.iter().map(|dial| async move {
         let check = async {
             let mut opened = open(dial).await.ok()?;
-            eviction_policy(&mut opened.conn).await.ok()
+            eviction_policy(&mut opened.conn).await.ok().flatten()
         };
         tokio::time::timeout(Duration::from_secs(3), check)
             .await
@@ -572,12 +588,15 @@ impl Connector {
             None => open_both(&target.dial, false, None).await?,
         };
         let conn = &mut opened.conn;
-        let policy = eviction_policy(conn).await?;
-        self.note_policy(link, &target.node, policy, beside);
+        if let Some(policy) = eviction_policy(conn).await? {
+            self.note_policy(link, &target.node, policy, beside);
+        }
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
                 Ok(_) => {}
-                Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+                // Redis cannot serve now (`BUSY` running a script, `LOADING`): this attempt
+                // fails, and the next one loads them.
+                Err(e) if is_transport(&e) || e.is_timeout() || unable_now(&e) => return Err(e),
                 // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
                 Err(e) => {
                     tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
@@ -587,7 +606,7 @@ impl Connector {
         }
         match self.scripts.batch(link.in_cluster).load(conn).await {
             Ok(_) => link.turns.accept(),
-            Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+            Err(e) if is_transport(&e) || e.is_timeout() || unable_now(&e) => return Err(e),
             Err(e) => link.turns.refuse(&target.node, &e),
         }
         Ok((opened, wire))
@@ -635,7 +654,8 @@ impl Connector {
         };
         let node = link.node();
         let mut c = conn.redis.clone();
-        if let Ok(Ok(policy)) = tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
+        if let Ok(Ok(Some(policy))) =
+            tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
         {
             self.note_policy(link, &node, policy, true);
         }
