@@ -283,10 +283,15 @@ impl Metrics {
                     "sentinel_redis_batch_size",
                     "Decisions carried by one batched Redis call.",
                 )
-                // Up to the largest `batch_max` (1024).
-                .buckets(vec![
-                    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
-                ]),
+                // Powers of two, up to the largest `batch_max`.
+                .buckets(
+                    prometheus::exponential_buckets(
+                        1.0,
+                        2.0,
+                        crate::config::BATCH_MAX_LARGEST.ilog2() as usize + 1,
+                    )
+                    .expect("valid"),
+                ),
             )
             .expect("valid"),
         );

@@ -140,10 +140,15 @@ impl log::Log for PingoraLog {
 /// Whether a Pingora message is about something the client did: Pingora marks errors that
 /// come from the downstream side with "Downstream", and names the handshakes. Also "failed to
 /// acquire reusable stream": an idle upstream connection that Pingora's pool was still
-/// watching when a request asked for it; the request opens a new one and nothing fails.
+/// watching when a request asked for it; the request opens a new one and nothing fails. And
+/// "send error, draining read buf": an upstream that stopped reading a request's body (it
+/// answered before the body's end and closed, as HTTP lets it); its answer still reaches the
+/// client, and an upstream that failed without one has the gateway's own line, with the
+/// request id this one lacks.
 fn client_caused(message: &str) -> bool {
     const CLIENT: &[&str] = &[
         "failed to acquire reusable stream",
+        "send error, draining read buf",
         "Downstream ",
         "downstream handshake",
         "Downstream handshake",
@@ -230,6 +235,7 @@ mod tests {
             "H2 handshake error  HandshakeError context: while h2 handshaking with client cause: Broken pipe",
             "failed to send error response to downstream: Broken pipe",
             "failed to acquire reusable stream",
+            "send error, draining read buf: (not logged)",
         ] {
             assert!(client_caused(m), "{m}");
         }

@@ -911,10 +911,11 @@ fn signals_while_it_starts_do_not_kill_it() {
 
 /// A SIGHUP that comes while the config file is still being read (a supervisor's reload
 /// right after the start) is a reload once the gateway runs: it ended the process by its
-/// default action, as any signal before the runtime listened did. The config file is a FIFO
-/// here, so the read waits for it as long as the test needs.
+/// default action, as any signal before the runtime listened did; so did a SIGUSR1 or
+/// SIGUSR2, which are ignored then. The config file is a FIFO here, so the read waits for it
+/// as long as the test needs.
 #[test]
-fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs() {
+fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs_and_usr1_usr2_are_ignored() {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let redis = Redis::start();
@@ -926,14 +927,21 @@ fn a_sighup_while_the_config_is_read_is_a_reload_once_it_runs() {
     common::mkfifo(&path);
     let out = dir.path().join("out.log");
     let mut proc = common::Proc::gateway(&path, Some(&out));
-    // Once it catches SIGHUP (bit 0 of its caught-signals mask), it waits in the read.
-    wait_until(Duration::from_secs(10), "SIGHUP caught", || proc.catches(1));
-    proc.signal("HUP");
+    // Once it catches SIGHUP, SIGUSR1 and SIGUSR2 (bits 0, 9 and 11 of its caught-signals
+    // mask), it waits in the read. The two others are ignored then (their default ends a
+    // process).
+    let (hup, usr1, usr2) = (1, 1 << 9, 1 << 11);
+    wait_until(Duration::from_secs(10), "the signals caught", || {
+        proc.catches(hup | usr1 | usr2)
+    });
+    for signal in ["USR1", "USR2", "HUP"] {
+        proc.signal(signal);
+    }
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(
         proc.wait_exit(Duration::ZERO),
         None,
-        "alive after the SIGHUP"
+        "alive after SIGUSR1, SIGUSR2 and SIGHUP"
     );
     // The FIFO opened for writing first (the gateway reads it), then a plain file put in its
     // place for the reload to read (a FIFO would wait for another writer), then the start's

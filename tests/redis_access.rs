@@ -775,7 +775,9 @@ async fn a_redis_busy_with_a_script_cannot_serve_and_refuses_nothing() {
     );
     assert_eq!(statuses(&gw, "k", 4).await, [200, 200, 200, 429]);
     assert_eq!(policy(&gw), "noeviction");
-    // Busy for longer than the time between two readings of the policy.
+    // The start's attempts met the script: said as Redis said it.
+    assert!(gw.logs().contains("BUSY"), "{}", gw.logs());
+    // Busy for longer than the time between two readings of the policy (15 s).
     hold(16).join().unwrap();
     assert_eq!(policy(&gw), "noeviction");
     let logs = gw.logs();

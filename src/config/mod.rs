@@ -268,6 +268,9 @@ impl ServerConfig {
     }
 }
 
+/// The largest `batch_max`: what one Redis call may decide at most.
+pub const BATCH_MAX_LARGEST: i64 = 1024;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub target: RedisTarget,
@@ -277,7 +280,8 @@ pub struct RedisConfig {
     /// Drive the Redis connections on a thread of their own rather than on the proxy's
     /// workers: a decision then never queues behind saturated workers for its reply.
     pub dedicated_io_thread: bool,
-    /// The most decisions one batched call carries; 1 sends each decision alone.
+    /// The most decisions one batched call carries (at most [`BATCH_MAX_LARGEST`]); 1 sends
+    /// each decision alone.
     pub batch_max: usize,
     /// Credentials and TLS, for every node.
     pub access: RedisAccess,

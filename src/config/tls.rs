@@ -147,11 +147,7 @@ impl CertPair {
                 )
             }))
         })?;
-        let provider = rustls::crypto::ring::default_provider();
-        let signing = provider
-            .key_provider
-            .load_private_key(key)
-            .map_err(|e| PairError::Key(format!("is not a key TLS can sign with: {e}")))?;
+        let signing = signing_key(key).map_err(PairError::Key)?;
         let certified = CertifiedKey::new(chain, signing);
         certified.keys_match().map_err(|_| {
             PairError::Key(format!(
@@ -168,6 +164,14 @@ impl CertPair {
             out_of_date,
         })
     }
+}
+
+/// The key rustls signs with, or why the key cannot be one.
+fn signing_key(key: PrivateKeyDer<'static>) -> Result<Arc<dyn rustls::sign::SigningKey>, String> {
+    rustls::crypto::ring::default_provider()
+        .key_provider
+        .load_private_key(key)
+        .map_err(|e| format!("is not a key TLS can sign with: {e}"))
 }
 
 /// Which file of a pair is wrong, and why.
@@ -321,7 +325,7 @@ impl RedisTls {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .expect("ring supports the default versions")
             .with_root_certificates(roots);
@@ -354,12 +358,7 @@ impl RedisTls {
                 })?;
                 // A key file in PEM form may still hold no key rustls can sign with: that is
                 // the key's fault, not the certificate's (the certificate was named for it).
-                provider
-                    .key_provider
-                    .load_private_key(key.clone_key())
-                    .map_err(|e| {
-                        RedisTlsError::Key(format!("is not a key TLS can sign with: {e}"))
-                    })?;
+                signing_key(key.clone_key()).map_err(RedisTlsError::Key)?;
                 source.push(cert_pem);
                 source.push(key_pem);
                 builder

@@ -693,7 +693,6 @@ impl ProxyHttp for Gateway {
         if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
             outgoing::drop_upgrade(upstream_request);
         }
-        outgoing::answer_expect(session, upstream_request).await?;
         // A cost the upstream will report is charged though the client resets meanwhile
         // (never for a tunnel, which a reset ends).
         let charges = ctx.route.as_ref().is_some_and(|r| {
@@ -721,7 +720,7 @@ impl ProxyHttp for Gateway {
         if let Some(host) = host {
             upstream_request.insert_header(http::header::HOST, host)?;
         }
-        Ok(())
+        outgoing::answer_expect(session, upstream_request).await
     }
 
     /// A 101 is an upstream's answer only to a request that asked to switch (an `Upgrade`
@@ -765,7 +764,7 @@ impl ProxyHttp for Gateway {
     /// upstream never receives more than `max_body_bytes`.
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<bytes::Bytes>,
         end_of_stream: bool,
         ctx: &mut RequestCtx,
@@ -773,6 +772,11 @@ impl ProxyHttp for Gateway {
         let Some(chunk) = body else {
             return Ok(());
         };
+        // A tunnel's bytes (after a `101`) are no request body: `max_body_bytes` cut a
+        // WebSocket once its client had sent that much through it in all.
+        if session.was_upgraded() {
+            return Ok(());
+        }
         // An HTTP/2 body of unknown length may end with an empty DATA frame. Pingora writes
         // an empty last chunk upstream as chunked's terminator and then the terminator again,
         // which the upstream reads as the start of another request and answers on the

@@ -3,6 +3,8 @@
 
 use http::HeaderValue;
 use pingora::prelude::*;
+use pingora_core::protocols::http::v1::common::is_expect_continue_req;
+use pingora_core::protocols::http::ServerSession;
 use pingora_http::RequestHeader;
 
 use super::forwarded;
@@ -35,41 +37,26 @@ pub fn drop_upgrade(req: &mut RequestHeader) {
 /// request is admitted and its upstream connection made (a denied or refused one is answered
 /// without its body sent), and the field is not passed on. Passed on, a client whose upstream
 /// does not answer it waited its own timeout (curl's second) before each upload. An HTTP/2
-/// client waits that timeout still: Pingora's HTTP/2 server sends no interim answer.
+/// client waits that timeout still: Pingora's HTTP/2 server sends no interim answer. Called
+/// last in the upstream request's hook, so that nothing of the gateway's fails after it.
 pub async fn answer_expect(session: &mut Session, req: &mut RequestHeader) -> Result<()> {
     // One lookup in the usual case.
     if !req.headers.contains_key(http::header::EXPECT) {
         return Ok(());
     }
     req.remove_header(&http::header::EXPECT);
-    let downstream = session.req_header();
-    // RFC 9110, 10.1.1: none is owed to HTTP/1.0, nor where the framing says no body follows.
-    let asks = downstream.version == http::Version::HTTP_11
-        && downstream
-            .headers
-            .get(http::header::EXPECT)
-            .is_some_and(|v| {
-                v.as_bytes()
-                    .trim_ascii()
-                    .eq_ignore_ascii_case(b"100-continue")
-            });
-    let body_follows = downstream
-        .headers
-        .contains_key(http::header::TRANSFER_ENCODING)
-        || downstream
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .is_some_and(|n| n.as_bytes().iter().any(|b| *b != b'0'));
-    if !(asks && body_follows) {
-        return Ok(());
-    }
-    if let pingora_core::protocols::http::ServerSession::H1(h1) = &mut *session.downstream_session {
+    // RFC 9110, 10.1.1: none is owed to HTTP/1.0 (Pingora's rule), nor where the framing says
+    // no body follows.
+    let asks = is_expect_continue_req(session.req_header()) && !session.is_body_empty();
+    if let (true, ServerSession::H1(h1)) = (asks, &mut *session.downstream_session) {
         // Pingora ends the connection's keep-alive at any answer written before the body is
-        // read, this interim one too: the final answer would say `Connection: close`.
+        // read, this interim one too: the final answer would say `Connection: close`. Its
+        // default (which the gateway keeps) is put back after.
         h1.set_close_on_response_before_downstream_finish(false);
         let written = h1.write_continue_response().await;
         h1.set_close_on_response_before_downstream_finish(true);
-        written?;
+        // A client gone meanwhile is the client's doing, as any write to it that fails.
+        written.map_err(|e| e.into_down())?;
     }
     Ok(())
 }

@@ -159,7 +159,11 @@ pub fn host_form(host: &str) -> String {
     if let Ok(ip) = inside.parse::<std::net::Ipv6Addr>() {
         return ip.to_string();
     }
-    let name = inside.strip_suffix('.').unwrap_or(inside);
+    // A colon is no name's: kept as it came (`::1.` is no address and no name either).
+    let name = match inside.contains(':') {
+        true => inside,
+        false => inside.strip_suffix('.').unwrap_or(inside),
+    };
     name.to_ascii_lowercase()
 }
 
@@ -265,5 +269,7 @@ mod tests {
             request_host(Some("api.example.."), None).as_deref(),
             Some("api.example.")
         );
+        // No address with a dot after it, and so no route's.
+        assert_eq!(request_host(Some("[::1.]"), None).as_deref(), Some("::1."));
     }
 }

@@ -414,13 +414,10 @@ async fn eviction_policy(
 }
 
 /// Whether Redis answered that it cannot serve now (`BUSY` while a script runs, `LOADING`,
-/// `MASTERDOWN`, ...): an error reply other than a refusal of the command itself (`ERR`:
-/// unknown, disabled or renamed, a script that does not compile; `NOPERM`: the ACL).
+/// ...: [`Failure::CANNOT_SERVE`]) rather than refusing the command itself.
 fn unable_now(e: &RedisError) -> bool {
-    matches!(
-        e.kind(),
-        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
-    ) && e.code().is_some_and(|c| !matches!(c, "ERR" | "NOPERM"))
+    e.code()
+        .is_some_and(|c| crate::decision::Failure::CANNOT_SERVE.contains(&c))
 }
 
 /// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` becomes

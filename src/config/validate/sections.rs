@@ -656,7 +656,7 @@ pub(super) fn redis(
         "redis.batch_max",
         r.and_then(|r| r.batch_max.as_ref()),
         256,
-        (1, 1024),
+        (1, crate::config::BATCH_MAX_LARGEST),
         " decisions per call (1 sends each decision alone)",
     )
     .map(|n| n as usize);
