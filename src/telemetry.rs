@@ -141,14 +141,16 @@ impl log::Log for PingoraLog {
 /// come from the downstream side with "Downstream", and names the handshakes. Also "failed to
 /// acquire reusable stream": an idle upstream connection that Pingora's pool was still
 /// watching when a request asked for it; the request opens a new one and nothing fails. And
-/// "send error, draining read buf": an upstream that stopped reading a request's body (it
-/// answered before the body's end and closed, as HTTP lets it); its answer still reaches the
-/// client, and an upstream that failed without one has the gateway's own line, with the
-/// request id this one lacks.
+/// an upstream that closed while a request's body was sent to it (it answered before the
+/// body's end and closed, as HTTP lets it): its answer still reaches the client, and an
+/// upstream that failed without one has the gateway's own line, with the request id this one
+/// lacks. Any other failure to send a body (a write timeout, a body cut short) keeps its WARN.
 fn client_caused(message: &str) -> bool {
+    if let Some(why) = message.strip_prefix(SEND_ERROR) {
+        return why.contains("Broken pipe") || why.contains("Connection reset");
+    }
     const CLIENT: &[&str] = &[
         "failed to acquire reusable stream",
-        "send error, draining read buf",
         "Downstream ",
         "downstream handshake",
         "Downstream handshake",
@@ -159,12 +161,18 @@ fn client_caused(message: &str) -> bool {
     CLIENT.iter().any(|m| message.contains(m))
 }
 
+/// How Pingora's line about a request body it could not send upstream begins (its error
+/// follows, which quotes no bytes of a head).
+const SEND_ERROR: &str = "send error, draining read buf: ";
+
 /// `message` without the bytes Pingora quotes after `buf: ` (a request or response head it
 /// could not parse, which may hold credentials): from there to its end.
 pub fn redact_buf(message: &str) -> Cow<'_, str> {
     match message.find("buf: ") {
-        Some(at) => Cow::Owned(format!("{}buf: (not logged)", &message[..at])),
-        None => Cow::Borrowed(message),
+        Some(at) if !message.starts_with(SEND_ERROR) => {
+            Cow::Owned(format!("{}buf: (not logged)", &message[..at]))
+        }
+        _ => Cow::Borrowed(message),
     }
 }
 
@@ -235,12 +243,13 @@ mod tests {
             "H2 handshake error  HandshakeError context: while h2 handshaking with client cause: Broken pipe",
             "failed to send error response to downstream: Broken pipe",
             "failed to acquire reusable stream",
-            "send error, draining read buf: (not logged)",
+            "send error, draining read buf: Upstream WriteError context: writing body cause: Broken pipe (os error 32)",
         ] {
             assert!(client_caused(m), "{m}");
         }
         for m in [
             "Fail to proxy: Upstream ConnectRefused context: Peer: addr: 127.0.0.1:9",
+            "send error, draining read buf: Upstream WriteTimedout context: writing body",
             "Failed to bind listener",
         ] {
             assert!(!client_caused(m), "{m}");

@@ -1443,6 +1443,14 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
         assert!(answer.starts_with("HTTP/1.1 502"), "{path}: {answer}");
         assert!(!answer.contains(" 101 "), "{path}: {answer}");
     }
+    // So for an upgrade the route passes on but Pingora does not (only `websocket` is): the
+    // client's side was switched, the upstream's not, and the body went on uncounted.
+    let answer = raw_answer(
+        gw.port,
+        b"POST /ws/always101 HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: foo\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(!answer.contains(" 101 "), "{answer}");
 }
 
 /// An upstream whose answer head is past 64 KiB is at fault: 502, as nginx's "upstream sent

@@ -270,6 +270,8 @@ impl ServerConfig {
 
 /// The largest `batch_max`: what one Redis call may decide at most.
 pub const BATCH_MAX_LARGEST: i64 = 1024;
+// A power of two: `sentinel_redis_batch_size`'s buckets are the powers of two up to it.
+const _: () = assert!((BATCH_MAX_LARGEST as u64).is_power_of_two());
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {

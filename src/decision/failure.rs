@@ -83,20 +83,6 @@ impl Failure {
         }
     }
 
-    /// The error replies by which Redis says it cannot serve now rather than refusing the
-    /// command (contract section 4: each is a store failure): a connection that meets one
-    /// while it is made is tried again.
-    pub const CANNOT_SERVE: [&'static str; 8] = [
-        "OOM",
-        "LOADING",
-        "BUSY",
-        "MASTERDOWN",
-        "READONLY",
-        "CLUSTERDOWN",
-        "TRYAGAIN",
-        "MISCONF",
-    ];
-
     /// The failure an error reply stands for, by its code (the reply's first word) and the
     /// rest of its text.
     pub fn of_reply(code: &str, detail: &str) -> Failure {

@@ -84,6 +84,10 @@ pub struct RequestCtx {
     /// The request's head reached `upstream_request_filter`, after Pingora's own checks of it
     /// (a `Connection` header naming a protected field is refused before).
     forwarded: bool,
+    /// The request sent upstream asks to switch protocols: an `Upgrade` Pingora and the route
+    /// let through (only `websocket`, on a `websocket = true` route). A `101` to anything
+    /// else is the upstream's fault.
+    upgrade_sent: bool,
     /// A connection to the upstream was tried and failed: the access log names the upstream
     /// and the address that failed, as one the request reached.
     connect_failed: bool,
@@ -693,6 +697,7 @@ impl ProxyHttp for Gateway {
         if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
             outgoing::drop_upgrade(upstream_request);
         }
+        ctx.upgrade_sent = upstream_request.headers.contains_key(http::header::UPGRADE);
         // A cost the upstream will report is charged though the client resets meanwhile
         // (never for a tunnel, which a reset ends).
         let charges = ctx.route.as_ref().is_some_and(|r| {
@@ -729,17 +734,11 @@ impl ProxyHttp for Gateway {
     /// upstream's fault: 502.
     async fn upstream_response_filter(
         &self,
-        session: &mut Session,
+        _session: &mut Session,
         upstream_response: &mut pingora_http::ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        if upstream_response.status == http::StatusCode::SWITCHING_PROTOCOLS
-            && !(ctx.route.as_ref().is_some_and(|r| r.websocket)
-                && session
-                    .req_header()
-                    .headers
-                    .contains_key(http::header::UPGRADE))
-        {
+        if upstream_response.status == http::StatusCode::SWITCHING_PROTOCOLS && !ctx.upgrade_sent {
             return Err(Error::explain(
                 ErrorType::InvalidHTTPHeader,
                 "the upstream switched protocols for a request that asked for no upgrade",

@@ -414,10 +414,15 @@ async fn eviction_policy(
 }
 
 /// Whether Redis answered that it cannot serve now (`BUSY` while a script runs, `LOADING`,
-/// ...: [`Failure::CANNOT_SERVE`]) rather than refusing the command itself.
+/// `NOAUTH`, a code it does not know: what a decision's call would count as a store failure,
+/// [`Failure::of_reply`]) rather than refusing the command itself (an `ERR`: unknown,
+/// disabled or renamed, a script that does not compile; `NOPERM`: the ACL).
 fn unable_now(e: &RedisError) -> bool {
-    e.code()
-        .is_some_and(|c| crate::decision::Failure::CANNOT_SERVE.contains(&c))
+    e.code().is_some_and(|code| {
+        !matches!(code, "ERR" | "NOPERM")
+            && crate::decision::Failure::of_reply(code, e.detail().unwrap_or(""))
+                == crate::decision::Failure::Unavailable
+    })
 }
 
 /// What went wrong, in Redis's words where redis-rs renamed them: a refused `AUTH` becomes
