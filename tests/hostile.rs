@@ -1034,6 +1034,30 @@ fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
     assert!(slow.starts_with("HTTP/1.1 504"), "{slow}");
 }
 
+/// `/ws`, unlimited, a WebSocket route.
+fn websocket_route() -> Route {
+    Route::new("e.ws")
+        .prefix("/ws")
+        .unlimited()
+        .set("websocket", "true")
+}
+
+/// A tunnel through the gateway listening on `port`, to `path`: its `101` read.
+fn open_tunnel(port: u16, path: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tunnel
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    );
+    tunnel.write_all(request.as_bytes()).unwrap();
+    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    tunnel
+}
+
 /// An upstream that switches to any protocol it is asked for (answering 101 and echoing what
 /// follows), switches unasked on a path holding `always101`, and answers a plain request 200
 /// "plain". Its 101 is written back at once: within microseconds on loopback, the 101 was
@@ -1111,26 +1135,11 @@ fn every_websocket_tunnel_to_an_upstream_that_answers_at_once_stays_open() {
     });
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[&upstream])
-        .route(
-            Route::new("e.ws")
-                .prefix("/ws")
-                .unlimited()
-                .set("websocket", "true"),
-        )
+        .route(websocket_route())
         .start();
     let mut closed = Vec::new();
     for i in 0..40 {
-        let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-        tunnel
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        tunnel
-            .write_all(
-                b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
-            )
-            .unwrap();
-        let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
-        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let mut tunnel = open_tunnel(gw.port, "/ws");
         let frame = format!("frame {i:02}");
         tunnel.write_all(frame.as_bytes()).unwrap();
         let mut echoed = vec![0u8; frame.len()];
@@ -1150,25 +1159,9 @@ fn a_websocket_tunnel_carries_more_than_max_body_bytes() {
     let upstream = upgrading_upstream();
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[&upstream])
-        .route(
-            Route::new("e.ws")
-                .prefix("/ws")
-                .unlimited()
-                .set("websocket", "true")
-                .set("max_body_bytes", "1000"),
-        )
+        .route(websocket_route().set("max_body_bytes", "1000"))
         .start();
-    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    tunnel
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    tunnel
-        .write_all(
-            b"GET /ws/big HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
-        )
-        .unwrap();
-    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut tunnel = open_tunnel(gw.port, "/ws/big");
     // Ten messages of 600 bytes: 6 000 through a route whose bodies stop at 1 000.
     for i in 0..10u8 {
         let message = vec![b'a' + i; 600];
@@ -1195,22 +1188,9 @@ fn an_idle_websocket_tunnel_closes_with_nothing_written_into_it() {
     let gw = GatewayConfig::new(&redis.url())
         .upstream_timeouts("app", &[&upstream], None, Some(300))
         .access_log(&log)
-        .route(
-            Route::new("e.ws")
-                .prefix("/ws")
-                .unlimited()
-                .set("websocket", "true"),
-        )
+        .route(websocket_route())
         .start();
-    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    tunnel
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    tunnel
-        .write_all(b"GET /ws/idle HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
-        .unwrap();
-    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut tunnel = open_tunnel(gw.port, "/ws/idle");
     tunnel.write_all(b"ping").unwrap();
     let mut echoed = [0u8; 4];
     tunnel.read_exact(&mut echoed).unwrap();
@@ -1244,22 +1224,9 @@ fn an_upstream_reset_under_a_websocket_tunnel_is_a_warn_and_closes_it() {
     let upstream = upgrading_upstream();
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[&upstream])
-        .route(
-            Route::new("e.ws")
-                .prefix("/ws")
-                .unlimited()
-                .set("websocket", "true"),
-        )
+        .route(websocket_route())
         .start();
-    let mut tunnel = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    tunnel
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    tunnel
-        .write_all(b"GET /ws/reset HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
-        .unwrap();
-    let head = read_until(&mut tunnel, |t| t.contains("\r\n\r\n"));
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut tunnel = open_tunnel(gw.port, "/ws/reset");
     tunnel.write_all(b"ping").unwrap();
     let mut rest = Vec::new();
     let _ = tunnel.read_to_end(&mut rest);
@@ -1402,12 +1369,7 @@ fn only_a_websocket_route_passes_an_upgrade_on() {
     let upstream = upgrading_upstream();
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[&upstream])
-        .route(
-            Route::new("e.ws")
-                .prefix("/ws")
-                .unlimited()
-                .set("websocket", "true"),
-        )
+        .route(websocket_route())
         .route(
             Route::new("e.api")
                 .prefix("/api")
