@@ -1066,36 +1066,29 @@ fn open_tunnel(port: u16, path: &str) -> std::net::TcpStream {
 /// debug build; fixed in vendor/pingora-proxy).
 fn upgrading_upstream() -> String {
     use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { return };
-            std::thread::spawn(move || {
-                let Some(head) = common::read_head(&mut s) else {
+    let addr = common::raw_server(|mut s| {
+        let Some(head) = common::read_head(&mut s) else {
+            return;
+        };
+        let mut buf = [0u8; 4096];
+        let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        if asked.contains("/ws/reset") {
+            // The tunnel's first bytes are left unread when the socket closes: the
+            // close is a reset.
+            let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
+            std::thread::sleep(Duration::from_millis(300));
+        } else if asked.contains("always101") {
+            let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
+            let _ = s.read(&mut buf);
+        } else if asked.contains("\r\nupgrade: websocket") {
+            let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 || s.write_all(&buf[..n]).is_err() {
                     return;
-                };
-                let mut buf = [0u8; 4096];
-                let asked = String::from_utf8_lossy(&head).to_ascii_lowercase();
-                if asked.contains("/ws/reset") {
-                    // The tunnel's first bytes are left unread when the socket closes: the
-                    // close is a reset.
-                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
-                    std::thread::sleep(Duration::from_millis(300));
-                } else if asked.contains("always101") {
-                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\n\r\n");
-                    let _ = s.read(&mut buf);
-                } else if asked.contains("\r\nupgrade: websocket") {
-                    let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
-                    while let Ok(n) = s.read(&mut buf) {
-                        if n == 0 || s.write_all(&buf[..n]).is_err() {
-                            return;
-                        }
-                    }
-                } else {
-                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nplain");
                 }
-            });
+            }
+        } else {
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nplain");
         }
     });
     addr
@@ -1109,28 +1102,21 @@ fn upgrading_upstream() -> String {
 fn every_websocket_tunnel_to_an_upstream_that_answers_at_once_stays_open() {
     use std::io::{Read, Write};
     let redis = Redis::start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { return };
-            std::thread::spawn(move || {
-                let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
-                let Some(head) = common::read_head(&mut s) else {
-                    return;
-                };
-                // What came after the head in the same read is the tunnel's first bytes.
-                let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                if s.write_all(&head[end..]).is_err() {
-                    return;
-                }
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = s.read(&mut buf) {
-                    if n == 0 || s.write_all(&buf[..n]).is_err() {
-                        return;
-                    }
-                }
-            });
+    let upstream = common::raw_server(|mut s| {
+        let _ = s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n");
+        let Some(head) = common::read_head(&mut s) else {
+            return;
+        };
+        // What came after the head in the same read is the tunnel's first bytes.
+        let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        if s.write_all(&head[end..]).is_err() {
+            return;
+        }
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = s.read(&mut buf) {
+            if n == 0 || s.write_all(&buf[..n]).is_err() {
+                return;
+            }
         }
     });
     let gw = GatewayConfig::new(&redis.url())
@@ -1257,18 +1243,11 @@ fn an_upstream_reset_under_a_websocket_tunnel_is_a_warn_and_closes_it() {
 fn an_http_1_0_client_gets_no_chunked_answer() {
     use std::io::Write;
     let redis = Redis::start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { return };
-            std::thread::spawn(move || {
-                if common::read_head(&mut s).is_some() {
-                    let _ = s.write_all(
-                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
-                    );
-                }
-            });
+    let upstream = common::raw_server(|mut s| {
+        if common::read_head(&mut s).is_some() {
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+            );
         }
     });
     let gw = GatewayConfig::new(&redis.url())
@@ -1315,28 +1294,21 @@ fn an_http_1_0_client_gets_no_chunked_answer() {
 async fn a_content_length_given_twice_by_the_upstream_reaches_http2_once() {
     use std::io::Write;
     let redis = Redis::start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { return };
-            std::thread::spawn(move || {
-                while let Some(head) = common::read_head(&mut s) {
-                    // `/list`: one field of a list (RFC 9110 reads it as two).
-                    let head = String::from_utf8_lossy(&head).into_owned();
-                    let answer: &[u8] = if head.contains("/list") {
-                        b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello"
-                    } else if head.contains("/zero") {
-                        // One number, as Pingora reads it.
-                        b"HTTP/1.1 200 OK\r\nContent-Length: 05, 5\r\n\r\nhello"
-                    } else {
-                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"
-                    };
-                    if s.write_all(answer).is_err() {
-                        return;
-                    }
-                }
-            });
+    let upstream = common::raw_server(|mut s| {
+        while let Some(head) = common::read_head(&mut s) {
+            // `/list`: one field of a list (RFC 9110 reads it as two).
+            let head = String::from_utf8_lossy(&head).into_owned();
+            let answer: &[u8] = if head.contains("/list") {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello"
+            } else if head.contains("/zero") {
+                // One number, as Pingora reads it.
+                b"HTTP/1.1 200 OK\r\nContent-Length: 05, 5\r\n\r\nhello"
+            } else {
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"
+            };
+            if s.write_all(answer).is_err() {
+                return;
+            }
         }
     });
     let gw = GatewayConfig::new(&redis.url())

@@ -614,6 +614,22 @@ pub fn check_body(dir: &Path, body: &str, env: &[(&str, Option<&str>)]) -> (bool
     )
 }
 
+/// A raw TCP server on a free loopback port for as long as the test runs: each connection
+/// handed to `serve` on a thread of its own. Its address.
+pub fn raw_server(serve: impl Fn(std::net::TcpStream) + Send + Sync + 'static) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let serve = std::sync::Arc::new(serve);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let serve = std::sync::Arc::clone(&serve);
+            std::thread::spawn(move || serve(stream));
+        }
+    });
+    addr
+}
+
 /// Reads from `s` until a request or answer head ends (a blank line); `None` when the
 /// connection ends first. What came after the head in the same reads is kept with it.
 pub fn read_head(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
