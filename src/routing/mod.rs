@@ -156,14 +156,14 @@ pub fn host_form(host: &str) -> String {
     let inside = host
         .strip_prefix('[')
         .map_or(host, |h| h.strip_suffix(']').unwrap_or(h));
-    if let Ok(ip) = inside.parse::<std::net::Ipv6Addr>() {
-        return ip.to_string();
+    // A colon is no name's: an address in its one form, or else kept as it came (`::1.` is
+    // no address and no name either). Only such a host is parsed as an address.
+    if inside.contains(':') {
+        return inside
+            .parse::<std::net::Ipv6Addr>()
+            .map_or_else(|_| inside.to_ascii_lowercase(), |ip| ip.to_string());
     }
-    // A colon is no name's: kept as it came (`::1.` is no address and no name either).
-    let name = match inside.contains(':') {
-        true => inside,
-        false => inside.strip_suffix('.').unwrap_or(inside),
-    };
+    let name = inside.strip_suffix('.').unwrap_or(inside);
     name.to_ascii_lowercase()
 }
 
