@@ -432,7 +432,13 @@ async fn a_burst_on_every_primary_is_decided_exactly_in_batches() {
         .map(|tenant| {
             let url = gw.url("/burst");
             tokio::spawn(async move {
-                let r = client().get(&url).header("x-api-key", &tenant).send().await;
+                // 450 connections opened at once on a loaded machine: a connect can wait out
+                // a dropped SYN or two (1 s, then 3 s more) before the gateway sees it.
+                let client = common::client_builder()
+                    .timeout(Duration::from_secs(30))
+                    .build()
+                    .unwrap();
+                let r = client.get(&url).header("x-api-key", &tenant).send().await;
                 (tenant, r.expect("gateway answers").status().as_u16())
             })
         })
