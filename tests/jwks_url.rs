@@ -110,6 +110,21 @@ fn start(redis: &Redis, up: &Upstream, jwt: &str) -> common::Gateway {
         .start()
 }
 
+/// [`start`] with `provider`'s JWKS at `jwks_url` (refreshed hourly) and these `algorithms`.
+fn start_on(
+    redis: &Redis,
+    up: &Upstream,
+    provider: &Provider,
+    algorithms: &str,
+) -> common::Gateway {
+    let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
+    let jwt = format!(
+        "algorithms = [{algorithms}]\njwks_url = {}\njwks_refresh_seconds = 3600",
+        quoted(&url)
+    );
+    start(redis, up, &jwt)
+}
+
 async fn status(gw: &common::Gateway, token: &str) -> u16 {
     client()
         .get(gw.url("/api"))
@@ -125,15 +140,7 @@ async fn status(gw: &common::Gateway, token: &str) -> u16 {
 async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provider_fails() {
     let provider = Provider::start(jwks_with(&["rsa-1"])).await;
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
-    let gw = start(
-        &redis,
-        &up,
-        &format!(
-            "algorithms = [\"RS256\"]\njwks_url = {}\njwks_refresh_seconds = 3600",
-            quoted(&url)
-        ),
-    );
+    let gw = start_on(&redis, &up, &provider, r#""RS256""#);
     // Fetched at start, once: the first token verifies.
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -190,15 +197,7 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
 async fn a_kid_of_a_key_of_another_type_is_refused_without_a_fetch() {
     let provider = Provider::start(jwks_with(&["rsa-1", "ec-1"])).await;
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let url = format!("http://127.0.0.1:{}/.well-known/jwks.json", provider.port);
-    let gw = start(
-        &redis,
-        &up,
-        &format!(
-            "algorithms = [\"RS256\", \"ES256\"]\njwks_url = {}\njwks_refresh_seconds = 3600",
-            quoted(&url)
-        ),
-    );
+    let gw = start_on(&redis, &up, &provider, r#""RS256", "ES256""#);
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     assert_eq!(status(&gw, &token("ec-1", "rsa.der")).await, 401);
     tokio::time::sleep(Duration::from_millis(300)).await;
