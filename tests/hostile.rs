@@ -968,6 +968,34 @@ fn expect_100_continue_is_answered_by_the_gateway_after_the_decision() {
     }
 }
 
+/// Over HTTP/2 `Expect` is not passed upstream either (no `100` can be sent there: Pingora's
+/// HTTP/2 server sends no interim answer; the client sends its body after its own wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_is_not_passed_upstream_over_http2() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = closed_and_open(&redis.url(), &up.addr(), 5)
+        .server("h2c", "true")
+        .start();
+    let r = common::h2c_client()
+        .post(gw.url("/open"))
+        .header("X-API-Key", "k")
+        .header("Expect", "100-continue")
+        .body("hello")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    let echoed: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(echoed["body"], "hello", "{echoed}");
+    assert_eq!(
+        echoed["headers"]["expect"],
+        serde_json::Value::Null,
+        "{echoed}"
+    );
+}
+
 /// A client that leaves after its request's `100 Continue` left before the answer: 499, as
 /// any client that leaves first (it was counted and logged as status 100).
 #[test]

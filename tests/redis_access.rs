@@ -784,3 +784,36 @@ async fn a_redis_busy_with_a_script_cannot_serve_and_refuses_nothing() {
     assert!(!logs.contains("CONFIG not permitted"), "{logs}");
     assert!(!logs.contains("refused SCRIPT LOAD"), "{logs}");
 }
+
+/// A Redis that asks for a password the gateway was not given (`NOAUTH`) cannot serve: the
+/// attempts fail and say why, nothing says `CONFIG` is not permitted, and once the password
+/// is lifted the gateway connects on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_wants_a_password_it_was_not_given_is_noauth_not_a_refusal() {
+    let redis = Redis::start_with(free_port(), &["--requirepass", "not-given-0123"]);
+    let up = Upstream::start("app");
+    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    wait_until(Duration::from_secs(10), "the reason said", || {
+        gw.logs().contains("NOAUTH")
+    });
+    let mut admin = redis.conn();
+    let _: () = redis::cmd("AUTH")
+        .arg("not-given-0123")
+        .query(&mut admin)
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("")
+        .query(&mut admin)
+        .unwrap();
+    wait_until(
+        Duration::from_secs(15),
+        "connected once no password is asked",
+        || redis_up(&gw),
+    );
+    assert_eq!(statuses(&gw, "k", 4).await, [200, 200, 200, 429]);
+    let logs = gw.logs();
+    assert!(!logs.contains("CONFIG not permitted"), "{logs}");
+    assert!(!logs.contains("refused SCRIPT LOAD"), "{logs}");
+}
