@@ -1022,3 +1022,79 @@ async fn an_http2_body_ended_by_an_empty_frame_reaches_the_upstream_framed_once(
     );
     assert_eq!(body, "A\r\nxxxxxxxxxx\r\n0\r\n\r\n");
 }
+
+/// An upstream may answer before the request's body has all come. Over HTTP/2 the stream ends
+/// with the answer: the gateway resets it with `NO_ERROR` (RFC 9113, section 8.1: the client
+/// is to stop sending, the answer stands) rather than waiting for the rest of the body. It
+/// waited, and a client that stops sending once the answer has ended (curl) waited with it
+/// until one side closed the connection. The body sent so far is not passed on as a whole one
+/// (no chunked terminator), and the upstream connection is closed rather than pooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
+    let redis = Redis::start();
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    let upstream = {
+        let received = Arc::clone(&received);
+        common::raw_server(move |mut s| {
+            let Some(head) = common::read_head(&mut s) else {
+                return;
+            };
+            received.lock().unwrap().extend_from_slice(&head);
+            // Answered at once, keep-alive, the body not read first.
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\n\r\n{\"early\":true}");
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = s.read(&mut buf) {
+                received.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+            let _ = closed_tx.send(());
+        })
+    };
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[upstream])
+        .route(Route::new("open").prefix("/").unlimited())
+        .start();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    let (response, mut body) = h2.send_request(request, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"xxxxxxxxxx"), false)
+        .unwrap();
+
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut answer = response.into_body();
+    let mut text = Vec::new();
+    while let Some(piece) = answer.data().await {
+        text.extend_from_slice(&piece.unwrap());
+    }
+    assert_eq!(text, b"{\"early\":true}");
+
+    // The rest of the body is never sent: the stream is reset all the same.
+    let reset = tokio::time::timeout(
+        Duration::from_secs(5),
+        futures_util::future::poll_fn(|cx| body.poll_reset(cx)),
+    )
+    .await
+    .expect("no reset within 5 s: the stream waits for the rest of the body");
+    assert_eq!(reset.unwrap(), h2::Reason::NO_ERROR);
+
+    closed_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the upstream connection was kept open");
+    let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
+    let (head, sent) = received.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "{head}"
+    );
+    assert!(
+        !sent.contains("0\r\n\r\n"),
+        "the cut body was ended: {sent:?}"
+    );
+}

@@ -324,6 +324,14 @@ where
                 },
 
                 body = rx.recv(), if !request_done => {
+                    // sentinel-gateway: the downstream half stopped reading an HTTP/2 request's
+                    // body after the complete response (above): the pipe's close is no end of
+                    // the body, which is left unfinished, and the connection is not reused.
+                    if body.is_none() && response_done && !client_session.was_upgraded() {
+                        request_done = true;
+                        upstream_can_reuse = false;
+                        continue;
+                    }
                     // sentinel-gateway: the end of a plain `Body` is the upgrade request's own
                     // (it was read before the 101 reached the client); with a fast upstream the
                     // 101 can be read here first, and that end then closed the tunnel the
@@ -538,6 +546,17 @@ where
             || downstream_custom_read && !downstream_state.is_errored()
             || downstream_custom_write
         {
+            // sentinel-gateway: once the whole response has gone to an HTTP/2 client, the rest
+            // of its request's body is not waited for. A client may stop sending when the
+            // response ends (curl does), and the stream then waited for it until the connection
+            // closed; dropped here, h2 resets it with NO_ERROR (RFC 9113, section 8.1).
+            if response_state.is_done()
+                && downstream_state.is_reading()
+                && session.downstream_session.is_http2()
+            {
+                break;
+            }
+
             // reserve tx capacity ahead to avoid deadlock, see below
 
             let send_permit = tx
