@@ -1023,12 +1023,12 @@ async fn an_http2_body_ended_by_an_empty_frame_reaches_the_upstream_framed_once(
     assert_eq!(body, "A\r\nxxxxxxxxxx\r\n0\r\n\r\n");
 }
 
-/// An upstream may answer before the request's body has all come. Over HTTP/2 the stream ends
-/// with the answer: the gateway resets it with `NO_ERROR` (RFC 9113, section 8.1: the client
-/// is to stop sending, the answer stands) rather than waiting for the rest of the body. It
-/// waited, and a client that stops sending once the answer has ended (curl) waited with it
-/// until one side closed the connection. The body sent so far is not passed on as a whole one
-/// (no chunked terminator), and the upstream connection is closed rather than pooled.
+/// An upstream may answer before the request's body has all come. Over HTTP/2, a client that
+/// stops sending once the answer has ended (curl does) is not waited for: a quarter of a
+/// second later the gateway resets the stream with `NO_ERROR` (RFC 9113, section 8.1: the
+/// client is to stop sending, the answer stands). It waited, and the client with it, until
+/// one side closed the connection. The body sent so far is not passed on as a whole one (no
+/// chunked terminator), and the upstream connection is closed rather than pooled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
     let redis = Redis::start();
@@ -1083,8 +1083,7 @@ async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
     .expect("no reset within 5 s: the stream waits for the rest of the body");
     assert_eq!(reset.unwrap(), h2::Reason::NO_ERROR);
 
-    closed_rx
-        .recv_timeout(Duration::from_secs(5))
+    tokio::task::block_in_place(|| closed_rx.recv_timeout(Duration::from_secs(5)))
         .expect("the upstream connection was kept open");
     let received = String::from_utf8_lossy(&received.lock().unwrap()).into_owned();
     let (head, sent) = received.split_once("\r\n\r\n").unwrap();
@@ -1097,4 +1096,52 @@ async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
         !sent.contains("0\r\n\r\n"),
         "the cut body was ended: {sent:?}"
     );
+}
+
+/// A client still sending its body after an upstream's early answer over HTTP/2 is let finish
+/// (its body read and thrown away, as after the gateway's own answers), so its stream ends
+/// without a reset: some clients (curl 7.88) lose an answer whose stream is reset while they
+/// upload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_not_reset() {
+    let redis = Redis::start();
+    let upstream = common::raw_server(|mut s| {
+        if common::read_head(&mut s).is_none() {
+            return;
+        }
+        let _ = s.write_all(b"HTTP/1.1 413 Too Large\r\nContent-Length: 7\r\n\r\ntoo big");
+        let mut buf = [0u8; 4096];
+        while let Ok(1..) = s.read(&mut buf) {}
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .access_log(&log)
+        .upstream("app", &[upstream])
+        .route(Route::new("open").prefix("/").unlimited())
+        .start();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    let (response, mut body) = h2.send_request(request, false).unwrap();
+    let piece = bytes::Bytes::from(vec![b'x'; 16 * 1024]);
+    body.send_data(piece.clone(), false).unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 413);
+    let mut answer = response.into_body();
+    while let Some(part) = answer.data().await {
+        part.unwrap();
+    }
+    // The answer is whole; the client goes on with its body, a piece every 50 ms.
+    for i in 0..10 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        body.send_data(piece.clone(), i == 9)
+            .unwrap_or_else(|e| panic!("piece {i} after the answer: {e}"));
+    }
+    let line = tokio::task::block_in_place(|| common::the_access_log_line(&log));
+    assert_eq!(line["status"], 413, "{line}");
 }

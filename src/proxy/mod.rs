@@ -1105,7 +1105,18 @@ impl ProxyHttp for Gateway {
     }
 
     /// Called once per request at its end: the one place metrics are recorded.
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut RequestCtx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        // The upstream's whole answer went to an HTTP/2 client before its request's body had
+        // all come: the proxy stopped passing the body on (the upstream connection is closed).
+        // The rest is read as after the gateway's own answers, so that a client still sending
+        // ends its stream itself; one that stopped is reset after a quarter of a second.
+        if e.is_none()
+            && ctx.answered.is_none()
+            && session.downstream_session.is_http2()
+            && session.response_written().is_some()
+        {
+            linger(session, ctx).await;
+        }
         if let Some(connection) = Guarded::of(session.stream()) {
             connection.answered();
         }

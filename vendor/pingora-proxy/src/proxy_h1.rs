@@ -325,9 +325,13 @@ where
 
                 body = rx.recv(), if !request_done => {
                     // sentinel-gateway: the downstream half stopped reading an HTTP/2 request's
-                    // body after the complete response (above): the pipe's close is no end of
-                    // the body, which is left unfinished, and the connection is not reused.
-                    if body.is_none() && response_done && !client_session.was_upgraded() {
+                    // body after the complete response (below): what is left in the pipe, and
+                    // its close, are no end of the body. Nothing more is written (an upstream
+                    // that stopped reading would hold the write to its timeout), the body is
+                    // left unfinished, and the connection is not reused.
+                    if response_done
+                        && PipeState::is_body_abandoned(pipe_state.load(Ordering::Acquire))
+                    {
                         request_done = true;
                         upstream_can_reuse = false;
                         continue;
@@ -523,6 +527,8 @@ where
         let mut range_body_filter = proxy_cache::range_filter::RangeBodyFilter::new();
 
         let mut next_upstream_task: Option<HttpTask> = None;
+        // sentinel-gateway: the request's body was left unread (below).
+        let mut body_abandoned = false;
 
         /* duplex mode without caching
          * Read body from downstream while reading response from upstream
@@ -547,13 +553,15 @@ where
             || downstream_custom_write
         {
             // sentinel-gateway: once the whole response has gone to an HTTP/2 client, the rest
-            // of its request's body is not waited for. A client may stop sending when the
+            // of its request's body is not passed on. A client may stop sending when the
             // response ends (curl does), and the stream then waited for it until the connection
-            // closed; dropped here, h2 resets it with NO_ERROR (RFC 9113, section 8.1).
+            // closed. The caller reads what still comes, for a bounded time, and h2 resets the
+            // stream with NO_ERROR when it is dropped unfinished (RFC 9113, section 8.1).
             if response_state.is_done()
                 && downstream_state.is_reading()
                 && session.downstream_session.is_http2()
             {
+                body_abandoned = true;
                 break;
             }
 
@@ -875,7 +883,12 @@ where
         }
         // Signal the upstream half that the downstream half completed cleanly before
         // dropping rx, so a resulting task-pipe closure is treated as benign.
-        pipe_state.store(PipeState::DownstreamComplete as u8, Ordering::Release);
+        // sentinel-gateway: or that it left the request's body unread.
+        let state = match body_abandoned {
+            true => PipeState::BodyAbandoned,
+            false => PipeState::DownstreamComplete,
+        };
+        pipe_state.store(state as u8, Ordering::Release);
         Ok(reuse_downstream)
     }
 
