@@ -471,7 +471,7 @@ impl Store {
             link.forget(conn, e);
             link.lost_under(conn);
         }
-        self.report(link, failure, key, e)
+        self.report(link, failure, key, &ReplyText(e))
     }
 
     /// As [`Store::failed`], for the error one decision of a batch met (`"CODE detail"`).
@@ -509,6 +509,20 @@ impl Store {
             }
         }
         failure
+    }
+}
+
+/// An error reply as a batch's reply gives it, `CODE detail`, so that one reason reads the
+/// same whichever call met it; any other error as redis-rs says it.
+struct ReplyText<'a>(&'a RedisError);
+
+impl std::fmt::Display for ReplyText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.0.code(), self.0.detail()) {
+            (Some(code), Some(detail)) => write!(f, "{code} {detail}"),
+            (Some(code), None) => f.write_str(code),
+            (None, _) => self.0.fmt(f),
+        }
     }
 }
 
@@ -671,6 +685,19 @@ mod tests {
         assert_eq!(classify(&reset), Failure::ConnectionLost);
         let timed_out = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
         assert_eq!(classify(&timed_out), Failure::Timeout);
+    }
+
+    #[test]
+    fn an_error_reply_reads_as_a_batch_reply_gives_it() {
+        for resp in [
+            "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "NOSCRIPT No matching script.",
+        ] {
+            assert_eq!(ReplyText(&reply_error(resp)).to_string(), resp);
+        }
+        let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(ReplyText(&reset).to_string(), reset.to_string());
     }
 
     #[test]
