@@ -527,7 +527,18 @@ pub async fn fetch(
     let mut left_out = LeftOut::default();
     let keys = verify_keys_noting(&set, &private_keys(&body), &mut left_out);
     if keys.is_empty() {
-        return Err("holds no key that verifies signatures".into());
+        // Each key left out is named here too, as beside keys that verify.
+        let named: Vec<&str> = (left_out.unusable.iter())
+            .chain(&left_out.beside)
+            .map(String::as_str)
+            .collect();
+        return Err(match named.is_empty() {
+            true => "holds no key that verifies signatures".into(),
+            false => format!(
+                "holds no key that verifies signatures; left out: {}",
+                named.join("; ")
+            ),
+        });
     }
     Ok((keys, left_out))
 }

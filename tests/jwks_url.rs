@@ -452,6 +452,37 @@ async fn a_fetched_key_that_cannot_verify_is_left_out_and_named_once() {
     );
 }
 
+/// A fetched set in which no key verifies is not used (the last good keys stay), and the
+/// WARN that says so names each key left out and why, as when some keys verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_set_without_a_usable_key_names_the_keys_left_out() {
+    let good: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1"])).unwrap();
+    let (provider, gw, _processes) = verifying_from(&good, r#"["RS256"]"#).await;
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+    let mut bad = good.clone();
+    bad["keys"][0]["kid"] = "leaked".into();
+    bad["keys"][0]["d"] = "c2VjcmV0".into();
+    (bad["keys"].as_array_mut().unwrap())
+        .push(serde_json::json!({"kty": "oct", "kid": "shared", "k": "c2VjcmV0LXNlY3JldA"}));
+    *provider.body.lock().unwrap() = Some(bad.to_string());
+    // A token with an unknown kid asks for a fetch.
+    assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
+    wait_until(Duration::from_secs(10), "the refused set said", || {
+        gw.logs().contains("holds no key that verifies")
+    });
+    let line = (gw.logs().lines())
+        .find(|l| l.contains("holds no key that verifies"))
+        .unwrap()
+        .to_owned();
+    assert!(
+        line.contains("\"level\":\"WARN\"")
+            && line.contains("leaked: it holds its private key")
+            && line.contains("shared: a symmetric key"),
+        "{line}"
+    );
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+}
+
 /// A gateway whose `jwks_url` is a provider serving `set`, verifying `algorithms` (a TOML
 /// list), and the processes it needs, kept alive with it.
 async fn verifying_from(
