@@ -517,6 +517,8 @@ struct Stops {
     int: tokio::sync::Notify,
     /// The drain was asked for by SIGQUIT (said as such in its line).
     quit: AtomicBool,
+    /// SIGINT came: a drain going on stops at once too.
+    interrupted: AtomicBool,
 }
 
 async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stops: Arc<Stops>) {
@@ -531,7 +533,10 @@ async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stop
                 stops.quit.store(true, Ordering::Relaxed);
                 stops.term.notify_one();
             }
-            Some(()) = int.recv() => stops.int.notify_one(),
+            Some(()) = int.recv() => {
+                stops.interrupted.store(true, Ordering::Relaxed);
+                stops.int.notify_one();
+            }
             else => return,
         }
     }
@@ -567,15 +572,21 @@ impl ShutdownSignalWatch for Drain {
         self.lifecycle.start_draining();
         let lifecycle = Arc::clone(&self.lifecycle);
         let access_log = Arc::clone(&self.access_log);
+        let stops = Arc::clone(&self.stops);
         let deadline = Instant::now() + self.grace;
         std::thread::spawn(move || {
             // Give the listeners a moment to close before counting what is left.
             std::thread::sleep(Duration::from_millis(50));
-            while lifecycle.in_flight() > 0 && Instant::now() < deadline {
+            let interrupted = || stops.interrupted.load(Ordering::Relaxed);
+            while lifecycle.in_flight() > 0 && Instant::now() < deadline && !interrupted() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             match lifecycle.in_flight() {
                 0 => tracing::info!(in_flight = 0, "drained; exiting"),
+                cut if interrupted() => tracing::info!(
+                    in_flight = cut,
+                    "SIGINT: stopping now, which cuts the requests in flight"
+                ),
                 cut => tracing::warn!(
                     in_flight = cut,
                     "grace_period_seconds is over with requests in flight; exiting, which cuts them (no access-log line is written for them)"

@@ -233,6 +233,46 @@ async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
     assert!(!logs.contains("drained; exiting"), "{logs}");
 }
 
+/// SIGINT stops at once, also while a SIGTERM drain waits for a request in flight (it was
+/// not heard then: the drain went on to its end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_during_a_drain_stops_at_once() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url()).server("grace_period_seconds", "30");
+    let mut gw = routes(config, &up.addr(), api(100)).start();
+    let url = gw.url("/api/slow?ms=20000");
+    let slow = tokio::spawn(async move { client().get(url).send().await });
+    common::wait_until(Duration::from_secs(5), "the request in flight", || {
+        blocking_get(&gw.admin("/metrics")).is_some_and(|(_, body)| {
+            common::metric_value(&body, "sentinel_requests_in_flight") == 1.0
+        })
+    });
+    gw.proc.signal("TERM");
+    common::wait_until(Duration::from_secs(5), "the drain begun", || {
+        gw.logs().contains("SIGTERM: draining")
+    });
+    let sent = Instant::now();
+    gw.proc.signal("INT");
+    let code = gw
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("stops on SIGINT");
+    assert_eq!(code, 0);
+    // At once; a loaded machine may take a little longer to stop.
+    assert!(
+        sent.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert!(slow.await.unwrap().is_err(), "the request was cut");
+    let logs = gw.logs();
+    assert!(
+        logs.contains("SIGINT: stopping now, which cuts the requests in flight"),
+        "{logs}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_reload_keeps_the_old_config_serving() {
     let redis = Redis::start();
