@@ -316,12 +316,17 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
 fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> String {
     let table = table_at(source, offset).unwrap_or("");
     // A route's own fields are named by the route label; its sub-tables by their name.
+    // The error may point at the entry's header: its place counts that header.
+    let next_line = source[offset.min(source.len())..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i + 1);
     let table = match table {
-        "routes" if in_route => "",
-        t if in_route => t.strip_prefix("routes.").unwrap_or(t),
-        t => t,
+        "routes" if in_route => String::new(),
+        "routes.limits" if in_route => limit_at(source, next_line),
+        t if in_route => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
+        t => t.to_owned(),
     };
-    missing_field_of(Some(table), message)
+    missing_field_of(Some(&table), message)
 }
 
 /// ``missing field `x` `` said as what is missing from `table` (none: the caller names
@@ -419,14 +424,54 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
     };
     let table = table_header_before(source, line_start).unwrap_or("");
     let table = match table {
-        "routes" => "",
-        t => t.strip_prefix("routes.").unwrap_or(t),
+        "routes" => String::new(),
+        "routes.limits" => limit_at(source, line_start),
+        t => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
     };
-    let path: Vec<&str> = [table, key.unwrap_or("")]
+    let path: Vec<&str> = [table.as_str(), key.unwrap_or("")]
         .into_iter()
         .filter(|p| !p.is_empty())
         .collect();
     (!path.is_empty()).then(|| path.join("."))
+}
+
+/// The `[[routes.limits]]` entry the line at `line_start` is in, as the other errors name
+/// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one.
+fn limit_at(source: &str, line_start: usize) -> String {
+    let header = |l: &str| -> Option<String> {
+        let l = l.split('#').next().unwrap_or_default().trim();
+        l.starts_with('[')
+            .then(|| l.chars().filter(|c| !c.is_whitespace()).collect())
+    };
+    let mut index = 0usize;
+    let mut entry_start = 0;
+    let mut offset = 0;
+    for line in source[..line_start].split_inclusive('\n') {
+        match header(line).as_deref() {
+            Some("[[routes]]") => index = 0,
+            Some("[[routes.limits]]") => {
+                index += 1;
+                entry_start = offset + line.len();
+            }
+            _ => {}
+        }
+        offset += line.len();
+    }
+    let name = source[entry_start..]
+        .lines()
+        .take_while(|l| header(l).is_none())
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| k.trim() == "name")
+        .and_then(|(_, v)| {
+            let v = v.split('#').next().unwrap_or_default().trim();
+            (v.len() >= 2 && v.starts_with('"') && v.ends_with('"'))
+                .then(|| v[1..v.len() - 1].to_owned())
+        });
+    let place = format!("limits[{}]", index.saturating_sub(1));
+    match name {
+        Some(name) => format!("{place} ({name})"),
+        None => place,
+    }
 }
 
 /// Whether the file's table `name` is a list of tables (`[[routes]]`, `[[routes.limits]]`,
