@@ -267,14 +267,40 @@ fn unknown_kind(jwk: &jsonwebtoken::jwk::Jwk) -> String {
     }
 }
 
-/// [`verify_keys`], and in `left_out` each key left out: its `kid` (or `-`) and why
-/// (`private` says which came with their private half).
+/// Keys left out as a log line names them: the first [`NAMED_AT_MOST`], then how many more
+/// (a provider's set may hold thousands).
+struct Named<'a>(&'a [String]);
+
+/// How many keys left out a log line names.
+const NAMED_AT_MOST: usize = 10;
+
+impl std::fmt::Display for Named<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, key) in self.0.iter().take(NAMED_AT_MOST).enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            f.write_str(key)?;
+        }
+        match self.0.len().saturating_sub(NAMED_AT_MOST) {
+            0 => Ok(()),
+            more => write!(f, "; and {more} more"),
+        }
+    }
+}
+
+/// [`verify_keys`], and in `left_out` each key left out: its `kid` (or `-`, and at most 64
+/// characters of it) and why (`private` says which came with their private half).
 fn verify_keys_noting(set: &JwkSet, private: &[bool], noted: &mut LeftOut) -> Vec<VerifyKey> {
     const PUBLISHED: &str =
         "published to anyone who can fetch the JWKS: tokens it signs prove nothing";
     let mut keys = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
         let kid = jwk.common.key_id.as_deref().unwrap_or("-");
+        let kid = match kid.char_indices().nth(64) {
+            Some((end, _)) => &kid[..end],
+            None => kid,
+        };
         match classify(jwk, private.get(i).copied().unwrap_or(false)) {
             Verdict::Private => {
                 (noted.unusable).push(format!("{kid}: it holds its private key, {PUBLISHED}"))
@@ -378,10 +404,10 @@ impl JwksCache {
         let mut before = self.left_out.lock().unwrap_or_else(|p| p.into_inner());
         if *before != left_out {
             if !left_out.unusable.is_empty() {
-                tracing::warn!(url = %shown(url), left_out = ?left_out.unusable, "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
+                tracing::warn!(url = %shown(url), left_out = %Named(&left_out.unusable), "the JWKS holds keys that cannot verify a signature; tokens signed for them get 401");
             }
             if !left_out.beside.is_empty() {
-                tracing::info!(url = %shown(url), left_out = ?left_out.beside, "the JWKS holds keys not for signing; no token is verified with them");
+                tracing::info!(url = %shown(url), left_out = %Named(&left_out.beside), "the JWKS holds keys not for signing; no token is verified with them");
             }
         }
         *before = left_out;
@@ -528,15 +554,15 @@ pub async fn fetch(
     let keys = verify_keys_noting(&set, &private_keys(&body), &mut left_out);
     if keys.is_empty() {
         // Each key left out is named here too, as beside keys that verify.
-        let named: Vec<&str> = (left_out.unusable.iter())
+        let named: Vec<String> = (left_out.unusable.iter())
             .chain(&left_out.beside)
-            .map(String::as_str)
+            .cloned()
             .collect();
         return Err(match named.is_empty() {
             true => "holds no key that verifies signatures".into(),
             false => format!(
                 "holds no key that verifies signatures; left out: {}",
-                named.join("; ")
+                Named(&named)
             ),
         });
     }
@@ -647,6 +673,18 @@ fn wait_after(failing: &Option<String>, every: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_line_names_ten_keys_left_out_and_counts_the_rest() {
+        let keys: Vec<String> = (0..12).map(|i| format!("k{i}: a symmetric key")).collect();
+        let shown = Named(&keys).to_string();
+        assert!(shown.starts_with("k0: a symmetric key; k1: "), "{shown}");
+        assert!(
+            shown.ends_with("k9: a symmetric key; and 2 more"),
+            "{shown}"
+        );
+        assert_eq!(Named(&keys[..1]).to_string(), "k0: a symmetric key");
+    }
 
     #[test]
     fn a_jwks_url_is_shown_without_its_secrets() {

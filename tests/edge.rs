@@ -1127,6 +1127,7 @@ async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_no
     let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
     let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    let sent_at = std::time::SystemTime::now();
     let (response, mut body) = h2.send_request(request, false).unwrap();
     let piece = bytes::Bytes::from(vec![b'x'; 16 * 1024]);
     body.send_data(piece.clone(), false).unwrap();
@@ -1136,12 +1137,33 @@ async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_no
     while let Some(part) = answer.data().await {
         part.unwrap();
     }
-    // The answer is whole; the client goes on with its body, a piece every 50 ms.
-    for i in 0..10 {
+    // The answer is whole; the client goes on with its body, a piece every 50 ms for a second.
+    for i in 0..20 {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        body.send_data(piece.clone(), i == 9)
+        body.send_data(piece.clone(), i == 19)
             .unwrap_or_else(|e| panic!("piece {i} after the answer: {e}"));
     }
     let line = tokio::task::block_in_place(|| common::the_access_log_line(&log));
     assert_eq!(line["status"], 413, "{line}");
+    // Every byte was read (and thrown away), and the line says when the request came and
+    // how long until its answer, not until its body's end a second later.
+    assert_eq!(line["bytes_received"], 21 * 16 * 1024, "{line}");
+    assert!(line["duration_ms"].as_f64().unwrap() < 500.0, "{line}");
+    let stamp = line["timestamp"].as_str().unwrap();
+    let of_day = |h: &str, m: &str, s: &str| -> i64 {
+        let s: f64 = s.parse().unwrap();
+        (h.parse::<i64>().unwrap() * 3600 + m.parse::<i64>().unwrap() * 60) * 1000
+            + (s * 1000.0) as i64
+    };
+    let logged = of_day(&stamp[11..13], &stamp[14..16], &stamp[17..stamp.len() - 1]);
+    let sent = (sent_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        % 86_400_000) as i64;
+    let late = (logged - sent + 43_200_000).rem_euclid(86_400_000) - 43_200_000;
+    assert!(
+        (-1000..500).contains(&late),
+        "{late} ms after it was sent: {line}"
+    );
 }

@@ -40,10 +40,10 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
 
 /// Writes the access log line of a request answered with `status`.
 pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &RequestCtx, status: u16) {
-    let took = (ctx.took)
-        .or_else(|| ctx.started.map(|s| s.elapsed()))
-        .unwrap_or_default();
-    let started = SystemTime::now() - took;
+    let elapsed = ctx.started.map(|s| s.elapsed()).unwrap_or_default();
+    let took = ctx.took.unwrap_or(elapsed);
+    // When it came: a body read on after the answer ([`super::linger`]) is no later arrival.
+    let started = SystemTime::now() - elapsed;
     let req = session.req_header();
     let header =
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));

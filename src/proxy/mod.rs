@@ -106,7 +106,7 @@ pub struct RequestCtx {
     tier: Option<Arc<str>>,
     tier_endpoint: Option<Arc<limiter::Endpoint>>,
     _in_flight: Option<InFlight>,
-    /// How long the request took until the gateway's answer, when it went on reading the
+    /// How long the request took until its answer, when the gateway went on reading the
     /// body after it ([`linger`]); else it is over when it is logged.
     took: Option<Duration>,
     /// More requests were in flight with this one than `max_connections`.
@@ -145,12 +145,12 @@ impl RequestCtx {
     }
 }
 
-/// After the gateway's own answer to a request whose body was not read: its duration is
-/// taken as answered, then the rest of the body is read and thrown away
-/// ([`respond::linger`]). The request stays in flight meanwhile (at most 2 s), so that its
-/// metrics and access-log line, written when it ends, are there once none is in flight. An
-/// HTTP/1 body not read to its end then closes the connection (Pingora would read on,
-/// unbounded, to keep it).
+/// After an answer to a request whose body was not all read (the gateway's own, or an
+/// upstream's early answer to an HTTP/2 client): its duration is taken as answered, then the
+/// rest of the body is read and thrown away ([`respond::linger`]). The request stays in
+/// flight meanwhile (at most 2 s), so that its metrics and access-log line, written when it
+/// ends, are there once none is in flight. An HTTP/1 body not read to its end then closes
+/// the connection (Pingora would read on, unbounded, to keep it).
 async fn linger(session: &mut Session, ctx: &mut RequestCtx) {
     if session.is_body_done() {
         return;

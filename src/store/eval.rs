@@ -520,8 +520,7 @@ impl std::fmt::Display for ReplyText<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.0.code(), self.0.detail()) {
             (Some(code), Some(detail)) => write!(f, "{code} {detail}"),
-            (Some(code), None) => f.write_str(code),
-            (None, _) => self.0.fmt(f),
+            _ => self.0.fmt(f),
         }
     }
 }

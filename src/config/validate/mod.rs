@@ -401,8 +401,8 @@ fn table_header_before(source: &str, offset: usize) -> Option<&str> {
 }
 
 /// The field a parse error at byte `offset` is about, as the other errors name it: the
-/// table's path (inside a route, from the route on: `limits`) and, when the error is in a
-/// value, its key (`breaker.failure_threshold`). `None` when there is nothing to name.
+/// table's path (inside a route, from the route on: `limits[1] (day)`) and, when the error
+/// is in a value, its key (`breaker.failure_threshold`). `None` when there is nothing to name.
 fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
     let offset = offset.min(source.len());
     let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
@@ -436,38 +436,42 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
 }
 
 /// The `[[routes.limits]]` entry the line at `line_start` is in, as the other errors name
-/// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one.
+/// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one;
+/// `limits` when no such entry of the route comes before the line.
 fn limit_at(source: &str, line_start: usize) -> String {
+    // A header without its spaces and quotes (`[[ routes."limits" ]]`), a comment after it.
     let header = |l: &str| -> Option<String> {
         let l = l.split('#').next().unwrap_or_default().trim();
-        l.starts_with('[')
-            .then(|| l.chars().filter(|c| !c.is_whitespace()).collect())
+        l.starts_with('[').then(|| {
+            l.chars()
+                .filter(|c| !c.is_whitespace() && *c != '"' && *c != '\'')
+                .collect()
+        })
     };
     let mut index = 0usize;
-    let mut entry_start = 0;
+    let mut entry_start = None;
     let mut offset = 0;
-    for line in source[..line_start].split_inclusive('\n') {
+    for line in source[..line_start.min(source.len())].split_inclusive('\n') {
         match header(line).as_deref() {
-            Some("[[routes]]") => index = 0,
+            Some("[[routes]]") => (index, entry_start) = (0, None),
             Some("[[routes.limits]]") => {
                 index += 1;
-                entry_start = offset + line.len();
+                entry_start = Some(offset + line.len());
             }
             _ => {}
         }
         offset += line.len();
     }
+    let Some(entry_start) = entry_start else {
+        return "limits".into();
+    };
+    // Its `name`, read as TOML reads it (any string form, a quoted key).
     let name = source[entry_start..]
         .lines()
         .take_while(|l| header(l).is_none())
-        .filter_map(|l| l.split_once('='))
-        .find(|(k, _)| k.trim() == "name")
-        .and_then(|(_, v)| {
-            let v = v.split('#').next().unwrap_or_default().trim();
-            (v.len() >= 2 && v.starts_with('"') && v.ends_with('"'))
-                .then(|| v[1..v.len() - 1].to_owned())
-        });
-    let place = format!("limits[{}]", index.saturating_sub(1));
+        .filter_map(|l| toml::from_str::<toml::Table>(l).ok())
+        .find_map(|t| t.get("name")?.as_str().map(str::to_owned));
+    let place = format!("limits[{}]", index - 1);
     match name {
         Some(name) => format!("{place} ({name})"),
         None => place,

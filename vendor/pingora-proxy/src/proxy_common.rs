@@ -532,9 +532,6 @@ impl ResponseStateMachine {
 pub(crate) enum PipeState {
     Active = 0,
     DownstreamComplete = 1,
-    /// sentinel-gateway: the downstream half stopped reading an HTTP/2 request's body once
-    /// the response was complete (`proxy_h1.rs`); whatever body is left in the pipe is cut.
-    BodyAbandoned = 2,
 }
 
 impl PipeState {
@@ -543,11 +540,6 @@ impl PipeState {
     /// comparison the upstream halves perform on a task-pipe closure.
     pub(crate) fn is_downstream_complete(raw: u8) -> bool {
         raw == PipeState::DownstreamComplete as u8
-    }
-
-    /// sentinel-gateway: whether `raw` is [`BodyAbandoned`](Self::BodyAbandoned).
-    pub(crate) fn is_body_abandoned(raw: u8) -> bool {
-        raw == PipeState::BodyAbandoned as u8
     }
 }
 

@@ -148,6 +148,8 @@ where
         // closure (the downstream half finished and dropped rx) from an unexpected one.
         let pipe_state = Arc::new(AtomicU8::new(PipeState::Active as u8));
 
+        // sentinel-gateway: whether the client speaks HTTP/2 (see the upstream half).
+        let downstream_h2 = session.downstream_session.is_http2();
         // start bi-directional streaming
         let ret = tokio::try_join!(
             self.proxy_handle_downstream(
@@ -159,7 +161,13 @@ where
                 &mut downstream_custom_message_reader,
                 pipe_state.clone(),
             ),
-            self.proxy_handle_upstream(client_session, tx_upstream, rx_downstream, pipe_state),
+            self.proxy_handle_upstream(
+                client_session,
+                tx_upstream,
+                rx_downstream,
+                pipe_state,
+                downstream_h2,
+            ),
         );
 
         if let Some(custom_session) = session.downstream_session.as_custom_mut() {
@@ -251,6 +259,7 @@ where
         tx: mpsc::Sender<HttpTask>,
         mut rx: mpsc::Receiver<HttpTask>,
         pipe_state: Arc<AtomicU8>,
+        downstream_h2: bool,
     ) -> Result<bool>
     where
         SV: ProxyHttp + Send + Sync,
@@ -324,14 +333,13 @@ where
                 },
 
                 body = rx.recv(), if !request_done => {
-                    // sentinel-gateway: the downstream half stopped reading an HTTP/2 request's
-                    // body after the complete response (below): what is left in the pipe, and
-                    // its close, are no end of the body. Nothing more is written (an upstream
-                    // that stopped reading would hold the write to its timeout), the body is
-                    // left unfinished, and the connection is not reused.
-                    if response_done
-                        && PipeState::is_body_abandoned(pipe_state.load(Ordering::Acquire))
-                    {
+                    // sentinel-gateway: an HTTP/2 client's body is not passed on once the whole
+                    // response is read (the downstream half stops reading it, below). What is
+                    // still in the pipe is not written (an upstream that stopped reading would
+                    // hold the write to its timeout, and the client's stream with it), the body
+                    // is left unfinished rather than ended as if whole, and the connection is
+                    // not reused.
+                    if response_done && downstream_h2 {
                         request_done = true;
                         upstream_can_reuse = false;
                         continue;
@@ -527,8 +535,6 @@ where
         let mut range_body_filter = proxy_cache::range_filter::RangeBodyFilter::new();
 
         let mut next_upstream_task: Option<HttpTask> = None;
-        // sentinel-gateway: the request's body was left unread (below).
-        let mut body_abandoned = false;
 
         /* duplex mode without caching
          * Read body from downstream while reading response from upstream
@@ -561,7 +567,6 @@ where
                 && downstream_state.is_reading()
                 && session.downstream_session.is_http2()
             {
-                body_abandoned = true;
                 break;
             }
 
@@ -883,12 +888,7 @@ where
         }
         // Signal the upstream half that the downstream half completed cleanly before
         // dropping rx, so a resulting task-pipe closure is treated as benign.
-        // sentinel-gateway: or that it left the request's body unread.
-        let state = match body_abandoned {
-            true => PipeState::BodyAbandoned,
-            false => PipeState::DownstreamComplete,
-        };
-        pipe_state.store(state as u8, Ordering::Release);
+        pipe_state.store(PipeState::DownstreamComplete as u8, Ordering::Release);
         Ok(reuse_downstream)
     }
 
