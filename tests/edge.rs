@@ -937,6 +937,28 @@ async fn h2_get(port: u16, authority: &str, path: &str) -> (u16, bool, String) {
     (status, id, String::from_utf8_lossy(&text).into_owned())
 }
 
+/// A gateway with h2c on, one unlimited route `open` for every path to `upstream`.
+fn h2c_to(redis: &Redis, upstream: String) -> GatewayConfig {
+    GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[upstream])
+        .route(Route::new("open").prefix("/").unlimited())
+}
+
+/// A `POST /upload` over a new h2c connection to `gw`, its body left open: the answer to
+/// come and the body's stream.
+async fn h2c_upload(
+    gw: &common::Gateway,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    h2.send_request(request, false).unwrap()
+}
+
 /// An HTTP/2 `:authority` is held to what a `Host` must be: one with an empty label or a
 /// port not of digits is the gateway's 400 with its request id, as over HTTP/1.1, where it
 /// was forwarded: `api.example..` stepped around the `host` route to the route without one,
@@ -994,18 +1016,8 @@ async fn an_http2_authority_is_held_to_what_a_host_must_be() {
 async fn an_http2_body_ended_by_an_empty_frame_reaches_the_upstream_framed_once() {
     let redis = Redis::start();
     let (upstream, received) = recording_upstream();
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
-        .upstream("app", &[upstream])
-        .route(Route::new("open").prefix("/").unlimited())
-        .start();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
-        .await
-        .unwrap();
-    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
-    let (response, mut body) = h2.send_request(request, false).unwrap();
+    let gw = h2c_to(&redis, upstream).start();
+    let (response, mut body) = h2c_upload(&gw).await;
     body.send_data(bytes::Bytes::from_static(b"xxxxxxxxxx"), false)
         .unwrap();
     body.send_data(bytes::Bytes::new(), true).unwrap();
@@ -1050,18 +1062,8 @@ async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
             let _ = closed_tx.send(());
         })
     };
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
-        .upstream("app", &[upstream])
-        .route(Route::new("open").prefix("/").unlimited())
-        .start();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
-        .await
-        .unwrap();
-    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
-    let (response, mut body) = h2.send_request(request, false).unwrap();
+    let gw = h2c_to(&redis, upstream).start();
+    let (response, mut body) = h2c_upload(&gw).await;
     body.send_data(bytes::Bytes::from_static(b"xxxxxxxxxx"), false)
         .unwrap();
 
@@ -1115,20 +1117,9 @@ async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_no
     });
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("access.log");
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
-        .access_log(&log)
-        .upstream("app", &[upstream])
-        .route(Route::new("open").prefix("/").unlimited())
-        .start();
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
-        .await
-        .unwrap();
-    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::post(gw.url("/upload")).body(()).unwrap();
+    let gw = h2c_to(&redis, upstream).access_log(&log).start();
     let sent_at = std::time::SystemTime::now();
-    let (response, mut body) = h2.send_request(request, false).unwrap();
+    let (response, mut body) = h2c_upload(&gw).await;
     let piece = bytes::Bytes::from(vec![b'x'; 16 * 1024]);
     body.send_data(piece.clone(), false).unwrap();
     let response = response.await.unwrap();

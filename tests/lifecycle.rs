@@ -190,21 +190,35 @@ fn the_listeners_open_once_the_first_redis_connection_is_made() {
     assert_eq!(status, 503, "{body}");
 }
 
-/// A request still in flight when the grace period ends is cut, and one WARN says how many
-/// were: never "drained", never nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
+/// A gateway with `grace_period_seconds = grace` and one request in flight that its upstream
+/// answers after `ms`; the processes it needs, kept alive with it.
+fn one_in_flight(
+    grace: &str,
+    ms: u64,
+) -> (
+    common::Gateway,
+    tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>,
+    (Redis, Upstream),
+) {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = GatewayConfig::new(&redis.url()).server("grace_period_seconds", "1");
-    let mut gw = routes(config, &up.addr(), api(100)).start();
-    let url = gw.url("/api/slow?ms=6000");
+    let config = GatewayConfig::new(&redis.url()).server("grace_period_seconds", grace);
+    let gw = routes(config, &up.addr(), api(100)).start();
+    let url = gw.url(&format!("/api/slow?ms={ms}"));
     let slow = tokio::spawn(async move { client().get(url).send().await });
     common::wait_until(Duration::from_secs(5), "the request in flight", || {
         blocking_get(&gw.admin("/metrics")).is_some_and(|(_, body)| {
             common::metric_value(&body, "sentinel_requests_in_flight") == 1.0
         })
     });
+    (gw, slow, (redis, up))
+}
+
+/// A request still in flight when the grace period ends is cut, and one WARN says how many
+/// were: never "drained", never nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
+    let (mut gw, slow, _processes) = one_in_flight("1", 6000);
     let sent = Instant::now();
     gw.proc.signal("TERM");
     let code = gw
@@ -237,17 +251,7 @@ async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
 /// not heard then: the drain went on to its end).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_during_a_drain_stops_at_once() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let config = GatewayConfig::new(&redis.url()).server("grace_period_seconds", "30");
-    let mut gw = routes(config, &up.addr(), api(100)).start();
-    let url = gw.url("/api/slow?ms=20000");
-    let slow = tokio::spawn(async move { client().get(url).send().await });
-    common::wait_until(Duration::from_secs(5), "the request in flight", || {
-        blocking_get(&gw.admin("/metrics")).is_some_and(|(_, body)| {
-            common::metric_value(&body, "sentinel_requests_in_flight") == 1.0
-        })
-    });
+    let (mut gw, slow, _processes) = one_in_flight("30", 20000);
     gw.proc.signal("TERM");
     common::wait_until(Duration::from_secs(5), "the drain begun", || {
         gw.logs().contains("SIGTERM: draining")
