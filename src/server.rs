@@ -542,6 +542,17 @@ async fn keep_stops([term, quit]: [Option<Signal>; 2], int: Option<Signal>, stop
     }
 }
 
+/// SIGINT's line, saying how many requests in flight it cuts.
+fn stopping_now(in_flight: usize) {
+    match in_flight {
+        0 => tracing::info!(in_flight, "SIGINT: stopping now"),
+        _ => tracing::info!(
+            in_flight,
+            "SIGINT: stopping now, which cuts the requests in flight"
+        ),
+    }
+}
+
 /// SIGTERM: turn unready at once, let Pingora stop accepting, and exit 0 as soon as the
 /// requests in flight have finished, or when the grace period ends.
 struct Drain {
@@ -557,7 +568,7 @@ impl ShutdownSignalWatch for Drain {
         tokio::select! {
             () = self.stops.term.notified() => {}
             () = self.stops.int.notified() => {
-                tracing::info!("SIGINT: stopping now");
+                stopping_now(self.lifecycle.in_flight());
                 return ShutdownSignal::FastShutdown;
             }
         }
@@ -583,10 +594,7 @@ impl ShutdownSignalWatch for Drain {
             }
             match lifecycle.in_flight() {
                 0 => tracing::info!(in_flight = 0, "drained; exiting"),
-                cut if interrupted() => tracing::info!(
-                    in_flight = cut,
-                    "SIGINT: stopping now, which cuts the requests in flight"
-                ),
+                cut if interrupted() => stopping_now(cut),
                 cut => tracing::warn!(
                     in_flight = cut,
                     "grace_period_seconds is over with requests in flight; exiting, which cuts them (no access-log line is written for them)"

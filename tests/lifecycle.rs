@@ -278,6 +278,25 @@ async fn sigint_during_a_drain_stops_at_once() {
     );
 }
 
+/// SIGINT alone stops at once too, and says how many requests it cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_says_what_it_cuts() {
+    let (mut gw, slow, _processes) = one_in_flight("30", 20_000);
+    gw.proc.signal("INT");
+    let code = gw.proc.wait_exit(Duration::from_secs(10));
+    assert_eq!(code, Some(0), "stops on SIGINT");
+    let cut = slow.await.unwrap().expect_err("the request was cut");
+    assert!(!cut.is_timeout(), "{cut}");
+    let logs = gw.logs();
+    let line = (logs.lines())
+        .find(|l| l.contains("SIGINT: stopping now"))
+        .unwrap_or_else(|| panic!("{logs}"));
+    assert!(
+        line.contains("which cuts the requests in flight") && line.contains(r#""in_flight":1"#),
+        "{line}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_reload_keeps_the_old_config_serving() {
     let redis = Redis::start();

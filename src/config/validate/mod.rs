@@ -29,6 +29,11 @@ pub fn validate(
     }
     let raw: RawConfig = match toml::from_str(source) {
         Ok(raw) => raw,
+        Err(_) if limits_before_any_route(source).is_some() => {
+            let at = limits_before_any_route(source);
+            c.push(at.as_ref(), None, "[[routes.limits]] comes before any [[routes]]: a limit is written after the [[routes]] of the route it belongs to".into());
+            return Err(ConfigErrors(c.errors));
+        }
         Err(e) => {
             let route = e.span().and_then(|s| route_at(source, s.start));
             let message = past_i64(e.message().trim());
@@ -314,13 +319,13 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
 /// TOML's ``missing field `x` `` (it points at the table's header): which table lacks it,
 /// and what a line giving it looks like. Other messages are returned as they are.
 fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> String {
-    let table = table_at(source, offset).unwrap_or("");
+    let table = table_at(source, offset).unwrap_or_default();
     // A route's own fields are named by the route label; its sub-tables by their name.
     // The error may point at the entry's header: its place counts that header.
     let next_line = source[offset.min(source.len())..]
         .find('\n')
         .map_or(source.len(), |i| offset + i + 1);
-    let table = match table {
+    let table = match table.as_str() {
         "routes" if in_route => String::new(),
         "routes.limits" if in_route => limit_at(source, next_line),
         t if in_route => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
@@ -378,7 +383,7 @@ fn endpoint_id_in(route: &str) -> Option<String> {
 }
 
 /// The table of byte `offset`: the header on its line, else the last one before it.
-fn table_at(source: &str, offset: usize) -> Option<&str> {
+fn table_at(source: &str, offset: usize) -> Option<String> {
     let offset = offset.min(source.len());
     let line_end = source[offset..]
         .find('\n')
@@ -387,17 +392,29 @@ fn table_at(source: &str, offset: usize) -> Option<&str> {
 }
 
 /// The name of the table whose header is the last one at or before byte `offset`
-/// (`breaker`, `upstreams.app`, `routes`, `routes.limits`); `None` at the top level.
-fn table_header_before(source: &str, offset: usize) -> Option<&str> {
+/// (`breaker`, `upstreams.app`, `routes`, `routes.limits`), as TOML reads it (`[[ routes .
+/// "limits" ]]` is `routes.limits`); `None` at the top level.
+fn table_header_before(source: &str, offset: usize) -> Option<String> {
     source[..offset.min(source.len())]
         .lines()
         .rev()
-        .map(str::trim_start)
-        .find(|l| l.starts_with('['))
-        .map(|l| {
-            let end = l.find(']').unwrap_or(l.len());
-            l[..end].trim_start_matches('[').trim()
-        })
+        .find_map(header_name)
+}
+
+/// The table a header line names, its spaces and key quotes left out (a quoted part holding
+/// a dot or a space is not told apart); `None` for another line.
+fn header_name(line: &str) -> Option<String> {
+    let line = line.trim_start();
+    if !line.starts_with('[') {
+        return None;
+    }
+    let end = line.find(']').unwrap_or(line.len());
+    Some(
+        line[..end]
+            .chars()
+            .filter(|c| !c.is_whitespace() && !matches!(c, '[' | '"' | '\''))
+            .collect(),
+    )
 }
 
 /// The field a parse error at byte `offset` is about, as the other errors name it: the
@@ -422,8 +439,14 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
         }
         _ => None,
     };
-    let table = table_header_before(source, line_start).unwrap_or("");
-    let table = match table {
+    let table = table_header_before(source, line_start).unwrap_or_default();
+    // A route's limits written inline (`limits = [{ ... }, { ... }]`): the entry, named.
+    let inline = match (table.as_str(), key) {
+        ("routes", Some("limits")) => inline_limit_at(line, offset - line_start),
+        _ => None,
+    };
+    let key = inline.as_deref().or(key);
+    let table = match table.as_str() {
         "routes" => String::new(),
         "routes.limits" => limit_at(source, line_start),
         t => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
@@ -439,22 +462,18 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
 /// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one;
 /// `limits` when no such entry of the route comes before the line.
 fn limit_at(source: &str, line_start: usize) -> String {
-    // A header without its spaces and quotes (`[[ routes."limits" ]]`), a comment after it.
-    let header = |l: &str| -> Option<String> {
-        let l = l.split('#').next().unwrap_or_default().trim();
-        l.starts_with('[').then(|| {
-            l.chars()
-                .filter(|c| !c.is_whitespace() && *c != '"' && *c != '\'')
-                .collect()
-        })
+    // A list entry's header: its name after `[[`.
+    let header = |l: &str| {
+        let list = l.trim_start().starts_with("[[");
+        header_name(l).filter(|_| list)
     };
     let mut index = 0usize;
     let mut entry_start = None;
     let mut offset = 0;
     for line in source[..line_start.min(source.len())].split_inclusive('\n') {
         match header(line).as_deref() {
-            Some("[[routes]]") => (index, entry_start) = (0, None),
-            Some("[[routes.limits]]") => {
+            Some("routes") => (index, entry_start) = (0, None),
+            Some("routes.limits") => {
                 index += 1;
                 entry_start = Some(offset + line.len());
             }
@@ -468,7 +487,7 @@ fn limit_at(source: &str, line_start: usize) -> String {
     // Its `name`, read as TOML reads it (any string form, a quoted key).
     let name = source[entry_start..]
         .lines()
-        .take_while(|l| header(l).is_none())
+        .take_while(|l| header_name(l).is_none())
         .filter_map(|l| toml::from_str::<toml::Table>(l).ok())
         .find_map(|t| t.get("name")?.as_str().map(str::to_owned));
     let place = format!("limits[{}]", index - 1);
@@ -476,6 +495,63 @@ fn limit_at(source: &str, line_start: usize) -> String {
         Some(name) => format!("{place} ({name})"),
         None => place,
     }
+}
+
+/// In a one-line list of inline limit tables (`limits = [{ name = "a", ... }, { ... }]`),
+/// the entry byte `at` of `line` is in, as the other errors name it: `limits[1] (b)`.
+fn inline_limit_at(line: &str, at: usize) -> Option<String> {
+    let open = line.find('[')?;
+    // Each entry's start, and where `at` is: outside strings, by the braces' depth.
+    let (mut depth, mut quote, mut starts) = (0usize, None, Vec::new());
+    let mut within = None;
+    for (i, c) in line.char_indices().skip_while(|&(i, _)| i < open) {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '{') => {
+                if depth == 0 {
+                    starts.push(i);
+                }
+                depth += 1;
+            }
+            (None, '}') => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 && i >= at && within.is_none() && !starts.is_empty() {
+                    within = Some((starts.len() - 1, starts[starts.len() - 1]..=i));
+                }
+            }
+            _ => {}
+        }
+    }
+    let (index, entry) = within?;
+    let name = toml::from_str::<toml::Table>(&format!("entry = {}", &line[entry]))
+        .ok()
+        .and_then(|t| t.get("entry")?.get("name")?.as_str().map(str::to_owned));
+    Some(match name {
+        Some(name) => format!("limits[{index}] ({name})"),
+        None => format!("limits[{index}]"),
+    })
+}
+
+/// The byte range of a `[[routes.limits]]` header written before any `[[routes]]`: the
+/// limit belongs to no route (TOML then says `[[routes]]` is written twice, or that
+/// `routes` is no list).
+fn limits_before_any_route(source: &str) -> Option<std::ops::Range<usize>> {
+    let mut offset = 0;
+    for line in source.split_inclusive('\n') {
+        let list = line.trim_start().starts_with("[[");
+        match header_name(line).filter(|_| list).as_deref() {
+            Some("routes") => return None,
+            Some("routes.limits") => {
+                let start = offset + line.len() - line.trim_start().len();
+                return Some(start..offset + line.trim_end().len());
+            }
+            _ => {}
+        }
+        offset += line.len();
+    }
+    None
 }
 
 /// Whether the file's table `name` is a list of tables (`[[routes]]`, `[[routes.limits]]`,
