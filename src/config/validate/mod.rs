@@ -29,7 +29,12 @@ pub fn validate(
     }
     let raw: RawConfig = match toml::from_str(source) {
         Ok(raw) => raw,
-        Err(_) if limits_before_any_route(source).is_some() => {
+        Err(e)
+            if (e.message().contains("duplicate key")
+                || e.message()
+                    .starts_with("invalid type: map, expected a sequence"))
+                && limits_before_any_route(source).is_some() =>
+        {
             let at = limits_before_any_route(source);
             c.push(at.as_ref(), None, "[[routes.limits]] comes before any [[routes]]: a limit is written after the [[routes]] of the route it belongs to".into());
             return Err(ConfigErrors(c.errors));
@@ -287,11 +292,14 @@ fn route_at(source: &str, offset: usize) -> Option<String> {
         routes: Vec<Spanned<toml::Table>>,
     }
     let loose: Option<Loose> = toml::from_str(source).ok();
-    let header_starts: Vec<usize> = source
-        .match_indices("[[routes]]")
-        .map(|(i, _)| i)
-        .filter(|&i| i == 0 || source.as_bytes()[i - 1] == b'\n')
-        .collect();
+    let mut header_starts = Vec::new();
+    let mut at = 0;
+    for line in source.split_inclusive('\n') {
+        if is_entry_of(line, "routes") {
+            header_starts.push(at);
+        }
+        at += line.len();
+    }
     let index = header_starts.iter().rposition(|&start| start <= offset)?;
     // A table after the last route (`[breaker]`, `[upstreams.x]`) is not that route's; an
     // error may point at the table's header itself (a missing field).
@@ -401,20 +409,56 @@ fn table_header_before(source: &str, offset: usize) -> Option<String> {
         .find_map(header_name)
 }
 
-/// The table a header line names, its spaces and key quotes left out (a quoted part holding
-/// a dot or a space is not told apart); `None` for another line.
+/// The table a header line names (`[x]` or `[[x]]`), as TOML reads its dotted key: spaces
+/// around its parts left out, a part quoted only when it must be (`[[ routes . "limits" ]]`
+/// is `routes.limits`, `[upstreams."my app"]` is `upstreams."my app"`, `[["routes.limits"]]`
+/// is `"routes.limits"`); `None` for another line.
 fn header_name(line: &str) -> Option<String> {
-    let line = line.trim_start();
-    if !line.starts_with('[') {
+    let line = line.trim_start_matches('\u{feff}').trim_start();
+    let inner = line.strip_prefix('[')?;
+    let (inner, close) = match inner.strip_prefix('[') {
+        Some(inner) => (inner, "]]"),
+        None => (inner, "]"),
+    };
+    let (mut parts, mut part, mut quote) = (Vec::new(), String::new(), None);
+    let mut closed = false;
+    for (i, c) in inner.char_indices() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => part.push(c),
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '.') => parts.push(std::mem::take(&mut part)),
+            (None, ']') => {
+                // A header not closed as it opened (`[[routes]`) is TOML's error to name.
+                closed = inner[i..].starts_with(close);
+                break;
+            }
+            (None, c) if c.is_whitespace() => {}
+            (None, c) => part.push(c),
+        }
+    }
+    if !closed {
         return None;
     }
-    let end = line.find(']').unwrap_or(line.len());
-    Some(
-        line[..end]
-            .chars()
-            .filter(|c| !c.is_whitespace() && !matches!(c, '[' | '"' | '\''))
-            .collect(),
-    )
+    parts.push(part);
+    let bare = |p: &str| {
+        !p.is_empty()
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    };
+    let shown: Vec<String> = (parts.iter())
+        .map(|p| match bare(p) {
+            true => p.clone(),
+            false => format!("{p:?}"),
+        })
+        .collect();
+    Some(shown.join("."))
+}
+
+/// Whether `line` is the header of an entry of the list of tables `name` (`[[routes]]`).
+fn is_entry_of(line: &str, name: &str) -> bool {
+    let line = line.trim_start_matches('\u{feff}').trim_start();
+    line.starts_with("[[") && header_name(line).as_deref() == Some(name)
 }
 
 /// The field a parse error at byte `offset` is about, as the other errors name it: the
@@ -431,18 +475,27 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
         // A table header itself (a syntax error in it): the message says all there is.
         return None;
     }
-    let key = match line.find('=') {
+    // A line of a list of inline tables written over several lines: the list's key above.
+    let owner = (line.trim_start().starts_with('{'))
+        .then(|| list_owner(source, line_start))
+        .flatten();
+    let key = match (owner, line.find('=')) {
+        (Some((_, key)), _) => Some(key),
         // The error is in the value: name its key (a quoted key keeps its quotes); a key
         // written twice is named too.
-        Some(eq) if line_start + eq < offset || message.contains("duplicate key") => {
+        (None, Some(eq)) if line_start + eq < offset || message.contains("duplicate key") => {
             Some(line[..eq].trim())
         }
         _ => None,
     };
     let table = table_header_before(source, line_start).unwrap_or_default();
     // A route's limits written inline (`limits = [{ ... }, { ... }]`): the entry, named.
-    let inline = match (table.as_str(), key) {
-        ("routes", Some("limits")) => inline_limit_at(line, offset - line_start),
+    let unquoted = key.map(|k| k.trim_matches(|c| c == '"' || c == '\''));
+    let inline = match (table.as_str(), unquoted) {
+        ("routes", Some("limits")) => {
+            let from = owner.map_or(line_start, |(start, _)| start);
+            inline_limit_at(&source[from..line_end], offset - from)
+        }
         _ => None,
     };
     let key = inline.as_deref().or(key);
@@ -462,22 +515,15 @@ fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
 /// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one;
 /// `limits` when no such entry of the route comes before the line.
 fn limit_at(source: &str, line_start: usize) -> String {
-    // A list entry's header: its name after `[[`.
-    let header = |l: &str| {
-        let list = l.trim_start().starts_with("[[");
-        header_name(l).filter(|_| list)
-    };
     let mut index = 0usize;
     let mut entry_start = None;
     let mut offset = 0;
     for line in source[..line_start.min(source.len())].split_inclusive('\n') {
-        match header(line).as_deref() {
-            Some("routes") => (index, entry_start) = (0, None),
-            Some("routes.limits") => {
-                index += 1;
-                entry_start = Some(offset + line.len());
-            }
-            _ => {}
+        if is_entry_of(line, "routes") {
+            (index, entry_start) = (0, None);
+        } else if is_entry_of(line, "routes.limits") {
+            index += 1;
+            entry_start = Some(offset + line.len());
         }
         offset += line.len();
     }
@@ -497,25 +543,74 @@ fn limit_at(source: &str, line_start: usize) -> String {
     }
 }
 
-/// In a one-line list of inline limit tables (`limits = [{ name = "a", ... }, { ... }]`),
-/// the entry byte `at` of `line` is in, as the other errors name it: `limits[1] (b)`.
-fn inline_limit_at(line: &str, at: usize) -> Option<String> {
-    let open = line.find('[')?;
+/// For a line of a list written over several lines, the line above that opens it (`limits =
+/// [`): its start and its key. `None` when a table's header comes first.
+fn list_owner(source: &str, line_start: usize) -> Option<(usize, &str)> {
+    let mut end = line_start.checked_sub(1)?;
+    loop {
+        let start = source[..end].rfind('\n').map_or(0, |i| i + 1);
+        let line = &source[start..end];
+        let trimmed = line.trim_start();
+        if header_name(line).is_some() {
+            return None;
+        }
+        // The list's other entries, comments and blank lines are passed over.
+        if !(trimmed.starts_with('{') || trimmed.starts_with('#') || trimmed.is_empty()) {
+            let eq = line.find('=')?;
+            let opens = line[eq + 1..].trim_start().starts_with('[');
+            return opens.then(|| (start, line[..eq].trim()));
+        }
+        end = start.checked_sub(1)?;
+    }
+}
+
+/// In a list of inline limit tables (`limits = [{ name = "a", ... }, { ... }]`, on one line
+/// or several), the entry byte `at` of `text` is in, as the other errors name it:
+/// `limits[1] (b)`.
+fn inline_limit_at(text: &str, at: usize) -> Option<String> {
+    let open = text.find('[')?;
     // Each entry's start, and where `at` is: outside strings, by the braces' depth.
-    let (mut depth, mut quote, mut starts) = (0usize, None, Vec::new());
+    let (mut depth, mut quote, mut starts) = (0usize, None::<&str>, Vec::new());
     let mut within = None;
-    for (i, c) in line.char_indices().skip_while(|&(i, _)| i < open) {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), _) => {}
-            (None, '"' | '\'') => quote = Some(c),
-            (None, '{') => {
+    let (mut escaped, mut comment, mut skip) = (false, false, 0);
+    for (i, c) in text.char_indices().skip_while(|&(i, _)| i < open) {
+        let rest = &text[i..];
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
+        if comment {
+            comment = c != '\n';
+            continue;
+        }
+        match quote {
+            // A basic string's `\"` is no end; a triple quote ends only at its like.
+            Some(q) => {
+                if escaped {
+                    escaped = false;
+                } else if c == '\\' && q.starts_with('"') {
+                    escaped = true;
+                } else if rest.starts_with(q) {
+                    (quote, skip) = (None, q.len() - 1);
+                }
+                continue;
+            }
+            None if rest.starts_with("\"\"\"") || rest.starts_with("'''") => {
+                (quote, skip) = (Some(&rest[..3]), 2);
+                continue;
+            }
+            None => {}
+        }
+        match c {
+            '#' => comment = true,
+            '"' | '\'' => quote = Some(&rest[..1]),
+            '{' => {
                 if depth == 0 {
                     starts.push(i);
                 }
                 depth += 1;
             }
-            (None, '}') => {
+            '}' => {
                 depth = depth.saturating_sub(1);
                 if depth == 0 && i >= at && within.is_none() && !starts.is_empty() {
                     within = Some((starts.len() - 1, starts[starts.len() - 1]..=i));
@@ -525,7 +620,7 @@ fn inline_limit_at(line: &str, at: usize) -> Option<String> {
         }
     }
     let (index, entry) = within?;
-    let name = toml::from_str::<toml::Table>(&format!("entry = {}", &line[entry]))
+    let name = toml::from_str::<toml::Table>(&format!("entry = {}", &text[entry]))
         .ok()
         .and_then(|t| t.get("entry")?.get("name")?.as_str().map(str::to_owned));
     Some(match name {
@@ -540,14 +635,12 @@ fn inline_limit_at(line: &str, at: usize) -> Option<String> {
 fn limits_before_any_route(source: &str) -> Option<std::ops::Range<usize>> {
     let mut offset = 0;
     for line in source.split_inclusive('\n') {
-        let list = line.trim_start().starts_with("[[");
-        match header_name(line).filter(|_| list).as_deref() {
-            Some("routes") => return None,
-            Some("routes.limits") => {
-                let start = offset + line.len() - line.trim_start().len();
-                return Some(start..offset + line.trim_end().len());
-            }
-            _ => {}
+        if header_name(line).as_deref() == Some("routes") {
+            return None;
+        }
+        if is_entry_of(line, "routes.limits") {
+            let start = offset + line.len() - line.trim_start().len();
+            return Some(start..offset + line.trim_end().len());
         }
         offset += line.len();
     }
