@@ -817,3 +817,27 @@ async fn a_redis_that_wants_a_password_it_was_not_given_is_noauth_not_a_refusal(
     assert!(!logs.contains("CONFIG not permitted"), "{logs}");
     assert!(!logs.contains("refused SCRIPT LOAD"), "{logs}");
 }
+
+/// A Redis that closes idle clients (its `timeout`, as managed Redis services set it): the
+/// gateway's connections closed while no decision used them are said at INFO and made
+/// again, never a WARN of a lost connection (it was one each idle period), and the next
+/// decisions are Redis's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_redis_closes_while_idle_is_no_warning() {
+    let redis = Redis::start_with(free_port(), &["--timeout", "1"]);
+    let up = Upstream::start("app");
+    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    assert_eq!(statuses(&gw, "k", 1).await, [200]);
+    wait_until(Duration::from_secs(10), "an idle connection closed", || {
+        gw.logs()
+            .contains("redis closed a connection no decision was using")
+    });
+    wait_until(Duration::from_secs(10), "connected again", || redis_up(&gw));
+    assert_eq!(statuses(&gw, "k", 3).await, [200, 200, 429]);
+    let logs = gw.logs();
+    let closed = (logs.lines())
+        .find(|l| l.contains("no decision was using"))
+        .unwrap();
+    assert!(closed.contains(r#""level":"INFO""#), "{closed}");
+    assert!(!logs.contains("redis connection lost"), "{logs}");
+}

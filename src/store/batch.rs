@@ -711,7 +711,8 @@ impl Store {
         state.bytes.dead = true;
         let mut batches = std::mem::take(&mut state.batches);
         drop(state);
-        if !batches.in_flight.waiting.is_empty() || !batches.queue.waiting.is_empty() {
+        let deciding = !batches.in_flight.waiting.is_empty() || !batches.queue.waiting.is_empty();
+        if deciding {
             link.lost_under(conn);
         }
         batches
@@ -720,7 +721,7 @@ impl Store {
         batches
             .queue
             .tell_all(|| Answer::Failed(Failure::ConnectionLost));
-        link.forget(conn, &cause);
+        link.forget(conn, &cause, deciding);
     }
 
     /// Tells each decision its part of the batch's answer, or its own error. (A decision

@@ -406,6 +406,8 @@ impl Store {
             Err(f) => return Step::Failed(f),
         };
         let mut c = conn.redis.clone();
+        // A loss of the connection meanwhile is one under a decision (a WARN, not an INFO).
+        let _deciding = conn.deciding();
         // Before the call: its answer's `now` less this bounds the node's clock offset from
         // above (a retry after NOSCRIPT is sent later still).
         let sent_us = deadline::mono_us();
@@ -468,7 +470,7 @@ impl Store {
     ) -> Failure {
         let failure = classify(e);
         if failure == Failure::ConnectionLost {
-            link.forget(conn, e);
+            link.forget(conn, e, true);
             link.lost_under(conn);
         }
         self.report(link, failure, key, &ReplyText(e))

@@ -38,6 +38,30 @@ pub(super) struct Conn {
     closed: watch::Receiver<bool>,
     /// Its loss was counted for the breaker ([`Link::lost_under`]).
     loss_counted: AtomicBool,
+    /// Decisions sent on `redis` one by one and not yet answered ([`Conn::deciding`]).
+    solo: std::sync::atomic::AtomicUsize,
+}
+
+impl Conn {
+    /// Counts a decision sent on `redis` alone until the guard goes (answered, or given up).
+    pub(super) fn deciding(&self) -> Deciding<'_> {
+        self.solo.fetch_add(1, Ordering::Relaxed);
+        Deciding(&self.solo)
+    }
+
+    /// Whether any decision was waiting on this connection: one sent alone, or a batch.
+    fn in_use(&self) -> bool {
+        self.solo.load(Ordering::Relaxed) > 0 || self.wire.lock().batches.call_in_flight()
+    }
+}
+
+/// A decision in flight on a connection's `redis` ([`Conn::deciding`]).
+pub(super) struct Deciding<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Deciding<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Conn {
@@ -275,6 +299,7 @@ impl Link {
             wire: Arc::new(wire),
             closed: opened.closed,
             loss_counted: AtomicBool::new(false),
+            solo: std::sync::atomic::AtomicUsize::new(0),
         });
         let previous = match in_place_of {
             None => self.conn.swap(Some(Arc::clone(&conn))),
@@ -321,6 +346,7 @@ impl Link {
             wire: Arc::new(wire),
             closed: old.closed.clone(),
             loss_counted: AtomicBool::new(false),
+            solo: std::sync::atomic::AtomicUsize::new(0),
         });
         let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(&old, Some(conn));
@@ -405,11 +431,17 @@ impl Link {
 
     /// Forgets a broken connection (once, however many requests, or its watcher, saw it
     /// break), counts the loss as one failure of the node, and wakes the connector; in a
-    /// cluster, also asks for a fresh slot map.
-    pub(super) fn forget(&self, conn: &Arc<Conn>, cause: &dyn std::fmt::Display) {
+    /// cluster, also asks for a fresh slot map. `deciding`: the caller saw decisions waiting
+    /// on it. A connection Redis closed while nothing used it (its `timeout` for idle
+    /// clients, say) is said at INFO: no decision failed.
+    pub(super) fn forget(&self, conn: &Arc<Conn>, cause: &dyn std::fmt::Display, deciding: bool) {
         let prev = self.conn.compare_and_swap(conn, None);
         if prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, conn)) {
-            tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
+            if deciding || conn.in_use() {
+                tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
+            } else {
+                tracing::info!(node = %self.node(), error = %cause, "redis closed a connection no decision was using (its idle timeout, say); reconnecting in the background");
+            }
             self.wake.notify_one();
             if let Some(refresh) = &self.refresh {
                 refresh.notify_one();
@@ -470,6 +502,6 @@ async fn forget_when_closed(link: Weak<Link>, conn: Weak<Conn>, mut closed: watc
     // Ok: the socket ended; Err: the socket was dropped with the connection.
     let _ = closed.wait_for(|ended| *ended).await;
     if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
-        link.forget(&conn, &"redis closed the connection");
+        link.forget(&conn, &"redis closed the connection", false);
     }
 }
