@@ -88,6 +88,14 @@ async fn a_connection_killed_under_load_opens_no_breaker() {
         statuses.len()
     );
     assert_eq!(status(&http, &gw.url("/closed"), "after").await, 200);
+    // Lost under decisions (some were refused for it): a WARN, not the idle close's INFO.
+    let logs = gw.logs();
+    if unavailable > 0 {
+        assert!(
+            logs.contains("redis connection lost") && !logs.contains("no decision was using"),
+            "{logs}"
+        );
+    }
 }
 
 /// Bucket fields of `inf`, `-inf`, `nan` or `-1e300` written by hand: Lua reads them as

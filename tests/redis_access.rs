@@ -824,14 +824,26 @@ async fn a_redis_that_wants_a_password_it_was_not_given_is_noauth_not_a_refusal(
 /// decisions are Redis's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_redis_closes_while_idle_is_no_warning() {
-    let redis = Redis::start_with(free_port(), &["--timeout", "1"]);
+    let redis = Redis::start();
     let up = Upstream::start("app");
     let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
     assert_eq!(statuses(&gw, "k", 1).await, [200]);
+    // Idle clients closed after a second, while the gateway has nothing to decide; then
+    // no more (a timeout that short also closes the connection between requests).
+    let timeout = |seconds: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("timeout")
+            .arg(seconds)
+            .query(&mut redis.conn())
+            .unwrap();
+    };
+    timeout("1");
     wait_until(Duration::from_secs(10), "an idle connection closed", || {
         gw.logs()
             .contains("redis closed a connection no decision was using")
     });
+    timeout("0");
     wait_until(Duration::from_secs(10), "connected again", || redis_up(&gw));
     assert_eq!(statuses(&gw, "k", 3).await, [200, 200, 429]);
     let logs = gw.logs();

@@ -270,6 +270,11 @@ impl Batches {
         self.busy
     }
 
+    /// Whether decisions wait here: in the call in flight, or for the next.
+    pub(super) fn deciding(&self) -> bool {
+        !self.in_flight.waiting.is_empty() || !self.queue.waiting.is_empty()
+    }
+
     /// The number of the call in flight, if one is: a later look tells the same call
     /// unanswered from the next one.
     fn unanswered_call(&self) -> Option<u64> {
@@ -709,9 +714,10 @@ impl Store {
         cause: io::Error,
     ) {
         state.bytes.dead = true;
+        let deciding = state.batches.deciding();
+        conn.lost_deciding.store(deciding, Ordering::Release);
         let mut batches = std::mem::take(&mut state.batches);
         drop(state);
-        let deciding = !batches.in_flight.waiting.is_empty() || !batches.queue.waiting.is_empty();
         if deciding {
             link.lost_under(conn);
         }

@@ -38,8 +38,12 @@ pub(super) struct Conn {
     closed: watch::Receiver<bool>,
     /// Its loss was counted for the breaker ([`Link::lost_under`]).
     loss_counted: AtomicBool,
-    /// Decisions sent on `redis` one by one and not yet answered ([`Conn::deciding`]).
-    solo: std::sync::atomic::AtomicUsize,
+    /// Decisions sent on `redis` one by one and not yet answered ([`Conn::deciding`]);
+    /// shared with the `Conn` that gets a new `wire` on the same `redis`.
+    solo: Arc<std::sync::atomic::AtomicUsize>,
+    /// The decision connection broke with decisions waiting on it (set before they are
+    /// told, so that a watcher that sees the socket closed then still knows).
+    pub(super) lost_deciding: AtomicBool,
 }
 
 impl Conn {
@@ -49,9 +53,11 @@ impl Conn {
         Deciding(&self.solo)
     }
 
-    /// Whether any decision was waiting on this connection: one sent alone, or a batch.
+    /// Whether any decision was waiting on this connection: one sent alone, or batched.
     fn in_use(&self) -> bool {
-        self.solo.load(Ordering::Relaxed) > 0 || self.wire.lock().batches.call_in_flight()
+        self.solo.load(Ordering::Relaxed) > 0
+            || self.lost_deciding.load(Ordering::Acquire)
+            || self.wire.lock().batches.deciding()
     }
 }
 
@@ -299,7 +305,8 @@ impl Link {
             wire: Arc::new(wire),
             closed: opened.closed,
             loss_counted: AtomicBool::new(false),
-            solo: std::sync::atomic::AtomicUsize::new(0),
+            solo: Arc::default(),
+            lost_deciding: AtomicBool::new(false),
         });
         let previous = match in_place_of {
             None => self.conn.swap(Some(Arc::clone(&conn))),
@@ -346,7 +353,8 @@ impl Link {
             wire: Arc::new(wire),
             closed: old.closed.clone(),
             loss_counted: AtomicBool::new(false),
-            solo: std::sync::atomic::AtomicUsize::new(0),
+            solo: Arc::clone(&old.solo),
+            lost_deciding: AtomicBool::new(false),
         });
         let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(&old, Some(conn));
