@@ -484,6 +484,22 @@ async fn a_fetched_set_without_a_usable_key_names_the_keys_left_out() {
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
 }
 
+/// A fetched set larger than 1 MiB is a failed fetch, said with its reason; the last good
+/// keys stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_set_over_a_mebibyte_is_a_failed_fetch() {
+    let good: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1"])).unwrap();
+    let (provider, gw, _processes) = verifying_from(&good, r#"["RS256"]"#).await;
+    let mut big = good.clone();
+    big["padding"] = "x".repeat(1 << 20).into();
+    *provider.body.lock().unwrap() = Some(big.to_string());
+    assert_eq!(status(&gw, &token("nobody", "other-rsa.der")).await, 401);
+    wait_until(Duration::from_secs(10), "the refused set said", || {
+        gw.logs().contains("is larger than 1048576 bytes")
+    });
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
+}
+
 /// A gateway whose `jwks_url` is a provider serving `set`, verifying `algorithms` (a TOML
 /// list), and the processes it needs, kept alive with it.
 async fn verifying_from(

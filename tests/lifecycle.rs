@@ -190,6 +190,26 @@ fn the_listeners_open_once_the_first_redis_connection_is_made() {
     assert_eq!(status, 503, "{body}");
 }
 
+/// `signal` makes the gateway exit 0 within 3 s (a loaded machine may take longer than the
+/// moment it should take), cutting the request in flight (`slow`), which gets no answer.
+async fn stops_and_cuts(
+    gw: &mut common::Gateway,
+    signal: &str,
+    slow: tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>,
+) {
+    let sent = Instant::now();
+    gw.proc.signal(signal);
+    let code = gw.proc.wait_exit(Duration::from_secs(10));
+    assert_eq!(code, Some(0), "exits 0 on SIG{signal}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        sent.elapsed()
+    );
+    let cut = slow.await.unwrap().expect_err("the request was cut");
+    assert!(!cut.is_timeout(), "{cut}");
+}
+
 /// A gateway with `grace_period_seconds = grace` and one request in flight that its upstream
 /// answers after `ms`; the processes it needs, kept alive with it.
 fn one_in_flight(
@@ -219,20 +239,8 @@ fn one_in_flight(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
     let (mut gw, slow, _processes) = one_in_flight("1", 6000);
-    let sent = Instant::now();
-    gw.proc.signal("TERM");
-    let code = gw
-        .proc
-        .wait_exit(Duration::from_secs(5))
-        .expect("exits when the grace period is over");
-    assert_eq!(code, 0);
-    // One second of grace; a loaded machine may take a little longer to stop.
-    assert!(
-        sent.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        sent.elapsed()
-    );
-    assert!(slow.await.unwrap().is_err(), "the request was cut");
+    // One second of grace, then the request is cut.
+    stops_and_cuts(&mut gw, "TERM", slow).await;
     let logs = gw.logs();
     let cut: Vec<&str> = logs
         .lines()
@@ -256,21 +264,7 @@ async fn sigint_during_a_drain_stops_at_once() {
     common::wait_until(Duration::from_secs(5), "the drain begun", || {
         gw.logs().contains("SIGTERM: draining")
     });
-    let sent = Instant::now();
-    gw.proc.signal("INT");
-    let code = gw
-        .proc
-        .wait_exit(Duration::from_secs(10))
-        .expect("stops on SIGINT");
-    assert_eq!(code, 0);
-    // At once; a loaded machine may take a little longer to stop.
-    assert!(
-        sent.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        sent.elapsed()
-    );
-    let cut = slow.await.unwrap().expect_err("the request was cut");
-    assert!(!cut.is_timeout(), "{cut}");
+    stops_and_cuts(&mut gw, "INT", slow).await;
     let logs = gw.logs();
     assert!(
         logs.contains("SIGINT: stopping now, which cuts the requests in flight"),
@@ -282,11 +276,7 @@ async fn sigint_during_a_drain_stops_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_says_what_it_cuts() {
     let (mut gw, slow, _processes) = one_in_flight("30", 20_000);
-    gw.proc.signal("INT");
-    let code = gw.proc.wait_exit(Duration::from_secs(10));
-    assert_eq!(code, Some(0), "stops on SIGINT");
-    let cut = slow.await.unwrap().expect_err("the request was cut");
-    assert!(!cut.is_timeout(), "{cut}");
+    stops_and_cuts(&mut gw, "INT", slow).await;
     let logs = gw.logs();
     let line = (logs.lines())
         .find(|l| l.contains("SIGINT: stopping now"))

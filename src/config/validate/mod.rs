@@ -664,7 +664,8 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
     if !header.starts_with('[') {
         return None;
     }
-    let name = header.trim_matches(|c| c == '[' || c == ']').trim();
+    let name = header_name(header)?;
+    let name = name.as_str();
     let list = header.starts_with("[[");
     let listed = |name: &str| format!("[[{name}]] (one per entry)");
     let named = |name: &str| match name {
@@ -673,10 +674,8 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
     };
     // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
     let other_form = source.lines().any(|l| {
-        let l = l.split('#').next().unwrap_or_default().trim();
-        l.starts_with('[')
-            && l.trim_matches(|c| c == '[' || c == ']').trim() == name
-            && l.starts_with("[[") != list
+        let l = l.trim_start();
+        header_name(l).as_deref() == Some(name) && l.starts_with("[[") != list
     });
     // A message about a table above this one (`[[server.tls.sni]]` with no `[[server.tls]]`)
     // is left as TOML's own: the header's own form is not what is wrong.
