@@ -3,6 +3,7 @@
 //! `sections.rs` checks `[server]`, `[redis]`, `[breaker]`, `[auth.jwt]` and `[upstreams]`;
 //! `route.rs` checks each `[[routes]]` entry and the rules between routes.
 
+mod place;
 mod route;
 mod sections;
 mod tls;
@@ -40,29 +41,43 @@ pub fn validate(
             return Err(ConfigErrors(c.errors));
         }
         Err(e) => {
-            let route = e.span().and_then(|s| route_at(source, s.start));
             let message = past_i64(e.message().trim());
-            // TOML's own message names no field ("invalid type: string, expected i64"): the
-            // table and key the error points into do (an inline table's key, for a field
-            // missing inside it); a field missing from a table with a header is named by
-            // that table.
-            let field = e.span().and_then(|s| field_at(source, s.start, &message));
-            let message = match (e.span(), &field) {
-                (Some(span), None) => missing_field(source, span.start, route.is_some(), &message),
-                (_, Some(_)) => missing_field_of(None, &message),
-                (None, None) => message,
-            };
-            let message = match field {
-                Some(field) if message == "duplicate key" => format!(
-                    "{field}: duplicate key: a key is written twice here (or a table in two places): keep one"
-                ),
-                Some(field) => format!("{field}: {message}"),
-                None => message,
-            };
-            let message = e
+            let place = e.span().map(|s| place::place_at(source, s.start));
+            let (route, mut field) = place.map_or((None, None), |p| (p.route, p.field));
+            // An error in a header (a table written twice or in the wrong form, a syntax
+            // error) is said by the header; a field missing from a table with a header points
+            // at the header and is named by that table.
+            let on_a_header = e
                 .span()
-                .and_then(|s| about_a_header(source, s.start, &message))
-                .unwrap_or(message);
+                .is_some_and(|s| place::on_a_header(source, s.start));
+            if on_a_header && !message.starts_with("missing field") {
+                field = None;
+                if let Some(about) =
+                    about_a_header(source, e.span().unwrap_or_default().start, &message)
+                {
+                    c.push(e.span().as_ref(), route.as_deref(), about);
+                    return Err(ConfigErrors(c.errors));
+                }
+            }
+            // TOML's own message names no field ("invalid type: string, expected i64"): the
+            // place it points into does. A key written twice is not in TOML's reading of
+            // the file: it is named as written, at the error.
+            let message = missing_field(&message);
+            let message = match (message == "duplicate key", e.span()) {
+                (true, Some(span)) => {
+                    let key = source.get(span).unwrap_or_default().trim();
+                    let field = [field.as_deref().unwrap_or(""), key]
+                        .into_iter()
+                        .filter(|p| !p.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(".");
+                    format!("{field}: duplicate key: a key is written twice here (or a table in two places): keep one")
+                }
+                _ => match field {
+                    Some(field) => format!("{field}: {message}"),
+                    None => message,
+                },
+            };
             c.push(e.span().as_ref(), route.as_deref(), message);
             return Err(ConfigErrors(c.errors));
         }
@@ -284,74 +299,15 @@ pub(super) fn route_label(index: usize, endpoint_id: &str) -> String {
     format!("routes[{index}] ({endpoint_id})")
 }
 
-/// Names the route whose table holds byte `offset`, for parse errors inside a route.
-fn route_at(source: &str, offset: usize) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Loose {
-        #[serde(default)]
-        routes: Vec<Spanned<toml::Table>>,
-    }
-    let loose: Option<Loose> = toml::from_str(source).ok();
-    let mut header_starts = Vec::new();
-    let mut at = 0;
-    for line in source.split_inclusive('\n') {
-        if is_entry_of(line, "routes") {
-            header_starts.push(at);
-        }
-        at += line.len();
-    }
-    let index = header_starts.iter().rposition(|&start| start <= offset)?;
-    // A table after the last route (`[breaker]`, `[upstreams.x]`) is not that route's; an
-    // error may point at the table's header itself (a missing field).
-    if table_at(source, offset).is_some_and(|t| t != "routes" && !t.starts_with("routes.")) {
-        return None;
-    }
-    // A file TOML cannot read at all (a duplicate key, an integer past i64) is read by line.
-    let id = match loose {
-        Some(loose) => loose
-            .routes
-            .get(index)
-            .and_then(|t| t.get_ref().get("endpoint_id")?.as_str().map(str::to_owned)),
-        None => {
-            let end = header_starts
-                .get(index + 1)
-                .copied()
-                .unwrap_or(source.len());
-            endpoint_id_in(&source[header_starts[index]..end])
-        }
-    }
-    .unwrap_or_else(|| "?".to_owned());
-    Some(route_label(index, &id))
-}
-
-/// TOML's ``missing field `x` `` (it points at the table's header): which table lacks it,
-/// and what a line giving it looks like. Other messages are returned as they are.
-fn missing_field(source: &str, offset: usize, in_route: bool, message: &str) -> String {
-    let table = table_at(source, offset).unwrap_or_default();
-    // A route's own fields are named by the route label; its sub-tables by their name.
-    // The error may point at the entry's header: its place counts that header.
-    let next_line = source[offset.min(source.len())..]
-        .find('\n')
-        .map_or(source.len(), |i| offset + i + 1);
-    let table = match table.as_str() {
-        "routes" if in_route => String::new(),
-        "routes.limits" if in_route => limit_at(source, next_line),
-        t if in_route => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
-        t => t.to_owned(),
-    };
-    missing_field_of(Some(&table), message)
-}
-
-/// ``missing field `x` `` said as what is missing from `table` (none: the caller names
-/// where) and a line that would give it; other messages as they are.
-fn missing_field_of(table: Option<&str>, message: &str) -> String {
+/// TOML's ``missing field `x` `` said as what is missing (the caller names where) and a line
+/// that would give it; other messages as they are.
+fn missing_field(message: &str) -> String {
     let Some(field) = message
         .strip_prefix("missing field `")
         .and_then(|rest| rest.strip_suffix('`'))
     else {
         return message.to_owned();
     };
-    let table = table.unwrap_or("");
     let example = match field {
         "addrs" => "addrs = [\"host:port\"]",
         "endpoint_id" => "endpoint_id = \"a.name\"",
@@ -366,267 +322,43 @@ fn missing_field_of(table: Option<&str>, message: &str) -> String {
         "algorithm" => "algorithm = \"token_bucket\" (or \"sliding_window\", \"none\")",
         _ => "",
     };
-    let needs = if table.is_empty() {
-        format!("`{field}` is missing")
-    } else {
-        format!("{table}: `{field}` is missing")
-    };
     if example.is_empty() {
-        format!("{needs}: it is required (docs/configuration.md)")
+        format!("`{field}` is missing: it is required (docs/configuration.md)")
     } else {
-        format!("{needs}: it is required, e.g. {example}")
+        format!("`{field}` is missing: it is required, e.g. {example}")
     }
 }
 
-/// The `endpoint_id = "..."` line of one route's text, read without a TOML parser.
-fn endpoint_id_in(route: &str) -> Option<String> {
-    route.lines().find_map(|l| {
-        let (key, value) = l.split_once('=')?;
-        (key.trim() == "endpoint_id").then(|| {
-            let value = value.trim();
-            let value = value.split('#').next().unwrap_or(value).trim();
-            value.trim_matches('"').trim_matches('\'').to_owned()
-        })
-    })
-}
-
-/// The table of byte `offset`: the header on its line, else the last one before it.
-fn table_at(source: &str, offset: usize) -> Option<String> {
-    let offset = offset.min(source.len());
-    let line_end = source[offset..]
-        .find('\n')
-        .map_or(source.len(), |i| offset + i);
-    table_header_before(source, line_end)
-}
-
-/// The name of the table whose header is the last one at or before byte `offset`
-/// (`breaker`, `upstreams.app`, `routes`, `routes.limits`), as TOML reads it (`[[ routes .
-/// "limits" ]]` is `routes.limits`); `None` at the top level.
-fn table_header_before(source: &str, offset: usize) -> Option<String> {
-    source[..offset.min(source.len())]
-        .lines()
-        .rev()
-        .find_map(header_name)
-}
-
-/// The table a header line names (`[x]` or `[[x]]`), as TOML reads its dotted key: spaces
-/// around its parts left out, a part quoted only when it must be (`[[ routes . "limits" ]]`
-/// is `routes.limits`, `[upstreams."my app"]` is `upstreams."my app"`, `[["routes.limits"]]`
-/// is `"routes.limits"`); `None` for another line.
+/// The table a header line names (`[x]` or `[[x]]`), as TOML reads it (`[[ routes .
+/// "limits" ]]` is `routes.limits`, `[upstreams."my app"]` is `upstreams."my app"`,
+/// `[["routes.limits"]]` is `"routes.limits"`); `None` for another line or a header TOML
+/// cannot read (TOML's own error names that).
 fn header_name(line: &str) -> Option<String> {
-    let line = line.trim_start_matches('\u{feff}').trim_start();
-    let inner = line.strip_prefix('[')?;
-    let (inner, close) = match inner.strip_prefix('[') {
-        Some(inner) => (inner, "]]"),
-        None => (inner, "]"),
-    };
-    let (mut parts, mut part, mut quote) = (Vec::new(), String::new(), None);
-    let mut closed = false;
-    for (i, c) in inner.char_indices() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), c) => part.push(c),
-            (None, '"' | '\'') => quote = Some(c),
-            (None, '.') => parts.push(std::mem::take(&mut part)),
-            (None, ']') => {
-                // A header not closed as it opened (`[[routes]`) is TOML's error to name.
-                closed = inner[i..].starts_with(close);
-                break;
-            }
-            (None, c) if c.is_whitespace() => {}
-            (None, c) => part.push(c),
-        }
-    }
-    if !closed {
+    let line = line.trim_start_matches('\u{feff}').trim();
+    if !line.starts_with('[') {
         return None;
     }
-    parts.push(part);
-    let bare = |p: &str| {
-        !p.is_empty()
-            && p.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    };
-    let shown: Vec<String> = (parts.iter())
-        .map(|p| match bare(p) {
-            true => p.clone(),
-            false => format!("{p:?}"),
-        })
-        .collect();
-    Some(shown.join("."))
+    let document = toml::de::DeTable::parse(line).ok()?;
+    let (mut table, mut parts) = (document.get_ref(), Vec::new());
+    // One key a level, down to the header's own (empty) table.
+    while let Some((key, value)) = table.iter().next() {
+        parts.push(place::key_shown(key.get_ref()));
+        table = match value.get_ref() {
+            toml::de::DeValue::Table(t) => t,
+            toml::de::DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
+                Some(toml::de::DeValue::Table(t)) => t,
+                _ => break,
+            },
+            _ => break,
+        };
+    }
+    (!parts.is_empty()).then(|| parts.join("."))
 }
 
 /// Whether `line` is the header of an entry of the list of tables `name` (`[[routes]]`).
 fn is_entry_of(line: &str, name: &str) -> bool {
     let line = line.trim_start_matches('\u{feff}').trim_start();
     line.starts_with("[[") && header_name(line).as_deref() == Some(name)
-}
-
-/// The field a parse error at byte `offset` is about, as the other errors name it: the
-/// table's path (inside a route, from the route on: `limits[1] (day)`) and, when the error
-/// is in a value, its key (`breaker.failure_threshold`). `None` when there is nothing to name.
-fn field_at(source: &str, offset: usize, message: &str) -> Option<String> {
-    let offset = offset.min(source.len());
-    let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let line_end = source[offset..]
-        .find('\n')
-        .map_or(source.len(), |i| offset + i);
-    let line = &source[line_start..line_end];
-    if line.trim_start().starts_with('[') {
-        // A table header itself (a syntax error in it): the message says all there is.
-        return None;
-    }
-    // A line of a list of inline tables written over several lines: the list's key above.
-    let owner = (line.trim_start().starts_with('{'))
-        .then(|| list_owner(source, line_start))
-        .flatten();
-    let key = match (owner, line.find('=')) {
-        (Some((_, key)), _) => Some(key),
-        // The error is in the value: name its key (a quoted key keeps its quotes); a key
-        // written twice is named too.
-        (None, Some(eq)) if line_start + eq < offset || message.contains("duplicate key") => {
-            Some(line[..eq].trim())
-        }
-        _ => None,
-    };
-    let table = table_header_before(source, line_start).unwrap_or_default();
-    // A route's limits written inline (`limits = [{ ... }, { ... }]`): the entry, named.
-    let unquoted = key.map(|k| k.trim_matches(|c| c == '"' || c == '\''));
-    let inline = match (table.as_str(), unquoted) {
-        ("routes", Some("limits")) => {
-            let from = owner.map_or(line_start, |(start, _)| start);
-            inline_limit_at(&source[from..line_end], offset - from)
-        }
-        _ => None,
-    };
-    let key = inline.as_deref().or(key);
-    let table = match table.as_str() {
-        "routes" => String::new(),
-        "routes.limits" => limit_at(source, line_start),
-        t => t.strip_prefix("routes.").unwrap_or(t).to_owned(),
-    };
-    let path: Vec<&str> = [table.as_str(), key.unwrap_or("")]
-        .into_iter()
-        .filter(|p| !p.is_empty())
-        .collect();
-    (!path.is_empty()).then(|| path.join("."))
-}
-
-/// The `[[routes.limits]]` entry the line at `line_start` is in, as the other errors name
-/// it: `limits[1] (burst)`, its place in its route and its name when the entry gives one;
-/// `limits` when no such entry of the route comes before the line.
-fn limit_at(source: &str, line_start: usize) -> String {
-    let mut index = 0usize;
-    let mut entry_start = None;
-    let mut offset = 0;
-    for line in source[..line_start.min(source.len())].split_inclusive('\n') {
-        if is_entry_of(line, "routes") {
-            (index, entry_start) = (0, None);
-        } else if is_entry_of(line, "routes.limits") {
-            index += 1;
-            entry_start = Some(offset + line.len());
-        }
-        offset += line.len();
-    }
-    let Some(entry_start) = entry_start else {
-        return "limits".into();
-    };
-    // Its `name`, read as TOML reads it (any string form, a quoted key).
-    let name = source[entry_start..]
-        .lines()
-        .take_while(|l| header_name(l).is_none())
-        .filter_map(|l| toml::from_str::<toml::Table>(l).ok())
-        .find_map(|t| t.get("name")?.as_str().map(str::to_owned));
-    let place = format!("limits[{}]", index - 1);
-    match name {
-        Some(name) => format!("{place} ({name})"),
-        None => place,
-    }
-}
-
-/// For a line of a list written over several lines, the line above that opens it (`limits =
-/// [`): its start and its key. `None` when a table's header comes first.
-fn list_owner(source: &str, line_start: usize) -> Option<(usize, &str)> {
-    let mut end = line_start.checked_sub(1)?;
-    loop {
-        let start = source[..end].rfind('\n').map_or(0, |i| i + 1);
-        let line = &source[start..end];
-        let trimmed = line.trim_start();
-        if header_name(line).is_some() {
-            return None;
-        }
-        // The list's other entries, comments and blank lines are passed over.
-        if !(trimmed.starts_with('{') || trimmed.starts_with('#') || trimmed.is_empty()) {
-            let eq = line.find('=')?;
-            let opens = line[eq + 1..].trim_start().starts_with('[');
-            return opens.then(|| (start, line[..eq].trim()));
-        }
-        end = start.checked_sub(1)?;
-    }
-}
-
-/// In a list of inline limit tables (`limits = [{ name = "a", ... }, { ... }]`, on one line
-/// or several), the entry byte `at` of `text` is in, as the other errors name it:
-/// `limits[1] (b)`.
-fn inline_limit_at(text: &str, at: usize) -> Option<String> {
-    let open = text.find('[')?;
-    // Each entry's start, and where `at` is: outside strings, by the braces' depth.
-    let (mut depth, mut quote, mut starts) = (0usize, None::<&str>, Vec::new());
-    let mut within = None;
-    let (mut escaped, mut comment, mut skip) = (false, false, 0);
-    for (i, c) in text.char_indices().skip_while(|&(i, _)| i < open) {
-        let rest = &text[i..];
-        if skip > 0 {
-            skip -= 1;
-            continue;
-        }
-        if comment {
-            comment = c != '\n';
-            continue;
-        }
-        match quote {
-            // A basic string's `\"` is no end; a triple quote ends only at its like.
-            Some(q) => {
-                if escaped {
-                    escaped = false;
-                } else if c == '\\' && q.starts_with('"') {
-                    escaped = true;
-                } else if rest.starts_with(q) {
-                    (quote, skip) = (None, q.len() - 1);
-                }
-                continue;
-            }
-            None if rest.starts_with("\"\"\"") || rest.starts_with("'''") => {
-                (quote, skip) = (Some(&rest[..3]), 2);
-                continue;
-            }
-            None => {}
-        }
-        match c {
-            '#' => comment = true,
-            '"' | '\'' => quote = Some(&rest[..1]),
-            '{' => {
-                if depth == 0 {
-                    starts.push(i);
-                }
-                depth += 1;
-            }
-            '}' => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 && i >= at && within.is_none() && !starts.is_empty() {
-                    within = Some((starts.len() - 1, starts[starts.len() - 1]..=i));
-                }
-            }
-            _ => {}
-        }
-    }
-    let (index, entry) = within?;
-    let name = toml::from_str::<toml::Table>(&format!("entry = {}", &text[entry]))
-        .ok()
-        .and_then(|t| t.get("entry")?.get("name")?.as_str().map(str::to_owned));
-    Some(match name {
-        Some(name) => format!("limits[{index}] ({name})"),
-        None => format!("limits[{index}]"),
-    })
 }
 
 /// The byte range of a `[[routes.limits]]` header written before any `[[routes]]`: the
