@@ -334,15 +334,32 @@ fn missing_field(message: &str) -> String {
 /// `[["routes.limits"]]` is `"routes.limits"`); `None` for another line or a header TOML
 /// cannot read (TOML's own error names that).
 fn header_name(line: &str) -> Option<String> {
-    let line = line.trim_start_matches('\u{feff}').trim();
-    if !line.starts_with('[') {
+    let parts = header_parts(line)?;
+    Some(
+        parts
+            .into_iter()
+            .map(|(part, _)| part)
+            .collect::<Vec<_>>()
+            .join("."),
+    )
+}
+
+/// A header line's keys, each as TOML writes it and where it is in `line`.
+fn header_parts(line: &str) -> Option<Vec<(String, std::ops::Range<usize>)>> {
+    let header = line.trim_start_matches('\u{feff}').trim_start();
+    let skipped = line.len() - header.len();
+    if !header.starts_with('[') {
         return None;
     }
-    let document = toml::de::DeTable::parse(line).ok()?;
+    let document = toml::de::DeTable::parse(header.trim_end()).ok()?;
     let (mut table, mut parts) = (document.get_ref(), Vec::new());
     // One key a level, down to the header's own (empty) table.
     while let Some((key, value)) = table.iter().next() {
-        parts.push(place::key_shown(key.get_ref()));
+        let at = key.span();
+        parts.push((
+            place::key_shown(key.get_ref()),
+            at.start + skipped..at.end + skipped,
+        ));
         table = match value.get_ref() {
             toml::de::DeValue::Table(t) => t,
             toml::de::DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
@@ -352,7 +369,7 @@ fn header_name(line: &str) -> Option<String> {
             _ => break,
         };
     }
-    (!parts.is_empty()).then(|| parts.join("."))
+    (!parts.is_empty()).then_some(parts)
 }
 
 /// Whether `line` is the header of an entry of the list of tables `name` (`[[routes]]`).
@@ -396,7 +413,17 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
     if !header.starts_with('[') {
         return None;
     }
-    let name = header_name(header)?;
+    let parts = header_parts(line)?;
+    // The table TOML's error is about: the header's own, or one above it that the header
+    // makes (`[routes.limits.0]` makes `routes.limits` a table).
+    let about = (parts.iter())
+        .position(|(_, at)| at.contains(&(offset - line_start)))
+        .map_or(parts.len(), |i| i + 1);
+    let whole = about == parts.len();
+    let name = (parts[..about].iter())
+        .map(|(part, _)| part.as_str())
+        .collect::<Vec<_>>()
+        .join(".");
     let name = name.as_str();
     let list = header.starts_with("[[");
     let listed = |name: &str| format!("[[{name}]] (one per entry)");
@@ -419,6 +446,11 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
         }
     } else if message.ends_with("duplicate key") {
         format!("{header} is written twice: give each table once (merge their keys into one)")
+    } else if message.starts_with("invalid type: map, expected a sequence") && !whole {
+        format!(
+            "{header} makes {name} one table where it is a list of tables: write {}, and the entry's fields in it",
+            listed(name)
+        )
     } else if message.starts_with("invalid type: map, expected a sequence") && !list {
         format!(
             "{header} is one table where {name} is a list of tables: write {}",
