@@ -119,7 +119,7 @@ impl Store {
                     }
                     _ => "",
                 };
-                tracing::info!(error = %e, "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
+                tracing::info!(error = %super::Said(&e), "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
             }
         }
         // On a cluster, Redis counts only the publishing node's listeners; those still on
@@ -204,7 +204,7 @@ impl Store {
         publish.arg(channel).arg(message);
         match tokio::time::timeout(ADMIN_TIMEOUT, publish.query_async::<i64>(&mut c)).await {
             Ok(Ok(listeners)) => Ok(listeners),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Err(e)) => Err(super::Said(&e).to_string()),
             Err(_) => Err(format!("no answer within {} ms", ADMIN_TIMEOUT.as_millis())),
         }
     }
@@ -253,7 +253,7 @@ async fn listen(
                 missed = true;
                 listener(Heard::Refused);
                 if !std::mem::replace(&mut refused_said, true) {
-                    tracing::info!(node = %target.node, channel = channel.as_str(), error = %e, "redis refused the subscription to the resets channel (the ACL user needs +subscribe and the channel); a DELETE /limits on another gateway is not heard here: remembered denials last their wait");
+                    tracing::info!(node = %target.node, channel = channel.as_str(), error = %super::Said(&e), "redis refused the subscription to the resets channel (the ACL user needs +subscribe and the channel); a DELETE /limits on another gateway is not heard here: remembered denials last their wait");
                 }
                 tokio::time::sleep(RETRY_REFUSED).await;
                 continue;

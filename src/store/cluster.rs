@@ -314,7 +314,7 @@ async fn query_slots(
         .arg("SLOTS")
         .query_async(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| super::Said(&e).to_string())?;
     parse_slots(&reply, queried_host)
         .ok_or_else(|| "CLUSTER SLOTS answered an unexpected shape".into())
 }

@@ -27,6 +27,7 @@ use super::dial::Dial;
 use super::link::{Link, Opened, Target};
 use super::script::Scripts;
 use super::wire::Wire;
+use super::Said;
 
 /// Makes the store's links and keeps each one connected: what every connection is set up
 /// with (the scripts to load, the eviction check), the breakers links get, and the runtime
@@ -457,7 +458,7 @@ pub(super) fn reason(e: &RedisError) -> String {
             false => format!("TLS handshake with redis: {text}{hint}"),
         }
     } else {
-        text
+        Said(e).to_string()
     }
 }
 
@@ -601,7 +602,7 @@ impl Connector {
                 Err(e) if is_transport(&e) || e.is_timeout() || unable_now(&e) => return Err(e),
                 // Serve anyway: each request tries the NOSCRIPT path, and counts it if it fails.
                 Err(e) => {
-                    tracing::error!(node = %target.node, error = %e, "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
+                    tracing::error!(node = %target.node, error = %Said(&e), "redis refused SCRIPT LOAD; limited requests will fail as NOSCRIPT");
                     return Ok((opened, wire));
                 }
             }
@@ -609,7 +610,7 @@ impl Connector {
         match self.scripts.batch(link.in_cluster).load(conn).await {
             Ok(_) => link.turns.accept(),
             Err(e) if is_transport(&e) || e.is_timeout() || unable_now(&e) => return Err(e),
-            Err(e) => link.turns.refuse(&target.node, &e),
+            Err(e) => link.turns.refuse(&target.node, &Said(&e)),
         }
         Ok((opened, wire))
     }

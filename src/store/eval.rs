@@ -17,7 +17,7 @@ use super::connect::{self, is_transport};
 use super::deadline;
 use super::link::{Conn, Link};
 use super::script::{Script, ScriptKind};
-use super::{Layout, Store};
+use super::{Layout, Said, Store};
 use crate::decision::{Failure, StoreFailure};
 
 /// Tokio's timers tick in whole milliseconds: a timer fires on the first tick after its
@@ -450,7 +450,7 @@ impl Store {
             Err(e) => {
                 // Once until a load succeeds again: every decision meets the same refusal.
                 if !link.load_refused.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(node = %link.node(), error = %e, "redis refused SCRIPT LOAD after NOSCRIPT; decisions are redis_noscript_retry until it loads the script");
+                    tracing::warn!(node = %link.node(), error = %Said(&e), "redis refused SCRIPT LOAD after NOSCRIPT; decisions are redis_noscript_retry until it loads the script");
                 }
                 return Step::Failed(Failure::Noscript);
             }
@@ -473,7 +473,7 @@ impl Store {
             link.forget(conn, e, true);
             link.lost_under(conn);
         }
-        self.report(link, failure, key, &ReplyText(e))
+        self.report(link, failure, key, &Said(e))
     }
 
     /// As [`Store::failed`], for the error one decision of a batch met (`"CODE detail"`).
@@ -511,19 +511,6 @@ impl Store {
             }
         }
         failure
-    }
-}
-
-/// An error reply as a batch's reply gives it, `CODE detail`, so that one reason reads the
-/// same whichever call met it; any other error as redis-rs says it.
-struct ReplyText<'a>(&'a RedisError);
-
-impl std::fmt::Display for ReplyText<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.0.code(), self.0.detail()) {
-            (Some(code), Some(detail)) => write!(f, "{code} {detail}"),
-            _ => self.0.fmt(f),
-        }
     }
 }
 
@@ -695,10 +682,10 @@ mod tests {
             "OOM command not allowed when used memory > 'maxmemory'.",
             "NOSCRIPT No matching script.",
         ] {
-            assert_eq!(ReplyText(&reply_error(resp)).to_string(), resp);
+            assert_eq!(Said(&reply_error(resp)).to_string(), resp);
         }
         let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert_eq!(ReplyText(&reset).to_string(), reset.to_string());
+        assert_eq!(Said(&reset).to_string(), reset.to_string());
     }
 
     #[test]

@@ -636,7 +636,7 @@ impl Store {
                 let (Some(redirect), Layout::Cluster(cluster)) =
                     (eval::redirect(&e), &self.inner.layout)
                 else {
-                    return Err(e.to_string());
+                    return Err(Said(&e).to_string());
                 };
                 let connector = &self.inner.connector;
                 let next = match redirect.ask {
@@ -854,6 +854,20 @@ fn saturated_exponent(text: &str) -> Option<i64> {
         .bytes()
         .fold(0i64, |n, b| (n * 10 + i64::from(b - b'0')).min(1_000_000));
     Some(if negative { -n } else { n })
+}
+
+/// A Redis error as logs say it: an error reply as Redis writes it and a batch's reply gives
+/// it, `CODE detail`, so that one reason reads the same whichever call met it (redis-rs
+/// spells it `"CODE": detail`); any other error as redis-rs says it.
+pub(crate) struct Said<'a>(pub &'a redis::RedisError);
+
+impl std::fmt::Display for Said<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.0.code(), self.0.detail()) {
+            (Some(code), Some(detail)) => write!(f, "{code} {detail}"),
+            _ => self.0.fmt(f),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -172,7 +172,7 @@ impl Sentinel {
                 // The user may not run ROLE: the sentinel's word is taken, said once.
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
                     if !self.role_refused.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(node = %target.node, error = %e, "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
+                        tracing::warn!(node = %target.node, error = %super::Said(&e), "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
                     }
                     return Ok(true);
                 }
