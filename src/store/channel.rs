@@ -119,7 +119,7 @@ impl Store {
                     }
                     _ => "",
                 };
-                tracing::info!(error = %super::Said(&e), "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
+                tracing::info!(error = %super::Said(e), "cannot hear the other gateways say they heard a reset{hint}; a DELETE /limits is answered a few milliseconds after the announcement instead");
             }
         }
         // On a cluster, Redis counts only the publishing node's listeners; those still on
