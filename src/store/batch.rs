@@ -275,6 +275,11 @@ impl Batches {
         !self.in_flight.waiting.is_empty() || !self.queue.waiting.is_empty()
     }
 
+    /// When the last call was sent (0: none yet).
+    pub(super) fn sent_us(&self) -> u64 {
+        self.sent_us
+    }
+
     /// The number of the call in flight, if one is: a later look tells the same call
     /// unanswered from the next one.
     fn unanswered_call(&self) -> Option<u64> {
@@ -716,6 +721,7 @@ impl Store {
         state.bytes.dead = true;
         let deciding = state.batches.deciding();
         conn.lost_deciding.store(deciding, Ordering::Release);
+        (conn.sent_us).fetch_max(state.batches.sent_us, Ordering::Relaxed);
         let mut batches = std::mem::take(&mut state.batches);
         drop(state);
         if deciding {

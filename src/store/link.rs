@@ -6,7 +6,7 @@
 //! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
 //! once, in use or not.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
@@ -14,6 +14,7 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::MultiplexedConnection;
 use tokio::sync::{watch, Notify};
 
+use super::deadline;
 use super::dial::Dial;
 use super::eval::COMPENSATION_WAIT;
 use super::slots::node_name;
@@ -44,20 +45,34 @@ pub(super) struct Conn {
     /// The decision connection broke with decisions waiting on it (set before they are
     /// told, so that a watcher that sees the socket closed then still knows).
     pub(super) lost_deciding: AtomicBool,
+    /// When a decision was last sent on it ([`deadline::mono_us`]): one sent alone, or the
+    /// last batch's time, kept here when the connection's loss takes its batches. Shared as
+    /// `solo` is.
+    pub(super) sent_us: Arc<AtomicU64>,
 }
+
+/// Redis closes a client idle for its `timeout`, a whole number of seconds: a connection
+/// that carried a decision within the last second was not closed for being idle (a
+/// `CLIENT KILL` under load, between two batches, is a loss under decisions).
+const IDLE_AT_LEAST_US: u64 = 1_000_000;
 
 impl Conn {
     /// Counts a decision sent on `redis` alone until the guard goes (answered, or given up).
     pub(super) fn deciding(&self) -> Deciding<'_> {
         self.solo.fetch_add(1, Ordering::Relaxed);
+        self.sent_us.fetch_max(deadline::mono_us(), Ordering::Relaxed);
         Deciding(&self.solo)
     }
 
-    /// Whether any decision was waiting on this connection: one sent alone, or batched.
+    /// Whether this connection was in use: a decision waiting on it (sent alone, or
+    /// batched), or one sent on it within the last second.
     fn in_use(&self) -> bool {
+        let wire = self.wire.lock();
+        let sent_us = (self.sent_us.load(Ordering::Relaxed)).max(wire.batches.sent_us());
         self.solo.load(Ordering::Relaxed) > 0
             || self.lost_deciding.load(Ordering::Acquire)
-            || self.wire.lock().batches.deciding()
+            || wire.batches.deciding()
+            || deadline::mono_us().saturating_sub(sent_us) < IDLE_AT_LEAST_US
     }
 }
 
@@ -307,6 +322,7 @@ impl Link {
             loss_counted: AtomicBool::new(false),
             solo: Arc::default(),
             lost_deciding: AtomicBool::new(false),
+            sent_us: Arc::default(),
         });
         let previous = match in_place_of {
             None => self.conn.swap(Some(Arc::clone(&conn))),
@@ -355,6 +371,7 @@ impl Link {
             loss_counted: AtomicBool::new(false),
             solo: Arc::clone(&old.solo),
             lost_deciding: AtomicBool::new(false),
+            sent_us: Arc::clone(&old.sent_us),
         });
         let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(&old, Some(conn));
