@@ -101,14 +101,14 @@ fn not_allowed(allow: &'static str) -> AdminResponse {
 }
 
 /// A query parameter, percent-decoded (`%XX` is a byte; `+` is a plus, as API keys hold
-/// them): `Ok(None)` when absent, `Ok(Some(""))` when empty; an error saying why when it is sent twice, holds a
+/// them): `Ok(None)` when absent, `Ok(Some(""))` when empty or written without `=`; an error
+/// saying why when it is sent twice, holds a
 /// `%` not followed by two hex digits, or is not UTF-8 once decoded.
 fn query_param(query: &str, name: &str) -> Result<Option<String>, String> {
     let mut found = None;
     for pair in query.split('&') {
-        let Some((k, v)) = pair.split_once('=') else {
-            continue;
-        };
+        // `&tier` with no `=` is sent, and empty (as browsers' `URLSearchParams` reads it).
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if k != name {
             continue;
         }
@@ -365,6 +365,10 @@ impl Admin {
             }
             (Err(why), _) | (_, Err(why)) => return bad(why),
         };
+        // An unlimited endpoint keys no request: nothing to read or reset.
+        if endpoint.policy.algorithm == crate::config::Algorithm::None {
+            return bad(format!("{endpoint_id} is not limited (algorithm = \"none\"): no request to it is keyed by any identity"));
+        }
         let identity = as_keyed(&identity);
         // An identity string no request to the endpoint is keyed by (the raw API key pasted
         // for `tenant:<tenant>`, say) would read as a full bucket and reset nothing.
@@ -657,6 +661,11 @@ mod tests {
             "empty, not absent"
         );
         assert_eq!(identity("other=x"), Ok(None));
+        assert_eq!(
+            identity("tier=pro&identity"),
+            Ok(Some(String::new())),
+            "sent without a value: empty"
+        );
         assert_eq!(
             identity("identity=%ff"),
             Err("identity is not UTF-8 once percent-decoded".to_owned())

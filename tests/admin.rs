@@ -175,6 +175,22 @@ async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
             r#"{"detail":"method not allowed"}"#
         );
     }
+    // An unlimited route keys no request: no identity has buckets there to read or reset.
+    for method in ["GET", "DELETE"] {
+        let r = http
+            .request(
+                method.parse().unwrap(),
+                gw.admin("/limits/a.open?identity=global"),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{method}");
+        assert_eq!(
+            r.text().await.unwrap(),
+            r#"{"detail":"a.open is not limited (algorithm = \"none\"): no request to it is keyed by any identity"}"#
+        );
+    }
 }
 
 /// A client that closes its side once its request is sent (`nc -N`, `printf | nc -q0`) gets

@@ -172,6 +172,7 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
     assert_eq!(free["limits"][0]["capacity"], 2, "{free}");
     assert_eq!(view("&tier=platinum").0, 400);
     assert_eq!(view("&tier=").0, 400, "an empty tier names none");
+    assert_eq!(view("&tier").0, 400, "nor does one without a value");
 
     // A reset deletes the caller's buckets of every tier (it may have changed tier since) in
     // one command, so that no decision runs between two of them.

@@ -6,8 +6,8 @@
 //! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
 //! once, in use or not.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Weak};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
@@ -60,7 +60,8 @@ impl Conn {
     /// Counts a decision sent on `redis` alone until the guard goes (answered, or given up).
     pub(super) fn deciding(&self) -> Deciding<'_> {
         self.solo.fetch_add(1, Ordering::Relaxed);
-        self.sent_us.fetch_max(deadline::mono_us(), Ordering::Relaxed);
+        self.sent_us
+            .fetch_max(deadline::mono_us(), Ordering::Relaxed);
         Deciding(&self.solo)
     }
 
