@@ -98,6 +98,11 @@ pub fn line_col(source: &str, offset: usize) -> (usize, usize) {
     let before = &source[..offset];
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    let col = before[line_start..].chars().count() + 1;
+    // A byte order mark is no column an editor shows.
+    let col = before[line_start..]
+        .trim_start_matches('\u{feff}')
+        .chars()
+        .count()
+        + 1;
     (line, col)
 }

@@ -30,55 +30,9 @@ pub fn validate(
     }
     let raw: RawConfig = match toml::from_str(source) {
         Ok(raw) => raw,
-        Err(e)
-            if (e.message().contains("duplicate key")
-                || e.message()
-                    .starts_with("invalid type: map, expected a sequence"))
-                && limits_before_any_route(source).is_some() =>
-        {
-            let at = limits_before_any_route(source);
-            c.push(at.as_ref(), None, "[[routes.limits]] comes before any [[routes]]: a limit is written after the [[routes]] of the route it belongs to".into());
-            return Err(ConfigErrors(c.errors));
-        }
         Err(e) => {
-            let message = past_i64(e.message().trim());
-            let place = e.span().map(|s| place::place_at(source, s.start));
-            let (route, mut field) = place.map_or((None, None), |p| (p.route, p.field));
-            // An error in a header (a table written twice or in the wrong form, a syntax
-            // error) is said by the header; a field missing from a table with a header points
-            // at the header and is named by that table.
-            let on_a_header = e
-                .span()
-                .is_some_and(|s| place::on_a_header(source, s.start));
-            if on_a_header && !message.starts_with("missing field") {
-                field = None;
-                if let Some(about) =
-                    about_a_header(source, e.span().unwrap_or_default().start, &message)
-                {
-                    c.push(e.span().as_ref(), route.as_deref(), about);
-                    return Err(ConfigErrors(c.errors));
-                }
-            }
-            // TOML's own message names no field ("invalid type: string, expected i64"): the
-            // place it points into does. A key written twice is not in TOML's reading of
-            // the file: it is named as written, at the error.
-            let message = missing_field(&message);
-            let message = match (message == "duplicate key", e.span()) {
-                (true, Some(span)) => {
-                    let key = source.get(span).unwrap_or_default().trim();
-                    let field = [field.as_deref().unwrap_or(""), key]
-                        .into_iter()
-                        .filter(|p| !p.is_empty())
-                        .collect::<Vec<_>>()
-                        .join(".");
-                    format!("{field}: duplicate key: a key is written twice here (or a table in two places): keep one")
-                }
-                _ => match field {
-                    Some(field) => format!("{field}: {message}"),
-                    None => message,
-                },
-            };
-            c.push(e.span().as_ref(), route.as_deref(), message);
+            let (at, route, message) = shape_error(source, &e);
+            c.push(at.as_ref(), route.as_deref(), message);
             return Err(ConfigErrors(c.errors));
         }
     };
@@ -147,6 +101,75 @@ pub fn validate(
         warnings: c.warnings,
         named_read: Vec::new(),
     })
+}
+
+/// A file TOML cannot read into the config's shape: its first error, with its place named as
+/// the other errors name theirs (the route, the limit entry, the key) and, for a header, what
+/// would do.
+fn shape_error(
+    source: &str,
+    e: &toml::de::Error,
+) -> (Option<std::ops::Range<usize>>, Option<String>, String) {
+    let message = past_i64(e.message().trim());
+    let Some(span) = e.span() else {
+        return (None, None, message);
+    };
+    // A date where a number or a string belongs: TOML hands it on as a table.
+    let date = (source.get(span.clone()))
+        .is_some_and(|t| t.trim().parse::<toml::value::Datetime>().is_ok());
+    let message = match date {
+        true => message.replacen("invalid type: map", "invalid type: a date-time", 1),
+        false => message,
+    };
+    let place::Place { route, mut field } = place::place_at(source, span.start);
+    // An error in a header (a table written twice or in the wrong form, a syntax error, an
+    // unknown table) is said by the header; a field missing from a table with a header points
+    // at the header and is named by that table.
+    if place::on_a_header(source, span.start) && !message.starts_with("missing field") {
+        if let Some((at, about)) = about_a_header(source, span.start, &message) {
+            let route = match &at {
+                Some(at) => place::place_at(source, at.start).route,
+                None => route,
+            };
+            return (Some(at.unwrap_or(span)), route, about);
+        }
+        field = header_above(source, span.start, route.is_some());
+    }
+    // TOML's own message names no field ("invalid type: string, expected i64"): the place it
+    // points into does. A key written twice is not in TOML's reading of the file: it is
+    // named as it is written there.
+    let message = missing_field(&message, field.as_deref());
+    let message = if message == "duplicate key" {
+        let key = place::key_written(source, span.clone());
+        let field = [field.as_deref().unwrap_or(""), key.as_str()]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(".");
+        format!("{field}: duplicate key: a key is written twice here (or a table in two places): keep one")
+    } else {
+        match field {
+            Some(field) => format!("{field}: {message}"),
+            None => message,
+        }
+    };
+    (Some(span), route, message)
+}
+
+/// For an error on a header's key (an unknown table: `[auth.oauth]`), the table above that
+/// key, as a field (inside a route, from the route on); `None` at the top level.
+fn header_above(source: &str, offset: usize, in_route: bool) -> Option<String> {
+    let line_start = source[..offset.min(source.len())]
+        .rfind('\n')
+        .map_or(0, |i| i + 1);
+    let line = source[line_start..].lines().next().unwrap_or_default();
+    let parts = header_parts(line)?;
+    let key = (parts.iter()).position(|(_, at)| at.contains(&(offset - line_start)))?;
+    let above = match (in_route, parts.first()) {
+        (true, Some((first, _))) if first == "routes" => &parts[1.min(key)..key],
+        _ => &parts[..key],
+    };
+    (!above.is_empty()).then(|| shown(above))
 }
 
 /// A tier the key file gives keys that no route taking tiers from the key file lists (nor
@@ -254,10 +277,16 @@ fn request_id_clashes(
 /// TOML's words for an integer it cannot hold (``invalid type: integer `N` as i128,
 /// expected i64``), said as what is wrong and what would do.
 fn past_i64(message: &str) -> String {
-    let too_big = message
-        .strip_prefix("invalid type: integer `")
+    // Past u64 TOML says `invalid type: integer `N` as i128`; from 2^63 to 2^64 - 1 it reads
+    // the number and the field refuses it: `invalid value: integer `N`, expected i64`.
+    let too_big = (message.strip_prefix("invalid type: integer `"))
         .and_then(|rest| rest.split_once('`'))
-        .filter(|(_, tail)| tail.contains("as i128"));
+        .filter(|(_, tail)| tail.contains("as i128"))
+        .or_else(|| {
+            (message.strip_prefix("invalid value: integer `"))
+                .and_then(|rest| rest.split_once('`'))
+                .filter(|(n, _)| n.parse::<u64>().is_ok_and(|n| n > i64::MAX as u64))
+        });
     match too_big {
         Some((number, _)) => format!(
             "{number} is out of range: no field takes an integer past {} (each field's range is in docs/configuration.md)",
@@ -292,6 +321,12 @@ fn in_words(message: &str) -> String {
             }
         }
     }
+    // A table of the file where another value is written: `expected struct RawUpstream`.
+    if let Some(at) = out.find("expected struct Raw") {
+        let end = (out[at + "expected struct ".len()..].find(|c: char| !c.is_ascii_alphanumeric()))
+            .map_or(out.len(), |i| at + "expected struct ".len() + i);
+        out.replace_range(at..end, "expected a table");
+    }
     out
 }
 
@@ -299,9 +334,9 @@ pub(super) fn route_label(index: usize, endpoint_id: &str) -> String {
     format!("routes[{index}] ({endpoint_id})")
 }
 
-/// TOML's ``missing field `x` `` said as what is missing (the caller names where) and a line
-/// that would give it; other messages as they are.
-fn missing_field(message: &str) -> String {
+/// TOML's ``missing field `x` `` said as what is missing (the caller names where: `place`)
+/// and a line that would give it; other messages as they are.
+fn missing_field(message: &str, place: Option<&str>) -> String {
     let Some(field) = message
         .strip_prefix("missing field `")
         .and_then(|rest| rest.strip_suffix('`'))
@@ -319,6 +354,10 @@ fn missing_field(message: &str) -> String {
         "file" => "file = \"keys.toml\"",
         "header" => "header = \"X-API-Key\"",
         "name" => "name = \"burst\"",
+        // A limit entry's algorithm cannot be "none" (a route's can).
+        "algorithm" if place.is_some_and(|p| p.contains("limits[")) => {
+            "algorithm = \"token_bucket\" (or \"sliding_window\")"
+        }
         "algorithm" => "algorithm = \"token_bucket\" (or \"sliding_window\", \"none\")",
         _ => "",
     };
@@ -334,17 +373,19 @@ fn missing_field(message: &str) -> String {
 /// `[["routes.limits"]]` is `"routes.limits"`); `None` for another line or a header TOML
 /// cannot read (TOML's own error names that).
 fn header_name(line: &str) -> Option<String> {
-    let parts = header_parts(line)?;
-    Some(
-        parts
-            .into_iter()
-            .map(|(part, _)| part)
-            .collect::<Vec<_>>()
-            .join("."),
-    )
+    header_parts(line).map(|parts| shown(&parts))
 }
 
-/// A header line's keys, each as TOML writes it and where it is in `line`.
+/// Keys as a message names them, joined: `upstreams."my app"`.
+fn shown<K: AsRef<str>>(keys: &[(K, std::ops::Range<usize>)]) -> String {
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|(k, _)| place::key_shown(k.as_ref()))
+        .collect();
+    keys.join(".")
+}
+
+/// A header line's keys as TOML reads them, each with where it is in `line`.
 fn header_parts(line: &str) -> Option<Vec<(String, std::ops::Range<usize>)>> {
     let header = line.trim_start_matches('\u{feff}').trim_start();
     let skipped = line.len() - header.len();
@@ -357,7 +398,7 @@ fn header_parts(line: &str) -> Option<Vec<(String, std::ops::Range<usize>)>> {
     while let Some((key, value)) = table.iter().next() {
         let at = key.span();
         parts.push((
-            place::key_shown(key.get_ref()),
+            key.get_ref().to_string(),
             at.start + skipped..at.end + skipped,
         ));
         table = match value.get_ref() {
@@ -372,47 +413,42 @@ fn header_parts(line: &str) -> Option<Vec<(String, std::ops::Range<usize>)>> {
     (!parts.is_empty()).then_some(parts)
 }
 
-/// Whether `line` is the header of an entry of the list of tables `name` (`[[routes]]`).
-fn is_entry_of(line: &str, name: &str) -> bool {
-    let line = line.trim_start_matches('\u{feff}').trim_start();
-    line.starts_with("[[") && header_name(line).as_deref() == Some(name)
-}
-
-/// The byte range of a `[[routes.limits]]` header written before any `[[routes]]`: the
-/// limit belongs to no route (TOML then says `[[routes]]` is written twice, or that
-/// `routes` is no list).
-fn limits_before_any_route(source: &str) -> Option<std::ops::Range<usize>> {
-    let mut offset = 0;
-    for line in source.split_inclusive('\n') {
-        if header_name(line).as_deref() == Some("routes") {
-            return None;
-        }
-        if is_entry_of(line, "routes.limits") {
-            let start = offset + line.len() - line.trim_start().len();
-            return Some(start..offset + line.trim_end().len());
-        }
-        offset += line.len();
-    }
-    None
-}
-
 /// Whether the file's table `name` is a list of tables (`[[routes]]`, `[[routes.limits]]`,
 /// `[[server.tls]]`): by the config's shape.
 fn is_a_list(name: &str) -> bool {
     name == "routes" || name.ends_with(".limits") || name.starts_with("server.tls")
 }
 
+/// The tables an entry of the list of tables `list` may have, written with headers after
+/// its `[[list]]` (`[[routes.limits]]` after `[[routes]]`).
+fn tables_of_an_entry(list: &str) -> &'static [&'static str] {
+    match list {
+        "routes" => &[
+            "limits",
+            "tiers",
+            "cost_from_response",
+            "identity",
+            "tier_from",
+        ],
+        "server.tls" => &["sni"],
+        _ => &[],
+    }
+}
+
 /// TOML's words for an error in a table's header (the line `offset` is on), which name
 /// neither the table nor what would do: a table written twice, `[routes]` for `[[routes]]`,
-/// `[[upstreams]]` for `[upstreams.NAME]`. `None` for an error elsewhere.
-fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> {
+/// `[[upstreams]]` for `[upstreams.NAME]`, a header that a table written before it (or an
+/// inline list) makes wrong. Where to point, when it is not the error's own place, and what
+/// to say; `None` for an error elsewhere.
+fn about_a_header(
+    source: &str,
+    offset: usize,
+    message: &str,
+) -> Option<(Option<std::ops::Range<usize>>, String)> {
     let offset = offset.min(source.len());
     let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
     let line = source[line_start..].lines().next().unwrap_or_default();
     let header = line.split('#').next().unwrap_or_default().trim();
-    if !header.starts_with('[') {
-        return None;
-    }
     let parts = header_parts(line)?;
     // The table TOML's error is about: the header's own, or one above it that the header
     // makes (`[routes.limits.0]` makes `routes.limits` a table).
@@ -420,10 +456,7 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
         .position(|(_, at)| at.contains(&(offset - line_start)))
         .map_or(parts.len(), |i| i + 1);
     let whole = about == parts.len();
-    let name = (parts[..about].iter())
-        .map(|(part, _)| part.as_str())
-        .collect::<Vec<_>>()
-        .join(".");
+    let name = shown(&parts[..about]);
     let name = name.as_str();
     let list = header.starts_with("[[");
     let listed = |name: &str| format!("[[{name}]] (one per entry)");
@@ -431,6 +464,14 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
         "upstreams" => "[upstreams.NAME] (one table per upstream, by its name)".to_owned(),
         n => format!("[{n}]"),
     };
+    let taken = message.ends_with("duplicate key")
+        || message.starts_with("invalid type: map, expected a sequence")
+        || message.starts_with("cannot extend value of type array");
+    if taken {
+        if let Some(said) = made_before(source, &parts[..about], line_start + line.len()) {
+            return Some(said);
+        }
+    }
     // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
     let other_form = source.lines().any(|l| {
         let l = l.trim_start();
@@ -438,32 +479,124 @@ fn about_a_header(source: &str, offset: usize, message: &str) -> Option<String> 
     });
     // A message about a table above this one (`[[server.tls.sni]]` with no `[[server.tls]]`)
     // is left as TOML's own: the header's own form is not what is wrong.
-    Some(if message.ends_with("duplicate key") && other_form {
-        if is_a_list(name) {
-            format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {}", listed(name))
-        } else {
-            format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(name))
-        }
-    } else if message.ends_with("duplicate key") {
-        format!("{header} is written twice: give each table once (merge their keys into one)")
-    } else if message.starts_with("invalid type: map, expected a sequence") && !whole {
-        format!(
+    Some((
+        None,
+        if message.ends_with("duplicate key") && other_form {
+            if is_a_list(name) {
+                format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {}", listed(name))
+            } else {
+                format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(name))
+            }
+        } else if message.ends_with("duplicate key") {
+            format!("{header} is written twice: give each table once (merge their keys into one)")
+        } else if message.starts_with("invalid type: map, expected a sequence") && !whole {
+            format!(
             "{header} makes {name} one table where it is a list of tables: write {}, and the entry's fields in it",
             listed(name)
         )
-    } else if message.starts_with("invalid type: map, expected a sequence") && !list {
-        format!(
-            "{header} is one table where {name} is a list of tables: write {}",
-            listed(name)
-        )
-    } else if message.starts_with("invalid type: sequence, expected a map") && list {
-        format!(
-            "{header} is a list of tables where {name} is one table: write {}",
-            named(name)
-        )
-    } else {
+        } else if message.starts_with("invalid type: map, expected a sequence") && !list {
+            format!(
+                "{header} is one table where {name} is a list of tables: write {}",
+                listed(name)
+            )
+        } else if message.starts_with("invalid type: sequence, expected a map") && list {
+            format!(
+                "{header} is a list of tables where {name} is one table: write {}",
+                named(name)
+            )
+        } else {
+            return None;
+        },
+    ))
+}
+
+/// What, written before `end`, makes the table `keys` (a header's, or one above it) what a
+/// header cannot be: a list written inline (`routes = [{ ... }]`, then `[[routes]]`), or, for a
+/// list of tables, a header under it before any of its entries (`[routes.tiers.x]` before
+/// `[[routes]]`: it belongs to no entry; `[routes.limits.burst]`, which makes the list one
+/// table). Where it is, and what to say.
+fn made_before(
+    source: &str,
+    keys: &[(String, std::ops::Range<usize>)],
+    end: usize,
+) -> Option<(Option<std::ops::Range<usize>>, String)> {
+    let (root, _) = toml::de::DeTable::parse_recoverable(source);
+    // The longest run of `keys` that is a list written inline.
+    let mut table = root.get_ref();
+    for n in 1..=keys.len() {
+        let Some((_, value)) = table.iter().find(|(k, _)| k.get_ref() == &keys[n - 1].0) else {
+            break;
+        };
+        match value.get_ref() {
+            toml::de::DeValue::Array(entries) => {
+                let by_headers = (entries.iter().next()).is_some_and(|e| {
+                    source
+                        .get(e.span().start..)
+                        .is_some_and(|t| t.starts_with("[["))
+                });
+                if !by_headers {
+                    let list = shown(&keys[..n]);
+                    let line = super::error::line_col(source, value.span().start).0;
+                    return Some((None, format!("{list} is written as an inline list (line {line}), which a header cannot add to: write its entries one way, all inline or each as [[{list}]] with its tables after it")));
+                }
+                break;
+            }
+            toml::de::DeValue::Table(t) => table = t,
+            _ => break,
+        }
+    }
+    let list = shown(keys);
+    if !is_a_list(&list) {
         return None;
-    })
+    }
+    // The entry of the list above it that this list's entries belong to starts anew at each
+    // of its headers (`[[routes]]` for `routes.limits`).
+    let above = (1..keys.len())
+        .rev()
+        .map(|n| shown(&keys[..n]))
+        .find(|n| is_a_list(n));
+    let mut first = None;
+    let mut at = 0;
+    for line in source[..end.min(source.len())].split_inclusive('\n') {
+        let here = at..at + line.trim_end().len();
+        at += line.len();
+        let Some(parts) = header_parts(line) else {
+            continue;
+        };
+        let name = shown(&parts);
+        let is_list = line
+            .trim_start()
+            .trim_start_matches('\u{feff}')
+            .starts_with("[[");
+        // An entry of the list: what came before it belongs to no entry.
+        if is_list && name == list {
+            break;
+        }
+        if is_list && above.as_deref() == Some(name.as_str()) {
+            first = None;
+        } else if first.is_none()
+            && parts.len() > keys.len()
+            && name.starts_with(&format!("{list}."))
+        {
+            let start = here.start + line.len() - line.trim_start().len();
+            first = Some((start..here.end, parts, line.trim().to_owned()));
+        }
+    }
+    let (at, parts, header) = first?;
+    let header = header
+        .split('#')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    Some((
+        Some(at),
+        if tables_of_an_entry(&list).contains(&parts[keys.len()].0.as_str()) {
+            format!("{header} comes before any [[{list}]]: write it after the [[{list}]] of the entry it belongs to")
+        } else {
+            format!("{header} makes {list} one table where it is a list of tables: write [[{list}]] (one per entry), and the entry's fields in it")
+        },
+    ))
 }
 
 /// How an `*_env` field's variable is named in a message: as written when the environment

@@ -105,7 +105,9 @@ fn within<'a, 'i>(
             DeValue::Table(_) if starts_with(source, v.start, "[") => continue,
             DeValue::Table(t) if !starts_with(source, v.start, "{") => {
                 steps.push(Step::Key(key.get_ref().as_ref()));
-                if within(source, t, offset, steps) {
+                // An error on the dotted key's own span is the table's (an unknown field of
+                // it: `identity.heder = ...`).
+                if within(source, t, offset, steps) || k.contains(&offset) {
                     return true;
                 }
                 steps.pop();
@@ -191,6 +193,31 @@ fn said(steps: &[Step]) -> Place {
         route,
         field: (!field.is_empty()).then_some(field),
     }
+}
+
+/// A key written twice, as TOML reads it (`health_check.path`; `"identity".header` is
+/// `identity.header`): the whole dotted key its line writes up to the error's end, else the
+/// error's own text.
+pub(super) fn key_written(source: &str, span: Range<usize>) -> String {
+    let line = line_of(source, span.start);
+    let as_key = |text: &str| {
+        let assignment = format!("{text} = 0");
+        let document = DeTable::parse(&assignment).ok()?;
+        let (mut table, mut keys) = (document.get_ref(), Vec::new());
+        while let Some((key, value)) = table.iter().next() {
+            keys.push(key_shown(key.get_ref()));
+            match value.get_ref() {
+                DeValue::Table(t) => table = t,
+                _ => break,
+            }
+        }
+        Some(keys.join("."))
+    };
+    let own = source.get(span.clone()).unwrap_or_default().trim();
+    (source.get(line.start..span.end))
+        .and_then(|written| as_key(written.trim_start_matches('\u{feff}').trim_start()))
+        .or_else(|| as_key(own))
+        .unwrap_or_else(|| own.to_owned())
 }
 
 /// A key as TOML writes it: bare when it can be, else quoted (`upstreams."my app"`).
