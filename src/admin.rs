@@ -365,11 +365,23 @@ impl Admin {
             }
             (Err(why), _) | (_, Err(why)) => return bad(why),
         };
-        // An unlimited endpoint keys no request: nothing to read or reset.
-        if endpoint.policy.algorithm == crate::config::Algorithm::None {
-            return bad(format!("{endpoint_id} is not limited (algorithm = \"none\"): no request to it is keyed by any identity"));
-        }
         let identity = as_keyed(&identity);
+        // An unlimited endpoint keys no request: any identity has no limits there, and a
+        // reset deletes nothing (Redis is not asked; nothing is logged).
+        if endpoint.policy.algorithm == crate::config::Algorithm::None {
+            return json(
+                StatusCode::OK,
+                match method == Method::DELETE {
+                    true => serde_json::json!({"reset": true, "keys_deleted": 0}),
+                    false => serde_json::json!({
+                        "endpoint_id": endpoint_id,
+                        "identity_hash": identity_hash(&identity),
+                        "tier": null,
+                        "limits": [],
+                    }),
+                },
+            );
+        }
         // An identity string no request to the endpoint is keyed by (the raw API key pasted
         // for `tenant:<tenant>`, say) would read as a full bucket and reset nothing.
         let sources: Vec<&IdentitySource> = snapshot

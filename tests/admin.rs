@@ -175,22 +175,6 @@ async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
             r#"{"detail":"method not allowed"}"#
         );
     }
-    // An unlimited route keys no request: no identity has buckets there to read or reset.
-    for method in ["GET", "DELETE"] {
-        let r = http
-            .request(
-                method.parse().unwrap(),
-                gw.admin("/limits/a.open?identity=global"),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400, "{method}");
-        assert_eq!(
-            r.text().await.unwrap(),
-            r#"{"detail":"a.open is not limited (algorithm = \"none\"): no request to it is keyed by any identity"}"#
-        );
-    }
 }
 
 /// A client that closes its side once its request is sent (`nc -N`, `printf | nc -q0`) gets
@@ -246,4 +230,33 @@ async fn a_half_closed_admin_request_is_answered_and_logged() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "the bucket starts full");
+}
+
+/// An unlimited route keys no request: any identity has no limits there, and a reset
+/// deletes nothing, without asking Redis (stopped here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlimited_route_has_no_limits_to_read_or_reset() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start();
+    drop(redis);
+    let http = client();
+    for identity in ["global", "header%3Ax-api-key%3Ak", "ip%3A10.0.0.1"] {
+        let url = gw.admin(&format!("/limits/a.open?identity={identity}"));
+        let read = http.get(&url).send().await.unwrap();
+        assert_eq!(read.status(), 200, "{identity}");
+        let read: serde_json::Value = serde_json::from_str(&read.text().await.unwrap()).unwrap();
+        assert_eq!(read["limits"], serde_json::json!([]), "{identity}");
+        assert_eq!(read["tier"], serde_json::Value::Null);
+        let reset = http.delete(&url).send().await.unwrap();
+        assert_eq!(reset.status(), 200, "{identity}");
+        assert_eq!(
+            reset.text().await.unwrap(),
+            r#"{"keys_deleted":0,"reset":true}"#
+        );
+    }
+    assert!(!gw.logs().contains("limits reset"), "nothing was reset");
 }

@@ -53,7 +53,10 @@ pub(super) struct Conn {
 
 /// Redis closes a client idle for its `timeout`, a whole number of seconds: a connection
 /// that carried a decision within the last second was not closed for being idle (a
-/// `CLIENT KILL` under load, between two batches, is a loss under decisions).
+/// `CLIENT KILL` under load, between two batches, is a loss under decisions). Its two
+/// sockets are one connection here: the decisions' and redis-rs's (which carries the
+/// eviction check every 15 s and little else) are made and let go together, so a `timeout`
+/// under 15 s that closes redis-rs's under traffic takes the decisions' with it (a WARN).
 const IDLE_AT_LEAST_US: u64 = 1_000_000;
 
 impl Conn {
@@ -73,7 +76,7 @@ impl Conn {
         self.solo.load(Ordering::Relaxed) > 0
             || self.lost_deciding.load(Ordering::Acquire)
             || wire.batches.deciding()
-            || deadline::mono_us().saturating_sub(sent_us) < IDLE_AT_LEAST_US
+            || (sent_us != 0 && deadline::mono_us().saturating_sub(sent_us) < IDLE_AT_LEAST_US)
     }
 }
 

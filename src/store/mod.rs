@@ -859,7 +859,7 @@ fn saturated_exponent(text: &str) -> Option<i64> {
 /// A Redis error as logs say it: an error reply as Redis writes it and a batch's reply gives
 /// it, `CODE detail`, so that one reason reads the same whichever call met it (redis-rs
 /// spells it `"CODE": detail`); any other error as redis-rs says it.
-pub(crate) struct Said<'a>(pub &'a redis::RedisError);
+struct Said<'a>(&'a redis::RedisError);
 
 impl std::fmt::Display for Said<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

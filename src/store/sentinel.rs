@@ -165,7 +165,7 @@ impl Sentinel {
             let mut opened = match connect::open(&target.dial).await {
                 Ok(opened) => opened,
                 Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => return Ok(true),
-                Err(e) => return Err(format!("cannot connect to it: {e}")),
+                Err(e) => return Err(format!("cannot connect to it: {}", super::Said(&e))),
             };
             let role: redis::Value = match redis::cmd("ROLE").query_async(&mut opened.conn).await {
                 Ok(role) => role,
@@ -176,7 +176,7 @@ impl Sentinel {
                     }
                     return Ok(true);
                 }
-                Err(e) => return Err(format!("ROLE failed: {e}")),
+                Err(e) => return Err(format!("ROLE failed: {}", super::Said(&e))),
             };
             match role {
                 redis::Value::Array(items) => match items.first() {

@@ -155,7 +155,7 @@ pub(super) fn route(
                     format!(
                         "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
                         name.get_ref(),
-                        super::place::key_shown(name.get_ref()),
+                        super::shape::key_shown(name.get_ref()),
                         known.join(", ")
                     ),
                 );

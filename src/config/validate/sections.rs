@@ -1278,7 +1278,7 @@ pub(super) fn upstream(
 ) -> Option<UpstreamConfig> {
     let u = up.get_ref();
     // A name TOML must quote is quoted, as the file writes it: `upstreams."api v2".addrs`.
-    let name = &super::place::key_shown(name);
+    let name = &super::shape::key_shown(name);
     let field = |f: &str| format!("upstreams.{name}.{f}");
     let mut addrs = Vec::new();
     let mut hosts = Vec::new();
