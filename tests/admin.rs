@@ -137,16 +137,20 @@ async fn the_admin_token_guards_everything_but_the_probes() {
     }
 }
 
+/// A gateway with one unlimited route, `a.open`, for every path.
+fn unlimited(redis: &Redis, up: &Upstream) -> common::Gateway {
+    GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("a.open").prefix("/").unlimited())
+        .start()
+}
+
 /// The probes and `/metrics` answer `HEAD` as `GET` without a body (load balancers probe
 /// with it); a method a path does not take is 405 with `Allow`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let gw = GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(Route::new("a.open").prefix("/").unlimited())
-        .start();
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = unlimited(&redis, &up);
     let http = client();
     for path in ["/healthz", "/readyz", "/metrics"] {
         let r = http.head(gw.admin(path)).send().await.unwrap();
@@ -236,12 +240,8 @@ async fn a_half_closed_admin_request_is_answered_and_logged() {
 /// deletes nothing, without asking Redis (stopped here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unlimited_route_has_no_limits_to_read_or_reset() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let gw = GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(Route::new("a.open").prefix("/").unlimited())
-        .start();
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = unlimited(&redis, &up);
     drop(redis);
     let http = client();
     for identity in ["global", "header%3Ax-api-key%3Ak", "ip%3A10.0.0.1"] {

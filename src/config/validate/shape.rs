@@ -7,9 +7,11 @@
 //! route on (`routes[1] (b.second)`, then `limits[0] (burst).capacity_micro`) or from the top
 //! level (`upstreams."my app".addrs`), however the file spells its headers, keys, quotes and
 //! inline tables (one line or several). An error in a header is said by what is wrong with
-//! the header: a table written twice or both ways, a list of tables written as one table, a
-//! table under a list written before the list's first entry.
+//! the header: a table written twice or both ways, a list of tables written as one table or
+//! the reverse, a table under a list written before the list's first entry, a header adding
+//! to what a value, a dotted key or an inline list already wrote.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use toml::de::{DeTable, DeValue};
@@ -17,16 +19,122 @@ use toml::Spanned;
 
 use super::route_label;
 
+/// A file TOML cannot read into the config's shape: where its first error is, the route it
+/// is in, and the message.
+pub(super) fn error(
+    source: &str,
+    e: &toml::de::Error,
+) -> (Option<Range<usize>>, Option<String>, String) {
+    let message = past_i64(e.message().trim());
+    let Some(span) = e.span() else {
+        return (None, None, message);
+    };
+    // A byte order mark is no part of the first line: read as spaces, offsets kept.
+    let source: Cow<str> = match source.strip_prefix('\u{feff}') {
+        Some(rest) => Cow::Owned(format!("   {rest}")),
+        None => Cow::Borrowed(source),
+    };
+    let source = source.as_ref();
+    let (root, _) = DeTable::parse_recoverable(source);
+    let doc = Doc::new(source, root.get_ref());
+    // A date where a number or a string belongs: TOML hands it on as a table.
+    let date = (source.get(span.clone()))
+        .is_some_and(|t| t.trim().parse::<toml::value::Datetime>().is_ok());
+    let message = match date {
+        true => message.replacen("invalid type: map", "invalid type: a date-time", 1),
+        false => message,
+    };
+    // ``unknown field `x` ``: the key TOML does not know.
+    let unknown = (message.strip_prefix("unknown field `"))
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(key, _)| key);
+    let missing = message.starts_with("missing field");
+    let place = doc.place_at(span.start, unknown);
+    // A table of the shape written as a list of tables (`[[server]]`, `[[routes.tiers.pro]]`):
+    // serde takes the list for the table's fields, and its messages say nothing of it.
+    if let Some(header) = (place.region).and_then(|at| Header::on_line(source, at)) {
+        if header.list && !is_a_list(&header.raw()) && header.made_one_table().is_none() {
+            let route = doc.place_at(header.at.start, None).route;
+            return (Some(header.at.clone()), route, header.a_table_as_a_list());
+        }
+    }
+    let (route, mut field) = (place.route, place.field);
+    // An error in a header (a table written twice or in the wrong form, a syntax error, an
+    // unknown table) is said by the header; a field missing from a table with a header points
+    // at the header and is named by that table (or by the one above that the header makes:
+    // `[upstreams.app.health_check]` alone makes `upstreams.app`, without its `addrs`).
+    let on_a_header = !place.in_value
+        && source[line_of(source, span.start)]
+            .trim_start()
+            .starts_with('[');
+    let header = on_a_header
+        .then(|| Header::on_line(source, span.start))
+        .flatten();
+    if on_a_header && header.is_none() {
+        // A header TOML cannot read: its own words say what is wrong.
+        field = None;
+    }
+    if let Some(header) = header {
+        let key = header.key_at(span.start);
+        if !missing {
+            if let Some((at, about)) = doc.about_a_header(&header, span.start, &message) {
+                let route = match &at {
+                    Some(at) => doc.place_at(at.start, None).route,
+                    None => route,
+                };
+                return (Some(at.unwrap_or(span)), route, about);
+            }
+            // An unknown table is named by the table above it (its list entry too, when the
+            // header is the table's: `limits[0] (burst)` for `[routes.limits.bogus]`); any
+            // other error by its own.
+            field = match (key, unknown.is_some()) {
+                _ if unknown.is_some() && place.region_here => place.above,
+                (Some(key), true) => header.field(..key, route.is_some()),
+                (Some(key), false) => header.field(..key + 1, route.is_some()),
+                (None, _) => field,
+            };
+        } else if let Some(key) = key.filter(|k| k + 1 < header.keys.len()) {
+            field = header.field(..key + 1, route.is_some());
+        }
+    }
+    // TOML's own message names no field ("invalid type: string, expected i64"): the place it
+    // points into does. A key written twice is not in TOML's reading of the file: it is
+    // named as it is written there.
+    let message = missing_field(&message, field.as_deref());
+    let message = if message == "duplicate key" {
+        let key = key_written(source, span.clone());
+        let field = [field.as_deref().unwrap_or(""), key.as_str()]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(".");
+        format!("{field}: duplicate key: a key is written twice here (or a table in two places): keep one")
+    } else {
+        match field {
+            Some(field) => format!("{field}: {message}"),
+            None => message,
+        }
+    };
+    (Some(span), route, message)
+}
+
 /// Where an error's offset lies.
-pub(super) struct Place {
+struct Place {
     /// The route's label when the offset is inside a route: `routes[1] (b.second)`.
-    pub route: Option<String>,
+    route: Option<String>,
     /// From the route (or the top level) to the innermost table, list entry or key holding
     /// the offset: `limits[0] (burst).capacity_micro`; `None` for a route's own table and
     /// the top level.
-    pub field: Option<String>,
+    field: Option<String>,
+    /// The table above the region's own (`field` without its last key), for an unknown
+    /// table named by its header.
+    above: Option<String>,
     /// The offset is in a value (or just past one on its line), not on a key or a header.
-    pub in_value: bool,
+    in_value: bool,
+    /// Where the header of the table holding the offset starts, and whether it is on the
+    /// offset's line.
+    region: Option<usize>,
+    region_here: bool,
 }
 
 /// One step of a place: a key, or an entry of a list (with its table, for its name).
@@ -36,103 +144,339 @@ enum Step<'a, 'i> {
     Entry(usize, Option<&'a DeTable<'i>>),
 }
 
-/// The place of byte `offset`. An offset on a key (an unknown field) names the key's table:
-/// the message names the key.
-pub(super) fn place_at(source: &str, offset: usize) -> Place {
-    let (root, _) = DeTable::parse_recoverable(source);
-    let mut headers = Vec::new();
-    tables_with_headers(source, root.get_ref(), &mut Vec::new(), &mut headers);
-    headers.sort_by_key(|(start, _, _)| *start);
-    // The table whose header is the last one at or before the offset (the top level when
-    // none is).
-    let region = headers.iter().rev().find(|(start, _, _)| *start <= offset);
-    let (mut steps, table) = match region {
-        Some((_, steps, table)) => (steps.to_vec(), *table),
-        None => (Vec::new(), root.get_ref()),
-    };
-    let mut found = within(source, table, offset, &mut steps);
-    if found == Found::Nothing {
-        // An error just past a value on its line (an unclosed string, `5 000`): that key's.
-        let line = line_of(source, offset);
-        let before = (table.iter())
-            .filter(|(k, _)| line.contains(&k.span().start) && k.span().start < offset)
-            .max_by_key(|(k, _)| k.span().start);
-        if let Some((key, _)) = before {
-            steps.push(Step::Key(key.get_ref().as_ref()));
-            found = Found::Value;
-        }
-    }
-    let mut place = said(&steps);
-    place.in_value = found == Found::Value;
-    place
-}
-
 /// How a table or a list is written.
 #[derive(PartialEq)]
 enum Form {
     /// `[x]`, or a list of `[[x]]` entries.
     Headers,
-    /// `{ ... }`, or `[ ... ]`.
+    /// `{ ... }`, `[ ... ]`, or a value that is neither table nor list.
     Inline,
     /// Made by a dotted key (`a.b = 1`) or a longer header (`[a.b]` makes `a`).
     Dotted,
 }
 
-fn form(source: &str, value: &Spanned<DeValue>) -> Form {
-    let at = value.span().start;
-    match value.get_ref() {
-        DeValue::Table(_) if starts_with(source, at, "{") => Form::Inline,
-        DeValue::Table(_) if starts_with(source, at, "[") => Form::Headers,
-        DeValue::Table(_) => Form::Dotted,
-        DeValue::Array(entries) => match entries.iter().next() {
-            Some(e)
-                if matches!(e.get_ref(), DeValue::Table(_))
-                    && starts_with(source, e.span().start, "[[") =>
-            {
-                Form::Headers
-            }
-            _ => Form::Inline,
-        },
-        _ => Form::Inline,
-    }
+/// The file as TOML's best effort read it, with every table written with a whole header.
+struct Doc<'a, 'i> {
+    source: &'a str,
+    root: &'a DeTable<'i>,
+    /// By their header's start: their steps from the top, and the table.
+    headers: Vec<(usize, Vec<Step<'a, 'i>>, &'a DeTable<'i>)>,
 }
 
-/// Every table written with a header (`[x]`, each entry of `[[x]]`), with its header's start
-/// and its steps from the top. A header TOML could only take in part (`[[routes.limits]`
-/// unclosed: its table is taken up to the next header's end, named by that header's keys)
-/// is none.
-fn tables_with_headers<'a, 'i>(
-    source: &str,
-    table: &'a DeTable<'i>,
-    steps: &mut Vec<Step<'a, 'i>>,
-    out: &mut Vec<(usize, Vec<Step<'a, 'i>>, &'a DeTable<'i>)>,
-) {
-    let whole = |span: Range<usize>| source.get(span).is_some_and(|h| !h.contains('\n'));
-    for (key, value) in table.iter() {
-        steps.push(Step::Key(key.get_ref().as_ref()));
-        match (value.get_ref(), form(source, value)) {
-            (DeValue::Table(_), Form::Inline) => {}
-            (DeValue::Table(t), form) => {
-                if form == Form::Headers && whole(value.span()) {
-                    out.push((value.span().start, steps.to_vec(), t));
+impl<'a, 'i> Doc<'a, 'i> {
+    fn new(source: &'a str, root: &'a DeTable<'i>) -> Self {
+        let mut doc = Doc {
+            source,
+            root,
+            headers: Vec::new(),
+        };
+        let mut headers = Vec::new();
+        doc.tables_with_headers(root, &mut Vec::new(), &mut headers);
+        headers.sort_by_key(|(start, _, _)| *start);
+        doc.headers = headers;
+        doc
+    }
+
+    fn form(&self, value: &Spanned<DeValue>) -> Form {
+        let starts =
+            |at: usize, text: &str| self.source.get(at..).is_some_and(|s| s.starts_with(text));
+        let at = value.span().start;
+        match value.get_ref() {
+            DeValue::Table(_) if starts(at, "{") => Form::Inline,
+            DeValue::Table(_) if starts(at, "[") => Form::Headers,
+            DeValue::Table(_) => Form::Dotted,
+            DeValue::Array(entries) => match entries.iter().next() {
+                Some(e)
+                    if matches!(e.get_ref(), DeValue::Table(_)) && starts(e.span().start, "[[") =>
+                {
+                    Form::Headers
                 }
-                tables_with_headers(source, t, steps, out);
-            }
-            (DeValue::Array(entries), Form::Headers) => {
-                for (i, entry) in entries.iter().enumerate() {
-                    if let DeValue::Table(t) = entry.get_ref() {
-                        steps.push(Step::Entry(i, Some(t)));
-                        if whole(entry.span()) {
-                            out.push((entry.span().start, steps.to_vec(), t));
-                        }
-                        tables_with_headers(source, t, steps, out);
-                        steps.pop();
+                _ => Form::Inline,
+            },
+            _ => Form::Inline,
+        }
+    }
+
+    /// Every table written with a header (`[x]`, each entry of `[[x]]`). A header TOML could
+    /// only take in part (`[[routes.limits]` unclosed: its table is taken up to the next
+    /// header's end, named by that header's keys) is none.
+    fn tables_with_headers(
+        &self,
+        table: &'a DeTable<'i>,
+        steps: &mut Vec<Step<'a, 'i>>,
+        out: &mut Vec<(usize, Vec<Step<'a, 'i>>, &'a DeTable<'i>)>,
+    ) {
+        let whole = |span: Range<usize>| self.source.get(span).is_some_and(|h| !h.contains('\n'));
+        for (key, value) in table.iter() {
+            steps.push(Step::Key(key.get_ref().as_ref()));
+            match (value.get_ref(), self.form(value)) {
+                (DeValue::Table(_), Form::Inline) => {}
+                (DeValue::Table(t), form) => {
+                    if form == Form::Headers && whole(value.span()) {
+                        out.push((value.span().start, steps.to_vec(), t));
                     }
+                    self.tables_with_headers(t, steps, out);
+                }
+                (DeValue::Array(entries), Form::Headers) => {
+                    for (i, entry) in entries.iter().enumerate() {
+                        if let DeValue::Table(t) = entry.get_ref() {
+                            steps.push(Step::Entry(i, Some(t)));
+                            if whole(entry.span()) {
+                                out.push((entry.span().start, steps.to_vec(), t));
+                            }
+                            self.tables_with_headers(t, steps, out);
+                            steps.pop();
+                        }
+                    }
+                }
+                _ => {}
+            }
+            steps.pop();
+        }
+    }
+
+    /// The place of byte `offset`. An offset on a key (an unknown field) names the key's
+    /// table, the message naming the key (`unknown`, the key TOML does not know: the first
+    /// key of a dotted key too).
+    fn place_at(&self, offset: usize, unknown: Option<&str>) -> Place {
+        // The table whose header is the last one at or before the offset (the top level when
+        // none is).
+        let region = self
+            .headers
+            .iter()
+            .rev()
+            .find(|(start, _, _)| *start <= offset);
+        let (mut steps, table) = match region {
+            Some((_, steps, table)) => (steps.to_vec(), *table),
+            None => (Vec::new(), self.root),
+        };
+        let above = match steps.last() {
+            Some(Step::Key(_)) => said(&steps[..steps.len() - 1]).1,
+            _ => None,
+        };
+        let line = line_of(self.source, offset);
+        let mut found = self.within(table, offset, unknown, &mut steps);
+        if found == Found::Nothing {
+            // An error just past a value on its line (an unclosed string, `5 000`): that key's.
+            let before = (table.iter())
+                .filter(|(k, _)| line.contains(&k.span().start) && k.span().start < offset)
+                .max_by_key(|(k, _)| k.span().start);
+            if let Some((key, _)) = before {
+                steps.push(Step::Key(key.get_ref().as_ref()));
+                found = Found::Value;
+            }
+        }
+        let (route, field) = said(&steps);
+        Place {
+            route,
+            field,
+            above,
+            in_value: found == Found::Value,
+            region: region.map(|(start, _, _)| *start),
+            region_here: region.is_some_and(|(start, _, _)| line.contains(start)),
+        }
+    }
+
+    /// Down from `table` to the innermost key, entry or inline table holding `offset`.
+    fn within(
+        &self,
+        table: &'a DeTable<'i>,
+        offset: usize,
+        unknown: Option<&str>,
+        steps: &mut Vec<Step<'a, 'i>>,
+    ) -> Found {
+        for (key, value) in table.iter() {
+            let (k, v) = (key.span(), value.span());
+            match (value.get_ref(), self.form(value)) {
+                // Another header's table is its own place.
+                (_, Form::Headers) => continue,
+                // A dotted key's table holds its keys' spans, not its own; an error on the
+                // dotted key's own span is about the table (a field missing from it), or
+                // about the key (unknown: its table above is the place).
+                (DeValue::Table(t), Form::Dotted) => {
+                    steps.push(Step::Key(key.get_ref().as_ref()));
+                    match self.within(t, offset, unknown, steps) {
+                        Found::Nothing if k.contains(&offset) => {
+                            if unknown == Some(key.get_ref().as_ref()) {
+                                steps.pop();
+                            }
+                            return Found::Key;
+                        }
+                        Found::Nothing => {}
+                        found => return found,
+                    }
+                    steps.pop();
+                    continue;
+                }
+                _ => {}
+            }
+            if k.contains(&offset) {
+                // On the key itself (an unknown field): its table is the place.
+                return Found::Key;
+            }
+            if !holds(v, offset) {
+                continue;
+            }
+            steps.push(Step::Key(key.get_ref().as_ref()));
+            self.in_value(value, offset, unknown, steps);
+            return Found::Value;
+        }
+        Found::Nothing
+    }
+
+    /// Into a value holding `offset`: an inline table's key, a list's entry.
+    fn in_value(
+        &self,
+        value: &'a Spanned<DeValue<'i>>,
+        offset: usize,
+        unknown: Option<&str>,
+        steps: &mut Vec<Step<'a, 'i>>,
+    ) {
+        match value.get_ref() {
+            DeValue::Table(t) => {
+                self.within(t, offset, unknown, steps);
+            }
+            DeValue::Array(entries) => {
+                let at = (entries.iter().enumerate()).find(|(_, e)| holds(e.span(), offset));
+                if let Some((i, entry)) = at {
+                    let table = match entry.get_ref() {
+                        DeValue::Table(t) => Some(t),
+                        _ => None,
+                    };
+                    steps.push(Step::Entry(i, table));
+                    self.in_value(entry, offset, unknown, steps);
                 }
             }
             _ => {}
         }
-        steps.pop();
+    }
+
+    /// TOML's words for an error in a table's header `header` (the error at `offset`), which
+    /// name neither the table nor what would do: a table written twice, `[routes]` for
+    /// `[[routes]]`, `[[upstreams]]` for `[upstreams.NAME]`, a header that a table, a value or
+    /// an inline list written before it makes wrong. Where to point, when it is not the
+    /// error's own place, and what to say; `None` for another error.
+    fn about_a_header(
+        &self,
+        header: &Header,
+        offset: usize,
+        message: &str,
+    ) -> Option<(Option<Range<usize>>, String)> {
+        // The table TOML's error is about: the header's own, or one above it that the header
+        // makes (`[routes.limits.0]` makes `routes.limits` a table).
+        let about = header.key_at(offset).map_or(header.keys.len(), |i| i + 1);
+        let whole = about == header.keys.len();
+        let raw = header.raw();
+        let (name, text, list) = (shown(&header.keys[..about]), &header.text, header.list);
+        let taken = message.ends_with("duplicate key")
+            || message.starts_with("invalid type: map, expected a sequence")
+            || message.starts_with("cannot extend value of type");
+        if taken {
+            if let Some(said) = self.made_before(header) {
+                return Some(said);
+            }
+        }
+        // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
+        let other_form = (line_starts(self.source))
+            .filter_map(|at| Header::on_line(self.source, at))
+            .any(|h| shown(&h.keys) == name && h.list != list);
+        let is_list = is_a_list(&raw[..about]);
+        let listed = format!("[[{name}]] (one per entry)");
+        Some((
+            None,
+            if message.ends_with("duplicate key") && other_form {
+                match is_list {
+                    true => format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {listed}"),
+                    false => format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(&raw[..about])),
+                }
+            } else if message.ends_with("duplicate key") {
+                format!("{text} is written twice: give each table once (merge their keys into one)")
+            } else if message.starts_with("invalid type: map, expected a sequence") && is_list {
+                match whole && !list {
+                    true => format!("{text} is one table where {name} is a list of tables: write {listed}"),
+                    false => format!("{text} makes {name} one table where it is a list of tables: write {listed}, and the entry's fields in it"),
+                }
+            } else if message.starts_with("invalid type: sequence, expected a map") && list {
+                format!(
+                    "{text} is a list of tables where {name} is one table: write {}",
+                    named(&raw[..about])
+                )
+            } else {
+                return None;
+            },
+        ))
+    }
+
+    /// What, written before the header `header`, makes it wrong: the file's reading followed
+    /// down its keys meets a list written inline (`routes = [{ ... }]`, then `[[routes]]`), a
+    /// value, a dotted key or an inline table where the header makes a table, or, for a list
+    /// of tables, a table under it written before any of its entries (`[routes.tiers.x]`
+    /// before `[[routes]]`: it belongs to no entry; `[routes.limits.burst]`, which makes the
+    /// list one table). Where it is, and what to say.
+    fn made_before(&self, header: &Header) -> Option<(Option<Range<usize>>, String)> {
+        // The file as it is before the header's line: where TOML read the same key twice, it
+        // kept the header's table, not what was written first.
+        let before = &self.source[..line_of(self.source, header.at.start).start];
+        let (root, _) = DeTable::parse_recoverable(before);
+        Doc::new(before, root.get_ref()).walk_to(header)
+    }
+
+    /// [`Doc::made_before`], in the file before the header.
+    fn walk_to(&self, header: &Header) -> Option<(Option<Range<usize>>, String)> {
+        let raw = header.raw();
+        let mut table = self.root;
+        for n in 0..header.keys.len() {
+            let (key, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == raw[n])?;
+            let path = shown(&header.keys[..=n]);
+            let by_a_header = Header::on_line(self.source, key.span().start).is_some();
+            match (value.get_ref(), self.form(value)) {
+                (DeValue::Array(entries), Form::Headers) => {
+                    match entries.iter().last()?.get_ref() {
+                        DeValue::Table(t) => table = t,
+                        _ => return None,
+                    }
+                }
+                (DeValue::Array(_), Form::Inline) => {
+                    let line = line_number(self.source, value.span().start);
+                    return Some((None, format!("{path} is written as an inline list (line {line}), which a header cannot add to: write its entries one way, all inline or each as [[{path}]] with its tables after it")));
+                }
+                (DeValue::Table(t), Form::Headers) => table = t,
+                (DeValue::Table(t), Form::Dotted) if by_a_header => {
+                    if is_a_list(&raw[..=n]) {
+                        let first = self.first_header_under(t)?;
+                        let first = Header::on_line(self.source, first)?;
+                        let next = first.keys.get(n + 1)?.0.as_str();
+                        let text = &first.text;
+                        return Some((Some(first.at.clone()), match tables_of_an_entry(&raw[..=n]).contains(&next) {
+                            true => format!("{text} comes before any [[{path}]]: write it after the [[{path}]] of the entry it belongs to"),
+                            false => format!("{text} makes {path} one table where it is a list of tables: write [[{path}]] (one per entry), and the entry's fields in it"),
+                        }));
+                    }
+                    table = t;
+                }
+                _ => {
+                    let line = line_of(self.source, key.span().start);
+                    let written = self.source[line.clone()].trim();
+                    let number = line_number(self.source, line.start);
+                    return Some((None, format!("{path} is already written on line {number} (`{written}`), which a header cannot add to: write {path} one way")));
+                }
+            }
+        }
+        None
+    }
+
+    /// Where the first table written with a header under `table` starts.
+    fn first_header_under(&self, table: &'a DeTable<'i>) -> Option<usize> {
+        (table.iter())
+            .filter_map(|(_, value)| match (value.get_ref(), self.form(value)) {
+                (DeValue::Table(_), Form::Headers) => Some(value.span().start),
+                (DeValue::Table(t), Form::Dotted) => self.first_header_under(t),
+                (DeValue::Array(entries), Form::Headers) => {
+                    entries.iter().next().map(|e| e.span().start)
+                }
+                _ => None,
+            })
+            .min()
     }
 }
 
@@ -146,75 +490,148 @@ enum Found {
     Value,
 }
 
-/// Down from `table` to the innermost key, entry or inline table holding `offset`.
-fn within<'a, 'i>(
-    source: &str,
-    table: &'a DeTable<'i>,
-    offset: usize,
-    steps: &mut Vec<Step<'a, 'i>>,
-) -> Found {
-    for (key, value) in table.iter() {
-        let (k, v) = (key.span(), value.span());
-        match (value.get_ref(), form(source, value)) {
-            // Another header's table is its own place.
-            (_, Form::Headers) => continue,
-            // A dotted key's table holds its keys' spans, not its own; an error on the
-            // dotted key's own span is the table's (`identity.heder = ...`: unknown field of
-            // `identity`; a field missing from it).
-            (DeValue::Table(t), Form::Dotted) => {
-                steps.push(Step::Key(key.get_ref().as_ref()));
-                match within(source, t, offset, steps) {
-                    Found::Nothing if k.contains(&offset) => return Found::Key,
-                    Found::Nothing => {}
-                    found => return found,
-                }
-                steps.pop();
-                continue;
-            }
-            _ => {}
-        }
-        if k.contains(&offset) {
-            // On the key itself (an unknown field): its table is the place.
-            return Found::Key;
-        }
-        if !holds(v, offset) {
-            continue;
-        }
-        steps.push(Step::Key(key.get_ref().as_ref()));
-        in_value(source, value, offset, steps);
-        return Found::Value;
-    }
-    Found::Nothing
+/// A table header as its line writes it.
+struct Header {
+    /// As written, to its closing bracket: `[[ routes . "limits" ]]`.
+    text: String,
+    /// Its keys as TOML reads them, each with where it is in the file.
+    keys: Vec<(String, Range<usize>)>,
+    /// `[[x]]`: an entry of a list of tables.
+    list: bool,
+    /// Where it is in the file.
+    at: Range<usize>,
 }
 
-/// Into a value holding `offset`: an inline table's key, a list's entry.
-fn in_value<'a, 'i>(
-    source: &str,
-    value: &'a Spanned<DeValue<'i>>,
-    offset: usize,
-    steps: &mut Vec<Step<'a, 'i>>,
-) {
-    match value.get_ref() {
-        DeValue::Table(t) => {
-            within(source, t, offset, steps);
+impl Header {
+    /// The header on the line of `offset`, if that line is one TOML can read.
+    fn on_line(source: &str, offset: usize) -> Option<Header> {
+        let line = line_of(source, offset);
+        let written = &source[line.clone()];
+        let header = written.trim_start();
+        if !header.starts_with('[') {
+            return None;
         }
-        DeValue::Array(entries) => {
-            let at = (entries.iter().enumerate()).find(|(_, e)| holds(e.span(), offset));
-            if let Some((i, entry)) = at {
-                let table = match entry.get_ref() {
-                    DeValue::Table(t) => Some(t),
-                    _ => None,
-                };
-                steps.push(Step::Entry(i, table));
-                in_value(source, entry, offset, steps);
-            }
+        let from = line.start + written.len() - header.len();
+        let document = DeTable::parse(header.trim_end()).ok()?;
+        let (mut table, mut keys) = (document.get_ref(), Vec::new());
+        // One key a level, down to the header's own (empty) table.
+        while let Some((key, value)) = table.iter().next() {
+            let at = key.span();
+            keys.push((key.get_ref().to_string(), from + at.start..from + at.end));
+            table = match value.get_ref() {
+                DeValue::Table(t) => t,
+                DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
+                    Some(DeValue::Table(t)) => t,
+                    _ => break,
+                },
+                _ => break,
+            };
         }
-        _ => {}
+        // To its closing bracket (a quoted key may hold a `#`).
+        let last = keys.last()?.1.end;
+        let close = last + source[last..line.end].find(']')?;
+        let end = close
+            + if source[close..].starts_with("]]") {
+                2
+            } else {
+                1
+            };
+        Some(Header {
+            text: source[from..end].to_owned(),
+            keys,
+            list: header.starts_with("[["),
+            at: from..end,
+        })
+    }
+
+    fn raw(&self) -> Vec<&str> {
+        self.keys.iter().map(|(k, _)| k.as_str()).collect()
+    }
+
+    /// Which of its keys holds `offset`.
+    fn key_at(&self, offset: usize) -> Option<usize> {
+        self.keys.iter().position(|(_, at)| at.contains(&offset))
+    }
+
+    /// Its first keys, to `end`, as a field: inside a route, from the route on; `None` when
+    /// nothing is left.
+    fn field(&self, end: std::ops::RangeTo<usize>, in_route: bool) -> Option<String> {
+        let keys = &self.keys[end];
+        let keys = match (in_route, keys.first()) {
+            (true, Some((first, _))) if first == "routes" => &keys[1..],
+            _ => keys,
+        };
+        (!keys.is_empty()).then(|| shown(keys))
+    }
+
+    /// A proper run of its keys that is a list of tables which the next key makes one table
+    /// (`[[routes.limits.0]]`: `routes.limits`): its length.
+    fn made_one_table(&self) -> Option<usize> {
+        let raw = self.raw();
+        (1..raw.len())
+            .rev()
+            .find(|&n| is_a_list(&raw[..n]) && !tables_of_an_entry(&raw[..n]).contains(&raw[n]))
+    }
+
+    /// Said of a table written as a list of tables.
+    fn a_table_as_a_list(&self) -> String {
+        let name = shown(&self.keys);
+        format!(
+            "{} is a list of tables where {name} is one table: write {}",
+            self.text,
+            named(&self.raw())
+        )
     }
 }
 
-/// The steps said as the messages say them.
-fn said(steps: &[Step]) -> Place {
+/// The lists of tables of the config's shape, by their keys.
+fn is_a_list(keys: &[&str]) -> bool {
+    matches!(
+        keys,
+        ["routes"]
+            | ["routes", "limits"]
+            | ["routes", "tiers", _, "limits"]
+            | ["server", "tls"]
+            | ["server", "tls", "sni"]
+    )
+}
+
+/// The tables an entry of the list of tables `list` may have, written with headers after
+/// its `[[list]]` (`[[routes.limits]]` after `[[routes]]`).
+fn tables_of_an_entry(list: &[&str]) -> &'static [&'static str] {
+    match list {
+        ["routes"] => &[
+            "limits",
+            "tiers",
+            "cost_from_response",
+            "identity",
+            "tier_from",
+        ],
+        ["server", "tls"] => &["sni"],
+        _ => &[],
+    }
+}
+
+/// How a table of the shape is written, for advice.
+fn named(keys: &[&str]) -> String {
+    match keys {
+        ["upstreams"] => "[upstreams.NAME] (one table per upstream, by its name)".to_owned(),
+        ["routes", "tiers"] => "[routes.tiers.NAME] (one table per tier, by its name)".to_owned(),
+        keys => {
+            let keys: Vec<String> = keys.iter().map(|k| key_shown(k)).collect();
+            format!("[{}]", keys.join("."))
+        }
+    }
+}
+
+/// Keys as a message names them, joined: `upstreams."my app"`.
+fn shown<K: AsRef<str>>(keys: &[(K, Range<usize>)]) -> String {
+    let keys: Vec<String> = keys.iter().map(|(k, _)| key_shown(k.as_ref())).collect();
+    keys.join(".")
+}
+
+/// The steps said as the messages say them: the route's label, and the field from it.
+fn said(steps: &[Step]) -> (Option<String>, Option<String>) {
     let (route, rest) = match steps {
         [Step::Key("routes"), Step::Entry(i, table), rest @ ..] => {
             let id = table.and_then(|t| string_in(t, "endpoint_id"));
@@ -239,17 +656,13 @@ fn said(steps: &[Step]) -> Place {
             }
         }
     }
-    Place {
-        route,
-        field: (!field.is_empty()).then_some(field),
-        in_value: false,
-    }
+    (route, (!field.is_empty()).then_some(field))
 }
 
 /// A key written twice, as TOML reads it (`health_check.path`; `"identity".header` is
 /// `identity.header`): the whole dotted key its line writes up to the error's end, else the
 /// error's own text.
-pub(super) fn key_written(source: &str, span: Range<usize>) -> String {
+fn key_written(source: &str, span: Range<usize>) -> String {
     let line = line_of(source, span.start);
     let as_key = |text: &str| {
         let assignment = format!("{text} = 0");
@@ -266,30 +679,26 @@ pub(super) fn key_written(source: &str, span: Range<usize>) -> String {
     };
     let own = source.get(span.clone()).unwrap_or_default().trim();
     (source.get(line.start..span.end))
-        .and_then(|written| as_key(written.trim_start_matches('\u{feff}').trim_start()))
+        .and_then(|written| as_key(written.trim_start()))
         .or_else(|| as_key(own))
         .unwrap_or_else(|| own.to_owned())
 }
 
-/// A key as TOML writes it: bare when it can be, else quoted (`upstreams."my app"`).
+/// A key as TOML writes it: bare when it can be, else a TOML string (`upstreams."my app"`).
 pub(super) fn key_shown(key: &str) -> String {
-    let bare = !key.is_empty()
-        && key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    let bare =
+        !key.is_empty() && (key.chars()).all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     match bare {
         true => key.to_owned(),
-        false => format!("{key:?}"),
+        false => toml::Value::String(key.to_owned()).to_string(),
     }
 }
 
 fn string_in<'a>(table: &'a DeTable, key: &str) -> Option<&'a str> {
-    table
-        .iter()
-        .find_map(|(k, v)| match (k.get_ref().as_ref(), v.get_ref()) {
-            (k, DeValue::String(s)) if k == key => Some(s.as_ref()),
-            _ => None,
-        })
+    (table.iter()).find_map(|(k, v)| match (k.get_ref().as_ref(), v.get_ref()) {
+        (k, DeValue::String(s)) if k == key => Some(s.as_ref()),
+        _ => None,
+    })
 }
 
 /// Whether a value's span holds `offset` (an empty span: its start).
@@ -297,120 +706,25 @@ fn holds(span: Range<usize>, offset: usize) -> bool {
     (span.start..span.end.max(span.start + 1)).contains(&offset)
 }
 
-fn starts_with(source: &str, at: usize, text: &str) -> bool {
-    source.get(at..).is_some_and(|s| s.starts_with(text))
-}
-
-/// Whether `offset` is on a table header's line (`[x]`, `[[x]]`).
-pub(super) fn on_a_header(source: &str, offset: usize) -> bool {
-    source[line_of(source, offset)]
-        .trim_start()
-        .starts_with('[')
-}
-
 /// The byte range of the line holding `offset`.
 fn line_of(source: &str, offset: usize) -> Range<usize> {
     let offset = offset.min(source.len());
     let start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let end = source[offset..]
-        .find('\n')
-        .map_or(source.len(), |i| offset + i);
+    let end = (source[offset..].find('\n')).map_or(source.len(), |i| offset + i);
     start..end
 }
 
-/// A file TOML cannot read into the config's shape: its first error, with its place named as
-/// the other errors name theirs (the route, the limit entry, the key) and, for a header, what
-/// would do.
-pub(super) fn error(
-    source: &str,
-    e: &toml::de::Error,
-) -> (Option<Range<usize>>, Option<String>, String) {
-    let message = past_i64(e.message().trim());
-    let Some(span) = e.span() else {
-        return (None, None, message);
-    };
-    // A date where a number or a string belongs: TOML hands it on as a table.
-    let date = (source.get(span.clone()))
-        .is_some_and(|t| t.trim().parse::<toml::value::Datetime>().is_ok());
-    let message = match date {
-        true => message.replacen("invalid type: map", "invalid type: a date-time", 1),
-        false => message,
-    };
-    let place = place_at(source, span.start);
-    let (route, mut field) = (place.route, place.field);
-    // An error in a header (a table written twice or in the wrong form, a syntax error, an
-    // unknown table) is said by the header; a field missing from a table with a header points
-    // at the header and is named by that table (or by the one above that the header makes:
-    // `[upstreams.app.health_check]` alone makes `upstreams.app`, without its `addrs`).
-    let on_a_header = !place.in_value && on_a_header(source, span.start);
-    let missing = message.starts_with("missing field");
-    if on_a_header && !missing {
-        if let Some((at, about)) = about_a_header(source, span.start, &message) {
-            let route = match &at {
-                Some(at) => place_at(source, at.start).route,
-                None => route,
-            };
-            return (Some(at.unwrap_or(span)), route, about);
-        }
-        // An unknown table is named by the table above it; any other error by its own.
-        let keys = header_key_at(source, span.start, route.is_some());
-        field = match (keys, message.starts_with("unknown field")) {
-            (Some((above, _, _)), true) => above,
-            (Some((_, through, _)), false) => through,
-            (None, _) => None,
-        };
-    } else if on_a_header {
-        if let Some((_, through, false)) = header_key_at(source, span.start, route.is_some()) {
-            field = through;
-        }
-    }
-    // TOML's own message names no field ("invalid type: string, expected i64"): the place it
-    // points into does. A key written twice is not in TOML's reading of the file: it is
-    // named as it is written there.
-    let message = missing_field(&message, field.as_deref());
-    let message = if message == "duplicate key" {
-        let key = key_written(source, span.clone());
-        let field = [field.as_deref().unwrap_or(""), key.as_str()]
-            .into_iter()
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join(".");
-        format!("{field}: duplicate key: a key is written twice here (or a table in two places): keep one")
-    } else {
-        match field {
-            Some(field) => format!("{field}: {message}"),
-            None => message,
-        }
-    };
-    (Some(span), route, message)
+/// Where each line starts.
+fn line_starts(source: &str) -> impl Iterator<Item = usize> + '_ {
+    std::iter::once(0).chain(source.match_indices('\n').map(|(i, _)| i + 1))
 }
 
-/// For an error on a key of a header's line: the table above that key, the table the key
-/// names, and whether the key is the header's last (else the header makes the table above its
-/// own: `[upstreams.app.health_check]` makes `upstreams.app`). As fields: inside a route,
-/// from the route on; `None` at the top level.
-fn header_key_at(
-    source: &str,
-    offset: usize,
-    in_route: bool,
-) -> Option<(Option<String>, Option<String>, bool)> {
-    let line = line_of(source, offset);
-    let parts = header_parts(&source[line.clone()])?;
-    let key = (parts.iter()).position(|(_, at)| at.contains(&(offset - line.start)))?;
-    let from = match (in_route, parts.first()) {
-        (true, Some((first, _))) if first == "routes" => 1.min(key),
-        _ => 0,
-    };
-    let field = |keys: &[(String, Range<usize>)]| (!keys.is_empty()).then(|| shown(keys));
-    Some((
-        field(&parts[from..key]),
-        field(&parts[from..=key]),
-        key + 1 == parts.len(),
-    ))
+/// The 1-based number of the line holding `offset`.
+fn line_number(source: &str, offset: usize) -> usize {
+    super::super::error::line_col(source, offset).0
 }
 
-/// TOML's words for an integer it cannot hold (``invalid type: integer `N` as i128,
-/// expected i64``), said as what is wrong and what would do.
+/// TOML's words for an integer it cannot hold, said as what is wrong and what would do.
 fn past_i64(message: &str) -> String {
     // Past u64 TOML says `invalid type: integer `N` as i128`; from 2^63 to 2^64 - 1 it reads
     // the number and the field refuses it: `invalid value: integer `N`, expected i64`.
@@ -497,249 +811,4 @@ fn missing_field(message: &str, place: Option<&str>) -> String {
     } else {
         format!("`{field}` is missing: it is required, e.g. {example}")
     }
-}
-
-/// The table a header line names (`[x]` or `[[x]]`), as TOML reads it (`[[ routes .
-/// "limits" ]]` is `routes.limits`, `[upstreams."my app"]` is `upstreams."my app"`,
-/// `[["routes.limits"]]` is `"routes.limits"`); `None` for another line or a header TOML
-/// cannot read (TOML's own error names that).
-fn header_name(line: &str) -> Option<String> {
-    header_parts(line).map(|parts| shown(&parts))
-}
-
-/// Keys as a message names them, joined: `upstreams."my app"`.
-fn shown<K: AsRef<str>>(keys: &[(K, Range<usize>)]) -> String {
-    let keys: Vec<String> = keys.iter().map(|(k, _)| key_shown(k.as_ref())).collect();
-    keys.join(".")
-}
-
-/// A header line's keys as TOML reads them, each with where it is in `line`.
-fn header_parts(line: &str) -> Option<Vec<(String, Range<usize>)>> {
-    let header = line.trim_start_matches('\u{feff}').trim_start();
-    let skipped = line.len() - header.len();
-    if !header.starts_with('[') {
-        return None;
-    }
-    let document = toml::de::DeTable::parse(header.trim_end()).ok()?;
-    let (mut table, mut parts) = (document.get_ref(), Vec::new());
-    // One key a level, down to the header's own (empty) table.
-    while let Some((key, value)) = table.iter().next() {
-        let at = key.span();
-        parts.push((
-            key.get_ref().to_string(),
-            at.start + skipped..at.end + skipped,
-        ));
-        table = match value.get_ref() {
-            toml::de::DeValue::Table(t) => t,
-            toml::de::DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
-                Some(toml::de::DeValue::Table(t)) => t,
-                _ => break,
-            },
-            _ => break,
-        };
-    }
-    (!parts.is_empty()).then_some(parts)
-}
-
-/// Whether the file's table `name` is a list of tables (`[[routes]]`, `[[routes.limits]]`,
-/// `[[server.tls]]`): by the config's shape.
-fn is_a_list(name: &str) -> bool {
-    name == "routes" || name.ends_with(".limits") || name.starts_with("server.tls")
-}
-
-/// The tables an entry of the list of tables `list` may have, written with headers after
-/// its `[[list]]` (`[[routes.limits]]` after `[[routes]]`).
-fn tables_of_an_entry(list: &str) -> &'static [&'static str] {
-    match list {
-        "routes" => &[
-            "limits",
-            "tiers",
-            "cost_from_response",
-            "identity",
-            "tier_from",
-        ],
-        "server.tls" => &["sni"],
-        _ => &[],
-    }
-}
-
-/// TOML's words for an error in a table's header (the line `offset` is on), which name
-/// neither the table nor what would do: a table written twice, `[routes]` for `[[routes]]`,
-/// `[[upstreams]]` for `[upstreams.NAME]`, a header that a table written before it (or an
-/// inline list) makes wrong. Where to point, when it is not the error's own place, and what
-/// to say; `None` for an error elsewhere.
-fn about_a_header(
-    source: &str,
-    offset: usize,
-    message: &str,
-) -> Option<(Option<Range<usize>>, String)> {
-    let offset = offset.min(source.len());
-    let line_start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let line = source[line_start..].lines().next().unwrap_or_default();
-    let parts = header_parts(line)?;
-    // The header as written, to its closing bracket (a quoted key may hold a `#`).
-    let last = parts.last().map_or(0, |(_, at)| at.end);
-    let close = line[last..].find(']').map_or(line.len(), |i| last + i);
-    let close = close
-        + if line[close..].starts_with("]]") {
-            2
-        } else {
-            1
-        };
-    let header = line[..close.min(line.len())]
-        .trim_start_matches('\u{feff}')
-        .trim();
-    // The table TOML's error is about: the header's own, or one above it that the header
-    // makes (`[routes.limits.0]` makes `routes.limits` a table).
-    let about = (parts.iter())
-        .position(|(_, at)| at.contains(&(offset - line_start)))
-        .map_or(parts.len(), |i| i + 1);
-    let whole = about == parts.len();
-    let name = shown(&parts[..about]);
-    let name = name.as_str();
-    let list = header.starts_with("[[");
-    let listed = |name: &str| format!("[[{name}]] (one per entry)");
-    let named = |name: &str| match name {
-        "upstreams" => "[upstreams.NAME] (one table per upstream, by its name)".to_owned(),
-        n => format!("[{n}]"),
-    };
-    let taken = message.ends_with("duplicate key")
-        || message.starts_with("invalid type: map, expected a sequence")
-        || message.starts_with("cannot extend value of type array");
-    if taken {
-        if let Some(said) = made_before(source, &parts[..about], line_start + line.len()) {
-            return Some(said);
-        }
-    }
-    // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
-    let other_form = source.lines().any(|l| {
-        let l = l.trim_start();
-        header_name(l).as_deref() == Some(name) && l.starts_with("[[") != list
-    });
-    // A list of tables written as one table, or the reverse, by this header or by one above
-    // it that this header makes; any other message is TOML's own.
-    Some((
-        None,
-        if message.ends_with("duplicate key") && other_form {
-            if is_a_list(name) {
-                format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {}", listed(name))
-            } else {
-                format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(name))
-            }
-        } else if message.ends_with("duplicate key") {
-            format!("{header} is written twice: give each table once (merge their keys into one)")
-        } else if message.starts_with("invalid type: map, expected a sequence")
-            && !whole
-            && is_a_list(name)
-        {
-            format!(
-            "{header} makes {name} one table where it is a list of tables: write {}, and the entry's fields in it",
-            listed(name)
-        )
-        } else if message.starts_with("invalid type: map, expected a sequence")
-            && !list
-            && is_a_list(name)
-        {
-            format!(
-                "{header} is one table where {name} is a list of tables: write {}",
-                listed(name)
-            )
-        } else if message.starts_with("invalid type: sequence, expected a map") && list {
-            format!(
-                "{header} is a list of tables where {name} is one table: write {}",
-                named(name)
-            )
-        } else {
-            return None;
-        },
-    ))
-}
-
-/// What, written before `end`, makes the table `keys` (a header's, or one above it) what a
-/// header cannot be: a list written inline (`routes = [{ ... }]`, then `[[routes]]`), or, for a
-/// list of tables, a header under it before any of its entries (`[routes.tiers.x]` before
-/// `[[routes]]`: it belongs to no entry; `[routes.limits.burst]`, which makes the list one
-/// table). Where it is, and what to say.
-fn made_before(
-    source: &str,
-    keys: &[(String, Range<usize>)],
-    end: usize,
-) -> Option<(Option<Range<usize>>, String)> {
-    let (root, _) = toml::de::DeTable::parse_recoverable(source);
-    // The longest run of `keys` that is a list written inline.
-    let mut table = root.get_ref();
-    for n in 1..=keys.len() {
-        let Some((_, value)) = table.iter().find(|(k, _)| k.get_ref() == &keys[n - 1].0) else {
-            break;
-        };
-        match value.get_ref() {
-            toml::de::DeValue::Array(entries) => {
-                let by_headers = (entries.iter().next()).is_some_and(|e| {
-                    source
-                        .get(e.span().start..)
-                        .is_some_and(|t| t.starts_with("[["))
-                });
-                if !by_headers {
-                    let list = shown(&keys[..n]);
-                    let line = super::super::error::line_col(source, value.span().start).0;
-                    return Some((None, format!("{list} is written as an inline list (line {line}), which a header cannot add to: write its entries one way, all inline or each as [[{list}]] with its tables after it")));
-                }
-                break;
-            }
-            toml::de::DeValue::Table(t) => table = t,
-            _ => break,
-        }
-    }
-    let list = shown(keys);
-    if !is_a_list(&list) {
-        return None;
-    }
-    // The entry of the list above it that this list's entries belong to starts anew at each
-    // of its headers (`[[routes]]` for `routes.limits`).
-    let above = (1..keys.len())
-        .rev()
-        .map(|n| shown(&keys[..n]))
-        .find(|n| is_a_list(n));
-    let mut first = None;
-    let mut at = 0;
-    for line in source[..end.min(source.len())].split_inclusive('\n') {
-        let here = at..at + line.trim_end().len();
-        at += line.len();
-        let Some(parts) = header_parts(line) else {
-            continue;
-        };
-        let name = shown(&parts);
-        let is_list = line
-            .trim_start()
-            .trim_start_matches('\u{feff}')
-            .starts_with("[[");
-        // An entry of the list: what came before it belongs to no entry.
-        if is_list && name == list {
-            break;
-        }
-        if is_list && above.as_deref() == Some(name.as_str()) {
-            first = None;
-        } else if first.is_none()
-            && parts.len() > keys.len()
-            && name.starts_with(&format!("{list}."))
-        {
-            let start = here.start + line.len() - line.trim_start().len();
-            first = Some((start..here.end, parts, line.trim().to_owned()));
-        }
-    }
-    let (at, parts, header) = first?;
-    let header = header
-        .split('#')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
-    Some((
-        Some(at),
-        if tables_of_an_entry(&list).contains(&parts[keys.len()].0.as_str()) {
-            format!("{header} comes before any [[{list}]]: write it after the [[{list}]] of the entry it belongs to")
-        } else {
-            format!("{header} makes {list} one table where it is a list of tables: write [[{list}]] (one per entry), and the entry's fields in it")
-        },
-    ))
 }
