@@ -53,10 +53,14 @@ pub(super) fn error(
     // A table of the shape written as a list of tables (`[[server]]`, `[[routes.tiers.pro]]`):
     // serde takes the list for the table's fields, and its messages say nothing of it.
     if let Some(header) = (place.region).and_then(|at| Header::on_line(source, at)) {
-        if header.list && !is_a_list(&header.raw()) && header.made_one_table().is_none() {
+        if header.list && is_a_table(&header.raw()) {
             let route = doc.place_at(header.at.start, None).route;
             return (Some(header.at.clone()), route, header.a_table_as_a_list());
         }
+    }
+    if let Some(table) = &place.listed_table {
+        let message = format!("{table} is written as a list where it is one table: write it as one table, without the [ ] around it");
+        return (Some(span), place.route, message);
     }
     let (route, mut field) = (place.route, place.field);
     // An error in a header (a table written twice or in the wrong form, a syntax error, an
@@ -88,7 +92,7 @@ pub(super) fn error(
             // header is the table's: `limits[0] (burst)` for `[routes.limits.bogus]`); any
             // other error by its own.
             field = match (key, unknown.is_some()) {
-                _ if unknown.is_some() && place.region_here => place.above,
+                _ if unknown.is_some() && place.region_here && header.names(unknown) => place.above,
                 (Some(key), true) => header.field(..key, route.is_some()),
                 (Some(key), false) => header.field(..key + 1, route.is_some()),
                 (None, _) => field,
@@ -131,6 +135,9 @@ struct Place {
     above: Option<String>,
     /// The offset is in a value (or just past one on its line), not on a key or a header.
     in_value: bool,
+    /// A table of the shape the offset is in, written as a list (`app = [{ ... }]` under
+    /// `[upstreams]`): its name.
+    listed_table: Option<String>,
     /// Where the header of the table holding the offset starts, and whether it is on the
     /// offset's line.
     region: Option<usize>,
@@ -250,8 +257,10 @@ impl<'a, 'i> Doc<'a, 'i> {
             Some((_, steps, table)) => (steps.to_vec(), *table),
             None => (Vec::new(), self.root),
         };
-        let above = match steps.last() {
-            Some(Step::Key(_)) => said(&steps[..steps.len() - 1]).1,
+        // Its own key (and entry, for `[[x]]`) left out.
+        let above = match steps.as_slice() {
+            [.., Step::Key(_), Step::Entry(..)] => said(&steps[..steps.len() - 2]).1,
+            [.., Step::Key(_)] => said(&steps[..steps.len() - 1]).1,
             _ => None,
         };
         let line = line_of(self.source, offset);
@@ -266,10 +275,24 @@ impl<'a, 'i> Doc<'a, 'i> {
                 found = Found::Value;
             }
         }
+        // Keys down to an entry of a list, when those keys name a table of the shape.
+        let listed_table = (0..steps.len()).find_map(|n| {
+            let keys: Vec<&str> = (steps[..n].iter())
+                .filter_map(|s| match s {
+                    Step::Key(k) => Some(*k),
+                    Step::Entry(..) => None,
+                })
+                .collect();
+            let entry = matches!(steps[n], Step::Entry(..)) && n > 0;
+            (entry && is_a_table(&keys))
+                .then(|| said(&steps[..n]).1)
+                .flatten()
+        });
         let (route, field) = said(&steps);
         Place {
             route,
             field,
+            listed_table,
             above,
             in_value: found == Found::Value,
             region: region.map(|(start, _, _)| *start),
@@ -371,14 +394,20 @@ impl<'a, 'i> Doc<'a, 'i> {
         let taken = message.ends_with("duplicate key")
             || message.starts_with("invalid type: map, expected a sequence")
             || message.starts_with("cannot extend value of type");
+        // The file as it is before the header's line: where TOML meets a key twice, what it
+        // keeps is not always what was written first.
+        let before = &self.source[..line_of(self.source, header.at.start).start];
+        let (before_root, _) = DeTable::parse_recoverable(before);
+        let before = Doc::new(before, before_root.get_ref());
         if taken {
-            if let Some(said) = self.made_before(header) {
+            if let Some(said) = before.made_before(header) {
                 return Some(said);
             }
         }
-        // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse).
-        let other_form = (line_starts(self.source))
-            .filter_map(|at| Header::on_line(self.source, at))
+        // Written both ways: `[[routes]]`, then `[routes]` for a later one (or the reverse),
+        // among the headers TOML took in the file and in the file before this one.
+        let other_form = (self.headers.iter().chain(&before.headers))
+            .filter_map(|(at, _, _)| Header::on_line(self.source, *at))
             .any(|h| shown(&h.keys) == name && h.list != list);
         let is_list = is_a_list(&raw[..about]);
         let listed = format!("[[{name}]] (one per entry)");
@@ -389,6 +418,8 @@ impl<'a, 'i> Doc<'a, 'i> {
                     true => format!("{name} is written both as [{name}] and as [[{name}]]: it is a list of tables, each entry written {listed}"),
                     false => format!("{name} is written both as [{name}] and as [[{name}]]: it is one table, written {} once", named(&raw[..about])),
                 }
+            } else if list && whole && is_a_table(&raw) {
+                header.a_table_as_a_list()
             } else if message.ends_with("duplicate key") {
                 format!("{text} is written twice: give each table once (merge their keys into one)")
             } else if message.starts_with("invalid type: map, expected a sequence") && is_list {
@@ -407,22 +438,13 @@ impl<'a, 'i> Doc<'a, 'i> {
         ))
     }
 
-    /// What, written before the header `header`, makes it wrong: the file's reading followed
-    /// down its keys meets a list written inline (`routes = [{ ... }]`, then `[[routes]]`), a
+    /// In the file before the header `header` (this document), what makes the header wrong:
+    /// the reading followed down its keys meets a list written inline (`routes = [{ ... }]`, then `[[routes]]`), a
     /// value, a dotted key or an inline table where the header makes a table, or, for a list
     /// of tables, a table under it written before any of its entries (`[routes.tiers.x]`
     /// before `[[routes]]`: it belongs to no entry; `[routes.limits.burst]`, which makes the
     /// list one table). Where it is, and what to say.
     fn made_before(&self, header: &Header) -> Option<(Option<Range<usize>>, String)> {
-        // The file as it is before the header's line: where TOML read the same key twice, it
-        // kept the header's table, not what was written first.
-        let before = &self.source[..line_of(self.source, header.at.start).start];
-        let (root, _) = DeTable::parse_recoverable(before);
-        Doc::new(before, root.get_ref()).walk_to(header)
-    }
-
-    /// [`Doc::made_before`], in the file before the header.
-    fn walk_to(&self, header: &Header) -> Option<(Option<Range<usize>>, String)> {
         let raw = header.raw();
         let mut table = self.root;
         for n in 0..header.keys.len() {
@@ -441,6 +463,11 @@ impl<'a, 'i> Doc<'a, 'i> {
                     return Some((None, format!("{path} is written as an inline list (line {line}), which a header cannot add to: write its entries one way, all inline or each as [[{path}]] with its tables after it")));
                 }
                 (DeValue::Table(t), Form::Headers) => table = t,
+                // A dotted key's table under the header's own (`upstreams.app.addrs = ...`,
+                // then `[upstreams.b]`): the header may still add to it.
+                (DeValue::Table(t), Form::Dotted) if !by_a_header && n + 1 < header.keys.len() => {
+                    table = t;
+                }
                 (DeValue::Table(t), Form::Dotted) if by_a_header => {
                     if is_a_list(&raw[..=n]) {
                         let first = self.first_header_under(t)?;
@@ -564,13 +591,9 @@ impl Header {
         (!keys.is_empty()).then(|| shown(keys))
     }
 
-    /// A proper run of its keys that is a list of tables which the next key makes one table
-    /// (`[[routes.limits.0]]`: `routes.limits`): its length.
-    fn made_one_table(&self) -> Option<usize> {
-        let raw = self.raw();
-        (1..raw.len())
-            .rev()
-            .find(|&n| is_a_list(&raw[..n]) && !tables_of_an_entry(&raw[..n]).contains(&raw[n]))
+    /// Whether its last key is `key`.
+    fn names(&self, key: Option<&str>) -> bool {
+        self.keys.last().map(|(k, _)| k.as_str()) == key
     }
 
     /// Said of a table written as a list of tables.
@@ -582,6 +605,22 @@ impl Header {
             named(&self.raw())
         )
     }
+}
+
+/// The tables of the config's shape (not lists of tables), by their keys.
+fn is_a_table(keys: &[&str]) -> bool {
+    matches!(
+        keys,
+        ["server" | "redis" | "breaker" | "auth" | "access_log" | "upstreams"]
+            | ["auth", "jwt" | "api_keys"]
+            | ["upstreams", _]
+            | ["upstreams", _, "health_check"]
+            | [
+                "routes",
+                "identity" | "tier_from" | "cost_from_response" | "tiers"
+            ]
+            | ["routes", "tiers", _]
+    )
 }
 
 /// The lists of tables of the config's shape, by their keys.
@@ -714,11 +753,6 @@ fn line_of(source: &str, offset: usize) -> Range<usize> {
     start..end
 }
 
-/// Where each line starts.
-fn line_starts(source: &str) -> impl Iterator<Item = usize> + '_ {
-    std::iter::once(0).chain(source.match_indices('\n').map(|(i, _)| i + 1))
-}
-
 /// The 1-based number of the line holding `offset`.
 fn line_number(source: &str, offset: usize) -> usize {
     super::super::error::line_col(source, offset).0
@@ -797,6 +831,9 @@ fn missing_field(message: &str, place: Option<&str>) -> String {
         "key_path" => "key_path = \"tls/cert.key\"",
         "server_names" => "server_names = [\"api.example.com\"]",
         "file" => "file = \"keys.toml\"",
+        "header" if place.is_some_and(|p| p.ends_with("cost_from_response")) => {
+            "header = \"X-OCR-Pages\""
+        }
         "header" => "header = \"X-API-Key\"",
         "name" => "name = \"burst\"",
         // A limit entry's algorithm cannot be "none" (a route's can).
