@@ -23,9 +23,24 @@ impl fmt::Display for ConfigError {
         }
         write!(f, ": ")?;
         if let Some(route) = &self.route {
-            write!(f, "{route}: ")?;
+            write!(f, "{}: ", one_line(route))?;
         }
-        write!(f, "{}", self.message)
+        write!(f, "{}", one_line(&self.message))
+    }
+}
+
+/// A message on one line: a control character a name carried (`endpoint_id = "x\ny"`) is
+/// written escaped, never as a line of its own that reads as another error.
+fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.chars().any(char::is_control) {
+        false => text.into(),
+        true => (text.chars())
+            .map(|c| match c.is_control() {
+                true => c.escape_default().to_string(),
+                false => c.to_string(),
+            })
+            .collect::<String>()
+            .into(),
     }
 }
 

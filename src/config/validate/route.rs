@@ -568,7 +568,14 @@ fn limits(
         ),
     ] {
         if let Some(span) = set {
-            c.push(Some(&span), label, format!("{field} is set beside [[routes.limits]]: a route has either the single-limit fields or named limits; move it into a [[routes.limits]] entry"));
+            // An unlimited route has no limits to move it into.
+            let none =
+                field == "algorithm" && r.algorithm.as_ref().is_some_and(|a| a.get_ref() == "none");
+            let what = match none {
+                true => "leave out either algorithm = \"none\" (the route is then limited by its [[routes.limits]]) or the limits",
+                false => "move it into a [[routes.limits]] entry",
+            };
+            c.push(Some(&span), label, format!("{field} is set beside [[routes.limits]]: a route has either the single-limit fields or named limits; {what}"));
             ok = false;
         }
     }

@@ -62,7 +62,14 @@ pub(super) fn error(
         let message = format!("{table} is written as a list where it is one table: write it as one table, without the [ ] around it");
         return (Some(span), place.route, message);
     }
-    let (route, mut field) = (place.route, place.field);
+    let (mut route, mut field) = (place.route, place.field);
+    // A dotted key adding to what the table already holds as a value (`threads = 2`, then
+    // `threads.max = 4`): said as for a header, from the file before the line.
+    if message.starts_with("cannot extend value of type") {
+        if let Some(said) = dotted_over_a_value(source, span.start, place.region) {
+            return (Some(span), route, said);
+        }
+    }
     // An error in a header (a table written twice or in the wrong form, a syntax error, an
     // unknown table) is said by the header; a field missing from a table with a header points
     // at the header and is named by that table (or by the one above that the header makes:
@@ -75,16 +82,20 @@ pub(super) fn error(
         .then(|| Header::on_line(source, span.start))
         .flatten();
     if on_a_header && header.is_none() {
-        // A header TOML cannot read: its own words say what is wrong.
-        field = None;
+        // A header TOML cannot read: its own words say what is wrong (the route before it
+        // may not be its own).
+        (route, field) = (None, None);
     }
     if let Some(header) = header {
         let key = header.key_at(span.start);
         if !missing {
             if let Some((at, about)) = doc.about_a_header(&header, span.start, &message) {
+                // The route of what is pointed at; none for a header that is no route's (the
+                // last route is the place before it).
                 let route = match &at {
                     Some(at) => doc.place_at(at.start, None).route,
-                    None => route,
+                    None if header.raw().first() == Some(&"routes") => route,
+                    None => None,
                 };
                 return (Some(at.unwrap_or(span)), route, about);
             }
@@ -101,6 +112,13 @@ pub(super) fn error(
             field = header.field(..key + 1, route.is_some());
         }
     }
+    // `threads =` with nothing after it: TOML reads the end of the line as an unquoted string.
+    let nothing = (source[line_of(source, span.start)].split_once('='))
+        .is_some_and(|(_, v)| v.split('#').next().unwrap_or_default().trim().is_empty());
+    let message = match message.starts_with("string values must be quoted") && nothing {
+        true => "no value after `=`: write one, or leave the key out for its default".to_owned(),
+        false => message,
+    };
     // TOML's own message names no field ("invalid type: string, expected i64"): the place it
     // points into does. A key written twice is not in TOML's reading of the file: it is
     // named as it is written there.
@@ -400,7 +418,7 @@ impl<'a, 'i> Doc<'a, 'i> {
         let (before_root, _) = DeTable::parse_recoverable(before);
         let before = Doc::new(before, before_root.get_ref());
         if taken {
-            if let Some(said) = before.made_before(header) {
+            if let Some(said) = before.made_before(header, "a header") {
                 return Some(said);
             }
         }
@@ -444,7 +462,7 @@ impl<'a, 'i> Doc<'a, 'i> {
     /// of tables, a table under it written before any of its entries (`[routes.tiers.x]`
     /// before `[[routes]]`: it belongs to no entry; `[routes.limits.burst]`, which makes the
     /// list one table). Where it is, and what to say.
-    fn made_before(&self, header: &Header) -> Option<(Option<Range<usize>>, String)> {
+    fn made_before(&self, header: &Header, adding: &str) -> Option<(Option<Range<usize>>, String)> {
         let raw = header.raw();
         let mut table = self.root;
         for n in 0..header.keys.len() {
@@ -458,9 +476,13 @@ impl<'a, 'i> Doc<'a, 'i> {
                         _ => return None,
                     }
                 }
-                (DeValue::Array(_), Form::Inline) => {
+                (DeValue::Array(entries), Form::Inline)
+                    if entries
+                        .iter()
+                        .all(|e| matches!(e.get_ref(), DeValue::Table(_))) =>
+                {
                     let line = line_number(self.source, value.span().start);
-                    return Some((None, format!("{path} is written as an inline list (line {line}), which a header cannot add to: write its entries one way, all inline or each as [[{path}]] with its tables after it")));
+                    return Some((None, format!("{path} is written as an inline list (line {line}), which {adding} cannot add to: write its entries one way, all inline or each as [[{path}]] with its tables after it")));
                 }
                 (DeValue::Table(t), Form::Headers) => table = t,
                 // A dotted key's table under the header's own (`upstreams.app.addrs = ...`,
@@ -485,7 +507,7 @@ impl<'a, 'i> Doc<'a, 'i> {
                     let line = line_of(self.source, key.span().start);
                     let written = self.source[line.clone()].trim();
                     let number = line_number(self.source, line.start);
-                    return Some((None, format!("{path} is already written on line {number} (`{written}`), which a header cannot add to: write {path} one way")));
+                    return Some((None, format!("{path} is already written on line {number} (`{written}`), which {adding} cannot add to: write {path} one way")));
                 }
             }
         }
@@ -505,6 +527,52 @@ impl<'a, 'i> Doc<'a, 'i> {
             })
             .min()
     }
+}
+
+/// For a dotted key at `offset` that TOML cannot add to what is already written (its line's
+/// key, under the table whose header starts at `region`), what is written and where.
+fn dotted_over_a_value(source: &str, offset: usize, region: Option<usize>) -> Option<String> {
+    let line = line_of(source, offset);
+    let (written, _) = source[line.clone()].split_once('=')?;
+    let mut keys: Vec<(String, Range<usize>)> =
+        match region.and_then(|at| Header::on_line(source, at)) {
+            Some(header) => header.keys,
+            None => Vec::new(),
+        };
+    keys.extend(
+        keys_of(&format!("{} = 0", written.trim()))?
+            .into_iter()
+            .map(|k| (k, offset..offset)),
+    );
+    let header = Header {
+        text: written.trim().to_owned(),
+        keys,
+        list: false,
+        at: offset..offset,
+    };
+    let before = &source[..line.start];
+    let (root, _) = DeTable::parse_recoverable(before);
+    let (_, said) = Doc::new(before, root.get_ref()).made_before(&header, "a dotted key")?;
+    Some(said)
+}
+
+/// The keys of the first key-value of `document`, followed down: `a."b".c = 0` is `a`, `b`,
+/// `c`; a header's keys to its own table.
+fn keys_of(document: &str) -> Option<Vec<String>> {
+    let document = DeTable::parse(document).ok()?;
+    let (mut table, mut keys) = (document.get_ref(), Vec::new());
+    while let Some((key, value)) = table.iter().next() {
+        keys.push(key.get_ref().to_string());
+        table = match value.get_ref() {
+            DeValue::Table(t) => t,
+            DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
+                Some(DeValue::Table(t)) => t,
+                _ => break,
+            },
+            _ => break,
+        };
+    }
+    Some(keys)
 }
 
 /// What holds an offset in a table.
