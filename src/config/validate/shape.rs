@@ -542,7 +542,7 @@ fn dotted_over_a_value(source: &str, offset: usize, region: Option<usize>) -> Op
     keys.extend(
         keys_of(&format!("{} = 0", written.trim()))?
             .into_iter()
-            .map(|k| (k, offset..offset)),
+            .map(|(k, _)| (k, offset..offset)),
     );
     let header = Header {
         text: written.trim().to_owned(),
@@ -556,13 +556,13 @@ fn dotted_over_a_value(source: &str, offset: usize, region: Option<usize>) -> Op
     Some(said)
 }
 
-/// The keys of the first key-value of `document`, followed down: `a."b".c = 0` is `a`, `b`,
-/// `c`; a header's keys to its own table.
-fn keys_of(document: &str) -> Option<Vec<String>> {
+/// The keys of the first key-value or header of `document`, followed down (`a."b".c = 0` is
+/// `a`, `b`, `c`; a header's, to its own table), each with where it is in `document`.
+fn keys_of(document: &str) -> Option<Vec<(String, Range<usize>)>> {
     let document = DeTable::parse(document).ok()?;
     let (mut table, mut keys) = (document.get_ref(), Vec::new());
     while let Some((key, value)) = table.iter().next() {
-        keys.push(key.get_ref().to_string());
+        keys.push((key.get_ref().to_string(), key.span()));
         table = match value.get_ref() {
             DeValue::Table(t) => t,
             DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
@@ -607,21 +607,9 @@ impl Header {
             return None;
         }
         let from = line.start + written.len() - header.len();
-        let document = DeTable::parse(header.trim_end()).ok()?;
-        let (mut table, mut keys) = (document.get_ref(), Vec::new());
-        // One key a level, down to the header's own (empty) table.
-        while let Some((key, value)) = table.iter().next() {
-            let at = key.span();
-            keys.push((key.get_ref().to_string(), from + at.start..from + at.end));
-            table = match value.get_ref() {
-                DeValue::Table(t) => t,
-                DeValue::Array(entries) => match entries.iter().next().map(|e| e.get_ref()) {
-                    Some(DeValue::Table(t)) => t,
-                    _ => break,
-                },
-                _ => break,
-            };
-        }
+        let keys: Vec<(String, Range<usize>)> = (keys_of(header.trim_end())?.into_iter())
+            .map(|(key, at)| (key, from + at.start..from + at.end))
+            .collect();
         // To its closing bracket (a quoted key may hold a `#`).
         let last = keys.last()?.1.end;
         let close = last + source[last..line.end].find(']')?;
@@ -772,16 +760,8 @@ fn said(steps: &[Step]) -> (Option<String>, Option<String>) {
 fn key_written(source: &str, span: Range<usize>) -> String {
     let line = line_of(source, span.start);
     let as_key = |text: &str| {
-        let assignment = format!("{text} = 0");
-        let document = DeTable::parse(&assignment).ok()?;
-        let (mut table, mut keys) = (document.get_ref(), Vec::new());
-        while let Some((key, value)) = table.iter().next() {
-            keys.push(key_shown(key.get_ref()));
-            match value.get_ref() {
-                DeValue::Table(t) => table = t,
-                _ => break,
-            }
-        }
+        let keys = keys_of(&format!("{text} = 0"))?;
+        let keys: Vec<String> = keys.iter().map(|(key, _)| key_shown(key)).collect();
         Some(keys.join("."))
     };
     let own = source.get(span.clone()).unwrap_or_default().trim();
