@@ -285,8 +285,13 @@ impl<'a, 'i> Doc<'a, 'i> {
         let mut found = self.within(table, offset, unknown, &mut steps);
         if found == Found::Nothing {
             // An error just past a value on its line (an unclosed string, `5 000`): that key's.
+            // A value TOML read to the offset (an unclosed multi-line string, read to the
+            // file's end) is that value's too.
             let before = (table.iter())
-                .filter(|(k, _)| line.contains(&k.span().start) && k.span().start < offset)
+                .filter(|(k, v)| {
+                    k.span().start < offset
+                        && (line.contains(&k.span().start) || v.span().end == offset)
+                })
                 .max_by_key(|(k, _)| k.span().start);
             if let Some((key, _)) = before {
                 steps.push(Step::Key(key.get_ref().as_ref()));
