@@ -407,12 +407,7 @@ async fn an_eviction_policy_set_on_a_live_redis_is_seen_within_30_s() {
         policy().as_deref() == Some("noeviction")
     });
     let set = |p: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg(p)
-            .query(&mut redis.conn())
-            .unwrap();
+        redis.config_set("maxmemory-policy", p);
     };
     set("allkeys-lru");
     let changed = Instant::now();
@@ -447,12 +442,7 @@ async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
     let gw = limited(&redis, &up, 1_000);
     let http = client();
     assert_eq!(status(&http, &gw.url("/closed"), "warm").await, 200);
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("1")
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.config_set("maxmemory", "1");
     for i in 0..20 {
         assert_eq!(
             status(&http, &gw.url("/closed"), &format!("k{i}")).await,

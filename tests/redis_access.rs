@@ -281,10 +281,7 @@ async fn over_tls_the_eviction_policy_is_checked_and_the_fleet_heartbeat_beats()
     let t = tls_redis(false);
     let up = Upstream::start("app");
     let set_policy = |policy: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg(&["SET", "maxmemory-policy", policy])
-            .query(&mut t.redis.conn())
-            .unwrap();
+        t.redis.config_set("maxmemory-policy", policy);
     };
     let config = GatewayConfig::new(&t.url())
         .redis("tls_ca_path", quoted(&t.ca_path()))
@@ -844,12 +841,7 @@ async fn a_connection_redis_closes_while_idle_is_no_warning() {
     // Idle clients closed after a second, while the gateway has nothing to decide; then
     // no more (a timeout that short also closes the connection between requests).
     let timeout = |seconds: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("timeout")
-            .arg(seconds)
-            .query(&mut redis.conn())
-            .unwrap();
+        redis.config_set("timeout", seconds);
     };
     timeout("1");
     wait_until(Duration::from_secs(10), "an idle connection closed", || {

@@ -536,10 +536,7 @@ async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbea
         "{stderr}"
     );
 
-    let _: () = redis::cmd("CONFIG")
-        .arg(&["SET", "maxmemory-policy", "noeviction"])
-        .query(&mut master.conn())
-        .unwrap();
+    master.config_set("maxmemory-policy", "noeviction");
     let gateways = [config.start(), config.start()];
     for gw in &gateways {
         wait_until(

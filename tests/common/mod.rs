@@ -213,6 +213,14 @@ impl Redis {
         self.client().get_connection().expect("redis connection")
     }
 
+    /// `CONFIG SET name value`, as the tests change a running Redis.
+    pub fn config_set(&self, name: &str, value: &str) {
+        let _: () = redis::cmd("CONFIG")
+            .arg(&["SET", name, value])
+            .query(&mut self.conn())
+            .expect("CONFIG SET");
+    }
+
     /// A connection, or `None` while this Redis refuses or resets one (a replica during a
     /// failover, say): for polls that wait for a state and try again.
     pub fn try_conn(&self) -> Option<redis::Connection> {
