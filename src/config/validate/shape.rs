@@ -103,7 +103,13 @@ pub(super) fn error(
             // header is the table's: `limits[0] (burst)` for `[routes.limits.bogus]`); any
             // other error by its own.
             field = match (key, unknown.is_some()) {
-                _ if unknown.is_some() && place.region_here && header.names(unknown) => place.above,
+                // (The header is the region's own: the table holding the error starts here.)
+                _ if unknown.is_some()
+                    && place.region.is_some_and(|at| header.at.contains(&at))
+                    && header.names(unknown) =>
+                {
+                    place.above
+                }
                 (Some(key), true) => header.field(..key, route.is_some()),
                 (Some(key), false) => header.field(..key + 1, route.is_some()),
                 (None, _) => field,
@@ -156,10 +162,8 @@ struct Place {
     /// A table of the shape the offset is in, written as a list (`app = [{ ... }]` under
     /// `[upstreams]`): its name.
     listed_table: Option<String>,
-    /// Where the header of the table holding the offset starts, and whether it is on the
-    /// offset's line.
+    /// Where the header of the table holding the offset starts.
     region: Option<usize>,
-    region_here: bool,
 }
 
 /// One step of a place: a key, or an entry of a list (with its table, for its name).
@@ -319,7 +323,6 @@ impl<'a, 'i> Doc<'a, 'i> {
             above,
             in_value: found == Found::Value,
             region: region.map(|(start, _, _)| *start),
-            region_here: region.is_some_and(|(start, _, _)| line.contains(start)),
         }
     }
 
