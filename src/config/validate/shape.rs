@@ -671,32 +671,46 @@ impl Header {
     }
 }
 
-/// The tables of the config's shape (not lists of tables), by their keys.
-fn is_a_table(keys: &[&str]) -> bool {
-    matches!(
-        keys,
-        ["server" | "redis" | "breaker" | "auth" | "access_log" | "upstreams"]
-            | ["auth", "jwt" | "api_keys"]
-            | ["upstreams", _]
-            | ["upstreams", _, "health_check"]
-            | [
-                "routes",
-                "identity" | "tier_from" | "cost_from_response" | "tiers"
-            ]
-            | ["routes", "tiers", _]
-    )
-}
+/// The tables of the config's shape (not lists of tables), by their keys (`*`: any one key,
+/// a name the file chooses). `raw.rs` is the shape itself: the test below holds the two
+/// together.
+const TABLES: &[&[&str]] = &[
+    &["server"],
+    &["redis"],
+    &["breaker"],
+    &["auth"],
+    &["auth", "jwt"],
+    &["auth", "api_keys"],
+    &["access_log"],
+    &["upstreams"],
+    &["upstreams", "*"],
+    &["upstreams", "*", "health_check"],
+    &["routes", "identity"],
+    &["routes", "tier_from"],
+    &["routes", "cost_from_response"],
+    &["routes", "tiers"],
+    &["routes", "tiers", "*"],
+];
 
 /// The lists of tables of the config's shape, by their keys.
+const LISTS: &[&[&str]] = &[
+    &["routes"],
+    &["routes", "limits"],
+    &["routes", "tiers", "*", "limits"],
+    &["server", "tls"],
+    &["server", "tls", "sni"],
+];
+
+fn on_path(path: &[&str], keys: &[&str]) -> bool {
+    path.len() == keys.len() && path.iter().zip(keys).all(|(p, k)| *p == "*" || p == k)
+}
+
+fn is_a_table(keys: &[&str]) -> bool {
+    TABLES.iter().any(|path| on_path(path, keys))
+}
+
 fn is_a_list(keys: &[&str]) -> bool {
-    matches!(
-        keys,
-        ["routes"]
-            | ["routes", "limits"]
-            | ["routes", "tiers", _, "limits"]
-            | ["server", "tls"]
-            | ["server", "tls", "sni"]
-    )
+    LISTS.iter().any(|path| on_path(path, keys))
 }
 
 /// The tables an entry of the list of tables `list` may have, written with headers after
@@ -903,5 +917,61 @@ fn missing_field(message: &str, place: Option<&str>) -> String {
         format!("`{field}` is missing: it is required (docs/configuration.md)")
     } else {
         format!("`{field}` is missing: it is required, e.g. {example}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LISTS, TABLES};
+    use crate::config::raw::RawConfig;
+
+    /// A document with `path` written by a header (`[[path]]` for a list), after the
+    /// entries of the lists above it.
+    fn written(path: &[&str], list: bool) -> String {
+        let keys: Vec<&str> = path
+            .iter()
+            .map(|k| if *k == "*" { "x" } else { k })
+            .collect();
+        let mut document = String::new();
+        for above in LISTS
+            .iter()
+            .filter(|l| l.len() < keys.len() && super::on_path(l, &keys[..l.len()]))
+        {
+            document += &format!("[[{}]]\n", keys[..above.len()].join("."));
+        }
+        match list {
+            true => document + &format!("[[{}]]\n", keys.join(".")),
+            false => document + &format!("[{}]\n", keys.join(".")),
+        }
+    }
+
+    /// The shape's tables and lists as `raw.rs` reads them: a table written as one is no
+    /// unknown field and no list (a field it lacks may be missing); a list written as
+    /// entries is neither unknown nor one table; each written the other way is refused.
+    #[test]
+    fn the_tables_and_lists_are_the_configs() {
+        let read = |document: &str| match toml::from_str::<RawConfig>(document) {
+            Ok(_) => String::new(),
+            Err(e) => e.message().to_owned(),
+        };
+        for path in TABLES {
+            let as_table = read(&written(path, false));
+            assert!(
+                !as_table.starts_with("unknown field") && !as_table.contains("expected a sequence"),
+                "{path:?} as a table: {as_table}"
+            );
+            assert!(!read(&written(path, true)).is_empty(), "{path:?} as a list");
+        }
+        for path in LISTS {
+            let as_list = read(&written(path, true));
+            assert!(
+                !as_list.starts_with("unknown field") && !as_list.contains("expected a map"),
+                "{path:?} as a list: {as_list}"
+            );
+            assert!(
+                read(&written(path, false)).contains("expected a sequence"),
+                "{path:?} as one table"
+            );
+        }
     }
 }
