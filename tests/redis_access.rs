@@ -858,3 +858,54 @@ async fn a_connection_redis_closes_while_idle_is_no_warning() {
     assert!(closed.contains(r#""level":"INFO""#), "{closed}");
     assert!(!logs.contains("redis connection lost"), "{logs}");
 }
+
+/// A Redis whose `timeout` is shorter than the 15 s between the gateway's own checks, under
+/// steady traffic: the decisions' socket is never idle, the checks' socket is, and Redis
+/// closes it every second or two. That socket alone is made again: no decision meets a
+/// lost connection (every one is Redis's, none a fail mode's 503), no WARN, and the
+/// connection is never made again as a whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_under_traffic() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    warmed(&gw).await;
+    let connections = || {
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .query(&mut redis.conn())
+            .unwrap();
+        let line = (info.lines())
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .unwrap();
+        line.trim().parse::<u64>().unwrap()
+    };
+    redis.config_set("timeout", "1");
+    let before = connections();
+    // A request every 10 ms for 6 s, each with a key of its own (admitted when Redis
+    // decides it; 503 when its decision meets a lost connection).
+    let started = std::time::Instant::now();
+    let mut answered = Vec::new();
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(6) {
+        answered.extend(statuses(&gw, &format!("k{i}"), 1).await);
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Each `connections()` call is one connection of its own, the last one included.
+    let made = connections() - before - 1;
+    redis.config_set("timeout", "0");
+    let refused: Vec<_> = answered.iter().filter(|&&s| s != 200).collect();
+    assert!(
+        refused.is_empty(),
+        "{refused:?} of {}\n{}",
+        answered.len(),
+        gw.logs()
+    );
+    // Closed and made again while the decisions went on: the test saw what it is about.
+    assert!(made >= 2, "{made} connections made\n{}", gw.logs());
+    assert_eq!(statuses(&gw, "k0", 3).await, [200, 200, 429]);
+    let logs = gw.logs();
+    assert!(!logs.contains("redis connection lost"), "{logs}");
+    assert_eq!(logs.matches("\"redis connected\"").count(), 1, "{logs}");
+}

@@ -176,7 +176,7 @@ impl Store {
         }
         let asks = self.links().into_iter().map(|link| async move {
             let conn = link.conn.load_full()?;
-            let mut c = conn.redis.clone();
+            let mut c = conn.redis();
             let mut numsub = redis::cmd("PUBSUB");
             numsub.arg("NUMSUB").arg(channel);
             let ask = numsub.query_async::<(String, i64)>(&mut c);
@@ -199,7 +199,7 @@ impl Store {
             .link_for(channel)
             .and_then(|l| l.conn.load_full())
             .ok_or_else(|| "not connected".to_owned())?;
-        let mut c = conn.redis.clone();
+        let mut c = conn.redis();
         let mut publish = redis::cmd("PUBLISH");
         publish.arg(channel).arg(message);
         match tokio::time::timeout(ADMIN_TIMEOUT, publish.query_async::<i64>(&mut c)).await {

@@ -192,7 +192,7 @@ impl Cluster {
             let host = parse_addr(&host)
                 .map(|(h, _)| h.to_owned())
                 .unwrap_or_default();
-            let mut c = conn.redis.clone();
+            let mut c = conn.redis();
             match tokio::time::timeout(QUERY_TIMEOUT, query_slots(&mut c, &host)).await {
                 Ok(Ok(ranges)) => return self.apply(connector, epoch, ranges),
                 Ok(Err(e)) => last_error = e,

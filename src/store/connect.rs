@@ -24,7 +24,7 @@ use tokio::sync::{watch, Notify};
 
 use super::breakers::BreakerBoard;
 use super::dial::Dial;
-use super::link::{Link, Opened, Target};
+use super::link::{Conn, Link, Opened, Target};
 use super::script::Scripts;
 use super::wire::Wire;
 use super::Said;
@@ -164,7 +164,7 @@ async fn read_clock(link: &Link) {
     let Some(conn) = link.conn.load_full() else {
         return;
     };
-    let mut c = conn.redis.clone();
+    let mut c = conn.redis();
     let command = redis::cmd("TIME");
     let sent = super::deadline::mono_us();
     let time = tokio::time::timeout(CONNECT_TIMEOUT, command.query_async::<(u64, u64)>(&mut c));
@@ -656,11 +656,40 @@ impl Connector {
             return;
         };
         let node = link.node();
-        let mut c = conn.redis.clone();
+        let mut c = conn.redis();
         if let Ok(Ok(Some(policy))) =
             tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
         {
             self.note_policy(link, &node, policy, true);
+        }
+    }
+
+    /// Makes the checks' socket of `conn` again, alone (Redis closed it while the decisions'
+    /// carried decisions: `Link::checks_closed`), where the link's redis-rs connections are
+    /// driven. When it cannot, the connection is lost as a whole.
+    async fn make_checks_again(&self, link: &Arc<Link>, conn: &Arc<Conn>) {
+        let target = link.target.load_full();
+        let opened = match self.proxy_runtime.get() {
+            Some(proxy)
+                if !self.dedicated_io_thread && link.on_proxy_runtime.load(Ordering::Relaxed) =>
+            {
+                let dial = target.dial.clone();
+                (proxy.spawn(async move { open(&dial).await }).await)
+                    .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))
+                    .and_then(|opened| opened)
+            }
+            _ => open(&target.dial).await,
+        };
+        match opened {
+            Ok(opened) => {
+                if link.checks_made_again(conn, opened) {
+                    tracing::debug!(node = %target.node, "redis closed the gateway's checks connection while its decisions' connection was in use (its idle timeout, say); made again alone");
+                }
+            }
+            Err(e) => {
+                conn.checks_lost.store(false, Ordering::Release);
+                link.forget(conn, &Said(&e), false);
+            }
         }
     }
 
@@ -670,6 +699,12 @@ impl Connector {
     async fn keep_connected(self: Arc<Self>, link: Arc<Link>) {
         let mut attempt = 0u32;
         while !link.retired.load(Ordering::Relaxed) {
+            let checks_lost =
+                (link.conn.load_full()).filter(|c| c.checks_lost.load(Ordering::Acquire));
+            if let Some(conn) = checks_lost {
+                self.make_checks_again(&link, &conn).await;
+                continue;
+            }
             let connected = link.is_connected();
             // A reload moved the link to another Redis: connect there while this one serves.
             // Without a connection (lost meanwhile) it is an ordinary connect.

@@ -405,7 +405,7 @@ impl Store {
             Ok(c) => c,
             Err(f) => return Step::Failed(f),
         };
-        let mut c = conn.redis.clone();
+        let mut c = conn.redis();
         // A loss of the connection meanwhile is one under a decision (a WARN, not an INFO).
         let _deciding = conn.deciding();
         // Before the call: its answer's `now` less this bounds the node's clock offset from
@@ -469,7 +469,9 @@ impl Store {
         e: &RedisError,
     ) -> Failure {
         let failure = classify(e);
-        if failure == Failure::ConnectionLost {
+        // A checks' socket being made again alone (`Link::checks_closed`) is no loss of the
+        // connection: the decisions' socket is up.
+        if failure == Failure::ConnectionLost && !conn.checks_lost.load(Ordering::Acquire) {
             link.forget(conn, e, true);
             link.lost_under(conn);
         }

@@ -30,13 +30,16 @@ pub(super) struct Opened {
     pub(super) closed: watch::Receiver<bool>,
 }
 
-/// A link's connection: redis-rs's multiplexed connection for everything but the decisions,
-/// and the decisions' own (`wire.rs`), opened and let go together.
+/// A link's connection: redis-rs's multiplexed connection for everything but the decisions
+/// (the checks' socket), and the decisions' own (`wire.rs`), opened and let go together. Only
+/// the checks' socket is made again alone: when Redis closes it while the decisions' stays
+/// up ([`Link::checks_closed`]).
 pub(super) struct Conn {
-    pub(super) redis: MultiplexedConnection,
+    /// redis-rs's connection and its socket's end (see [`Opened`]); [`Conn::redis`].
+    checks: ArcSwap<Opened>,
     pub(super) wire: Arc<Wire>,
-    /// redis-rs's socket closed (see [`Opened`]).
-    closed: watch::Receiver<bool>,
+    /// The checks' socket closed while the decisions' did not: the connector makes it again.
+    pub(super) checks_lost: AtomicBool,
     /// Its loss was counted for the breaker ([`Link::lost_under`]).
     loss_counted: AtomicBool,
     /// Decisions sent on `redis` one by one and not yet answered ([`Conn::deciding`]);
@@ -53,13 +56,17 @@ pub(super) struct Conn {
 
 /// Redis closes a client idle for its `timeout`, a whole number of seconds: a connection
 /// that carried a decision within the last second was not closed for being idle (a
-/// `CLIENT KILL` under load, between two batches, is a loss under decisions). Its two
-/// sockets are one connection here: the decisions' and redis-rs's (which carries the
-/// eviction check every 15 s and little else) are made and let go together, so a `timeout`
-/// under 15 s that closes redis-rs's under traffic takes the decisions' with it (a WARN).
+/// `CLIENT KILL` under load, between two batches, is a loss under decisions). The checks'
+/// socket (the eviction check every 15 s and little else under batching) is idle longer
+/// than the decisions' under traffic: closed alone, it is made again alone.
 const IDLE_AT_LEAST_US: u64 = 1_000_000;
 
 impl Conn {
+    /// redis-rs's connection (the checks' socket), for a command of its own.
+    pub(super) fn redis(&self) -> MultiplexedConnection {
+        self.checks.load().conn.clone()
+    }
+
     /// Counts a decision sent on `redis` alone until the guard goes (answered, or given up).
     pub(super) fn deciding(&self) -> Deciding<'_> {
         self.solo.fetch_add(1, Ordering::Relaxed);
@@ -320,9 +327,9 @@ impl Link {
         in_place_of: Option<&Arc<Conn>>,
     ) -> bool {
         let conn = Arc::new(Conn {
-            redis: opened.conn,
+            checks: ArcSwap::from_pointee(opened),
             wire: Arc::new(wire),
-            closed: opened.closed,
+            checks_lost: AtomicBool::new(false),
             loss_counted: AtomicBool::new(false),
             solo: Arc::default(),
             lost_deciding: AtomicBool::new(false),
@@ -351,14 +358,55 @@ impl Link {
         true
     }
 
-    /// Watches `conn`'s redis-rs socket: when Redis closes it, the connection is forgotten
-    /// if the link still holds it.
+    /// Watches `conn`'s checks' socket (redis-rs's): when Redis closes it, the connection is
+    /// forgotten if the link still holds it, or only that socket made again while the
+    /// decisions' is up ([`Link::checks_closed`]).
     fn forget_when_closed(self: &Arc<Self>, conn: &Arc<Conn>) {
+        let checks = conn.checks.load_full();
         tokio::spawn(forget_when_closed(
             Arc::downgrade(self),
             Arc::downgrade(conn),
-            conn.closed.clone(),
+            Arc::downgrade(&checks),
+            checks.closed.clone(),
         ));
+    }
+
+    /// The checks' socket of `conn` closed. While the decisions' socket is up, and the link
+    /// still holds `conn` where it was made (no reload moving it), Redis closed that socket
+    /// alone (its `timeout` for idle clients, which the decisions' traffic keeps the other
+    /// from; a `CLIENT KILL` of that one client): the connector makes it again alone
+    /// ([`Link::checks_made_again`]) and the decisions go on. Else the connection is lost
+    /// as a whole ([`Link::forget`]).
+    fn checks_closed(&self, conn: &Arc<Conn>) {
+        let held = self.conn.load();
+        // In use: the decisions' socket carried one within the last second (so Redis did not
+        // close it for idleness), or waits for one (its own end is then seen by its reader).
+        // Unused, it may be closed as well, with no reader to see it: both are made again.
+        let alone = held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
+            && !self.moving.load(Ordering::Relaxed)
+            && !self.retired.load(Ordering::Relaxed)
+            && conn.in_use()
+            && !conn.wire.lock().bytes.dead;
+        if alone {
+            conn.checks_lost.store(true, Ordering::Release);
+            self.wake.notify_one();
+        } else {
+            self.forget(conn, &"redis closed the connection", false);
+        }
+    }
+
+    /// Puts a checks' socket made again in `conn` ([`Link::checks_closed`]); false (and it
+    /// dropped) when the link no longer holds `conn` or its decisions' socket broke
+    /// meanwhile.
+    pub(super) fn checks_made_again(self: &Arc<Self>, conn: &Arc<Conn>, opened: Opened) -> bool {
+        let held = self.conn.load();
+        if !held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) || conn.wire.lock().bytes.dead {
+            return false;
+        }
+        conn.checks.store(Arc::new(opened));
+        conn.checks_lost.store(false, Ordering::Release);
+        self.forget_when_closed(conn);
+        true
     }
 
     /// Gives the current connection a new decision connection (opened on the proxy's
@@ -369,9 +417,9 @@ impl Link {
             return false;
         };
         let conn = Arc::new(Conn {
-            redis: old.redis.clone(),
+            checks: ArcSwap::new(old.checks.load_full()),
             wire: Arc::new(wire),
-            closed: old.closed.clone(),
+            checks_lost: AtomicBool::new(old.checks_lost.load(Ordering::Acquire)),
             loss_counted: AtomicBool::new(false),
             solo: Arc::clone(&old.solo),
             lost_deciding: AtomicBool::new(false),
@@ -525,12 +573,20 @@ fn let_go_when_answered(old: Arc<Conn>) {
 const LET_GO_AFTER: std::time::Duration =
     std::time::Duration::from_secs(10).saturating_add(COMPENSATION_WAIT);
 
-/// Waits for an installed connection's socket to close, then forgets the connection if the
-/// link still holds it. Ends quietly when the connection was replaced and let go.
-async fn forget_when_closed(link: Weak<Link>, conn: Weak<Conn>, mut closed: watch::Receiver<bool>) {
+/// Waits for an installed connection's checks' socket to close, then tells the link
+/// ([`Link::checks_closed`]). Ends quietly when the connection was replaced and let go, or
+/// the socket made again (a later watch has it).
+async fn forget_when_closed(
+    link: Weak<Link>,
+    conn: Weak<Conn>,
+    checks: Weak<Opened>,
+    mut closed: watch::Receiver<bool>,
+) {
     // Ok: the socket ended; Err: the socket was dropped with the connection.
     let _ = closed.wait_for(|ended| *ended).await;
     if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
-        link.forget(&conn, &"redis closed the connection", false);
+        if std::ptr::eq(Arc::as_ptr(&conn.checks.load()), checks.as_ptr()) {
+            link.checks_closed(&conn);
+        }
     }
 }

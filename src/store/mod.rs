@@ -546,7 +546,7 @@ impl Store {
         let Some(conn) = self.link_for(key).and_then(|l| l.conn.load_full()) else {
             return Err(StoreFailure::ConnectionError);
         };
-        let mut c = conn.redis.clone();
+        let mut c = conn.redis();
         let mut invocation = self.inner.heartbeat.key(key);
         invocation.arg(instance).arg(ttl_ms);
         let call = invocation.invoke_async::<u64>(&mut c);
@@ -628,7 +628,7 @@ impl Store {
                     .as_ref()
                     .and_then(|l| l.conn.load_full())
                     .ok_or_else(|| "not connected".to_owned())?;
-                let mut c = conn.redis.clone();
+                let mut c = conn.redis();
                 let e = match command(asking).query_async::<T>(&mut c).await {
                     Ok(answer) => return Ok(answer),
                     Err(e) => eval::unpacked(e),
