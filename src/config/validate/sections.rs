@@ -42,9 +42,9 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     let listen = match s.and_then(|s| s.listen.as_ref()) {
         None => vec!["0.0.0.0:8080".parse().expect("valid default")],
         Some(l) => {
-            let list = match l.get_ref() {
-                OneOrMany::One(a) => vec![a.clone()],
-                OneOrMany::Many(v) => v.clone(),
+            let (list, listed) = match l.get_ref() {
+                OneOrMany::One(a) => (vec![a.clone()], false),
+                OneOrMany::Many(v) => (v.clone(), true),
             };
             if list.is_empty() {
                 c.push(
@@ -56,8 +56,8 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
                 ok = false;
             }
             let mut seen: Vec<SocketAddr> = Vec::new();
-            list.iter()
-                .filter_map(|a| match a.parse::<SocketAddr>() {
+            (list.iter().enumerate())
+                .filter_map(|(i, a)| match a.parse::<SocketAddr>() {
                     Ok(addr) => {
                         if let Some(other) = seen.iter().find(|o| overlap(**o, addr)) {
                             c.push(Some(&l.span()), None, format!("server.listen: \"{addr}\" and \"{other}\" {SHARED}"));
@@ -67,7 +67,8 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
                         Some(addr)
                     }
                     Err(_) => {
-                        c.push(Some(&l.span()), None, format!("server.listen = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
+                        let at = if listed { format!("[{i}]") } else { String::new() };
+                        c.push(Some(&l.span()), None, format!("server.listen{at} = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
                         ok = false;
                         None
                     }
@@ -1277,6 +1278,17 @@ pub(super) fn upstream(
     config: &Path,
 ) -> Option<UpstreamConfig> {
     let u = up.get_ref();
+    if name.trim().is_empty() {
+        // Every log line and metric names the upstream by it.
+        c.push(
+            Some(&up.span()),
+            None,
+            format!(
+                "upstreams.{}: an upstream's name is empty: give it one, such as [upstreams.api]",
+                super::shape::key_shown(name)
+            ),
+        );
+    }
     // A name TOML must quote is quoted, as the file writes it: `upstreams."api v2".addrs`.
     let name = &super::shape::key_shown(name);
     let field = |f: &str| format!("upstreams.{name}.{f}");

@@ -83,8 +83,17 @@ pub(super) fn error(
         .flatten();
     if on_a_header && header.is_none() {
         // A header TOML cannot read: its own words say what is wrong (the route before it
-        // may not be its own).
+        // may not be its own). One whole but followed by more (`[breaker] x`) is named.
         (route, field) = (None, None);
+        let before = source[line_of(source, span.start).start..span.start].trim();
+        if before.ends_with(']') && message.starts_with("unexpected key or value") {
+            if let Some(keys) = keys_of(before).filter(|k| !k.is_empty()) {
+                let list = before.starts_with("[[");
+                let (open, close) = if list { ("[[", "]]") } else { ("[", "]") };
+                let message = format!("{open}{}{close} is followed by more on its line: a header stands alone on its line (a # comment may follow it)", shown(&keys));
+                return (Some(span), None, message);
+            }
+        }
     }
     if let Some(header) = header {
         let key = header.key_at(span.start);
@@ -125,6 +134,15 @@ pub(super) fn error(
         true => "no value after `=`: write one, or leave the key out for its default".to_owned(),
         false => message,
     };
+    // `threads 2`: the key TOML read before it found no `=` is in no table of its reading;
+    // it is the line's text up to the error.
+    if message.starts_with("key with no value") {
+        let written = source[line_of(source, span.start).start..span.start].trim();
+        if let Some(keys) = keys_of(&format!("{written} = 0")).filter(|k| !k.is_empty()) {
+            let key = shown(&keys);
+            field = Some(field.map_or(key.clone(), |f| format!("{f}.{key}")));
+        }
+    }
     // TOML's own message names no field ("invalid type: string, expected i64"): the place it
     // points into does. A key written twice is not in TOML's reading of the file: it is
     // named as it is written there.
