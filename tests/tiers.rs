@@ -276,7 +276,7 @@ fn check_refuses_tiers_that_cannot_work() {
     let too_small = tiered().set("cost_micro", "2_000_000").toml() + "\n[[routes.tiers.pro.limits]]\nname = \"b\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000\nrefill_rate_micro_per_sec = 0\n";
     let (ok, out) = run(&too_small);
     assert!(
-        !ok && out.contains("(tiers.pro limit b) can never be admitted"),
+        !ok && out.contains("can never be admitted by tiers.pro.limits[0] (b):"),
         "{out}"
     );
 

@@ -754,10 +754,10 @@ fn policy(
     let every: Vec<(String, Algorithm)> = limits
         .as_ref()
         .map(|(l, several)| {
-            l.iter()
-                .map(|l| {
+            (l.iter().enumerate())
+                .map(|(i, l)| {
                     let at = if *several {
-                        format!(" (limit {})", l.name)
+                        format!(" by limits[{i}] ({})", l.name)
                     } else {
                         String::new()
                     };
@@ -773,8 +773,12 @@ fn policy(
     if let Some(Some(plan)) = &tiers {
         for (name, t) in &plan.tiers {
             if let TierLimits::Limits(limits) = t {
-                for l in limits {
-                    let at = format!(" (tiers.{name} limit {})", l.name);
+                for (i, l) in limits.iter().enumerate() {
+                    let at = format!(
+                        " by tiers.{}.limits[{i}] ({})",
+                        super::shape::key_shown(name),
+                        l.name
+                    );
                     cost_fits(c, label, r, cost, l.algorithm, &at);
                 }
             }
@@ -1006,13 +1010,13 @@ fn cost_fits(
     if let (Some(cost), Algorithm::SlidingWindow { limit, .. }) = (cost, algorithm) {
         let span = r.cost_micro.as_ref().map(|v| v.span());
         if cost % ONE_TOKEN_MICRO != 0 {
-            c.push(span.as_ref(), label, format!("cost_micro = {cost}{at} is not a whole number of requests: a sliding window counts requests, so use a multiple of 1000000"));
+            c.push(span.as_ref(), label, format!("cost_micro = {cost} is not a whole number of requests{at}: a sliding window counts requests, so use a multiple of 1000000"));
         } else if cost / ONE_TOKEN_MICRO > limit {
             c.push(
                 span.as_ref(),
                 label,
                 format!(
-                    "cost_micro = {cost}{at} can never be admitted: it must be <= {} (the window's limit = {limit} requests, in micro-tokens)",
+                    "cost_micro = {cost} can never be admitted{at}: it must be <= {} (the window's limit = {limit} requests, in micro-tokens)",
                     limit * ONE_TOKEN_MICRO
                 ),
             );
@@ -1021,7 +1025,10 @@ fn cost_fits(
     if let (Some(cost), Algorithm::TokenBucket { capacity_micro, .. }) = (cost, algorithm) {
         if cost > capacity_micro {
             let span = r.cost_micro.as_ref().map(|v| v.span());
-            c.push(span.as_ref(), label, format!("cost_micro = {cost}{at} can never be admitted: it must be <= capacity_micro ({capacity_micro})"));
+            c.push(span.as_ref(), label, {
+                let its = if at.is_empty() { "" } else { "its " };
+                format!("cost_micro = {cost} can never be admitted{at}: it must be <= {its}capacity_micro ({capacity_micro})")
+            });
         }
     }
 }
