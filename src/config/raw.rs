@@ -185,7 +185,7 @@ pub struct RawRoute {
     pub endpoint_id: Option<Spanned<String>>,
     pub path: Option<Spanned<String>>,
     pub path_prefix: Option<Spanned<String>>,
-    pub methods: Option<Spanned<Vec<String>>>,
+    pub methods: Option<Spanned<Vec<Spanned<String>>>>,
     pub host: Option<Spanned<String>>,
     /// Required, as `endpoint_id`.
     pub upstream: Option<Spanned<String>>,

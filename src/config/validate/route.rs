@@ -62,17 +62,17 @@ pub(super) fn route(
                 "methods = [] matches nothing: leave methods out to match any method".into(),
             );
         }
-        m.get_ref()
-            .iter()
-            .filter_map(|name| {
+        (m.get_ref().iter().enumerate())
+            .filter_map(|(i, written)| {
+                let (name, at) = (written.get_ref(), Some(written.span()));
                 match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
                     Ok(method)
                         if method == http::Method::CONNECT || method == http::Method::TRACE =>
                     {
                         c.warn(
-                            Some(&m.span()),
+                            at.as_ref(),
                             label,
-                            format!("methods: \"{name}\" never reaches a route: the gateway answers CONNECT and TRACE 405 itself (it is no tunnel, and a backend that echoes TRACE hands a page's script the request's cookies)"),
+                            format!("methods[{i}] = \"{name}\" never reaches a route: the gateway answers CONNECT and TRACE 405 itself (it is no tunnel, and a backend that echoes TRACE hands a page's script the request's cookies)"),
                         );
                         Some(method)
                     }
@@ -83,17 +83,17 @@ pub(super) fn route(
                     // still reach a route) keeps starting.
                     Ok(method) => {
                         c.warn(
-                            Some(&m.span()),
+                            at.as_ref(),
                             label,
-                            format!("methods: \"{name}\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400"),
+                            format!("methods[{i}] = \"{name}\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400"),
                         );
                         Some(method)
                     }
                     Err(_) => {
                         c.push(
-                            Some(&m.span()),
+                            at.as_ref(),
                             label,
-                            format!("methods: \"{name}\" is not an HTTP method"),
+                            format!("methods[{i}] = \"{name}\" is not an HTTP method: write a method's name, such as \"GET\" or \"POST\" (letters, '-' and '_')"),
                         );
                         None
                     }
@@ -501,7 +501,7 @@ fn identity(
                 c.push(
                     Some(&span),
                     label,
-                    format!("identity = {{ header = \"{header}\" }} is not a valid header name"),
+                    format!("identity = {{ header = \"{header}\" }} is not a header name: use letters, digits and '-', such as \"X-API-Key\""),
                 );
                 None
             }
@@ -814,7 +814,7 @@ fn policy(
             }
             Ok(h) => Some(h),
             Err(_) => {
-                c.push(Some(&raw.header.span()), label, format!("cost_from_response.header = \"{}\" is not a header name", raw.header.get_ref()));
+                c.push(Some(&raw.header.span()), label, format!("cost_from_response.header = \"{}\" is not a header name: use letters, digits and '-', such as \"X-Cost\"", raw.header.get_ref()));
                 None
             }
         };

@@ -456,7 +456,7 @@ pub(super) fn api_keys(c: &mut Collector, raw: &RawConfig, config: &Path) -> Opt
                     Some(&h.span()),
                     None,
                     format!(
-                        "auth.api_keys.header = \"{}\" is not a header name",
+                        "auth.api_keys.header = \"{}\" is not a header name: use letters, digits and '-', such as \"X-API-Key\"",
                         h.get_ref()
                     ),
                 );
