@@ -143,6 +143,21 @@ pub(super) fn error(
             field = Some(field.map_or(key.clone(), |f| format!("{f}.{key}")));
         }
     }
+    // A multi-line string left open is read to the file's end, where TOML points: the line
+    // it opened on is said (no string can hold its own delimiter three times).
+    let message = match (message.strip_prefix("invalid multi-line "))
+        .and_then(|m| m.split_once(" string"))
+        .map(|(kind, _)| if kind == "basic" { "\"\"\"" } else { "'''" })
+    {
+        Some(quotes) if span.start >= source.trim_end().len() => match source.rfind(quotes) {
+            Some(at) => format!(
+                "{message}: the string opened on line {} is not closed",
+                line_number(source, at)
+            ),
+            None => message,
+        },
+        _ => message,
+    };
     // TOML's own message names no field ("invalid type: string, expected i64"): the place it
     // points into does. A key written twice is not in TOML's reading of the file: it is
     // named as it is written there.
