@@ -63,6 +63,7 @@ pub(super) fn error(
         return (Some(span), place.route, message);
     }
     let (mut route, mut field) = (place.route, place.field);
+    let unknown_at = place.unknown_at;
     // A dotted key adding to what the table already holds as a value (`threads = 2`, then
     // `threads.max = 4`): said as for a header, from the file before the line.
     if message.starts_with("cannot extend value of type") {
@@ -176,7 +177,7 @@ pub(super) fn error(
             None => message,
         }
     };
-    (Some(span), route, message)
+    (Some(unknown_at.unwrap_or(span)), route, message)
 }
 
 /// Where an error's offset lies.
@@ -197,6 +198,8 @@ struct Place {
     listed_table: Option<String>,
     /// Where the header of the table holding the offset starts.
     region: Option<usize>,
+    /// Where the unknown key is written.
+    unknown_at: Option<Range<usize>>,
 }
 
 /// One step of a place: a key, or an entry of a list (with its table, for its name).
@@ -348,6 +351,14 @@ impl<'a, 'i> Doc<'a, 'i> {
                 .then(|| said(&steps[..n]).1)
                 .flatten()
         });
+        // An unknown key is pointed at where it is written, in the innermost table the steps
+        // lead to (TOML points at the table's header, or its `{`).
+        let unknown_at = unknown.and_then(|unknown| {
+            let table = self.table_at(&steps);
+            (table.iter())
+                .find(|(k, _)| k.get_ref() == unknown)
+                .map(|(k, _)| k.span())
+        });
         let (route, field) = said(&steps);
         Place {
             route,
@@ -356,7 +367,31 @@ impl<'a, 'i> Doc<'a, 'i> {
             above,
             in_value: found == Found::Value,
             region: region.map(|(start, _, _)| *start),
+            unknown_at,
         }
+    }
+
+    /// The innermost table `steps` lead to from the top.
+    fn table_at(&self, steps: &[Step]) -> &'a DeTable<'i> {
+        let mut table = self.root;
+        let mut steps = steps.iter().peekable();
+        while let Some(Step::Key(key)) = steps.next() {
+            let Some(value) = table.get(*key) else {
+                break;
+            };
+            table = match (value.get_ref(), steps.peek()) {
+                (DeValue::Table(t), _) => t,
+                (DeValue::Array(entries), Some(Step::Entry(i, _))) => {
+                    steps.next();
+                    match entries.get(*i).map(|e| e.get_ref()) {
+                        Some(DeValue::Table(t)) => t,
+                        _ => break,
+                    }
+                }
+                _ => break,
+            };
+        }
+        table
     }
 
     /// Down from `table` to the innermost key, entry or inline table holding `offset`.
