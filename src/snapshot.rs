@@ -60,6 +60,9 @@ pub struct Snapshot {
     pub jwks: Arc<JwksCache>,
     /// Some route has a fleet-wide emergency rate: the heartbeat runs.
     pub uses_fleet: bool,
+    /// The request fields some route reads an identity from (`host`, `user-agent`): the
+    /// access log line of a request refused before its route was known leaves them out.
+    pub identity_fields: Vec<String>,
 }
 
 impl Snapshot {
@@ -205,6 +208,14 @@ impl Snapshot {
         }
         Ok(Snapshot {
             uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),
+            identity_fields: (config.routes.iter())
+                .filter_map(|r| match &r.identity {
+                    crate::config::IdentitySource::Header(name) => Some(name.clone()),
+                    _ => None,
+                })
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
             jwt: config
                 .jwt
                 .as_ref()

@@ -49,9 +49,16 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));
     let route = ctx.route.as_ref();
     // A route limited by the `Host` or `User-Agent` header: that field would be the raw
-    // identity, which no line carries (its hash does).
-    let identity_header = route.and_then(|r| r.identity_header());
-    let received = super::forwarded::received_host(req).filter(|_| identity_header != Some("host"));
+    // identity, which no line carries (its hash does). A request refused before its route
+    // was known (`TRACE`'s 405, a 431) may be that route's: the field is left out when any
+    // route reads an identity from it.
+    let hidden = |field: &str| match route {
+        Some(r) => r.identity_header() == Some(field),
+        None => {
+            (ctx.snapshot.as_ref()).is_some_and(|s| s.identity_fields.iter().any(|f| f == field))
+        }
+    };
+    let received = super::forwarded::received_host(req).filter(|_| !hidden("host"));
     let host = received.as_deref().map(Lossy);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",
@@ -94,8 +101,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         bytes_received: session.body_bytes_read() as u64,
         bytes_sent: session.body_bytes_sent() as u64,
         identity_hash: ctx.identity_hash.as_deref(),
-        user_agent: header(http::header::USER_AGENT)
-            .filter(|_| identity_header != Some("user-agent")),
+        user_agent: header(http::header::USER_AGENT).filter(|_| !hidden("user-agent")),
     };
     log.log(&line);
 }
