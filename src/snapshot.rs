@@ -36,11 +36,16 @@ pub struct Route {
 }
 
 impl Route {
-    /// The request header the route's callers are told apart by, lower-case: a field a line
-    /// would otherwise show (`Host`, `User-Agent`) is then left out, as the raw identity.
-    pub fn identity_header(&self) -> Option<&str> {
+    /// The request header the route's callers are told apart by, lower-case (`api_keys`:
+    /// `[auth.api_keys] header`): a field a line would otherwise show (`Host`,
+    /// `User-Agent`) is then left out, as the raw identity.
+    pub fn identity_header<'a>(
+        &'a self,
+        api_keys: Option<&'a crate::config::ApiKeysConfig>,
+    ) -> Option<&'a str> {
         match &self.identity {
             IdentitySource::Header(name) => Some(name.as_str()),
+            IdentitySource::ApiKey => api_keys.map(|k| k.header.as_str()),
             _ => None,
         }
     }
@@ -210,7 +215,8 @@ impl Snapshot {
             uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),
             identity_fields: (config.routes.iter())
                 .filter_map(|r| match &r.identity {
-                    crate::config::IdentitySource::Header(name) => Some(name.clone()),
+                    IdentitySource::Header(name) => Some(name.clone()),
+                    IdentitySource::ApiKey => config.api_keys.as_ref().map(|k| k.header.clone()),
                     _ => None,
                 })
                 .collect::<std::collections::BTreeSet<_>>()

@@ -294,3 +294,47 @@ async fn a_reload_does_not_wait_for_a_fifo_without_a_writer() {
     assert!(body.contains("keys.toml"), "{body}");
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
 }
+
+/// Keys read from `User-Agent` (`[auth.api_keys] header`): that field of the access log
+/// would be the raw key, and is null on the route's lines and on a line answered before its
+/// route was known (`TRACE`'s 405); the key's tenant is there as its hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_read_from_the_user_agent_are_not_written_to_the_access_log() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    write_keys(&keys, &[hash_key("acme-agent-key-1", "acme")]);
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\nheader = \"User-Agent\"\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(ocr_route())
+        .access_log(&log)
+        .start();
+    let http = client();
+    let mut statuses = Vec::new();
+    for method in [reqwest::Method::POST, reqwest::Method::TRACE] {
+        let r = (http.request(method, gw.url("/ocr/doc")))
+            .header("User-Agent", "acme-agent-key-1")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 405]);
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    common::wait_until(Duration::from_secs(3), "two access lines", || {
+        read().lines().count() == 2
+    });
+    let written = read();
+    assert!(!written.contains("acme-agent-key-1"), "{written}");
+    let lines: Vec<serde_json::Value> = (written.lines())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines[0]["identity_hash"].is_string(), "{written}");
+    assert!(lines.iter().all(|l| l["user_agent"].is_null()), "{written}");
+}

@@ -52,11 +52,11 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     // identity, which no line carries (its hash does). A request refused before its route
     // was known (`TRACE`'s 405, a 431) may be that route's: the field is left out when any
     // route reads an identity from it.
+    let snapshot = ctx.snapshot.as_ref();
+    let api_keys = snapshot.and_then(|s| s.config.api_keys.as_ref());
     let hidden = |field: &str| match route {
-        Some(r) => r.identity_header() == Some(field),
-        None => {
-            (ctx.snapshot.as_ref()).is_some_and(|s| s.identity_fields.iter().any(|f| f == field))
-        }
+        Some(r) => r.identity_header(api_keys) == Some(field),
+        None => snapshot.is_some_and(|s| s.identity_fields.iter().any(|f| f == field)),
     };
     let received = super::forwarded::received_host(req).filter(|_| !hidden("host"));
     let host = received.as_deref().map(Lossy);

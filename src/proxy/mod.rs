@@ -1088,7 +1088,11 @@ impl ProxyHttp for Gateway {
     fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
         let req = session.req_header();
         // A route limited by `Host`: the raw identity, which no line shows.
-        let identity = ctx.route.as_ref().and_then(|r| r.identity_header());
+        let api_keys = ctx
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.config.api_keys.as_ref());
+        let identity = ctx.route.as_ref().and_then(|r| r.identity_header(api_keys));
         let host = req
             .headers
             .get(http::header::HOST)
