@@ -861,14 +861,12 @@ async fn a_connection_redis_closes_while_idle_is_no_warning() {
 
 /// A Redis whose `timeout` is shorter than the 15 s between the gateway's own checks, under
 /// steady traffic: the decisions' socket is never idle, the checks' socket is, and Redis
-/// closes it every second or two. That socket alone is made again: no decision meets a
-/// lost connection (every one is Redis's, none a fail mode's 503), no WARN, and the
-/// connection is never made again as a whole.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_under_traffic() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+/// closes it every two or three seconds. That socket alone is made again: no decision meets
+/// a lost connection (every one is Redis's, none a fail mode's 503), no WARN, the connection
+/// is never made again as a whole, and the eviction policy is still read every 15 s (a
+/// change to `allkeys-lru` under the traffic is said).
+async fn checks_closed_alone_under_traffic(config: GatewayConfig, redis: &Redis) {
+    let gw = config.start();
     warmed(&gw).await;
     let connections = || {
         let info: String = redis::cmd("INFO")
@@ -880,14 +878,21 @@ async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_under_traffic() {
             .unwrap();
         line.trim().parse::<u64>().unwrap()
     };
-    redis.config_set("timeout", "1");
+    redis.config_set("timeout", "2");
     let before = connections();
-    // A request every 10 ms for 6 s, each with a key of its own (admitted when Redis
-    // decides it; 503 when its decision meets a lost connection).
+    // A request every 10 ms, each with a key of its own (admitted when Redis decides it; 503
+    // when its decision meets a lost connection), for 6 s, then until the policy is read
+    // again (within 15 s of the last reading, which was before the traffic).
     let started = std::time::Instant::now();
     let mut answered = Vec::new();
     let mut i = 0;
-    while started.elapsed() < Duration::from_secs(6) {
+    let evicting = "redis may evict keys";
+    while started.elapsed() < Duration::from_secs(6)
+        || (!gw.logs().contains(evicting) && started.elapsed() < Duration::from_secs(30))
+    {
+        if i == 300 {
+            redis.config_set("maxmemory-policy", "allkeys-lru");
+        }
         answered.extend(statuses(&gw, &format!("k{i}"), 1).await);
         i += 1;
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -904,8 +909,70 @@ async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_under_traffic() {
     );
     // Closed and made again while the decisions went on: the test saw what it is about.
     assert!(made >= 2, "{made} connections made\n{}", gw.logs());
-    assert_eq!(statuses(&gw, "k0", 3).await, [200, 200, 429]);
     let logs = gw.logs();
+    assert!(logs.contains(evicting), "{logs}");
     assert!(!logs.contains("redis connection lost"), "{logs}");
     assert_eq!(logs.matches("\"redis connected\"").count(), 1, "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_under_traffic() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    checks_closed_alone_under_traffic(limited(GatewayConfig::new(&redis.url()), &up), &redis).await;
+}
+
+/// As above, with both sockets on the proxy's workers (`dedicated_io_thread = false`): the
+/// checks' socket is made again there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_without_the_io_thread() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url()).redis("dedicated_io_thread", "false");
+    checks_closed_alone_under_traffic(limited(config, &up), &redis).await;
+}
+
+/// Without batching (`batch_max = 1`) decisions go one by one on the checks' socket: killed
+/// under them, it is a connection lost under decisions (a WARN, and one failure for the
+/// breaker when a decision was on it), never taken for an idle close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checks_socket_killed_under_decisions_sent_alone_is_a_loss() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url()).redis("batch_max", "1");
+    let gw = limited(config, &up).start();
+    warmed(&gw).await;
+    let url = gw.url("/api/x");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loops: Vec<_> = (0..4)
+        .map(|n| {
+            let (url, stop) = (url.clone(), std::sync::Arc::clone(&stop));
+            tokio::spawn(async move {
+                let http = client();
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let key = format!("c{n}-{i}");
+                    let _ = http.get(&url).header("X-API-Key", key).send().await;
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"])
+        .query(&mut redis.conn())
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in loops {
+        l.await.unwrap();
+    }
+    wait_until(Duration::from_secs(10), "connected again", || redis_up(&gw));
+    let logs = gw.logs();
+    let lost = (logs.lines())
+        .find(|l| l.contains("redis connection lost"))
+        .unwrap_or_else(|| panic!("{logs}"));
+    assert!(lost.contains(r#""level":"WARN""#), "{lost}");
+    assert_eq!(statuses(&gw, "k0", 3).await, [200, 200, 200]);
 }

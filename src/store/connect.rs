@@ -680,16 +680,26 @@ impl Connector {
             }
             _ => open(&target.dial).await,
         };
-        match opened {
-            Ok(opened) => {
-                if link.checks_made_again(conn, opened) {
-                    tracing::debug!(node = %target.node, "redis closed the gateway's checks connection while its decisions' connection was in use (its idle timeout, say); made again alone");
-                }
-            }
+        let made = match opened {
+            Ok(opened) => link.checks_made_again(conn, &target, opened),
             Err(e) => {
+                // Redis gone, or out of reach: the connection is lost, under decisions.
+                let cause = format!(
+                    "redis closed the checks connection, which could not be made again: {}",
+                    Said(&e)
+                );
                 conn.checks_lost.store(false, Ordering::Release);
-                link.forget(conn, &Said(&e), false);
+                link.forget(conn, &cause, true);
+                link.lost_under(conn);
+                return;
             }
+        };
+        if made {
+            tracing::debug!(node = %target.node, "redis closed the gateway's checks connection while its decisions' connection was in use (its idle timeout, say); made again alone");
+        } else {
+            // Moved, replaced or broken meanwhile: made again whole, if the link still holds it.
+            conn.checks_lost.store(false, Ordering::Release);
+            link.forget(conn, &"redis closed the connection", false);
         }
     }
 
@@ -698,6 +708,9 @@ impl Connector {
     /// [`POLICY_RECHECK_EVERY`]. Ends when the link is retired.
     async fn keep_connected(self: Arc<Self>, link: Arc<Link>) {
         let mut attempt = 0u32;
+        // Kept across the loop's wake-ups (a checks' socket made again wakes it as often as
+        // Redis's `timeout`), so the eviction policy is read every period whatever wakes it.
+        let mut recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
         while !link.retired.load(Ordering::Relaxed) {
             let checks_lost =
                 (link.conn.load_full()).filter(|c| c.checks_lost.load(Ordering::Acquire));
@@ -717,7 +730,10 @@ impl Connector {
             if connected && !movable && !moving {
                 tokio::select! {
                     _ = link.wake.notified() => {}
-                    _ = tokio::time::sleep(POLICY_RECHECK_EVERY) => self.recheck_policy(&link).await,
+                    _ = tokio::time::sleep_until(recheck_at) => {
+                        self.recheck_policy(&link).await;
+                        recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
+                    }
                 }
                 continue;
             }

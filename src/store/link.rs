@@ -4,7 +4,8 @@
 //! A [`Link`] is the one Redis of `[redis] url`, or one primary of a Redis Cluster. Each link
 //! has its own breaker, so a dead cluster node quarantines the keys it owns and nothing else.
 //! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
-//! once, in use or not.
+//! once, in use or not, but for its checks' socket closed alone while its decisions' carries
+//! decisions ([`Link::checks_closed`]), which is made again alone.
 
 use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -42,8 +43,8 @@ pub(super) struct Conn {
     pub(super) checks_lost: AtomicBool,
     /// Its loss was counted for the breaker ([`Link::lost_under`]).
     loss_counted: AtomicBool,
-    /// Decisions sent on `redis` one by one and not yet answered ([`Conn::deciding`]);
-    /// shared with the `Conn` that gets a new `wire` on the same `redis`.
+    /// Decisions sent on the checks' socket one by one and not yet answered
+    /// ([`Conn::deciding`]); shared with the `Conn` that gets a new `wire` beside the same one.
     solo: Arc<std::sync::atomic::AtomicUsize>,
     /// The decision connection broke with decisions waiting on it (set before they are
     /// told, so that a watcher that sees the socket closed then still knows).
@@ -67,7 +68,7 @@ impl Conn {
         self.checks.load().conn.clone()
     }
 
-    /// Counts a decision sent on `redis` alone until the guard goes (answered, or given up).
+    /// Counts a decision sent alone on the checks' socket until the guard goes (answered, or given up).
     pub(super) fn deciding(&self) -> Deciding<'_> {
         self.solo.fetch_add(1, Ordering::Relaxed);
         self.sent_us
@@ -87,7 +88,7 @@ impl Conn {
     }
 }
 
-/// A decision in flight on a connection's `redis` ([`Conn::deciding`]).
+/// A decision in flight on a connection's checks' socket ([`Conn::deciding`]).
 pub(super) struct Deciding<'a>(&'a std::sync::atomic::AtomicUsize);
 
 impl Drop for Deciding<'_> {
@@ -302,7 +303,8 @@ impl Link {
     }
 
     /// Installs a connection, as the connector or a breaker probe opened it, and watches it:
-    /// when Redis closes it, it is forgotten at once, in use or not.
+    /// when Redis closes it, it is forgotten at once, in use or not (see
+    /// [`Link::checks_closed`] for its checks' socket closed alone).
     pub(super) fn install(self: &Arc<Self>, opened: Opened, wire: Wire, on_proxy_runtime: bool) {
         self.put(opened, wire, on_proxy_runtime, None);
     }
@@ -378,15 +380,25 @@ impl Link {
     /// ([`Link::checks_made_again`]) and the decisions go on. Else the connection is lost
     /// as a whole ([`Link::forget`]).
     fn checks_closed(&self, conn: &Arc<Conn>) {
+        let now = deadline::mono_us();
+        let recent = |sent_us: u64| sent_us != 0 && now.saturating_sub(sent_us) < IDLE_AT_LEAST_US;
+        // The checks' socket idle: no decision sent alone on it waits, none went within the
+        // last second (one that did was not closed for idleness: a loss under decisions).
+        let checks_idle =
+            conn.solo.load(Ordering::Relaxed) == 0 && !recent(conn.sent_us.load(Ordering::Relaxed));
+        // The decisions' socket in use: a batch waits, or one went within the last second (so
+        // Redis did not close it for idleness), and its reader sees its end. Unused, it may
+        // be closed as well, with nothing reading it: both are made again.
+        let deciding = {
+            let wire = conn.wire.lock();
+            !wire.bytes.dead && (wire.batches.deciding() || recent(wire.batches.sent_us()))
+        };
         let held = self.conn.load();
-        // In use: the decisions' socket carried one within the last second (so Redis did not
-        // close it for idleness), or waits for one (its own end is then seen by its reader).
-        // Unused, it may be closed as well, with no reader to see it: both are made again.
         let alone = held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
             && !self.moving.load(Ordering::Relaxed)
             && !self.retired.load(Ordering::Relaxed)
-            && conn.in_use()
-            && !conn.wire.lock().bytes.dead;
+            && checks_idle
+            && deciding;
         if alone {
             conn.checks_lost.store(true, Ordering::Release);
             self.wake.notify_one();
@@ -395,12 +407,21 @@ impl Link {
         }
     }
 
-    /// Puts a checks' socket made again in `conn` ([`Link::checks_closed`]); false (and it
-    /// dropped) when the link no longer holds `conn` or its decisions' socket broke
-    /// meanwhile.
-    pub(super) fn checks_made_again(self: &Arc<Self>, conn: &Arc<Conn>, opened: Opened) -> bool {
+    /// Puts a checks' socket made again at `target` in `conn` ([`Link::checks_closed`]);
+    /// false (and it dropped) when the link no longer holds `conn`, points elsewhere now (a
+    /// reload, a new master) or `conn`'s decisions' socket broke meanwhile.
+    pub(super) fn checks_made_again(
+        self: &Arc<Self>,
+        conn: &Arc<Conn>,
+        target: &Arc<Target>,
+        opened: Opened,
+    ) -> bool {
         let held = self.conn.load();
-        if !held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) || conn.wire.lock().bytes.dead {
+        if !held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
+            || !Arc::ptr_eq(target, &self.target.load())
+            || self.moving.load(Ordering::Relaxed)
+            || conn.wire.lock().bytes.dead
+        {
             return false;
         }
         conn.checks.store(Arc::new(opened));
