@@ -1010,7 +1010,13 @@ fn cost_fits(
     if let (Some(cost), Algorithm::SlidingWindow { limit, .. }) = (cost, algorithm) {
         let span = r.cost_micro.as_ref().map(|v| v.span());
         if cost % ONE_TOKEN_MICRO != 0 {
-            c.push(span.as_ref(), label, format!("cost_micro = {cost} is not a whole number of requests{at}: a sliding window counts requests, so use a multiple of 1000000"));
+            c.push(span.as_ref(), label, {
+                let window = match at.strip_prefix(" by ") {
+                    Some(limit) => format!("the sliding window of {limit}"),
+                    None => "a sliding window".to_owned(),
+                };
+                format!("cost_micro = {cost} is not a whole number of requests: {window} counts requests, so use a multiple of 1000000")
+            });
         } else if cost / ONE_TOKEN_MICRO > limit {
             c.push(
                 span.as_ref(),

@@ -1284,7 +1284,7 @@ pub(super) fn upstream(
             Some(&up.span()),
             None,
             format!(
-                "upstreams.{}: an upstream's name is empty: give it one, such as [upstreams.api]",
+                "upstreams.{}: an upstream's name is empty or blank: give it one, such as [upstreams.api]",
                 super::shape::key_shown(name)
             ),
         );

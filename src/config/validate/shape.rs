@@ -150,7 +150,7 @@ pub(super) fn error(
         .and_then(|m| m.split_once(" string"))
         .map(|(kind, _)| if kind == "basic" { "\"\"\"" } else { "'''" })
     {
-        Some(quotes) if span.start >= source.trim_end().len() => match source.rfind(quotes) {
+        Some(quotes) if span.start >= source.trim_end().len() => match opening(source, quotes) {
             Some(at) => format!(
                 "{message}: the string opened on line {} is not closed",
                 line_number(source, at)
@@ -178,6 +178,24 @@ pub(super) fn error(
         }
     };
     (Some(unknown_at.unwrap_or(span)), route, message)
+}
+
+/// Where the last `quotes` (`"""` or `'''`) of `source` start that no backslash escapes (a
+/// basic string may hold `\"""`): the opening of a multi-line string left open.
+fn opening(source: &str, quotes: &str) -> Option<usize> {
+    let mut before = source.len();
+    while let Some(at) = source[..before].rfind(quotes) {
+        let slashes = source[..at]
+            .bytes()
+            .rev()
+            .take_while(|b| *b == b'\\')
+            .count();
+        if quotes.starts_with('\'') || slashes % 2 == 0 {
+            return Some(at);
+        }
+        before = at + quotes.len() - 1;
+    }
+    None
 }
 
 /// Where an error's offset lies.
