@@ -187,6 +187,15 @@ impl Drop for Starting {
     }
 }
 
+/// Admin connections open at once, at most: more wait in the kernel's backlog (holding no
+/// descriptor of the process) until one closes. Well inside the descriptors kept for the
+/// admin, Redis and files (`edge::limits`), so no flood of them starves those.
+const ADMIN_CONNECTIONS_AT_MOST: usize = 64;
+
+/// How long an admin connection may take to send a request's head, and stay idle between
+/// requests: a connection that sends nothing is closed, and its place given to the next.
+const ADMIN_HEAD_WITHIN: Duration = Duration::from_secs(10);
+
 /// Accepts connections on `listener` until the task ends, each answered over HTTP/1.1 by
 /// `answer` (given the peer); `keep_alive` false: one request a connection.
 async fn answer_on<F, A>(listener: tokio::net::TcpListener, keep_alive: bool, answer: F)
@@ -194,12 +203,17 @@ where
     F: Fn(Request<Incoming>, SocketAddr) -> A + Clone + Send + 'static,
     A: std::future::Future<Output = AdminResponse> + Send + 'static,
 {
+    let places = Arc::new(tokio::sync::Semaphore::new(ADMIN_CONNECTIONS_AT_MOST));
     loop {
+        let Ok(place) = Arc::clone(&places).acquire_owned().await else {
+            return;
+        };
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         let answer = answer.clone();
         tokio::spawn(async move {
+            let _place = place;
             let service = service_fn(move |req| {
                 let answered = answer(req, peer);
                 async move { Ok::<_, Infallible>(answered.await) }
@@ -208,6 +222,8 @@ where
             // as on the proxy's listeners; without, its request ran but its answer was lost,
             // and so was the log line of a reset or a reload it asked for.
             let _ = http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(ADMIN_HEAD_WITHIN)
                 .keep_alive(keep_alive)
                 .half_close(true)
                 .serve_connection(TokioIo::new(stream), service)

@@ -136,7 +136,8 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
             .map(|(path, t)| (path.as_path(), *t))
             .chain(config.redis.access.client_cert_expiry()),
     );
-    let max_connections = crate::edge::limits::max_connections(server_cfg.max_connections);
+    let budget = crate::edge::limits::budget(server_cfg.max_connections);
+    let max_connections = budget.max_connections;
     let connections = Arc::new(Connections::new(
         max_connections,
         server_cfg.header_read_timeout,
@@ -244,6 +245,9 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         // none looks in flight any more) comes a second later and is never reached.
         grace_period_seconds: Some(server_cfg.grace_period.as_secs() + 1),
         graceful_shutdown_timeout_seconds: Some(1),
+        // A worker's share of the idle upstream connections the descriptors carry (Pingora
+        // keeps this many a worker, in one pool).
+        upstream_keepalive_pool_size: (budget.upstream_pool / server_cfg.threads.max(1)).max(1),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);

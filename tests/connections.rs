@@ -1293,3 +1293,68 @@ fn a_reloaded_keepalive_timeout_waits_for_the_restart_it_asks_for() {
     let took = closed_after(s, b"");
     assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
 }
+
+/// The descriptors `pid` holds.
+fn descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// The admin listener holds at most 64 connections at once (the rest wait in the kernel's
+/// backlog, holding none of the process's descriptors) and closes one that sends no whole
+/// head within 10 s, a keep-alive connection idle after its answer too: a flood of silent
+/// admin connections neither takes the descriptors kept for Redis and the upstreams nor
+/// keeps the admin from answering once they are closed.
+#[test]
+fn silent_admin_connections_are_bounded_and_closed() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = gateway(&redis, &up, &[]);
+    let pid = gw.proc.pid();
+    // One that asked once and stays idle, then 100 that send nothing or half a head.
+    let mut idle = open(gw.admin_port);
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let mut answer = [0u8; 512];
+    assert!(idle.read(&mut answer).unwrap() > 0);
+    let before = descriptors(pid);
+    let started = Instant::now();
+    let silent: Vec<TcpStream> = (0..100)
+        .map(|i| {
+            let mut s = open(gw.admin_port);
+            if i % 2 == 0 {
+                s.write_all(b"GET /healthz HTTP/1.1\r\nHo").unwrap();
+            }
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let held = descriptors(pid);
+    assert!(
+        held <= before + 64,
+        "{held} descriptors with 100 silent admin connections, {before} before"
+    );
+    // Closed once their 10 s are over (the first 64 at once; the others as they are taken).
+    let closed = closed_after(idle, b"");
+    assert!(
+        closed >= Duration::from_secs(8) && closed < Duration::from_secs(14),
+        "the idle keep-alive admin connection closed after {closed:?}"
+    );
+    let first = silent.into_iter().next().unwrap();
+    closed_after(first, b"");
+    assert!(
+        started.elapsed() < Duration::from_secs(14),
+        "{:?}",
+        started.elapsed()
+    );
+    // The next 64 take their places; the admin answers a probe once it is taken too.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        if let Some((200, _)) = blocking_get(&format!("http://127.0.0.1:{}/healthz", gw.admin_port))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the admin never answered again");
+    }
+}

@@ -14,34 +14,56 @@ const LEAST_RESERVE: usize = 48;
 /// The bound when the open-file limit is not known.
 const UNKNOWN_LIMIT_BOUND: usize = 1024;
 
+/// Idle upstream connections kept for reuse, every worker's together, at most: Pingora's own
+/// default at two workers (128 a worker), and never more than an eighth of the open-file
+/// limit (at least 8).
+const UPSTREAM_POOL_AT_MOST: usize = 256;
+
+/// How the process's descriptors are shared out.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Budget {
+    /// Downstream connections at once.
+    pub max_connections: usize,
+    /// Idle upstream connections kept for reuse, every worker's together.
+    pub upstream_pool: usize,
+}
+
 /// `max_connections` as configured, or derived from the open-file limit: every busy
 /// downstream connection may hold an upstream connection too, so half of what is left after
-/// the reserve. Raises the soft limit first; a configured bound the limit cannot carry is
-/// lowered to what it carries, with a WARN: the admin listener, Redis and the upstreams never
-/// starve for descriptors.
-pub fn max_connections(configured: Option<usize>) -> usize {
+/// the reserve and the idle upstream connections kept for reuse. Raises the soft limit
+/// first; a configured bound the limit cannot carry is lowered to what it carries, with a
+/// WARN: the admin listener, Redis and the upstreams never starve for descriptors.
+pub fn budget(configured: Option<usize>) -> Budget {
     let limit = raise_open_file_limit();
-    let bound = bounded(configured, limit);
+    let budget = bounded(configured, limit);
+    let bound = budget.max_connections;
     if let Some(n) = configured.filter(|n| *n > bound) {
         tracing::warn!(
             max_connections = n,
             open_file_limit = limit,
             used = bound,
-            "server.max_connections is more than the open-file limit carries (two descriptors per busy connection, and a reserve for Redis, the upstreams and the admin listener): the lower bound is used; raise the limit (ulimit -n, LimitNOFILE=) for more"
+            "server.max_connections is more than the open-file limit carries (two descriptors per busy connection, the idle upstream connections kept for reuse, and a reserve for Redis, the upstreams and the admin listener): the lower bound is used; raise the limit (ulimit -n, LimitNOFILE=) for more"
         );
     }
-    bound
+    budget
 }
 
 /// The bound in force: `configured`, but never more than `limit` (the open-file limit, when
 /// known) carries; without one configured, what it carries (1024 when it is not known).
-fn bounded(configured: Option<usize>, limit: Option<usize>) -> usize {
+fn bounded(configured: Option<usize>, limit: Option<usize>) -> Budget {
     let Some(limit) = limit else {
-        return configured.unwrap_or(UNKNOWN_LIMIT_BOUND);
+        return Budget {
+            max_connections: configured.unwrap_or(UNKNOWN_LIMIT_BOUND),
+            upstream_pool: UPSTREAM_POOL_AT_MOST,
+        };
     };
     let reserve = RESERVE.min((limit / 4).max(LEAST_RESERVE));
-    let carried = (limit.saturating_sub(reserve) / 2).max(1);
-    configured.map_or(carried, |n| n.min(carried))
+    let upstream_pool = (limit / 8).clamp(8, UPSTREAM_POOL_AT_MOST);
+    let carried = (limit.saturating_sub(reserve + upstream_pool) / 2).max(1);
+    Budget {
+        max_connections: configured.map_or(carried, |n| n.min(carried)),
+        upstream_pool,
+    }
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard one; returns the soft limit now in force.
@@ -74,19 +96,23 @@ mod tests {
 
     #[test]
     fn a_bound_the_open_file_limit_cannot_carry_is_lowered_to_what_it_carries() {
-        // 1024 descriptors: 256 kept, two per busy connection.
-        assert_eq!(bounded(None, Some(1024)), 384);
-        assert_eq!(bounded(Some(100), Some(1024)), 100);
-        assert_eq!(bounded(Some(5_000), Some(1024)), 384);
-        // Under a low limit a quarter of it is kept, never under 48: what the rest carries,
-        // two descriptors a busy connection.
-        assert_eq!(bounded(None, Some(300)), 112);
-        assert_eq!(bounded(Some(5_000), Some(300)), 112);
-        assert_eq!(bounded(Some(10), Some(300)), 10);
-        assert_eq!(bounded(None, Some(100)), 26);
-        assert_eq!(bounded(None, Some(20)), 1);
+        let bound = |configured, limit| bounded(configured, limit).max_connections;
+        let pool = |limit| bounded(None, Some(limit)).upstream_pool;
+        // 1024 descriptors: 256 kept, 128 idle upstream connections, two per busy connection.
+        assert_eq!((bound(None, Some(1024)), pool(1024)), (320, 128));
+        assert_eq!(bound(Some(100), Some(1024)), 100);
+        assert_eq!(bound(Some(5_000), Some(1024)), 320);
+        // The pool is Pingora's default at two workers, 256, from 2048 descriptors on.
+        assert_eq!((bound(None, Some(20_000)), pool(20_000)), (9_744, 256));
+        // Under a low limit a quarter of it is kept, never under 48, and an eighth pooled
+        // (at least 8): what the rest carries, two descriptors a busy connection.
+        assert_eq!((bound(None, Some(300)), pool(300)), (94, 37));
+        assert_eq!(bound(Some(5_000), Some(300)), 94);
+        assert_eq!(bound(Some(10), Some(300)), 10);
+        assert_eq!((bound(None, Some(100)), pool(100)), (20, 12));
+        assert_eq!(bound(None, Some(20)), 1);
         // A limit that cannot be read: the configured bound, or 1024.
-        assert_eq!(bounded(None, None), 1024);
-        assert_eq!(bounded(Some(5_000), None), 5_000);
+        assert_eq!(bound(None, None), 1024);
+        assert_eq!(bound(Some(5_000), None), 5_000);
     }
 }
