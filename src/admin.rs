@@ -31,6 +31,7 @@ pub struct Admin {
     pub store: Store,
     pub reloader: Arc<Reloader>,
     pub refusals: Refusals,
+    pub connections: Arc<crate::edge::connections::Connections>,
 }
 
 /// Admin requests refused for their token, logged (INFO) at most once every
@@ -318,6 +319,7 @@ impl Admin {
                 self.metrics
                     .in_flight
                     .set(self.lifecycle.in_flight() as i64);
+                self.metrics.connections(&self.connections);
                 self.metrics
                     .log_dropped
                     .inc_by(crate::telemetry::newly_dropped_lines());

@@ -47,6 +47,11 @@ pub struct Metrics {
     pub jwks_refresh: crate::remote_jwks::RefreshCounters,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
+    /// Downstream connections open, and the bound on them; set at scrape time.
+    pub connections_open: IntGauge,
+    pub connections_max: IntGauge,
+    /// What the bound did, by `action` (`closed_idle`, `refused`); set at scrape time.
+    connections_shed: IntCounterVec,
     pub fleet_instances: IntGauge,
     /// Access log lines dropped because the writer could not keep up (or could not write).
     pub access_log_dropped: IntCounter,
@@ -319,6 +324,36 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let connections_open = register(
+            &r,
+            IntGauge::new(
+                "sentinel_connections_open",
+                "Downstream connections open (plain, TLS and HTTP/2 together).",
+            )
+            .expect("valid"),
+        );
+        let connections_max = register(
+            &r,
+            IntGauge::new(
+                "sentinel_connections_max",
+                "The bound on downstream connections in force (server.max_connections, or what the open-file limit carries).",
+            )
+            .expect("valid"),
+        );
+        let connections_shed = register(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "sentinel_connections_shed_total",
+                    "Connections the bound shed: closed_idle (an idle one closed, or an idle HTTP/2 one sent a GOAWAY, to make room), refused (a new one closed at once: every connection busy).",
+                ),
+                &["action"],
+            )
+            .expect("valid"),
+        );
+        for action in ["closed_idle", "refused"] {
+            connections_shed.with_label_values(&[action]);
+        }
         let fleet_instances = register(
             &r,
             IntGauge::new(
@@ -441,6 +476,9 @@ impl Metrics {
             tier_decisions,
             jwks_refresh,
             in_flight,
+            connections_open,
+            connections_max,
+            connections_shed,
             fleet_instances,
             access_log_dropped,
             log_dropped,
@@ -577,6 +615,20 @@ impl Metrics {
     }
 
     /// A cluster primary joined (`Some(up)`) or left (`None`) the gateway's view.
+    /// The downstream connections as the scrape finds them.
+    pub fn connections(&self, connections: &crate::edge::connections::Connections) {
+        use crate::edge::connections::Shed;
+        self.connections_open.set(connections.open() as i64);
+        self.connections_max.set(connections.max() as i64);
+        for (action, how) in [
+            ("closed_idle", Shed::ClosedIdle),
+            ("refused", Shed::Refused),
+        ] {
+            let counter = self.connections_shed.with_label_values(&[action]);
+            counter.inc_by(connections.shed(how).saturating_sub(counter.get()));
+        }
+    }
+
     pub fn redis_node(&self, node: &str, up: Option<bool>) {
         match up {
             Some(up) => {

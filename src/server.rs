@@ -307,6 +307,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         store: store.clone(),
         reloader: Arc::clone(&reloader),
         refusals: Default::default(),
+        connections: Arc::clone(&connections),
     };
     let control = store.runtime().clone();
     control.spawn(Arc::new(admin).serve(admin_socket));

@@ -258,6 +258,16 @@ fn the_oldest_make_room(gw: &common::Gateway, port: u16) {
     let rest: Vec<bool> = idle.iter_mut().skip(12).map(closed).collect();
     assert!(rest.iter().all(|c| !*c), "younger ones stay open: {rest:?}");
     assert!(blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 200));
+    // The bound, the connections it holds and those it closed, as a scrape reads them.
+    assert_eq!(gw.metric("sentinel_connections_max"), 50.0);
+    let open = gw.metric("sentinel_connections_open");
+    assert!((45.0..=50.0).contains(&open), "{open} open");
+    let shed = gw.metric(r#"sentinel_connections_shed_total{action="closed_idle"}"#);
+    assert!((10.0..=15.0).contains(&shed), "{shed} closed to make room");
+    assert_eq!(
+        gw.metric(r#"sentinel_connections_shed_total{action="refused"}"#),
+        0.0
+    );
 }
 
 /// At the bound, the connection idle longest is closed, not the oldest one: a client that
@@ -348,6 +358,10 @@ fn at_max_connections_with_every_connection_busy_a_new_one_is_closed_at_once() {
         blocking_get(&gw.url("/x")),
         None,
         "closed without an answer"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_connections_shed_total{action="refused"}"#),
+        1.0
     );
     for b in busy {
         assert_eq!(b.join().unwrap(), Some(200), "the busy ones finish");

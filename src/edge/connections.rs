@@ -227,6 +227,18 @@ pub struct Connections {
     /// The HTTP/2 connections by their socket digest (its address), which every stream's
     /// session shares: how a stream finds its connection ([`Connections::stream_started`]).
     h2: Mutex<std::collections::HashMap<usize, Arc<Conn>>>,
+    /// Connections closed (or sent a GOAWAY) to make room at the bound, and new ones closed
+    /// at once there because every connection was busy: `sentinel_connections_shed_total`.
+    shed: [AtomicU64; 2],
+}
+
+/// What the bound did to a connection ([`Connections::shed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shed {
+    /// An idle connection closed, or an idle HTTP/2 one sent a GOAWAY, to make room.
+    ClosedIdle = 0,
+    /// A new connection closed at once: every connection was busy.
+    Refused = 1,
 }
 
 /// How many idle connections, oldest first, are looked at to choose the one idle longest.
@@ -275,7 +287,13 @@ impl Connections {
             request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
             bad_head: std::sync::OnceLock::new(),
             h2: Mutex::new(std::collections::HashMap::new()),
+            shed: Default::default(),
         }
+    }
+
+    /// How many connections the bound shed `how`, since the start.
+    pub fn shed(&self, how: Shed) -> u64 {
+        self.shed[how as usize].load(Ordering::Relaxed)
     }
 
     /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
@@ -457,6 +475,7 @@ impl Connections {
                 .min_by_key(|c| c.since_ms.load(Ordering::Relaxed));
             if let Some(idle) = oldest_idle {
                 self.close(idle, EVICTED);
+                self.shed[Shed::ClosedIdle as usize].fetch_add(1, Ordering::Relaxed);
             } else {
                 // No HTTP/1 connection is idle: the HTTP/2 one without a stream in the
                 // proxy that read last longest ago is sent a GOAWAY. A stream whose HEADERS
@@ -467,8 +486,13 @@ impl Connections {
                     .filter(keep)
                     .filter(|c| c.state.load(Ordering::Relaxed) == MULTIPLEXED)
                     .filter(|c| c.streams.load(Ordering::Relaxed) == 0)
-                    .min_by_key(|c| c.since_ms.load(Ordering::Relaxed))?;
+                    .min_by_key(|c| c.since_ms.load(Ordering::Relaxed));
+                let Some(quietest) = quietest else {
+                    self.shed[Shed::Refused as usize].fetch_add(1, Ordering::Relaxed);
+                    return None;
+                };
                 self.close(quietest, EVICTED);
+                self.shed[Shed::ClosedIdle as usize].fetch_add(1, Ordering::Relaxed);
                 self.goaway(quietest);
             }
         }
