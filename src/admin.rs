@@ -150,7 +150,7 @@ pub struct Starting {
 
 impl Starting {
     /// Serves `listener` (a clone of the admin's socket) on a thread of its own.
-    pub fn serve(listener: std::net::TcpListener) -> std::io::Result<Self> {
+    pub fn serve(listener: std::net::TcpListener, places: usize) -> std::io::Result<Self> {
         listener.set_nonblocking(true)?;
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -165,7 +165,7 @@ impl Starting {
                     };
                     // One answer a connection: none is kept open across the handover to
                     // the admin proper.
-                    let accept = answer_on(listener, false, |req, _| async move {
+                    let accept = answer_on(listener, false, places, |req, _| async move {
                         starting_answer(req.uri().path())
                     });
                     tokio::select! {
@@ -188,29 +188,41 @@ impl Drop for Starting {
     }
 }
 
-/// Admin connections open at once, at most: more wait in the kernel's backlog (holding no
-/// descriptor of the process) until one closes. Well inside the descriptors kept for the
-/// admin, Redis and files (`edge::limits`), so no flood of them starves those.
-const ADMIN_CONNECTIONS_AT_MOST: usize = 64;
-
 /// How long an admin connection may take to send a request's head, and stay idle between
 /// requests: a connection that sends nothing is closed, and its place given to the next.
 const ADMIN_HEAD_WITHIN: Duration = Duration::from_secs(10);
 
-/// Accepts connections on `listener` until the task ends, each answered over HTTP/1.1 by
-/// `answer` (given the peer); `keep_alive` false: one request a connection.
-async fn answer_on<F, A>(listener: tokio::net::TcpListener, keep_alive: bool, answer: F)
-where
+/// How long an admin connection is kept, however it is used: then it is closed once its
+/// request in progress is answered, or [`ADMIN_LAST_ANSWER_WITHIN`] later (a client that
+/// stopped reading an answer holds its place no longer).
+const ADMIN_CONNECTION_FOR: Duration = Duration::from_secs(60);
+const ADMIN_LAST_ANSWER_WITHIN: Duration = Duration::from_secs(5);
+
+/// Accepts connections on `listener` until the task ends, at most `places` at once (more
+/// wait in the kernel's backlog, holding no descriptor of the process, until one closes:
+/// the admin's share of the descriptors kept, `edge::limits`), each answered over HTTP/1.1
+/// by `answer` (given the peer); `keep_alive` false: one request a connection.
+async fn answer_on<F, A>(
+    listener: tokio::net::TcpListener,
+    keep_alive: bool,
+    places: usize,
+    answer: F,
+) where
     F: Fn(Request<Incoming>, SocketAddr) -> A + Clone + Send + 'static,
     A: std::future::Future<Output = AdminResponse> + Send + 'static,
 {
-    let places = Arc::new(tokio::sync::Semaphore::new(ADMIN_CONNECTIONS_AT_MOST));
+    let places = Arc::new(tokio::sync::Semaphore::new(places));
     loop {
         let Ok(place) = Arc::clone(&places).acquire_owned().await else {
             return;
         };
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            // No descriptor left, say: tried again a moment later, not in a busy loop.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let answer = answer.clone();
         tokio::spawn(async move {
@@ -222,13 +234,21 @@ where
             // A client that closes its side once its request is sent (`nc -N`) is answered,
             // as on the proxy's listeners; without, its request ran but its answer was lost,
             // and so was the log line of a reset or a reload it asked for.
-            let _ = http1::Builder::new()
+            let builder = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(ADMIN_HEAD_WITHIN)
                 .keep_alive(keep_alive)
                 .half_close(true)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                .clone();
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = tokio::time::sleep(ADMIN_CONNECTION_FOR) => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(ADMIN_LAST_ANSWER_WITHIN, connection).await;
+                }
+            }
         });
     }
 }
@@ -249,7 +269,7 @@ fn starting_answer(path: &str) -> AdminResponse {
 
 impl Admin {
     /// Serves admin requests on `listener` until the process exits.
-    pub async fn serve(self: Arc<Self>, listener: std::net::TcpListener) {
+    pub async fn serve(self: Arc<Self>, listener: std::net::TcpListener, places: usize) {
         let listener = match listener
             .set_nonblocking(true)
             .and_then(|()| tokio::net::TcpListener::from_std(listener))
@@ -260,7 +280,7 @@ impl Admin {
                 return;
             }
         };
-        answer_on(listener, true, move |req, peer| {
+        answer_on(listener, true, places, move |req, peer| {
             let admin = Arc::clone(&self);
             async move { admin.route(req, peer).await }
         })

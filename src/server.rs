@@ -86,10 +86,12 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
             source,
         })?;
     drop(held);
+    let budget = crate::edge::limits::budget(config.server.max_connections, config.server.threads);
     // Answered from now on: `/readyz` says the gateway is starting while it does.
+    let admin_connections = budget.admin_connections;
     let starting = admin_socket
         .try_clone()
-        .and_then(crate::admin::Starting::serve)
+        .and_then(|socket| crate::admin::Starting::serve(socket, admin_connections))
         .map_err(|source| StartError::Admin {
             addr: admin_addr,
             source,
@@ -136,7 +138,6 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
             .map(|(path, t)| (path.as_path(), *t))
             .chain(config.redis.access.client_cert_expiry()),
     );
-    let budget = crate::edge::limits::budget(server_cfg.max_connections);
     let max_connections = budget.max_connections;
     let connections = Arc::new(Connections::new(
         max_connections,
@@ -247,7 +248,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         graceful_shutdown_timeout_seconds: Some(1),
         // A worker's share of the idle upstream connections the descriptors carry (Pingora
         // keeps this many a worker, in one pool).
-        upstream_keepalive_pool_size: (budget.upstream_pool / server_cfg.threads.max(1)).max(1),
+        upstream_keepalive_pool_size: budget.upstream_pool_per_worker,
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
@@ -310,7 +311,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         connections: Arc::clone(&connections),
     };
     let control = store.runtime().clone();
-    control.spawn(Arc::new(admin).serve(admin_socket));
+    control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
     drop(starting);
     control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));

@@ -1362,7 +1362,7 @@ fn silent_admin_connections_are_bounded_and_closed() {
         "{:?}",
         started.elapsed()
     );
-    // The next 64 take their places; the admin answers a probe once it is taken too.
+    // The others are let go; the admin answers a probe again.
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
         if let Some((200, _)) = blocking_get(&format!("http://127.0.0.1:{}/healthz", gw.admin_port))
@@ -1371,4 +1371,46 @@ fn silent_admin_connections_are_bounded_and_closed() {
         }
         assert!(Instant::now() < deadline, "the admin never answered again");
     }
+}
+
+/// An admin client that stops reading its answers (pipelined `/metrics`, a small receive
+/// window) holds its connection, and its place among the admin's 64, for about a minute at
+/// most: the connection is closed 60 s after it opened, 5 s after that when an answer is
+/// still being written.
+#[test]
+fn an_admin_client_that_stops_reading_is_let_go_after_a_minute() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = gateway(&redis, &up, &[]);
+    let one = blocking_get(&gw.admin("/metrics")).unwrap().1.len();
+    let stalled = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    stalled.set_recv_buffer_size(4096).unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", gw.admin_port).parse().unwrap();
+    stalled.connect(&addr.into()).unwrap();
+    let mut stalled: TcpStream = stalled.into();
+    let asks = 2_000;
+    let request = b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n".repeat(asks);
+    stalled
+        .set_write_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let _ = stalled.write_all(&request);
+    std::thread::sleep(Duration::from_secs(67));
+    // Read what was written before the connection was let go; then its end.
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut read = 0;
+    let mut buf = vec![0u8; 65_536];
+    loop {
+        match stalled.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read += n,
+        }
+    }
+    assert!(
+        read < asks * one / 2,
+        "{read} bytes read of {} asked: the connection was not let go",
+        asks * one
+    );
+    assert_eq!(blocking_get(&gw.admin("/healthz")).map(|a| a.0), Some(200));
 }

@@ -932,9 +932,10 @@ async fn a_redis_timeout_shorter_than_the_checks_loses_nothing_without_the_io_th
     checks_closed_alone_under_traffic(limited(config, &up), &redis).await;
 }
 
-/// Without batching (`batch_max = 1`) decisions go one by one on the checks' socket: killed
-/// within a second of one, it is a connection lost under decisions (a WARN), never taken
-/// for an idle close of that socket alone.
+/// Without batching (`batch_max = 1`) decisions go one by one on the checks' socket and the
+/// decisions' socket is never used: the checks' socket killed within a second of one is the
+/// connection lost under decisions (a WARN), never made again alone as if Redis had closed
+/// it for idleness beside a busy decisions' socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checks_socket_killed_after_a_decision_sent_alone_is_a_loss() {
     let redis = Redis::start();

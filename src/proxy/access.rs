@@ -48,16 +48,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
     let header =
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));
     let route = ctx.route.as_ref();
-    // A route limited by the `Host` or `User-Agent` header: that field would be the raw
-    // identity, which no line carries (its hash does). A request refused before its route
-    // was known (`TRACE`'s 405, a 431) may be that route's: the field is left out when any
-    // route reads an identity from it.
-    let snapshot = ctx.snapshot.as_ref();
-    let api_keys = snapshot.and_then(|s| s.config.api_keys.as_ref());
-    let hidden = |field: &str| match route {
-        Some(r) => r.identity_header(api_keys) == Some(field),
-        None => snapshot.is_some_and(|s| s.identity_fields.iter().any(|f| f == field)),
-    };
+    let hidden = |field: &str| identity_in(ctx, field);
     let received = super::forwarded::received_host(req).filter(|_| !hidden("host"));
     let host = received.as_deref().map(Lossy);
     let protocol = match req.version {
@@ -104,6 +95,19 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         user_agent: header(http::header::USER_AGENT).filter(|_| !hidden("user-agent")),
     };
     log.log(&line);
+}
+
+/// Whether the request's `field` (`host`, `user-agent`) may be its raw identity, which no
+/// line carries (its hash does): its route reads the identity from it (`identity = { header
+/// = ... }`, or `api_key` with `[auth.api_keys] header`), or, before its route was known
+/// (`TRACE`'s 405, a 431), any route does.
+pub(super) fn identity_in(ctx: &RequestCtx, field: &str) -> bool {
+    let snapshot = ctx.snapshot.as_ref();
+    let api_keys = snapshot.and_then(|s| s.config.api_keys.as_ref());
+    match &ctx.route {
+        Some(r) => r.identity_header(api_keys) == Some(field),
+        None => snapshot.is_some_and(|s| s.identity_fields.iter().any(|f| f == field)),
+    }
 }
 
 /// `took` in milliseconds, to the microsecond: `0.868`, not `0.8684419999999999`, the noise

@@ -1088,17 +1088,13 @@ impl ProxyHttp for Gateway {
     fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
         let req = session.req_header();
         // A route limited by `Host`: the raw identity, which no line shows.
-        let api_keys = ctx
-            .snapshot
-            .as_ref()
-            .and_then(|s| s.config.api_keys.as_ref());
-        let identity = ctx.route.as_ref().and_then(|r| r.identity_header(api_keys));
+        let hidden = access::identity_in(ctx, "host");
         let host = req
             .headers
             .get(http::header::HOST)
             .and_then(|h| h.to_str().ok())
             .or_else(|| req.uri.host())
-            .filter(|_| identity != Some("host"))
+            .filter(|_| !hidden)
             .unwrap_or("-");
         format!(
             "{} {}, Host: {host}, request_id: {}",

@@ -683,14 +683,14 @@ impl Connector {
         let made = match opened {
             Ok(opened) => link.checks_made_again(conn, &target, opened),
             Err(e) => {
-                // Redis gone, or out of reach: the connection is lost, under decisions.
+                // Redis gone, or out of reach: the connection is lost.
                 let cause = format!(
                     "redis closed the checks connection, which could not be made again: {}",
                     Said(&e)
                 );
                 conn.checks_lost.store(false, Ordering::Release);
-                link.forget(conn, &cause, true);
-                link.lost_under(conn);
+                // Decisions in flight on it count the loss as they fail (none: nothing).
+                link.forget(conn, &cause, false);
                 return;
             }
         };
@@ -712,8 +712,10 @@ impl Connector {
         // Redis's `timeout`), so the eviction policy is read every period whatever wakes it.
         let mut recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
         while !link.retired.load(Ordering::Relaxed) {
-            let checks_lost =
-                (link.conn.load_full()).filter(|c| c.checks_lost.load(Ordering::Acquire));
+            // (While a reload moves the link, the connection to the new Redis replaces it.)
+            let checks_lost = (link.conn.load_full())
+                .filter(|c| c.checks_lost.load(Ordering::Acquire))
+                .filter(|_| !link.moving.load(Ordering::Relaxed));
             if let Some(conn) = checks_lost {
                 self.make_checks_again(&link, &conn).await;
                 continue;
@@ -801,6 +803,8 @@ impl Connector {
                     link.connected_again();
                     tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
                     attempt = 0;
+                    // The connection's set-up read the eviction policy.
+                    recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
                 }
                 Err(e) if connected && !moving => {
                     tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");

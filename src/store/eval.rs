@@ -401,13 +401,24 @@ impl Store {
         asking: bool,
     ) -> Step {
         let key = call.keys[0];
-        let conn = match self.connection(link, probe).await {
+        let mut conn = match self.connection(link, probe).await {
             Ok(c) => c,
             Err(f) => return Step::Failed(f),
         };
-        // Sent on a checks' socket already known closed and being made again
-        // (`Link::checks_closed`): its failure is no loss of the connection.
-        let on_lost_checks = conn.checks_lost.load(Ordering::Acquire);
+        // Its checks' socket (where a decision alone goes) is being made again
+        // (`Link::checks_closed`): a decision fails at once, as while a connection is made
+        // again, and counts nothing; a probe waits for it within its budget, so that a
+        // quarantine is not prolonged by a socket Redis closed for idleness.
+        if conn.checks_lost.load(Ordering::Acquire) {
+            if !probe {
+                return Step::Failed(Failure::NotConnected);
+            }
+            link.checks_again(&conn).await;
+            conn = match link.conn.load_full() {
+                Some(c) if !c.checks_lost.load(Ordering::Acquire) => c,
+                _ => return Step::Failed(Failure::NotConnected),
+            };
+        }
         let mut c = conn.redis();
         // A loss of the connection meanwhile is one under a decision (a WARN, not an INFO).
         let _deciding = conn.deciding();
@@ -436,7 +447,7 @@ impl Store {
                     // The key the error was met on, for the log: a script of several
                     // limits names it.
                     let at = e.detail().map_or(0, |d| key_of_error(d, call.keys.len()).1);
-                    Step::Failed(self.failed(link, &conn, on_lost_checks, call.keys[at], &e))
+                    Step::Failed(self.failed(link, &conn, call.keys[at], &e))
                 }
             },
         };
@@ -449,9 +460,7 @@ impl Store {
         // forbids SCRIPT, say) leaves the script missing: that is the NOSCRIPT row.
         match script.load(&mut c).await {
             Ok(_) => link.load_refused.store(false, Ordering::Relaxed),
-            Err(e) if is_transport(&e) => {
-                return Step::Failed(self.failed(link, &conn, on_lost_checks, key, &e))
-            }
+            Err(e) if is_transport(&e) => return Step::Failed(self.failed(link, &conn, key, &e)),
             Err(e) => {
                 // Once until a load succeeds again: every decision meets the same refusal.
                 if !link.load_refused.swap(true, Ordering::Relaxed) {
@@ -470,15 +479,11 @@ impl Store {
         &self,
         link: &Link,
         conn: &Arc<Conn>,
-        on_lost_checks: bool,
         key: &str,
         e: &RedisError,
     ) -> Failure {
         let failure = classify(e);
-        // Sent on a checks' socket already being made again alone (`Link::checks_closed`):
-        // the connection is not lost (its decisions' socket is up), and the decision failed
-        // at once, as one sent while a connection is made again does.
-        if failure == Failure::ConnectionLost && !on_lost_checks {
+        if failure == Failure::ConnectionLost {
             link.forget(conn, e, true);
             link.lost_under(conn);
         }

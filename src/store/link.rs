@@ -393,9 +393,10 @@ impl Link {
             let wire = conn.wire.lock();
             !wire.bytes.dead && (wire.batches.deciding() || recent(wire.batches.sent_us()))
         };
+        // (While a reload moves the link, the connection goes on without its checks' socket
+        // until the new one replaces it: make before break.)
         let held = self.conn.load();
         let alone = held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
-            && !self.moving.load(Ordering::Relaxed)
             && !self.retired.load(Ordering::Relaxed)
             && checks_idle
             && deciding;
@@ -427,7 +428,26 @@ impl Link {
         conn.checks.store(Arc::new(opened));
         conn.checks_lost.store(false, Ordering::Release);
         self.forget_when_closed(conn);
+        // A probe waiting for it ([`Link::checks_again`]).
+        self.ready.notify_waiters();
         true
+    }
+
+    /// Waits until `conn`'s checks' socket is made again ([`Link::checks_closed`]), or the
+    /// link lets `conn` go (the caller bounds the wait).
+    pub(super) async fn checks_again(&self, conn: &Arc<Conn>) {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let held = self.conn.load();
+            if !held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
+                || !conn.checks_lost.load(Ordering::Acquire)
+            {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Gives the current connection a new decision connection (opened on the proxy's
