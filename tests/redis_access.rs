@@ -965,3 +965,33 @@ async fn a_checks_socket_killed_after_a_decision_sent_alone_is_a_loss() {
     wait_until(Duration::from_secs(10), "connected again", || redis_up(&gw));
     assert_eq!(statuses(&gw, "k0", 3).await, [200, 200, 200]);
 }
+
+/// An evicting policy is said once, and said again only when it changes: a Redis `timeout`
+/// that closes the idle connection every second or two, each made again and read again,
+/// does not repeat the ERROR (it did, once a connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_policy_is_said_once_however_often_the_connection_is_made_again() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    warmed(&gw).await;
+    redis.config_set("maxmemory-policy", "allkeys-lru");
+    redis.config_set("timeout", "1");
+    let count = |what: &str| gw.logs().matches(what).count();
+    let evicting = "redis may evict keys";
+    wait_until(Duration::from_secs(20), "the policy said", || {
+        count(evicting) >= 1
+    });
+    let closed = "no decision was using";
+    let closes = count(closed);
+    wait_until(Duration::from_secs(20), "three idle closes more", || {
+        count(closed) >= closes + 3
+    });
+    redis.config_set("timeout", "0");
+    assert_eq!(count(evicting), 1, "{}", gw.logs());
+    redis.config_set("maxmemory-policy", "noeviction");
+    wait_until(Duration::from_secs(20), "the change back said", || {
+        count("noeviction again") == 1
+    });
+    assert_eq!(count(evicting), 1, "{}", gw.logs());
+}

@@ -537,7 +537,7 @@ impl Connector {
     /// A connection to `target` made as the connector makes its own (within its set-up
     /// time), beside the one `link` holds: `None` when it could not be made.
     pub(super) async fn fresh(&self, link: &Link, target: &Target) -> Option<(Opened, Wire)> {
-        match tokio::time::timeout(SETUP_TIMEOUT, self.connect(link, target, true)).await {
+        match tokio::time::timeout(SETUP_TIMEOUT, self.connect(link, target)).await {
             Ok(Ok(made)) => Some(made),
             Ok(Err(e)) => {
                 tracing::debug!(node = %target.node, error = %e, "cannot open a redis connection beside the one that left a call unanswered");
@@ -563,15 +563,9 @@ impl Connector {
         true
     }
 
-    /// Opens a connection to `target` for `link`, checks the eviction policy and loads the
-    /// scripts. `beside`: a connection opened beside the link's own, whose eviction policy
-    /// is said only when it changed.
-    async fn connect(
-        &self,
-        link: &Link,
-        target: &Target,
-        beside: bool,
-    ) -> redis::RedisResult<(Opened, Wire)> {
+    /// Opens a connection to `target` for `link`, checks the eviction policy (said the first
+    /// time for the node and when it changed) and loads the scripts.
+    async fn connect(&self, link: &Link, target: &Target) -> redis::RedisResult<(Opened, Wire)> {
         let (mut opened, wire) = match self.proxy_runtime.get() {
             // The decision connection is registered with the proxy's workers (whose waiting
             // decisions read its answers); redis-rs's stays here, and this thread watches
@@ -592,7 +586,7 @@ impl Connector {
         };
         let conn = &mut opened.conn;
         if let Some(policy) = eviction_policy(conn).await? {
-            self.note_policy(link, &target.node, policy, beside);
+            self.note_policy(link, &target.node, policy);
         }
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
@@ -619,7 +613,7 @@ impl Connector {
 impl Connector {
     /// Records a node's eviction policy, and says when it is one that can silently reset
     /// quotas: at every connection, and when a re-check finds it changed.
-    fn note_policy(&self, link: &Link, node: &str, policy: EvictionPolicy, recheck: bool) {
+    fn note_policy(&self, link: &Link, node: &str, policy: EvictionPolicy) {
         // Read from a Redis the link has since been moved off: not this one's.
         if link.target.load().node != node {
             return;
@@ -631,7 +625,10 @@ impl Connector {
         };
         let changed = link.eviction_policy.load().as_deref() != text.as_ref();
         let required = self.require_noeviction.load(Ordering::Relaxed);
-        if !recheck || changed {
+        // Said for the node's first reading and when it changes: not again at each new
+        // connection (a Redis `timeout` closes an idle one every few seconds).
+        let first = !link.policy_said.swap(true, Ordering::Relaxed);
+        if first || changed {
             match &policy {
                 EvictionPolicy::Evicting(p) if required => {
                     tracing::error!(node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
@@ -639,7 +636,7 @@ impl Connector {
                 EvictionPolicy::Unknown if required => {
                     tracing::warn!(node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
                 }
-                EvictionPolicy::NoEviction if recheck => {
+                EvictionPolicy::NoEviction if !first => {
                     tracing::info!(node, "redis maxmemory-policy is noeviction again");
                 }
                 _ => {}
@@ -660,7 +657,7 @@ impl Connector {
         if let Ok(Ok(Some(policy))) =
             tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
         {
-            self.note_policy(link, &node, policy, true);
+            self.note_policy(link, &node, policy);
         }
     }
 
@@ -759,7 +756,7 @@ impl Connector {
                 }
                 continue;
             }
-            let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target, false));
+            let setup = tokio::time::timeout(SETUP_TIMEOUT, self.connect(&link, &target));
             // A reload that points the link elsewhere meanwhile drops this attempt: the new
             // target is tried at once, not after the old one's timeouts.
             let retargeted = async {

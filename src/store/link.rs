@@ -179,6 +179,9 @@ pub(super) struct Link {
     pub(super) moving: AtomicBool,
     /// The node's `maxmemory-policy` as last read, when it could be read.
     pub(super) eviction_policy: ArcSwapOption<String>,
+    /// The policy of the node the link points at was said (logged) once: it is said again
+    /// only when it changes, however often the connection is made again.
+    pub(super) policy_said: AtomicBool,
     /// Whether the current connection is driven on the proxy's runtime.
     pub(super) on_proxy_runtime: AtomicBool,
     /// The last evaluation timed out: the connection may be talking to a peer that is gone
@@ -228,6 +231,7 @@ impl Link {
             moving: AtomicBool::new(false),
             clock: super::deadline::RedisClock::default(),
             eviction_policy: ArcSwapOption::empty(),
+            policy_said: AtomicBool::new(false),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
             replacing: AtomicBool::new(false),
@@ -255,6 +259,7 @@ impl Link {
     pub(super) fn point_at(&self, target: Target) {
         self.target.store(Arc::new(target));
         self.eviction_policy.store(None);
+        self.policy_said.store(false, Ordering::Relaxed);
         self.moving.store(false, Ordering::Relaxed);
         self.conn.store(None);
         self.wake.notify_one();
@@ -268,6 +273,7 @@ impl Link {
     pub(super) fn move_to(&self, target: Target) {
         self.target.store(Arc::new(target));
         self.eviction_policy.store(None);
+        self.policy_said.store(false, Ordering::Relaxed);
         self.moving.store(self.is_connected(), Ordering::Relaxed);
         self.wake.notify_one();
     }
