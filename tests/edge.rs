@@ -614,8 +614,19 @@ async fn an_identity_header_the_access_log_names_is_not_written() {
         .await
         .unwrap();
     assert_eq!(large.status(), 431);
-    wait_until(Duration::from_secs(3), "six access lines", || {
-        access_lines(&log).len() == 6
+    // A `CONNECT` names an authority, not a path: its line's path is null.
+    {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conn.write_all(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+    }
+    wait_until(Duration::from_secs(3), "seven access lines", || {
+        access_lines(&log).len() == 7
     });
     let lines = access_lines(&log);
     let of = |endpoint: &str| {
@@ -640,6 +651,8 @@ async fn an_identity_header_the_access_log_names_is_not_written() {
     assert_eq!(host["user_agent"], "tenant-key-7f3a", "{host}");
     assert_eq!(open["user_agent"], "tenant-key-7f3a", "{open}");
     assert!(open["host"].is_string(), "{open}");
+    let connect = lines.iter().find(|l| l["method"] == "CONNECT").unwrap();
+    assert_eq!(connect["path"], Value::Null, "{connect}");
     for status in [405, 431] {
         let refused = lines.iter().find(|l| l["status"] == status).unwrap();
         assert_eq!(refused["endpoint_id"], Value::Null, "{refused}");

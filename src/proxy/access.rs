@@ -68,7 +68,11 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         client_ip: origin.and_then(|o| o.client.or(o.peer)),
         method: Some(req.method.as_str()),
         host,
-        path: ctx.path.as_deref(),
+        // A `CONNECT` names an authority, no path.
+        path: ctx
+            .path
+            .as_deref()
+            .filter(|_| req.method != http::Method::CONNECT),
         protocol,
         tls: origin.is_some_and(|o| o.tls),
         status,
