@@ -868,16 +868,7 @@ async fn a_connection_redis_closes_while_idle_is_no_warning() {
 async fn checks_closed_alone_under_traffic(config: GatewayConfig, redis: &Redis) {
     let gw = config.start();
     warmed(&gw).await;
-    let connections = || {
-        let info: String = redis::cmd("INFO")
-            .arg("stats")
-            .query(&mut redis.conn())
-            .unwrap();
-        let line = (info.lines())
-            .find_map(|l| l.strip_prefix("total_connections_received:"))
-            .unwrap();
-        line.trim().parse::<u64>().unwrap()
-    };
+    let connections = || common::connections_received(redis.port);
     redis.config_set("timeout", "2");
     let before = connections();
     // A request every 10 ms, each with a key of its own (admitted when Redis decides it; 503

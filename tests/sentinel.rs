@@ -442,17 +442,7 @@ async fn a_sentinel_naming_a_gone_master_is_passed_over_for_the_next() {
 
     // Asked every second, each sentinel keeps its connection: it is not dialled (and
     // authenticated) anew each time. (Three seconds of polls made three connections to each.)
-    let connections = |port: u16| {
-        let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-            .unwrap()
-            .get_connection()
-            .unwrap();
-        let info: String = redis::cmd("INFO").arg("stats").query(&mut c).unwrap();
-        info.lines()
-            .find_map(|l| l.strip_prefix("total_connections_received:"))
-            .and_then(|n| n.trim().parse::<u64>().ok())
-            .unwrap()
-    };
+    let connections = common::connections_received;
     let before = [connections(stale_port), connections(sentinel_port)];
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = [connections(stale_port), connections(sentinel_port)];

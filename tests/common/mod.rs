@@ -664,6 +664,20 @@ pub fn the_access_log_line(path: &std::path::Path) -> serde_json::Value {
 
 /// Sends raw bytes and returns the status line's code, for requests a client library would
 /// refuse to build.
+/// How many connections the Redis (or sentinel) on `port` has accepted since it started
+/// (`INFO stats`' `total_connections_received`), this call's own included.
+pub fn connections_received(port: u16) -> u64 {
+    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let info: String = redis::cmd("INFO").arg("stats").query(&mut c).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .unwrap()
+}
+
 pub fn raw_request(port: u16, request: &[u8]) -> Option<u16> {
     use std::io::Read;
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
