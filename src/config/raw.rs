@@ -22,14 +22,40 @@ pub struct RawConfig {
     pub routes: Vec<Spanned<RawRoute>>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(
-    untagged,
-    expecting = "expected an address \"host:port\" or a list of them, e.g. listen = [\"0.0.0.0:8080\", \"[::]:8080\"]"
-)]
+/// `listen`: one address, or a list of them, each with its own place (an untagged enum would
+/// read the entries through serde's buffer, which drops their spans).
+#[derive(Debug)]
 pub enum OneOrMany {
     One(String),
-    Many(Vec<String>),
+    Many(Vec<Spanned<String>>),
+}
+
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = OneOrMany;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "an address \"host:port\" or a list of them, e.g. listen = [\"0.0.0.0:8080\", \"[::]:8080\"]",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(v.to_owned()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<OneOrMany, A::Error> {
+                let mut all = Vec::new();
+                while let Some(a) = seq.next_element()? {
+                    all.push(a);
+                }
+                Ok(OneOrMany::Many(all))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 #[derive(Debug, Deserialize)]

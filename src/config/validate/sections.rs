@@ -39,11 +39,18 @@ pub(super) fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
 pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ServerConfig> {
     let s = raw.server.as_ref().map(|s| s.get_ref());
     let mut ok = true;
-    let listen = match s.and_then(|s| s.listen.as_ref()) {
-        None => vec!["0.0.0.0:8080".parse().expect("valid default")],
+    // Each address with where it is written (none for the default).
+    let (listen, listen_at): (Vec<SocketAddr>, Vec<Option<Range<usize>>>) = match s
+        .and_then(|s| s.listen.as_ref())
+    {
+        None => (
+            vec!["0.0.0.0:8080".parse().expect("valid default")],
+            vec![None],
+        ),
         Some(l) => {
+            // Each address with the place it is written (a lone one: the value's own).
             let (list, listed) = match l.get_ref() {
-                OneOrMany::One(a) => (vec![a.clone()], false),
+                OneOrMany::One(a) => (vec![Spanned::new(l.span(), a.clone())], false),
                 OneOrMany::Many(v) => (v.clone(), true),
             };
             if list.is_empty() {
@@ -57,23 +64,25 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             }
             let mut seen: Vec<SocketAddr> = Vec::new();
             (list.iter().enumerate())
-                .filter_map(|(i, a)| match a.parse::<SocketAddr>() {
+                .filter_map(|(i, a)| match a.get_ref().parse::<SocketAddr>() {
                     Ok(addr) => {
                         if let Some(other) = seen.iter().find(|o| overlap(**o, addr)) {
-                            c.push(Some(&l.span()), None, format!("server.listen: \"{addr}\" and \"{other}\" {SHARED}"));
+                            c.push(Some(&a.span()), None, format!("server.listen: \"{addr}\" and \"{other}\" {SHARED}"));
                             ok = false;
                         }
                         seen.push(addr);
-                        Some(addr)
+                        Some((addr, Some(a.span())))
                     }
                     Err(_) => {
                         let at = if listed { format!("[{i}]") } else { String::new() };
-                        c.push(Some(&l.span()), None, format!("server.listen{at} = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
+                        let at_place = a.span();
+                        let a = a.get_ref();
+                        c.push(Some(&at_place), None, format!("server.listen{at} = \"{a}\" is not an address: write IP:port, such as \"0.0.0.0:8080\""));
                         ok = false;
                         None
                     }
                 })
-                .collect()
+                .unzip()
         }
     };
     let threads = int_in(
@@ -95,12 +104,13 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             }
         },
     };
-    // The default admin address too: `listen = "0.0.0.0:9090"` takes it.
-    let admin_span = s
-        .and_then(|s| s.admin_listen.as_ref().map(|a| a.span()))
-        .or_else(|| s.and_then(|s| s.listen.as_ref().map(|l| l.span())));
+    // The default admin address too: `listen = "0.0.0.0:9090"` takes it (pointed at there).
+    let admin_span = s.and_then(|s| s.admin_listen.as_ref().map(|a| a.span()));
     if let Some(admin) = admin_listen {
-        if let Some(other) = listen.iter().find(|l| overlap(**l, admin)) {
+        if let Some((other, at)) =
+            (listen.iter().zip(&listen_at)).find(|(l, _)| overlap(**l, admin))
+        {
+            let admin_span = admin_span.clone().or_else(|| at.clone());
             let shared = if *other == admin {
                 "is also in server.listen".to_owned()
             } else {
