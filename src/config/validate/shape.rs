@@ -25,17 +25,27 @@ pub(super) fn error(
     source: &str,
     e: &toml::de::Error,
 ) -> (Option<Range<usize>>, Option<String>, String) {
-    let message = past_i64(e.message().trim());
-    let Some(span) = e.span() else {
-        return (None, None, message);
-    };
     // A byte order mark is no part of the first line: read as spaces, offsets kept.
     let source: Cow<str> = match source.strip_prefix('\u{feff}') {
         Some(rest) => Cow::Owned(format!("   {rest}")),
         None => Cow::Borrowed(source),
     };
     let source = source.as_ref();
-    let (root, _) = DeTable::parse_recoverable(source);
+    let (root, syntax) = DeTable::parse_recoverable(source);
+    // Of several syntax errors TOML reports one, not always the first in the file (a string
+    // left open on its line is said where the next line stumbles over it): the first is.
+    let first = (syntax.iter())
+        .filter(|s| s.span().is_some())
+        .min_by_key(|s| s.span().map(|r| r.start));
+    let (message, span) = match first {
+        Some(first) => (first.message(), first.span()),
+        None => (e.message(), e.span()),
+    };
+    let message = past_i64(message.trim());
+    let Some(span) = span else {
+        return (None, None, message);
+    };
+    let message = said_plainly(source, span.clone(), message);
     let doc = Doc::new(source, root.get_ref());
     // A date where a number or a string belongs: TOML hands it on as a table.
     let date = (source.get(span.clone()))
@@ -178,6 +188,38 @@ pub(super) fn error(
         }
     };
     (Some(unknown_at.unwrap_or(span)), route, message)
+}
+
+/// TOML's words for two syntax errors a hand makes, said for what they are: a string that
+/// runs past its line (TOML: "invalid basic string, expected `"`"), and a bare word where a
+/// value belongs (`fail_mode = fail_closed`; TOML: "invalid boolean, expected `false`").
+fn said_plainly(source: &str, span: Range<usize>, message: String) -> String {
+    for (kind, quote) in [("basic", '"'), ("literal", '\'')] {
+        if message == format!("invalid {kind} string, expected `{quote}`") {
+            return format!("{message}: a string ends on the line it starts on: close it with {quote} there (a string of several lines is written between {q3})", q3 = quote.to_string().repeat(3));
+        }
+    }
+    let word = source.get(span).unwrap_or_default();
+    let bare = !word.is_empty()
+        && (word.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        && !word.starts_with(|c: char| c.is_ascii_digit() || c == '-');
+    let stumbled = [
+        "invalid boolean",
+        "invalid float",
+        "invalid integer",
+        "invalid string",
+        "string values must be quoted",
+    ];
+    if bare && stumbled.iter().any(|m| message.starts_with(m)) {
+        if ["true", "false"].contains(&word.to_ascii_lowercase().as_str()) {
+            return format!(
+                "`{word}` is no TOML value: a switch is written in lower case, {}",
+                word.to_ascii_lowercase()
+            );
+        }
+        return format!("`{word}` is no TOML value: a string is written in quotes (\"{word}\"), a number in digits, a switch as true or false");
+    }
+    message
 }
 
 /// Where the last `quotes` (`"""` or `'''`) of `source` start that no backslash escapes (a
