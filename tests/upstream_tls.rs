@@ -116,6 +116,17 @@ fn check_takes_tls_fields_without_tls_as_inert_and_refuses_a_bad_ca_file() {
     let (ok, out) =
         run("tls = false\nsni = \"a.example\"\nca_path = \"missing.pem\"\nverify = true");
     assert!(ok, "{out}");
+    // The warning points at the first field that does nothing (line 8 of the file, `sni`), not at the
+    // upstream's header; `verify = false` beside `tls = true` at itself.
+    assert!(
+        out.contains(":8:7: upstreams.u has TLS fields without tls = true (sni, ca_path)"),
+        "{out}"
+    );
+    let (ok, out) = run("tls = true\nverify = false");
+    assert!(
+        ok && out.contains(":8:10: upstreams.u.verify = false:"),
+        "{out}"
+    );
     let (ok, out) = run("tls = true\nca_path = \"missing.pem\"");
     assert!(
         !ok && out.contains("upstreams.u.ca_path = \"missing.pem\" cannot be read"),

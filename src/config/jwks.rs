@@ -26,7 +26,8 @@ pub fn load(
         .map_err(|e| vec![error(None, None, format!("cannot read the JWKS file: {e}"))])?;
     let set: JwkSet = serde_json::from_str(&source).map_err(|e| {
         vec![error(
-            Some((e.line(), e.column())),
+            // serde_json counts a column 0 at a line's start (the file's end after a newline).
+            Some((e.line(), e.column().max(1))),
             None,
             format!("not a JWKS ({e}): expected {{\"keys\": [...]}} of JSON Web Keys"),
         )]

@@ -168,7 +168,7 @@ pub struct RawUpstream {
     pub tls: Option<bool>,
     pub sni: Option<Spanned<String>>,
     pub ca_path: Option<Spanned<String>>,
-    pub verify: Option<bool>,
+    pub verify: Option<Spanned<bool>>,
     pub health_check: Option<Spanned<RawHealthCheck>>,
 }
 
@@ -314,7 +314,7 @@ fn named_or_table<'de, D: serde::Deserializer<'de>>(
 pub struct RawTier {
     #[serde(default)]
     pub limits: Vec<Spanned<RawLimit>>,
-    pub unlimited: Option<bool>,
+    pub unlimited: Option<Spanned<bool>>,
 }
 
 /// `cost_from_response = { header = "...", unit_micro = ... }`.

@@ -149,16 +149,21 @@ pub(super) fn route(
             let found = upstreams.get(name.get_ref()).cloned();
             if found.is_none() && !raw.upstreams.contains_key(name.get_ref()) {
                 let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
-                c.push(
-                    Some(&name.span()),
-                    label,
-                    format!(
+                // An empty name is no upstream's (none may be defined with it).
+                let message = match name.get_ref().trim().is_empty() {
+                    true => format!(
+                        "upstream = \"{}\" names no upstream: use one of [{}]",
+                        name.get_ref(),
+                        known.join(", ")
+                    ),
+                    false => format!(
                         "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
                         name.get_ref(),
                         super::shape::key_shown(name.get_ref()),
                         known.join(", ")
                     ),
-                );
+                };
+                c.push(Some(&name.span()), label, message);
             }
             found
         }
@@ -943,13 +948,17 @@ fn tiers(
             continue;
         }
         let raw_tier = t.get_ref();
-        match (raw_tier.unlimited, raw_tier.limits.is_empty()) {
+        match (
+            raw_tier.unlimited.as_ref().map(|u| *u.get_ref()),
+            raw_tier.limits.is_empty(),
+        ) {
             (Some(true), true) => {
                 plan.insert(name.clone(), TierLimits::Unlimited);
             }
             (Some(true), false) => {
+                let written = raw_tier.unlimited.as_ref().map(|u| u.span());
                 c.push(
-                    Some(&t.span()),
+                    Some(&written.unwrap_or_else(|| t.span())),
                     label,
                     format!("{at} is unlimited and has limits: keep one"),
                 );

@@ -1211,8 +1211,9 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
             }
         },
         _ if asymmetric => {
+            let at = j.algorithms.as_ref().map_or(spanned.span(), |a| a.span());
             c.push(
-                Some(&spanned.span()),
+                Some(&at),
                 None,
                 format!(
                     "auth.jwt.algorithms lists {} but neither jwks_path nor jwks_url gives their public keys",
@@ -1453,6 +1454,26 @@ pub(super) fn upstream(
         }
     };
     (addrs.len() == u.addrs.get_ref().len() && !addrs.is_empty()).then_some(())?;
+    // TLS fields that do nothing without `tls = true`, each where it is written.
+    let verify_off = u.verify.as_ref().filter(|v| !*v.get_ref());
+    let inert: Vec<(&str, Range<usize>)> = match u.tls == Some(true) {
+        true => Vec::new(),
+        false => [
+            ("sni", u.sni.as_ref().map(|v| v.span())),
+            ("ca_path", u.ca_path.as_ref().map(|v| v.span())),
+            ("verify = false", verify_off.map(|v| v.span())),
+        ]
+        .into_iter()
+        .filter_map(|(field, at)| Some((field, at?)))
+        .collect(),
+    };
+    // What the upstream's warning points at: `verify = false`, or the first inert field.
+    let warned_at = match (&tls, verify_off) {
+        (Some(Some(_)), Some(v)) => v.span(),
+        _ => (inert.iter().map(|(_, at)| at.clone()))
+            .min_by_key(|at| at.start)
+            .unwrap_or_else(|| up.span()),
+    };
     Some(UpstreamConfig {
         name: name.to_owned(),
         addrs,
@@ -1461,19 +1482,8 @@ pub(super) fn upstream(
         read_timeout: Duration::from_millis(read?),
         tls: tls?,
         health_check: health_check?,
-        inert_tls: if u.tls == Some(true) {
-            Vec::new()
-        } else {
-            [
-                ("sni", u.sni.is_some()),
-                ("ca_path", u.ca_path.is_some()),
-                ("verify = false", u.verify == Some(false)),
-            ]
-            .into_iter()
-            .filter_map(|(field, set)| set.then_some(field))
-            .collect()
-        },
-        written_at: crate::config::WrittenAt(Some(c.position(&up.span()))),
+        inert_tls: inert.iter().map(|(field, _)| *field).collect(),
+        written_at: crate::config::WrittenAt(Some(c.position(&warned_at))),
     })
 }
 
@@ -1618,7 +1628,7 @@ fn upstream_tls(
     Some(Some(UpstreamTls {
         sni,
         ca,
-        verify: u.verify.unwrap_or(true),
+        verify: u.verify.as_ref().is_none_or(|v| *v.get_ref()),
     }))
 }
 
