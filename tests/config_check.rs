@@ -222,7 +222,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[0] (x.api): methods[1] = \"X1\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400", position_of(&path, "\"X1\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
-            format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "[upstreams.app]")),
+            // Pointed at the value that turns the check off.
+            format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),
         ],
         "{stderr}"
     );
