@@ -107,15 +107,23 @@ pub(super) fn route(
         // carries it or not (`[0:0::1]` is `::1`).
         let raw = h.get_ref();
         let v = crate::routing::host_form(raw);
-        if v.parse::<std::net::Ipv6Addr>().is_ok() {
+        // An IPv6 address bare or in both brackets (`[::1` is neither).
+        let bracketed = raw.starts_with('[') && raw.ends_with(']');
+        if v.parse::<std::net::Ipv6Addr>().is_ok() && (bracketed || !raw.contains(['[', ']'])) {
             return Some(v);
         }
-        // `_` is no host name's, yet internal names carry it and a `Host` may.
+        // `_` is no host name's, yet internal names carry it and a `Host` may; a label
+        // neither starts nor ends with `-` and holds at most 63 characters (RFC 1123).
         let valid = !v.is_empty()
             && !raw.contains(['[', ']'])
             && v.len() <= 253
             && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
-            && v.split('.').all(|label| !label.is_empty());
+            && v.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            });
         if !valid {
             c.push(Some(&h.span()), label, format!("host = \"{}\" is not a host name: write it without scheme or port, such as \"api.example.com\" (an IPv6 address as \"[::1]\")", h.get_ref()));
         }
