@@ -179,7 +179,8 @@ fn bounds_at_the_limit_are_accepted() {
 }
 
 /// A network written with host bits set works (as its network) but is said: the one address
-/// was perhaps meant, and `10.0.0.1/8` trusts sixteen million. `verify = false` is said too.
+/// was perhaps meant, and `10.0.0.1/8` trusts sixteen million. `verify = false` is said too,
+/// and so are a method listed twice and a network of every address (trusted, or exempt).
 #[test]
 fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     let dir = tempfile::tempdir().unwrap();
@@ -187,10 +188,13 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     // A method no request can carry past the edge (a digit: answered 400 before any route).
     let route = Route::new("x.api")
         .prefix("/x")
-        .methods(&["GET", "X1"])
+        .methods(&["GET", "X1", "get"])
         .identity("client_ip")
         .token_bucket(5_000_000, 1_000_000)
-        .set("exempt_client_cidrs", r#"["10.1.2.3/16", "10.9.0.0/16"]"#);
+        .set(
+            "exempt_client_cidrs",
+            r#"["10.1.2.3/16", "10.9.0.0/16", "::/0"]"#,
+        );
     // An emergency bucket per value of a header the client writes as it likes.
     let made_up = Route::new("y.api")
         .prefix("/y")
@@ -201,7 +205,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     std::fs::write(
         &path,
         format!(
-            "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\"]\n\
+            "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\", \"0.0.0.0/0\"]\n\
              [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n{}{}",
             route.toml(),
@@ -218,9 +222,12 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         warnings,
         [
             format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
+            format!("warning: {file}:{}: server.trusted_proxies entry \"0.0.0.0/0\" is every IPv4 address: every peer may then say which client it forwards for (X-Forwarded-For): a client_ip identity, an exemption and the access log's client address are each client's own to choose", position_of(&path, "\"0.0.0.0/0\"")),
             format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
             format!("warning: {file}:{}: routes[0] (x.api): methods[1] = \"X1\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400", position_of(&path, "\"X1\"")),
+            format!("warning: {file}:{}: routes[0] (x.api): methods[2] = \"get\" is listed already as methods[0]: keep one", position_of(&path, "\"get\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
+            format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/0\" is every IPv6 address: every client of that family then goes without a limit", position_of(&path, "\"::/0\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             // Pointed at the value that turns the check off.
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),

@@ -65,6 +65,7 @@ pub fn validate(
     if raw.routes.is_empty() {
         c.warn(None, None, "no [[routes]]: every request is answered 404 (a reload to such a file is refused while routes are serving: a file cut short)".into());
     }
+    upstreams_looping(&mut c, &raw, server.as_ref(), &upstreams);
     route::shared_endpoints(&mut c, &routes);
     unlisted_key_tiers(&mut c, api_keys.as_ref(), &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
@@ -101,6 +102,59 @@ pub fn validate(
         warnings: c.warnings,
         named_read: Vec::new(),
     })
+}
+
+/// An upstream address that is one of the gateway's own listeners: refused, as each request
+/// would be sent back in, again and again, until the connection bound. (An upstream no
+/// route names is not said: a file may keep one ready, and its start would log a WARN.)
+fn upstreams_looping(
+    c: &mut Collector,
+    raw: &RawConfig,
+    server: Option<&ServerConfig>,
+    upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
+) {
+    let Some(server) = server else {
+        return;
+    };
+    let own = (server.listen.iter()).chain(server.tls.iter().map(|t| &t.listen));
+    let own: Vec<&SocketAddr> = own.collect();
+    // A wildcard listener takes the loopback addresses (and `0.0.0.0` dials the host itself).
+    let loops = |l: &SocketAddr, u: &SocketAddr| {
+        let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
+        l.port() == u.port()
+            && (l.ip() == u.ip()
+                || (l.ip().is_unspecified() && local(u.ip()))
+                || (u.ip().is_unspecified() && local(l.ip())))
+    };
+    for (name, u) in upstreams {
+        let Some(raw_u) = raw.upstreams.get(name) else {
+            continue;
+        };
+        for (addr, host) in u.addrs.iter().zip(&u.hosts) {
+            // An address, or `localhost`; a name's address is what it resolves to later (its
+            // place here holds none).
+            let addr = match host.parse::<std::net::IpAddr>() {
+                Ok(_) => *addr,
+                Err(_) if host.eq_ignore_ascii_case("localhost") => {
+                    SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port())
+                }
+                Err(_) => continue,
+            };
+            let Some(l) = own.iter().find(|l| loops(l, &addr)) else {
+                continue;
+            };
+            // Where the address is written: the entry of its host and port.
+            let entries = raw_u.get_ref().addrs.get_ref();
+            let port = format!(":{}", addr.port());
+            let written = (entries.iter())
+                .find(|e| e.get_ref().starts_with(host.as_str()) && e.get_ref().ends_with(&port))
+                .map_or_else(|| raw_u.get_ref().addrs.span(), |e| e.span());
+            let shown = shape::key_shown(name);
+            let entry = (entries.iter()).find(|e| e.span() == written);
+            let entry = entry.map_or_else(|| addr.to_string(), |e| e.get_ref().clone());
+            c.push(Some(&written), None, format!("upstreams.{shown}.addrs entry \"{entry}\" is the gateway's own listener ({l}): each request would be sent back into the gateway, again and again; name the backend's address"));
+        }
+    }
 }
 
 /// A tier the key file gives keys that no route taking tiers from the key file lists (nor

@@ -62,9 +62,15 @@ pub(super) fn route(
                 "methods = [] matches nothing: leave methods out to match any method".into(),
             );
         }
-        (m.get_ref().iter().enumerate())
+        let all = m.get_ref();
+        (all.iter().enumerate())
             .filter_map(|(i, written)| {
                 let (name, at) = (written.get_ref(), Some(written.span()));
+                // Listed before (in any case: `get` is `GET`): said (it matches as once).
+                let upper = |w: &Spanned<String>| w.get_ref().to_ascii_uppercase();
+                if let Some(j) = all[..i].iter().position(|w| upper(w) == upper(written)) {
+                    c.warn(at.as_ref(), label, format!("methods[{i}] = \"{name}\" is listed already as methods[{j}]: keep one"));
+                }
                 match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {
                     Ok(method)
                         if method == http::Method::CONNECT || method == http::Method::TRACE =>

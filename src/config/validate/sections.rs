@@ -406,6 +406,19 @@ pub(super) fn cidrs(
             .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
         match parsed {
             Ok(net) => {
+                // Every address of a family: said, as it is seldom meant.
+                if net.prefix_len() == 0 {
+                    let family = if net.addr().is_ipv4() { "IPv4" } else { "IPv6" };
+                    let what = match field.ends_with("trusted_proxies") {
+                        true => "every peer may then say which client it forwards for (X-Forwarded-For): a client_ip identity, an exemption and the access log's client address are each client's own to choose",
+                        false => "every client of that family then goes without a limit",
+                    };
+                    c.warn(
+                        Some(&p.span()),
+                        route,
+                        format!("{field} entry \"{text}\" is every {family} address: {what}"),
+                    );
+                }
                 let network = net.trunc();
                 if network != net {
                     c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" has host bits set: it is taken as the network \"{network}\" (write \"{}\" for the one address)", IpNet::from(net.addr())));
@@ -541,6 +554,11 @@ pub(super) fn access_log(
                     false => "does not exist",
                 };
                 Some(format!("cannot be made: {} {why}", dir.display()))
+            } else if let Some((read, _)) = read_files(raw, config)
+                .into_iter()
+                .find(|(_, f)| same_file(f, &file))
+            {
+                Some(format!("is {read}, which the gateway reads: its lines would be written into it; name a file of its own"))
             } else {
                 None
             };
@@ -556,6 +574,70 @@ pub(super) fn access_log(
                 None => Some(AccessLogTarget::File(file)),
             }
         }
+    }
+}
+
+/// The files the config names for the gateway to read (and itself), each with what it is,
+/// resolved as they are read.
+fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
+    let at = |p: &str| {
+        config
+            .parent()
+            .map_or_else(|| PathBuf::from(p), |d| d.join(p))
+    };
+    let mut files = vec![("the config file itself".to_owned(), config.to_path_buf())];
+    let mut add = |what: String, p: Option<&Spanned<String>>| {
+        files.extend(p.map(|p| (format!("{what} = \"{}\"", p.get_ref()), at(p.get_ref()))));
+    };
+    if let Some(server) = &raw.server {
+        for (i, t) in server.get_ref().tls.iter().enumerate() {
+            let t = t.get_ref();
+            add(format!("server.tls[{i}].cert_path"), Some(&t.cert_path));
+            add(format!("server.tls[{i}].key_path"), Some(&t.key_path));
+            for (j, n) in t.sni.iter().enumerate() {
+                add(
+                    format!("server.tls[{i}].sni[{j}].cert_path"),
+                    Some(&n.get_ref().cert_path),
+                );
+                add(
+                    format!("server.tls[{i}].sni[{j}].key_path"),
+                    Some(&n.get_ref().key_path),
+                );
+            }
+        }
+    }
+    if let Some(auth) = &raw.auth {
+        let auth = auth.get_ref();
+        add(
+            "auth.api_keys.file".into(),
+            auth.api_keys.as_ref().map(|k| &k.get_ref().file),
+        );
+        let jwks = auth
+            .jwt
+            .as_ref()
+            .and_then(|j| j.get_ref().jwks_path.as_ref());
+        add("auth.jwt.jwks_path".into(), jwks);
+    }
+    if let Some(redis) = &raw.redis {
+        let r = redis.get_ref();
+        add("redis.tls_ca_path".into(), r.tls_ca_path.as_ref());
+        add("redis.tls_cert_path".into(), r.tls_cert_path.as_ref());
+        add("redis.tls_key_path".into(), r.tls_key_path.as_ref());
+    }
+    for (name, u) in &raw.upstreams {
+        add(
+            format!("upstreams.{name}.ca_path"),
+            u.get_ref().ca_path.as_ref(),
+        );
+    }
+    files
+}
+
+/// Whether two paths name one file that exists (through links, `..` or another spelling).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
     }
 }
 
