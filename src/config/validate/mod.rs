@@ -65,7 +65,7 @@ pub fn validate(
     if raw.routes.is_empty() {
         c.warn(None, None, "no [[routes]]: every request is answered 404 (a reload to such a file is refused while routes are serving: a file cut short)".into());
     }
-    upstreams_looping(&mut c, &raw, server.as_ref(), &upstreams);
+    upstreams_unused_or_looping(&mut c, &raw, server.as_ref(), &upstreams);
     route::shared_endpoints(&mut c, &routes);
     unlisted_key_tiers(&mut c, api_keys.as_ref(), &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
@@ -104,15 +104,23 @@ pub fn validate(
     })
 }
 
-/// An upstream address that is one of the gateway's own listeners: refused, as each request
-/// would be sent back in, again and again, until the connection bound. (An upstream no
-/// route names is not said: a file may keep one ready, and its start would log a WARN.)
-fn upstreams_looping(
+/// An upstream no route names (said: a misspelt route's upstream leaves the meant one
+/// unused), and an upstream address that is one of the gateway's own listeners (refused:
+/// each request would be sent back in, again and again, until the connection bound).
+fn upstreams_unused_or_looping(
     c: &mut Collector,
     raw: &RawConfig,
     server: Option<&ServerConfig>,
     upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
 ) {
+    for (name, u) in &raw.upstreams {
+        let named = (raw.routes.iter())
+            .any(|r| r.get_ref().upstream.as_ref().is_some_and(|n| n.get_ref() == name));
+        if !named {
+            let shown = shape::key_shown(name);
+            c.warn(Some(&u.span()), None, format!("upstreams.{shown} is named by no route: no request goes to it"));
+        }
+    }
     let Some(server) = server else {
         return;
     };
