@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -198,10 +199,13 @@ const ADMIN_HEAD_WITHIN: Duration = Duration::from_secs(10);
 const ADMIN_CONNECTION_FOR: Duration = Duration::from_secs(60);
 const ADMIN_LAST_ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
-/// Accepts connections on `listener` until the task ends, at most `places` at once (more
-/// wait in the kernel's backlog, holding no descriptor of the process, until one closes:
-/// the admin's share of the descriptors kept, `edge::limits`), each answered over HTTP/1.1
-/// by `answer` (given the peer); `keep_alive` false: one request a connection.
+/// Accepts connections on `listener` until the task ends, at most `places` at once (the
+/// admin's share of the descriptors kept, `edge::limits`), each answered over HTTP/1.1 by
+/// `answer` (given the peer); `keep_alive` false: one request a connection. At the bound, as
+/// the proxy's listeners do, the oldest idle connection (no request being answered: silent,
+/// or between requests) is closed to make room, so a probe gets through however many idle
+/// connections are held; when every one is answering, the next waits for one to end (the
+/// connections behind it in the kernel's backlog, holding no descriptor of the process).
 async fn answer_on<F, A>(
     listener: tokio::net::TcpListener,
     keep_alive: bool,
@@ -212,10 +216,8 @@ async fn answer_on<F, A>(
     A: std::future::Future<Output = AdminResponse> + Send + 'static,
 {
     let places = Arc::new(tokio::sync::Semaphore::new(places));
+    let open = Arc::new(Open::default());
     loop {
-        let Ok(place) = Arc::clone(&places).acquire_owned().await else {
-            return;
-        };
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             // No descriptor left, say: tried again a moment later, not in a busy loop.
@@ -224,12 +226,29 @@ async fn answer_on<F, A>(
                 continue;
             }
         };
-        let answer = answer.clone();
+        let place = match Arc::clone(&places).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                open.close_oldest_idle();
+                match Arc::clone(&places).acquire_owned().await {
+                    Ok(place) => place,
+                    Err(_) => return,
+                }
+            }
+        };
+        let (id, close, busy) = open.add();
+        let (answer, open) = (answer.clone(), Arc::clone(&open));
         tokio::spawn(async move {
             let _place = place;
+            let _open = Gone(&open, id);
             let service = service_fn(move |req| {
+                let answering = Answering::begin(&busy);
                 let answered = answer(req, peer);
-                async move { Ok::<_, Infallible>(answered.await) }
+                async move {
+                    let answered = answered.await;
+                    drop(answering);
+                    Ok::<_, Infallible>(answered)
+                }
             });
             // A client that closes its side once its request is sent (`nc -N`) is answered,
             // as on the proxy's listeners; without, its request ran but its answer was lost,
@@ -244,12 +263,72 @@ async fn answer_on<F, A>(
             tokio::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => {}
+                () = close.notified() => {}
                 () = tokio::time::sleep(ADMIN_CONNECTION_FOR) => {
                     connection.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(ADMIN_LAST_ANSWER_WITHIN, connection).await;
                 }
             }
         });
+    }
+}
+
+/// The admin's open connections, oldest first: whether each is answering a request, and how
+/// to close it.
+#[derive(Default)]
+struct Open {
+    next: std::sync::atomic::AtomicU64,
+    by_age: Mutex<std::collections::BTreeMap<u64, OpenOne>>,
+}
+
+/// One open connection: what closes it, and how many requests it is answering.
+type OpenOne = (Arc<tokio::sync::Notify>, Arc<AtomicUsize>);
+
+impl Open {
+    fn add(&self) -> (u64, Arc<tokio::sync::Notify>, Arc<AtomicUsize>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (close, busy) = (Arc::default(), Arc::new(AtomicUsize::new(0)));
+        let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
+        by_age.insert(id, (Arc::clone(&close), Arc::clone(&busy)));
+        (id, close, busy)
+    }
+
+    /// Closes the oldest connection answering nothing, if there is one.
+    fn close_oldest_idle(&self) {
+        let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = (by_age.iter()).find(|(_, (_, busy))| busy.load(Ordering::Acquire) == 0);
+        if let Some(id) = idle.map(|(id, _)| *id) {
+            if let Some((close, _)) = by_age.remove(&id) {
+                // Kept for the task if it is between two polls: it ends at its next.
+                close.notify_one();
+            }
+        }
+    }
+}
+
+/// Takes a connection out of [`Open`] when its task ends.
+struct Gone<'a>(&'a Open, u64);
+
+impl Drop for Gone<'_> {
+    fn drop(&mut self) {
+        let mut by_age = self.0.by_age.lock().unwrap_or_else(|p| p.into_inner());
+        by_age.remove(&self.1);
+    }
+}
+
+/// A request being answered on a connection, which is then not idle.
+struct Answering(Arc<AtomicUsize>);
+
+impl Answering {
+    fn begin(busy: &Arc<AtomicUsize>) -> Self {
+        busy.fetch_add(1, Ordering::AcqRel);
+        Answering(Arc::clone(busy))
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -1315,11 +1315,11 @@ fn descriptors(pid: u32) -> usize {
         .count()
 }
 
-/// The admin listener holds at most 64 connections at once (the rest wait in the kernel's
-/// backlog, holding none of the process's descriptors) and closes one that sends no whole
-/// head within 10 s, a keep-alive connection idle after its answer too: a flood of silent
-/// admin connections neither takes the descriptors kept for Redis and the upstreams nor
-/// keeps the admin from answering once they are closed.
+/// The admin listener holds at most 64 connections at once; at the bound it closes the
+/// oldest idle one (silent, or between requests) to make room, as the proxy's listeners do,
+/// and closes one that sends no whole head within 10 s, a keep-alive connection idle after
+/// its answer too: a flood of silent admin connections neither takes the descriptors kept for
+/// Redis and the upstreams nor keeps a probe from being answered while it lasts.
 #[test]
 fn silent_admin_connections_are_bounded_and_closed() {
     let redis = Redis::start();
@@ -1349,28 +1349,38 @@ fn silent_admin_connections_are_bounded_and_closed() {
         held <= before + 64,
         "{held} descriptors with 100 silent admin connections, {before} before"
     );
-    // Closed once their 10 s are over (the first 64 at once; the others as they are taken).
+    // The oldest, the idle keep-alive one, made room at once (not after its 10 s).
     let closed = closed_after(idle, b"");
     assert!(
-        closed >= Duration::from_secs(8) && closed < Duration::from_secs(14),
+        started.elapsed() < Duration::from_secs(5),
         "the idle keep-alive admin connection closed after {closed:?}"
     );
-    let first = silent.into_iter().next().unwrap();
-    closed_after(first, b"");
-    assert!(
-        started.elapsed() < Duration::from_secs(14),
-        "{:?}",
-        started.elapsed()
-    );
-    // The others are let go; the admin answers a probe again.
-    let deadline = Instant::now() + Duration::from_secs(40);
+    // A probe is answered while the flood is held (its connection makes room too);
+    // generous for a loaded machine, far below the 10 s the silent ones are kept.
+    let probed = Instant::now();
     loop {
         if let Some((200, _)) = blocking_get(&format!("http://127.0.0.1:{}/healthz", gw.admin_port))
         {
             break;
         }
-        assert!(Instant::now() < deadline, "the admin never answered again");
+        assert!(
+            probed.elapsed() < Duration::from_secs(5),
+            "no probe answered beside the silent connections"
+        );
     }
+    assert!(
+        probed.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        probed.elapsed()
+    );
+    // The last of them, never made room for, is closed once its 10 s are over.
+    let last = silent.into_iter().last().unwrap();
+    closed_after(last, b"");
+    assert!(
+        started.elapsed() > Duration::from_secs(8) && started.elapsed() < Duration::from_secs(16),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// An admin client that stops reading its answers (pipelined `/metrics`, a small receive

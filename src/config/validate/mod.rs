@@ -114,11 +114,19 @@ fn upstreams_unused_or_looping(
     upstreams: &BTreeMap<String, Arc<UpstreamConfig>>,
 ) {
     for (name, u) in &raw.upstreams {
-        let named = (raw.routes.iter())
-            .any(|r| r.get_ref().upstream.as_ref().is_some_and(|n| n.get_ref() == name));
+        let named = (raw.routes.iter()).any(|r| {
+            r.get_ref()
+                .upstream
+                .as_ref()
+                .is_some_and(|n| n.get_ref() == name)
+        });
         if !named {
             let shown = shape::key_shown(name);
-            c.warn(Some(&u.span()), None, format!("upstreams.{shown} is named by no route: no request goes to it"));
+            c.warn(
+                Some(&u.span()),
+                None,
+                format!("upstreams.{shown} is named by no route: no request goes to it"),
+            );
         }
     }
     let Some(server) = server else {
