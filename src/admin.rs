@@ -435,7 +435,12 @@ impl Admin {
             (Method::GET, "/readyz") => self.readyz(),
             (Method::POST, "/reload") => self.reload().await,
             (method, path) if path.starts_with("/limits/") => {
-                let endpoint = path.trim_start_matches("/limits/").to_owned();
+                // Percent-decoded, as a client may write any of its characters so (a `.`
+                // as `%2E`, which keeps `/limits/..` from being taken away by the client).
+                let written = path.trim_start_matches("/limits/");
+                let endpoint = percent_encoding::percent_decode_str(written)
+                    .decode_utf8()
+                    .map_or_else(|_| written.to_owned(), |d| d.into_owned());
                 self.limits(method, &endpoint, req.uri().query()).await
             }
             (_, "/reload") => not_allowed("POST"),

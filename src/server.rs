@@ -387,7 +387,10 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         while let Ok(phase) = phases.recv().await {
             if matches!(phase, ExecutionPhase::Running) {
                 ready.set_ready();
-                tracing::info!("gateway ready");
+                // A drain asked for while starting (a SIGTERM at once) keeps it unready.
+                if !ready.is_draining() {
+                    tracing::info!("gateway ready");
+                }
             }
         }
     });

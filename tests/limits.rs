@@ -170,6 +170,8 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
         limits("GET", "l.nope", who).await,
         (404, json!({"detail": "no such endpoint"}))
     );
+    // The endpoint id is percent-decoded, as a client may write any of its characters.
+    assert_eq!(limits("GET", "l%2Etb", who).await.0, 200);
     assert_eq!(limits("GET", "l.tb", "").await.0, 400);
     assert_eq!(limits("POST", "l.tb", who).await.0, 405);
     // A malformed identity is refused, saying why, rather than read some other way.

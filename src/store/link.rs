@@ -564,7 +564,7 @@ impl Link {
             if deciding || conn.in_use() {
                 tracing::warn!(node = %self.node(), error = %cause, "redis connection lost; reconnecting in the background");
             } else {
-                tracing::info!(node = %self.node(), error = %cause, "redis closed a connection no decision was using (its idle timeout, say); reconnecting in the background");
+                tracing::info!(node = %self.node(), error = %cause, "redis closed a connection no decision was using (its idle timeout, a restart or a kill: a failed reconnection says it is down); reconnecting in the background");
             }
             self.wake.notify_one();
             if let Some(refresh) = &self.refresh {
