@@ -932,7 +932,8 @@ fn signals_while_it_starts_do_not_kill_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("gateway.toml");
         std::fs::write(&path, config).unwrap();
-        let mut proc = common::Proc::gateway(&path, None);
+        let out = dir.path().join("out.log");
+        let mut proc = common::Proc::gateway(&path, Some(&out));
         // Once the process catches SIGHUP, SIGUSR1 and SIGTERM (bits 0, 9 and 14 of its
         // caught-signals mask), while it still waits for the silent Redis.
         wait_until(Duration::from_secs(10), "the signals caught", || {
@@ -953,6 +954,9 @@ fn signals_while_it_starts_do_not_kill_it() {
         proc.signal(sig);
         if sig == "TERM" {
             assert_eq!(proc.wait_exit(Duration::from_secs(10)), Some(0), "{sig}");
+            // Draining from its start, it never says it is ready.
+            let logs = std::fs::read_to_string(&out).unwrap();
+            assert!(!logs.contains("gateway ready"), "{logs}");
             continue;
         }
         wait_until(Duration::from_secs(10), "ready after the signal", || {
