@@ -457,3 +457,38 @@ fn without_config_the_file_is_gateway_toml_here() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("gateway.toml"));
 }
+
+/// An SNI name its certificate does not carry is served all the same (the file loads) and
+/// said where it is written, with the names the certificate does carry: every client that
+/// checks the certificate would refuse the handshake.
+#[test]
+fn an_sni_name_its_certificate_does_not_carry_is_said() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tls.toml");
+    let written = std::fs::read_to_string(root.join("examples/tls.toml"))
+        .unwrap()
+        .replace(
+            "\"tls/",
+            &format!("\"{}/", root.join("examples/tls").display()),
+        )
+        .replace(
+            r#"server_names = ["api.pdftalk.example"]"#,
+            r#"server_names = ["api.pdftalk.example", "eu.resumint.example"]"#,
+        );
+    std::fs::write(&path, written).unwrap();
+    let (code, stdout, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("ok, "), "{stdout}");
+    let warning = format!(
+        "warning: {}:{}: server.tls[0].sni[0].server_names: \"eu.resumint.example\" is not among the names of its certificate (cert_path = \"{}/pdftalk.pem\" names api.pdftalk.example): a client that checks the certificate refuses the handshake",
+        path.display(),
+        position_of(&path, "\"eu.resumint.example\""),
+        root.join("examples/tls").display()
+    );
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [warning.as_str()],
+        "{stderr}"
+    );
+}

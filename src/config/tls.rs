@@ -96,6 +96,25 @@ impl ServerName {
     }
 }
 
+impl ServerName {
+    /// Whether a certificate naming `names` (its DNS names, lower case; `*.` and one label
+    /// for a wildcard) answers for this name as a client checks it: a name by itself or by
+    /// the wildcard one label above it, a wildcard by the same wildcard.
+    pub fn covered_by(&self, names: &[String]) -> bool {
+        names.iter().any(|n| {
+            let n = n.strip_suffix('.').unwrap_or(n);
+            match (self, n.strip_prefix("*.")) {
+                (Self::Exact(h), None) => n == h,
+                (Self::Exact(h), Some(parent)) => {
+                    h.split_once('.').is_some_and(|(_, rest)| rest == parent)
+                }
+                (Self::Wildcard(h), Some(parent)) => parent == h,
+                (Self::Wildcard(_), None) => false,
+            }
+        })
+    }
+}
+
 impl fmt::Display for ServerName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -121,6 +140,24 @@ pub struct CertPair {
 }
 
 impl CertPair {
+    /// The DNS names the served certificate is for (its subject alternative names, lower
+    /// case; clients ignore the subject's common name), or `None` when it cannot be read.
+    pub fn dns_names(&self) -> Option<Vec<String>> {
+        use x509_parser::extensions::GeneralName;
+        let leaf = self.key.cert.first()?;
+        let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+        let names = match cert.subject_alternative_name().ok()? {
+            None => Vec::new(),
+            Some(san) => (san.value.general_names.iter())
+                .filter_map(|g| match g {
+                    GeneralName::DNSName(n) => Some(n.to_ascii_lowercase()),
+                    _ => None,
+                })
+                .collect(),
+        };
+        Some(names)
+    }
+
     /// Reads both files. The error names which file is wrong and why; `field` prefixes say
     /// which field named it (the caller adds them).
     pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, PairError> {
@@ -424,6 +461,38 @@ impl fmt::Debug for RedisTls {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_is_covered_by_itself_or_the_wildcard_one_label_above() {
+        let certs = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let name = |n: &str| ServerName::parse(n).unwrap();
+        let wild = certs(&["*.resumint.example", "api.pdftalk.example."]);
+        assert!(name("eu.resumint.example").covered_by(&wild));
+        assert!(name("*.resumint.example").covered_by(&wild));
+        assert!(name("API.pdftalk.example").covered_by(&wild));
+        // Two labels below a wildcard, the wildcard's own parent, a wildcard by a name.
+        assert!(!name("a.eu.resumint.example").covered_by(&wild));
+        assert!(!name("resumint.example").covered_by(&wild));
+        assert!(!name("*.pdftalk.example").covered_by(&wild));
+        assert!(!name("x.pdftalk.example").covered_by(&wild));
+        assert!(!name("api.pdftalk.example").covered_by(&[]));
+    }
+
+    #[test]
+    fn the_names_of_the_examples_certificates_are_read() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/tls");
+        let pair = |n: &str| {
+            CertPair::load(&dir.join(format!("{n}.pem")), &dir.join(format!("{n}.key"))).unwrap()
+        };
+        assert_eq!(
+            pair("pdftalk").dns_names().unwrap(),
+            ["api.pdftalk.example"]
+        );
+        assert_eq!(
+            pair("resumint").dns_names().unwrap(),
+            ["*.resumint.example"]
+        );
+    }
 
     #[test]
     fn server_names() {

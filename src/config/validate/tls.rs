@@ -95,7 +95,10 @@ pub(super) fn listeners(
                 }
             }
             match pair(c, &sat, &s.cert_path, &s.key_path, config) {
-                Some(pair) => sni.push(SniCert { server_names, pair }),
+                Some(pair) => {
+                    not_named(c, &sat, s, &server_names, &pair);
+                    sni.push(SniCert { server_names, pair });
+                }
                 None => ok = false,
             }
         }
@@ -111,6 +114,33 @@ pub(super) fn listeners(
         }
     }
     ok.then_some(out)
+}
+
+/// An SNI name its certificate is not for: served all the same (a file that loads keeps
+/// loading), and said, as every client that checks the certificate refuses the handshake.
+fn not_named(
+    c: &mut Collector,
+    sat: &str,
+    raw: &crate::config::raw::RawSni,
+    names: &[ServerName],
+    pair: &CertPair,
+) {
+    let Some(theirs) = pair.dns_names() else {
+        return;
+    };
+    let written = raw.server_names.get_ref();
+    if written.len() != names.len() {
+        return;
+    }
+    for (name, at) in names.iter().zip(written) {
+        if !name.covered_by(&theirs) {
+            let listed = match theirs.is_empty() {
+                true => "none: it has no subject alternative name".to_owned(),
+                false => theirs.join(", "),
+            };
+            c.warn(Some(&at.span()), None, format!("{sat}.server_names: \"{name}\" is not among the names of its certificate (cert_path = \"{}\" names {listed}): a client that checks the certificate refuses the handshake", raw.cert_path.get_ref()));
+        }
+    }
 }
 
 /// Reads one certificate and key; a problem names the field and the file.
