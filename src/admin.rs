@@ -199,13 +199,20 @@ const ADMIN_HEAD_WITHIN: Duration = Duration::from_secs(10);
 const ADMIN_CONNECTION_FOR: Duration = Duration::from_secs(60);
 const ADMIN_LAST_ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
+/// How long an admin connection must have answered nothing before it is closed to make
+/// room: one whose request has just come (read by nobody yet) is not taken for idle.
+const ADMIN_IDLE_BEFORE_CLOSED: Duration = Duration::from_secs(1);
+
 /// Accepts connections on `listener` until the task ends, at most `places` at once (the
-/// admin's share of the descriptors kept, `edge::limits`), each answered over HTTP/1.1 by
-/// `answer` (given the peer); `keep_alive` false: one request a connection. At the bound, as
-/// the proxy's listeners do, the oldest idle connection (no request being answered: silent,
-/// or between requests) is closed to make room, so a probe gets through however many idle
-/// connections are held; when every one is answering, the next waits for one to end (the
-/// connections behind it in the kernel's backlog, holding no descriptor of the process).
+/// admin's share of the descriptors kept, `edge::limits`; and the one accepted waiting for
+/// a place), each answered over HTTP/1.1 by `answer` (given the peer); `keep_alive` false:
+/// one request a connection. At the bound, as the proxy's listeners do, the oldest idle
+/// connection (answering nothing for a second: silent, or between requests) is closed to
+/// make room, so a probe gets through however many idle connections are held; when every
+/// one is answering, the oldest is told to close once its request in progress is answered
+/// (no more requests on it), so a client keeping them all busy holds the next one back for
+/// one answer at most (the connections behind it wait in the kernel's backlog, holding no
+/// descriptor of the process).
 async fn answer_on<F, A>(
     listener: tokio::net::TcpListener,
     keep_alive: bool,
@@ -216,7 +223,7 @@ async fn answer_on<F, A>(
     A: std::future::Future<Output = AdminResponse> + Send + 'static,
 {
     let places = Arc::new(tokio::sync::Semaphore::new(places));
-    let open = Arc::new(Open::default());
+    let open = Arc::new(Open::new());
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -226,23 +233,29 @@ async fn answer_on<F, A>(
                 continue;
             }
         };
-        let place = match Arc::clone(&places).try_acquire_owned() {
-            Ok(place) => place,
-            Err(_) => {
-                open.close_oldest_idle();
-                match Arc::clone(&places).acquire_owned().await {
-                    Ok(place) => place,
+        let place = loop {
+            if let Ok(place) = Arc::clone(&places).try_acquire_owned() {
+                break place;
+            }
+            // The closed one's place comes back as its task ends; a finishing one's once its
+            // answer is out. Looked at again a moment later (a connection turns idle without
+            // a word).
+            open.make_room();
+            tokio::select! {
+                place = Arc::clone(&places).acquire_owned() => match place {
+                    Ok(place) => break place,
                     Err(_) => return,
-                }
+                },
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         };
-        let (id, close, busy) = open.add();
+        let (id, (close, finish, activity)) = open.add();
         let (answer, open) = (answer.clone(), Arc::clone(&open));
         tokio::spawn(async move {
             let _place = place;
             let _open = Gone(&open, id);
             let service = service_fn(move |req| {
-                let answering = Answering::begin(&busy);
+                let answering = Answering::begin(&activity);
                 let answered = answer(req, peer);
                 async move {
                     let answered = answered.await;
@@ -261,47 +274,109 @@ async fn answer_on<F, A>(
                 .clone();
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                () = close.notified() => {}
-                () = tokio::time::sleep(ADMIN_CONNECTION_FOR) => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(ADMIN_LAST_ANSWER_WITHIN, connection).await;
+            let ended = tokio::select! {
+                _ = connection.as_mut() => true,
+                () = close.notified() => true,
+                () = finish.notified() => false,
+                () = tokio::time::sleep(ADMIN_CONNECTION_FOR) => false,
+            };
+            if !ended {
+                connection.as_mut().graceful_shutdown();
+                tokio::select! {
+                    _ = tokio::time::timeout(ADMIN_LAST_ANSWER_WITHIN, connection) => {}
+                    () = close.notified() => {}
                 }
             }
         });
     }
 }
 
-/// The admin's open connections, oldest first: whether each is answering a request, and how
-/// to close it.
-#[derive(Default)]
+/// The admin's open connections, oldest first: how each is used, and how to close it.
 struct Open {
     next: std::sync::atomic::AtomicU64,
     by_age: Mutex<std::collections::BTreeMap<u64, OpenOne>>,
+    /// What [`Activity::last`] counts from.
+    since: Instant,
 }
 
-/// One open connection: what closes it, and how many requests it is answering.
-type OpenOne = (Arc<tokio::sync::Notify>, Arc<AtomicUsize>);
+/// One open connection: what closes it at once, what closes it once its request in progress
+/// is answered, and its use.
+type OpenOne = (
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+    Arc<Activity>,
+);
 
-impl Open {
-    fn add(&self) -> (u64, Arc<tokio::sync::Notify>, Arc<AtomicUsize>) {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (close, busy) = (Arc::default(), Arc::new(AtomicUsize::new(0)));
-        let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
-        by_age.insert(id, (Arc::clone(&close), Arc::clone(&busy)));
-        (id, close, busy)
+/// How a connection is used: the requests it is answering, and when it last began or ended
+/// one (or opened), in milliseconds since [`Open::since`].
+struct Activity {
+    busy: AtomicUsize,
+    /// Told to close once its request in progress is answered.
+    finishing: std::sync::atomic::AtomicBool,
+    last: std::sync::atomic::AtomicU64,
+    since: Instant,
+}
+
+impl Activity {
+    fn touch(&self) {
+        let now = self.since.elapsed().as_millis() as u64;
+        self.last.store(now, Ordering::Release);
     }
 
-    /// Closes the oldest connection answering nothing, if there is one.
-    fn close_oldest_idle(&self) {
+    fn idle_for(&self, at_least: Duration) -> bool {
+        let last = Duration::from_millis(self.last.load(Ordering::Acquire));
+        self.busy.load(Ordering::Acquire) == 0 && self.since.elapsed() >= last + at_least
+    }
+}
+
+impl Open {
+    fn new() -> Self {
+        Open {
+            next: Default::default(),
+            by_age: Default::default(),
+            since: Instant::now(),
+        }
+    }
+
+    fn add(&self) -> (u64, OpenOne) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let activity = Arc::new(Activity {
+            busy: AtomicUsize::new(0),
+            finishing: Default::default(),
+            last: Default::default(),
+            since: self.since,
+        });
+        activity.touch();
+        let one: OpenOne = (Arc::default(), Arc::default(), activity);
         let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
-        let idle = (by_age.iter()).find(|(_, (_, busy))| busy.load(Ordering::Acquire) == 0);
+        by_age.insert(
+            id,
+            (Arc::clone(&one.0), Arc::clone(&one.1), Arc::clone(&one.2)),
+        );
+        (id, one)
+    }
+
+    /// Closes the oldest connection that has answered nothing for a while; with none, tells
+    /// the oldest to close once its answer is out, unless one was told already and is still
+    /// answering. (A notice is kept for the task if it is between two polls.)
+    fn make_room(&self) {
+        let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = (by_age.iter()).find(|(_, (.., a))| a.idle_for(ADMIN_IDLE_BEFORE_CLOSED));
         if let Some(id) = idle.map(|(id, _)| *id) {
-            if let Some((close, _)) = by_age.remove(&id) {
-                // Kept for the task if it is between two polls: it ends at its next.
+            if let Some((close, ..)) = by_age.remove(&id) {
                 close.notify_one();
             }
+            return;
+        }
+        if by_age
+            .values()
+            .any(|(.., a)| a.finishing.load(Ordering::Acquire))
+        {
+            return;
+        }
+        if let Some((_, finish, a)) = by_age.values().next() {
+            a.finishing.store(true, Ordering::Release);
+            finish.notify_one();
         }
     }
 }
@@ -317,18 +392,20 @@ impl Drop for Gone<'_> {
 }
 
 /// A request being answered on a connection, which is then not idle.
-struct Answering(Arc<AtomicUsize>);
+struct Answering(Arc<Activity>);
 
 impl Answering {
-    fn begin(busy: &Arc<AtomicUsize>) -> Self {
-        busy.fetch_add(1, Ordering::AcqRel);
-        Answering(Arc::clone(busy))
+    fn begin(activity: &Arc<Activity>) -> Self {
+        activity.busy.fetch_add(1, Ordering::AcqRel);
+        activity.touch();
+        Answering(Arc::clone(activity))
     }
 }
 
 impl Drop for Answering {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.touch();
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -2,13 +2,16 @@
 //! flight, so a drain can end as soon as the last one finishes.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Default)]
 pub struct Lifecycle {
     ready: AtomicBool,
     draining: AtomicBool,
     in_flight: AtomicUsize,
+    /// Held while turning ready or draining and saying so: the two lines come in the order
+    /// of the two changes, and a process draining before it was ready never says ready.
+    turning: Mutex<()>,
 }
 
 impl Lifecycle {
@@ -16,8 +19,24 @@ impl Lifecycle {
         self.ready.store(true, Ordering::Release);
     }
 
+    /// Ready, and `say` it, unless a drain began first.
+    pub fn become_ready(&self, say: impl FnOnce()) {
+        let _turning = self.turning.lock().unwrap_or_else(|p| p.into_inner());
+        self.set_ready();
+        if !self.is_draining() {
+            say();
+        }
+    }
+
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
+    }
+
+    /// `say` the drain, then begin it.
+    pub fn begin_draining(&self, say: impl FnOnce()) {
+        let _turning = self.turning.lock().unwrap_or_else(|p| p.into_inner());
+        say();
+        self.start_draining();
     }
 
     pub fn is_draining(&self) -> bool {

@@ -386,11 +386,8 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     control.spawn(async move {
         while let Ok(phase) = phases.recv().await {
             if matches!(phase, ExecutionPhase::Running) {
-                ready.set_ready();
                 // A drain asked for while starting (a SIGTERM at once) keeps it unready.
-                if !ready.is_draining() {
-                    tracing::info!("gateway ready");
-                }
+                ready.become_ready(|| tracing::info!("gateway ready"));
             }
         }
     });
@@ -585,11 +582,12 @@ impl ShutdownSignalWatch for Drain {
             true => "SIGQUIT",
             false => "SIGTERM",
         };
-        tracing::info!(
-            grace_period_seconds = self.grace.as_secs(),
-            "{signal}: draining"
-        );
-        self.lifecycle.start_draining();
+        self.lifecycle.begin_draining(|| {
+            tracing::info!(
+                grace_period_seconds = self.grace.as_secs(),
+                "{signal}: draining"
+            );
+        });
         let lifecycle = Arc::clone(&self.lifecycle);
         let access_log = Arc::clone(&self.access_log);
         let stops = Arc::clone(&self.stops);

@@ -1383,6 +1383,74 @@ fn silent_admin_connections_are_bounded_and_closed() {
     );
 }
 
+/// At the bound, with every admin connection answering (each keeps asking `/limits` of a
+/// frozen Redis, a 503 after about a second), the oldest is told to close once its answer is
+/// out: a probe waits for one answer, not for the connections' 60 s (nor for their 10 s
+/// idle timeout when they stop asking).
+#[test]
+fn a_probe_waits_for_one_answer_when_every_admin_connection_is_busy() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("e.lim")
+                .prefix("/")
+                .identity("client_ip")
+                .token_bucket(5_000_000, 1_000_000),
+        )
+        .start();
+    let ask = format!(
+        "http://127.0.0.1:{}/limits/e.lim?identity=ip:10.0.0.1",
+        gw.admin_port
+    );
+    assert_eq!(blocking_get(&ask).map(|(s, _)| s), Some(200));
+    redis.proc.signal("STOP");
+    let stop = Arc::new(AtomicBool::new(false));
+    let port = gw.admin_port;
+    let busy: Vec<_> = (0..64)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut s = open(port);
+                let request = b"GET /limits/e.lim?identity=ip:10.0.0.1 HTTP/1.1\r\nHost: a\r\n\r\n";
+                let mut buf = [0u8; 4096];
+                while !stop.load(Ordering::Relaxed) {
+                    if s.write_all(request).is_err() {
+                        return;
+                    }
+                    // Until the answer's JSON body is in (or the connection is closed).
+                    let mut got = Vec::new();
+                    while !got.ends_with(b"}") {
+                        match s.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let probed = Instant::now();
+    let answer = blocking_get(&format!("http://127.0.0.1:{port}/healthz"));
+    let waited = probed.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    redis.proc.signal("CONT");
+    assert_eq!(answer.map(|(s, _)| s), Some(200));
+    // One answer (about a second) and the look every 100 ms; generous for a loaded machine,
+    // far below 10 s.
+    assert!(
+        waited < Duration::from_secs(4),
+        "the probe waited {waited:?}"
+    );
+    for b in busy {
+        b.join().unwrap();
+    }
+}
+
 /// An admin client that stops reading its answers (pipelined `/metrics`, a small receive
 /// window) holds its connection, and its place among the admin's 64, for about a minute at
 /// most: the connection is closed 60 s after it opened, 5 s after that when an answer is
