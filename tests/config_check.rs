@@ -492,3 +492,24 @@ fn an_sni_name_its_certificate_does_not_carry_is_said() {
         "{stderr}"
     );
 }
+
+/// An access log named as a file the gateway reads is refused however it is named: here a
+/// hard link to the config file itself, into which its lines would be written.
+#[test]
+fn an_access_log_at_a_hard_link_of_the_config_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        "[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n[access_log]\npath = \"linked.log\"\n\
+         [[routes]]\nendpoint_id = \"a\"\npath_prefix = \"/\"\nupstream = \"app\"\nalgorithm = \"none\"\n",
+    )
+    .unwrap();
+    std::fs::hard_link(&path, dir.path().join("linked.log")).unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(":4:8: access_log.path = \"linked.log\" is the config file itself, which the gateway reads"),
+        "{stderr}"
+    );
+}

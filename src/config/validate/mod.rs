@@ -134,21 +134,13 @@ fn upstreams_unused_or_looping(
     };
     let own = (server.listen.iter()).chain(server.tls.iter().map(|t| &t.listen));
     let own: Vec<&SocketAddr> = own.collect();
-    // A wildcard listener takes the loopback addresses (and `0.0.0.0` dials the host itself).
-    let loops = |l: &SocketAddr, u: &SocketAddr| {
-        let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
-        l.port() == u.port()
-            && (l.ip() == u.ip()
-                || (l.ip().is_unspecified() && local(u.ip()))
-                || (u.ip().is_unspecified() && local(l.ip())))
-    };
     for (name, u) in upstreams {
         let Some(raw_u) = raw.upstreams.get(name) else {
             continue;
         };
-        for (addr, host) in u.addrs.iter().zip(&u.hosts) {
-            // An address, or `localhost`; a name's address is what it resolves to later (its
-            // place here holds none).
+        // One address an entry, in the entries' order (a name's holds none yet).
+        let entries = raw_u.get_ref().addrs.get_ref();
+        for ((addr, host), entry) in u.addrs.iter().zip(&u.hosts).zip(entries) {
             let addr = match host.parse::<std::net::IpAddr>() {
                 Ok(_) => *addr,
                 Err(_) if host.eq_ignore_ascii_case("localhost") => {
@@ -156,21 +148,29 @@ fn upstreams_unused_or_looping(
                 }
                 Err(_) => continue,
             };
-            let Some(l) = own.iter().find(|l| loops(l, &addr)) else {
+            let Some(l) = own.iter().find(|l| sends_back(l, &addr)) else {
                 continue;
             };
-            // Where the address is written: the entry of its host and port.
-            let entries = raw_u.get_ref().addrs.get_ref();
-            let port = format!(":{}", addr.port());
-            let written = (entries.iter())
-                .find(|e| e.get_ref().starts_with(host.as_str()) && e.get_ref().ends_with(&port))
-                .map_or_else(|| raw_u.get_ref().addrs.span(), |e| e.span());
             let shown = shape::key_shown(name);
-            let entry = (entries.iter()).find(|e| e.span() == written);
-            let entry = entry.map_or_else(|| addr.to_string(), |e| e.get_ref().clone());
-            c.push(Some(&written), None, format!("upstreams.{shown}.addrs entry \"{entry}\" is the gateway's own listener ({l}): each request would be sent back into the gateway, again and again; name the backend's address"));
+            c.push(Some(&entry.span()), None, format!("upstreams.{shown}.addrs entry \"{}\" is the gateway's own listener ({l}): each request would be sent back into the gateway, again and again; name the backend's address", entry.get_ref()));
         }
     }
+}
+
+/// Whether a connection to `upstream` reaches the listener `listen`: the same port and
+/// address (an IPv4-mapped IPv6 address as the IPv4 one), or a wildcard listener of the
+/// upstream's family and a loopback (or unspecified, which dials the host itself) upstream.
+/// Whether `[::]` also takes IPv4 is the host's setting: not taken as a loop.
+fn sends_back(listen: &SocketAddr, upstream: &SocketAddr) -> bool {
+    let (l, u) = (
+        crate::identity::canonical(listen.ip()),
+        crate::identity::canonical(upstream.ip()),
+    );
+    let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
+    listen.port() == upstream.port()
+        && (l == u
+            || (l.is_unspecified() && l.is_ipv4() == u.is_ipv4() && local(u))
+            || (u.is_unspecified() && l.is_ipv4() == u.is_ipv4() && local(l)))
 }
 
 /// A tier the key file gives keys that no route taking tiers from the key file lists (nor
@@ -321,4 +321,28 @@ pub(super) fn int_in(
         return None;
     }
     Some(n as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sends_back;
+
+    #[test]
+    fn an_upstream_at_a_listener_of_its_family_sends_back() {
+        let loops = |l: &str, u: &str| sends_back(&l.parse().unwrap(), &u.parse().unwrap());
+        assert!(loops("127.0.0.1:8080", "127.0.0.1:8080"));
+        assert!(loops("0.0.0.0:8080", "127.0.0.1:8080"));
+        assert!(loops("0.0.0.0:8080", "0.0.0.0:8080"));
+        assert!(loops("127.0.0.1:8080", "0.0.0.0:8080"));
+        assert!(loops("127.0.0.1:8080", "[::ffff:127.0.0.1]:8080"));
+        assert!(loops("[::]:8080", "[::1]:8080"));
+        assert!(loops("[::1]:8080", "[::]:8080"));
+        // Another port, another address, another family (0.0.0.0 takes no IPv6; whether
+        // [::] takes IPv4 is the host's setting).
+        assert!(!loops("127.0.0.1:8080", "127.0.0.1:8081"));
+        assert!(!loops("127.0.0.1:8080", "127.0.0.10:8080"));
+        assert!(!loops("0.0.0.0:8080", "[::1]:8080"));
+        assert!(!loops("[::1]:8080", "0.0.0.0:8080"));
+        assert!(!loops("[::]:8080", "127.0.0.1:8080"));
+    }
 }

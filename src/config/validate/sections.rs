@@ -633,10 +633,12 @@ fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
     files
 }
 
-/// Whether two paths name one file that exists (through links, `..` or another spelling).
+/// Whether two paths name one file that exists (through symbolic or hard links, `..` or
+/// another spelling): the same device and inode.
 fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(a), Ok(b)) => a == b,
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
         _ => false,
     }
 }

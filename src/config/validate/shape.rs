@@ -34,9 +34,10 @@ pub(super) fn error(
     let (root, syntax) = DeTable::parse_recoverable(source);
     // Of several syntax errors TOML reports one, not always the first in the file (a string
     // left open on its line is said where the next line stumbles over it): the first is.
+    // (Of two at one offset, a string's own error says more than what stumbled after it.)
     let first = (syntax.iter())
         .filter(|s| s.span().is_some())
-        .min_by_key(|s| s.span().map(|r| r.start));
+        .min_by_key(|s| (s.span().map(|r| r.start), !s.message().contains(" string")));
     let (message, span) = match first {
         Some(first) => (first.message(), first.span()),
         None => (e.message(), e.span()),
