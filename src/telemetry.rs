@@ -123,13 +123,13 @@ impl log::Log for PingoraLog {
             return;
         }
         let message = redact_buf(&message);
+        // Without the source file and line: a path on the machine the binary was built on,
+        // which says nothing to an operator (the module path names the place).
         self.0.log(
             &log::Record::builder()
                 .args(format_args!("{message}"))
                 .metadata(metadata)
                 .module_path(record.module_path())
-                .file(record.file())
-                .line(record.line())
                 .build(),
         );
     }
