@@ -1060,6 +1060,73 @@ fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
     assert!(slow.starts_with("HTTP/1.1 504"), "{slow}");
 }
 
+/// A client that held back its body after 200 KiB of it (more than the sockets between hold)
+/// is told apart from an upstream that stopped reading it: the upstream had every byte the
+/// client sent, so it is the client's 408 at DEBUG (it was a 504 with a WARN past 64 KiB,
+/// which any client could set off); an upstream that reads nothing of a large body holds
+/// bytes back on this side, and that stays its 504 with a WARN.
+#[test]
+fn a_large_body_held_back_is_the_clients_and_a_body_never_read_the_upstreams() {
+    use std::io::Write;
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    // An upstream that takes connections and reads nothing.
+    let deaf = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let deaf_addr = deaf.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in deaf.incoming() {
+            held.push(s);
+        }
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream_timeouts("app", &[up.addr()], None, Some(1000))
+        .upstream_timeouts("deaf", &[deaf_addr], None, Some(1000))
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .route(
+            Route::new("e.deaf")
+                .prefix("/deaf")
+                .unlimited()
+                .upstream("deaf"),
+        )
+        .start();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    conn.write_all(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 1000000\r\n\r\n")
+        .unwrap();
+    conn.write_all(&vec![b'a'; 200 * 1024]).unwrap();
+    let answer = read_until(&mut conn, |t| t.ends_with('}'));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.ends_with(r#"{"detail":"request body timeout"}"#),
+        "{answer}"
+    );
+    let logs = gw.logs();
+    assert!(
+        !logs.contains(r#""level":"WARN""#) && !logs.contains(r#""level":"ERROR""#),
+        "{logs}"
+    );
+    // 8 MiB to an upstream that reads none of it: written from a thread of its own, as the
+    // writes stop once the sockets are full.
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut writer = conn.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let _ =
+            writer.write_all(b"POST /deaf HTTP/1.1\r\nHost: a\r\nContent-Length: 8388608\r\n\r\n");
+        let _ = writer.write_all(&vec![b'a'; 8 << 20]);
+    });
+    let answer = read_until(&mut conn, |t| t.ends_with('}'));
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    wait_until(Duration::from_secs(5), "the upstream's WARN", || {
+        gw.logs().lines().any(|l| {
+            l.contains(r#""level":"WARN""#)
+                && l.contains("upstream failed")
+                && l.contains(r#""upstream":"deaf""#)
+        })
+    });
+}
+
 /// `/ws`, unlimited, a WebSocket route.
 fn websocket_route() -> Route {
     Route::new("e.ws")
