@@ -199,20 +199,17 @@ const ADMIN_HEAD_WITHIN: Duration = Duration::from_secs(10);
 const ADMIN_CONNECTION_FOR: Duration = Duration::from_secs(60);
 const ADMIN_LAST_ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
-/// How long an admin connection must have answered nothing before it is closed to make
-/// room: one whose request has just come (read by nobody yet) is not taken for idle.
-const ADMIN_IDLE_BEFORE_CLOSED: Duration = Duration::from_secs(1);
-
 /// Accepts connections on `listener` until the task ends, at most `places` at once (the
 /// admin's share of the descriptors kept, `edge::limits`; and the one accepted waiting for
 /// a place), each answered over HTTP/1.1 by `answer` (given the peer); `keep_alive` false:
-/// one request a connection. At the bound, as the proxy's listeners do, the oldest idle
-/// connection (answering nothing for a second: silent, or between requests) is closed to
-/// make room, so a probe gets through however many idle connections are held; when every
-/// one is answering, the oldest is told to close once its request in progress is answered
-/// (no more requests on it), so a client keeping them all busy holds the next one back for
-/// one answer at most (the connections behind it wait in the kernel's backlog, holding no
-/// descriptor of the process).
+/// one request a connection. At the bound, as the proxy's listeners do, an idle connection
+/// (answering nothing: silent, half a head, or between requests) is closed to make room,
+/// the one idle since longest first (so a request just sent on a new connection is the last
+/// to be lost that way), and a probe gets through however many idle connections are held;
+/// when every one is answering, the one answering since longest is told to close once its
+/// answer is out, so a client keeping them all busy holds the next one back for one answer
+/// at most (the connections behind it wait in the kernel's backlog, holding no descriptor
+/// of the process).
 async fn answer_on<F, A>(
     listener: tokio::net::TcpListener,
     keep_alive: bool,
@@ -323,9 +320,12 @@ impl Activity {
         self.last.store(now, Ordering::Release);
     }
 
-    fn idle_for(&self, at_least: Duration) -> bool {
-        let last = Duration::from_millis(self.last.load(Ordering::Acquire));
-        self.busy.load(Ordering::Acquire) == 0 && self.since.elapsed() >= last + at_least
+    fn idle(&self) -> bool {
+        self.busy.load(Ordering::Acquire) == 0
+    }
+
+    fn last(&self) -> u64 {
+        self.last.load(Ordering::Acquire)
     }
 }
 
@@ -356,25 +356,24 @@ impl Open {
         (id, one)
     }
 
-    /// Closes the oldest connection that has answered nothing for a while; with none, tells
-    /// the oldest to close once its answer is out, unless one was told already and is still
-    /// answering. (A notice is kept for the task if it is between two polls.)
+    /// Closes the connection idle since longest; with none idle, tells the one answering
+    /// since longest to close once its answer is out, unless one was told already and is
+    /// still answering. (A notice is kept for the task if it is between two polls.)
     fn make_room(&self) {
         let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
-        let idle = (by_age.iter()).find(|(_, (.., a))| a.idle_for(ADMIN_IDLE_BEFORE_CLOSED));
+        let idle = (by_age.iter())
+            .filter(|(_, (.., a))| a.idle())
+            .min_by_key(|(_, (.., a))| a.last());
         if let Some(id) = idle.map(|(id, _)| *id) {
             if let Some((close, ..)) = by_age.remove(&id) {
                 close.notify_one();
             }
             return;
         }
-        if by_age
-            .values()
-            .any(|(.., a)| a.finishing.load(Ordering::Acquire))
-        {
+        if (by_age.values()).any(|(.., a)| a.finishing.load(Ordering::Acquire)) {
             return;
         }
-        if let Some((_, finish, a)) = by_age.values().next() {
+        if let Some((_, finish, a)) = by_age.values().min_by_key(|(.., a)| a.last()) {
             a.finishing.store(true, Ordering::Release);
             finish.notify_one();
         }

@@ -1326,7 +1326,9 @@ fn silent_admin_connections_are_bounded_and_closed() {
     let up = Upstream::start("app");
     let gw = gateway(&redis, &up, &[]);
     let pid = gw.proc.pid();
-    // One that asked once and stays idle, then 100 that send nothing or half a head.
+    // One that asked once and stays idle, then 600 that send nothing or half a head (more
+    // than the listen backlog holds: each must be taken and let go at once for the probe to
+    // get in behind them).
     let mut idle = open(gw.admin_port);
     idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
         .unwrap();
@@ -1334,11 +1336,12 @@ fn silent_admin_connections_are_bounded_and_closed() {
     assert!(idle.read(&mut answer).unwrap() > 0);
     let before = descriptors(pid);
     let started = Instant::now();
-    let silent: Vec<TcpStream> = (0..100)
+    let silent: Vec<TcpStream> = (0..600)
         .map(|i| {
             let mut s = open(gw.admin_port);
+            // (Closed to make room already, it may refuse the write.)
             if i % 2 == 0 {
-                s.write_all(b"GET /healthz HTTP/1.1\r\nHo").unwrap();
+                let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nHo");
             }
             s
         })
@@ -1347,7 +1350,7 @@ fn silent_admin_connections_are_bounded_and_closed() {
     let held = descriptors(pid);
     assert!(
         held <= before + 64,
-        "{held} descriptors with 100 silent admin connections, {before} before"
+        "{held} descriptors with 600 silent admin connections, {before} before"
     );
     // The oldest, the idle keep-alive one, made room at once (not after its 10 s).
     let closed = closed_after(idle, b"");
@@ -1355,7 +1358,8 @@ fn silent_admin_connections_are_bounded_and_closed() {
         started.elapsed() < Duration::from_secs(5),
         "the idle keep-alive admin connection closed after {closed:?}"
     );
-    // A probe is answered while the flood is held (its connection makes room too);
+    // A probe is answered while the flood is held (its connection makes room too; it took
+    // 5.8 s behind 400 half heads when only connections idle for a second were let go);
     // generous for a loaded machine, far below the 10 s the silent ones are kept.
     let probed = Instant::now();
     loop {
@@ -1364,7 +1368,7 @@ fn silent_admin_connections_are_bounded_and_closed() {
             break;
         }
         assert!(
-            probed.elapsed() < Duration::from_secs(5),
+            probed.elapsed() < Duration::from_secs(3),
             "no probe answered beside the silent connections"
         );
     }

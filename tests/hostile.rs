@@ -1060,11 +1060,11 @@ fn a_body_announced_and_held_back_is_408_and_not_the_upstreams_fault() {
     assert!(slow.starts_with("HTTP/1.1 504"), "{slow}");
 }
 
-/// A client that held back its body after 200 KiB of it (more than the sockets between hold)
-/// is told apart from an upstream that stopped reading it: the upstream had every byte the
-/// client sent, so it is the client's 408 at DEBUG (it was a 504 with a WARN past 64 KiB,
-/// which any client could set off); an upstream that reads nothing of a large body holds
-/// bytes back on this side, and that stays its 504 with a WARN.
+/// A client that held back its body after 200 KiB of it is the client's 408 at DEBUG, however
+/// much came first (it was a 504 with a WARN past 64 KiB, which any client could set off);
+/// an upstream that reads nothing of a body larger than the sockets between holds this
+/// side's writes, and that stays its 504 with a WARN (a rule wider than the read timeout
+/// with the body unfinished would make it a 408).
 #[test]
 fn a_large_body_held_back_is_the_clients_and_a_body_never_read_the_upstreams() {
     use std::io::Write;

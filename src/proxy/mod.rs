@@ -33,11 +33,6 @@ use crate::store::Store;
 use forwarded::Origin;
 use respond::Answer;
 
-/// Where the bytes given to the upstream are not counted, a body that stalled with less than
-/// this received is the client's (408): an upstream that stopped reading could not have
-/// filled the sockets between (each holds more on its own).
-const WITHHELD_BODY_BELOW: usize = 64 * 1024;
-
 /// The status counted for a request whose client left before any final answer (nginx's 499).
 const CLIENT_CLOSED: u16 = 499;
 
@@ -926,20 +921,16 @@ impl ProxyHttp for Gateway {
         }
         // The upstream waited past its read timeout for a body the client announced and held
         // back (or sends too slowly): the client's doing, not the upstream's (nginx's
-        // `client_body_timeout`). It is when the upstream was given every byte the client sent
-        // (an upstream that stopped reading the body holds back this side's writes, so bytes
-        // read stay unwritten: its fault, a 504), or, where that count is not kept, while less
-        // came than any socket between here and the upstream holds.
-        let passed_on = session
-            .upstream_body_bytes_sent()
-            .map(|sent| sent >= session.body_bytes_read());
+        // `client_body_timeout`), however much of it came first. The upstream's read timeout
+        // runs only while every byte taken from the client has been written to it (a write
+        // the upstream does not take holds the proxy there, and ends in a write timeout: an
+        // upstream that stopped reading the body is a 504, its own).
         let body_withheld = matches!(e.esource(), ErrorSource::Upstream)
             && matches!(e.etype(), ErrorType::ReadTimedout)
             && session
                 .response_written()
                 .is_none_or(|r| r.status.is_informational())
-            && !session.is_body_done()
-            && passed_on.unwrap_or(session.body_bytes_read() < WITHHELD_BODY_BELOW);
+            && !session.is_body_done();
         if body_withheld {
             tracing::debug!(
                 request_id = ctx.request_id(),

@@ -134,6 +134,9 @@ fn upstreams_unused_or_looping(
     };
     let own = (server.listen.iter()).chain(server.tls.iter().map(|t| &t.listen));
     let own: Vec<&SocketAddr> = own.collect();
+    // Whether `[::]` takes IPv4 too: the host's setting, read where the listeners are bound.
+    let dual =
+        std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|v| v.trim() == "0");
     for (name, u) in upstreams {
         let Some(raw_u) = raw.upstreams.get(name) else {
             continue;
@@ -141,14 +144,20 @@ fn upstreams_unused_or_looping(
         // One address an entry, in the entries' order (a name's holds none yet).
         let entries = raw_u.get_ref().addrs.get_ref();
         for ((addr, host), entry) in u.addrs.iter().zip(&u.hosts).zip(entries) {
-            let addr = match host.parse::<std::net::IpAddr>() {
-                Ok(_) => *addr,
-                Err(_) if host.eq_ignore_ascii_case("localhost") => {
-                    SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port())
-                }
+            // `localhost` is either loopback address, as it resolves.
+            let loopback = [
+                std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::Ipv6Addr::LOCALHOST.into(),
+            ];
+            let addrs: Vec<SocketAddr> = match host.parse::<std::net::IpAddr>() {
+                Ok(_) => vec![*addr],
+                Err(_) if host.eq_ignore_ascii_case("localhost") => (loopback.into_iter())
+                    .map(|ip| SocketAddr::new(ip, addr.port()))
+                    .collect(),
                 Err(_) => continue,
             };
-            let Some(l) = own.iter().find(|l| sends_back(l, &addr)) else {
+            let found = (own.iter()).find(|l| addrs.iter().any(|a| sends_back(l, a, dual)));
+            let Some(l) = found else {
                 continue;
             };
             let shown = shape::key_shown(name);
@@ -159,18 +168,21 @@ fn upstreams_unused_or_looping(
 
 /// Whether a connection to `upstream` reaches the listener `listen`: the same port and
 /// address (an IPv4-mapped IPv6 address as the IPv4 one), or a wildcard listener of the
-/// upstream's family and a loopback (or unspecified, which dials the host itself) upstream.
-/// Whether `[::]` also takes IPv4 is the host's setting: not taken as a loop.
-fn sends_back(listen: &SocketAddr, upstream: &SocketAddr) -> bool {
+/// upstream's family and a loopback (or unspecified, which dials the host itself) upstream;
+/// `dual`: the host's `[::]` takes IPv4 too (`net.ipv6.bindv6only = 0`).
+fn sends_back(listen: &SocketAddr, upstream: &SocketAddr, dual: bool) -> bool {
     let (l, u) = (
         crate::identity::canonical(listen.ip()),
         crate::identity::canonical(upstream.ip()),
     );
     let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
+    let takes = |wild: std::net::IpAddr, other: std::net::IpAddr| {
+        wild.is_ipv4() == other.is_ipv4() || (dual && wild.is_ipv6() && other.is_ipv4())
+    };
     listen.port() == upstream.port()
         && (l == u
-            || (l.is_unspecified() && l.is_ipv4() == u.is_ipv4() && local(u))
-            || (u.is_unspecified() && l.is_ipv4() == u.is_ipv4() && local(l)))
+            || (l.is_unspecified() && takes(l, u) && local(u))
+            || (u.is_unspecified() && u.is_ipv4() == l.is_ipv4() && local(l)))
 }
 
 /// A tier the key file gives keys that no route taking tiers from the key file lists (nor
@@ -329,7 +341,8 @@ mod tests {
 
     #[test]
     fn an_upstream_at_a_listener_of_its_family_sends_back() {
-        let loops = |l: &str, u: &str| sends_back(&l.parse().unwrap(), &u.parse().unwrap());
+        let loops = |l: &str, u: &str| sends_back(&l.parse().unwrap(), &u.parse().unwrap(), false);
+        let dual = |l: &str, u: &str| sends_back(&l.parse().unwrap(), &u.parse().unwrap(), true);
         assert!(loops("127.0.0.1:8080", "127.0.0.1:8080"));
         assert!(loops("0.0.0.0:8080", "127.0.0.1:8080"));
         assert!(loops("0.0.0.0:8080", "0.0.0.0:8080"));
@@ -344,5 +357,8 @@ mod tests {
         assert!(!loops("0.0.0.0:8080", "[::1]:8080"));
         assert!(!loops("[::1]:8080", "0.0.0.0:8080"));
         assert!(!loops("[::]:8080", "127.0.0.1:8080"));
+        // Where the host's `[::]` takes IPv4 too, it takes the IPv4 loopback.
+        assert!(dual("[::]:8080", "127.0.0.1:8080"));
+        assert!(!dual("0.0.0.0:8080", "[::1]:8080"));
     }
 }
