@@ -924,13 +924,17 @@ impl ProxyHttp for Gateway {
         // `client_body_timeout`), however much of it came first. The upstream's read timeout
         // runs only while every byte taken from the client has been written to it (a write
         // the upstream does not take holds the proxy there, and ends in a write timeout: an
-        // upstream that stopped reading the body is a 504, its own).
+        // upstream that stopped reading the body is a 504, its own); bytes taken and not yet
+        // written (the body's last, say) came as the timeout passed, and are the client's too.
+        let unwritten = session
+            .upstream_body_bytes_sent()
+            .is_some_and(|sent| sent < session.body_bytes_read());
         let body_withheld = matches!(e.esource(), ErrorSource::Upstream)
             && matches!(e.etype(), ErrorType::ReadTimedout)
             && session
                 .response_written()
                 .is_none_or(|r| r.status.is_informational())
-            && !session.is_body_done();
+            && (!session.is_body_done() || unwritten);
         if body_withheld {
             tracing::debug!(
                 request_id = ctx.request_id(),

@@ -144,16 +144,16 @@ fn upstreams_unused_or_looping(
         // One address an entry, in the entries' order (a name's holds none yet).
         let entries = raw_u.get_ref().addrs.get_ref();
         for ((addr, host), entry) in u.addrs.iter().zip(&u.hosts).zip(entries) {
-            // `localhost` is either loopback address, as it resolves.
-            let loopback = [
-                std::net::Ipv4Addr::LOCALHOST.into(),
-                std::net::Ipv6Addr::LOCALHOST.into(),
-            ];
+            // `localhost` as the host resolves it (as the upstream's addresses will be).
             let addrs: Vec<SocketAddr> = match host.parse::<std::net::IpAddr>() {
                 Ok(_) => vec![*addr],
-                Err(_) if host.eq_ignore_ascii_case("localhost") => (loopback.into_iter())
-                    .map(|ip| SocketAddr::new(ip, addr.port()))
-                    .collect(),
+                Err(_) if host.eq_ignore_ascii_case("localhost") => {
+                    use std::net::ToSocketAddrs;
+                    (host.as_str(), addr.port())
+                        .to_socket_addrs()
+                        .map(Iterator::collect)
+                        .unwrap_or_default()
+                }
                 Err(_) => continue,
             };
             let found = (own.iter()).find(|l| addrs.iter().any(|a| sends_back(l, a, dual)));
