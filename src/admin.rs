@@ -173,8 +173,9 @@ impl Starting {
                         () = accept => {}
                         _ = stopped => {}
                     }
-                    // Answers being written are finished before the runtime goes.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // Connections it took are answered before the runtime goes (one whose
+                    // request comes within the second; answers being written).
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                 });
             })?;
         Ok(Self { stop: Some(stop) })

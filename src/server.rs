@@ -311,8 +311,10 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         connections: Arc::clone(&connections),
     };
     let control = store.runtime().clone();
-    control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
+    // The starting admin stops accepting first: the connections that come meanwhile wait in
+    // the socket's backlog for the admin proper, rather than two accept loops sharing it.
     drop(starting);
+    control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
     control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
