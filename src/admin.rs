@@ -247,7 +247,8 @@ async fn answer_on<F, A>(
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         };
-        let (id, (close, finish, activity)) = open.add();
+        let (id, conn) = open.add();
+        let activity = Arc::clone(&conn);
         let (answer, open) = (answer.clone(), Arc::clone(&open));
         tokio::spawn(async move {
             let _place = place;
@@ -274,40 +275,36 @@ async fn answer_on<F, A>(
             tokio::pin!(connection);
             let ended = tokio::select! {
                 _ = connection.as_mut() => true,
-                () = close.notified() => true,
-                () = finish.notified() => false,
+                () = conn.close.notified() => true,
+                () = conn.finish.notified() => false,
                 () = tokio::time::sleep(ADMIN_CONNECTION_FOR) => false,
             };
             if !ended {
                 connection.as_mut().graceful_shutdown();
                 tokio::select! {
                     _ = tokio::time::timeout(ADMIN_LAST_ANSWER_WITHIN, connection) => {}
-                    () = close.notified() => {}
+                    () = conn.close.notified() => {}
                 }
             }
         });
     }
 }
 
-/// The admin's open connections, oldest first: how each is used, and how to close it.
+/// The admin's open connections, by the order they came: how each is used, and how to close
+/// it.
 struct Open {
     next: std::sync::atomic::AtomicU64,
-    by_age: Mutex<std::collections::BTreeMap<u64, OpenOne>>,
-    /// What [`Activity::last`] counts from.
+    by_age: Mutex<std::collections::BTreeMap<u64, Arc<Conn>>>,
+    /// What [`Conn::last`] counts from.
     since: Instant,
 }
 
 /// One open connection: what closes it at once, what closes it once its request in progress
-/// is answered, and its use.
-type OpenOne = (
-    Arc<tokio::sync::Notify>,
-    Arc<tokio::sync::Notify>,
-    Arc<Activity>,
-);
-
-/// How a connection is used: the requests it is answering, and when it last began or ended
-/// one (or opened), in milliseconds since [`Open::since`].
-struct Activity {
+/// is answered, the requests it is answering, and when it last began or ended one (or
+/// opened), in milliseconds since [`Open::since`].
+struct Conn {
+    close: tokio::sync::Notify,
+    finish: tokio::sync::Notify,
     busy: AtomicUsize,
     /// Told to close once its request in progress is answered.
     finishing: std::sync::atomic::AtomicBool,
@@ -315,7 +312,7 @@ struct Activity {
     since: Instant,
 }
 
-impl Activity {
+impl Conn {
     fn touch(&self) {
         let now = self.since.elapsed().as_millis() as u64;
         self.last.store(now, Ordering::Release);
@@ -339,22 +336,20 @@ impl Open {
         }
     }
 
-    fn add(&self) -> (u64, OpenOne) {
+    fn add(&self) -> (u64, Arc<Conn>) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let activity = Arc::new(Activity {
+        let conn = Arc::new(Conn {
+            close: Default::default(),
+            finish: Default::default(),
             busy: AtomicUsize::new(0),
             finishing: Default::default(),
             last: Default::default(),
             since: self.since,
         });
-        activity.touch();
-        let one: OpenOne = (Arc::default(), Arc::default(), activity);
+        conn.touch();
         let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
-        by_age.insert(
-            id,
-            (Arc::clone(&one.0), Arc::clone(&one.1), Arc::clone(&one.2)),
-        );
-        (id, one)
+        by_age.insert(id, Arc::clone(&conn));
+        (id, conn)
     }
 
     /// Closes the connection idle since longest; with none idle, tells the one answering
@@ -363,20 +358,20 @@ impl Open {
     fn make_room(&self) {
         let mut by_age = self.by_age.lock().unwrap_or_else(|p| p.into_inner());
         let idle = (by_age.iter())
-            .filter(|(_, (.., a))| a.idle())
-            .min_by_key(|(_, (.., a))| a.last());
+            .filter(|(_, c)| c.idle())
+            .min_by_key(|(_, c)| c.last());
         if let Some(id) = idle.map(|(id, _)| *id) {
-            if let Some((close, ..)) = by_age.remove(&id) {
-                close.notify_one();
+            if let Some(conn) = by_age.remove(&id) {
+                conn.close.notify_one();
             }
             return;
         }
-        if (by_age.values()).any(|(.., a)| a.finishing.load(Ordering::Acquire)) {
+        if (by_age.values()).any(|c| c.finishing.load(Ordering::Acquire)) {
             return;
         }
-        if let Some((_, finish, a)) = by_age.values().min_by_key(|(.., a)| a.last()) {
-            a.finishing.store(true, Ordering::Release);
-            finish.notify_one();
+        if let Some(conn) = by_age.values().min_by_key(|c| c.last()) {
+            conn.finishing.store(true, Ordering::Release);
+            conn.finish.notify_one();
         }
     }
 }
@@ -392,10 +387,10 @@ impl Drop for Gone<'_> {
 }
 
 /// A request being answered on a connection, which is then not idle.
-struct Answering(Arc<Activity>);
+struct Answering(Arc<Conn>);
 
 impl Answering {
-    fn begin(activity: &Arc<Activity>) -> Self {
+    fn begin(activity: &Arc<Conn>) -> Self {
         activity.busy.fetch_add(1, Ordering::AcqRel);
         activity.touch();
         Answering(Arc::clone(activity))

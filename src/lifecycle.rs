@@ -15,7 +15,7 @@ pub struct Lifecycle {
 }
 
 impl Lifecycle {
-    pub fn set_ready(&self) {
+    fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
     }
 
@@ -28,7 +28,7 @@ impl Lifecycle {
         }
     }
 
-    pub fn start_draining(&self) {
+    fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
     }
 

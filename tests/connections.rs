@@ -1388,9 +1388,9 @@ fn silent_admin_connections_are_bounded_and_closed() {
 }
 
 /// At the bound, with every admin connection answering (each keeps asking `/limits` of a
-/// frozen Redis, a 503 after about a second), the oldest is told to close once its answer is
-/// out: a probe waits for one answer, not for the connections' 60 s (nor for their 10 s
-/// idle timeout when they stop asking).
+/// frozen Redis, a 503 after about a second), the one answering since longest is told to
+/// close once its answer is out: a probe waits for one answer, not for the connections' 60 s
+/// (nor for their 10 s idle timeout when they stop asking).
 #[test]
 fn a_probe_waits_for_one_answer_when_every_admin_connection_is_busy() {
     use std::sync::atomic::{AtomicBool, Ordering};
