@@ -66,7 +66,7 @@ pub fn validate(
         c.warn(None, None, "no [[routes]]: every request is answered 404 (a reload to such a file is refused while routes are serving: a file cut short)".into());
     }
     upstreams_unused_or_looping(&mut c, &raw, server.as_ref(), &upstreams);
-    route::shared_endpoints(&mut c, &routes);
+    route::shared_endpoints(&mut c, &raw.routes, &routes);
     unlisted_key_tiers(&mut c, api_keys.as_ref(), &routes);
     request_id_clashes(&mut c, &raw, server.as_ref(), api_keys.as_ref(), &routes);
     // Over every route whose path, host and methods are valid, whatever else is wrong with it.

@@ -1063,22 +1063,37 @@ fn cost_fits(
 }
 
 /// Routes may share an endpoint id, and so a bucket, only with identical limits.
-pub(super) fn shared_endpoints(c: &mut Collector, routes: &[(Range<usize>, RouteConfig)]) {
+/// The error is pointed at the first of the differing fields the later route writes (at its
+/// header when it writes none of them: the difference is the earlier route's field).
+pub(super) fn shared_endpoints(
+    c: &mut Collector,
+    raw: &[Spanned<RawRoute>],
+    routes: &[(Range<usize>, RouteConfig)],
+) {
     let mut first: BTreeMap<&EndpointId, &RouteConfig> = BTreeMap::new();
     for (span, route) in routes {
         let id = &route.policy.endpoint_id;
         match first.get(id) {
-            Some(prev) if prev.policy != route.policy || prev.identity != route.identity => c.push(
-                Some(span),
-                Some(&route_label(route.index, id.as_str())),
-                format!(
-                    "shares endpoint_id with routes[{}] but not its limit fields (different: {}): \
-                     routes of one endpoint share one bucket, so identity, algorithm, limits, \
-                     cost, fail mode, fallback, mode and policy_version must be identical",
-                    prev.index,
-                    differing(prev, route).join(", ")
-                ),
-            ),
+            Some(prev) if prev.policy != route.policy || prev.identity != route.identity => {
+                let fields = differing(prev, route);
+                let written = raw.get(route.index).map(|r| r.get_ref());
+                let at = fields
+                    .iter()
+                    .filter_map(|field| written.and_then(|r| field_span(r, field)))
+                    .min_by_key(|at| at.start)
+                    .unwrap_or_else(|| span.clone());
+                c.push(
+                    Some(&at),
+                    Some(&route_label(route.index, id.as_str())),
+                    format!(
+                        "shares endpoint_id with routes[{}] but not its limit fields (different: {}): \
+                         routes of one endpoint share one bucket, so identity, algorithm, limits, \
+                         cost, fail mode, fallback, mode and policy_version must be identical",
+                        prev.index,
+                        fields.join(", ")
+                    ),
+                )
+            }
             Some(_) => {}
             None => {
                 first.insert(id, route);
@@ -1127,6 +1142,38 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
         algorithm_fields(&p.algorithm, &q.algorithm)
     })
     .collect()
+}
+
+/// Where a route writes one of the fields `differing` names; `None` where it leaves it to
+/// its default (or, `ratelimit_headers`, a field read without its place).
+fn field_span(r: &RawRoute, field: &str) -> Option<Range<usize>> {
+    fn at<T>(v: &Option<Spanned<T>>) -> Option<Range<usize>> {
+        v.as_ref().map(Spanned::span)
+    }
+    match field {
+        "identity" => at(&r.identity),
+        "limits" | "limits (one route writes [[routes.limits]])" => at(&r.limits),
+        "cost_micro" => at(&r.cost_micro),
+        "fail_mode" => at(&r.fail_mode),
+        "fallback" => [
+            at(&r.fallback_rate_per_process_micro),
+            at(&r.fallback_rate_fleet_micro),
+        ]
+        .into_iter()
+        .flatten()
+        .min_by_key(|s| s.start),
+        "policy_version" => at(&r.policy_version),
+        "mode" => at(&r.mode),
+        "emergency_scope" => at(&r.emergency_scope),
+        "cost_from_response" => at(&r.cost_from_response),
+        "tiers" => r.tiers.values().map(Spanned::span).min_by_key(|s| s.start),
+        "capacity_micro" => at(&r.capacity_micro),
+        "refill_rate_micro_per_sec" => at(&r.refill_rate_micro_per_sec),
+        "limit" => at(&r.limit),
+        "window_size_micro" => at(&r.window_size_micro),
+        "algorithm" => at(&r.algorithm),
+        _ => None,
+    }
 }
 
 /// The single-limit fields two algorithms write differently.
