@@ -210,15 +210,26 @@ impl JwtVerifier {
             return Err(Refusal::Claims("iss is not one string"));
         }
         let id = (claims.claims.get(&self.identity_claim))
-            .and_then(|v| v.as_str())
+            .and_then(claim_text)
             .filter(|id| !id.is_empty() && id.len() <= MAX_SUBJECT_BYTES)
             .ok_or(Refusal::IdentityClaim)?;
         let extra = also
             .and_then(|c| claims.claims.get(c))
-            .and_then(|v| v.as_str())
-            .filter(|v| v.len() <= MAX_SUBJECT_BYTES)
-            .map(str::to_owned);
-        Ok((id.to_owned(), extra))
+            .and_then(claim_text)
+            .filter(|v| v.len() <= MAX_SUBJECT_BYTES);
+        Ok((id, extra))
+    }
+}
+
+/// A claim naming a caller or a tier: a string as written, or an integer as its decimal
+/// digits (identity providers write numeric user and organisation ids either way, and
+/// `4217` and `"4217"` are one caller). Anything else (a fraction, a boolean, a list) names
+/// nothing.
+fn claim_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => Some(n.to_string()),
+        _ => None,
     }
 }
 
@@ -250,7 +261,7 @@ impl Refusal {
             Refusal::UnknownKid => "its kid is not among the fetched keys",
             Refusal::Claims(why) => why,
             Refusal::IdentityClaim => {
-                "the identity claim is missing, not a string, empty or over 256 bytes"
+                "the identity claim is missing, not a string or an integer, empty or over 256 bytes"
             }
         }
     }
@@ -934,6 +945,12 @@ mod tests {
             let exp = now() + 60;
             let good = serde_json::json!({"org_id": "org-7", "iss": "https://idp.example/", "aud": ["x", "pdftalk-api"], "exp": exp});
             assert_eq!(t(good.clone()).as_deref(), Some("org-7"));
+            // A numeric id is its digits: one caller however the provider writes it.
+            for id in [serde_json::json!(4217), serde_json::json!("4217")] {
+                let mut numeric = good.clone();
+                numeric["org_id"] = id;
+                assert_eq!(t(numeric).as_deref(), Some("4217"));
+            }
             assert_eq!(t(serde_json::json!({"org_id": "org-7", "iss": "https://idp.example/", "aud": "pdftalk-api", "exp": exp})).as_deref(), Some("org-7"), "aud as one string");
             for (field, value) in [
                 ("iss", serde_json::json!("https://evil.example/")),
@@ -943,7 +960,9 @@ mod tests {
                     serde_json::json!(["https://evil.example/", "https://idp.example/"]),
                 ),
                 ("aud", serde_json::json!("another-service")),
-                ("org_id", serde_json::json!(7)),
+                ("org_id", serde_json::json!(7.5)),
+                ("org_id", serde_json::json!(true)),
+                ("org_id", serde_json::json!(["org-7"])),
                 ("org_id", serde_json::json!("")),
             ] {
                 let mut bad = good.clone();
@@ -1071,7 +1090,7 @@ mod tests {
             let no_sub = serde_json::json!({"exp": now() + 60});
             assert_eq!(
                 why(Some(&signed(Algorithm::HS256, SECRET, no_sub))),
-                "the identity claim is missing, not a string, empty or over 256 bytes"
+                "the identity claim is missing, not a string or an integer, empty or over 256 bytes"
             );
         }
 

@@ -346,7 +346,8 @@ async fn a_tiered_single_limit_routes_item_is_named_default_in_every_tier() {
 }
 
 /// `tier_from = { claim = "plan" }`: the token's string claim picks the tier; a token
-/// without it, or with a plan not listed (or not a string), counts as the default tier.
+/// without it, or with a plan not listed (a number is its digits; `7` names no tier here),
+/// counts as the default tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_claim_picks_the_tier() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
