@@ -41,6 +41,14 @@ fn closed_after(mut s: TcpStream, trickle: &[u8]) -> Duration {
     }
 }
 
+fn access_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
 fn gateway(redis: &Redis, up: &Upstream, server: &[(&str, &str)]) -> common::Gateway {
     let mut config = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
@@ -82,10 +90,20 @@ fn with_tls(
 const EARLIEST: Duration = Duration::from_millis(900);
 const LATEST: Duration = Duration::from_secs(4);
 
+/// ... and the head begun is one access-log line and one count of 408 (no answer is
+/// written, as nginx's `client_header_timeout`), while a connection that sent nothing sent no
+/// request and has neither.
 #[test]
 fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let gw = gateway(&redis, &up, &[("header_read_timeout_ms", "1000")]);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("header_read_timeout_ms", "1000")
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .access_log(&log)
+        .start();
     let head =
         b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
     let took = closed_after(open(gw.port), head);
@@ -95,6 +113,20 @@ fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
     assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
     // Neither left an ERROR line: they are the client's doing.
     assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
+    let series = r#"sentinel_requests_total{endpoint_id="_unmatched",status="408"}"#;
+    assert_eq!(gw.metric(series), 1.0);
+    let lines = access_lines(&log);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let line = &lines[0];
+    assert_eq!(line["status"], 408);
+    assert_eq!(line["bytes_sent"], 0);
+    assert_eq!(line["client_ip"], "127.0.0.1");
+    assert!(line["path"].is_null() && line["method"].is_null(), "{line}");
+    let id = line["request_id"].as_str().unwrap();
+    assert!(
+        id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{id}"
+    );
     // A complete head is answered, however slow the server-side work.
     assert_eq!(
         raw_request(gw.port, b"GET /slow?ms=1500 HTTP/1.1\r\nHost: a\r\n\r\n"),

@@ -837,8 +837,18 @@ impl AsyncRead for Guarded {
         }
         match this.reg.conn.close.load(Ordering::Relaxed) {
             KEEP => {}
-            // Its head took too long (slowloris): the read fails, Pingora closes.
-            HEAD_TIMED_OUT => return Poll::Ready(Err(Self::header_timed_out())),
+            // Its head took too long (slowloris): the read fails, Pingora closes. A head
+            // begun is told to the access log and the metrics as a 408 without an answer
+            // (nginx's `client_header_timeout`); a connection that sent nothing sent no
+            // request.
+            HEAD_TIMED_OUT => {
+                if state == HEAD && this.head_bytes > 0 {
+                    this.head_bytes = 0;
+                    let request_id = crate::proxy::forwarded::new_request_id();
+                    tell_bad_head(&this.reg.connections, &this.inner, 408, &request_id, 0);
+                }
+                return Poll::Ready(Err(Self::header_timed_out()));
+            }
             // Idle too long, or closed to make room: an end-of-file, as if the client left.
             _ => return Poll::Ready(Ok(())),
         }
@@ -980,7 +990,8 @@ fn is_pingora_400(buf: &[u8]) -> bool {
 /// refused as too large before it was whole (431): what the access log and the metrics are
 /// told of it ([`Connections::on_bad_head`]).
 pub struct BadHead<'a> {
-    /// 400, or 431 for a head past [`HEAD_WIRE_LIMIT`].
+    /// 400, 431 for a head past [`HEAD_WIRE_LIMIT`], or 408 for one not complete within
+    /// `header_read_timeout_ms` (no answer written).
     pub status: u16,
     pub request_id: &'a str,
     /// The peer's address (the head was not read, so no forwarded header either).
@@ -1007,12 +1018,7 @@ impl Guarded {
     /// The gateway's answer to a head it refuses before Pingora parses it, told to the
     /// access log and the metrics as every answer is.
     fn own_answer(&self, status: u16, reason: &str, body: &str) -> Vec<u8> {
-        own_answer(
-            &self.reg.connections,
-            &self.inner,
-            self.inner.get_ssl_digest().is_some(),
-            (status, reason, body),
-        )
+        own_answer(&self.reg.connections, &self.inner, (status, reason, body))
     }
 }
 
@@ -1021,28 +1027,39 @@ impl Guarded {
 fn own_answer(
     connections: &Connections,
     stream: &Stream,
-    tls: bool,
     (status, reason, body): (u16, &str, &str),
 ) -> Vec<u8> {
     let request_id = crate::proxy::forwarded::new_request_id();
-    if let Some(hook) = connections.bad_head.get() {
-        let peer = stream
-            .get_socket_digest()
-            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        (hook.0)(&BadHead {
-            status,
-            request_id: &request_id,
-            peer,
-            tls,
-            bytes_sent: body.len() as u64,
-        });
-    }
+    tell_bad_head(connections, stream, status, &request_id, body.len() as u64);
     format!(
         "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
         body.len(),
         connections.request_id_header.load(),
     )
     .into_bytes()
+}
+
+/// Tells the access log and the metrics of a request refused or given up before Pingora
+/// had its head ([`Connections::on_bad_head`]).
+fn tell_bad_head(
+    connections: &Connections,
+    stream: &Stream,
+    status: u16,
+    request_id: &str,
+    bytes_sent: u64,
+) {
+    if let Some(hook) = connections.bad_head.get() {
+        let peer = stream
+            .get_socket_digest()
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+        (hook.0)(&BadHead {
+            status,
+            request_id,
+            peer,
+            tls: stream.get_ssl_digest().is_some(),
+            bytes_sent,
+        });
+    }
 }
 
 impl AsyncWrite for Guarded {
@@ -1176,10 +1193,10 @@ impl AsyncRead for Handshaking {
             // A TLS record starts with its content type (22, a handshake); a request line
             // with a method's capital letters. nginx answers such a client 400 too.
             if buf.filled().get(before).is_some_and(u8::is_ascii_uppercase) {
+                // Not yet TLS: the access log says `"tls":false`.
                 let answer = own_answer(
                     &this.connections,
                     &this.stream,
-                    false,
                     (400, "Bad Request", r#"{"detail":"bad request"}"#),
                 );
                 let refusing = this.refusing.insert(Refusal::new(answer));
