@@ -755,7 +755,7 @@ async fn a_promoted_replica_takes_over_its_dead_primarys_keys() {
 /// an open breaker sends nothing that would be answered `MOVED`, so the map is read again
 /// when a primary's breaker opens and every second while one is not closed. The keys are
 /// decided on the new primary within about a second, not at the next 5 s refresh or the end
-/// of the old primary's 30 s quarantine.
+/// of the old primary's 30 s quarantine, which ends, said and counted, as it leaves the map.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_soon() {
     let cluster = RedisCluster::start_with_replicas(1);
@@ -816,6 +816,22 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The old primary's quarantine ended when it left the map: every opening has its end in
+    // the counter and the log.
+    let transitions = |to: &str| {
+        gw.metric(&format!(
+            "sentinel_breaker_transitions_total{{to=\"{to}\"}}"
+        ))
+    };
+    assert_eq!(transitions("open"), 1.0);
+    assert_eq!(transitions("closed"), 1.0, "{}", gw.logs());
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    assert!(
+        gw.logs()
+            .contains("the node is no longer a primary of the slot map"),
+        "{}",
+        gw.logs()
+    );
 }
 
 /// A cluster none of whose seeds answers (down, or refusing the password) before any slot

@@ -98,12 +98,27 @@ impl BreakerBoard {
         }
     }
 
-    /// A breaker that is going away (its node left the cluster) no longer counts.
-    pub(super) fn forget(&self, state: BreakerState) {
-        if let Some(c) = self.count(state) {
-            c.fetch_sub(1, Ordering::AcqRel);
-            self.metrics.breaker_state.set(self.state() as i64);
-        }
+    /// A breaker that is going away (its node left the cluster's slot map, a failover say)
+    /// no longer counts. One not closed ends its quarantine here: said and counted as a
+    /// transition to closed, so that every opening has its end in the log and the counter.
+    pub(super) fn forget(&self, node: &str, state: BreakerState) {
+        let Some(c) = self.count(state) else {
+            return;
+        };
+        c.fetch_sub(1, Ordering::AcqRel);
+        let closed = BreakerState::Closed;
+        self.metrics.breaker_transition(
+            closed.as_str(),
+            self.state() as i64,
+            Some((node, closed as i64)),
+        );
+        tracing::warn!(
+            node,
+            from = state.as_str(),
+            to = closed.as_str(),
+            reason = "the node is no longer a primary of the slot map",
+            "circuit breaker transition"
+        );
     }
 
     pub(super) fn state(&self) -> BreakerState {
@@ -152,9 +167,15 @@ mod tests {
         clock.advance(Duration::from_secs(30));
         let probe = a.acquire().expect("the probe");
         assert_eq!(board.state(), BreakerState::Open, "b is still open");
-        board.forget(b.state());
+        board.forget("10.0.0.2:6379", b.state());
         assert_eq!(board.state(), BreakerState::HalfOpen, "b left the cluster");
         assert_eq!(metrics.breaker_state.get(), 2);
+        // Its quarantine ended there: one transition to closed.
+        assert!(metrics
+            .render()
+            .contains(r#"sentinel_breaker_transitions_total{to="closed"} 1"#));
+        // A closed breaker leaving is no transition.
+        board.forget("10.0.0.3:6379", BreakerState::Closed);
         probe.success();
         assert_eq!(board.state(), BreakerState::Closed);
         assert_eq!(metrics.breaker_state.get(), 0);
@@ -164,5 +185,6 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(r#"sentinel_breaker_transitions_total{to="open"} 2"#));
+        assert!(text.contains(r#"sentinel_breaker_transitions_total{to="closed"} 2"#));
     }
 }

@@ -137,7 +137,7 @@ impl Connector {
     /// A node left: its connector stops and its breaker no longer counts.
     pub(super) fn retire(&self, link: &Link) {
         link.retire();
-        self.breakers.forget(link.breaker.state());
+        self.breakers.forget(&link.node(), link.breaker.state());
         self.breakers.metrics().redis_node(&link.node(), None);
     }
 }
