@@ -192,7 +192,7 @@ pub fn main() -> i32 {
                     tracing::error!(error = %e, "cannot start");
                     eprintln!("cannot start: {e}");
                     match e {
-                        crate::server::StartError::Evicting(_) => EXIT_INVALID_CONFIG,
+                        crate::server::StartError::Evicting { .. } => EXIT_INVALID_CONFIG,
                         _ => 1,
                     }
                 }

@@ -131,14 +131,14 @@ impl Reloader {
             return Ok(());
         }
         match self.store.runtime().block_on(preflight(new)) {
-            EvictionPolicy::Evicting(policy) => Err(format!(
+            (EvictionPolicy::Evicting(policy), node) => Err(format!(
                 "{}: [redis] require_noeviction: {}",
                 self.path.display(),
-                StartError::Evicting(policy)
+                StartError::Evicting { policy, node }
             )),
             // The same Redis, the requirement turned on: its connections are not made again,
             // so the connector would not say it.
-            EvictionPolicy::Unknown if !elsewhere => {
+            (EvictionPolicy::Unknown, _) if !elsewhere => {
                 tracing::warn!("cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
                 Ok(())
             }

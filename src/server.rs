@@ -30,8 +30,8 @@ use crate::store::{preflight, EvictionPolicy, Store};
 pub enum StartError {
     #[error("cannot start the Redis store: {0}")]
     Store(std::io::Error),
-    #[error("redis maxmemory-policy is {0}: keys can be evicted and rate limit quotas silently reset; set it to noeviction, or set [redis] require_noeviction = false")]
-    Evicting(String),
+    #[error("redis maxmemory-policy is {policy} on {node}: keys can be evicted and rate limit quotas silently reset; set it to noeviction, or set [redis] require_noeviction = false")]
+    Evicting { policy: String, node: String },
     #[error("cannot build upstream pools: {0}")]
     Upstreams(std::io::Error),
     #[error("cannot open access_log.path: {0}")]
@@ -109,9 +109,10 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     if config.redis.require_noeviction {
         // A policy that cannot be read (`CONFIG` not permitted) is said by the connector, once
         // per connection, naming the node.
-        if let EvictionPolicy::Evicting(policy) = store.runtime().block_on(preflight(&config.redis))
+        if let (EvictionPolicy::Evicting(policy), node) =
+            store.runtime().block_on(preflight(&config.redis))
         {
-            return Err(StartError::Evicting(policy));
+            return Err(StartError::Evicting { policy, node });
         }
     }
     // The listeners open once Redis is connected, or after at most a second (the eviction

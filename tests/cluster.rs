@@ -956,3 +956,53 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others_on_a_cluster() {
         );
     }
 }
+
+/// `require_noeviction` at start reads the policy of every primary of the slot map, where the
+/// buckets are, not of the seeds: an evicting primary that is no seed refuses the start,
+/// named in the message, and a replica given as the only seed is not what is checked
+/// (before, the seeds were, so whether the gateway started hung on which hosts were listed).
+#[test]
+fn the_start_checks_every_primarys_eviction_policy_not_the_seeds() {
+    let cluster = RedisCluster::start_with_replicas(1);
+    let up = Upstream::start("app");
+    let is_primary = |i: usize| {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut cluster.nodes[i].conn())
+            .unwrap();
+        info.contains("role:master")
+    };
+    let (primaries, replicas): (Vec<usize>, Vec<usize>) =
+        (0..cluster.nodes.len()).partition(|&i| is_primary(i));
+    let policy = |i: usize, p: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg(&["SET", "maxmemory-policy", p])
+            .query(&mut cluster.nodes[i].conn())
+            .unwrap();
+    };
+    let seed = |i: usize| vec![format!("redis://127.0.0.1:{}", cluster.nodes[i].port)];
+
+    let evicting = primaries[0];
+    policy(evicting, "allkeys-lru");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let (port, admin) = (free_port(), free_port());
+    let config = cluster_config(&seed(primaries[1]), &up.addr());
+    std::fs::write(&path, config.render(port, admin)).unwrap();
+    let out = common::run_binary(
+        &[std::ffi::OsStr::new("--config"), path.as_os_str()],
+        &[("SENTINEL_REDIS_URL", None)],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let named = format!(
+        "redis maxmemory-policy is allkeys-lru on 127.0.0.1:{}",
+        cluster.nodes[evicting].port
+    );
+    assert!(stderr.contains(&named), "{stderr}");
+
+    policy(evicting, "noeviction");
+    policy(replicas[0], "allkeys-lru");
+    let gw = cluster_config(&seed(replicas[0]), &up.addr()).start();
+    connected(gw);
+}

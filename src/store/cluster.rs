@@ -306,6 +306,44 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
     }
 }
 
+/// The primaries of the slot map the first seed to answer `CLUSTER SLOTS` gives (each seed
+/// asked at once, within [`QUERY_TIMEOUT`]), reached as the store reaches them: the start's
+/// eviction check reads their policies, where the buckets are, not the seeds' (a seed may
+/// be a replica, and a primary need not be a seed). Empty when no seed answers.
+pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Vec<Target> {
+    use futures_util::StreamExt;
+    let mut asks: futures_util::stream::FuturesUnordered<_> = seeds
+        .iter()
+        .map(|seed| async move {
+            let dial = Dial::new(seed, access).ok()?;
+            let host = match dial.info.addr() {
+                redis::ConnectionAddr::Tcp(h, _) => h.clone(),
+                _ => String::new(),
+            };
+            let ask = async {
+                let mut opened = open(&dial).await.ok()?;
+                query_slots(&mut opened.conn, &host).await.ok()
+            };
+            let ranges = tokio::time::timeout(QUERY_TIMEOUT, ask).await.ok()??;
+            Some((dial, ranges))
+        })
+        .collect();
+    while let Some(answer) = asks.next().await {
+        let Some((seed, ranges)) = answer else {
+            continue;
+        };
+        let mut primaries: Vec<Target> = Vec::new();
+        for r in &ranges {
+            let name = node_name(&r.host, r.port);
+            if !primaries.iter().any(|t| t.node == name) {
+                primaries.push(Target::node(&seed, access, &r.host, r.port));
+            }
+        }
+        return primaries;
+    }
+    Vec::new()
+}
+
 async fn query_slots(
     conn: &mut redis::aio::MultiplexedConnection,
     queried_host: &str,

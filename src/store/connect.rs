@@ -462,54 +462,57 @@ pub(super) fn reason(e: &RedisError) -> String {
     }
 }
 
-/// Start-up check: [`EvictionPolicy::Evicting`] when a Redis that answers has an evicting
-/// policy, which a gateway requiring noeviction must refuse (every seed of a cluster is
-/// asked); `Unknown` when one does not permit `CONFIG` (and none evicts). A Redis that is
-/// down is not an error here (`NoEviction`): the routes follow their fail modes until it
-/// comes.
-pub async fn preflight(config: &crate::config::RedisConfig) -> EvictionPolicy {
-    let dials: Vec<Dial> = match &config.target {
+/// Start-up check: [`EvictionPolicy::Evicting`], with the node, when a Redis that answers
+/// has an evicting policy, which a gateway requiring noeviction must refuse (in a cluster
+/// every primary of the slot map, or every seed when no seed gives the map); `Unknown` when
+/// one does not permit `CONFIG` (and none evicts). A Redis that is down is not an error here
+/// (`NoEviction`): the routes follow their fail modes until it comes.
+pub async fn preflight(config: &crate::config::RedisConfig) -> (EvictionPolicy, String) {
+    let targets: Vec<Target> = match &config.target {
         crate::config::RedisTarget::Single(url) => {
-            Dial::new(url, &config.access).ok().into_iter().collect()
+            Target::new(url, &config.access).ok().into_iter().collect()
         }
-        crate::config::RedisTarget::Cluster(seeds) => seeds
-            .iter()
-            .filter_map(|url| Dial::new(url, &config.access).ok())
-            .collect(),
+        crate::config::RedisTarget::Cluster(seeds) => {
+            match super::cluster::primaries_of(seeds, &config.access).await {
+                primaries if !primaries.is_empty() => primaries,
+                _ => seeds
+                    .iter()
+                    .filter_map(|url| Target::new(url, &config.access).ok())
+                    .collect(),
+            }
+        }
         // The master the sentinels name now, if they answer (else the store checks it once
         // they do, and says so in the log and `/readyz`).
         crate::config::RedisTarget::Sentinel(target) => {
             let sentinel =
                 super::sentinel::Sentinel::for_a_check(target.clone(), config.access.clone());
             let found = tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await;
-            found
-                .ok()
-                .and_then(Result::ok)
-                .map(|t| t.dial)
-                .into_iter()
-                .collect()
+            found.ok().and_then(Result::ok).into_iter().collect()
         }
     };
-    // Every node at once: seeds that do not answer cost their timeout once, not each.
-    let checks = dials.iter().map(|dial| async move {
+    // Every node at once: nodes that do not answer cost their timeout once, not each.
+    let checks = targets.iter().map(|target| async move {
         let check = async {
-            let mut opened = open(dial).await.ok()?;
+            let mut opened = open(&target.dial).await.ok()?;
             eviction_policy(&mut opened.conn).await.ok().flatten()
         };
-        tokio::time::timeout(Duration::from_secs(3), check)
+        let policy = tokio::time::timeout(Duration::from_secs(3), check)
             .await
             .ok()
-            .flatten()
+            .flatten();
+        (policy, &target.node)
     });
     let mut found = EvictionPolicy::NoEviction;
-    for policy in futures_util::future::join_all(checks).await {
+    for (policy, node) in futures_util::future::join_all(checks).await {
         match policy {
-            Some(EvictionPolicy::Evicting(p)) => return EvictionPolicy::Evicting(p),
+            Some(EvictionPolicy::Evicting(p)) => {
+                return (EvictionPolicy::Evicting(p), node.clone())
+            }
             Some(EvictionPolicy::Unknown) => found = EvictionPolicy::Unknown,
             _ => {}
         }
     }
-    found
+    (found, String::new())
 }
 
 impl Connector {
