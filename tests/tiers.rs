@@ -218,6 +218,18 @@ fn check_refuses_tiers_that_cannot_work() {
         ),
         "{out}"
     );
+    // A tenant whose keys name two tiers has both tiers' buckets: said, as a tenant moved to
+    // a new tier by a new key with its old key kept would spend both allowances.
+    std::fs::write(
+        dir.path().join("keys.toml"),
+        entry("k", "a", None) + "\n" + &entry("p", "a", Some("pro")),
+    )
+    .unwrap();
+    let (ok, out) = run(&(tiered().toml() + TIERS));
+    assert!(
+        ok && out.contains("tenant \"a\" holds keys of several tiers (no tier, \"pro\")"),
+        "{out}"
+    );
     std::fs::write(dir.path().join("keys.toml"), entry("k", "a", None)).unwrap();
     // The plain words say whose the route's own limits are.
     assert!(

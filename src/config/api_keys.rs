@@ -73,6 +73,26 @@ impl ApiKeyTable {
         tiers
     }
 
+    /// Tenants whose keys name more than one tier (no tier is one of them), each with its
+    /// tiers in order, `None` first: each tier has its own buckets.
+    pub fn tenants_of_several_tiers(&self) -> Vec<(&str, Vec<Option<&str>>)> {
+        let mut by_tenant: std::collections::BTreeMap<
+            &str,
+            std::collections::BTreeSet<Option<&str>>,
+        > = std::collections::BTreeMap::new();
+        for o in self.keys.values() {
+            by_tenant
+                .entry(&o.tenant)
+                .or_default()
+                .insert(o.tier.as_deref());
+        }
+        by_tenant
+            .into_iter()
+            .filter(|(_, tiers)| tiers.len() > 1)
+            .map(|(tenant, tiers)| (tenant, tiers.into_iter().collect()))
+            .collect()
+    }
+
     /// Distinct tenants.
     pub fn tenants(&self) -> usize {
         let mut tenants: Vec<&str> = self.keys.values().map(|o| &*o.tenant).collect();

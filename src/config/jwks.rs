@@ -102,11 +102,12 @@ fn not_as_meant(
     }
     let mut kids = std::collections::HashMap::new();
     for (i, jwk) in set.keys.iter().enumerate() {
-        let Some(kid) = jwk.common.key_id.as_deref() else {
-            continue;
+        let kid = jwk.common.key_id.as_deref();
+        let label = match kid {
+            Some(kid) => format!("keys[{i}] (kid \"{kid}\")"),
+            None => format!("keys[{i}]"),
         };
-        let label = format!("keys[{i}] (kid \"{kid}\")");
-        if let Some(first) = kids.insert(kid, i) {
+        if let Some(first) = kid.and_then(|kid| kids.insert(kid, i)) {
             said.push((
                 Some(label.clone()),
                 format!("has the kid of keys[{first}]: a token naming it is tried against both"),
@@ -279,9 +280,12 @@ mod tests {
         let mut pinned = fixture["keys"][1].clone();
         pinned["kid"] = "ps".into();
         pinned["alg"] = "PS512".into();
+        // Without a kid too.
+        let mut unnamed = pinned.clone();
+        unnamed.as_object_mut().unwrap().remove("kid");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("jwks.json");
-        let set = serde_json::json!({"keys": [rsa, twin, pinned]});
+        let set = serde_json::json!({"keys": [rsa, twin, pinned, unnamed]});
         std::fs::write(&path, set.to_string()).unwrap();
         let (_, warnings) = load(&path, &["RS256".into(), "ES256".into()]).unwrap();
         let said: Vec<String> = (warnings.iter())
@@ -296,6 +300,7 @@ mod tests {
                 "jwks.json: auth.jwt.algorithms lists ES256 but no key of the JWKS verifies it: ES256 tokens get 401",
                 "jwks.json: keys[1] (kid \"rsa-1\"): has the kid of keys[0]: a token naming it is tried against both",
                 "jwks.json: keys[2] (kid \"ps\"): is pinned to PS512, which auth.jwt.algorithms does not list: no token is verified with it",
+                "jwks.json: keys[3]: is pinned to PS512, which auth.jwt.algorithms does not list: no token is verified with it",
             ]
         );
     }

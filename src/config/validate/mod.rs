@@ -218,6 +218,15 @@ fn unlisted_key_tiers(
             c.warn(None, None, format!("auth.api_keys.file ({}): tier = \"{tier}\" ({keys} key(s)) is listed by no route with tier_from = \"api_key\": those callers count as each route's default tier", api_keys.file.display()));
         }
     }
+    // The tier is the key's, the bucket the tenant's in each tier: a tenant moved to a new
+    // tier by a new key, its old one kept, has both allowances.
+    for (tenant, tiers) in api_keys.keys.tenants_of_several_tiers() {
+        let tiers: Vec<String> = tiers
+            .iter()
+            .map(|t| t.map_or("no tier".to_owned(), |t| format!("\"{t}\"")))
+            .collect();
+        c.warn(None, None, format!("auth.api_keys.file ({}): tenant \"{tenant}\" holds keys of several tiers ({}): on routes with tier_from = \"api_key\" each tier has its own buckets, so the tenant's allowances add up (when moving a tenant to another tier, remove its keys of the old one)", api_keys.file.display(), tiers.join(", ")));
+    }
 }
 
 /// `server.request_id_header` must not be a header a route reads an identity from, or the
