@@ -227,9 +227,21 @@ fn check_refuses_tiers_that_cannot_work() {
     .unwrap();
     let (ok, out) = run(&(tiered().toml() + TIERS));
     assert!(
-        ok && out.contains("tenant \"a\" holds keys of several tiers (no tier, \"pro\")"),
+        ok && out
+            .contains("tenant \"a\" holds keys of several tiers of routes[0] (t.ocr) (free, pro)"),
         "{out}"
     );
+    // Keys whose tiers the route reads as one (none and the default's name; a tier it does
+    // not list) share one set of buckets: nothing to say.
+    for other in [Some("free"), Some("gold")] {
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            entry("k", "a", None) + "\n" + &entry("p", "a", other),
+        )
+        .unwrap();
+        let (ok, out) = run(&(tiered().toml() + TIERS));
+        assert!(ok && !out.contains("several tiers"), "{other:?}: {out}");
+    }
     std::fs::write(dir.path().join("keys.toml"), entry("k", "a", None)).unwrap();
     // The plain words say whose the route's own limits are.
     assert!(

@@ -73,18 +73,18 @@ impl ApiKeyTable {
         tiers
     }
 
-    /// Tenants whose keys name more than one tier (no tier is one of them), each with its
-    /// tiers in order, `None` first: each tier has its own buckets.
-    pub fn tenants_of_several_tiers(&self) -> Vec<(&str, Vec<Option<&str>>)> {
-        let mut by_tenant: std::collections::BTreeMap<
-            &str,
-            std::collections::BTreeSet<Option<&str>>,
-        > = std::collections::BTreeMap::new();
+    /// Tenants whose keys fall in more than one tier as `tier_of` reads a key's `tier` (a
+    /// route's plan: no tier, or one it does not list, is its default tier), each with those
+    /// tiers in order: each tier has its own buckets.
+    pub fn tenants_of_several_tiers<'a>(
+        &'a self,
+        tier_of: impl Fn(Option<&'a str>) -> &'a str,
+    ) -> Vec<(&'a str, Vec<&'a str>)> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let mut by_tenant: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
         for o in self.keys.values() {
-            by_tenant
-                .entry(&o.tenant)
-                .or_default()
-                .insert(o.tier.as_deref());
+            let tier = tier_of(o.tier.as_deref());
+            by_tenant.entry(&o.tenant).or_default().insert(tier);
         }
         by_tenant
             .into_iter()

@@ -219,13 +219,30 @@ fn unlisted_key_tiers(
         }
     }
     // The tier is the key's, the bucket the tenant's in each tier: a tenant moved to a new
-    // tier by a new key, its old one kept, has both allowances.
-    for (tenant, tiers) in api_keys.keys.tenants_of_several_tiers() {
-        let tiers: Vec<String> = tiers
-            .iter()
-            .map(|t| t.map_or("no tier".to_owned(), |t| format!("\"{t}\"")))
-            .collect();
-        c.warn(None, None, format!("auth.api_keys.file ({}): tenant \"{tenant}\" holds keys of several tiers ({}): on routes with tier_from = \"api_key\" each tier has its own buckets, so the tenant's allowances add up (when moving a tenant to another tier, remove its keys of the old one)", api_keys.file.display(), tiers.join(", ")));
+    // tier by a new key, its old one kept, has both allowances. Each tenant is said once, at
+    // the first route that reads its keys into several tiers (a key without a tier and one of
+    // the default tier's name, or of a tier the route does not list, share its buckets).
+    let mut said = std::collections::BTreeSet::new();
+    for (_, r) in routes {
+        let Some(plan) = r
+            .policy
+            .tiers
+            .as_ref()
+            .filter(|p| p.from == TierFrom::ApiKey)
+        else {
+            continue;
+        };
+        let several = api_keys.keys.tenants_of_several_tiers(|tier| match tier {
+            Some(t) if plan.tiers.contains_key(t) => t,
+            _ => plan.default.as_str(),
+        });
+        for (tenant, tiers) in several {
+            if !said.insert(tenant.to_owned()) {
+                continue;
+            }
+            let label = route_label(r.index, r.policy.endpoint_id.as_str());
+            c.warn(None, None, format!("auth.api_keys.file ({}): tenant \"{tenant}\" holds keys of several tiers of {label} ({}): each tier has its own buckets, so the tenant's allowances add up (when moving a tenant to another tier, remove its keys of the old one)", api_keys.file.display(), tiers.join(", ")));
+        }
     }
 }
 
