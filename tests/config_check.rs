@@ -239,6 +239,53 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     );
 }
 
+/// Two routes of one `endpoint_id` that differ in their tiers: the error is at what the
+/// later route writes otherwise (the tier whose limits differ, not the first tier table; the
+/// `default_tier`; `ratelimit_headers`), naming it.
+#[test]
+fn a_shared_endpoint_differing_in_tiers_is_pointed_at_the_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.toml"), "keys = []\n").unwrap();
+    let path = dir.path().join("gateway.toml");
+    let route = |prefix: &str, default: &str, pro: u64, headers: bool| {
+        format!(
+            "[[routes]]\nendpoint_id = \"a.same\"\npath_prefix = \"{prefix}\"\nupstream = \"app\"\n\
+             identity = \"api_key\"\ntier_from = \"api_key\"\ndefault_tier = \"{default}\"\n\
+             ratelimit_headers = {headers}\n\
+             algorithm = \"token_bucket\"\ncapacity_micro = 5_000_000\nrefill_rate_micro_per_sec = 100_000\n\
+             [routes.tiers.gold]\nunlimited = true\n\
+             [[routes.tiers.pro.limits]]\nname = \"burst\"\nalgorithm = \"token_bucket\"\n\
+             capacity_micro = {pro}\nrefill_rate_micro_per_sec = 1_000_000\n"
+        )
+    };
+    let error = |second: String| {
+        std::fs::write(
+            &path,
+            format!(
+                "[auth.api_keys]\nfile = \"keys.toml\"\n[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{}{second}",
+                route("/a", "free", 30_000_000, false)
+            ),
+        )
+        .unwrap();
+        let (code, _, stderr) = check(&path);
+        assert_eq!(code, 2, "{stderr}");
+        stderr.lines().next().unwrap().to_owned()
+    };
+    let at = |needle: &str, nth: usize| {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let offset = text.match_indices(needle).nth(nth).unwrap().0;
+        let line = text[..offset].matches('\n').count() + 1;
+        let column = offset - text[..offset].rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("{line}:{column}")
+    };
+    let said = error(route("/b", "free", 40_000_000, false));
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: tiers)", at("pro.limits", 1))), "{said}");
+    let said = error(route("/b", "basic", 30_000_000, false));
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: default_tier)", at("\"basic\"", 0))), "{said}");
+    let said = error(route("/b", "free", 30_000_000, true));
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: ratelimit_headers)", at("true", 1))), "{said}");
+}
+
 /// `line:column` of the first occurrence of `needle` in the file.
 fn position_of(path: &Path, needle: &str) -> String {
     let text = std::fs::read_to_string(path).unwrap();

@@ -226,7 +226,7 @@ pub struct RawRoute {
     pub fallback_rate_fleet_micro: Option<Spanned<i64>>,
     pub emergency_scope: Option<Spanned<String>>,
     pub policy_version: Option<Spanned<i64>>,
-    pub ratelimit_headers: Option<bool>,
+    pub ratelimit_headers: Option<Spanned<bool>>,
     pub cost_micro: Option<Spanned<i64>>,
     pub mode: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,

@@ -877,7 +877,7 @@ fn policy(
         fallback_fleet,
         policy_version: version?,
         mode: mode?,
-        ratelimit_headers: r.ratelimit_headers.unwrap_or(false),
+        ratelimit_headers: r.ratelimit_headers.as_ref().is_some_and(|v| *v.get_ref()),
         emergency_per_identity: per_identity?,
         cost_from_response,
         tiers: tiers?,
@@ -1077,9 +1077,15 @@ pub(super) fn shared_endpoints(
             Some(prev) if prev.policy != route.policy || prev.identity != route.identity => {
                 let fields = differing(prev, route);
                 let written = raw.get(route.index).map(|r| r.get_ref());
+                let before = prev.policy.tiers.as_ref().map(|t| &t.tiers);
+                let after = route.policy.tiers.as_ref().map(|t| &t.tiers);
+                // The tiers the later route writes otherwise than the earlier, or alone.
+                let other_tiers = |name: &str| {
+                    before.and_then(|b| b.get(name)) != after.and_then(|a| a.get(name))
+                };
                 let at = fields
                     .iter()
-                    .filter_map(|field| written.and_then(|r| field_span(r, field)))
+                    .filter_map(|field| written.and_then(|r| field_span(r, field, &other_tiers)))
                     .min_by_key(|at| at.start)
                     .unwrap_or_else(|| span.clone());
                 c.push(
@@ -1132,7 +1138,18 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
             p.cost_from_response != q.cost_from_response,
             "cost_from_response",
         ),
-        (p.tiers != q.tiers, "tiers"),
+        (
+            p.tiers.as_ref().map(|t| &t.from) != q.tiers.as_ref().map(|t| &t.from),
+            "tier_from",
+        ),
+        (
+            p.tiers.as_ref().map(|t| &t.default) != q.tiers.as_ref().map(|t| &t.default),
+            "default_tier",
+        ),
+        (
+            p.tiers.as_ref().map(|t| &t.tiers) != q.tiers.as_ref().map(|t| &t.tiers),
+            "tiers",
+        ),
     ]
     .into_iter()
     .filter_map(|(differs, name)| differs.then_some(name))
@@ -1144,9 +1161,13 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
     .collect()
 }
 
-/// Where a route writes one of the fields `differing` names; `None` where it leaves it to
-/// its default (or, `ratelimit_headers`, a field read without its place).
-fn field_span(r: &RawRoute, field: &str) -> Option<Range<usize>> {
+/// Where a route writes one of the fields `differing` names (of its tiers, the first that
+/// `other_tier` says differs); `None` where it leaves it to its default.
+fn field_span(
+    r: &RawRoute,
+    field: &str,
+    other_tier: &dyn Fn(&str) -> bool,
+) -> Option<Range<usize>> {
     fn at<T>(v: &Option<Spanned<T>>) -> Option<Range<usize>> {
         v.as_ref().map(Spanned::span)
     }
@@ -1166,7 +1187,13 @@ fn field_span(r: &RawRoute, field: &str) -> Option<Range<usize>> {
         "mode" => at(&r.mode),
         "emergency_scope" => at(&r.emergency_scope),
         "cost_from_response" => at(&r.cost_from_response),
-        "tiers" => r.tiers.values().map(Spanned::span).min_by_key(|s| s.start),
+        "tier_from" => at(&r.tier_from),
+        "default_tier" => at(&r.default_tier),
+        "tiers" => (r.tiers.iter())
+            .filter(|(name, _)| other_tier(name))
+            .map(|(_, tier)| tier.span())
+            .min_by_key(|s| s.start),
+        "ratelimit_headers" => at(&r.ratelimit_headers),
         "capacity_micro" => at(&r.capacity_micro),
         "refill_rate_micro_per_sec" => at(&r.refill_rate_micro_per_sec),
         "limit" => at(&r.limit),
