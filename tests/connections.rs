@@ -120,6 +120,10 @@ fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
     let line = &lines[0];
     assert_eq!(line["status"], 408);
     assert_eq!(line["bytes_sent"], 0);
+    assert_eq!(line["protocol"], "HTTP/1.1");
+    // From the accept to the cut: the head's whole time.
+    let took = line["duration_ms"].as_f64().unwrap();
+    assert!((900.0..4000.0).contains(&took), "{line}");
     assert_eq!(line["client_ip"], "127.0.0.1");
     assert!(line["path"].is_null() && line["method"].is_null(), "{line}");
     let id = line["request_id"].as_str().unwrap();
@@ -186,7 +190,8 @@ fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
 
 /// An HTTP/2 connection has a request head's deadline until its first request's header
 /// block is complete: a TLS client that chose `h2` and sent nothing, and an h2c client whose
-/// `HEADERS` never end, are closed at `header_read_timeout_ms`. Before, the first was kept
+/// `HEADERS` never end, are closed at `header_read_timeout_ms` (a header block begun is a
+/// 408 in the metrics, as an HTTP/1 head begun). Before, the first was kept
 /// for good and the second until the keep-alive timeout. Requests that did arrive are not
 /// cut, however long they take.
 #[test]
@@ -227,6 +232,10 @@ fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeo
         (EARLIEST..LATEST).contains(&took),
         "h2c, HEADERS payload trickled: {took:?}"
     );
+
+    // The two header blocks begun are two 408s; the connection that sent nothing none.
+    let series = r#"sentinel_requests_total{endpoint_id="_unmatched",status="408"}"#;
+    assert_eq!(gw.metric(series), 2.0);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let status = rt.block_on(async {

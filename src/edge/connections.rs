@@ -791,6 +791,13 @@ impl Guarded {
         )))
     }
 
+    /// How long the head on its way has had: since the accept for a connection's first
+    /// request, since its first byte for a later one.
+    fn head_took(&self) -> Duration {
+        let since = self.reg.conn.since_ms.load(Ordering::Relaxed);
+        Duration::from_millis(self.reg.connections.now_ms().saturating_sub(since))
+    }
+
     fn header_timed_out() -> std::io::Error {
         std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -842,10 +849,21 @@ impl AsyncRead for Guarded {
             // (nginx's `client_header_timeout`); a connection that sent nothing sent no
             // request.
             HEAD_TIMED_OUT => {
-                if state == HEAD && this.head_bytes > 0 {
-                    this.head_bytes = 0;
+                let begun = match state {
+                    HEAD => std::mem::take(&mut this.head_bytes) > 0,
+                    H2_HEAD => std::mem::take(&mut this.h2_head.begun),
+                    _ => false,
+                };
+                if begun {
                     let request_id = crate::proxy::forwarded::new_request_id();
-                    tell_bad_head(&this.reg.connections, &this.inner, 408, &request_id, 0);
+                    let protocol = if state == H2_HEAD {
+                        "HTTP/2"
+                    } else {
+                        "HTTP/1.1"
+                    };
+                    let took = this.head_took();
+                    let head = (408, &*request_id, protocol, took, 0);
+                    tell_bad_head(&this.reg.connections, &this.inner, head);
                 }
                 return Poll::Ready(Err(Self::header_timed_out()));
             }
@@ -932,6 +950,9 @@ struct H2Head {
     /// The frame being passed over ends a header block: the block is complete when its
     /// payload is all in (a client trickling it is held to the head's deadline).
     ends: bool,
+    /// A `HEADERS` frame has begun: a request is on its way (cut at the deadline, it is
+    /// logged and counted as a 408, as an HTTP/1 head begun).
+    begun: bool,
 }
 
 impl H2Head {
@@ -968,6 +989,7 @@ impl H2Head {
             }
             self.have = 0;
             let [l0, l1, l2, kind, flags, ..] = self.frame;
+            self.begun |= kind == Self::HEADERS;
             self.ends = matches!(kind, Self::HEADERS | Self::CONTINUATION)
                 && flags & Self::END_HEADERS != 0;
             self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
@@ -997,6 +1019,11 @@ pub struct BadHead<'a> {
     /// The peer's address (the head was not read, so no forwarded header either).
     pub peer: Option<std::net::IpAddr>,
     pub tls: bool,
+    /// `HTTP/1.1`, or `HTTP/2` for a header block begun and cut.
+    pub protocol: &'static str,
+    /// Since its head's time began (the accept for a connection's first request, else the
+    /// request's first byte) until now.
+    pub took: Duration,
     /// Body bytes of the answer.
     pub bytes_sent: u64,
 }
@@ -1018,7 +1045,13 @@ impl Guarded {
     /// The gateway's answer to a head it refuses before Pingora parses it, told to the
     /// access log and the metrics as every answer is.
     fn own_answer(&self, status: u16, reason: &str, body: &str) -> Vec<u8> {
-        own_answer(&self.reg.connections, &self.inner, (status, reason, body))
+        let took = self.head_took();
+        own_answer(
+            &self.reg.connections,
+            &self.inner,
+            took,
+            (status, reason, body),
+        )
     }
 }
 
@@ -1027,10 +1060,12 @@ impl Guarded {
 fn own_answer(
     connections: &Connections,
     stream: &Stream,
+    took: Duration,
     (status, reason, body): (u16, &str, &str),
 ) -> Vec<u8> {
     let request_id = crate::proxy::forwarded::new_request_id();
-    tell_bad_head(connections, stream, status, &request_id, body.len() as u64);
+    let head = (status, &*request_id, "HTTP/1.1", took, body.len() as u64);
+    tell_bad_head(connections, stream, head);
     format!(
         "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
         body.len(),
@@ -1040,13 +1075,12 @@ fn own_answer(
 }
 
 /// Tells the access log and the metrics of a request refused or given up before Pingora
-/// had its head ([`Connections::on_bad_head`]).
+/// had its head ([`Connections::on_bad_head`]): its status, request id, protocol, how long
+/// its head had been on its way, and the body bytes of the answer.
 fn tell_bad_head(
     connections: &Connections,
     stream: &Stream,
-    status: u16,
-    request_id: &str,
-    bytes_sent: u64,
+    (status, request_id, protocol, took, bytes_sent): (u16, &str, &'static str, Duration, u64),
 ) {
     if let Some(hook) = connections.bad_head.get() {
         let peer = stream
@@ -1057,6 +1091,8 @@ fn tell_bad_head(
             request_id,
             peer,
             tls: stream.get_ssl_digest().is_some(),
+            protocol,
+            took,
             bytes_sent,
         });
     }
@@ -1197,6 +1233,7 @@ impl AsyncRead for Handshaking {
                 let answer = own_answer(
                     &this.connections,
                     &this.stream,
+                    Duration::ZERO,
                     (400, "Bad Request", r#"{"detail":"bad request"}"#),
                 );
                 let refusing = this.refusing.insert(Refusal::new(answer));

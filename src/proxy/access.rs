@@ -13,14 +13,15 @@ use crate::limiter::inspect::DEFAULT_LIMIT;
 /// Writes the access log line of a request head the HTTP/1 parser refused: only what the
 /// connection knows.
 pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::BadHead<'_>) {
+    let now = SystemTime::now();
     log.log(&Line {
-        timestamp: Timestamp::of(SystemTime::now()),
+        timestamp: Timestamp::of(now.checked_sub(head.took).unwrap_or(now)),
         request_id: Some(head.request_id),
         client_ip: head.peer,
         method: None,
         host: None,
         path: None,
-        protocol: "HTTP/1.1",
+        protocol: head.protocol,
         tls: head.tls,
         status: head.status,
         endpoint_id: None,
@@ -30,7 +31,7 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
         limit: None,
         upstream: None,
         upstream_addr: None,
-        duration_ms: 0.0,
+        duration_ms: head.took.as_secs_f64() * 1000.0,
         bytes_received: 0,
         bytes_sent: head.bytes_sent,
         identity_hash: None,
