@@ -828,7 +828,7 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
     assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
     assert!(
         gw.logs()
-            .contains("the node is no longer a primary of the slot map"),
+            .contains("the node left the gateway's map of the cluster"),
         "{}",
         gw.logs()
     );

@@ -22,6 +22,9 @@ pub enum BreakerState {
     HalfOpen = 2,
 }
 
+/// [`Breaker::retire`]d: no state a transition starts from, so none is made again.
+const RETIRED: u8 = 3;
+
 impl BreakerState {
     fn from_u8(v: u8) -> Self {
         match v {
@@ -114,6 +117,14 @@ impl Breaker {
 
     pub fn state(&self) -> BreakerState {
         BreakerState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// The breaker is going away (its cluster node left): from now on it makes no
+    /// transition (its hook is never called again; it reads as closed and lets every call
+    /// through, to whatever still holds it), and the state it was in is returned, once: a
+    /// second call returns `Closed`.
+    pub fn retire(&self) -> BreakerState {
+        BreakerState::from_u8(self.state.swap(RETIRED, Ordering::AcqRel))
     }
 
     /// Asks to call Redis now.

@@ -116,7 +116,7 @@ impl BreakerBoard {
             node,
             from = state.as_str(),
             to = closed.as_str(),
-            reason = "the node is no longer a primary of the slot map",
+            reason = "the node left the gateway's map of the cluster (no longer a primary, or new seeds)",
             "circuit breaker transition"
         );
     }
@@ -167,9 +167,13 @@ mod tests {
         clock.advance(Duration::from_secs(30));
         let probe = a.acquire().expect("the probe");
         assert_eq!(board.state(), BreakerState::Open, "b is still open");
-        board.forget("10.0.0.2:6379", b.state());
+        board.forget("10.0.0.2:6379", b.retire());
         assert_eq!(board.state(), BreakerState::HalfOpen, "b left the cluster");
         assert_eq!(metrics.breaker_state.get(), 2);
+        // What still holds the retired breaker moves nothing: no transition, no count.
+        fail(&b, 5);
+        assert_eq!(b.retire(), BreakerState::Closed, "said once");
+        assert_eq!(board.state(), BreakerState::HalfOpen);
         // Its quarantine ended there: one transition to closed.
         assert!(metrics
             .render()

@@ -309,8 +309,11 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
 /// The primaries of the slot map the first seed to answer `CLUSTER SLOTS` gives (each seed
 /// asked at once, within [`QUERY_TIMEOUT`]), reached as the store reaches them: the start's
 /// eviction check reads their policies, where the buckets are, not the seeds' (a seed may
-/// be a replica, and a primary need not be a seed). Empty when no seed answers.
-pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Vec<Target> {
+/// be a replica, and a primary need not be a seed). Empty when a seed answered without a
+/// map (an error, no slots); `None` when none answered at all (down, or too slow: a Redis
+/// that does not answer is not refused, and waiting for it again would double the start's
+/// wait).
+pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Option<Vec<Target>> {
     use futures_util::StreamExt;
     let mut asks: futures_util::stream::FuturesUnordered<_> = seeds
         .iter()
@@ -322,16 +325,25 @@ pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Vec<
             };
             let ask = async {
                 let mut opened = open(&dial).await.ok()?;
-                query_slots(&mut opened.conn, &host).await.ok()
+                Some(
+                    query_slots(&mut opened.conn, &host)
+                        .await
+                        .unwrap_or_default(),
+                )
             };
             let ranges = tokio::time::timeout(QUERY_TIMEOUT, ask).await.ok()??;
             Some((dial, ranges))
         })
         .collect();
+    let mut answered = false;
     while let Some(answer) = asks.next().await {
         let Some((seed, ranges)) = answer else {
             continue;
         };
+        answered = true;
+        if ranges.is_empty() {
+            continue;
+        }
         let mut primaries: Vec<Target> = Vec::new();
         for r in &ranges {
             let name = node_name(&r.host, r.port);
@@ -339,9 +351,9 @@ pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Vec<
                 primaries.push(Target::node(&seed, access, &r.host, r.port));
             }
         }
-        return primaries;
+        return Some(primaries);
     }
-    Vec::new()
+    answered.then(Vec::new)
 }
 
 async fn query_slots(

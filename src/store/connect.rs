@@ -137,7 +137,7 @@ impl Connector {
     /// A node left: its connector stops and its breaker no longer counts.
     pub(super) fn retire(&self, link: &Link) {
         link.retire();
-        self.breakers.forget(&link.node(), link.breaker.state());
+        self.breakers.forget(&link.node(), link.breaker.retire());
         self.breakers.metrics().redis_node(&link.node(), None);
     }
 }
@@ -474,11 +474,14 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> (EvictionPolicy, 
         }
         crate::config::RedisTarget::Cluster(seeds) => {
             match super::cluster::primaries_of(seeds, &config.access).await {
-                primaries if !primaries.is_empty() => primaries,
-                _ => seeds
+                Some(primaries) if !primaries.is_empty() => primaries,
+                // A seed answered, without a map: the seeds themselves are what is known.
+                Some(_) => seeds
                     .iter()
                     .filter_map(|url| Target::new(url, &config.access).ok())
                     .collect(),
+                // None answered: the store checks each primary once it is reached.
+                None => Vec::new(),
             }
         }
         // The master the sentinels name now, if they answer (else the store checks it once
