@@ -178,6 +178,11 @@ impl JwtVerifier {
                     && pinned.is_none_or(|p| p == alg)
                     && key.family() == alg.family()
             };
+            if let Some(want) = &header.kid {
+                if !keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(want)) {
+                    kidless_beside_a_kid(keys, alg);
+                }
+            }
             if let (Some(_), Some(want)) = (&self.remote, &header.kid) {
                 // A kid a key has, of another type than the token's, is no rotation: refused
                 // below without a fetch (it asked for one, as an unknown kid does).
@@ -230,6 +235,20 @@ fn claim_text(v: &serde_json::Value) -> Option<String> {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => Some(n.to_string()),
         _ => None,
+    }
+}
+
+/// A token named a kid the keys lack while keys of its type have none: such keys verify
+/// only tokens without a kid (the token's kid picks the key), so a provider that publishes
+/// its set without kids and stamps one on its tokens has every token refused. Said once a
+/// process, at INFO (a client's made-up kid can set it off).
+fn kidless_beside_a_kid(keys: &[VerifyKey], alg: Algorithm) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let kidless = keys
+        .iter()
+        .any(|(kid, _, key)| kid.is_none() && key.family() == alg.family());
+    if kidless && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::info!("a bearer token named a kid no JWKS key has, while keys of its type have no kid: keys without a kid verify only tokens without one; if the identity provider stamps a kid on its tokens, its JWKS must carry them (this is said once)");
     }
 }
 

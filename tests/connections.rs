@@ -131,6 +131,25 @@ fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
         id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
         "{id}"
     );
+
+    // A head refused as too large (431) by a client that then holds the connection past the
+    // deadline is its 431 alone, not a 408 as well.
+    let mut big = open(gw.port);
+    let mut head = b"GET /x HTTP/1.1\r\nHost: a\r\n".to_vec();
+    while head.len() < 200_000 {
+        head.extend_from_slice(format!("X-Pad: {}\r\n", "a".repeat(4_000)).as_bytes());
+    }
+    let _ = big.write_all(&head);
+    let mut answer = [0u8; 64];
+    let n = big.read(&mut answer).unwrap_or(0);
+    let got = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(got.starts_with("HTTP/1.1 431"), "{got:?}");
+    std::thread::sleep(Duration::from_millis(2_000));
+    drop(big);
+    let refused = r#"sentinel_requests_total{endpoint_id="_unmatched",status="431"}"#;
+    assert_eq!(gw.metric(refused), 1.0);
+    assert_eq!(gw.metric(series), 1.0, "no 408 beside the 431");
+    assert_eq!(access_lines(&log).len(), 2);
     // A complete head is answered, however slow the server-side work.
     assert_eq!(
         raw_request(gw.port, b"GET /slow?ms=1500 HTTP/1.1\r\nHost: a\r\n\r\n"),

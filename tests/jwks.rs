@@ -178,3 +178,49 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
     let described = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(described.contains(", per JWT org_id claim;"), "{described}");
 }
+
+/// A set published without kids (some providers do) beside tokens that name one: the token's
+/// kid picks the key (contract section 12), so each is 401 as of an unknown kid, and the
+/// cause is said once at INFO, so the operator is not left with 401s alone; a token without a
+/// kid is verified by the same key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_without_kids_beside_tokens_naming_one_is_said_once() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let mut set: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("jwks.json")).unwrap()).unwrap();
+    for key in set["keys"].as_array_mut().unwrap() {
+        key.as_object_mut().unwrap().remove("kid");
+    }
+    let path = dir.path().join("jwks.json");
+    std::fs::write(&path, set.to_string()).unwrap();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
+            quoted(path.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .token_bucket(100_000_000, 0),
+        )
+        .start();
+    let http = client();
+    let claims = serde_json::json!({"sub": "user-1", "exp": now() + 60});
+    let status = |kid: Option<&'static str>| {
+        let t = token(Algorithm::RS256, kid, "rsa.der", claims.clone());
+        let (http, url) = (http.clone(), gw.url("/api"));
+        async move { http.get(url).bearer_auth(t).send().await.unwrap().status() }
+    };
+    assert_eq!(status(None).await, 200);
+    assert_eq!(status(Some("rsa-1")).await, 401);
+    assert_eq!(status(Some("another")).await, 401);
+    let said = gw
+        .logs()
+        .matches("while keys of its type have no kid")
+        .count();
+    assert_eq!(said, 1, "{}", gw.logs());
+}

@@ -850,7 +850,8 @@ impl AsyncRead for Guarded {
             // request.
             HEAD_TIMED_OUT => {
                 let begun = match state {
-                    HEAD => std::mem::take(&mut this.head_bytes) > 0,
+                    // A head refused as too large was told as its 431 already.
+                    HEAD => std::mem::take(&mut this.head_bytes) > 0 && this.refusing.is_none(),
                     H2_HEAD => std::mem::take(&mut this.h2_head.begun),
                     _ => false,
                 };

@@ -31,7 +31,7 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
         limit: None,
         upstream: None,
         upstream_addr: None,
-        duration_ms: head.took.as_secs_f64() * 1000.0,
+        duration_ms: millis(head.took),
         bytes_received: 0,
         bytes_sent: head.bytes_sent,
         identity_hash: None,
