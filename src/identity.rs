@@ -41,6 +41,8 @@ pub struct JwtVerifier {
     identity_claim: String,
     /// `iss` is configured: it must be one string.
     issuer: bool,
+    /// [`JwtVerifier::note_refused`] said its line (once a config generation).
+    kidless_said: std::sync::atomic::AtomicBool,
 }
 
 impl JwtVerifier {
@@ -103,7 +105,37 @@ impl JwtVerifier {
             remote,
             identity_claim: config.identity_claim.clone(),
             issuer: config.issuer.is_some(),
+            kidless_said: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// A token was refused for good (after the refresh an unknown kid asks for): when it
+    /// named a kid no key has while keys of its type (and pinned to its `alg`, if at all)
+    /// have none, says so once a config generation, at INFO. Such keys verify only tokens
+    /// without a kid (the token's kid picks the key), so a provider that publishes its set
+    /// without kids and stamps one on its tokens has every token refused, and nothing else
+    /// would say why. Nothing of the token is said (a client's made-up kid can set it off).
+    pub fn note_refused(&self, token: &str) {
+        use std::sync::atomic::Ordering;
+        if self.kidless_said.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(header) = jsonwebtoken::decode_header(token) else {
+            return;
+        };
+        let Some(want) = header.kid else {
+            return;
+        };
+        let alg = header.alg;
+        let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
+        let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
+        let known = keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(&want));
+        let kidless = keys.iter().any(|(kid, pinned, key)| {
+            kid.is_none() && pinned.is_none_or(|p| p == alg) && key.family() == alg.family()
+        });
+        if !known && kidless && !self.kidless_said.swap(true, Ordering::Relaxed) {
+            tracing::info!("a bearer token named a kid no JWKS key has, while keys of its type have no kid: keys without a kid verify only tokens without one; if the identity provider stamps a kid on its tokens, its JWKS must carry them (said once until the next reload)");
+        }
     }
 
     /// The verified identity claim of a bearer token.
@@ -178,11 +210,6 @@ impl JwtVerifier {
                     && pinned.is_none_or(|p| p == alg)
                     && key.family() == alg.family()
             };
-            if let Some(want) = &header.kid {
-                if !keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(want)) {
-                    kidless_beside_a_kid(keys, alg);
-                }
-            }
             if let (Some(_), Some(want)) = (&self.remote, &header.kid) {
                 // A kid a key has, of another type than the token's, is no rotation: refused
                 // below without a fetch (it asked for one, as an unknown kid does).
@@ -235,20 +262,6 @@ fn claim_text(v: &serde_json::Value) -> Option<String> {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => Some(n.to_string()),
         _ => None,
-    }
-}
-
-/// A token named a kid the keys lack while keys of its type have none: such keys verify
-/// only tokens without a kid (the token's kid picks the key), so a provider that publishes
-/// its set without kids and stamps one on its tokens has every token refused. Said once a
-/// process, at INFO (a client's made-up kid can set it off).
-fn kidless_beside_a_kid(keys: &[VerifyKey], alg: Algorithm) {
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let kidless = keys
-        .iter()
-        .any(|(kid, _, key)| kid.is_none() && key.family() == alg.family());
-    if kidless && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        tracing::info!("a bearer token named a kid no JWKS key has, while keys of its type have no kid: keys without a kid verify only tokens without one; if the identity provider stamps a kid on its tokens, its JWKS must carry them (this is said once)");
     }
 }
 
@@ -373,6 +386,17 @@ pub enum IdentityError {
 
 /// Why [`identify`] refused a request with `error`, in words for a DEBUG line: never the
 /// header's value, the key or the token.
+/// [`JwtVerifier::note_refused`] for the request's bearer token, if it has one.
+pub fn note_refused(req: &RequestHeader, jwt: &JwtVerifier) {
+    if let Some(token) = single(req, http::header::AUTHORIZATION)
+        .ok()
+        .flatten()
+        .and_then(bearer)
+    {
+        jwt.note_refused(token);
+    }
+}
+
 pub fn refusal(
     req: &RequestHeader,
     jwt: Option<&JwtVerifier>,

@@ -333,6 +333,10 @@ impl Gateway {
         let (identity, caller_tier) = match identified {
             Ok(found) => found,
             Err(e) => {
+                use identity::IdentityError::{InvalidToken, UnknownKid};
+                if let (InvalidToken | UnknownKid, Some(jwt)) = (e, snapshot.jwt.as_ref()) {
+                    identity::note_refused(session.req_header(), jwt);
+                }
                 if tracing::enabled!(tracing::Level::DEBUG) {
                     let reason = identity::refusal(session.req_header(), snapshot.jwt.as_ref(), e);
                     tracing::debug!(
