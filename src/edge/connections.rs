@@ -862,8 +862,7 @@ impl AsyncRead for Guarded {
                     } else {
                         "HTTP/1.1"
                     };
-                    let took = this.head_took();
-                    let head = (408, &*request_id, protocol, took, 0);
+                    let head = BadHead::of(408, &request_id, protocol, this.head_took(), 0);
                     tell_bad_head(&this.reg.connections, &this.inner, head);
                 }
                 return Poll::Ready(Err(Self::header_timed_out()));
@@ -1029,6 +1028,27 @@ pub struct BadHead<'a> {
     pub bytes_sent: u64,
 }
 
+impl<'a> BadHead<'a> {
+    /// One not yet told its peer and TLS ([`tell_bad_head`] reads them from the stream).
+    fn of(
+        status: u16,
+        request_id: &'a str,
+        protocol: &'static str,
+        took: Duration,
+        bytes_sent: u64,
+    ) -> Self {
+        Self {
+            status,
+            request_id,
+            peer: None,
+            tls: false,
+            protocol,
+            took,
+            bytes_sent,
+        }
+    }
+}
+
 /// Told of every [`BadHead`].
 pub struct BadHeadHook(pub Box<dyn Fn(&BadHead<'_>) + Send + Sync>);
 
@@ -1065,7 +1085,7 @@ fn own_answer(
     (status, reason, body): (u16, &str, &str),
 ) -> Vec<u8> {
     let request_id = crate::proxy::forwarded::new_request_id();
-    let head = (status, &*request_id, "HTTP/1.1", took, body.len() as u64);
+    let head = BadHead::of(status, &request_id, "HTTP/1.1", took, body.len() as u64);
     tell_bad_head(connections, stream, head);
     format!(
         "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
@@ -1076,26 +1096,14 @@ fn own_answer(
 }
 
 /// Tells the access log and the metrics of a request refused or given up before Pingora
-/// had its head ([`Connections::on_bad_head`]): its status, request id, protocol, how long
-/// its head had been on its way, and the body bytes of the answer.
-fn tell_bad_head(
-    connections: &Connections,
-    stream: &Stream,
-    (status, request_id, protocol, took, bytes_sent): (u16, &str, &'static str, Duration, u64),
-) {
+/// had its head ([`Connections::on_bad_head`]), with the peer and TLS of `stream`.
+fn tell_bad_head(connections: &Connections, stream: &Stream, mut head: BadHead<'_>) {
     if let Some(hook) = connections.bad_head.get() {
-        let peer = stream
+        head.peer = stream
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        (hook.0)(&BadHead {
-            status,
-            request_id,
-            peer,
-            tls: stream.get_ssl_digest().is_some(),
-            protocol,
-            took,
-            bytes_sent,
-        });
+        head.tls = stream.get_ssl_digest().is_some();
+        (hook.0)(&head);
     }
 }
 

@@ -200,16 +200,7 @@ impl Cluster {
             }
         }
         for seed in self.seeds.load().iter() {
-            let attempt = async {
-                let dial =
-                    Dial::new(seed.as_str(), &self.access.load()).map_err(|e| e.to_string())?;
-                let host = match dial.info.addr() {
-                    redis::ConnectionAddr::Tcp(h, _) => h.clone(),
-                    _ => String::new(),
-                };
-                let mut opened = open(&dial).await.map_err(|e| reason(&e))?;
-                query_slots(&mut opened.conn, &host).await
-            };
+            let attempt = async { ask_seed(seed, &self.access.load()).await?.1 };
             match tokio::time::timeout(QUERY_TIMEOUT, attempt).await {
                 Ok(Ok(ranges)) => return self.apply(connector, epoch, ranges),
                 Ok(Err(e)) => last_error = format!("{}: {e}", redact_url(seed)),
@@ -318,21 +309,9 @@ pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Opti
     let mut asks: futures_util::stream::FuturesUnordered<_> = seeds
         .iter()
         .map(|seed| async move {
-            let dial = Dial::new(seed, access).ok()?;
-            let host = match dial.info.addr() {
-                redis::ConnectionAddr::Tcp(h, _) => h.clone(),
-                _ => String::new(),
-            };
-            let ask = async {
-                let mut opened = open(&dial).await.ok()?;
-                Some(
-                    query_slots(&mut opened.conn, &host)
-                        .await
-                        .unwrap_or_default(),
-                )
-            };
-            let ranges = tokio::time::timeout(QUERY_TIMEOUT, ask).await.ok()??;
-            Some((dial, ranges))
+            let asked = tokio::time::timeout(QUERY_TIMEOUT, ask_seed(seed, access)).await;
+            let (dial, ranges) = asked.ok()?.ok()?;
+            Some((dial, ranges.unwrap_or_default()))
         })
         .collect();
     let mut answered = false;
@@ -354,6 +333,22 @@ pub(super) async fn primaries_of(seeds: &[String], access: &RedisAccess) -> Opti
         return Some(primaries);
     }
     answered.then(Vec::new)
+}
+
+/// Asks one seed for the slot map: `Err` when it cannot be reached (its URL, a refused
+/// connection or password), else its dial and what `CLUSTER SLOTS` answered.
+async fn ask_seed(
+    seed: &str,
+    access: &RedisAccess,
+) -> Result<(Dial, Result<Vec<SlotRange>, String>), String> {
+    let dial = Dial::new(seed, access).map_err(|e| e.to_string())?;
+    let host = match dial.info.addr() {
+        redis::ConnectionAddr::Tcp(h, _) => h.clone(),
+        _ => String::new(),
+    };
+    let mut opened = open(&dial).await.map_err(|e| reason(&e))?;
+    let ranges = query_slots(&mut opened.conn, &host).await;
+    Ok((dial, ranges))
 }
 
 async fn query_slots(
