@@ -578,3 +578,38 @@ fn check_refuses_plain_http_to_another_host_and_both_sources() {
         "{out}"
     );
 }
+
+/// A fetched set without kids beside tokens that name one: each such token asks for the
+/// refresh an unknown kid asks for, is still refused after it (the token's kid picks the
+/// key), and the cause is said once at INFO; a token without a kid is verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_set_without_kids_beside_tokens_naming_one_is_said_once() {
+    let mut set: serde_json::Value = serde_json::from_str(&jwks_with(&["rsa-1"])).unwrap();
+    set["keys"][0].as_object_mut().unwrap().remove("kid");
+    let (provider, gw, _processes) = verifying_from(&set, r#"["RS256"]"#).await;
+    let before = provider.hits();
+    assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 401);
+    assert_eq!(provider.hits(), before + 1, "the refresh asked for");
+    assert_eq!(status(&gw, &token("rsa-2", "rsa.der")).await, 401);
+    let said: Vec<_> = (gw.logs().lines())
+        .filter(|l| l.contains("while keys of its type have no kid"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].contains("\"level\":\"INFO\""), "{}", said[0]);
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = None;
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 300;
+    let der = std::fs::read(fixture("rsa.der")).unwrap();
+    let unnamed = encode(
+        &header,
+        &serde_json::json!({"sub": "user-1", "exp": exp}),
+        &EncodingKey::from_rsa_der(&der),
+    )
+    .unwrap();
+    assert_eq!(status(&gw, &unnamed).await, 200);
+}
