@@ -120,6 +120,12 @@ impl JwtVerifier {
         if self.kidless_said.load(Ordering::Relaxed) {
             return;
         }
+        let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
+        let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
+        // A set whose keys all have a kid (the usual one) costs a refused token nothing more.
+        if keys.iter().all(|(kid, _, _)| kid.is_some()) {
+            return;
+        }
         let Ok(header) = jsonwebtoken::decode_header(token) else {
             return;
         };
@@ -127,8 +133,6 @@ impl JwtVerifier {
             return;
         };
         let alg = header.alg;
-        let fetched = self.remote.as_ref().map(|(r, url)| r.keys(url));
-        let keys = fetched.as_ref().map_or(&self.keys, |f| &f.keys);
         let known = keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(&want));
         let kidless = keys.iter().any(|(kid, pinned, key)| {
             kid.is_none() && pinned.is_none_or(|p| p == alg) && key.family() == alg.family()

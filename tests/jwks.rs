@@ -43,12 +43,11 @@ fn jwt_section(extra: &str) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_of_an_identity_provider_are_verified_with_its_jwks() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&jwt_section(""))
+/// A gateway whose `/api` route is limited by the JWT's identity, with `jwt` as its
+/// `[auth.jwt]` section.
+fn start(redis: &Redis, up: &Upstream, jwt: &str) -> common::Gateway {
+    GatewayConfig::new(&redis.url())
+        .section(jwt)
         .upstream("app", &[up.addr()])
         .route(
             Route::new("j.api")
@@ -56,7 +55,14 @@ async fn tokens_of_an_identity_provider_are_verified_with_its_jwks() {
                 .identity("jwt")
                 .token_bucket(100_000_000, 0),
         )
-        .start();
+        .start()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_of_an_identity_provider_are_verified_with_its_jwks() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = start(&redis, &up, &jwt_section(""));
     let http = client();
     let claims = |org: &str, aud: &str| serde_json::json!({"org_id": org, "sub": "user-1", "iss": "https://idp.example/", "aud": aud, "exp": now() + 60});
     for (alg, kid, key, org) in [
@@ -195,19 +201,11 @@ async fn a_set_without_kids_beside_tokens_naming_one_is_said_once() {
     }
     let path = dir.path().join("jwks.json");
     std::fs::write(&path, set.to_string()).unwrap();
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
-            quoted(path.to_str().unwrap())
-        ))
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("j.api")
-                .prefix("/api")
-                .identity("jwt")
-                .token_bucket(100_000_000, 0),
-        )
-        .start();
+    let jwt = format!(
+        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
+        quoted(path.to_str().unwrap())
+    );
+    let gw = start(&redis, &up, &jwt);
     let http = client();
     let claims = serde_json::json!({"sub": "user-1", "exp": now() + 60});
     let status = |kid: Option<&'static str>| {

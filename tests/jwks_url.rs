@@ -79,9 +79,14 @@ impl Provider {
 }
 
 fn token(kid: &str, key_file: &str) -> String {
+    signed(Some(kid), key_file)
+}
+
+/// An RS256 token for `user-1`, with `kid` when given, signed with `key_file`'s key.
+fn signed(kid: Option<&str>, key_file: &str) -> String {
     let der = std::fs::read(fixture(key_file)).unwrap();
     let mut header = Header::new(Algorithm::RS256);
-    header.kid = Some(kid.to_owned());
+    header.kid = kid.map(str::to_owned);
     let exp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -597,19 +602,5 @@ async fn a_fetched_set_without_kids_beside_tokens_naming_one_is_said_once() {
         .collect();
     assert_eq!(said.len(), 1, "{said:?}");
     assert!(said[0].contains("\"level\":\"INFO\""), "{}", said[0]);
-    let mut header = Header::new(Algorithm::RS256);
-    header.kid = None;
-    let exp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 300;
-    let der = std::fs::read(fixture("rsa.der")).unwrap();
-    let unnamed = encode(
-        &header,
-        &serde_json::json!({"sub": "user-1", "exp": exp}),
-        &EncodingKey::from_rsa_der(&der),
-    )
-    .unwrap();
-    assert_eq!(status(&gw, &unnamed).await, 200);
+    assert_eq!(status(&gw, &signed(None, "rsa.der")).await, 200);
 }
