@@ -448,8 +448,15 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
             c.header
         )
     });
+    let told = match (route.forward_identity, &p.tiers) {
+        (false, _) => "",
+        (true, None) => "; the upstream told the caller (X-Sentinel-Identity)",
+        (true, Some(_)) => {
+            "; the upstream told the caller and tier (X-Sentinel-Identity, X-Sentinel-Tier)"
+        }
+    };
     format!(
-        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{fail}{shadow}; policy v{}",
+        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}; policy v{}",
         p.endpoint_id, route.upstream.name, p.policy_version
     )
 }

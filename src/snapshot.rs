@@ -33,6 +33,8 @@ pub struct Route {
     pub websocket: bool,
     /// Clients forwarded without identity, limit or Redis call.
     pub exempt_client_cidrs: Vec<ipnet::IpNet>,
+    /// The upstream is told the verified caller and its tier.
+    pub forward_identity: bool,
 }
 
 impl Route {
@@ -208,6 +210,7 @@ impl Snapshot {
                 max_body_bytes: rc.max_body_bytes,
                 websocket: rc.websocket,
                 exempt_client_cidrs: rc.exempt_client_cidrs.clone(),
+                forward_identity: rc.forward_identity,
             };
             entries.push((rc.matcher(), Arc::new(route)));
         }

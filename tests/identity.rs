@@ -311,3 +311,67 @@ async fn many_identities_keep_process_memory_flat() {
         "RSS grew from {before} KiB to {after} KiB"
     );
 }
+
+/// `forward_identity = true` on a JWT route: the upstream is told the verified claim as the
+/// identity string `/limits` takes, `%XX` where a field value could not carry it as is (one
+/// percent-decoding gives it back, so it is a ready `identity=` query); the client's own
+/// word under that name is dropped from an untrusted peer on every route, kept from a trusted
+/// one on a route that does not forward, and replaced on one that does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_is_told_the_verified_subject() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let routes = [
+        limited("i.fwd", "/fwd")
+            .identity("jwt")
+            .set("forward_identity", "true"),
+        limited("i.plain", "/plain").identity("jwt"),
+    ];
+    let untrusted = start(&redis, &up, &[], &routes);
+    let trusted = start(
+        &redis,
+        &up,
+        &[("trusted_proxies", "[\"127.0.0.1/32\"]")],
+        &routes,
+    );
+    let subject = "José Q. 50%\u{1}";
+    let token = jwt(subject, SECRET);
+    let told = |gw: &Gateway, path: &str| {
+        let (url, token) = (gw.url(path), token.clone());
+        async move {
+            let r = client()
+                .get(url)
+                .bearer_auth(token)
+                .header("X-Sentinel-Identity", "jwt:admin")
+                .header("X-Sentinel-Tier", "gold")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let echo: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+            let field = |n: &str| echo["headers"][n].as_str().map(str::to_owned);
+            (field("x-sentinel-identity"), field("x-sentinel-tier"))
+        }
+    };
+    let sent = "jwt:Jos%C3%A9%20Q.%2050%25%01".to_owned();
+    assert_eq!(told(&untrusted, "/fwd/a").await, (Some(sent.clone()), None));
+    assert_eq!(told(&untrusted, "/plain/a").await, (None, None));
+    assert_eq!(told(&trusted, "/fwd/a").await, (Some(sent.clone()), None));
+    assert_eq!(
+        told(&trusted, "/plain/a").await,
+        (Some("jwt:admin".into()), Some("gold".into())),
+        "a trusted proxy's word is passed on where this gateway says nothing"
+    );
+
+    // The value is the query `/limits` takes for the bucket the request spent.
+    let limits = client()
+        .get(untrusted.admin(&format!("/limits/i.fwd?identity={sent}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(limits.status(), 200);
+    let limits: serde_json::Value = serde_json::from_str(&limits.text().await.unwrap()).unwrap();
+    assert_eq!(
+        limits["identity_hash"],
+        sentinel_gateway::limiter::identity_hash(&format!("jwt:{subject}")).as_str()
+    );
+}

@@ -543,3 +543,108 @@ async fn an_unlimited_tier_is_never_charged_a_reported_cost() {
         .expect("the burst limit");
     assert_eq!(burst["remaining"], 0, "{body}");
 }
+
+/// Sends one request with `key` and the client's own claims to be someone else, and returns
+/// the status and what the upstream was told of the caller (`x-sentinel-identity`,
+/// `x-sentinel-tier`, and the `_` spelling of the first).
+async fn told(gw: &common::Gateway, path: &str, key: &str) -> (u16, [Option<String>; 3]) {
+    let r = client()
+        .get(gw.url(path))
+        .header("X-API-Key", key)
+        .header("X-Sentinel-Identity", "tenant:root")
+        .header("X-Sentinel-Tier", "internal")
+        .header("X_Sentinel_Identity", "tenant:root")
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body = r.text().await.unwrap();
+    let echo: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let field = |name: &str| echo["headers"][name].as_str().map(str::to_owned);
+    (
+        status,
+        [
+            field("x-sentinel-identity"),
+            field("x-sentinel-tier"),
+            field("x_sentinel_identity"),
+        ],
+    )
+}
+
+/// `forward_identity = true`: the upstream is told the tenant the key file maps the key to and
+/// the tier it counted under (an unlisted tier as `default_tier`, an unlimited tier too);
+/// what a client says under those names never reaches an upstream, on any route; an exempt
+/// client, whom the gateway does not identify, is told of as no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_is_told_the_tenant_and_tier_the_gateway_found() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    std::fs::write(
+        &keys,
+        [
+            entry("free-key", "a", None),
+            entry("pro-key", "b", Some("pro")),
+            entry("internal-key", "c", Some("internal")),
+            entry("gold-key", "d", Some("gold")),
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let gw = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("t.plain")
+                .prefix("/plain")
+                .identity("api_key")
+                .token_bucket(100_000_000, 0),
+        )
+        .route(
+            Route::new("t.exempt")
+                .prefix("/exempt")
+                .identity("api_key")
+                .token_bucket(100_000_000, 0)
+                .set("exempt_client_cidrs", "[\"127.0.0.1/32\"]")
+                .set("forward_identity", "true"),
+        )
+        .route(tiered().set("forward_identity", "true"))
+        .section(TIERS)
+        .start();
+
+    let (free, pro, internal, gold) = (
+        told(&gw, "/ocr/x", "free-key").await,
+        told(&gw, "/ocr/x", "pro-key").await,
+        told(&gw, "/ocr/x", "internal-key").await,
+        told(&gw, "/ocr/x", "gold-key").await,
+    );
+    let caller = |tenant: &str, tier: &str| {
+        (
+            200,
+            [
+                Some(format!("tenant:{tenant}")),
+                Some(tier.to_owned()),
+                None,
+            ],
+        )
+    };
+    assert_eq!(free, caller("a", "free"));
+    assert_eq!(pro, caller("b", "pro"));
+    assert_eq!(internal, caller("c", "internal"), "an unlimited tier");
+    assert_eq!(gold, caller("d", "free"), "an unlisted tier is the default");
+    assert_eq!(
+        told(&gw, "/plain/x", "pro-key").await,
+        (200, [None, None, None]),
+        "a route without forward_identity tells nothing, and passes no client's word on"
+    );
+    assert_eq!(
+        told(&gw, "/exempt/x", "no-such-key").await,
+        (200, [None, None, None]),
+        "an exempt client is identified as no one"
+    );
+    // A refused key is refused before anything is forwarded.
+    assert_eq!(told(&gw, "/ocr/x", "no-such-key").await.0, 401);
+}

@@ -645,6 +645,9 @@ pub struct RouteConfig {
     pub websocket: bool,
     /// Clients (as `client_ip` derives them) forwarded without identity, limit or Redis call.
     pub exempt_client_cidrs: Vec<IpNet>,
+    /// `forward_identity = true`: the upstream is told the caller the gateway verified
+    /// (`X-Sentinel-Identity`) and, on a tiered route, its tier (`X-Sentinel-Tier`).
+    pub forward_identity: bool,
 }
 
 impl RouteConfig {

@@ -232,6 +232,7 @@ pub struct RawRoute {
     pub max_body_bytes: Option<Spanned<i64>>,
     pub websocket: Option<bool>,
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
+    pub forward_identity: Option<Spanned<bool>>,
     /// Absent, or written (`limits = []` is written, and names no limit).
     pub limits: Option<Spanned<Vec<Spanned<RawLimit>>>>,
     pub cost_from_response: Option<Spanned<RawCostFromResponse>>,
@@ -364,6 +365,7 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "max_body_bytes",
     "websocket",
     "exempt_client_cidrs",
+    "forward_identity",
     "limits",
     "cost_from_response",
     "tier_from",

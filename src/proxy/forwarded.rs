@@ -37,16 +37,56 @@ pub struct Origin {
 
 static X_FORWARDED_PORT: http::HeaderName = http::HeaderName::from_static("x-forwarded-port");
 
+/// The caller the gateway verified, on routes with `forward_identity = true`: its identity
+/// string, as `/limits` takes it (`tenant:acme`, `jwt:user-42`).
+pub static X_SENTINEL_IDENTITY: http::HeaderName =
+    http::HeaderName::from_static("x-sentinel-identity");
+/// The tier that caller counted under, on a tiered route with `forward_identity = true`.
+pub static X_SENTINEL_TIER: http::HeaderName = http::HeaderName::from_static("x-sentinel-tier");
+
 /// The fields the gateway writes or drops on every request sent upstream (the request id's
 /// name is configured).
-const WRITTEN: [&str; 6] = [
+const WRITTEN: [&str; 8] = [
     "x-forwarded-for",
     "x-forwarded-proto",
     "x-forwarded-host",
     "x-forwarded-port",
     "x-real-ip",
     "forwarded",
+    "x-sentinel-identity",
+    "x-sentinel-tier",
 ];
+
+/// What of an identity string is written `%XX` in `X-Sentinel-Identity`: what a field value
+/// cannot hold or a reader would trim (controls, spaces), bytes beyond ASCII, and `%` itself,
+/// so that one percent-decoding gives the identity back.
+const CALLER_ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
+
+/// On a route with `forward_identity = true`, the caller the gateway verified and its tier;
+/// neither when it identified none (an exempt client). What a trusted peer sent under these
+/// names is replaced there too: on such a route they are this gateway's word alone.
+pub fn tell_caller(
+    upstream: &mut RequestHeader,
+    caller: Option<&str>,
+    tier: Option<&str>,
+) -> Result<()> {
+    match caller {
+        Some(caller) => {
+            let value = percent_encoding::utf8_percent_encode(caller, CALLER_ESCAPED).to_string();
+            upstream.insert_header(X_SENTINEL_IDENTITY.clone(), value)?;
+        }
+        None => {
+            upstream.remove_header(&X_SENTINEL_IDENTITY);
+        }
+    }
+    match tier.filter(|_| caller.is_some()) {
+        Some(tier) => upstream.insert_header(X_SENTINEL_TIER.clone(), tier)?,
+        None => {
+            upstream.remove_header(&X_SENTINEL_TIER);
+        }
+    }
+    Ok(())
+}
 
 /// CGI and WSGI backends (and the frameworks on them) read `X_Real_IP` and `X-Real-IP` as one
 /// variable, the values joined: a field written with `_` where one the gateway writes has
@@ -108,6 +148,15 @@ impl Origin {
     pub fn apply(&self, upstream: &mut RequestHeader, request_id_header: &Bytes) -> Result<()> {
         if self.underscored {
             drop_underscore_spellings(upstream, request_id_header);
+        }
+        if !self.trusted {
+            // A backend behind a `forward_identity` route believes these: from a client
+            // they are dropped on every route, as the forwarding headers are.
+            for name in [&X_SENTINEL_IDENTITY, &X_SENTINEL_TIER] {
+                if upstream.headers.contains_key(name) {
+                    upstream.remove_header(name);
+                }
+            }
         }
         let Some(peer) = self.peer else {
             upstream.insert_header(request_id_header.clone(), self.request_id.as_str())?;

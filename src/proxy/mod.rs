@@ -101,6 +101,8 @@ pub struct RequestCtx {
     /// is not the route's own.
     tier: Option<Arc<str>>,
     tier_endpoint: Option<Arc<limiter::Endpoint>>,
+    /// The identity string of the caller, kept on a route with `forward_identity = true`.
+    caller: Option<String>,
     _in_flight: Option<InFlight>,
     /// How long the request took until its answer, when the gateway went on reading the
     /// body after it ([`linger`]); else it is over when it is logged.
@@ -355,6 +357,9 @@ impl Gateway {
             }
         };
         let hash = identity_hash(&identity);
+        if route.forward_identity {
+            ctx.caller = Some(identity);
+        }
         // A tiered route: the caller's tier picks the limits (an unlimited tier: none).
         let mut endpoint = Arc::clone(&route.endpoint);
         if let Some(tiers) = tiers {
@@ -693,6 +698,9 @@ impl ProxyHttp for Gateway {
         ctx.forwarded = true;
         if let (Some(origin), Some(snapshot)) = (&ctx.origin, &ctx.snapshot) {
             origin.apply(upstream_request, &snapshot.config.server.request_id_wire)?;
+        }
+        if ctx.route.as_ref().is_some_and(|r| r.forward_identity) {
+            forwarded::tell_caller(upstream_request, ctx.caller.as_deref(), ctx.tier.as_deref())?;
         }
         if !ctx.route.as_ref().is_some_and(|r| r.websocket) {
             outgoing::drop_upgrade(upstream_request);

@@ -214,6 +214,7 @@ pub(super) fn route(
             c.warn(Some(&set.span()), label, "exempt_client_cidrs on a route that is not limited (algorithm = \"none\") changes nothing: every client is forwarded without a limit already".into());
         }
     }
+    let forward_identity = forward_identity(c, label, r, limited, identity.as_ref());
     let max_body_bytes = match &r.max_body_bytes {
         None => Some(server_max_body_bytes),
         own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
@@ -230,9 +231,38 @@ pub(super) fn route(
             max_body_bytes: max_body_bytes?,
             websocket: r.websocket.unwrap_or(false),
             exempt_client_cidrs: exempt?,
+            forward_identity: forward_identity?,
         })
     })();
     (route, matcher)
+}
+
+/// `forward_identity = true` tells the upstream who the caller is, where only the gateway
+/// knows: the tenant a key file maps a key to, the claim of a token it verified. Other
+/// identities the upstream has already, or there is none.
+fn forward_identity(
+    c: &mut Collector,
+    label: Option<&str>,
+    r: &RawRoute,
+    limited: bool,
+    identity: Option<&IdentitySource>,
+) -> Option<bool> {
+    let Some(field) = r.forward_identity.as_ref().filter(|f| *f.get_ref()) else {
+        return Some(false);
+    };
+    let why = match identity? {
+        _ if !limited => "a route that is not limited (algorithm = \"none\") has no caller: it forwards without identifying one".to_owned(),
+        IdentitySource::ApiKey | IdentitySource::Jwt => return Some(true),
+        IdentitySource::Global => "with identity = \"global\" every caller is one".to_owned(),
+        IdentitySource::ClientIp => "with identity = \"client_ip\" the upstream is told the caller already, in X-Real-IP".to_owned(),
+        IdentitySource::Header(name) => format!("with identity = {{ header = \"{name}\" }} the upstream receives that header itself"),
+    };
+    c.push(
+        Some(&field.span()),
+        label,
+        format!("forward_identity = true needs identity = \"api_key\" or \"jwt\": {why}"),
+    );
+    None
 }
 
 fn route_path(

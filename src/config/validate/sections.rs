@@ -384,6 +384,8 @@ const RESERVED_REQUEST_ID_HEADERS: &[&str] = &[
     "x-forwarded-host",
     "x-forwarded-port",
     "x-real-ip",
+    "x-sentinel-identity",
+    "x-sentinel-tier",
     "ratelimit",
     "ratelimit-policy",
 ];
