@@ -705,6 +705,7 @@ impl Admin {
                         "node": n.node,
                         "redis": if n.connected { "up" } else { "down" },
                         "breaker": n.breaker.as_str(),
+                        "maxmemory_policy": n.eviction_policy.as_deref(),
                     })
                 })
                 .collect();

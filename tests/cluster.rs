@@ -208,7 +208,7 @@ async fn each_key_lives_on_its_owner_and_a_dead_primary_costs_only_its_keys() {
     let (_, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
     assert!(
         ready.contains(&format!(
-            r#"{{"breaker":"open","node":"{dead_node}","redis":"down"}}"#
+            r#"{{"breaker":"open","maxmemory_policy":"noeviction","node":"{dead_node}","redis":"down"}}"#
         )),
         "{ready}"
     );
@@ -1000,6 +1000,23 @@ fn the_start_checks_every_primarys_eviction_policy_not_the_seeds() {
         cluster.nodes[evicting].port
     );
     assert!(stderr.contains(&named), "{stderr}");
+
+    // Without the check, the evicting primary is named in `/readyz`, the others too.
+    let gw = cluster_config(&seed(primaries[1]), &up.addr())
+        .redis("require_noeviction", "false")
+        .start();
+    let gw = connected(gw);
+    let (_, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
+    assert_eq!(ready["redis_maxmemory_policy"], "allkeys-lru", "{ready}");
+    let nodes = ready["redis_nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), primaries.len(), "{ready}");
+    for node in nodes {
+        let evicts = node["node"] == format!("127.0.0.1:{}", cluster.nodes[evicting].port);
+        let expected = if evicts { "allkeys-lru" } else { "noeviction" };
+        assert_eq!(node["maxmemory_policy"], expected, "{ready}");
+    }
+    drop(gw);
 
     policy(evicting, "noeviction");
     policy(replicas[0], "allkeys-lru");

@@ -90,6 +90,8 @@ pub struct NodeStatus {
     pub node: String,
     pub connected: bool,
     pub breaker: BreakerState,
+    /// The node's `maxmemory-policy` as last read (`None`: not yet, or `CONFIG` refused).
+    pub eviction_policy: Option<Arc<String>>,
 }
 
 /// What one evaluation came to: the script's answer or why there is none, and the state of
@@ -704,6 +706,7 @@ impl Store {
                 node: l.node(),
                 connected: l.is_connected(),
                 breaker: l.breaker.state(),
+                eviction_policy: l.eviction_policy.load_full(),
             })
             .collect();
         nodes.sort_by(|a, b| a.node.cmp(&b.node));
