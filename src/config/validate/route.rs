@@ -1113,9 +1113,14 @@ pub(super) fn shared_endpoints(
                 let other_tiers = |name: &str| {
                     before.and_then(|b| b.get(name)) != after.and_then(|a| a.get(name))
                 };
+                // The first limit the later route writes otherwise than the earlier.
+                let other_limit =
+                    |i: usize| prev.policy.limits.get(i) != route.policy.limits.get(i);
                 let at = fields
                     .iter()
-                    .filter_map(|field| written.and_then(|r| field_span(r, field, &other_tiers)))
+                    .filter_map(|field| {
+                        written.and_then(|r| field_span(r, field, &other_tiers, &other_limit))
+                    })
                     .min_by_key(|at| at.start)
                     .unwrap_or_else(|| span.clone());
                 c.push(
@@ -1192,18 +1197,26 @@ fn differing(a: &RouteConfig, b: &RouteConfig) -> Vec<&'static str> {
 }
 
 /// Where a route writes one of the fields `differing` names (of its tiers, the first that
-/// `other_tier` says differs); `None` where it leaves it to its default.
+/// `other_tier` says differs; of its limits, the first `other_limit` says differs); `None`
+/// where it leaves it to its default.
 fn field_span(
     r: &RawRoute,
     field: &str,
     other_tier: &dyn Fn(&str) -> bool,
+    other_limit: &dyn Fn(usize) -> bool,
 ) -> Option<Range<usize>> {
     fn at<T>(v: &Option<Spanned<T>>) -> Option<Range<usize>> {
         v.as_ref().map(Spanned::span)
     }
     match field {
         "identity" => at(&r.identity),
-        "limits" | "limits (one route writes [[routes.limits]])" => at(&r.limits),
+        "limits" => r.limits.as_ref().and_then(|limits| {
+            let entries = limits.get_ref();
+            let first = (0..entries.len()).find(|&i| other_limit(i));
+            // Fewer entries than the earlier route's: the list, where it ends short.
+            Some(first.map_or_else(|| limits.span(), |i| entries[i].span()))
+        }),
+        "limits (one route writes [[routes.limits]])" => at(&r.limits),
         "cost_micro" => at(&r.cost_micro),
         "fail_mode" => at(&r.fail_mode),
         "fallback" => [
