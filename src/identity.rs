@@ -111,10 +111,10 @@ impl JwtVerifier {
 
     /// A token was refused for good (after the refresh an unknown kid asks for): when it
     /// named a kid no key has while keys of its type (and pinned to its `alg`, if at all)
-    /// have none, says so once a config generation, at INFO. Such keys verify only tokens
-    /// without a kid (the token's kid picks the key), so a provider that publishes its set
-    /// without kids and stamps one on its tokens has every token refused, and nothing else
-    /// would say why. Nothing of the token is said (a client's made-up kid can set it off).
+    /// have none, and one of those keys signed it, says so once a config generation, at
+    /// INFO. Such keys verify only tokens without a kid (the token's kid picks the key), so a
+    /// provider that publishes its set without kids and stamps one on its tokens has every
+    /// token refused, and nothing else would say why. Nothing of the token is said.
     pub fn note_refused(&self, token: &str) {
         use std::sync::atomic::Ordering;
         if self.kidless_said.load(Ordering::Relaxed) {
@@ -133,12 +133,28 @@ impl JwtVerifier {
             return;
         };
         let alg = header.alg;
-        let known = keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(&want));
-        let kidless = keys.iter().any(|(kid, pinned, key)| {
-            kid.is_none() && pinned.is_none_or(|p| p == alg) && key.family() == alg.family()
+        if keys.iter().any(|(kid, _, _)| kid.as_ref() == Some(&want))
+            || !self.validations.iter().any(|(a, _)| *a == alg)
+        {
+            return;
+        }
+        // Said only when a key without a kid signed it: the provider's own token, then, not a
+        // client's made-up kid (which would use the one saying up and leave the operator's
+        // tokens unexplained until the next reload). The signature alone is checked.
+        let mut signature_only = jsonwebtoken::Validation::new(alg);
+        signature_only.required_spec_claims.clear();
+        signature_only.validate_exp = false;
+        signature_only.validate_nbf = false;
+        signature_only.validate_aud = false;
+        let signed_by_a_kidless_key = keys.iter().any(|(kid, pinned, key)| {
+            kid.is_none()
+                && pinned.is_none_or(|p| p == alg)
+                && key.family() == alg.family()
+                && jsonwebtoken::decode::<serde::de::IgnoredAny>(token, key, &signature_only)
+                    .is_ok()
         });
-        if !known && kidless && !self.kidless_said.swap(true, Ordering::Relaxed) {
-            tracing::info!("a bearer token named a kid no JWKS key has, while keys of its type have no kid: keys without a kid verify only tokens without one; if the identity provider stamps a kid on its tokens, its JWKS must carry them (said once until the next reload)");
+        if signed_by_a_kidless_key && !self.kidless_said.swap(true, Ordering::Relaxed) {
+            tracing::info!("a bearer token signed by a JWKS key that has no kid was refused for naming a kid no key has: keys without a kid verify only tokens without one; if the identity provider stamps a kid on its tokens, its JWKS must carry them (said once until the next reload)");
         }
     }
 

@@ -597,7 +597,7 @@ async fn a_fetched_set_without_kids_beside_tokens_naming_one_is_said_once() {
     assert_eq!(provider.hits(), before + 1, "the refresh asked for");
     assert_eq!(status(&gw, &token("rsa-2", "rsa.der")).await, 401);
     let said: Vec<_> = (gw.logs().lines())
-        .filter(|l| l.contains("while keys of its type have no kid"))
+        .filter(|l| l.contains("signed by a JWKS key that has no kid"))
         .map(str::to_owned)
         .collect();
     assert_eq!(said.len(), 1, "{said:?}");
