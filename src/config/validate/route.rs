@@ -1210,11 +1210,11 @@ fn field_span(
     }
     match field {
         "identity" => at(&r.identity),
-        "limits" => r.limits.as_ref().and_then(|limits| {
+        "limits" => r.limits.as_ref().map(|limits| {
             let entries = limits.get_ref();
             let first = (0..entries.len()).find(|&i| other_limit(i));
             // Fewer entries than the earlier route's: the list, where it ends short.
-            Some(first.map_or_else(|| limits.span(), |i| entries[i].span()))
+            first.map_or_else(|| limits.span(), |i| entries[i].span())
         }),
         "limits (one route writes [[routes.limits]])" => at(&r.limits),
         "cost_micro" => at(&r.cost_micro),
