@@ -596,9 +596,14 @@ impl ProxyHttp for Gateway {
             .host()
             .or_else(|| forwarded::absolute_form_authority(req));
         let host = request_host(target_host, host_header);
+        // Matched without path parameters (`;...`), as Java backends serve the path; the
+        // path forwarded keeps them.
+        let Ok(matched) = crate::routing::without_parameters(&path) else {
+            return self.answer(session, ctx, Answer::BadRequest).await;
+        };
         let Some(route) = snapshot
             .routes
-            .find(host.as_deref(), &req.method, &path)
+            .find(host.as_deref(), &req.method, &matched)
             .cloned()
         else {
             return self.answer(session, ctx, Answer::NoRoute).await;

@@ -9,7 +9,7 @@
 
 mod path;
 
-pub use path::{normalize_path, normalized, PathError, MAX_PATH_BYTES};
+pub use path::{normalize_path, normalized, without_parameters, PathError, MAX_PATH_BYTES};
 
 use http::Method;
 

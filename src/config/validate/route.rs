@@ -292,6 +292,14 @@ fn route_path(
         }
     };
     let text = value.get_ref();
+    if text.contains(';') {
+        c.push(
+            Some(&value.span()),
+            label,
+            format!("{field} = \"{text}\" holds a ';': routes match a request's path without its path parameters (from a ';' to the segment's end), as Java servlet containers serve it, so the route could never match; write the path without them (a literal ';' in a path is %3B)"),
+        );
+        return None;
+    }
     match routing::normalize_path(text) {
         Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => {
             Some(if exact {
