@@ -644,12 +644,14 @@ fn a_head_that_cannot_be_parsed_gets_the_gateways_own_400() {
             "{answer:?}"
         );
     };
-    let heads: [&[u8]; 4] = [
+    let heads: [&[u8]; 5] = [
         b"GET /open HTTP/1.1\r\nHost: a\r\nBad\x01Name: y\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
         // A target without its leading slash was routed as `/` (and answered 404 there).
         b"GET open HTTP/1.1\r\nHost: a\r\n\r\n",
+        // A name in brackets names no host.
+        b"GET /open HTTP/1.1\r\nHost: [api.example.com]\r\n\r\n",
     ];
     for head in heads {
         is_the_gateways(&raw_answer(gw.port, head));

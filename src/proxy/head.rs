@@ -114,7 +114,7 @@ pub fn is_authority(v: &[u8]) -> bool {
                 return false;
             };
             let literal = &rest[..end];
-            if literal.is_empty() || !literal.iter().all(|&b| name_char(b) || b == b':') {
+            if !literal.iter().all(|&b| name_char(b) || b == b':') || !ip_literal(literal) {
                 return false;
             }
             &rest[end + 1..]
@@ -134,6 +134,24 @@ pub fn is_authority(v: &[u8]) -> bool {
         Some((b':', digits)) => digits.iter().all(u8::is_ascii_digit),
         Some(_) => false,
     }
+}
+
+/// What may stand in brackets (RFC 3986, 3.2.2): an IPv6 address, with a zone after `%25`
+/// (RFC 6874), or an `IPvFuture` (`v` and hex digits, `.`, then more). A name in brackets
+/// (`[api.example.com]`) is none: it names no host.
+fn ip_literal(literal: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(literal) else {
+        return false;
+    };
+    if let Some(future) = text.strip_prefix(['v', 'V']) {
+        return future.split_once('.').is_some_and(|(version, rest)| {
+            !version.is_empty()
+                && version.bytes().all(|b| b.is_ascii_hexdigit())
+                && !rest.is_empty()
+        });
+    }
+    let address = text.split_once("%25").map_or(text, |(address, _)| address);
+    address.parse::<std::net::Ipv6Addr>().is_ok()
 }
 
 /// A character of a host name or IPv4 address (RFC 3986, 3.2.2): unreserved, `%` of a
@@ -172,6 +190,7 @@ mod tests {
             "127.0.0.1:80",
             "[::1]:8080",
             "[fe80::1%25eth0]",
+            "[v1.fe80::a+en1]",
             "xn--bcher-kva.example",
             "",
         ] {
@@ -197,6 +216,11 @@ mod tests {
             "[]",
             "[::1]x",
             "[::1]:8a",
+            // A name or a broken address in brackets names no host.
+            "[api.example.com]",
+            "[1.2.3.4]",
+            "[::1::2]",
+            "[v.x]",
             "a[b]",
             "api.example..",
             "a..b:80",
