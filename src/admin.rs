@@ -550,6 +550,17 @@ impl Admin {
                 serde_json::json!({ "detail": detail }),
             )
         };
+        // A parameter /limits does not take is refused, not passed over: `Tier=pro` read as
+        // the default tier would answer for buckets the operator did not ask about.
+        let unknown = (query.unwrap_or_default().split('&'))
+            .map(|pair| pair.split_once('=').map_or(pair, |(k, _)| k))
+            .find(|k| !k.is_empty() && *k != "identity" && *k != "tier");
+        if let Some(name) = unknown {
+            let name = name.escape_debug().to_string();
+            return bad(format!(
+                "unknown query parameter \"{name}\": /limits takes identity and tier"
+            ));
+        }
         let identity = param_of(query, "identity").map(|i| i.filter(|i| !i.is_empty()));
         // An empty `tier=` names no tier: it is unknown, not the default.
         let (identity, asked) = match (identity, param_of(query, "tier")) {

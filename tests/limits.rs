@@ -181,6 +181,11 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
             "identity is not percent-encoded: a % must be followed by two hex digits (%25 for a %)",
         ),
         ("?identity=a&identity=b", "identity is sent more than once"),
+        // A parameter it does not take (a typo of `tier` read as the default tier).
+        (
+            "?identity=header%3Ax-api-key%3Ak&Tier=pro",
+            "unknown query parameter \"Tier\": /limits takes identity and tier",
+        ),
         // One no request to the endpoint is keyed by (the raw key, another header) would
         // read as a full bucket and reset nothing.
         (
