@@ -51,6 +51,13 @@ enum Command {
 /// several keys is refused rather than its first key hashed alone.
 fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
     use std::io::{IsTerminal, Read};
+    // A command line that cannot be used exits 2, as every other (before stdin is read).
+    for (field, value) in [("tenant", tenant), ("tier", tier)] {
+        if value.is_some_and(|v| crate::config::EndpointId::parse(v).is_none()) {
+            eprintln!("error: --{field} must be 1 to 128 of a-z, 0-9, '.', '_', '-'");
+            return 2;
+        }
+    }
     let mut input = String::new();
     let stdin = std::io::stdin();
     let read = if stdin.is_terminal() {
@@ -89,12 +96,6 @@ fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
     if key.chars().any(char::is_control) {
         eprintln!("the key holds a control character, which no header value may carry: no client could send it");
         return 1;
-    }
-    for (field, value) in [("tenant", tenant), ("tier", tier)] {
-        if value.is_some_and(|v| crate::config::EndpointId::parse(v).is_none()) {
-            eprintln!("--{field} must be 1 to 128 of a-z, 0-9, '.', '_', '-'");
-            return 1;
-        }
     }
     let line = crate::config::api_keys::key_line(key.as_bytes());
     match tenant {

@@ -112,6 +112,10 @@ impl log::Log for PingoraLog {
         let message = record.args().to_string();
         let level = if record.level() <= log::Level::Warn && client_caused(&message) {
             log::Level::Debug
+        } else if message.starts_with("Graceful shutdown: grace period") {
+            // Pingora's grace is set a second past the gateway's own (which ends the drain
+            // and is said at the signal): its "grace period 6s starts" would contradict it.
+            log::Level::Debug
         } else {
             record.level()
         };

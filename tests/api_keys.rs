@@ -166,6 +166,19 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
         assert_eq!(out.status.code(), Some(1), "{unsendable:?}");
         assert!(out.stdout.is_empty());
     }
+    // A tenant or tier that is no name is a command line that cannot be used: 2, as any.
+    for args in [["--tenant", "ACME"], ["--tier", "p ro"]] {
+        let mut argv = vec![OsStr::new("hash-key")];
+        if args[0] == "--tier" {
+            argv.extend([OsStr::new("--tenant"), OsStr::new("acme")]);
+        }
+        argv.extend(args.iter().map(OsStr::new));
+        let out = common::run_binary_with_stdin(&argv, b"key\n");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("error: --"), "{stderr}");
+    }
     // Two keys piped in: refused, not the first one hashed alone.
     let two = common::run_binary_with_stdin(&[OsStr::new("hash-key")], b"key-a\nkey-b\n");
     assert_eq!(two.status.code(), Some(1));

@@ -253,6 +253,8 @@ async fn sigterm_cuts_what_outlives_the_grace_period_and_says_so() {
         cut[0]
     );
     assert!(!logs.contains("drained; exiting"), "{logs}");
+    // One grace period said: Pingora's own (a second longer) is not.
+    assert!(!logs.contains("grace period 2s starts"), "{logs}");
 }
 
 /// SIGINT stops at once, also while a SIGTERM drain waits for a request in flight (it was
