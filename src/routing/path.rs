@@ -147,13 +147,13 @@ fn normalize_slow(raw: &str) -> Result<String, PathError> {
     resolve_segments(&text)
 }
 
-/// A normal path as routes match it: each segment without its path parameters (from a raw
-/// `;` to the segment's end), and the dot segments that leaves resolved again. Java servlet
+/// A normal path as Java backends read it: each segment without its path parameters (from a
+/// raw `;` to the segment's end), and the dot segments that leaves resolved again. Servlet
 /// containers and Spring serve `/api;x/v1`, `/api/v1;jsessionid=1` and `/x/..;/api/v1` as
-/// `/api/v1` (they drop parameters before they resolve dot segments), so a route for
-/// `/api/v1` must limit them too, or a request would reach such a backend past its limit
-/// through a less specific route. An encoded `%3B` is data, as those servers read it. The
-/// path forwarded is the normal one, parameters and all.
+/// `/api/v1` (they drop parameters before they resolve dot segments), where most other
+/// backends read the path as written; a request whose route the two readings choose
+/// differently is refused (the proxy's request filter). An encoded `%3B` is data, as those
+/// servers read it.
 pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
     if !normal.contains(';') {
         return Ok(Cow::Borrowed(normal));
@@ -267,7 +267,7 @@ mod tests {
     }
 
     #[test]
-    fn path_parameters_are_not_matched() {
+    fn a_path_without_its_parameters_as_java_backends_read_it() {
         let cases = [
             ("/api/v1", Ok("/api/v1")),
             ("/api;x/v1", Ok("/api/v1")),

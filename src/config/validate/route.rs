@@ -296,7 +296,7 @@ fn route_path(
         c.push(
             Some(&value.span()),
             label,
-            format!("{field} = \"{text}\" holds a ';': routes match a request's path without its path parameters (from a ';' to the segment's end), as Java servlet containers serve it, so the route could never match; write the path without them (a literal ';' in a path is %3B)"),
+            format!("{field} = \"{text}\" holds a ';': a request reaching it would carry path parameters (from a ';' to the segment's end), which Java backends drop, and a request whose route depends on them is refused, so the route could never serve; write the path without them (a literal ';' in a path is %3B)"),
         );
         return None;
     }
