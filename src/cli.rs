@@ -451,9 +451,9 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     });
     let told = match (route.forward_identity, &p.tiers) {
         (false, _) => "",
-        (true, None) => "; the upstream told the caller (X-Sentinel-Identity)",
+        (true, None) => "; the upstream is told the caller (X-Sentinel-Identity)",
         (true, Some(_)) => {
-            "; the upstream told the caller and tier (X-Sentinel-Identity, X-Sentinel-Tier)"
+            "; the upstream is told the caller and tier (X-Sentinel-Identity, X-Sentinel-Tier)"
         }
     };
     format!(

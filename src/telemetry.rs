@@ -114,7 +114,8 @@ impl log::Log for PingoraLog {
             log::Level::Debug
         } else if message.starts_with("Graceful shutdown: grace period") {
             // Pingora's grace is set a second past the gateway's own (which ends the drain
-            // and is said at the signal): its "grace period 6s starts" would contradict it.
+            // and is said at the signal): its "grace period 6s starts" would contradict it,
+            // and its "grace period ends" comes after the gateway's own end, if at all.
             log::Level::Debug
         } else {
             record.level()

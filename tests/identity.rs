@@ -334,10 +334,10 @@ async fn many_identities_keep_process_memory_flat() {
 }
 
 /// `forward_identity = true` on a JWT route: the upstream is told the verified claim as the
-/// identity string `/limits` takes, `%XX` where a field value could not carry it as is (one
-/// percent-decoding gives it back, so it is a ready `identity=` query); the client's own
-/// word under that name is dropped from an untrusted peer on every route, kept from a trusted
-/// one on a route that does not forward, and replaced on one that does.
+/// identity string `/limits` takes, `%XX` where a field value could not carry it as is or a
+/// query would read it otherwise (one percent-decoding gives it back, so it is a ready
+/// `identity=` query); the client's own word under those names is dropped on every route,
+/// from a trusted peer too (a load balancer passes on what its client wrote).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_upstream_is_told_the_verified_subject() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
@@ -346,41 +346,65 @@ async fn the_upstream_is_told_the_verified_subject() {
             .identity("jwt")
             .set("forward_identity", "true"),
         limited("i.plain", "/plain").identity("jwt"),
+        Route::new("i.open").prefix("/open").unlimited(),
     ];
-    let untrusted = start(&redis, &up, &[], &routes);
+    let untrusted = start(&redis, &up, &[("h2c", "true")], &routes);
     let trusted = start(
         &redis,
         &up,
-        &[("trusted_proxies", "[\"127.0.0.1/32\"]")],
+        &[("trusted_proxies", "[\"127.0.0.1/32\"]"), ("h2c", "true")],
         &routes,
     );
-    let subject = "José Q. 50%\u{1}";
+    let subject = "José Q. 50%\u{1}&tier=pro#x+y?";
     let token = jwt(subject, SECRET);
+    // Over HTTP/1.1 (the gateway's own value not to be taken away by the hop-by-hop rule)
+    // and h2c alike.
     let told = |gw: &Gateway, path: &str| {
         let (url, token) = (gw.url(path), token.clone());
         async move {
-            let r = client()
-                .get(url)
+            let mut seen = Vec::new();
+            for h2 in [false, true] {
+                let request = match h2 {
+                    false => client()
+                        .get(&url)
+                        .header("Connection", "X-Sentinel-Identity, X-Sentinel-Tier"),
+                    true => common::h2c_client().get(&url),
+                };
+                seen.push(told_by(request, &token).await);
+            }
+            assert_eq!(seen[0], seen[1], "HTTP/1.1 and h2c alike");
+            seen.remove(0)
+        }
+    };
+    async fn told_by(
+        request: reqwest::RequestBuilder,
+        token: &str,
+    ) -> (Option<String>, Option<String>) {
+        {
+            let r = request
                 .bearer_auth(token)
                 .header("X-Sentinel-Identity", "jwt:admin")
                 .header("X-Sentinel-Tier", "gold")
+                .header("X_Sentinel_Identity", "jwt:admin")
                 .send()
                 .await
                 .unwrap();
             assert_eq!(r.status(), 200);
             let echo: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
             let field = |n: &str| echo["headers"][n].as_str().map(str::to_owned);
+            assert_eq!(field("x_sentinel_identity"), None);
             (field("x-sentinel-identity"), field("x-sentinel-tier"))
         }
-    };
-    let sent = "jwt:Jos%C3%A9%20Q.%2050%25%01".to_owned();
+    }
+    let sent = "jwt:Jos%C3%A9%20Q.%2050%25%01%26tier%3Dpro%23x%2By%3F".to_owned();
     assert_eq!(told(&untrusted, "/fwd/a").await, (Some(sent.clone()), None));
     assert_eq!(told(&untrusted, "/plain/a").await, (None, None));
+    assert_eq!(told(&untrusted, "/open/a").await, (None, None));
     assert_eq!(told(&trusted, "/fwd/a").await, (Some(sent.clone()), None));
     assert_eq!(
         told(&trusted, "/plain/a").await,
-        (Some("jwt:admin".into()), Some("gold".into())),
-        "a trusted proxy's word is passed on where this gateway says nothing"
+        (None, None),
+        "what a trusted proxy passes on under these names is its client's word"
     );
 
     // The value is the query `/limits` takes for the bucket the request spent.

@@ -58,13 +58,21 @@ const WRITTEN: [&str; 8] = [
 ];
 
 /// What of an identity string is written `%XX` in `X-Sentinel-Identity`: what a field value
-/// cannot hold or a reader would trim (controls, spaces), bytes beyond ASCII, and `%` itself,
-/// so that one percent-decoding gives the identity back.
-const CALLER_ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
+/// cannot hold or a reader would trim (controls, spaces), bytes beyond ASCII, `%` itself (so
+/// that one percent-decoding gives the identity back), and what a query reads otherwise
+/// (`&`, `#`, `+`, `?`, `=`), so that the value is a ready `identity=` query.
+const CALLER_ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'%')
+    .add(b'&')
+    .add(b'#')
+    .add(b'+')
+    .add(b'?')
+    .add(b'=');
 
 /// On a route with `forward_identity = true`, the caller the gateway verified and its tier;
-/// neither when it identified none (an exempt client). What a trusted peer sent under these
-/// names is replaced there too: on such a route they are this gateway's word alone.
+/// neither when it identified none (an exempt client). (What any peer sent under these names
+/// is dropped before, in [`Origin::apply`].)
 pub fn tell_caller(
     upstream: &mut RequestHeader,
     caller: Option<&str>,
@@ -149,13 +157,12 @@ impl Origin {
         if self.underscored {
             drop_underscore_spellings(upstream, request_id_header);
         }
-        if !self.trusted {
-            // A backend behind a `forward_identity` route believes these: from a client
-            // they are dropped on every route, as the forwarding headers are.
-            for name in [&X_SENTINEL_IDENTITY, &X_SENTINEL_TIER] {
-                if upstream.headers.contains_key(name) {
-                    upstream.remove_header(name);
-                }
+        // A backend behind a `forward_identity` route believes these: they are dropped from
+        // every request on every route, a trusted peer's too (a load balancer trusted for its
+        // `X-Forwarded-For` passes on whatever its client wrote under other names).
+        for name in [&X_SENTINEL_IDENTITY, &X_SENTINEL_TIER] {
+            if upstream.headers.contains_key(name) {
+                upstream.remove_header(name);
             }
         }
         let Some(peer) = self.peer else {

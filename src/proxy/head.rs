@@ -150,8 +150,8 @@ fn ip_literal(literal: &[u8]) -> bool {
                 && !rest.is_empty()
         });
     }
-    let address = text.split_once("%25").map_or(text, |(address, _)| address);
-    address.parse::<std::net::Ipv6Addr>().is_ok()
+    let (address, zone) = text.split_once("%25").unwrap_or((text, "-"));
+    !zone.is_empty() && address.parse::<std::net::Ipv6Addr>().is_ok()
 }
 
 /// A character of a host name or IPv4 address (RFC 3986, 3.2.2): unreserved, `%` of a
@@ -221,6 +221,7 @@ mod tests {
             "[1.2.3.4]",
             "[::1::2]",
             "[v.x]",
+            "[::1%25]",
             "a[b]",
             "api.example..",
             "a..b:80",

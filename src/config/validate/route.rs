@@ -553,6 +553,17 @@ fn identity(
             None
         }
         RawIdentity::Header { header } => match http::HeaderName::from_bytes(header.as_bytes()) {
+            Ok(name) if super::sections::is_the_gateways_caller_header(name.as_str()) => {
+                c.push(
+                    Some(&span),
+                    label,
+                    format!(
+                        "identity = {{ header = \"{header}\" }} {}",
+                        super::sections::CALLER_HEADER_TAKEN
+                    ),
+                );
+                None
+            }
             Ok(name) => Some(IdentitySource::Header(name.as_str().to_owned())),
             Err(_) => {
                 c.push(

@@ -468,6 +468,14 @@ pub(super) fn body_limit(
     Some((n > 0).then_some(n))
 }
 
+/// The headers a `forward_identity` route tells its upstream the caller in, which the gateway
+/// drops from every request: no caller can be read from them.
+pub(super) fn is_the_gateways_caller_header(name: &str) -> bool {
+    matches!(name, "x-sentinel-identity" | "x-sentinel-tier")
+}
+
+pub(super) const CALLER_HEADER_TAKEN: &str = "is a header the gateway writes itself (forward_identity tells the upstream the caller in it) and drops from every request: choose another, such as \"X-API-Key\"";
+
 /// `[auth.api_keys]`: the header, and the keys read from their file (its problems are
 /// reported with the key file's own positions).
 pub(super) fn api_keys(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<ApiKeysConfig> {
@@ -475,6 +483,17 @@ pub(super) fn api_keys(c: &mut Collector, raw: &RawConfig, config: &Path) -> Opt
     let header = match &k.header {
         None => Some(DEFAULT_API_KEY_HEADER.to_owned()),
         Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(name) if is_the_gateways_caller_header(name.as_str()) => {
+                c.push(
+                    Some(&h.span()),
+                    None,
+                    format!(
+                        "auth.api_keys.header = \"{}\" {CALLER_HEADER_TAKEN}",
+                        h.get_ref()
+                    ),
+                );
+                None
+            }
             Ok(name) => Some(name.as_str().to_owned()),
             Err(_) => {
                 c.push(
