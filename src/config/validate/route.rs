@@ -1148,7 +1148,8 @@ pub(super) fn shared_endpoints(
                     format!(
                         "shares endpoint_id with routes[{}] but not its limit fields (different: {}): \
                          routes of one endpoint share one bucket, so identity, algorithm, limits, \
-                         cost, fail mode, fallback, mode and policy_version must be identical",
+                         cost, fail mode, fallback, emergency_scope, mode, policy_version, \
+                         ratelimit_headers, cost_from_response and tiers must be identical",
                         prev.index,
                         fields.join(", ")
                     ),

@@ -152,9 +152,18 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
                 c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is a header the gateway or HTTP itself uses: choose another, such as \"X-Request-Id\"", h.get_ref()));
                 None
             }
-            Ok(name) => Some(name),
-            Err(_) => {
-                c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is not a header name: use letters, digits and '-', such as \"X-Request-Id\"", h.get_ref()));
+            Ok(name)
+                if name
+                    .as_str()
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
+            {
+                Some(name)
+            }
+            // A name of other token characters (`X.Id`, `X+Id`): HTTP takes it, but a name
+            // of letters, digits and `-` is what every backend and log pipeline reads.
+            _ => {
+                c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is not a header name of letters, digits and '-': use one such as \"X-Request-Id\"", h.get_ref()));
                 None
             }
         },
