@@ -43,6 +43,23 @@ refill_rate_micro_per_sec = 0
 unlimited = true
 ";
 
+/// A config with the key file of `entries` (written in `dir`) and the upstream `app` at `up`.
+fn with_keys(
+    redis: &Redis,
+    up: &Upstream,
+    dir: &std::path::Path,
+    entries: &[String],
+) -> GatewayConfig {
+    let keys = dir.join("keys.toml");
+    std::fs::write(&keys, entries.join("\n")).unwrap();
+    GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+}
+
 async fn admitted(gw: &common::Gateway, key: &str, n: usize) -> usize {
     let http = client();
     let mut ok = 0;
@@ -62,29 +79,22 @@ async fn admitted(gw: &common::Gateway, key: &str, n: usize) -> usize {
 async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.toml");
-    std::fs::write(
-        &keys,
-        [
+    let gw = with_keys(
+        &redis,
+        &up,
+        dir.path(),
+        &[
             entry("free-key", "a", None),
             entry("pro-key", "b", Some("pro")),
             entry("internal-key", "c", Some("internal")),
             entry("gold-key", "d", Some("gold")),
             entry("x-free-key", "x", None),
             entry("x-pro-key", "x", Some("pro")),
-        ]
-        .join("\n"),
+        ],
     )
-    .unwrap();
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.api_keys]\nfile = {}\n",
-            quoted(keys.to_str().unwrap())
-        ))
-        .upstream("app", &[up.addr()])
-        .route(tiered())
-        .section(TIERS)
-        .start();
+    .route(tiered())
+    .section(TIERS)
+    .start();
 
     assert_eq!(
         admitted(&gw, "free-key", 3).await,
@@ -579,41 +589,34 @@ async fn told(gw: &common::Gateway, path: &str, key: &str) -> (u16, [Option<Stri
 async fn the_upstream_is_told_the_tenant_and_tier_the_gateway_found() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.toml");
-    std::fs::write(
-        &keys,
-        [
+    let gw = with_keys(
+        &redis,
+        &up,
+        dir.path(),
+        &[
             entry("free-key", "a", None),
             entry("pro-key", "b", Some("pro")),
             entry("internal-key", "c", Some("internal")),
             entry("gold-key", "d", Some("gold")),
-        ]
-        .join("\n"),
+        ],
     )
-    .unwrap();
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.api_keys]\nfile = {}\n",
-            quoted(keys.to_str().unwrap())
-        ))
-        .upstream("app", &[up.addr()])
-        .route(
-            Route::new("t.plain")
-                .prefix("/plain")
-                .identity("api_key")
-                .token_bucket(100_000_000, 0),
-        )
-        .route(
-            Route::new("t.exempt")
-                .prefix("/exempt")
-                .identity("api_key")
-                .token_bucket(100_000_000, 0)
-                .set("exempt_client_cidrs", "[\"127.0.0.1/32\"]")
-                .set("forward_identity", "true"),
-        )
-        .route(tiered().set("forward_identity", "true"))
-        .section(TIERS)
-        .start();
+    .route(
+        Route::new("t.plain")
+            .prefix("/plain")
+            .identity("api_key")
+            .token_bucket(100_000_000, 0),
+    )
+    .route(
+        Route::new("t.exempt")
+            .prefix("/exempt")
+            .identity("api_key")
+            .token_bucket(100_000_000, 0)
+            .set("exempt_client_cidrs", "[\"127.0.0.1/32\"]")
+            .set("forward_identity", "true"),
+    )
+    .route(tiered().set("forward_identity", "true"))
+    .section(TIERS)
+    .start();
 
     let (free, pro, internal, gold) = (
         told(&gw, "/ocr/x", "free-key").await,
