@@ -43,6 +43,17 @@ refill_rate_micro_per_sec = 0
 unlimited = true
 ";
 
+/// Tenant a without a tier (free), b pro, c internal (unlimited), d gold (a tier no route
+/// lists): each by the key named after its tier.
+fn one_tenant_a_tier() -> Vec<String> {
+    vec![
+        entry("free-key", "a", None),
+        entry("pro-key", "b", Some("pro")),
+        entry("internal-key", "c", Some("internal")),
+        entry("gold-key", "d", Some("gold")),
+    ]
+}
+
 /// A config with the key file of `entries` (written in `dir`) and the upstream `app` at `up`.
 fn with_keys(
     redis: &Redis,
@@ -84,13 +95,13 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
         &up,
         dir.path(),
         &[
-            entry("free-key", "a", None),
-            entry("pro-key", "b", Some("pro")),
-            entry("internal-key", "c", Some("internal")),
-            entry("gold-key", "d", Some("gold")),
-            entry("x-free-key", "x", None),
-            entry("x-pro-key", "x", Some("pro")),
-        ],
+            one_tenant_a_tier(),
+            vec![
+                entry("x-free-key", "x", None),
+                entry("x-pro-key", "x", Some("pro")),
+            ],
+        ]
+        .concat(),
     )
     .route(tiered())
     .section(TIERS)
@@ -589,34 +600,24 @@ async fn told(gw: &common::Gateway, path: &str, key: &str) -> (u16, [Option<Stri
 async fn the_upstream_is_told_the_tenant_and_tier_the_gateway_found() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let dir = tempfile::tempdir().unwrap();
-    let gw = with_keys(
-        &redis,
-        &up,
-        dir.path(),
-        &[
-            entry("free-key", "a", None),
-            entry("pro-key", "b", Some("pro")),
-            entry("internal-key", "c", Some("internal")),
-            entry("gold-key", "d", Some("gold")),
-        ],
-    )
-    .route(
-        Route::new("t.plain")
-            .prefix("/plain")
-            .identity("api_key")
-            .token_bucket(100_000_000, 0),
-    )
-    .route(
-        Route::new("t.exempt")
-            .prefix("/exempt")
-            .identity("api_key")
-            .token_bucket(100_000_000, 0)
-            .set("exempt_client_cidrs", "[\"127.0.0.1/32\"]")
-            .set("forward_identity", "true"),
-    )
-    .route(tiered().set("forward_identity", "true"))
-    .section(TIERS)
-    .start();
+    let gw = with_keys(&redis, &up, dir.path(), &one_tenant_a_tier())
+        .route(
+            Route::new("t.plain")
+                .prefix("/plain")
+                .identity("api_key")
+                .token_bucket(100_000_000, 0),
+        )
+        .route(
+            Route::new("t.exempt")
+                .prefix("/exempt")
+                .identity("api_key")
+                .token_bucket(100_000_000, 0)
+                .set("exempt_client_cidrs", "[\"127.0.0.1/32\"]")
+                .set("forward_identity", "true"),
+        )
+        .route(tiered().set("forward_identity", "true"))
+        .section(TIERS)
+        .start();
 
     let (free, pro, internal, gold) = (
         told(&gw, "/ocr/x", "free-key").await,
