@@ -246,6 +246,10 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         b"/;x/api/v1/doc",
         b"/api/v1/..;/doc",
         b"/..;/api/v1",
+        // A parameter on an empty or dot segment, which Java backends read in two ways
+        // (Tomcat drops the emptied segment, Jetty keeps it: `/api/v1/doc` to Jetty).
+        b"/api/v1;/;/..;/doc",
+        b"/api/v1/;x",
     ];
     for path in bad {
         assert_eq!(
@@ -260,6 +264,20 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         "a".repeat(9000)
     );
     assert_eq!(raw_request(gw.port, long.as_bytes()), Some(400));
+    // Without a catch-all, a path that only the reading without parameters routes (a Java
+    // session id on the route's own last segment) goes to that route, and is charged there.
+    let bare = start(
+        &redis,
+        &up,
+        &[],
+        &[limited("t.bare", "/api/v1").identity_header("X-API-Key")],
+    );
+    assert_eq!(get_target(bare.port, b"/api/v1;jsessionid=A1"), Some(200));
+    assert_eq!(get_target(bare.port, b"/api;x/v2"), Some(404));
+    assert_eq!(
+        bare.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.bare"}"#),
+        1.0
+    );
     let huge_header = format!(
         "GET /api/v1/doc HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nX-Big: {}\r\n\r\n",
         "b".repeat(200_000)

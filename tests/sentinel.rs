@@ -835,7 +835,10 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
         let (ok, out) = run(&format!(
             "sentinel_urls = [\"{url}\"]\nsentinel_master = \"mymaster\""
         ));
-        assert!(!ok && out.contains("with no database or options"), "{out}");
+        assert!(
+            !ok && out.contains("with no database but 0 and no options"),
+            "{out}"
+        );
     }
     // A sentinel's address needs its port (6379, a Redis URL's default, is not a sentinel's);
     // an address alone is not a URL, and the form said is a sentinel's.
@@ -877,7 +880,10 @@ fn check_refuses_sentinels_beside_a_url_and_a_missing_master_name() {
     // The file's sentinels are checked as they would be read without the variable, and a
     // password in a query is a password in the file.
     for (url, said) in [
-        ("redis://127.0.0.1:26379/3", "with no database or options"),
+        (
+            "redis://127.0.0.1:26379/3",
+            "with no database but 0 and no options",
+        ),
         ("redis://127.0.0.1:26379?password=pw", "holds a password"),
     ] {
         let (ok, out) = with_env(&format!(

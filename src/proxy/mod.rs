@@ -596,22 +596,22 @@ impl ProxyHttp for Gateway {
             .host()
             .or_else(|| forwarded::absolute_form_authority(req));
         let host = request_host(target_host, host_header);
-        let found = snapshot.routes.find(host.as_deref(), &req.method, &path);
+        let mut found = snapshot.routes.find(host.as_deref(), &req.method, &path);
         // Path parameters (`;` to a segment's end): Java backends serve the path without
-        // them, most others with them. A path whose route they decide (`/api/ocr/..;/doc`
-        // is `/api/ocr/...` to one backend and `/api/doc` to the other) could pass a limit
-        // on one of them: refused. Forwarded, a path keeps its parameters.
+        // them, most others with them. A path whose route they decide (`/api;x/ocr` is
+        // `/api;x/...` to one backend and `/api/ocr` to the other) could pass a limit on one
+        // of them: refused. One that only the reading without them routes (no route, not even
+        // a catch-all, for it as written) goes there, limited by that route either way.
+        // Forwarded, a path keeps its parameters.
         if path.contains(';') {
-            // Read without them, `/..;/x` climbs above the root.
             let Ok(without) = crate::routing::without_parameters(&path) else {
                 return self.answer(session, ctx, Answer::BadRequest).await;
             };
             let other = snapshot.routes.find(host.as_deref(), &req.method, &without);
-            if !match (found, other) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                (a, b) => a.is_none() && b.is_none(),
-            } {
-                return self.answer(session, ctx, Answer::BadRequest).await;
+            match (found, other) {
+                (Some(a), Some(b)) if Arc::ptr_eq(a, b) => {}
+                (None, other) => found = other,
+                _ => return self.answer(session, ctx, Answer::BadRequest).await,
             }
         }
         let Some(route) = found.cloned() else {

@@ -20,6 +20,10 @@ pub enum PathError {
     ControlCharacter,
     NotUtf8,
     EscapesRoot,
+    /// A path parameter on an empty or dot segment (`/a/;x/b`, `/a/..;/b`): Java backends
+    /// themselves read it in different ways (Tomcat drops the emptied segment, Jetty keeps it
+    /// before it resolves a `..`), so no route can be told to be the one that serves it.
+    AmbiguousParameter,
 }
 
 impl fmt::Display for PathError {
@@ -33,6 +37,9 @@ impl fmt::Display for PathError {
             PathError::ControlCharacter => "it contains a control character",
             PathError::NotUtf8 => "it is not valid UTF-8 once decoded",
             PathError::EscapesRoot => "its '..' segments climb above the root",
+            PathError::AmbiguousParameter => {
+                "a path parameter (';') stands on an empty or dot segment"
+            }
         })
     }
 }
@@ -148,24 +155,26 @@ fn normalize_slow(raw: &str) -> Result<String, PathError> {
 }
 
 /// A normal path as Java backends read it: each segment without its path parameters (from a
-/// raw `;` to the segment's end), and the dot segments that leaves resolved again. Servlet
-/// containers and Spring serve `/api;x/v1`, `/api/v1;jsessionid=1` and `/x/..;/api/v1` as
-/// `/api/v1` (they drop parameters before they resolve dot segments), where most other
-/// backends read the path as written; a request whose route the two readings choose
-/// differently is refused (the proxy's request filter). An encoded `%3B` is data, as those
-/// servers read it.
+/// raw `;` to the segment's end). Servlet containers and Spring serve `/api;x/v1` and
+/// `/api/v1;jsessionid=1` as `/api/v1`, where most other backends read the path as written;
+/// a request whose route the two readings choose differently is refused (the proxy's request
+/// filter). A parameter on an empty or dot segment (`/;x/`, `/..;/`: Tomcat and Jetty read
+/// those differently from each other, and `..;` is the classic way past a proxy's rules) is
+/// [`PathError::AmbiguousParameter`]. An encoded `%3B` is data, as those servers read it.
 pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
     if !normal.contains(';') {
         return Ok(Cow::Borrowed(normal));
     }
     let mut cut = String::with_capacity(normal.len());
-    for (i, segment) in normal.split('/').enumerate() {
-        if i > 0 {
-            cut.push('/');
+    for segment in normal.split('/').skip(1) {
+        cut.push('/');
+        let bare = segment.split(';').next().unwrap_or_default();
+        if bare.len() < segment.len() && matches!(bare, "" | "." | "..") {
+            return Err(PathError::AmbiguousParameter);
         }
-        cut.push_str(segment.split(';').next().unwrap_or_default());
+        cut.push_str(bare);
     }
-    resolve_segments(&cut).map(Cow::Owned)
+    Ok(Cow::Owned(cut))
 }
 
 fn push_escape(text: &mut String, byte: u8) {
@@ -273,12 +282,16 @@ mod tests {
             ("/api;x/v1", Ok("/api/v1")),
             ("/api/v1;jsessionid=1", Ok("/api/v1")),
             ("/api/v1;a;b/doc", Ok("/api/v1/doc")),
-            ("/x/..;/api/v1", Ok("/api/v1")),
-            ("/x/.;y/api", Ok("/x/api")),
-            ("/;x/api", Ok("/api")),
-            ("/api/;x", Ok("/api/")),
+            ("/api/v1;/", Ok("/api/v1/")),
             ("/api/v1%3Bx", Ok("/api/v1%3Bx")),
-            ("/..;/api", Err(PathError::EscapesRoot)),
+            ("/api/..x;y", Ok("/api/..x")),
+            ("/x/..;/api/v1", Err(PathError::AmbiguousParameter)),
+            ("/x/.;y/api", Err(PathError::AmbiguousParameter)),
+            ("/;x/api", Err(PathError::AmbiguousParameter)),
+            ("/api/;x", Err(PathError::AmbiguousParameter)),
+            ("/api/ocr;/;/..;/doc", Err(PathError::AmbiguousParameter)),
+            ("/..;/api", Err(PathError::AmbiguousParameter)),
+            ("/;", Err(PathError::AmbiguousParameter)),
         ];
         for (normal, want) in cases {
             assert_eq!(

@@ -342,7 +342,8 @@ fn route_path(
                 PathError::EncodedSeparator
                 | PathError::Backslash
                 | PathError::ControlCharacter
-                | PathError::NotUtf8 => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
+                | PathError::NotUtf8
+                | PathError::AmbiguousParameter => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
             };
             c.push(
                 Some(&value.span()),

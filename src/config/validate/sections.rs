@@ -480,7 +480,11 @@ pub(super) fn body_limit(
 /// The headers a `forward_identity` route tells its upstream the caller in, which the gateway
 /// drops from every request: no caller can be read from them.
 pub(super) fn is_the_gateways_caller_header(name: &str) -> bool {
-    matches!(name, "x-sentinel-identity" | "x-sentinel-tier")
+    // Its `_` spelling too: dropped beside the gateway's own (`drop_underscore_spellings`).
+    matches!(
+        name.replace('_', "-").as_str(),
+        "x-sentinel-identity" | "x-sentinel-tier"
+    )
 }
 
 pub(super) const CALLER_HEADER_TAKEN: &str = "is a header the gateway writes itself (forward_identity tells the upstream the caller in it) and drops from every request: choose another, such as \"X-API-Key\"";
@@ -1006,7 +1010,7 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
                 let why = if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
                     Some("a sentinel is reached as redis://host:port (rediss:// for TLS)")
                 } else if beyond_the_address(&url) {
-                    Some("a sentinel is reached as redis://host:port, with no database or options (the master's database 0 holds the limits)")
+                    Some("a sentinel is reached as redis://host:port, with no database but 0 and no options (the master's database 0 holds the limits)")
                 } else if without_port(&url) {
                     Some("name the sentinel's port, redis://host:26379 as a rule (without one, the URL means Redis's 6379)")
                 } else {
