@@ -38,6 +38,20 @@ pub struct Route {
 }
 
 impl Route {
+    /// Whether a request is served alike by either route: the same bucket, upstream and
+    /// request handling, the two differing in what they match only (routes that share an
+    /// `endpoint_id`, or one route).
+    pub fn serves_alike(&self, other: &Route) -> bool {
+        std::ptr::eq(self, other)
+            || (Arc::ptr_eq(&self.endpoint, &other.endpoint)
+                && Arc::ptr_eq(&self.upstream, &other.upstream)
+                && self.identity == other.identity
+                && self.max_body_bytes == other.max_body_bytes
+                && self.websocket == other.websocket
+                && self.exempt_client_cidrs == other.exempt_client_cidrs
+                && self.forward_identity == other.forward_identity)
+    }
+
     /// The request header the route's callers are told apart by, lower-case (`api_keys`:
     /// `[auth.api_keys] header`): a field a line would otherwise show (`Host`,
     /// `User-Agent`) is then left out, as the raw identity.

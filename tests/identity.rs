@@ -188,6 +188,10 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
     let up = Upstream::start("app");
     let routes = [
         limited("t.api", "/api/v1").identity_header("X-API-Key"),
+        Route::new("t.login")
+            .path("/login")
+            .token_bucket(100_000_000, 0)
+            .identity_header("X-API-Key"),
         Route::new("t.rest").prefix("/").unlimited(),
     ];
     let gw = start(&redis, &up, &[], &routes);
@@ -206,6 +210,8 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         // backends read a path).
         b"/api/v1/doc;x",
         b"/api/v1/doc;jsessionid=1/more",
+        // A parameter on the last segment, emptied: a trailing slash to every reader.
+        b"/api/v1/;jsessionid=1",
     ];
     for path in tricks {
         assert_eq!(
@@ -249,7 +255,9 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         // A parameter on an empty or dot segment, which Java backends read in two ways
         // (Tomcat drops the emptied segment, Jetty keeps it: `/api/v1/doc` to Jetty).
         b"/api/v1;/;/..;/doc",
-        b"/api/v1/;x",
+        b"/api/v1/;x/doc",
+        // Older Undertow ends the path at its first `;`: `/login` to it.
+        b"/login;x/foo",
     ];
     for path in bad {
         assert_eq!(
@@ -266,18 +274,30 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
     assert_eq!(raw_request(gw.port, long.as_bytes()), Some(400));
     // Without a catch-all, a path that only the reading without parameters routes (a Java
     // session id on the route's own last segment) goes to that route, and is charged there.
+    // Two routes of one endpoint serve alike, whichever of them a reading picks.
     let bare = start(
         &redis,
         &up,
         &[],
-        &[limited("t.bare", "/api/v1").identity_header("X-API-Key")],
+        &[
+            limited("t.bare", "/api/v1").identity_header("X-API-Key"),
+            limited("t.shop", "/shop").identity_header("X-API-Key"),
+            limited("t.shop", "/shop/cart").identity_header("X-API-Key"),
+        ],
     );
     assert_eq!(get_target(bare.port, b"/api/v1;jsessionid=A1"), Some(200));
     assert_eq!(get_target(bare.port, b"/api;x/v2"), Some(404));
     assert_eq!(
-        bare.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.bare"}"#),
-        1.0
+        get_target(bare.port, b"/shop/cart;jsessionid=A1"),
+        Some(200)
     );
+    for endpoint in ["t.bare", "t.shop"] {
+        assert_eq!(
+            bare.metric(&format!(r#"sentinel_decisions_total{{allowed="true",decision_reason="allowed",endpoint_id="{endpoint}"}}"#)),
+            1.0,
+            "{endpoint}"
+        );
+    }
     let huge_header = format!(
         "GET /api/v1/doc HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nX-Big: {}\r\n\r\n",
         "b".repeat(200_000)

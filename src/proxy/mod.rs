@@ -598,21 +598,27 @@ impl ProxyHttp for Gateway {
         let host = request_host(target_host, host_header);
         let mut found = snapshot.routes.find(host.as_deref(), &req.method, &path);
         // Path parameters (`;` to a segment's end): Java backends serve the path without
-        // them, most others with them. A path whose route they decide (`/api;x/ocr` is
-        // `/api;x/...` to one backend and `/api/ocr` to the other) could pass a limit on one
-        // of them: refused. One that only the reading without them routes (no route, not even
-        // a catch-all, for it as written) goes there, limited by that route either way.
-        // Forwarded, a path keeps its parameters.
+        // them (older Undertow ends the path at the first `;`), most others with them. A path
+        // whose route those readings decide (`/api;x/ocr` is `/api;x/...` to one backend and
+        // `/api/ocr` to another) could pass a limit on one of them: refused. One that only the
+        // readings without them route, alike (no route, not even a catch-all, takes it as
+        // written), goes there, limited by that route either way. Forwarded, a path keeps
+        // its parameters.
         if path.contains(';') {
             let Ok(without) = crate::routing::without_parameters(&path) else {
                 return self.answer(session, ctx, Answer::BadRequest).await;
             };
-            let other = snapshot.routes.find(host.as_deref(), &req.method, &without);
-            match (found, other) {
-                (Some(a), Some(b)) if Arc::ptr_eq(a, b) => {}
-                (None, other) => found = other,
-                _ => return self.answer(session, ctx, Answer::BadRequest).await,
+            let cut = crate::routing::before_parameters(&path);
+            let find = |p: &str| snapshot.routes.find(host.as_deref(), &req.method, p);
+            let (other, shorter) = (find(&without), find(cut));
+            let alike = |a: Option<&Arc<Route>>, b: Option<&Arc<Route>>| match (a, b) {
+                (Some(a), Some(b)) => a.serves_alike(b),
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            if !alike(other, shorter) || (found.is_some() && !alike(found, other)) {
+                return self.answer(session, ctx, Answer::BadRequest).await;
             }
+            found = found.or(other);
         }
         let Some(route) = found.cloned() else {
             return self.answer(session, ctx, Answer::NoRoute).await;

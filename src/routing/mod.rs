@@ -9,7 +9,9 @@
 
 mod path;
 
-pub use path::{normalize_path, normalized, without_parameters, PathError, MAX_PATH_BYTES};
+pub use path::{
+    before_parameters, normalize_path, normalized, without_parameters, PathError, MAX_PATH_BYTES,
+};
 
 use http::Method;
 

@@ -166,15 +166,26 @@ pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
         return Ok(Cow::Borrowed(normal));
     }
     let mut cut = String::with_capacity(normal.len());
-    for segment in normal.split('/').skip(1) {
+    let mut segments = normal.split('/').skip(1).peekable();
+    while let Some(segment) = segments.next() {
         cut.push('/');
         let bare = segment.split(';').next().unwrap_or_default();
-        if bare.len() < segment.len() && matches!(bare, "" | "." | "..") {
+        // The last segment emptied (`/api/;jsessionid=1`) is a trailing slash to every
+        // reader; any other emptied or dot segment is not read alike.
+        let last = segments.peek().is_none();
+        if bare.len() < segment.len() && (matches!(bare, "." | "..") || (bare.is_empty() && !last))
+        {
             return Err(PathError::AmbiguousParameter);
         }
         cut.push_str(bare);
     }
     Ok(Cow::Owned(cut))
+}
+
+/// A normal path as older Undertow reads it (before 2.0.30: WildFly 18, Spring Boot 2.2):
+/// up to its first raw `;`, the rest taken for parameters (`/login;x/foo` is `/login`).
+pub fn before_parameters(normal: &str) -> &str {
+    normal.find(';').map_or(normal, |at| &normal[..at])
 }
 
 fn push_escape(text: &mut String, byte: u8) {
@@ -288,10 +299,12 @@ mod tests {
             ("/x/..;/api/v1", Err(PathError::AmbiguousParameter)),
             ("/x/.;y/api", Err(PathError::AmbiguousParameter)),
             ("/;x/api", Err(PathError::AmbiguousParameter)),
-            ("/api/;x", Err(PathError::AmbiguousParameter)),
+            ("/api/;x", Ok("/api/")),
+            ("/;jsessionid=A", Ok("/")),
+            ("/api/;x/y", Err(PathError::AmbiguousParameter)),
+            ("/api/..;", Err(PathError::AmbiguousParameter)),
             ("/api/ocr;/;/..;/doc", Err(PathError::AmbiguousParameter)),
             ("/..;/api", Err(PathError::AmbiguousParameter)),
-            ("/;", Err(PathError::AmbiguousParameter)),
         ];
         for (normal, want) in cases {
             assert_eq!(
