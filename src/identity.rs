@@ -43,7 +43,14 @@ pub struct JwtVerifier {
     issuer: bool,
     /// [`JwtVerifier::note_refused`] said its line (once a config generation).
     kidless_said: std::sync::atomic::AtomicBool,
+    /// The second (of the Unix clock) of [`JwtVerifier::note_refused`]'s last signature
+    /// checks, and how many it made in it: at most [`KIDLESS_CHECKS_A_SECOND`].
+    kidless_checks: std::sync::Mutex<(u64, u32)>,
 }
+
+/// Signature checks a second [`JwtVerifier::note_refused`] makes at most: made-up kids on
+/// tokens no key signed cost a flood of them no more than this.
+const KIDLESS_CHECKS_A_SECOND: u32 = 10;
 
 impl JwtVerifier {
     /// `None` when the config holds nothing to verify with (no route uses jwt). `remote`:
@@ -106,6 +113,7 @@ impl JwtVerifier {
             identity_claim: config.identity_claim.clone(),
             issuer: config.issuer.is_some(),
             kidless_said: std::sync::atomic::AtomicBool::new(false),
+            kidless_checks: std::sync::Mutex::new((0, 0)),
         })
     }
 
@@ -140,7 +148,20 @@ impl JwtVerifier {
         }
         // Said only when a key without a kid signed it: the provider's own token, then, not a
         // client's made-up kid (which would use the one saying up and leave the operator's
-        // tokens unexplained until the next reload). The signature alone is checked.
+        // tokens unexplained until the next reload). The signature alone is checked, and at
+        // most a few times a second.
+        let second = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if let Ok(mut checks) = self.kidless_checks.lock() {
+            if checks.0 != second {
+                *checks = (second, 0);
+            }
+            if checks.1 >= KIDLESS_CHECKS_A_SECOND {
+                return;
+            }
+            checks.1 += 1;
+        }
         let mut signature_only = jsonwebtoken::Validation::new(alg);
         signature_only.required_spec_claims.clear();
         signature_only.validate_exp = false;

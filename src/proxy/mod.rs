@@ -45,6 +45,9 @@ pub struct Gateway {
     pub connections: Arc<crate::edge::connections::Connections>,
 }
 
+/// Most segments of a request path holding path parameters (`;`); past it the path is 400.
+const MAX_PARAMETER_SEGMENTS: usize = 16;
+
 /// One request's state across the hooks. The snapshot loaded first is the one the whole
 /// request runs under, whatever reloads happen meanwhile.
 #[derive(Default)]
@@ -298,6 +301,51 @@ impl Gateway {
     fn close_when_draining(&self, session: &mut Session) {
         if self.lifecycle.is_draining() {
             session.set_keepalive(None);
+        }
+    }
+
+    /// The route of a normal path holding path parameters, when every reading of them
+    /// ([`Self::request_filter`]) is served alike by it; `found` is the path's own. A reading
+    /// that keeps a segment's parameter can match a prefix route only up to that segment (no
+    /// route's path holds a `;`), so each segment holding one stands for the readings that
+    /// keep it, looked up as the path before it and a segment with a `;`. At most
+    /// [`MAX_PARAMETER_SEGMENTS`] such segments, or the lookups a request costs grow with it.
+    fn route_of_parameters<'s>(
+        &self,
+        snapshot: &'s Snapshot,
+        host: Option<&str>,
+        method: &http::Method,
+        path: &str,
+        found: Option<&'s Arc<Route>>,
+    ) -> std::result::Result<Option<&'s Arc<Route>>, ()> {
+        let without = crate::routing::without_parameters(path).map_err(drop)?;
+        let find = |p: &str| snapshot.routes.find(host, method, p);
+        let bare: Vec<&str> = without.split('/').skip(1).collect();
+        let kept: Vec<usize> = (path.split('/').skip(1).enumerate())
+            .filter(|(_, segment)| segment.contains(';'))
+            .map(|(i, _)| i)
+            .collect();
+        if kept.len() > MAX_PARAMETER_SEGMENTS {
+            return Err(());
+        }
+        let keeping = kept.iter().map(|&at| {
+            let mut before: String = bare[..at].iter().flat_map(|s| ["/", s]).collect();
+            before.push_str("/;");
+            find(&before)
+        });
+        let cut = find(crate::routing::before_parameters(path));
+        let Some(route) = find(&without) else {
+            // No route without parameters: none with them either, or the path reaches
+            // what no route exposes on a backend that drops them.
+            let none = found.is_none() && cut.is_none() && keeping.clone().all(|r| r.is_none());
+            return if none { Ok(None) } else { Err(()) };
+        };
+        let alike = |other: Option<&Arc<Route>>| other.is_none_or(|o| o.serves_alike(route));
+        if cut.is_some_and(|c| c.serves_alike(route)) && alike(found) && keeping.clone().all(alike)
+        {
+            Ok(Some(found.unwrap_or(route)))
+        } else {
+            Err(())
         }
     }
 
@@ -597,28 +645,19 @@ impl ProxyHttp for Gateway {
             .or_else(|| forwarded::absolute_form_authority(req));
         let host = request_host(target_host, host_header);
         let mut found = snapshot.routes.find(host.as_deref(), &req.method, &path);
-        // Path parameters (`;` to a segment's end): Java backends serve the path without
-        // them (older Undertow ends the path at the first `;`), most others with them. A path
-        // whose route those readings decide (`/api;x/ocr` is `/api;x/...` to one backend and
-        // `/api/ocr` to another) could pass a limit on one of them: refused. One that only the
-        // readings without them route, alike (no route, not even a catch-all, takes it as
-        // written), goes there, limited by that route either way. Forwarded, a path keeps
-        // its parameters.
+        // Path parameters (`;` to a segment's end): backends read them in several ways.
+        // Most read the path as written; Tomcat, Jetty and Spring drop every parameter;
+        // Spring with matrix variables drops some (a session id) and keeps others; older
+        // Undertow ends the path at its first `;`. A path whose route those readings decide
+        // (`/api;x/ocr` is `/api;x/...` to one backend and `/api/ocr` to another) could pass a
+        // limit on one of them: refused. One that only readings without parameters route
+        // (no route, not even a catch-all, takes it as written) goes to that route, limited
+        // there either way. Forwarded, a path keeps its parameters.
         if path.contains(';') {
-            let Ok(without) = crate::routing::without_parameters(&path) else {
-                return self.answer(session, ctx, Answer::BadRequest).await;
-            };
-            let cut = crate::routing::before_parameters(&path);
-            let find = |p: &str| snapshot.routes.find(host.as_deref(), &req.method, p);
-            let (other, shorter) = (find(&without), find(cut));
-            let alike = |a: Option<&Arc<Route>>, b: Option<&Arc<Route>>| match (a, b) {
-                (Some(a), Some(b)) => a.serves_alike(b),
-                (a, b) => a.is_none() && b.is_none(),
-            };
-            if !alike(other, shorter) || (found.is_some() && !alike(found, other)) {
-                return self.answer(session, ctx, Answer::BadRequest).await;
+            match self.route_of_parameters(&snapshot, host.as_deref(), &req.method, &path, found) {
+                Ok(route) => found = route,
+                Err(()) => return self.answer(session, ctx, Answer::BadRequest).await,
             }
-            found = found.or(other);
         }
         let Some(route) = found.cloned() else {
             return self.answer(session, ctx, Answer::NoRoute).await;

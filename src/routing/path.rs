@@ -315,6 +315,14 @@ mod tests {
         }
     }
 
+    #[test]
+    fn older_undertow_ends_a_path_at_its_first_parameter() {
+        assert_eq!(before_parameters("/login;x/foo"), "/login");
+        assert_eq!(before_parameters("/a/b;x"), "/a/b");
+        assert_eq!(before_parameters("/a/b"), "/a/b");
+        assert_eq!(before_parameters("/;x"), "/");
+    }
+
     proptest! {
         // Normal form is a fixed point, never climbs above the root, and never holds dot
         // segments or empty segments.
