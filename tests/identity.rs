@@ -287,14 +287,16 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
     );
     assert_eq!(get_target(bare.port, b"/api/v1;jsessionid=A1"), Some(200));
     assert_eq!(get_target(bare.port, b"/api;x/v2"), Some(404));
+    // Older Undertow's `/api` has no route either: as the path as written.
+    assert_eq!(get_target(bare.port, b"/api;jsessionid=A1/v1"), Some(200));
     assert_eq!(
         get_target(bare.port, b"/shop/cart;jsessionid=A1"),
         Some(200)
     );
-    for endpoint in ["t.bare", "t.shop"] {
+    for (endpoint, admitted) in [("t.bare", 2.0), ("t.shop", 1.0)] {
         assert_eq!(
             bare.metric(&format!(r#"sentinel_decisions_total{{allowed="true",decision_reason="allowed",endpoint_id="{endpoint}"}}"#)),
-            1.0,
+            admitted,
             "{endpoint}"
         );
     }

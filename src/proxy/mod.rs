@@ -341,8 +341,7 @@ impl Gateway {
             return if none { Ok(None) } else { Err(()) };
         };
         let alike = |other: Option<&Arc<Route>>| other.is_none_or(|o| o.serves_alike(route));
-        if cut.is_some_and(|c| c.serves_alike(route)) && alike(found) && keeping.clone().all(alike)
-        {
+        if alike(cut) && alike(found) && keeping.clone().all(alike) {
             Ok(Some(found.unwrap_or(route)))
         } else {
             Err(())
