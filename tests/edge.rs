@@ -117,7 +117,7 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
         sent_id, answered_id,
         "the client sees the id the upstream saw"
     );
-    // Nor are spellings with `_`, which a CGI or WSGI backend reads as the same variables
+    // Nor are spellings with `_` (or `.`, `~`), which a CGI or WSGI backend reads as the same variables
     // (`HTTP_X_REAL_IP`): the client's word came first, beside the gateway's. A field whose
     // `-` spelling the request also carries goes too (an identity header's second value);
     // other fields with `_` pass.
@@ -129,7 +129,10 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
         .header("X_Request_Id", "forged")
         .header("X-API-Key", "mine")
         .header("X_API_Key", "someone-elses")
+        .header("X-Real.IP", "6.6.6.6")
+        .header("X~Forwarded~Host", "evil.example")
         .header("X_Custom", "kept")
+        .header("X.Custom2", "kept")
         .send()
         .await
         .unwrap();
@@ -141,11 +144,15 @@ async fn an_untrusted_clients_forwarded_headers_are_replaced() {
         "x_forwarded_proto",
         "x_request_id",
         "x_api_key",
+        // Nor other characters some CGI servers fold as they fold `-`.
+        "x-real.ip",
+        "x~forwarded~host",
     ] {
         assert!(!seen.contains_key(gone), "{gone}: {seen:?}");
     }
     assert_eq!(seen["x-api-key"], "mine");
     assert_eq!(seen["x_custom"], "kept");
+    assert_eq!(seen["x.custom2"], "kept");
 
     // The gateway's own answers carry a request id too, and the deny log names it.
     let r = http.get(gw.url("/nowhere")).send().await.unwrap();

@@ -395,7 +395,7 @@ async fn the_upstream_is_told_the_verified_subject() {
         &[("trusted_proxies", "[\"127.0.0.1/32\"]"), ("h2c", "true")],
         &routes,
     );
-    let subject = "José Q. 50%\u{1}&tier=pro#x+y?";
+    let subject = "José Q. 50%\u{1}&tier=pro#x+y?\"<a>@b";
     let token = jwt(subject, SECRET);
     // Over HTTP/1.1 (the gateway's own value not to be taken away by the hop-by-hop rule)
     // and h2c alike.
@@ -426,6 +426,7 @@ async fn the_upstream_is_told_the_verified_subject() {
                 .header("X-Sentinel-Identity", "jwt:admin")
                 .header("X-Sentinel-Tier", "gold")
                 .header("X_Sentinel_Identity", "jwt:admin")
+                .header("X-Sentinel.Tier", "gold")
                 .send()
                 .await
                 .unwrap();
@@ -433,10 +434,11 @@ async fn the_upstream_is_told_the_verified_subject() {
             let echo: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
             let field = |n: &str| echo["headers"][n].as_str().map(str::to_owned);
             assert_eq!(field("x_sentinel_identity"), None);
+            assert_eq!(field("x-sentinel.tier"), None, "a spelling CGI folds alike");
             (field("x-sentinel-identity"), field("x-sentinel-tier"))
         }
     }
-    let sent = "jwt:Jos%C3%A9%20Q.%2050%25%01%26tier%3Dpro%23x%2By%3F".to_owned();
+    let sent = "jwt:Jos%C3%A9%20Q.%2050%25%01%26tier%3Dpro%23x%2By%3F%22%3Ca%3E%40b".to_owned();
     assert_eq!(told(&untrusted, "/fwd/a").await, (Some(sent.clone()), None));
     assert_eq!(told(&untrusted, "/plain/a").await, (None, None));
     assert_eq!(told(&untrusted, "/open/a").await, (None, None));

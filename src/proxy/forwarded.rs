@@ -30,8 +30,9 @@ pub struct Origin {
     pub request_id: String,
     /// The connection is TLS.
     pub tls: bool,
-    /// A field name of the request may hold `_` ([`drop_underscore_spellings`]); cleared by
-    /// the pass over the request's fields that measures them, so most requests skip a second.
+    /// A field name of the request may hold `_` or another character but letters, digits and
+    /// `-` ([`drop_underscore_spellings`]); cleared by the pass over the request's fields that
+    /// measures them, so most requests skip a second.
     pub underscored: bool,
 }
 
@@ -57,18 +58,17 @@ const WRITTEN: [&str; 8] = [
     "x-sentinel-tier",
 ];
 
-/// What of an identity string is written `%XX` in `X-Sentinel-Identity`: what a field value
-/// cannot hold or a reader would trim (controls, spaces), bytes beyond ASCII, `%` itself (so
-/// that one percent-decoding gives the identity back), and what a query reads otherwise
-/// (`&`, `#`, `+`, `?`, `=`), so that the value is a ready `identity=` query.
-const CALLER_ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
-    .add(b' ')
-    .add(b'%')
-    .add(b'&')
-    .add(b'#')
-    .add(b'+')
-    .add(b'?')
-    .add(b'=');
+/// What of an identity string is written `%XX` in `X-Sentinel-Identity`: everything but
+/// letters, digits, `-`, `.`, `_`, `~` and `:` (RFC 3986's unreserved characters, and the
+/// colon of `tenant:acme`), so that one percent-decoding gives the identity back and the value
+/// is a ready `identity=` query whatever the claim holds (`"`, `<`, `>`, `&`, `#`, spaces,
+/// controls, bytes past ASCII).
+const CALLER_ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b':');
 
 /// On a route with `forward_identity = true`, the caller the gateway verified and its tier;
 /// neither when it identified none (an exempt client). (What any peer sent under these names
@@ -97,21 +97,25 @@ pub fn tell_caller(
 }
 
 /// CGI and WSGI backends (and the frameworks on them) read `X_Real_IP` and `X-Real-IP` as one
-/// variable, the values joined: a field written with `_` where one the gateway writes has
-/// `-`, or where the request also carries the `-` spelling, would reach such a backend beside
-/// the gateway's value, or beside the identity the gateway charged (`X_API_Key` with
-/// `X-API-Key`, which two `X-API-Key` fields could not do: 401). Such fields are dropped,
-/// as nginx drops every field with `_` by default. Other fields with `_` pass.
+/// variable, the values joined, and some CGI servers fold every character of a name other
+/// than a letter or digit (`X-Real.IP`, `X-Real~IP`) the same way: a field so spelled where
+/// one the gateway writes has `-`, or where the request also carries the `-` spelling, would
+/// reach such a backend beside the gateway's value, or beside the identity the gateway
+/// charged (`X_API_Key` with `X-API-Key`, which two `X-API-Key` fields could not do: 401).
+/// Such fields are dropped, as nginx drops every field with `_` or another such character
+/// by default. Other fields so spelled pass.
 fn drop_underscore_spellings(upstream: &mut RequestHeader, request_id_header: &[u8]) {
-    if !upstream.headers.keys().any(|k| k.as_str().contains('_')) {
+    if upstream.headers.keys().all(|k| is_plain_name(k.as_str())) {
         return;
     }
     let aliases: Vec<http::HeaderName> = upstream
         .headers
         .keys()
-        .filter(|k| k.as_str().contains('_'))
+        .filter(|k| !is_plain_name(k.as_str()))
         .filter(|k| {
-            let dashed = k.as_str().replace('_', "-");
+            let dashed: String = (k.as_str().chars())
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect();
             WRITTEN.contains(&dashed.as_str())
                 || dashed.as_bytes() == request_id_header
                 || upstream.headers.contains_key(dashed.as_str())
@@ -121,6 +125,11 @@ fn drop_underscore_spellings(upstream: &mut RequestHeader, request_id_header: &[
     for name in aliases {
         upstream.remove_header(&name);
     }
+}
+
+/// A field name of letters, digits and `-` only: no CGI server reads it as another.
+pub fn is_plain_name(name: &str) -> bool {
+    name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 impl Origin {
