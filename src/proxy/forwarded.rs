@@ -12,6 +12,7 @@ use pingora_http::RequestHeader;
 use rand::Rng;
 
 use crate::identity;
+use crate::routing::{folded_field_name, plain_field_name};
 
 /// Longest request id kept from a trusted peer, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
@@ -105,31 +106,28 @@ pub fn tell_caller(
 /// Such fields are dropped, as nginx drops every field with `_` or another such character
 /// by default. Other fields so spelled pass.
 fn drop_underscore_spellings(upstream: &mut RequestHeader, request_id_header: &[u8]) {
-    if upstream.headers.keys().all(|k| is_plain_name(k.as_str())) {
+    if upstream
+        .headers
+        .keys()
+        .all(|k| plain_field_name(k.as_str()))
+    {
         return;
     }
     let aliases: Vec<http::HeaderName> = upstream
         .headers
         .keys()
-        .filter(|k| !is_plain_name(k.as_str()))
+        .filter(|k| !plain_field_name(k.as_str()))
         .filter(|k| {
-            let dashed: String = (k.as_str().chars())
-                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-                .collect();
-            WRITTEN.contains(&dashed.as_str())
+            let dashed = folded_field_name(k.as_str());
+            WRITTEN.contains(&dashed.as_ref())
                 || dashed.as_bytes() == request_id_header
-                || upstream.headers.contains_key(dashed.as_str())
+                || upstream.headers.contains_key(dashed.as_ref())
         })
         .cloned()
         .collect();
     for name in aliases {
         upstream.remove_header(&name);
     }
-}
-
-/// A field name of letters, digits and `-` only: no CGI server reads it as another.
-pub fn is_plain_name(name: &str) -> bool {
-    name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 impl Origin {

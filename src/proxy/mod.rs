@@ -586,7 +586,7 @@ impl ProxyHttp for Gateway {
         let (mut header_bytes, mut underscored) = (0, false);
         for (k, v) in &req.headers {
             header_bytes += k.as_str().len() + v.len();
-            underscored |= !forwarded::is_plain_name(k.as_str());
+            underscored |= !crate::routing::plain_field_name(k.as_str());
         }
         if let Some(origin) = &mut ctx.origin {
             origin.underscored = underscored;

@@ -125,6 +125,23 @@ pub fn ambiguities<T: Copy>(entries: impl IntoIterator<Item = (Matcher, T)>) -> 
     out
 }
 
+/// A field name of letters, digits and `-` only: no CGI server reads it as another name.
+pub fn plain_field_name(name: &str) -> bool {
+    name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+/// A field name as CGI servers fold it into a variable: every character but a letter or a
+/// digit read as `-` (`X_Real.IP` is `X-Real-IP`).
+pub fn folded_field_name(name: &str) -> std::borrow::Cow<'_, str> {
+    if plain_field_name(name) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let folded = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' });
+    std::borrow::Cow::Owned(folded.collect())
+}
+
 /// Whether a method is one the gateway takes at its edge, and so one a route can match:
 /// upper-case letters, `-` and `_` (nginx's rule). Methods are case-sensitive (RFC 9110,
 /// 9.1): `post` matched no `methods = ["POST"]` route and went to a less specific one,
@@ -172,6 +189,14 @@ pub fn host_form(host: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_field_name_folds_as_cgi_servers_fold_it() {
+        assert!(plain_field_name("x-real-ip") && !plain_field_name("x_real.ip"));
+        assert_eq!(folded_field_name("x-real-ip"), "x-real-ip");
+        assert_eq!(folded_field_name("x_real.ip"), "x-real-ip");
+        assert_eq!(folded_field_name("x~sentinel!tier"), "x-sentinel-tier");
+    }
 
     fn m(path: PathMatch, host: Option<&str>, methods: Option<&[&str]>) -> Matcher {
         Matcher {

@@ -152,14 +152,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
                 c.push(Some(&h.span()), None, format!("server.request_id_header = \"{}\" is a header the gateway or HTTP itself uses: choose another, such as \"X-Request-Id\"", h.get_ref()));
                 None
             }
-            Ok(name)
-                if name
-                    .as_str()
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
-            {
-                Some(name)
-            }
+            Ok(name) if crate::routing::plain_field_name(name.as_str()) => Some(name),
             // A name of other token characters (`X.Id`, `X+Id`): HTTP takes it, but a name
             // of letters, digits and `-` is what every backend and log pipeline reads.
             _ => {
@@ -480,9 +473,9 @@ pub(super) fn body_limit(
 /// The headers a `forward_identity` route tells its upstream the caller in, which the gateway
 /// drops from every request: no caller can be read from them.
 pub(super) fn is_the_gateways_caller_header(name: &str) -> bool {
-    // Its `_` spelling too: dropped beside the gateway's own (`drop_underscore_spellings`).
+    // Its other spellings too (`_`, `.`): dropped beside the gateway's own.
     matches!(
-        name.replace('_', "-").as_str(),
+        crate::routing::folded_field_name(name).as_ref(),
         "x-sentinel-identity" | "x-sentinel-tier"
     )
 }
