@@ -206,9 +206,55 @@ fn forwarded(c: &mut Criterion) {
     });
 }
 
+/// Whether room made in advance in the upstream request's header maps would pay (a `reserve`
+/// Pingora's `RequestHeader` does not offer): `http`'s map in the proxy's shape, the client's
+/// two fields and the six the gateway writes, written after a plain clone, after a clone and
+/// a `reserve`, and into a map built with room (docs/benchmarks.md, "The headers' cost in
+/// isolation").
+fn header_map_room(c: &mut Criterion) {
+    use http::{HeaderMap, HeaderValue};
+    let mut client = HeaderMap::new();
+    client.append("host", HeaderValue::from_static("127.0.0.1:8080"));
+    client.append("x-api-key", HeaderValue::from_static("key-00042"));
+    let written = [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-real-ip",
+        "x-request-id",
+        "x-sentinel-identity",
+    ];
+    let write = |mut map: HeaderMap| {
+        for name in written {
+            map.insert(name, HeaderValue::from_static("127.0.0.1"));
+        }
+        map
+    };
+    c.bench_function("header_map_room_clone", |b| {
+        b.iter(|| black_box(write(client.clone())))
+    });
+    c.bench_function("header_map_room_clone_and_reserve", |b| {
+        b.iter(|| {
+            let mut map = client.clone();
+            map.reserve(written.len());
+            black_box(write(map))
+        })
+    });
+    c.bench_function("header_map_room_built_with_room", |b| {
+        b.iter(|| {
+            let mut map = HeaderMap::with_capacity(client.len() + written.len());
+            for (name, value) in &client {
+                map.append(name.clone(), value.clone());
+            }
+            black_box(write(map))
+        })
+    });
+}
+
 criterion_group!(
     benches,
     forwarded,
+    header_map_room,
     routing,
     keys,
     failure_path,
