@@ -384,6 +384,17 @@ async fn answers_before_the_limiter_never_reach_redis() {
         ),
         Some(400)
     );
+    // Bytes that are no UTF-8 sent raw, not escaped: the path is not valid UTF-8 either
+    // (read as the replacement character, every such path would be one).
+    for bad in [&b"\xff"[..], b"\xc3(", b"a\xe2\x82"] {
+        let head = [
+            &b"GET /limited/"[..],
+            bad,
+            b" HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\n\r\n",
+        ]
+        .concat();
+        assert_eq!(raw_request(gw.port, &head), Some(400), "{bad:?}");
+    }
     // HTTP/1.1 without Host (RFC 9112, 3.2); HTTP/1.0 may leave it out.
     assert_eq!(
         raw_request(gw.port, b"GET /open HTTP/1.1\r\nConnection: close\r\n\r\n"),

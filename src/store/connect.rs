@@ -169,7 +169,8 @@ async fn read_clock(link: &Link) {
     let sent = super::deadline::mono_us();
     let time = tokio::time::timeout(CONNECT_TIMEOUT, command.query_async::<(u64, u64)>(&mut c));
     if let Ok(Ok((secs, micros))) = time.await {
-        link.clock.sample(secs * 1_000_000 + micros, sent);
+        link.clock
+            .sample(secs.saturating_mul(1_000_000).saturating_add(micros), sent);
     }
 }
 

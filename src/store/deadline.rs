@@ -27,10 +27,13 @@ use std::time::Instant;
 
 /// Added to every deadline, besides 1 ms for each second since the last sample.
 pub const MARGIN_US: u64 = 2_000;
-/// The offset is the largest sample of the current window of this length and of the one
-/// before: a node's clock stepped back is followed within two windows.
+/// The offset is the smallest sample of the current window of this length and of the one
+/// before: a node's clock stepped ahead is followed within two windows.
 const WINDOW_US: u64 = 1_000_000;
 const NONE: i64 = i64::MAX;
+/// No node's `TIME` is later (the year 10000): an answer that says so is no clock, and is
+/// not taken as one (its offset would not fit the arithmetic).
+const LATEST_NOW_US: u64 = 253_402_300_800_000_000;
 
 /// Microseconds on this process's monotonic clock (from its first use, plus one, so that 0
 /// can mean "never").
@@ -63,6 +66,9 @@ impl RedisClock {
     /// The node's `now` (microseconds), read in the answer to a call sent at local time
     /// `sent_us`.
     pub fn sample(&self, redis_now_us: u64, sent_us: u64) {
+        if redis_now_us > LATEST_NOW_US || sent_us > LATEST_NOW_US {
+            return;
+        }
         let offset = redis_now_us as i64 - sent_us as i64;
         let window = sent_us / WINDOW_US;
         let seen = self.window.load(Ordering::Relaxed);
@@ -84,6 +90,9 @@ impl RedisClock {
     /// An `EXPIRED` answer's `now`, to a call sent at `sent_us`: when it shows the offset used was too small by more than the margin (the
     /// node's clock jumped ahead of this one), the offset starts again from it.
     pub fn expired(&self, redis_now_us: u64, sent_us: u64) {
+        if redis_now_us > LATEST_NOW_US || sent_us > LATEST_NOW_US {
+            return;
+        }
         let offset = redis_now_us as i64 - sent_us as i64;
         if self
             .offset()
@@ -211,6 +220,25 @@ mod tests {
         );
         clock.reset();
         assert_eq!(clock.deadline(1_300_000, 1_300_000), 0, "a new connection");
+    }
+
+    #[test]
+    fn a_time_no_clock_gives_is_not_taken() {
+        let clock = RedisClock::default();
+        clock.sample(10_000_000, 100);
+        // Past `i64`, or past the year 10000: a broken or hostile node's answer.
+        for now in [u64::MAX, 1 << 63, LATEST_NOW_US + 1] {
+            clock.sample(now, 200);
+            clock.expired(now, 300);
+        }
+        assert_eq!(
+            clock.deadline(1_000, 1_000),
+            1_000 + 10_000_000 - 100 + MARGIN_US
+        );
+        assert_eq!(
+            redis_now_of(b"1 0 0 0 18446744073709551615 0"),
+            Some(u64::MAX)
+        );
     }
 
     #[test]

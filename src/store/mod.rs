@@ -591,7 +591,10 @@ impl Store {
             );
             StoreFailure::ConnectionError
         })?;
-        Ok((values, secs * 1_000_000 + micros))
+        Ok((
+            values,
+            secs.saturating_mul(1_000_000).saturating_add(micros),
+        ))
     }
 
     /// Deletes `keys` (all on one node: the keys of one identity); how many existed.
