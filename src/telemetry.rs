@@ -10,7 +10,8 @@
 //! a head they could not parse (`buf: ...`), which may hold a key, a token or a cookie, and
 //! are logged with those bytes left out ([`Redacted`], [`redact_buf`]). Pingora's own DEBUG
 //! and TRACE lines print whole headers and bodies; they are passed on only when `RUST_LOG`
-//! names a `pingora` target itself (`RUST_LOG=debug` alone does not). The `h2` library's
+//! names a `pingora` target itself (`RUST_LOG=debug` alone does not), and then cut before
+//! the first value that may quote what a request or an answer carried ([`redact_values`]). The `h2` library's
 //! WARN lines are about what clients did (a flood of resets, say), and so are rustls's (an
 //! address sent as the SNI name, an unexpected alert): both are kept to ERROR unless `RUST_LOG`
 //! names them.
@@ -128,6 +129,14 @@ impl log::Log for PingoraLog {
             return;
         }
         let message = redact_buf(&message);
+        // Pingora's own DEBUG and TRACE lines format whole header maps, heads and bodies
+        // (`Request header: Parts { .. }`, `Response body: Some(b".."))`): a line that
+        // formats values keeps its words up to the first value that may quote one.
+        let message = match record.level() >= log::Level::Debug && record.args().as_str().is_none()
+        {
+            true => redact_values(message),
+            false => message,
+        };
         // Without the source file and line: a path on the machine the binary was built on,
         // which says nothing to an operator (the module path names the place).
         self.0.log(
@@ -164,6 +173,16 @@ fn client_caused(message: &str) -> bool {
         "while reading request headers",
     ];
     CLIENT.iter().any(|m| message.contains(m))
+}
+
+/// `message` up to the first character that begins what may quote a request or an answer
+/// (`{` of a structure, `[` of a list of bytes, `"` of a string or bytes, `?` of a query),
+/// the rest `(not logged)`.
+pub fn redact_values(message: Cow<'_, str>) -> Cow<'_, str> {
+    match message.find(['{', '[', '"', '?']) {
+        Some(at) => Cow::Owned(format!("{}(not logged)", &message[..at])),
+        None => message,
+    }
 }
 
 /// How Pingora's line about a request body it could not send upstream begins (its error
@@ -214,7 +233,7 @@ impl fmt::Display for Redacted<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{client_caused, redact_buf, Redacted};
+    use super::{client_caused, redact_buf, redact_values, Redacted};
 
     #[test]
     fn quoted_bytes_never_reach_a_line() {
@@ -238,6 +257,27 @@ mod tests {
             "Fail to proxy: Downstream InvalidHTTPHeader context: buf: (not logged)"
         );
         assert_eq!(redact_buf("nothing quoted"), "nothing quoted");
+        for (line, kept) in [
+            (
+                r#"Request header: Parts { method: GET, uri: /k?token=T, headers: {"x-api-key": "K"} }"#,
+                "Request header: Parts (not logged)",
+            ),
+            (
+                r#"Writing request header: b"GET / HTTP/1.1\r\nCookie: c=C\r\n""#,
+                "Writing request header: b(not logged)",
+            ),
+            (
+                "Response body: [107, 101, 121]",
+                "Response body: (not logged)",
+            ),
+            ("GET /k?token=T, Host: a", "GET /k(not logged)"),
+            (
+                "Write 5 bytes body to upstream",
+                "Write 5 bytes body to upstream",
+            ),
+        ] {
+            assert_eq!(redact_values(line.into()), kept);
+        }
     }
 
     #[test]
