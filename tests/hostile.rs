@@ -435,6 +435,35 @@ async fn an_eviction_policy_set_on_a_live_redis_is_seen_within_30_s() {
     assert!(changed.elapsed() < Duration::from_secs(60));
 }
 
+/// An evicting Redis the config allows (`require_noeviction = false`) is served, and said
+/// once, at WARN: a bucket it evicts starts full again. It was said nowhere but `/readyz`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_the_config_allows_is_served_and_said_once() {
+    let redis = Redis::start();
+    redis.config_set("maxmemory-policy", "allkeys-lru");
+    let up = Upstream::start("app");
+    let gw = closed_and_open(&redis.url(), &up.addr(), 2)
+        .redis("require_noeviction", "false")
+        .start();
+    let http = client();
+    for expected in [200, 200, 429] {
+        assert_eq!(status(&http, &gw.url("/closed"), "k").await, expected);
+    }
+    wait_until(Duration::from_secs(5), "the policy said", || {
+        gw.logs().contains("redis may evict keys (allowed")
+    });
+    let logs = gw.logs();
+    let said: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("redis may evict keys"))
+        .collect();
+    assert_eq!(said.len(), 1, "{logs}");
+    assert!(
+        said[0].contains(r#""level":"WARN""#) && said[0].contains("allkeys-lru"),
+        "{logs}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
     let redis = Redis::start();

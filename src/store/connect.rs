@@ -640,6 +640,11 @@ impl Connector {
                 EvictionPolicy::Evicting(p) if required => {
                     tracing::error!(node, maxmemory_policy = %p, "redis may evict keys: rate limit quotas can silently reset; set maxmemory-policy noeviction");
                 }
+                // Allowed by the config, and still worth a line: a bucket Redis evicts
+                // starts full again.
+                EvictionPolicy::Evicting(p) => {
+                    tracing::warn!(node, maxmemory_policy = %p, "redis may evict keys (allowed: require_noeviction = false): an evicted bucket starts full again");
+                }
                 EvictionPolicy::Unknown if required => {
                     tracing::warn!(node, "cannot read redis maxmemory-policy (CONFIG not permitted); make sure it is noeviction");
                 }
