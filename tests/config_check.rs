@@ -203,21 +203,28 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .token_bucket(5_000_000, 1_000_000)
         .fail_open(1_000_000)
         .set("emergency_scope", "\"identity\"");
+    // A limited route's fields on one that is not limited.
+    let open = Route::new("z.open")
+        .prefix("/z")
+        .unlimited()
+        .identity("global")
+        .fail_open(1_000_000);
     std::fs::write(
         &path,
         format!(
             "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\", \"0.0.0.0/0\"]\n\
              [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n\
-             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}",
+             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}",
             route.toml(),
-            made_up.toml()
+            made_up.toml(),
+            open.toml()
         ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("ok, 2 route(s)"), "{stdout}");
+    assert!(stdout.contains("ok, 3 route(s)"), "{stdout}");
     let file = path.display();
     let warnings: Vec<&str> = stderr.lines().collect();
     assert_eq!(
@@ -231,6 +238,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/0\" is every IPv6 address: every client of that family then goes without a limit", position_of(&path, "\"::/0\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
+            format!("warning: {file}:{}: routes[2] (z.open): identity, fail_mode, fallback_rate_per_process_micro on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without an identity or a decision", position_of(&path, "\"global\"")),
             format!("warning: {file}:{}: upstreams.spare is named by no route: no request goes to it", position_of(&path, "[upstreams.spare]")),
             // Pointed at the value that turns the check off.
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),

@@ -214,6 +214,12 @@ pub(super) fn route(
             c.warn(Some(&set.span()), label, "exempt_client_cidrs on a route that is not limited (algorithm = \"none\") changes nothing: every client is forwarded without a limit already".into());
         }
     }
+    if policy
+        .as_ref()
+        .is_some_and(|p| p.algorithm == Algorithm::None && !p.several)
+    {
+        inert_when_not_limited(c, label, r);
+    }
     let forward_identity = forward_identity(c, label, r, limited, identity.as_ref());
     let max_body_bytes = match &r.max_body_bytes {
         None => Some(server_max_body_bytes),
@@ -353,6 +359,45 @@ fn route_path(
             None
         }
     }
+}
+
+/// The fields of a limited route's decision, written on a route that is not limited
+/// (`algorithm = "none"`, no limits or tiers): taken, and said to change nothing (as
+/// `exempt_client_cidrs` is), at the first of them.
+fn inert_when_not_limited(c: &mut Collector, label: Option<&str>, r: &RawRoute) {
+    let written: Vec<(&str, Range<usize>)> = [
+        ("identity", r.identity.as_ref().map(|v| v.span())),
+        ("fail_mode", r.fail_mode.as_ref().map(|v| v.span())),
+        (
+            "fallback_rate_per_process_micro",
+            r.fallback_rate_per_process_micro.as_ref().map(|v| v.span()),
+        ),
+        (
+            "fallback_rate_fleet_micro",
+            r.fallback_rate_fleet_micro.as_ref().map(|v| v.span()),
+        ),
+        (
+            "emergency_scope",
+            r.emergency_scope.as_ref().map(|v| v.span()),
+        ),
+        (
+            "policy_version",
+            r.policy_version.as_ref().map(|v| v.span()),
+        ),
+        (
+            "ratelimit_headers",
+            r.ratelimit_headers.as_ref().map(|v| v.span()),
+        ),
+        ("mode", r.mode.as_ref().map(|v| v.span())),
+    ]
+    .into_iter()
+    .filter_map(|(field, span)| Some((field, span?)))
+    .collect();
+    let Some((_, first)) = written.iter().min_by_key(|(_, span)| span.start) else {
+        return;
+    };
+    let fields: Vec<&str> = written.iter().map(|(field, _)| *field).collect();
+    c.warn(Some(first), label, format!("{} on a route that is not limited (algorithm = \"none\") {}: its requests are forwarded without an identity or a decision", fields.join(", "), if fields.len() == 1 { "changes nothing" } else { "change nothing" }));
 }
 
 /// The fields that describe one limit: the route's own, or one `[[routes.limits]]` entry's.
