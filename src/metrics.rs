@@ -120,6 +120,11 @@ impl EndpointMetrics {
     }
 }
 
+/// A counter of no registry: what a route that decides nothing holds in place of a series.
+fn unexported_counter() -> IntCounter {
+    IntCounter::new("unexported", "-").expect("a counter's name")
+}
+
 fn bool_label(b: bool) -> &'static str {
     if b {
         "true"
@@ -517,27 +522,31 @@ impl Metrics {
                 })
             })
             .collect();
+        // Nor is it waited for, degraded, exempted or charged: its series of those are not
+        // made (a dashboard summing them by `fail_mode` would list it under a mode it does
+        // not have), and what it holds in their place is never exported.
+        let limited = !limits.is_empty();
+        let counter = |vec: &IntCounterVec, labels: &[&str]| match limited {
+            true => vec.with_label_values(labels),
+            false => unexported_counter(),
+        };
         EndpointMetrics {
             decisions,
             decisions_vec: self.decisions.clone(),
             endpoint_id: endpoint_id.to_owned(),
-            decision_duration: self.decision_duration.with_label_values(&[endpoint_id]),
-            degraded: self
-                .degraded
-                .with_label_values(&[endpoint_id, fail_mode.as_str()]),
-            shadow_denials: self.shadow_denials.with_label_values(&[endpoint_id]),
-            overlimit_hits: self.overlimit_hits.with_label_values(&[endpoint_id]),
-            exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
+            decision_duration: match limited {
+                true => self.decision_duration.with_label_values(&[endpoint_id]),
+                false => Histogram::with_opts(HistogramOpts::new("unexported", "-"))
+                    .expect("a histogram's options"),
+            },
+            degraded: counter(&self.degraded, &[endpoint_id, fail_mode.as_str()]),
+            shadow_denials: counter(&self.shadow_denials, &[endpoint_id]),
+            overlimit_hits: counter(&self.overlimit_hits, &[endpoint_id]),
+            exempt: counter(&self.exempt_requests, &[endpoint_id]),
             charges: ResponseCharges {
-                charged: self
-                    .response_charges
-                    .with_label_values(&[endpoint_id, "charged"]),
-                invalid: self
-                    .response_charges
-                    .with_label_values(&[endpoint_id, "invalid"]),
-                failed: self
-                    .response_charges
-                    .with_label_values(&[endpoint_id, "failed"]),
+                charged: counter(&self.response_charges, &[endpoint_id, "charged"]),
+                invalid: counter(&self.response_charges, &[endpoint_id, "invalid"]),
+                failed: counter(&self.response_charges, &[endpoint_id, "failed"]),
             },
             limit_denials: limits
                 .iter()

@@ -1251,3 +1251,47 @@ fn an_interim_answer_never_reaches_an_http_1_0_client() {
     assert!(new.starts_with("HTTP/1.1 103 "), "{new}");
     assert!(new.contains("HTTP/1.1 200"), "{new}");
 }
+
+/// A route that decides nothing (`algorithm = "none"`) has no series of what a decision does
+/// (a dashboard summing degraded decisions by `fail_mode` listed it under `fail_closed`); a
+/// limited route has them from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_that_decides_nothing_has_no_decision_series() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("m.limited")
+                .prefix("/limited")
+                .identity_header("X-API-Key")
+                .token_bucket(5_000_000, 0),
+        )
+        .route(Route::new("m.open").prefix("/").unlimited())
+        .start();
+    let r = client().get(gw.url("/open")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (_, body) = common::blocking_get(&gw.admin("/metrics")).unwrap();
+    let series = |family: &str, endpoint: &str| {
+        body.lines()
+            .filter(|l| l.starts_with(family))
+            .filter(|l| l.contains(&format!("endpoint_id=\"{endpoint}\"")))
+            .count()
+    };
+    for family in [
+        "sentinel_decisions_total",
+        "sentinel_decision_duration_seconds",
+        "sentinel_degraded_decisions_total",
+        "sentinel_shadow_denials_total",
+        "sentinel_overlimit_cache_hits_total",
+        "sentinel_exempt_requests_total",
+        "sentinel_response_charges_total",
+    ] {
+        assert_eq!(series(family, "m.open"), 0, "{family}:\n{body}");
+        assert!(series(family, "m.limited") > 0, "{family}:\n{body}");
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_requests_total{endpoint_id="m.open",status="200"}"#),
+        1.0
+    );
+    assert!(series("sentinel_endpoint_mode", "m.open") > 0, "{body}");
+}
