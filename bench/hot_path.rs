@@ -208,7 +208,7 @@ fn forwarded(c: &mut Criterion) {
 
 /// Whether room made in advance in the upstream request's header maps would pay (a `reserve`
 /// Pingora's `RequestHeader` does not offer): `http`'s map in the proxy's shape, the client's
-/// two fields and the six the gateway writes, written after a plain clone, after a clone and
+/// two fields and six the gateway writes (a `forward_identity` route's), written after a plain clone, after a clone and
 /// a `reserve`, and into a map built with room (docs/benchmarks.md, "The headers' cost in
 /// isolation").
 fn header_map_room(c: &mut Criterion) {

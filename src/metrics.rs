@@ -508,11 +508,12 @@ impl Metrics {
                 .set(i64::from(current));
         }
         // A route without limits (`algorithm = "none"`) decides nothing.
+        let limited = !limits.is_empty();
         let decisions = DecisionReason::ALL
             .iter()
             .map(|&reason| {
                 [false, true].map(|allowed| {
-                    (!limits.is_empty() && possible(reason, allowed, fail_mode)).then(|| {
+                    (limited && possible(reason, allowed, fail_mode)).then(|| {
                         self.decisions.with_label_values(&[
                             endpoint_id,
                             reason.as_str(),
@@ -522,10 +523,10 @@ impl Metrics {
                 })
             })
             .collect();
-        // Nor is it waited for, degraded, exempted or charged: its series of those are not
-        // made (a dashboard summing them by `fail_mode` would list it under a mode it does
-        // not have), and what it holds in their place is never exported.
-        let limited = !limits.is_empty();
+        // Nor is it waited for, degraded, denied or charged: its series of those are not made
+        // (a dashboard summing them by `fail_mode` would list it under a mode it does not
+        // have), and what it holds in their place is never exported. (Its exempt clients
+        // are counted, as they were.)
         let counter = |vec: &IntCounterVec, labels: &[&str]| match limited {
             true => vec.with_label_values(labels),
             false => unexported_counter(),
@@ -542,7 +543,7 @@ impl Metrics {
             degraded: counter(&self.degraded, &[endpoint_id, fail_mode.as_str()]),
             shadow_denials: counter(&self.shadow_denials, &[endpoint_id]),
             overlimit_hits: counter(&self.overlimit_hits, &[endpoint_id]),
-            exempt: counter(&self.exempt_requests, &[endpoint_id]),
+            exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
             charges: ResponseCharges {
                 charged: counter(&self.response_charges, &[endpoint_id, "charged"]),
                 invalid: counter(&self.response_charges, &[endpoint_id, "invalid"]),

@@ -384,8 +384,7 @@ fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
         if !seen.insert(id) {
             continue;
         }
-        let limited = |x: &Policy| x.algorithm != Algorithm::None || x.several;
-        if !limited(p) || !limited(q) {
+        if !p.is_limited() || !q.is_limited() {
             continue;
         }
         if p.several != q.several {

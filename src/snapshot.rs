@@ -229,7 +229,9 @@ impl Snapshot {
             entries.push((rc.matcher(), Arc::new(route)));
         }
         Ok(Snapshot {
-            uses_fleet: config.routes.iter().any(|r| r.policy.fallback_fleet),
+            // (Not for a route that decides nothing, which has no emergency either.)
+            uses_fleet: (config.routes.iter())
+                .any(|r| r.policy.fallback_fleet && r.policy.is_limited()),
             identity_fields: (config.routes.iter())
                 .filter_map(|r| match &r.identity {
                     IdentitySource::Header(name) => Some(name.clone()),

@@ -203,12 +203,15 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .token_bucket(5_000_000, 1_000_000)
         .fail_open(1_000_000)
         .set("emergency_scope", "\"identity\"");
-    // A limited route's fields on one that is not limited.
+    // A limited route's fields on one that is not limited (its identity is kept quiet: a
+    // `Host` or `User-Agent` one keeps that field out of the access log).
     let open = Route::new("z.open")
         .prefix("/z")
         .unlimited()
         .identity("global")
-        .fail_open(1_000_000);
+        .fail_closed()
+        .policy_version(4)
+        .set("fallback_rate_fleet_micro", "3_000_000");
     std::fs::write(
         &path,
         format!(
@@ -238,7 +241,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/0\" is every IPv6 address: every client of that family then goes without a limit", position_of(&path, "\"::/0\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
-            format!("warning: {file}:{}: routes[2] (z.open): identity, fail_mode, fallback_rate_per_process_micro on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without an identity or a decision", position_of(&path, "\"global\"")),
+            format!("warning: {file}:{}: routes[2] (z.open): fallback_rate_fleet_micro on a route that is not limited (algorithm = \"none\") has no emergency to share: the fleet is not counted for it", position_of(&path, "3_000_000")),
+            format!("warning: {file}:{}: routes[2] (z.open): fail_mode, policy_version on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without a decision", position_of(&path, "\"fail_closed\"")),
             format!("warning: {file}:{}: upstreams.spare is named by no route: no request goes to it", position_of(&path, "[upstreams.spare]")),
             // Pointed at the value that turns the check off.
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),

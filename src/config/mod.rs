@@ -593,6 +593,13 @@ pub struct Policy {
     pub tiers: Option<TierPlan>,
 }
 
+impl Policy {
+    /// Whether the endpoint decides its requests at all (not `algorithm = "none"`).
+    pub fn is_limited(&self) -> bool {
+        self.algorithm != Algorithm::None || self.several
+    }
+}
+
 /// Where a caller's tier comes from, and what each tier gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TierPlan {

@@ -170,7 +170,7 @@ async fn read_clock(link: &Link) {
     let time = tokio::time::timeout(CONNECT_TIMEOUT, command.query_async::<(u64, u64)>(&mut c));
     if let Ok(Ok((secs, micros))) = time.await {
         link.clock
-            .sample(secs.saturating_mul(1_000_000).saturating_add(micros), sent);
+            .sample(super::deadline::time_us(secs, micros), sent);
     }
 }
 

@@ -42,6 +42,12 @@ pub fn mono_us() -> u64 {
     ORIGIN.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1
 }
 
+/// A `TIME` reply's seconds and microseconds as microseconds (saturated: a reply of a broken
+/// node is no overflow).
+pub fn time_us(secs: u64, micros: u64) -> u64 {
+    secs.saturating_mul(1_000_000).saturating_add(micros)
+}
+
 /// One node's `TIME` against this process's monotonic clock.
 #[derive(Debug)]
 pub struct RedisClock {

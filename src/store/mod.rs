@@ -591,10 +591,7 @@ impl Store {
             );
             StoreFailure::ConnectionError
         })?;
-        Ok((
-            values,
-            secs.saturating_mul(1_000_000).saturating_add(micros),
-        ))
+        Ok((values, deadline::time_us(secs, micros)))
     }
 
     /// Deletes `keys` (all on one node: the keys of one identity); how many existed.

@@ -209,15 +209,10 @@ pub(super) fn route(
         "exempt_client_cidrs",
         r.exempt_client_cidrs.as_ref(),
     );
-    if let (Some(set), Some(p)) = (&r.exempt_client_cidrs, &policy) {
-        if p.algorithm == Algorithm::None && !p.several {
+    if policy.as_ref().is_some_and(|p| !p.is_limited()) {
+        if let Some(set) = &r.exempt_client_cidrs {
             c.warn(Some(&set.span()), label, "exempt_client_cidrs on a route that is not limited (algorithm = \"none\") changes nothing: every client is forwarded without a limit already".into());
         }
-    }
-    if policy
-        .as_ref()
-        .is_some_and(|p| p.algorithm == Algorithm::None && !p.several)
-    {
         inert_when_not_limited(c, label, r);
     }
     let forward_identity = forward_identity(c, label, r, limited, identity.as_ref());
@@ -361,20 +356,20 @@ fn route_path(
     }
 }
 
-/// The fields of a limited route's decision, written on a route that is not limited
-/// (`algorithm = "none"`, no limits or tiers): taken, and said to change nothing (as
-/// `exempt_client_cidrs` is), at the first of them.
+/// The fields of a limited route's decision written on a route that is not limited
+/// (`algorithm = "none"`, no limits or tiers), which change nothing there: taken, and said
+/// (as `exempt_client_cidrs` is), at the first of them. Not `identity` (a `Host` or
+/// `User-Agent` identity still keeps that field out of the access log), `mode` (shown in
+/// `sentinel_endpoint_mode`) or `fallback_rate_fleet_micro`, said on its own.
 fn inert_when_not_limited(c: &mut Collector, label: Option<&str>, r: &RawRoute) {
-    let written: Vec<(&str, Range<usize>)> = [
-        ("identity", r.identity.as_ref().map(|v| v.span())),
+    if let Some(fleet) = &r.fallback_rate_fleet_micro {
+        c.warn(Some(&fleet.span()), label, "fallback_rate_fleet_micro on a route that is not limited (algorithm = \"none\") has no emergency to share: the fleet is not counted for it".into());
+    }
+    let mut written: Vec<(&str, Range<usize>)> = [
         ("fail_mode", r.fail_mode.as_ref().map(|v| v.span())),
         (
             "fallback_rate_per_process_micro",
             r.fallback_rate_per_process_micro.as_ref().map(|v| v.span()),
-        ),
-        (
-            "fallback_rate_fleet_micro",
-            r.fallback_rate_fleet_micro.as_ref().map(|v| v.span()),
         ),
         (
             "emergency_scope",
@@ -388,16 +383,21 @@ fn inert_when_not_limited(c: &mut Collector, label: Option<&str>, r: &RawRoute) 
             "ratelimit_headers",
             r.ratelimit_headers.as_ref().map(|v| v.span()),
         ),
-        ("mode", r.mode.as_ref().map(|v| v.span())),
     ]
     .into_iter()
     .filter_map(|(field, span)| Some((field, span?)))
     .collect();
-    let Some((_, first)) = written.iter().min_by_key(|(_, span)| span.start) else {
+    written.sort_by_key(|(_, span)| span.start);
+    let Some((_, first)) = written.first() else {
         return;
     };
     let fields: Vec<&str> = written.iter().map(|(field, _)| *field).collect();
-    c.warn(Some(first), label, format!("{} on a route that is not limited (algorithm = \"none\") {}: its requests are forwarded without an identity or a decision", fields.join(", "), if fields.len() == 1 { "changes nothing" } else { "change nothing" }));
+    let verb = if fields.len() == 1 {
+        "changes"
+    } else {
+        "change"
+    };
+    c.warn(Some(first), label, format!("{} on a route that is not limited (algorithm = \"none\") {verb} nothing: its requests are forwarded without a decision", fields.join(", ")));
 }
 
 /// The fields that describe one limit: the route's own, or one `[[routes.limits]]` entry's.
