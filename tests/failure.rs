@@ -252,6 +252,65 @@ async fn connections_dropped_while_nothing_uses_them_never_open_the_breaker() {
     assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
 }
 
+/// A decision connection Redis closes before it carried a decision, while the checks'
+/// socket stays open (Redis's idle `timeout` on a gateway quiet for longer than it, the
+/// checks' socket being used every 15 s; here a `CLIENT KILL` of that one client), is made
+/// again within about a second, unused: the next request is decided. It was noticed by that
+/// request's decision alone, which failed as a lost connection (a 503 on a `fail_closed`
+/// route after every idle period, on every gateway).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_connection_closed_before_its_first_decision_is_made_again_unused() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = config(&redis.url(), &up.addr(), 30).start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
+    // The first request moves the decision connection to the proxy's workers: a new one,
+    // no decision sent on it yet.
+    wait_until(
+        Duration::from_secs(10),
+        "the decision connection moved",
+        || {
+            gw.logs()
+                .contains("redis decision connection now read by the proxy workers")
+        },
+    );
+    // The decision connection's last command is its handshake's `PING`; the checks' socket's
+    // is one of the checks.
+    let unused = || -> Vec<String> {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut redis.conn())
+            .unwrap();
+        list.lines()
+            .filter(|l| l.contains(" cmd=ping"))
+            .filter_map(|l| l.split(' ').next()?.strip_prefix("id=").map(str::to_owned))
+            .collect()
+    };
+    let ids = unused();
+    assert_eq!(ids.len(), 1, "one decision connection without a decision");
+    let _: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "ID", &ids[0]])
+        .query(&mut redis.conn())
+        .unwrap();
+    wait_until(Duration::from_secs(5), "a new decision connection", || {
+        unused().len() == 1 && unused()[0] != ids[0]
+    });
+    for key in ["b", "c"] {
+        assert_eq!(send(&http, &gw.url("/closed"), key).await.status, 200);
+    }
+    let logs = gw.logs();
+    assert!(
+        logs.contains("the decision connection ended before its first decision")
+            && !logs.contains("redis connection lost"),
+        "{logs}"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
+        0.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_connections_fail_closed_and_open_as_the_table_says() {
     let r = refused_after_warm_up().await;

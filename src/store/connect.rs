@@ -180,6 +180,14 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a connected node's `maxmemory-policy` is read again.
 const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
+/// How often a decision connection that has carried no decision yet (so no reader task
+/// watches it) is looked at for its end.
+const UNREAD_LOOK_EVERY: Duration = Duration::from_secs(1);
+/// TCP keepalive on every socket to Redis: the first probe after this long idle, then every
+/// [`KEEPALIVE_INTERVAL`], three unanswered ending the connection. A NAT or load balancer
+/// that forgets idle connections keeps these; a peer gone without a word is found idle.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Opens one connection: connect and handshake within 1 s, `TCP_NODELAY` on (a decision is a
 /// small write that must not wait for the previous one's ACK). Commands on it carry no
@@ -242,6 +250,11 @@ pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
         ConnectionAddr::Tcp(host, port) => {
             let socket = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
             socket.set_nodelay(true)?;
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(3);
+            socket2::SockRef::from(&socket).set_tcp_keepalive(&keepalive)?;
             let Some(tls) = &dial.tls else {
                 return Ok(Socket::Tcp(socket));
             };
@@ -739,11 +752,25 @@ impl Connector {
             let movable = self.proxy_runtime.get().is_some()
                 && !link.on_proxy_runtime.load(Ordering::Relaxed);
             if connected && !movable && !moving {
+                // A decision connection no reader task reads yet: Redis may close it while
+                // the checks' socket, used every 15 s, stays open (its idle `timeout`), and
+                // the first decision sent on it would fail with it.
+                let unread = (link.conn.load_full())
+                    .filter(|c| !c.wire.reading.load(Ordering::Acquire))
+                    .map(|c| Arc::downgrade(&c));
                 tokio::select! {
                     _ = link.wake.notified() => {}
                     _ = tokio::time::sleep_until(recheck_at) => {
                         self.recheck_policy(&link).await;
                         recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
+                    }
+                    _ = tokio::time::sleep(UNREAD_LOOK_EVERY), if unread.is_some() => {
+                        let closed = unread
+                            .and_then(|c| c.upgrade())
+                            .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed());
+                        if let Some(conn) = closed {
+                            link.forget(&conn, &"the decision connection ended before its first decision", false);
+                        }
                     }
                 }
                 continue;
@@ -845,5 +872,26 @@ impl Connector {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A NAT or load balancer that forgets idle connections keeps one that sends keepalives.
+    #[tokio::test]
+    async fn every_tcp_socket_to_redis_sends_keepalives() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}", listener.local_addr().unwrap());
+        let dial = Dial::new(&url, &crate::config::RedisAccess::default()).unwrap();
+        let Ok(Socket::Tcp(opened)) = socket(&dial).await else {
+            panic!("a plain TCP socket");
+        };
+        let opened = socket2::SockRef::from(&opened);
+        assert!(opened.keepalive().unwrap());
+        assert_eq!(opened.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(opened.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(opened.tcp_keepalive_retries().unwrap(), 3);
     }
 }

@@ -174,6 +174,27 @@ impl Wire {
         self.io.readable().await
     }
 
+    /// Whether the node has closed the socket (or it failed: a reset, a keepalive gone
+    /// unanswered), looked at without reading it: for a connection no reader task reads yet
+    /// (it starts with the first decision), from any thread. A TLS session's closing alert
+    /// does not hide the end, as a read would see the alert first.
+    pub(super) fn peer_closed(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let fd = match &self.io {
+            Io::Tcp(s) => s.as_raw_fd(),
+            Io::Unix(s) => s.as_raw_fd(),
+        };
+        let ended = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        let mut look = libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of a socket this wire owns, for the length of the call; no wait.
+        let n = unsafe { libc::poll(&mut look, 1, 0) };
+        n > 0 && look.revents & ended != 0
+    }
+
     /// Reads everything the socket holds into `bytes.input` (through the TLS session on a
     /// `rediss://` connection). `Ok(false)`: the node closed the connection.
     pub(super) fn receive(
