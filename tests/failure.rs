@@ -255,26 +255,16 @@ async fn connections_dropped_while_nothing_uses_them_never_open_the_breaker() {
 /// A decision connection Redis closes before it carried a decision, while the checks'
 /// socket stays open (Redis's idle `timeout` on a gateway quiet for longer than it, the
 /// checks' socket being used every 15 s; here a `CLIENT KILL` of that one client), is made
-/// again within about a second, unused: the next request is decided. It was noticed by that
-/// request's decision alone, which failed as a lost connection (a 503 on a `fail_closed`
-/// route after every idle period, on every gateway).
+/// again alone within about a second, redis-rs's socket kept; a decision that comes first
+/// goes alone on redis-rs's socket. It was noticed by the next request's batch alone, which
+/// failed as a lost connection (a 503 on a `fail_closed` route after every idle period, on
+/// every gateway). With batches off (`batch_max = 1`) the decisions' socket never carries a
+/// decision: its end costs nothing either, and the connection in use is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_connection_closed_before_its_first_decision_is_made_again_unused() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let gw = config(&redis.url(), &up.addr(), 30).start();
     let http = client();
-    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
-    // The first request moves the decision connection to the proxy's workers: a new one,
-    // no decision sent on it yet.
-    wait_until(
-        Duration::from_secs(10),
-        "the decision connection moved",
-        || {
-            gw.logs()
-                .contains("redis decision connection now read by the proxy workers")
-        },
-    );
     // The decision connection's last command is its handshake's `PING`; the checks' socket's
     // is one of the checks.
     let unused = || -> Vec<String> {
@@ -287,28 +277,66 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
             .filter_map(|l| l.split(' ').next()?.strip_prefix("id=").map(str::to_owned))
             .collect()
     };
-    let ids = unused();
-    assert_eq!(ids.len(), 1, "one decision connection without a decision");
-    let _: i64 = redis::cmd("CLIENT")
-        .arg(&["KILL", "ID", &ids[0]])
-        .query(&mut redis.conn())
-        .unwrap();
-    wait_until(Duration::from_secs(5), "a new decision connection", || {
-        unused().len() == 1 && unused()[0] != ids[0]
-    });
-    for key in ["b", "c"] {
-        assert_eq!(send(&http, &gw.url("/closed"), key).await.status, 200);
+    let made_again = "redis closed the decision connection before it carried a decision";
+    for batch_max in ["256", "1"] {
+        let gw = config(&redis.url(), &up.addr(), 30)
+            .redis("batch_max", batch_max)
+            .start();
+        assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
+        // The first request moves the decision connection to the proxy's workers: a new
+        // one, no decision sent on it yet.
+        wait_until(
+            Duration::from_secs(10),
+            "the decision connection moved",
+            || {
+                gw.logs()
+                    .contains("redis decision connection now read by the proxy workers")
+            },
+        );
+        for round in 1..=2 {
+            let ids = unused();
+            assert_eq!(ids.len(), 1, "{batch_max}: one decision connection unused");
+            let _: i64 = redis::cmd("CLIENT")
+                .arg(&["KILL", "ID", &ids[0]])
+                .query(&mut redis.conn())
+                .unwrap();
+            // At once: before the connector's look, the decision goes alone.
+            assert_eq!(
+                send(&http, &gw.url("/closed"), &format!("b{round}"))
+                    .await
+                    .status,
+                200,
+                "{batch_max}"
+            );
+            wait_until(
+                Duration::from_secs(5),
+                "the decision socket made again",
+                || gw.logs().matches(made_again).count() == round,
+            );
+            assert_eq!(
+                send(&http, &gw.url("/closed"), &format!("c{round}"))
+                    .await
+                    .status,
+                200,
+                "{batch_max}"
+            );
+            if batch_max == "256" {
+                // Its batches are read from now on: the look is over for it.
+                break;
+            }
+        }
+        let logs = gw.logs();
+        assert!(
+            !logs.contains("redis connection lost")
+                && logs.matches("\"redis connected\"").count() == 1,
+            "{batch_max}: the connection in use kept: {logs}"
+        );
+        assert_eq!(
+            gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
+            0.0,
+            "{batch_max}"
+        );
     }
-    let logs = gw.logs();
-    assert!(
-        logs.contains("the decision connection ended before its first decision")
-            && !logs.contains("redis connection lost"),
-        "{logs}"
-    );
-    assert_eq!(
-        gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
-        0.0
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -461,6 +461,13 @@ impl Store {
             return Some(Step::Failed(Failure::NotConnected));
         };
         let wire = &conn.wire;
+        // Ended before its first batch (Redis's idle `timeout`, in the second before the
+        // connector's look): this decision goes alone, on redis-rs's socket, and the connector
+        // makes the decisions' one again. (One across slots can only go in a batch.)
+        if !call.across && !wire.reading.load(Ordering::Acquire) && wire.peer_closed() {
+            link.wake.notify_one();
+            return None;
+        }
         if wire.start_reading() {
             let reader = read_on(self.clone(), Arc::clone(link), Arc::downgrade(&conn));
             drop(wire.runtime.spawn(reader));

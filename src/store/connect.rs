@@ -254,7 +254,9 @@ pub(super) async fn socket(dial: &Dial) -> io::Result<Socket> {
                 .with_time(KEEPALIVE_IDLE)
                 .with_interval(KEEPALIVE_INTERVAL)
                 .with_retries(3);
-            socket2::SockRef::from(&socket).set_tcp_keepalive(&keepalive)?;
+            if let Err(e) = socket2::SockRef::from(&socket).set_tcp_keepalive(&keepalive) {
+                tracing::debug!(error = %e, "cannot set TCP keepalive on a socket to redis");
+            }
             let Some(tls) = &dial.tls else {
                 return Ok(Socket::Tcp(socket));
             };
@@ -554,6 +556,37 @@ impl Connector {
             .map_err(io::Error::other)?
     }
 
+    /// Makes `conn`'s decision socket again, alone, where the connector makes it (it ended
+    /// before it carried a decision); the whole connection is forgotten when that fails.
+    async fn decisions_socket_again(&self, link: &Arc<Link>, conn: &Arc<super::link::Conn>) {
+        let target = link.target.load_full();
+        let dial = target.dial.clone();
+        let opened = async {
+            match self.proxy_runtime.get() {
+                Some(proxy) if self.dedicated_io_thread => self.wire_on(proxy, &dial).await,
+                Some(proxy) => proxy
+                    .spawn(async move { super::wire::open(&dial, true, None).await })
+                    .await
+                    .map_err(io::Error::other)?,
+                None => super::wire::open(&dial, false, None).await,
+            }
+        };
+        let made = tokio::time::timeout(SETUP_TIMEOUT, opened).await;
+        match made {
+            Ok(Ok(wire)) => {
+                if link.replace_wire(conn, wire) {
+                    tracing::info!(node = %target.node, "redis closed the decision connection before it carried a decision (its idle timeout, a kill); made again, the other kept");
+                }
+            }
+            Ok(Err(e)) => link.forget(conn, &e, false),
+            Err(_) => link.forget(
+                conn,
+                &"the decision connection could not be made again within 3 s",
+                false,
+            ),
+        }
+    }
+
     /// A connection to `target` made as the connector makes its own (within its set-up
     /// time), beside the one `link` holds: `None` when it could not be made.
     pub(super) async fn fresh(&self, link: &Link, target: &Target) -> Option<(Opened, Wire)> {
@@ -752,26 +785,24 @@ impl Connector {
             let movable = self.proxy_runtime.get().is_some()
                 && !link.on_proxy_runtime.load(Ordering::Relaxed);
             if connected && !movable && !moving {
-                // A decision connection no reader task reads yet: Redis may close it while
-                // the checks' socket, used every 15 s, stays open (its idle `timeout`), and
-                // the first decision sent on it would fail with it.
+                // A decision connection no reader task reads yet (no batch sent on it: the
+                // first decisions after it was made, or every decision while batches are off):
+                // Redis may close it while the checks' socket, used every 15 s, stays open (its
+                // idle `timeout`), and the first batch sent on it would fail with it. Looked at
+                // every second; made again alone, redis-rs's socket kept.
                 let unread = (link.conn.load_full())
-                    .filter(|c| !c.wire.reading.load(Ordering::Acquire))
-                    .map(|c| Arc::downgrade(&c));
+                    .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed());
+                if let Some(conn) = unread {
+                    self.decisions_socket_again(&link, &conn).await;
+                    continue;
+                }
                 tokio::select! {
                     _ = link.wake.notified() => {}
                     _ = tokio::time::sleep_until(recheck_at) => {
                         self.recheck_policy(&link).await;
                         recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
                     }
-                    _ = tokio::time::sleep(UNREAD_LOOK_EVERY), if unread.is_some() => {
-                        let closed = unread
-                            .and_then(|c| c.upgrade())
-                            .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed());
-                        if let Some(conn) = closed {
-                            link.forget(&conn, &"the decision connection ended before its first decision", false);
-                        }
-                    }
+                    _ = tokio::time::sleep(UNREAD_LOOK_EVERY) => {}
                 }
                 continue;
             }

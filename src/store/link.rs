@@ -463,6 +463,13 @@ impl Link {
         let Some(old) = self.conn.load_full() else {
             return false;
         };
+        self.replace_wire(&old, wire)
+    }
+
+    /// Gives `old`, while the link holds it, a new decision connection, keeping redis-rs's:
+    /// false (and `wire` dropped) when it no longer does.
+    pub(super) fn replace_wire(self: &Arc<Self>, old: &Arc<Conn>, wire: Wire) -> bool {
+        let on_workers = wire.on_workers;
         let conn = Arc::new(Conn {
             checks: ArcSwap::new(old.checks.load_full()),
             wire: Arc::new(wire),
@@ -473,13 +480,15 @@ impl Link {
             sent_us: Arc::clone(&old.sent_us),
         });
         let watched = Arc::clone(&conn);
-        let prev = self.conn.compare_and_swap(&old, Some(conn));
-        if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
+        let prev = self.conn.compare_and_swap(old, Some(conn));
+        if !prev.as_ref().is_some_and(|p| Arc::ptr_eq(p, old)) {
             return false;
         }
-        self.on_proxy_runtime.store(true, Ordering::Relaxed);
+        if on_workers {
+            self.on_proxy_runtime.store(true, Ordering::Relaxed);
+        }
         self.forget_when_closed(&watched);
-        let_go_when_answered(old);
+        let_go_when_answered(Arc::clone(old));
         true
     }
 

@@ -184,10 +184,15 @@ impl Wire {
             Io::Tcp(s) => s.as_raw_fd(),
             Io::Unix(s) => s.as_raw_fd(),
         };
-        let ended = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        // The peer's end of a TCP or Unix stream (Linux); a hang-up or an error elsewhere.
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        const SHUT: libc::c_short = libc::POLLRDHUP;
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        const SHUT: libc::c_short = 0;
+        let ended = SHUT | libc::POLLHUP | libc::POLLERR;
         let mut look = libc::pollfd {
             fd,
-            events: libc::POLLRDHUP,
+            events: SHUT,
             revents: 0,
         };
         // SAFETY: one pollfd of a socket this wire owns, for the length of the call; no wait.
