@@ -462,9 +462,10 @@ impl Store {
         };
         let wire = &conn.wire;
         // Ended before its first batch (Redis's idle `timeout`, in the second before the
-        // connector's look): this decision goes alone, on redis-rs's socket, and the connector
-        // makes the decisions' one again. (One across slots can only go in a batch.)
-        if !call.across && !wire.reading.load(Ordering::Acquire) && wire.peer_closed() {
+        // connector's look): this decision goes alone, on redis-rs's socket (one across slots
+        // is then split in two calls, as when batches are off), and the connector makes the
+        // batches' socket again.
+        if !wire.reading.load(Ordering::Acquire) && wire.peer_closed() {
             link.wake.notify_one();
             return None;
         }

@@ -556,8 +556,9 @@ impl Connector {
             .map_err(io::Error::other)?
     }
 
-    /// Makes `conn`'s decision socket again, alone, where the connector makes it (it ended
-    /// before it carried a decision); the whole connection is forgotten when that fails.
+    /// Makes `conn`'s batches' socket again, alone, where the connector makes it (it ended
+    /// before it carried a batch); the whole connection is forgotten when that fails. Dropped
+    /// when a reload moved the link meanwhile (its connection to the new target comes whole).
     async fn decisions_socket_again(&self, link: &Arc<Link>, conn: &Arc<super::link::Conn>) {
         let target = link.target.load_full();
         let dial = target.dial.clone();
@@ -573,9 +574,11 @@ impl Connector {
         };
         let made = tokio::time::timeout(SETUP_TIMEOUT, opened).await;
         match made {
+            Ok(Ok(_)) if !Arc::ptr_eq(&target, &link.target.load_full()) => {}
+            Ok(Ok(_)) if link.moving.load(Ordering::Relaxed) => {}
             Ok(Ok(wire)) => {
                 if link.replace_wire(conn, wire) {
-                    tracing::info!(node = %target.node, "redis closed the decision connection before it carried a decision (its idle timeout, a kill); made again, the other kept");
+                    tracing::info!(node = %target.node, "redis closed the decision connection before it carried a batch (its idle timeout, a kill); made again, the other kept");
                 }
             }
             Ok(Err(e)) => link.forget(conn, &e, false),
@@ -766,6 +769,8 @@ impl Connector {
         // Kept across the loop's wake-ups (a checks' socket made again wakes it as often as
         // Redis's `timeout`), so the eviction policy is read every period whatever wakes it.
         let mut recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
+        // When a batches' socket was last made again alone.
+        let mut again_at: Option<tokio::time::Instant> = None;
         while !link.retired.load(Ordering::Relaxed) {
             // (While a reload moves the link, the connection to the new Redis replaces it.)
             let checks_lost = (link.conn.load_full())
@@ -790,9 +795,12 @@ impl Connector {
                 // Redis may close it while the checks' socket, used every 15 s, stays open (its
                 // idle `timeout`), and the first batch sent on it would fail with it. Looked at
                 // every second; made again alone, redis-rs's socket kept.
+                // (At most once a look: a socket closed as soon as it is made waits for the next.)
                 let unread = (link.conn.load_full())
+                    .filter(|_| again_at.is_none_or(|at| at.elapsed() >= UNREAD_LOOK_EVERY))
                     .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed());
                 if let Some(conn) = unread {
+                    again_at = Some(tokio::time::Instant::now());
                     self.decisions_socket_again(&link, &conn).await;
                     continue;
                 }

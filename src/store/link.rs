@@ -5,7 +5,8 @@
 //! has its own breaker, so a dead cluster node quarantines the keys it owns and nothing else.
 //! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
 //! once, in use or not, but for its checks' socket closed alone while its decisions' carries
-//! decisions ([`Link::checks_closed`]), which is made again alone.
+//! decisions ([`Link::checks_closed`]), and its decisions' socket closed before it carried a
+//! batch ([`Link::replace_wire`]): each is made again alone.
 
 use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -32,9 +33,10 @@ pub(super) struct Opened {
 }
 
 /// A link's connection: redis-rs's multiplexed connection for everything but the decisions
-/// (the checks' socket), and the decisions' own (`wire.rs`), opened and let go together. Only
-/// the checks' socket is made again alone: when Redis closes it while the decisions' stays
-/// up ([`Link::checks_closed`]).
+/// (the checks' socket), and the decisions' own (`wire.rs`), opened and let go together. Each
+/// is made again alone in one case: the checks' socket when Redis closes it while the
+/// decisions' stays up ([`Link::checks_closed`]), the decisions' when Redis closes it before
+/// it carried a batch ([`Link::replace_wire`]).
 pub(super) struct Conn {
     /// redis-rs's connection and its socket's end (see [`Opened`]); [`Conn::redis`].
     checks: ArcSwap<Opened>,
@@ -53,6 +55,9 @@ pub(super) struct Conn {
     /// last batch's time, kept here when the connection's loss takes its batches. Shared as
     /// `solo` is.
     pub(super) sent_us: Arc<AtomicU64>,
+    /// Dropped with the connection: the watch of its checks' socket ends then (a `Conn`
+    /// given a new decisions' socket keeps the checks' socket, and watches it anew).
+    gone: watch::Sender<()>,
 }
 
 /// Redis closes a client idle for its `timeout`, a whole number of seconds: a connection
@@ -342,6 +347,7 @@ impl Link {
             solo: Arc::default(),
             lost_deciding: AtomicBool::new(false),
             sent_us: Arc::default(),
+            gone: watch::channel(()).0,
         });
         let previous = match in_place_of {
             None => self.conn.swap(Some(Arc::clone(&conn))),
@@ -376,6 +382,7 @@ impl Link {
             Arc::downgrade(conn),
             Arc::downgrade(&checks),
             checks.closed.clone(),
+            conn.gone.subscribe(),
         ));
     }
 
@@ -478,6 +485,7 @@ impl Link {
             solo: Arc::clone(&old.solo),
             lost_deciding: AtomicBool::new(false),
             sent_us: Arc::clone(&old.sent_us),
+            gone: watch::channel(()).0,
         });
         let watched = Arc::clone(&conn);
         let prev = self.conn.compare_and_swap(old, Some(conn));
@@ -488,7 +496,12 @@ impl Link {
             self.on_proxy_runtime.store(true, Ordering::Relaxed);
         }
         self.forget_when_closed(&watched);
-        let_go_when_answered(Arc::clone(old));
+        // A decisions' socket that never carried a batch has nothing to answer: let go with
+        // the old `Conn` (a decision sent alone on the checks' socket still holds it, and its
+        // loss there still counts).
+        if old.wire.reading.load(Ordering::Acquire) {
+            let_go_when_answered(Arc::clone(old));
+        }
         true
     }
 
@@ -637,9 +650,14 @@ async fn forget_when_closed(
     conn: Weak<Conn>,
     checks: Weak<Opened>,
     mut closed: watch::Receiver<bool>,
+    mut gone: watch::Receiver<()>,
 ) {
-    // Ok: the socket ended; Err: the socket was dropped with the connection.
-    let _ = closed.wait_for(|ended| *ended).await;
+    tokio::select! {
+        // Ok: the socket ended; Err: the socket was dropped with the connection.
+        _ = closed.wait_for(|ended| *ended) => {}
+        // The connection was let go (its checks' socket may live on in another's).
+        _ = gone.changed() => return,
+    }
     if let (Some(link), Some(conn)) = (link.upgrade(), conn.upgrade()) {
         if std::ptr::eq(Arc::as_ptr(&conn.checks.load()), checks.as_ptr()) {
             link.checks_closed(&conn);

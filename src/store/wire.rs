@@ -146,7 +146,7 @@ pub(super) struct Wire {
     /// The store's thread, which watches a connection the workers read
     /// (`dedicated_io_thread` and the socket on the workers): see `batch::watch_over`.
     pub(super) watcher: Option<Handle>,
-    /// The reader task is running (it starts with the first decision).
+    /// The reader task is running (it starts with the first batch).
     pub(super) reading: AtomicBool,
     /// Wakes the reader task when the connection is let go.
     pub(super) closing: Notify,
