@@ -11,10 +11,10 @@
 //! are logged with those bytes left out ([`Redacted`], [`redact_buf`]). Pingora's own DEBUG
 //! and TRACE lines print whole headers and bodies; they are passed on only when `RUST_LOG`
 //! names a `pingora` target itself (`RUST_LOG=debug` alone does not), and then cut before
-//! the first value that may quote what a request or an answer carried ([`redact_values`]). The `h2` library's
-//! WARN lines are about what clients did (a flood of resets, say), and so are rustls's (an
-//! address sent as the SNI name, an unexpected alert): both are kept to ERROR unless `RUST_LOG`
-//! names them.
+//! the first value that may quote what a request or an answer carried ([`redact_values`]).
+//! The `h2` library's WARN lines are about what clients did (a flood of resets, say), and so
+//! are rustls's (an address sent as the SNI name, an unexpected alert): both are kept to ERROR
+//! unless `RUST_LOG` names them.
 
 use std::borrow::Cow;
 use std::fmt;

@@ -180,8 +180,8 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a connected node's `maxmemory-policy` is read again.
 const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
-/// How often a decision connection that has carried no decision yet (so no reader task
-/// watches it) is looked at for its end.
+/// How often a batches' socket that has carried no batch yet (so no reader task watches it)
+/// is looked at for its end.
 const UNREAD_LOOK_EVERY: Duration = Duration::from_secs(1);
 /// TCP keepalive on every socket to Redis: the first probe after this long idle, then every
 /// [`KEEPALIVE_INTERVAL`], three unanswered ending the connection. A NAT or load balancer
