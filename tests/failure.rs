@@ -345,6 +345,83 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
     }
 }
 
+/// A batches' socket Redis closes while it is idle after carrying batches (its `timeout`,
+/// which the eviction check every 15 s keeps from the checks' socket; here a `CLIENT KILL` of
+/// that one client a second after its last batch) is made again alone, redis-rs's socket
+/// kept, the decisions meanwhile going alone on it: the connection was made again whole,
+/// and a request in the milliseconds that took was answered by its fail mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let http = client();
+    let gw = config(&redis.url(), &up.addr(), 30).start();
+    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
+    wait_until(
+        Duration::from_secs(10),
+        "the decision connection moved",
+        || {
+            gw.logs()
+                .contains("redis decision connection now read by the proxy workers")
+        },
+    );
+    assert_eq!(send(&http, &gw.url("/closed"), "b").await.status, 200);
+    // The batches' socket's last command is the batch's `EVALSHA` (the first one, let go
+    // after the move, may linger a moment); the checks' socket's is one of the checks.
+    let batches = || -> Vec<String> {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut redis.conn())
+            .unwrap();
+        list.lines()
+            .filter(|l| l.contains(" cmd=evalsha"))
+            .filter_map(|l| l.split(' ').next()?.strip_prefix("id=").map(str::to_owned))
+            .collect()
+    };
+    wait_until(Duration::from_secs(5), "one batches' socket", || {
+        batches().len() == 1
+    });
+    // Idle for more than a second, as Redis's `timeout` finds it.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let ids = batches();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "ID", &ids[0]])
+        .query(&mut redis.conn())
+        .unwrap();
+    wait_until(Duration::from_secs(5), "the end seen", || {
+        gw.logs()
+            .contains("redis closed the batches' connection while it was idle")
+    });
+    assert_eq!(send(&http, &gw.url("/closed"), "c").await.status, 200);
+    // Made after the one killed, and none of this test's own clients.
+    let killed: u64 = ids[0].parse().unwrap();
+    wait_until(Duration::from_secs(5), "a new batches' socket", || {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut redis.conn())
+            .unwrap();
+        list.lines().any(|l| {
+            let id: u64 = (l.split(' ').next())
+                .and_then(|f| f.strip_prefix("id="))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            id > killed && !l.contains(" cmd=client|list")
+        })
+    });
+    assert_eq!(send(&http, &gw.url("/closed"), "d").await.status, 200);
+    let logs = gw.logs();
+    assert!(
+        !logs.contains("redis connection lost")
+            && !logs.contains("no decision was using")
+            && logs.matches("\"redis connected\"").count() == 1,
+        "the connection in use kept: {logs}"
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_store_errors_total{cause="connection_error"}"#),
+        0.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_connections_fail_closed_and_open_as_the_table_says() {
     let r = refused_after_warm_up().await;

@@ -480,6 +480,12 @@ impl Store {
         let mut told = {
             let mut state = wire.lock();
             if state.bytes.dead {
+                // Ended alone while idle ([`Link::batches_closed_alone`]): alone on the checks'
+                // socket until the connector makes it again.
+                if link.holds(&conn) {
+                    link.wake.notify_one();
+                    return None;
+                }
                 return Some(Step::Failed(Failure::NotConnected));
             }
             let batches = &mut state.batches;
@@ -728,6 +734,10 @@ impl Store {
     ) {
         state.bytes.dead = true;
         let deciding = state.batches.deciding();
+        // Nothing on it, none sent within the last second: closed for idleness, perhaps alone.
+        let sent_us = state.batches.sent_us();
+        let idle = !deciding
+            && (sent_us == 0 || super::deadline::mono_us().saturating_sub(sent_us) >= IDLE_US);
         conn.lost_deciding.store(deciding, Ordering::Release);
         (conn.sent_us).fetch_max(state.batches.sent_us, Ordering::Relaxed);
         let mut batches = std::mem::take(&mut state.batches);
@@ -741,6 +751,10 @@ impl Store {
         batches
             .queue
             .tell_all(|| Answer::Failed(Failure::ConnectionLost));
+        if idle && link.batches_closed_alone(conn) {
+            tracing::info!(node = %link.node(), error = %cause, "redis closed the batches' connection while it was idle (its idle timeout, a kill); made again alone, the other kept");
+            return;
+        }
         link.forget(conn, &cause, deciding);
     }
 
@@ -895,6 +909,10 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
         }
     }
 }
+
+/// Redis closes a client idle for its `timeout`, a whole number of seconds: a batches'
+/// socket that carried a batch within the last second was not closed for idleness.
+const IDLE_US: u64 = 1_000_000;
 
 /// Least time between two attempts to replace one node's silent connection; doubled by each
 /// attempt dropped since the last that replaced one, up to [`REPLACE_SILENT_AT_MOST`].

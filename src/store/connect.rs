@@ -557,9 +557,12 @@ impl Connector {
     }
 
     /// Makes `conn`'s batches' socket again, alone, where the connector makes it (it ended
-    /// before it carried a batch); the whole connection is forgotten when that fails. Dropped
+    /// before it carried a batch, or while idle after: [`Link::batches_closed_alone`]); the
+    /// whole connection is forgotten when that fails. Dropped
     /// when a reload moved the link meanwhile (its connection to the new target comes whole).
     async fn decisions_socket_again(&self, link: &Arc<Link>, conn: &Arc<super::link::Conn>) {
+        // (One that ended after carrying batches was said where it ended.)
+        let unread = !conn.wire.lock().bytes.dead;
         let target = link.target.load_full();
         let dial = target.dial.clone();
         let opened = async {
@@ -577,7 +580,7 @@ impl Connector {
             Ok(Ok(_)) if !Arc::ptr_eq(&target, &link.target.load_full()) => {}
             Ok(Ok(_)) if link.moving.load(Ordering::Relaxed) => {}
             Ok(Ok(wire)) => {
-                if link.replace_wire(conn, wire) {
+                if link.replace_wire(conn, wire) && unread {
                     tracing::info!(node = %target.node, "redis closed the decision connection before it carried a batch (its idle timeout, a kill); made again, the other kept");
                 }
             }
@@ -796,9 +799,14 @@ impl Connector {
                 // idle `timeout`), and the first batch sent on it would fail with it. Looked at
                 // every second; made again alone, redis-rs's socket kept.
                 // (At most once a look: a socket closed as soon as it is made waits for the next.)
+                // Or one that ended while idle after carrying batches
+                // ([`Link::batches_closed_alone`]).
                 let unread = (link.conn.load_full())
                     .filter(|_| again_at.is_none_or(|at| at.elapsed() >= UNREAD_LOOK_EVERY))
-                    .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed());
+                    .filter(|c| {
+                        c.wire.lock().bytes.dead
+                            || (!c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed())
+                    });
                 if let Some(conn) = unread {
                     again_at = Some(tokio::time::Instant::now());
                     self.decisions_socket_again(&link, &conn).await;

@@ -5,8 +5,9 @@
 //! has its own breaker, so a dead cluster node quarantines the keys it owns and nothing else.
 //! The connector (`connect.rs`) keeps it connected; a connection Redis closes is forgotten at
 //! once, in use or not, but for its checks' socket closed alone while its decisions' carries
-//! decisions ([`Link::checks_closed`]), and its decisions' socket closed before it carried a
-//! batch ([`Link::replace_wire`]): each is made again alone.
+//! decisions ([`Link::checks_closed`]), and its decisions' socket closed while idle, before
+//! it carried a batch or after ([`Link::batches_closed_alone`], [`Link::replace_wire`]): each
+//! is made again alone.
 
 use std::sync::atomic::Ordering;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -35,8 +36,8 @@ pub(super) struct Opened {
 /// A link's connection: redis-rs's multiplexed connection for everything but the decisions
 /// (the checks' socket), and the decisions' own (`wire.rs`), opened and let go together. Each
 /// is made again alone in one case: the checks' socket when Redis closes it while the
-/// decisions' stays up ([`Link::checks_closed`]), the decisions' when Redis closes it before
-/// it carried a batch ([`Link::replace_wire`]).
+/// decisions' stays up ([`Link::checks_closed`]), the decisions' when Redis closes it while
+/// idle ([`Link::batches_closed_alone`], [`Link::replace_wire`]).
 pub(super) struct Conn {
     /// redis-rs's connection and its socket's end (see [`Opened`]); [`Conn::redis`].
     checks: ArcSwap<Opened>,
@@ -421,6 +422,33 @@ impl Link {
         }
     }
 
+    /// `conn`'s batches' socket ended with nothing on it, none sent within the last second
+    /// (Redis's `timeout` for idle clients, which the eviction check every 15 s keeps from
+    /// the checks' socket): while the link holds `conn` where it was made and its checks'
+    /// socket is up, the connector makes the batches' socket again alone
+    /// ([`Link::replace_wire`]), the decisions meanwhile going alone on the checks' socket.
+    /// False: the connection is lost as a whole.
+    pub(super) fn batches_closed_alone(&self, conn: &Arc<Conn>) -> bool {
+        let held = self.conn.load();
+        let alone = held.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn))
+            && !self.retired.load(Ordering::Relaxed)
+            && !self.moving.load(Ordering::Relaxed)
+            && !conn.checks_lost.load(Ordering::Acquire)
+            && !*conn.checks.load().closed.borrow();
+        if alone {
+            self.wake.notify_one();
+        }
+        alone
+    }
+
+    /// Whether the link still holds `conn`.
+    pub(super) fn holds(&self, conn: &Arc<Conn>) -> bool {
+        self.conn
+            .load()
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, conn))
+    }
+
     /// Puts a checks' socket made again at `target` in `conn` ([`Link::checks_closed`]);
     /// false (and it dropped) when the link no longer holds `conn`, points elsewhere now (a
     /// reload, a new master) or `conn`'s decisions' socket broke meanwhile.
@@ -496,10 +524,10 @@ impl Link {
             self.on_proxy_runtime.store(true, Ordering::Relaxed);
         }
         self.forget_when_closed(&watched);
-        // A decisions' socket that never carried a batch has nothing to answer: let go with
-        // the old `Conn` (a decision sent alone on the checks' socket still holds it, and its
-        // loss there still counts).
-        if old.wire.reading.load(Ordering::Acquire) {
+        // A decisions' socket that never carried a batch, or ended, has nothing to answer:
+        // let go with the old `Conn` (a decision sent alone on the checks' socket still holds
+        // it, and its loss there still counts).
+        if old.wire.reading.load(Ordering::Acquire) && !old.wire.lock().bytes.dead {
             let_go_when_answered(Arc::clone(old));
         }
         true
