@@ -461,14 +461,6 @@ impl Store {
             return Some(Step::Failed(Failure::NotConnected));
         };
         let wire = &conn.wire;
-        // Ended before its first batch (Redis's idle `timeout`, in the second before the
-        // connector's look): this decision goes alone, on redis-rs's socket (one across slots
-        // is then split in two calls, as when batches are off), and the connector makes the
-        // batches' socket again.
-        if !wire.reading.load(Ordering::Acquire) && wire.peer_closed() {
-            link.wake.notify_one();
-            return None;
-        }
         if wire.start_reading() {
             let reader = read_on(self.clone(), Arc::clone(link), Arc::downgrade(&conn));
             drop(wire.runtime.spawn(reader));
@@ -487,6 +479,18 @@ impl Store {
                     return None;
                 }
                 return Some(Step::Failed(Failure::NotConnected));
+            }
+            // Idle for a second at least and ended, its end not read yet (Redis's idle
+            // `timeout`: before its first batch, or just now): this decision goes alone, on
+            // redis-rs's socket (one across slots is then split in two calls, as when batches
+            // are off); the reader, started now if it was not, takes the end, and the
+            // batches' socket is made again ([`Link::batches_closed_alone`]).
+            if !state.batches.deciding()
+                && idle_since(state.batches.sent_us())
+                && wire.peer_closed()
+            {
+                link.wake.notify_one();
+                return None;
             }
             let batches = &mut state.batches;
             // A call across slots can only go in a batch (`Failure::Split`).
@@ -734,10 +738,11 @@ impl Store {
     ) {
         state.bytes.dead = true;
         let deciding = state.batches.deciding();
-        // Nothing on it, none sent within the last second: closed for idleness, perhaps alone.
-        let sent_us = state.batches.sent_us();
+        // Closed by the node (not reset, not failed), nothing on it, none sent within the
+        // last second: closed for idleness, perhaps alone.
         let idle = !deciding
-            && (sent_us == 0 || super::deadline::mono_us().saturating_sub(sent_us) >= IDLE_US);
+            && cause.kind() == io::ErrorKind::UnexpectedEof
+            && idle_since(state.batches.sent_us());
         conn.lost_deciding.store(deciding, Ordering::Release);
         (conn.sent_us).fetch_max(state.batches.sent_us, Ordering::Relaxed);
         let mut batches = std::mem::take(&mut state.batches);
@@ -911,8 +916,12 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
 }
 
 /// Redis closes a client idle for its `timeout`, a whole number of seconds: a batches'
-/// socket that carried a batch within the last second was not closed for idleness.
-const IDLE_US: u64 = 1_000_000;
+/// socket that carried a batch within the last second (`sent_us`, 0: none yet) was not closed
+/// for idleness.
+fn idle_since(sent_us: u64) -> bool {
+    sent_us == 0
+        || super::deadline::mono_us().saturating_sub(sent_us) >= super::link::IDLE_AT_LEAST_US
+}
 
 /// Least time between two attempts to replace one node's silent connection; doubled by each
 /// attempt dropped since the last that replaced one, up to [`REPLACE_SILENT_AT_MOST`].

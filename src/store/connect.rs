@@ -807,6 +807,18 @@ impl Connector {
                         c.wire.lock().bytes.dead
                             || (!c.wire.reading.load(Ordering::Acquire) && c.wire.peer_closed())
                     });
+                // One that failed while unread (a reset, its keepalives unanswered): the peer
+                // is gone, and redis-rs's socket with it, most likely.
+                let failed = (link.conn.load_full())
+                    .filter(|c| !c.wire.reading.load(Ordering::Acquire) && c.wire.failed());
+                if let Some(conn) = failed {
+                    link.forget(
+                        &conn,
+                        &"the batches' socket failed while unused (a reset, keepalives unanswered)",
+                        false,
+                    );
+                    continue;
+                }
                 if let Some(conn) = unread {
                     again_at = Some(tokio::time::Instant::now());
                     self.decisions_socket_again(&link, &conn).await;

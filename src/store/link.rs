@@ -66,7 +66,7 @@ pub(super) struct Conn {
 /// `CLIENT KILL` under load, between two batches, is a loss under decisions). The checks'
 /// socket (the eviction check every 15 s and little else under batching) is idle longer
 /// than the decisions' under traffic: closed alone, it is made again alone.
-const IDLE_AT_LEAST_US: u64 = 1_000_000;
+pub(super) const IDLE_AT_LEAST_US: u64 = 1_000_000;
 
 impl Conn {
     /// redis-rs's connection (the checks' socket), for a command of its own.

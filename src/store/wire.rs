@@ -154,6 +154,12 @@ pub(super) struct Wire {
     pub(super) watch: Notify,
 }
 
+/// The peer's end of a TCP or Unix stream, as `poll` says it (Linux's); none elsewhere.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const SHUT: libc::c_short = libc::POLLRDHUP;
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+const SHUT: libc::c_short = 0;
+
 /// How a read looks at the socket.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Look {
@@ -174,30 +180,39 @@ impl Wire {
         self.io.readable().await
     }
 
-    /// Whether the node has closed the socket (or it failed: a reset, a keepalive gone
-    /// unanswered), looked at without reading it: for a connection no reader task reads yet
-    /// (it starts with the first decision), from any thread. A TLS session's closing alert
-    /// does not hide the end, as a read would see the alert first.
+    /// Whether the node has closed the socket (its end read by the kernel, and no error: a
+    /// reset or a keepalive gone unanswered is not a close), looked at without reading it:
+    /// for a connection no reader task has read yet, from any thread. A TLS session's closing
+    /// alert does not hide the end, as a read would see the alert first. Linux's `POLLRDHUP`;
+    /// elsewhere never true.
     pub(super) fn peer_closed(&self) -> bool {
+        let seen = self.look();
+        SHUT != 0 && seen & SHUT != 0 && seen & libc::POLLERR == 0
+    }
+
+    /// Whether the socket failed (a reset, a keepalive gone unanswered), looked at as
+    /// [`Wire::peer_closed`] looks.
+    pub(super) fn failed(&self) -> bool {
+        self.look() & libc::POLLERR != 0
+    }
+
+    /// The socket's `poll` events now, without waiting.
+    fn look(&self) -> libc::c_short {
         use std::os::fd::AsRawFd;
         let fd = match &self.io {
             Io::Tcp(s) => s.as_raw_fd(),
             Io::Unix(s) => s.as_raw_fd(),
         };
-        // The peer's end of a TCP or Unix stream (Linux); a hang-up or an error elsewhere.
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        const SHUT: libc::c_short = libc::POLLRDHUP;
-        #[cfg(not(any(target_os = "linux", target_os = "android")))]
-        const SHUT: libc::c_short = 0;
-        let ended = SHUT | libc::POLLHUP | libc::POLLERR;
         let mut look = libc::pollfd {
             fd,
             events: SHUT,
             revents: 0,
         };
         // SAFETY: one pollfd of a socket this wire owns, for the length of the call; no wait.
-        let n = unsafe { libc::poll(&mut look, 1, 0) };
-        n > 0 && look.revents & ended != 0
+        match unsafe { libc::poll(&mut look, 1, 0) } {
+            n if n > 0 => look.revents,
+            _ => 0,
+        }
     }
 
     /// Reads everything the socket holds into `bytes.input` (through the TLS session on a
