@@ -260,6 +260,30 @@ async fn connections_dropped_while_nothing_uses_them_never_open_the_breaker() {
 /// failed as a lost connection (a 503 on a `fail_closed` route after every idle period, on
 /// every gateway). With batches off (`batch_max = 1`) the decisions' socket never carries a
 /// decision: its end costs nothing either, and the connection in use is kept.
+/// Each client of `redis` with its last command (`CLIENT LIST`'s `id` and `cmd`).
+fn clients(redis: &Redis) -> Vec<(u64, String)> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.conn())
+        .unwrap();
+    let field = |line: &str, name: &str| {
+        line.split(' ')
+            .find_map(|f| f.strip_prefix(name).map(str::to_owned))
+            .unwrap_or_default()
+    };
+    list.lines()
+        .map(|l| (field(l, "id=").parse().unwrap_or(0), field(l, "cmd=")))
+        .collect()
+}
+
+/// The ids of the clients of `redis` whose last command was `cmd`.
+fn clients_last_running(redis: &Redis, cmd: &str) -> Vec<u64> {
+    (clients(redis).into_iter())
+        .filter(|(_, last)| last == cmd)
+        .map(|(id, _)| id)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_connection_closed_before_its_first_decision_is_made_again_unused() {
     let redis = Redis::start();
@@ -267,16 +291,7 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
     let http = client();
     // The decision connection's last command is its handshake's `PING`; the checks' socket's
     // is one of the checks.
-    let unused = || -> Vec<String> {
-        let list: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .query(&mut redis.conn())
-            .unwrap();
-        list.lines()
-            .filter(|l| l.contains(" cmd=ping"))
-            .filter_map(|l| l.split(' ').next()?.strip_prefix("id=").map(str::to_owned))
-            .collect()
-    };
+    let unused = || clients_last_running(&redis, "ping");
     // Said by the connector's look, or by the reader a decision started on it.
     let made_again = |logs: &str| {
         logs.matches("redis closed the decision connection before it carried a batch")
@@ -310,7 +325,9 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
             let ids = unused();
             assert_eq!(ids.len(), 1, "{batch_max}: one decision connection unused");
             let _: i64 = redis::cmd("CLIENT")
-                .arg(&["KILL", "ID", &ids[0]])
+                .arg("KILL")
+                .arg("ID")
+                .arg(ids[0])
                 .query(&mut redis.conn())
                 .unwrap();
             // At once: before the connector's look, the decision goes alone.
@@ -375,16 +392,7 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     assert_eq!(send(&http, &gw.url("/closed"), "b").await.status, 200);
     // The batches' socket's last command is the batch's `EVALSHA` (the first one, let go
     // after the move, may linger a moment); the checks' socket's is one of the checks.
-    let batches = || -> Vec<String> {
-        let list: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .query(&mut redis.conn())
-            .unwrap();
-        list.lines()
-            .filter(|l| l.contains(" cmd=evalsha"))
-            .filter_map(|l| l.split(' ').next()?.strip_prefix("id=").map(str::to_owned))
-            .collect()
-    };
+    let batches = || clients_last_running(&redis, "evalsha");
     wait_until(Duration::from_secs(5), "one batches' socket", || {
         batches().len() == 1
     });
@@ -392,7 +400,9 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let ids = batches();
     let _: i64 = redis::cmd("CLIENT")
-        .arg(&["KILL", "ID", &ids[0]])
+        .arg("KILL")
+        .arg("ID")
+        .arg(ids[0])
         .query(&mut redis.conn())
         .unwrap();
     wait_until(Duration::from_secs(5), "the end seen", || {
@@ -401,23 +411,15 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     });
     assert_eq!(send(&http, &gw.url("/closed"), "c").await.status, 200);
     // Made after the one killed, and none of this test's own clients.
-    let killed: u64 = ids[0].parse().unwrap();
+    let killed = ids[0];
     wait_until(Duration::from_secs(5), "a new batches' socket", || {
-        let list: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .query(&mut redis.conn())
-            .unwrap();
-        list.lines().any(|l| {
-            let id: u64 = (l.split(' ').next())
-                .and_then(|f| f.strip_prefix("id="))
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(0);
-            id > killed && !l.contains(" cmd=client|list")
-        })
+        clients(&redis)
+            .iter()
+            .any(|(id, cmd)| *id > killed && cmd != "client|list")
     });
     assert_eq!(send(&http, &gw.url("/closed"), "d").await.status, 200);
     // Batched again, on the new socket.
-    let after: Vec<u64> = batches().iter().filter_map(|id| id.parse().ok()).collect();
+    let after = batches();
     assert!(after.iter().any(|id| *id > killed), "{after:?}");
     let logs = gw.logs();
     assert!(

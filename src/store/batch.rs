@@ -486,7 +486,7 @@ impl Store {
             // are off); the reader, started now if it was not, takes the end, and the
             // batches' socket is made again ([`Link::batches_closed_alone`]).
             if !state.batches.deciding()
-                && idle_since(state.batches.sent_us())
+                && super::link::idle_since(state.batches.sent_us())
                 && wire.peer_closed()
             {
                 link.wake.notify_one();
@@ -742,7 +742,7 @@ impl Store {
         // last second: closed for idleness, perhaps alone.
         let idle = !deciding
             && cause.kind() == io::ErrorKind::UnexpectedEof
-            && idle_since(state.batches.sent_us());
+            && super::link::idle_since(state.batches.sent_us());
         conn.lost_deciding.store(deciding, Ordering::Release);
         (conn.sent_us).fetch_max(state.batches.sent_us, Ordering::Relaxed);
         let mut batches = std::mem::take(&mut state.batches);
@@ -913,14 +913,6 @@ async fn read_on(store: Store, link: Arc<Link>, conn: Weak<Conn>) {
             return;
         }
     }
-}
-
-/// Redis closes a client idle for its `timeout`, a whole number of seconds: a batches'
-/// socket that carried a batch within the last second (`sent_us`, 0: none yet) was not closed
-/// for idleness.
-fn idle_since(sent_us: u64) -> bool {
-    sent_us == 0
-        || super::deadline::mono_us().saturating_sub(sent_us) >= super::link::IDLE_AT_LEAST_US
 }
 
 /// Least time between two attempts to replace one node's silent connection; doubled by each

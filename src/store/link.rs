@@ -66,7 +66,13 @@ pub(super) struct Conn {
 /// `CLIENT KILL` under load, between two batches, is a loss under decisions). The checks'
 /// socket (the eviction check every 15 s and little else under batching) is idle longer
 /// than the decisions' under traffic: closed alone, it is made again alone.
-pub(super) const IDLE_AT_LEAST_US: u64 = 1_000_000;
+const IDLE_AT_LEAST_US: u64 = 1_000_000;
+
+/// Whether a socket whose last decision went at `sent_us` ([`deadline::mono_us`]; 0: none
+/// yet) may have been closed for idleness: none went within the last second.
+pub(super) fn idle_since(sent_us: u64) -> bool {
+    sent_us == 0 || deadline::mono_us().saturating_sub(sent_us) >= IDLE_AT_LEAST_US
+}
 
 impl Conn {
     /// redis-rs's connection (the checks' socket), for a command of its own.
@@ -90,7 +96,7 @@ impl Conn {
         self.solo.load(Ordering::Relaxed) > 0
             || self.lost_deciding.load(Ordering::Acquire)
             || wire.batches.deciding()
-            || (sent_us != 0 && deadline::mono_us().saturating_sub(sent_us) < IDLE_AT_LEAST_US)
+            || !idle_since(sent_us)
     }
 }
 
@@ -394,8 +400,7 @@ impl Link {
     /// ([`Link::checks_made_again`]) and the decisions go on. Else the connection is lost
     /// as a whole ([`Link::forget`]).
     fn checks_closed(&self, conn: &Arc<Conn>) {
-        let now = deadline::mono_us();
-        let recent = |sent_us: u64| sent_us != 0 && now.saturating_sub(sent_us) < IDLE_AT_LEAST_US;
+        let recent = |sent_us: u64| !idle_since(sent_us);
         // The checks' socket idle: no decision sent alone on it waits, none went within the
         // last second (one that did was not closed for idleness: a loss under decisions).
         let checks_idle =
