@@ -276,6 +276,20 @@ fn clients(redis: &Redis) -> Vec<(u64, String)> {
         .collect()
 }
 
+/// A first request (admitted), which moves the gateway's decision connection to the proxy's
+/// workers: a new one, no decision sent on it yet.
+async fn first_request_moves_the_decision_connection(http: &reqwest::Client, gw: &Gateway) {
+    assert_eq!(send(http, &gw.url("/closed"), "a").await.status, 200);
+    wait_until(
+        Duration::from_secs(10),
+        "the decision connection moved",
+        || {
+            gw.logs()
+                .contains("redis decision connection now read by the proxy workers")
+        },
+    );
+}
+
 /// The ids of the clients of `redis` whose last command was `cmd`.
 fn clients_last_running(redis: &Redis, cmd: &str) -> Vec<u64> {
     (clients(redis).into_iter())
@@ -304,17 +318,7 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
         let gw = config(&redis.url(), &up.addr(), 30)
             .redis("batch_max", batch_max)
             .start();
-        assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
-        // The first request moves the decision connection to the proxy's workers: a new
-        // one, no decision sent on it yet.
-        wait_until(
-            Duration::from_secs(10),
-            "the decision connection moved",
-            || {
-                gw.logs()
-                    .contains("redis decision connection now read by the proxy workers")
-            },
-        );
+        first_request_moves_the_decision_connection(&http, &gw).await;
         for round in 1..=2 {
             // (The store thread's first one, let go when the move is logged, may linger.)
             wait_until(
@@ -380,15 +384,7 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     let up = Upstream::start("app");
     let http = client();
     let gw = config(&redis.url(), &up.addr(), 30).start();
-    assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
-    wait_until(
-        Duration::from_secs(10),
-        "the decision connection moved",
-        || {
-            gw.logs()
-                .contains("redis decision connection now read by the proxy workers")
-        },
-    );
+    first_request_moves_the_decision_connection(&http, &gw).await;
     assert_eq!(send(&http, &gw.url("/closed"), "b").await.status, 200);
     // The batches' socket's last command is the batch's `EVALSHA` (the first one, let go
     // after the move, may linger a moment); the checks' socket's is one of the checks.
