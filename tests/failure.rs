@@ -252,30 +252,6 @@ async fn connections_dropped_while_nothing_uses_them_never_open_the_breaker() {
     assert_eq!(send(&http, &gw.url("/closed"), "a").await.status, 200);
 }
 
-/// A decision connection Redis closes before it carried a decision, while the checks'
-/// socket stays open (Redis's idle `timeout` on a gateway quiet for longer than it, the
-/// checks' socket being used every 15 s; here a `CLIENT KILL` of that one client), is made
-/// again alone within about a second, redis-rs's socket kept; a decision that comes first
-/// goes alone on redis-rs's socket. It was noticed by the next request's batch alone, which
-/// failed as a lost connection (a 503 on a `fail_closed` route after every idle period, on
-/// every gateway). With batches off (`batch_max = 1`) the decisions' socket never carries a
-/// decision: its end costs nothing either, and the connection in use is kept.
-/// Each client of `redis` with its last command (`CLIENT LIST`'s `id` and `cmd`).
-fn clients(redis: &Redis) -> Vec<(u64, String)> {
-    let list: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .query(&mut redis.conn())
-        .unwrap();
-    let field = |line: &str, name: &str| {
-        line.split(' ')
-            .find_map(|f| f.strip_prefix(name).map(str::to_owned))
-            .unwrap_or_default()
-    };
-    list.lines()
-        .map(|l| (field(l, "id=").parse().unwrap_or(0), field(l, "cmd=")))
-        .collect()
-}
-
 /// A first request (admitted), which moves the gateway's decision connection to the proxy's
 /// workers: a new one, no decision sent on it yet.
 async fn first_request_moves_the_decision_connection(http: &reqwest::Client, gw: &Gateway) {
@@ -292,12 +268,20 @@ async fn first_request_moves_the_decision_connection(http: &reqwest::Client, gw:
 
 /// The ids of the clients of `redis` whose last command was `cmd`.
 fn clients_last_running(redis: &Redis, cmd: &str) -> Vec<u64> {
-    (clients(redis).into_iter())
+    (redis.clients().into_iter())
         .filter(|(_, last)| last == cmd)
         .map(|(id, _)| id)
         .collect()
 }
 
+/// A decision connection Redis closes before it carried a decision, while the checks'
+/// socket stays open (Redis's idle `timeout` on a gateway quiet for longer than it, the
+/// checks' socket being used every 15 s; here a `CLIENT KILL` of that one client), is made
+/// again alone within about a second, redis-rs's socket kept; a decision that comes first
+/// goes alone on redis-rs's socket. It was noticed by the next request's batch alone, which
+/// failed as a lost connection (a 503 on a `fail_closed` route after every idle period, on
+/// every gateway). With batches off (`batch_max = 1`) the decisions' socket never carries a
+/// decision: its end costs nothing either, and the connection in use is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_connection_closed_before_its_first_decision_is_made_again_unused() {
     let redis = Redis::start();
@@ -409,7 +393,8 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     // Made after the one killed, and none of this test's own clients.
     let killed = ids[0];
     wait_until(Duration::from_secs(5), "a new batches' socket", || {
-        clients(&redis)
+        redis
+            .clients()
             .iter()
             .any(|(id, cmd)| *id > killed && cmd != "client|list")
     });

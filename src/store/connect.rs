@@ -178,8 +178,21 @@ async fn read_clock(link: &Link) {
 const SETUP_TIMEOUT: Duration = Duration::from_secs(3);
 /// The TCP (or unix socket) connect and the handshake.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// How often a connected node's `maxmemory-policy` is read again.
+/// How often a connected node's `maxmemory-policy` (and `timeout`) is read again, at most.
 const POLICY_RECHECK_EVERY: Duration = Duration::from_secs(15);
+
+/// How often the checks run on a node whose `timeout` for idle clients is `idle_timeout_s`
+/// seconds (0: none, or not readable): every [`POLICY_RECHECK_EVERY`], or every half of a
+/// shorter `timeout`, so that Redis never finds redis-rs's socket idle that long (it closes
+/// a client idle for more than its whole seconds). Redis closing it beside an idle batches'
+/// socket would close both at once, and the whole connection would be made again: a request
+/// in those milliseconds would get its fail mode.
+pub(super) fn checks_every(idle_timeout_s: u64) -> Duration {
+    if idle_timeout_s == 0 {
+        return POLICY_RECHECK_EVERY;
+    }
+    POLICY_RECHECK_EVERY.min(Duration::from_millis(idle_timeout_s.saturating_mul(500)))
+}
 /// How often a batches' socket that has carried no batch yet (so no reader task watches it)
 /// is looked at for its end.
 const UNREAD_LOOK_EVERY: Duration = Duration::from_secs(1);
@@ -430,6 +443,27 @@ async fn eviction_policy(
     }
 }
 
+/// What `CONFIG GET timeout` said: Redis's idle time, in seconds, after which it closes a
+/// client (0: never); `None` when it could not be read (`CONFIG` refused, Redis busy).
+async fn idle_timeout(conn: &mut MultiplexedConnection) -> Option<u64> {
+    let reply: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("timeout")
+        .query_async(conn)
+        .await
+        .ok()?;
+    reply.get(1)?.parse().ok()
+}
+
+/// The node's settings the gateway reads, on one connection, both commands sent at once: the
+/// eviction policy ([`eviction_policy`]) and the idle timeout ([`idle_timeout`]).
+async fn node_settings(
+    conn: &mut MultiplexedConnection,
+) -> (redis::RedisResult<Option<EvictionPolicy>>, Option<u64>) {
+    let mut other = conn.clone();
+    tokio::join!(eviction_policy(conn), idle_timeout(&mut other))
+}
+
 /// Whether Redis answered that it cannot serve now (`BUSY` while a script runs, `LOADING`,
 /// `NOAUTH`, a code it does not know: what a decision's call would count as a store failure,
 /// [`Failure::of_reply`]) rather than refusing the command itself (an `ERR`: unknown,
@@ -644,8 +678,12 @@ impl Connector {
             None => open_both(&target.dial, false, None).await?,
         };
         let conn = &mut opened.conn;
-        if let Some(policy) = eviction_policy(conn).await? {
+        let (policy, idle) = node_settings(conn).await;
+        if let Some(policy) = policy? {
             self.note_policy(link, &target.node, policy);
+        }
+        if let Some(seconds) = idle {
+            link.idle_timeout_s.store(seconds, Ordering::Relaxed);
         }
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
@@ -718,10 +756,16 @@ impl Connector {
         };
         let node = link.node();
         let mut c = conn.redis();
-        if let Ok(Ok(Some(policy))) =
-            tokio::time::timeout(CONNECT_TIMEOUT, eviction_policy(&mut c)).await
-        {
+        let Ok((policy, idle)) = tokio::time::timeout(CONNECT_TIMEOUT, node_settings(&mut c)).await
+        else {
+            return;
+        };
+        if let Ok(Some(policy)) = policy {
             self.note_policy(link, &node, policy);
+        }
+        // (Read from a Redis the link has since been moved off: not this one's.)
+        if let Some(seconds) = idle.filter(|_| link.target.load().node == node) {
+            link.idle_timeout_s.store(seconds, Ordering::Relaxed);
         }
     }
 
@@ -765,13 +809,16 @@ impl Connector {
     }
 
     /// Keeps one link's connection up: connects, checks, loads the scripts, then sleeps until
-    /// the connection is dropped, reading the eviction policy again every
-    /// [`POLICY_RECHECK_EVERY`]. Ends when the link is retired.
+    /// the connection is dropped, reading the eviction policy and the idle timeout again every
+    /// [`checks_every`]. Ends when the link is retired.
     async fn keep_connected(self: Arc<Self>, link: Arc<Link>) {
         let mut attempt = 0u32;
         // Kept across the loop's wake-ups (a checks' socket made again wakes it as often as
         // Redis's `timeout`), so the eviction policy is read every period whatever wakes it.
-        let mut recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
+        let next_check = |link: &Link| {
+            tokio::time::Instant::now() + checks_every(link.idle_timeout_s.load(Ordering::Relaxed))
+        };
+        let mut recheck_at = next_check(&link);
         // When a batches' socket was last made again alone.
         let mut again_at: Option<tokio::time::Instant> = None;
         while !link.retired.load(Ordering::Relaxed) {
@@ -828,7 +875,7 @@ impl Connector {
                     _ = link.wake.notified() => {}
                     _ = tokio::time::sleep_until(recheck_at) => {
                         self.recheck_policy(&link).await;
-                        recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
+                        recheck_at = next_check(&link);
                     }
                     _ = tokio::time::sleep(UNREAD_LOOK_EVERY) => {}
                 }
@@ -884,6 +931,8 @@ impl Connector {
                     // Swapping is seamless: requests on the old connection finish on it.
                     link.install(opened, wire, self.proxy_runtime.get().is_some());
                     read_clock(&link).await;
+                    // The connection's set-up read the node's settings.
+                    recheck_at = next_check(&link);
                     if moving {
                         link.moving.store(false, Ordering::Relaxed);
                         link.connected_again();
@@ -898,8 +947,6 @@ impl Connector {
                     link.connected_again();
                     tracing::info!(node = %target.node, attempts = attempt + 1, "redis connected");
                     attempt = 0;
-                    // The connection's set-up read the eviction policy.
-                    recheck_at = tokio::time::Instant::now() + POLICY_RECHECK_EVERY;
                 }
                 Err(e) if connected && !moving => {
                     tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");
@@ -937,6 +984,19 @@ impl Connector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Redis closes a client idle for more than its `timeout`'s whole seconds: the checks run
+    /// at least twice in that time, and every 15 s without one (or past 30 s).
+    #[test]
+    fn the_checks_run_within_half_of_redis_idle_timeout() {
+        assert_eq!(checks_every(0), Duration::from_secs(15));
+        assert_eq!(checks_every(1), Duration::from_millis(500));
+        assert_eq!(checks_every(2), Duration::from_secs(1));
+        assert_eq!(checks_every(10), Duration::from_secs(5));
+        assert_eq!(checks_every(30), Duration::from_secs(15));
+        assert_eq!(checks_every(300), Duration::from_secs(15));
+        assert_eq!(checks_every(u64::MAX), Duration::from_secs(15));
+    }
 
     /// A NAT or load balancer that forgets idle connections keeps one that sends keepalives.
     #[tokio::test]

@@ -194,6 +194,10 @@ pub(super) struct Link {
     /// The policy of the node the link points at was said (logged) once: it is said again
     /// only when it changes, however often the connection is made again.
     pub(super) policy_said: AtomicBool,
+    /// The node's `timeout` for idle clients, in seconds, as last read (0: none, or not
+    /// readable): the checks' socket is used often enough that Redis never closes it idle
+    /// ([`super::connect::checks_every`]).
+    pub(super) idle_timeout_s: AtomicU64,
     /// Whether the current connection is driven on the proxy's runtime.
     pub(super) on_proxy_runtime: AtomicBool,
     /// The last evaluation timed out: the connection may be talking to a peer that is gone
@@ -244,6 +248,7 @@ impl Link {
             clock: super::deadline::RedisClock::default(),
             eviction_policy: ArcSwapOption::empty(),
             policy_said: AtomicBool::new(false),
+            idle_timeout_s: AtomicU64::new(0),
             on_proxy_runtime: AtomicBool::new(false),
             suspect: AtomicBool::new(false),
             replacing: AtomicBool::new(false),
@@ -272,6 +277,7 @@ impl Link {
         self.target.store(Arc::new(target));
         self.eviction_policy.store(None);
         self.policy_said.store(false, Ordering::Relaxed);
+        self.idle_timeout_s.store(0, Ordering::Relaxed);
         self.moving.store(false, Ordering::Relaxed);
         self.conn.store(None);
         self.wake.notify_one();
@@ -286,6 +292,7 @@ impl Link {
         self.target.store(Arc::new(target));
         self.eviction_policy.store(None);
         self.policy_said.store(false, Ordering::Relaxed);
+        self.idle_timeout_s.store(0, Ordering::Relaxed);
         self.moving.store(self.is_connected(), Ordering::Relaxed);
         self.wake.notify_one();
     }

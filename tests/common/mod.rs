@@ -213,6 +213,23 @@ impl Redis {
         self.client().get_connection().expect("redis connection")
     }
 
+    /// Each client with its last command (`CLIENT LIST`'s `id` and `cmd`; the asking one's
+    /// is `client|list`).
+    pub fn clients(&self) -> Vec<(u64, String)> {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut self.conn())
+            .unwrap();
+        let field = |line: &str, name: &str| {
+            line.split(' ')
+                .find_map(|f| f.strip_prefix(name).map(str::to_owned))
+                .unwrap_or_default()
+        };
+        list.lines()
+            .map(|l| (field(l, "id=").parse().unwrap_or(0), field(l, "cmd=")))
+            .collect()
+    }
+
     /// `CONFIG SET name value`, as the tests change a running Redis.
     pub fn config_set(&self, name: &str, value: &str) {
         let _: () = redis::cmd("CONFIG")
