@@ -181,6 +181,66 @@ async fn retry_after_is_the_longest_wait_of_the_denying_limits() {
     );
 }
 
+/// A caller refused by its own limit is refused again from the over-limit cache; once the
+/// ceiling every caller shares is spent too (by another caller), that repeated 429 says the
+/// ceiling's wait when it is the longer, its item says the ceiling is spent, and the denial
+/// counts as the ceiling's: the contract's "the wait until every denying limit admits
+/// again". (It kept its own shorter wait and the ceiling's item as at its own denial.) Once
+/// the ceiling admits again, the caller's own wait is said alone again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_denial_says_the_wait_of_a_ceiling_spent_since() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    // Each caller: 2, one more every 100 s. Everyone: 3, one more every 1000 s.
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(|r| {
+            r.bucket_limit("own", 2, 10_000).limit(
+                "fleet",
+                "identity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 3_000_000\nrefill_rate_micro_per_sec = 1_000",
+            )
+        }))
+        .start();
+    assert_eq!(get(&gw, "a").await.status(), 200);
+    assert_eq!(get(&gw, "a").await.status(), 200);
+    // a's own limit: about 100 s; the ceiling has one left.
+    let r = get(&gw, "a").await;
+    assert_eq!(r.status(), 429);
+    assert!((1..=100).contains(&common::retry_after(&r)));
+    // b takes the ceiling's last; its next is the ceiling's (about 1000 s).
+    assert_eq!(get(&gw, "b").await.status(), 200);
+    let r = get(&gw, "b").await;
+    assert_eq!(r.status(), 429);
+    assert!((900..=1000).contains(&common::retry_after(&r)));
+    // a, from the cache: the ceiling's wait, its item spent.
+    let r = get(&gw, "a").await;
+    assert_eq!(r.status(), 429);
+    let retry = common::retry_after(&r);
+    assert!((900..=1000).contains(&retry), "the ceiling's wait: {retry}");
+    let fields = r.headers()["ratelimit"].to_str().unwrap();
+    assert!(
+        fields.starts_with("\"own\";r=0;t=") && fields.contains(", \"fleet\";r=0;t="),
+        "{fields}"
+    );
+    assert_eq!(
+        gw.metric("sentinel_overlimit_cache_hits_total{endpoint_id=\"e.api\"}"),
+        1.0
+    );
+    let denials = |limit: &str| {
+        gw.metric(&format!(
+            "sentinel_limit_denials_total{{endpoint_id=\"e.api\",limit=\"{limit}\"}}"
+        ))
+    };
+    assert_eq!((denials("own"), denials("fleet")), (1.0, 2.0));
+    // The ceiling reset (every remembered denial forgotten): it admits c, and a's denial is
+    // its own again.
+    reset(&gw, "global").await;
+    assert_eq!(get(&gw, "c").await.status(), 200);
+    let r = get(&gw, "a").await;
+    assert_eq!(r.status(), 429);
+    let retry = common::retry_after(&r);
+    assert!((1..=100).contains(&retry), "a's own wait: {retry}");
+}
+
 fn ceiling(r: Route) -> Route {
     r.bucket_limit("burst", 3, 0).limit(
         "backend",

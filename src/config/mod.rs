@@ -598,6 +598,11 @@ impl Policy {
     pub fn is_limited(&self) -> bool {
         self.algorithm != Algorithm::None || self.several
     }
+
+    /// Whether a limit has an identity of its own (a ceiling every caller shares).
+    pub fn has_ceilings(&self) -> bool {
+        self.limits.iter().any(|l| l.global)
+    }
 }
 
 /// Where a caller's tier comes from, and what each tier gets.

@@ -157,9 +157,12 @@ pub struct OverlimitCache {
     shards: Vec<Shard>,
     hasher: RandomState,
     clock: SharedClock,
-    /// Until when the ceiling's denial holds (local clock, microseconds; 0: none), read
+    /// Until when the ceiling's denial is repeated (local clock, microseconds; 0: none), read
     /// before its lock.
     ceiling_until: AtomicU64,
+    /// Until when the ceiling's remembered denial said it would deny (its whole wait; 0:
+    /// none, or it admitted since), read before its lock.
+    ceiling_denies_until: AtomicU64,
     ceiling: Mutex<Option<Entry>>,
     /// Raised by every reset.
     epoch: AtomicU64,
@@ -177,6 +180,7 @@ impl OverlimitCache {
             hasher: RandomState::new(),
             clock,
             ceiling_until: AtomicU64::new(0),
+            ceiling_denies_until: AtomicU64::new(0),
             ceiling: Mutex::new(None),
             epoch: AtomicU64::new(0),
         }
@@ -212,6 +216,33 @@ impl OverlimitCache {
         let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         let entry = ceiling.as_ref().filter(|e| e.kept > now)?;
         Some((denied_of(entry, now), replies_of(entry, now)))
+    }
+
+    /// The ceilings' last denial while its wait lasts (past the moment it stops being
+    /// repeated, [`CEILING_KEPT_US`]) and no admission by them was seen since: what a
+    /// caller's own remembered denial adds to its answer, so that its `Retry-After` is the
+    /// wait until every limit known to deny admits again. `Denied::limit` counts among the
+    /// ceilings.
+    pub fn ceiling_denying(&self) -> Option<(Denied, Vec<ScriptReply>)> {
+        let now = self.clock.now_us();
+        if self.ceiling_denies_until.load(Ordering::Relaxed) <= now {
+            return None;
+        }
+        let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = ceiling.as_ref().filter(|e| e.until > now)?;
+        Some((denied_of(entry, now), replies_of(entry, now)))
+    }
+
+    /// The ceilings admitted a request (a give-back, a reset elsewhere, or time made room):
+    /// their remembered denial is forgotten.
+    pub fn ceiling_admits(&self) {
+        if self.ceiling_denies_until.load(Ordering::Relaxed) <= self.clock.now_us() {
+            return;
+        }
+        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        self.ceiling_until.store(0, Ordering::Relaxed);
+        self.ceiling_denies_until.store(0, Ordering::Relaxed);
+        *ceiling = None;
     }
 
     fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
@@ -284,6 +315,8 @@ impl OverlimitCache {
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since && remembering() {
             self.ceiling_until.store(entry.kept, Ordering::Relaxed);
+            self.ceiling_denies_until
+                .store(entry.until, Ordering::Relaxed);
             *ceiling = Some(entry);
         }
     }
@@ -308,6 +341,7 @@ impl OverlimitCache {
         }
         let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
         self.ceiling_until.store(0, Ordering::Relaxed);
+        self.ceiling_denies_until.store(0, Ordering::Relaxed);
         *ceiling = None;
     }
 
@@ -520,6 +554,39 @@ mod tests {
         }
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
         assert!(cache.ceiling_denied().is_some(), "never short of room");
+    }
+
+    /// What a caller's own remembered denial adds of the ceilings': their denial while its
+    /// whole wait lasts (not only the second it is repeated to everyone), until they admit.
+    #[test]
+    fn a_ceilings_denial_is_known_for_its_whole_wait_until_they_admit() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        let reply = ScriptReply {
+            allowed: false,
+            remaining: 0,
+            retry_after: Some(30),
+            reset: Some(60),
+            now_us: 7,
+            wait_us: Some(30_000_000),
+        };
+        cache.ceiling_admits();
+        assert!(cache.ceiling_denying().is_none());
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        clock.advance(Duration::from_secs(10));
+        assert!(cache.ceiling_denied().is_none(), "no longer repeated");
+        let (denied, replies) = cache.ceiling_denying().unwrap();
+        assert_eq!(denied.left_us, 20_000_000);
+        assert_eq!((replies[0].remaining, replies[0].reset), (0, Some(50)));
+        clock.advance(Duration::from_secs(20));
+        assert!(cache.ceiling_denying().is_none(), "its wait is over");
+        // An admission by the ceilings forgets it, as a reset does.
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        cache.ceiling_admits();
+        assert!(cache.ceiling_denying().is_none() && cache.ceiling_denied().is_none());
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        cache.clear();
+        assert!(cache.ceiling_denying().is_none());
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
     let own = policy.limits.iter().position(|l| !l.global).unwrap_or(0);
     let since = endpoint.overlimit.epoch();
     if let Some((denied, replies)) = endpoint.overlimit.denied_with_replies(&keys[own]) {
+        let (denied, replies) = with_ceilings_denial(policy, &endpoint.overlimit, denied, replies);
         let mut cached = Several::of(Decision::cached_denial(denied, store.breaker_state()));
         cached.denied_by = Some(denied.limit);
         cached.replies = replies;
@@ -146,6 +147,13 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
         let evaluation = store
             .evaluate_limits(&refs, &args, None, if_late(policy))
             .await;
+        if let (Ok(replies), true) = (&evaluation.outcome, policy.has_ceilings()) {
+            let theirs: Vec<ScriptReply> = (replies.iter().zip(&policy.limits))
+                .filter(|(_, l)| l.global)
+                .map(|(r, _)| *r)
+                .collect();
+            note_ceilings(&endpoint.overlimit, since, &theirs);
+        }
         (replies_of(evaluation), false)
     } else {
         decide_across(store, endpoint, &refs, &args_of, since, own).await
@@ -307,7 +315,7 @@ async fn across_slots(
         if let Some(evaluation) = across.await {
             if let Ok(replies) = &evaluation.outcome {
                 let theirs: Vec<ScriptReply> = ceilings.iter().map(|i| replies[*i]).collect();
-                remember_ceiling_denial(overlimit, since, &theirs);
+                note_ceilings(overlimit, since, &theirs);
             }
             return replies_of(evaluation);
         }
@@ -388,7 +396,7 @@ async fn two_calls(
             false => None,
         };
         if let Some(peeked) = &peeked {
-            remember_ceiling_denial(overlimit, since, peeked);
+            note_ceilings(overlimit, since, peeked);
         }
         for (k, i) in ceilings.iter().enumerate() {
             replies[*i] = Some(
@@ -445,10 +453,10 @@ async fn two_calls(
     };
     match second.outcome {
         Ok(second_replies) => {
+            note_ceilings(overlimit, since, &second_replies);
             if second_replies.iter().all(|r| r.allowed) {
                 ticket.settled();
             } else {
-                remember_ceiling_denial(overlimit, since, &second_replies);
                 if let Some(refunded) = refund(store, ticket).await {
                     for (i, mut r) in own.iter().zip(refunded) {
                         r.allowed = true;
@@ -471,14 +479,53 @@ async fn two_calls(
     }
 }
 
-/// Remembers the ceilings' denial (`replies` are theirs, in their order) until the longest
-/// wait of those that denied, when Redis said each exactly; nothing when they admitted.
-fn remember_ceiling_denial(overlimit: &OverlimitCache, since: u64, replies: &[ScriptReply]) {
+/// What the ceilings said (`replies` are theirs, in their order): a denial is remembered
+/// until the longest wait of those that denied, when Redis said each exactly; an admission by
+/// every one forgets a denial remembered before.
+fn note_ceilings(overlimit: &OverlimitCache, since: u64, replies: &[ScriptReply]) {
+    if replies.iter().all(|r| r.allowed) {
+        overlimit.ceiling_admits();
+        return;
+    }
     let denying = replies.iter().enumerate().filter(|(_, r)| !r.allowed);
     let waits: Option<Vec<(usize, u64)>> = denying.map(|(i, r)| Some((i, r.wait_us?))).collect();
     if let Some((limit, wait)) = waits.and_then(|w| w.into_iter().max_by_key(|(_, w)| *w)) {
         overlimit.remember_ceiling(since, wait, limit, replies);
     }
+}
+
+/// A caller's own remembered denial, with what the ceilings' remembered denial adds while its
+/// wait lasts ([`OverlimitCache::ceiling_denying`]): their items as that denial has them and,
+/// when a ceiling's wait is the longer, its wait and its name, so that the repeated 429's
+/// `Retry-After` is the wait until every limit known to deny admits again (contract
+/// section 13). Without a known ceiling denial, the caller's own as remembered.
+fn with_ceilings_denial(
+    policy: &Policy,
+    overlimit: &OverlimitCache,
+    mut denied: crate::decision::overlimit::Denied,
+    mut replies: Vec<ScriptReply>,
+) -> (crate::decision::overlimit::Denied, Vec<ScriptReply>) {
+    if !policy.has_ceilings() {
+        return (denied, replies);
+    }
+    let Some((ceiling, theirs)) = overlimit.ceiling_denying() else {
+        return (denied, replies);
+    };
+    let ceilings: Vec<usize> = (policy.limits.iter().enumerate())
+        .filter(|(_, l)| l.global)
+        .map(|(i, _)| i)
+        .collect();
+    if replies.len() == policy.limits.len() {
+        for (i, r) in ceilings.iter().zip(theirs) {
+            replies[*i] = r;
+        }
+    }
+    if ceiling.left_us > denied.left_us {
+        if let Some(&limit) = ceilings.get(ceiling.limit) {
+            denied = crate::decision::overlimit::Denied { limit, ..ceiling };
+        }
+    }
+    (denied, replies)
 }
 
 /// Why the ceilings cannot admit a request without asking them.
