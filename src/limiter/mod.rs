@@ -148,11 +148,16 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             .evaluate_limits(&refs, &args, None, if_late(policy))
             .await;
         if let (Ok(replies), true) = (&evaluation.outcome, policy.has_ceilings()) {
-            let theirs: Vec<ScriptReply> = (replies.iter().zip(&policy.limits))
-                .filter(|(_, l)| l.global)
-                .map(|(r, _)| *r)
-                .collect();
-            note_ceilings(&endpoint.overlimit, since, &theirs);
+            let theirs = || {
+                (replies.iter().zip(&policy.limits))
+                    .filter(|(_, l)| l.global)
+                    .map(|(r, _)| *r)
+            };
+            // (Collected only for a denial: an admission is one atomic load.)
+            match theirs().all(|r| r.allowed) {
+                true => endpoint.overlimit.ceiling_admits(),
+                false => note_ceilings(&endpoint.overlimit, since, &theirs().collect::<Vec<_>>()),
+            }
         }
         (replies_of(evaluation), false)
     } else {
