@@ -772,12 +772,7 @@ impl Guarded {
     /// and Pingora closes the connection.
     fn refuse_head(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         if self.refusing.is_none() {
-            let answer = self.own_answer(
-                431,
-                "Request Header Fields Too Large",
-                r#"{"detail":"request header fields too large"}"#,
-            );
-            self.refusing = Some(Refusal::new(answer));
+            self.refusing = Some(Refusal::new(self.refusal(431)));
         }
         let Some(refusing) = &mut self.refusing else {
             unreachable!("set above")
@@ -1001,11 +996,20 @@ delegate_rest!(Guarded);
 
 /// Pingora answers a request head it cannot parse (a malformed header, a bad
 /// `Content-Length`, a head over its limits) itself, before any hook of the gateway runs:
-/// an empty 400 with its own `Server` header. Such an answer is the only thing written
+/// an empty 400 with its own `Server` header, or 431 for a head of more fields than its
+/// parser takes (256; `vendor/pingora-proxy`). Such an answer is the only thing written
 /// while a head is on its way (`Head`); it is replaced by the gateway's own, as every answer
-/// the gateway writes: JSON, `content-type`, a request id, and the connection closed.
-fn is_pingora_400(buf: &[u8]) -> bool {
-    buf.starts_with(b"HTTP/1.") && buf.get(8..13) == Some(b" 400 ")
+/// the gateway writes: JSON, `content-type`, a request id, and the connection closed. The
+/// status it has, when it is one.
+fn pingora_refusal(buf: &[u8]) -> Option<u16> {
+    if !buf.starts_with(b"HTTP/1.") {
+        return None;
+    }
+    match buf.get(8..13) {
+        Some(b" 400 ") => Some(400),
+        Some(b" 431 ") => Some(431),
+        _ => None,
+    }
 }
 
 /// A request head Pingora could not parse, answered with the gateway's 400 here, or one
@@ -1059,8 +1063,16 @@ impl std::fmt::Debug for BadHeadHook {
 }
 
 impl Guarded {
-    fn bad_request(&self) -> Vec<u8> {
-        self.own_answer(400, "Bad Request", r#"{"detail":"bad request"}"#)
+    /// The gateway's answer in place of Pingora's 400 or 431 ([`pingora_refusal`]).
+    fn refusal(&self, status: u16) -> Vec<u8> {
+        match status {
+            431 => self.own_answer(
+                431,
+                "Request Header Fields Too Large",
+                r#"{"detail":"request header fields too large"}"#,
+            ),
+            _ => self.own_answer(400, "Bad Request", r#"{"detail":"bad request"}"#),
+        }
     }
 
     /// The gateway's answer to a head it refuses before Pingora parses it, told to the
@@ -1114,11 +1126,10 @@ impl AsyncWrite for Guarded {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let this = &mut *self;
-        if this.replacing.is_none()
-            && this.reg.conn.state.load(Ordering::Relaxed) == HEAD
-            && is_pingora_400(buf)
-        {
-            this.replacing = Some((this.bad_request(), 0));
+        if this.replacing.is_none() && this.reg.conn.state.load(Ordering::Relaxed) == HEAD {
+            if let Some(status) = pingora_refusal(buf) {
+                this.replacing = Some((this.refusal(status), 0));
+            }
         }
         let Some((answer, written)) = &mut this.replacing else {
             if let Some(cut) = this.cut() {

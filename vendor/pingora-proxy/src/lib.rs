@@ -352,8 +352,13 @@ where
                         "Fail to proxy: {e}, downstream session type: {}",
                         downstream_session.session_type()
                     );
+                    // sentinel-gateway: a head of more fields than the parser takes is
+                    // 431 (RFC 6585), as one of too many bytes is, not 400.
+                    let too_many = (e.cause.as_ref())
+                        .and_then(|c| c.downcast_ref::<httparse::Error>())
+                        .is_some_and(|c| *c == httparse::Error::TooManyHeaders);
                     downstream_session
-                        .respond_error(400)
+                        .respond_error(if too_many { 431 } else { 400 })
                         .await
                         .unwrap_or_else(|e| {
                             error!("failed to send error response to downstream: {e}");
