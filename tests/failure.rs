@@ -276,7 +276,7 @@ fn clients_last_running(redis: &Redis, cmd: &str) -> Vec<u64> {
 
 /// A decision connection Redis closes before it carried a decision, while the checks'
 /// socket stays open (Redis's idle `timeout` on a gateway quiet for longer than it, the
-/// checks' socket being used every 15 s; here a `CLIENT KILL` of that one client), is made
+/// checks' socket being used by the checks; here a `CLIENT KILL` of that one client), is made
 /// again alone within about a second, redis-rs's socket kept; a decision that comes first
 /// goes alone on redis-rs's socket. It was noticed by the next request's batch alone, which
 /// failed as a lost connection (a 503 on a `fail_closed` route after every idle period, on
@@ -358,7 +358,7 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
 }
 
 /// A batches' socket Redis closes while it is idle after carrying batches (its `timeout`,
-/// which the eviction check every 15 s keeps from the checks' socket; here a `CLIENT KILL` of
+/// which the checks keep from the checks' socket; here a `CLIENT KILL` of
 /// that one client a second after its last batch) is made again alone, redis-rs's socket
 /// kept, the decisions meanwhile going alone on it: the connection was made again whole,
 /// and a request in the milliseconds that took was answered by its fail mode.

@@ -894,16 +894,22 @@ async fn a_redis_timeout_shorter_than_the_checks_never_closes_the_checks_socket(
     assert_eq!(logs.matches("\"redis connected\"").count(), 1, "{logs}");
 }
 
-/// A Redis whose `timeout` is shorter than the 15 s between the gateway's own checks, under
-/// steady traffic: the decisions' socket is never idle, the checks' socket is, and Redis
-/// closes it every two or three seconds. That socket alone is made again: no decision meets
-/// a lost connection (every one is Redis's, none a fail mode's 503), no WARN, the connection
-/// is never made again as a whole, and the eviction policy is still read every 15 s (a
-/// change to `allkeys-lru` under the traffic is said).
+/// A Redis whose `timeout` was lowered below the 15 s between the gateway's own checks
+/// since they last read it, under steady traffic: until the next check reads it, the
+/// decisions' socket is never idle, the checks' socket is, and Redis closes it every two or
+/// three seconds. That socket alone is made again: no decision meets a lost connection
+/// (every one is Redis's, none a fail mode's 503), no WARN, the connection is never made
+/// again as a whole, and the eviction policy is still read (a change to `allkeys-lru` under
+/// the traffic is said by the next check).
 async fn checks_closed_alone_under_traffic(config: GatewayConfig, redis: &Redis) {
     let gw = config.start();
     warmed(&gw).await;
     let connections = || common::connections_received(redis.port);
+    // Lowered just after a check read it: about 15 s until the next one reads it again.
+    let checks = redis.command_calls("config|get");
+    wait_until(Duration::from_secs(20), "the next check", || {
+        redis.command_calls("config|get") > checks
+    });
     redis.config_set("timeout", "2");
     let before = connections();
     // A request every 10 ms, each with a key of its own (admitted when Redis decides it; 503

@@ -186,7 +186,7 @@ async fn retry_after_is_the_longest_wait_of_the_denying_limits() {
 /// ceiling's wait when it is the longer, its item says the ceiling is spent, and the denial
 /// counts as the ceiling's: the contract's "the wait until every denying limit admits
 /// again". (It kept its own shorter wait and the ceiling's item as at its own denial.) Once
-/// the ceiling admits again, the caller's own wait is said alone again.
+/// the ceiling admits a request again, the caller's own wait is said alone again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remembered_denial_says_the_wait_of_a_ceiling_spent_since() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
@@ -231,14 +231,26 @@ async fn a_remembered_denial_says_the_wait_of_a_ceiling_spent_since() {
         ))
     };
     assert_eq!((denials("own"), denials("fleet")), (1.0, 2.0));
-    // The ceiling reset (every remembered denial forgotten): it admits c, and a's denial is
-    // its own again.
-    reset(&gw, "global").await;
+    // The ceiling's key deleted by hand (no gateway told): it admits c, and a's repeated
+    // denial, from the cache still, is its own again.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*:fleet")
+        .query(&mut redis.conn())
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(&keys)
+        .query(&mut redis.conn())
+        .unwrap();
     assert_eq!(get(&gw, "c").await.status(), 200);
     let r = get(&gw, "a").await;
     assert_eq!(r.status(), 429);
     let retry = common::retry_after(&r);
     assert!((1..=100).contains(&retry), "a's own wait: {retry}");
+    assert_eq!(
+        gw.metric("sentinel_overlimit_cache_hits_total{endpoint_id=\"e.api\"}"),
+        2.0
+    );
+    assert_eq!((denials("own"), denials("fleet")), (2.0, 2.0));
 }
 
 fn ceiling(r: Route) -> Route {

@@ -23,7 +23,9 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwapOption;
 
 use crate::clock::SharedClock;
 use crate::decision::ScriptReply;
@@ -126,6 +128,10 @@ const NEVER: u64 = u64::MAX;
 /// Its `Retry-After` is still the whole wait.
 pub const CEILING_KEPT_US: u64 = 1_000_000;
 
+/// Two readings of one ceilings' denial, from answers Redis gave at different moments, end
+/// within this of each other ([`OverlimitCache::ceiling_known`]).
+const KNOWN_WITHIN_US: u64 = 100_000;
+
 /// A remembered denial, times in microseconds of the local clock.
 struct Entry {
     /// Denied until then.
@@ -158,12 +164,15 @@ pub struct OverlimitCache {
     hasher: RandomState,
     clock: SharedClock,
     /// Until when the ceiling's denial is repeated (local clock, microseconds; 0: none), read
-    /// before its lock.
+    /// before it.
     ceiling_until: AtomicU64,
     /// Until when the ceiling's remembered denial said it would deny (its whole wait; 0:
-    /// none, or it admitted since), read before its lock.
+    /// none, or it admitted since), read before it.
     ceiling_denies_until: AtomicU64,
-    ceiling: Mutex<Option<Entry>>,
+    /// Read without a lock; written under `ceiling_writes`, which orders a write against a
+    /// reset's new epoch.
+    ceiling: ArcSwapOption<Entry>,
+    ceiling_writes: Mutex<()>,
     /// Raised by every reset.
     epoch: AtomicU64,
 }
@@ -181,7 +190,8 @@ impl OverlimitCache {
             clock,
             ceiling_until: AtomicU64::new(0),
             ceiling_denies_until: AtomicU64::new(0),
-            ceiling: Mutex::new(None),
+            ceiling: ArcSwapOption::empty(),
+            ceiling_writes: Mutex::new(()),
             epoch: AtomicU64::new(0),
         }
     }
@@ -209,13 +219,7 @@ impl OverlimitCache {
     /// The ceilings' remembered denial, as [`denied_with_replies`](Self::denied_with_replies)
     /// gives a caller's.
     pub fn ceiling_denied(&self) -> Option<(Denied, Vec<ScriptReply>)> {
-        let now = self.clock.now_us();
-        if self.ceiling_until.load(Ordering::Relaxed) <= now {
-            return None;
-        }
-        let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = ceiling.as_ref().filter(|e| e.kept > now)?;
-        Some((denied_of(entry, now), replies_of(entry, now)))
+        self.ceiling_while(&self.ceiling_until, |e| e.kept)
     }
 
     /// The ceilings' last denial while its wait lasts (past the moment it stops being
@@ -224,25 +228,50 @@ impl OverlimitCache {
     /// wait until every limit known to deny admits again. `Denied::limit` counts among the
     /// ceilings.
     pub fn ceiling_denying(&self) -> Option<(Denied, Vec<ScriptReply>)> {
+        self.ceiling_while(&self.ceiling_denies_until, |e| e.until)
+    }
+
+    /// The ceilings' remembered denial while `end` of it is to come (`until`, its atomic copy).
+    fn ceiling_while(
+        &self,
+        until: &AtomicU64,
+        end: impl Fn(&Entry) -> u64,
+    ) -> Option<(Denied, Vec<ScriptReply>)> {
         let now = self.clock.now_us();
-        if self.ceiling_denies_until.load(Ordering::Relaxed) <= now {
+        if until.load(Ordering::Relaxed) <= now {
             return None;
         }
-        let ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = ceiling.as_ref().filter(|e| e.until > now)?;
+        let ceiling = self.ceiling.load();
+        let entry = ceiling.as_deref().filter(|e| end(e) > now)?;
         Some((denied_of(entry, now), replies_of(entry, now)))
+    }
+
+    /// Whether a ceilings' denial of `wait_us` from now is the one remembered, still repeated
+    /// for half of [`CEILING_KEPT_US`] or more: remembering it again would change nothing but
+    /// a moment (under a flood every refused request says it).
+    pub fn ceiling_known(&self, wait_us: u64) -> bool {
+        let now = self.clock.now_us();
+        self.ceiling_until.load(Ordering::Relaxed) >= now + CEILING_KEPT_US / 2
+            && (self.ceiling_denies_until.load(Ordering::Relaxed)).abs_diff(now + wait_us)
+                <= KNOWN_WITHIN_US
     }
 
     /// The ceilings admitted a request (a give-back, a reset elsewhere, or time made room):
     /// their remembered denial is forgotten.
     pub fn ceiling_admits(&self) {
-        if self.ceiling_denies_until.load(Ordering::Relaxed) <= self.clock.now_us() {
-            return;
+        if self.ceiling_denies_until.load(Ordering::Relaxed) > self.clock.now_us() {
+            self.drop_ceiling();
         }
-        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+    }
+
+    fn drop_ceiling(&self) {
+        let _writing = self
+            .ceiling_writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         self.ceiling_until.store(0, Ordering::Relaxed);
         self.ceiling_denies_until.store(0, Ordering::Relaxed);
-        *ceiling = None;
+        self.ceiling.store(None);
     }
 
     fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
@@ -312,24 +341,29 @@ impl OverlimitCache {
         let now = self.clock.now_us();
         let mut entry = entry(now, wait_us, limit, replies);
         entry.kept = entry.kept.min(now + CEILING_KEPT_US);
-        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
+        let _writing = self
+            .ceiling_writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if self.epoch() == since && remembering() {
             self.ceiling_until.store(entry.kept, Ordering::Relaxed);
             self.ceiling_denies_until
                 .store(entry.until, Ordering::Relaxed);
-            *ceiling = Some(entry);
+            self.ceiling.store(Some(Arc::new(entry)));
         }
     }
 
     /// Forgets a remembered denial of `key` (an operator reset the bucket, or a charge
     /// answered too late was given back to it: a denial read before the give-back may have
-    /// been made by that charge).
+    /// been made by that charge), and the ceilings' (the charge given back may have been
+    /// theirs).
     pub fn forget(&self, key: &str) {
         self.epoch.fetch_add(1, Ordering::SeqCst);
         self.shard(key)
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(key);
+        self.drop_ceiling();
     }
 
     /// Forgets every remembered denial, the ceilings' too (an operator reset a ceiling every
@@ -339,10 +373,7 @@ impl OverlimitCache {
         for shard in &self.shards {
             shard.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
-        let mut ceiling = self.ceiling.lock().unwrap_or_else(|p| p.into_inner());
-        self.ceiling_until.store(0, Ordering::Relaxed);
-        self.ceiling_denies_until.store(0, Ordering::Relaxed);
-        *ceiling = None;
+        self.drop_ceiling();
     }
 
     pub fn len(&self) -> usize {

@@ -214,7 +214,7 @@ pub fn heard_reset(endpoints: &HashMap<EndpointId, Arc<Endpoint>>, message: Opti
 /// refused: resetting the ceiling forgets every denial of the endpoint.
 fn forget_denials(endpoints: &[Arc<Endpoint>], identity_hash: &str, everyone: bool) {
     for endpoint in endpoints {
-        if everyone && endpoint.policy.limits.iter().any(|l| l.global) {
+        if everyone && endpoint.policy.has_ceilings() {
             endpoint.overlimit.clear();
         }
         for (_, key) in keyed(endpoint, identity_hash) {

@@ -148,16 +148,10 @@ pub async fn decide_limits(store: &Store, endpoint: &Endpoint, identity_hash: &s
             .evaluate_limits(&refs, &args, None, if_late(policy))
             .await;
         if let (Ok(replies), true) = (&evaluation.outcome, policy.has_ceilings()) {
-            let theirs = || {
-                (replies.iter().zip(&policy.limits))
-                    .filter(|(_, l)| l.global)
-                    .map(|(r, _)| *r)
-            };
-            // (Collected only for a denial: an admission is one atomic load.)
-            match theirs().all(|r| r.allowed) {
-                true => endpoint.overlimit.ceiling_admits(),
-                false => note_ceilings(&endpoint.overlimit, since, &theirs().collect::<Vec<_>>()),
-            }
+            let theirs = (replies.iter().zip(&policy.limits))
+                .filter(|(_, l)| l.global)
+                .map(|(r, _)| r);
+            note_ceilings(&endpoint.overlimit, since, theirs);
         }
         (replies_of(evaluation), false)
     } else {
@@ -319,8 +313,7 @@ async fn across_slots(
         let across = store.evaluate_limits_across(keys, &args, left(), if_late(policy));
         if let Some(evaluation) = across.await {
             if let Ok(replies) = &evaluation.outcome {
-                let theirs: Vec<ScriptReply> = ceilings.iter().map(|i| replies[*i]).collect();
-                note_ceilings(overlimit, since, &theirs);
+                note_ceilings(overlimit, since, ceilings.iter().map(|i| &replies[*i]));
             }
             return replies_of(evaluation);
         }
@@ -401,7 +394,7 @@ async fn two_calls(
             false => None,
         };
         if let Some(peeked) = &peeked {
-            note_ceilings(overlimit, since, peeked);
+            note_ceilings(overlimit, since, peeked.iter());
         }
         for (k, i) in ceilings.iter().enumerate() {
             replies[*i] = Some(
@@ -458,7 +451,7 @@ async fn two_calls(
     };
     match second.outcome {
         Ok(second_replies) => {
-            note_ceilings(overlimit, since, &second_replies);
+            note_ceilings(overlimit, since, second_replies.iter());
             if second_replies.iter().all(|r| r.allowed) {
                 ticket.settled();
             } else {
@@ -486,16 +479,28 @@ async fn two_calls(
 
 /// What the ceilings said (`replies` are theirs, in their order): a denial is remembered
 /// until the longest wait of those that denied, when Redis said each exactly; an admission by
-/// every one forgets a denial remembered before.
-fn note_ceilings(overlimit: &OverlimitCache, since: u64, replies: &[ScriptReply]) {
-    if replies.iter().all(|r| r.allowed) {
-        overlimit.ceiling_admits();
-        return;
+/// every one forgets a denial remembered before. An admission, and a denial already
+/// remembered, cost no allocation and no lock.
+fn note_ceilings<'a>(
+    overlimit: &OverlimitCache,
+    since: u64,
+    replies: impl Iterator<Item = &'a ScriptReply> + Clone,
+) {
+    let mut longest: Option<(usize, u64)> = None;
+    for (i, r) in replies.clone().enumerate().filter(|(_, r)| !r.allowed) {
+        // A denial without its exact wait is not remembered.
+        let Some(wait) = r.wait_us else { return };
+        if longest.is_none_or(|(_, w)| wait > w) {
+            longest = Some((i, wait));
+        }
     }
-    let denying = replies.iter().enumerate().filter(|(_, r)| !r.allowed);
-    let waits: Option<Vec<(usize, u64)>> = denying.map(|(i, r)| Some((i, r.wait_us?))).collect();
-    if let Some((limit, wait)) = waits.and_then(|w| w.into_iter().max_by_key(|(_, w)| *w)) {
-        overlimit.remember_ceiling(since, wait, limit, replies);
+    match longest {
+        None => overlimit.ceiling_admits(),
+        Some((_, wait)) if overlimit.ceiling_known(wait) => {}
+        Some((limit, wait)) => {
+            let replies: Vec<ScriptReply> = replies.copied().collect();
+            overlimit.remember_ceiling(since, wait, limit, &replies);
+        }
     }
 }
 
@@ -516,17 +521,18 @@ fn with_ceilings_denial(
     let Some((ceiling, theirs)) = overlimit.ceiling_denying() else {
         return (denied, replies);
     };
-    let ceilings: Vec<usize> = (policy.limits.iter().enumerate())
-        .filter(|(_, l)| l.global)
-        .map(|(i, _)| i)
-        .collect();
+    let ceilings = || {
+        (policy.limits.iter().enumerate())
+            .filter(|(_, l)| l.global)
+            .map(|(i, _)| i)
+    };
     if replies.len() == policy.limits.len() {
-        for (i, r) in ceilings.iter().zip(theirs) {
-            replies[*i] = r;
+        for (i, r) in ceilings().zip(theirs) {
+            replies[i] = r;
         }
     }
     if ceiling.left_us > denied.left_us {
-        if let Some(&limit) = ceilings.get(ceiling.limit) {
+        if let Some(limit) = ceilings().nth(ceiling.limit) {
             denied = crate::decision::overlimit::Denied { limit, ..ceiling };
         }
     }

@@ -682,7 +682,8 @@ impl Connector {
         if let Some(policy) = policy? {
             self.note_policy(link, &target.node, policy);
         }
-        if let Some(seconds) = idle {
+        // (Read from a Redis a reload has since moved the link off: not this one's.)
+        if let Some(seconds) = idle.filter(|_| link.target.load().node == target.node) {
             link.idle_timeout_s.store(seconds, Ordering::Relaxed);
         }
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
@@ -723,7 +724,7 @@ impl Connector {
         let changed = link.eviction_policy.load().as_deref() != text.as_ref();
         let required = self.require_noeviction.load(Ordering::Relaxed);
         // Said for the node's first reading and when it changes: not again at each new
-        // connection (a Redis `timeout` closes an idle one every few seconds).
+        // connection (a `CLIENT KILL`, a Redis `timeout` the checks could not read).
         let first = !link.policy_said.swap(true, Ordering::Relaxed);
         if first || changed {
             match &policy {
@@ -842,8 +843,8 @@ impl Connector {
             if connected && !movable && !moving {
                 // A decision connection no reader task reads yet (no batch sent on it: the
                 // first decisions after it was made, or every decision while batches are off):
-                // Redis may close it while the checks' socket, used every 15 s, stays open (its
-                // idle `timeout`), and the first batch sent on it would fail with it. Looked at
+                // Redis may close it while the checks' socket, used by the checks ([`checks_every`]),
+                // stays open (its idle `timeout`), and the first batch sent on it would fail with it. Looked at
                 // every second; made again alone, redis-rs's socket kept.
                 // (At most once a look: a socket closed as soon as it is made waits for the next.)
                 // Or one that ended while idle after carrying batches

@@ -64,8 +64,9 @@ pub(super) struct Conn {
 /// Redis closes a client idle for its `timeout`, a whole number of seconds: a connection
 /// that carried a decision within the last second was not closed for being idle (a
 /// `CLIENT KILL` under load, between two batches, is a loss under decisions). The checks'
-/// socket (the eviction check every 15 s and little else under batching) is idle longer
-/// than the decisions' under traffic: closed alone, it is made again alone.
+/// socket (the checks, every 15 s or every half of Redis's `timeout`, and little else under
+/// batching) is idle longer than the decisions' under traffic: closed alone (a `timeout` the
+/// checks could not read), it is made again alone.
 const IDLE_AT_LEAST_US: u64 = 1_000_000;
 
 /// Whether a socket whose last decision went at `sent_us` ([`deadline::mono_us`]; 0: none
@@ -435,8 +436,8 @@ impl Link {
     }
 
     /// `conn`'s batches' socket ended with nothing on it, none sent within the last second
-    /// (Redis's `timeout` for idle clients, which the eviction check every 15 s keeps from
-    /// the checks' socket): while the link holds `conn` where it was made and its checks'
+    /// (Redis's `timeout` for idle clients, which the checks keep from the checks' socket:
+    /// `connect::checks_every`): while the link holds `conn` where it was made and its checks'
     /// socket is up, the connector makes the batches' socket again alone
     /// ([`Link::replace_wire`]), the decisions meanwhile going alone on the checks' socket.
     /// False: the connection is lost as a whole.
