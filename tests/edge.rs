@@ -261,6 +261,20 @@ async fn a_trusted_proxys_forwarded_headers_are_kept_and_extended() {
     assert_eq!(seen["x-trace"], "edge-4711");
     assert_eq!(seen["forwarded"], "for=1.2.3.4;proto=https");
     assert_eq!(seen["x-forwarded-port"], "443");
+    // Sent twice: the first is kept, alone (as the request id's first is), where the upstream
+    // got both and read either.
+    let r = http
+        .get(gw.url("/open"))
+        .header("X-Forwarded-Proto", "https")
+        .header("X-Forwarded-Proto", "http")
+        .header("X-Forwarded-Host", "api.example.com")
+        .header("X-Forwarded-Host", "evil.example")
+        .send()
+        .await
+        .unwrap();
+    let seen = echo_headers(&r.text().await.unwrap());
+    assert_eq!(seen["x-forwarded-proto"], "https");
+    assert_eq!(seen["x-forwarded-host"], "api.example.com");
     let warned = gw
         .logs()
         .lines()

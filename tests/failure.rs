@@ -724,8 +724,19 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
     let half_open = r#"sentinel_breaker_transitions_total{to="half_open"}"#;
     let probes_before = r.gw.metric(half_open);
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    // With no request since, the quarantine is over all the same: `/readyz` and the gauge say
-    // half_open (an alert on the state does not outlast the quarantine on an idle gateway).
+    // With no request since, the quarantine is over all the same: the store's thread moves
+    // the breaker, said when it does (it was said at the first read of the state, however
+    // long after), and `/readyz` and the gauge say half_open (an alert on the state does not
+    // outlast the quarantine on an idle gateway).
+    wait_until(
+        Duration::from_secs(3),
+        "half_open said without a look",
+        || {
+            r.gw.logs().lines().any(|l| {
+                l.contains("\"circuit breaker transition\"") && l.contains(r#""to":"half_open""#)
+            })
+        },
+    );
     let (_, ready) = common::blocking_get(&r.gw.admin("/readyz")).unwrap();
     assert!(ready.contains(r#""breaker":"half_open""#), "{ready}");
     assert_eq!(r.gw.metric("sentinel_breaker_state"), 2.0);

@@ -203,14 +203,26 @@ impl Origin {
             peer_value.clone()
         };
         upstream.insert_header("x-forwarded-for", xff)?;
-        let keep = |name: &str, upstream: &RequestHeader| {
-            self.trusted && upstream.headers.get(name).is_some()
+        // A trusted peer's own value is kept: its first, when it sent several (the upstream
+        // would read either, as the request id's first is kept).
+        let keep = |name: &'static str, upstream: &mut RequestHeader| -> Result<bool> {
+            if !self.trusted {
+                return Ok(false);
+            }
+            let mut values = upstream.headers.get_all(name).iter();
+            let Some(first) = values.next().cloned() else {
+                return Ok(false);
+            };
+            if values.next().is_some() {
+                upstream.insert_header(name, first)?;
+            }
+            Ok(true)
         };
-        if !keep("x-forwarded-proto", upstream) {
+        if !keep("x-forwarded-proto", upstream)? {
             let proto = if self.tls { "https" } else { "http" };
             upstream.insert_header("x-forwarded-proto", HeaderValue::from_static(proto))?;
         }
-        if !keep("x-forwarded-host", upstream) {
+        if !keep("x-forwarded-host", upstream)? {
             // HTTP/2 carries the host in the authority, HTTP/1 in `Host` (or an HTTP/1.0
             // absolute-form target without one): as received ([`received_host`], without
             // copying the usual `Host`).

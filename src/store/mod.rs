@@ -119,6 +119,26 @@ pub enum IfLate {
 /// The bound of an admin operation's Redis call (`/limits`).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How often the store's thread looks for open breakers whose quarantine is over.
+const BREAKERS_LOOKED_AT_EVERY: Duration = Duration::from_millis(100);
+
+impl Inner {
+    /// Moves every breaker whose quarantine is over to half-open.
+    fn refresh_breakers(&self) {
+        let cluster = match &self.layout {
+            Layout::Single(link) => return link.breaker.refresh(),
+            Layout::Cluster(cluster) => cluster,
+        };
+        cluster.mapless.refresh();
+        for link in cluster.primaries() {
+            // A primary that left the cluster no longer counts in the process's state.
+            if !link.retired.load(Ordering::Relaxed) {
+                link.breaker.refresh();
+            }
+        }
+    }
+}
+
 /// The process's Redis store. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -203,6 +223,17 @@ impl Store {
             gave_back: std::sync::OnceLock::new(),
             announce_failed: std::sync::atomic::AtomicBool::new(false),
             replies_failed: std::sync::atomic::AtomicBool::new(false),
+        });
+        // An open breaker whose quarantine is over is half-open at that moment (its WARN
+        // line, its count and the gauge then), whether or not a request or a reader of the
+        // state comes.
+        let store = Arc::downgrade(&inner);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(BREAKERS_LOOKED_AT_EVERY).await;
+                let Some(inner) = store.upgrade() else { return };
+                inner.refresh_breakers();
+            }
         });
         Ok(Self {
             inner,
@@ -729,17 +760,9 @@ impl Store {
 
     /// Moves every breaker whose quarantine is over to half-open
     /// ([`crate::decision::breaker::Breaker::refresh`]), for a reader of the state (`/readyz`,
-    /// `/metrics`) on a gateway no request reached since.
+    /// `/metrics`) between two of the store's own looks ([`BREAKERS_LOOKED_AT_EVERY`]).
     pub fn refresh_breakers(&self) {
-        if let Layout::Cluster(cluster) = &self.inner.layout {
-            cluster.mapless.refresh();
-        }
-        for link in self.links() {
-            // A primary that left the cluster no longer counts in the process's state.
-            if !link.retired.load(Ordering::Relaxed) {
-                link.breaker.refresh();
-            }
-        }
+        self.inner.refresh_breakers();
     }
 
     /// In a cluster, asks for a fresh slot map now (a node said a key's slot is not its own).
