@@ -304,7 +304,13 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     let p = &route.policy;
     // A GET route matches HEAD too (section 3): the line says what it matches.
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
-        let mut names: Vec<&str> = m.iter().map(|m| m.as_str()).collect();
+        let mut names: Vec<&str> = Vec::with_capacity(m.len() + 1);
+        // Each once (a method written twice, in any case, is warned of).
+        for name in m.iter().map(|m| m.as_str()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         if names.contains(&"GET") && !names.contains(&"HEAD") {
             let at = names.iter().position(|n| *n == "GET").unwrap_or(0) + 1;
             names.insert(at, "HEAD");

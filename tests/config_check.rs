@@ -228,6 +228,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("ok, 3 route(s)"), "{stdout}");
+    // A method listed twice is said once in the route's line.
+    assert!(stdout.contains("x.api: GET,HEAD,X1 "), "{stdout}");
     let file = path.display();
     let warnings: Vec<&str> = stderr.lines().collect();
     assert_eq!(
