@@ -765,7 +765,7 @@ async fn black_hole_costs_the_budget_then_the_breaker_stops_all_traffic() {
         r.proxy.accepted() - accepted <= probes,
         "at most one new connection per probe ({probes})"
     );
-    // Each failed probe re-opened it. (A scrape more than 1 s after the last one moves the
+    // Each failed probe re-opened it. (A quarantine that ends after the burst moves the
     // breaker to half_open once more, with no probe: then `probes` counts one too many.)
     let opened =
         r.gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#) as u64;

@@ -618,6 +618,30 @@ mod tests {
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
         cache.clear();
         assert!(cache.ceiling_denying().is_none());
+        // A give-back (or a caller's reset) forgets it too: the charge may have been theirs.
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
+        cache.forget("a-caller");
+        assert!(cache.ceiling_denying().is_none() && cache.ceiling_denied().is_none());
+    }
+
+    /// The same denial said again (every refused request of a flood says it) is known: not
+    /// written again while it is repeated for half a second more and ends within 100 ms of it.
+    #[test]
+    fn a_ceilings_denial_said_again_is_known() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        assert!(!cache.ceiling_known(30_000_000), "nothing remembered");
+        cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[]);
+        clock.advance(Duration::from_millis(200));
+        assert!(cache.ceiling_known(29_800_000), "the same end");
+        assert!(cache.ceiling_known(29_750_000), "within 100 ms of it");
+        assert!(!cache.ceiling_known(29_000_000), "sooner: room was made");
+        assert!(!cache.ceiling_known(31_000_000), "later");
+        clock.advance(Duration::from_millis(400));
+        assert!(
+            !cache.ceiling_known(29_400_000),
+            "repeated for less than half a second more"
+        );
     }
 
     #[test]

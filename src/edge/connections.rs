@@ -595,7 +595,7 @@ impl Drop for Registration {
 pub struct Guarded {
     inner: Stream,
     reg: Registration,
-    /// The gateway's own answer written in place of Pingora's bare 400, and how much of it
+    /// The gateway's own answer written in place of Pingora's bare 400 or 431, and how much of it
     /// is written ([`Guarded::poll_write`]).
     replacing: Option<(Vec<u8>, usize)>,
     /// Bytes read while looking for the h2c preface, given back to the first reads.
@@ -1012,11 +1012,11 @@ fn pingora_refusal(buf: &[u8]) -> Option<u16> {
     }
 }
 
-/// A request head Pingora could not parse, answered with the gateway's 400 here, or one
-/// refused as too large before it was whole (431): what the access log and the metrics are
-/// told of it ([`Connections::on_bad_head`]).
+/// A request head Pingora could not parse, answered with the gateway's 400 (431 for one of
+/// too many fields) here, or one refused as too large before it was whole (431): what the
+/// access log and the metrics are told of it ([`Connections::on_bad_head`]).
 pub struct BadHead<'a> {
-    /// 400, 431 for a head past [`HEAD_WIRE_LIMIT`], or 408 for one not complete within
+    /// 400, 431 for a head past [`HEAD_WIRE_LIMIT`] or of too many fields, or 408 for one not complete within
     /// `header_read_timeout_ms` (no answer written).
     pub status: u16,
     pub request_id: &'a str,

@@ -209,14 +209,16 @@ impl Origin {
             if !self.trusted {
                 return Ok(false);
             }
-            let mut values = upstream.headers.get_all(name).iter();
-            let Some(first) = values.next().cloned() else {
-                return Ok(false);
-            };
-            if values.next().is_some() {
-                upstream.insert_header(name, first)?;
+            match upstream.headers.get_all(name).iter().take(2).count() {
+                0 => Ok(false),
+                1 => Ok(true),
+                _ => {
+                    if let Some(first) = upstream.headers.get(name).cloned() {
+                        upstream.insert_header(name, first)?;
+                    }
+                    Ok(true)
+                }
             }
-            Ok(true)
         };
         if !keep("x-forwarded-proto", upstream)? {
             let proto = if self.tls { "https" } else { "http" };
