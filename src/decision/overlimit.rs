@@ -528,18 +528,23 @@ mod tests {
         assert!(cache.denied_with_replies("one").unwrap().1.is_empty());
     }
 
-    #[test]
-    fn a_ceilings_denial_holds_until_its_wait_and_an_operators_reset_wins_over_a_late_one() {
-        let clock = ManualClock::default();
-        let cache = OverlimitCache::new(Arc::new(clock.clone()));
-        let reply = ScriptReply {
+    /// A ceiling's denial for 30 s, as Redis gives it.
+    fn ceiling_denial() -> ScriptReply {
+        ScriptReply {
             allowed: false,
             remaining: 0,
             retry_after: Some(30),
             reset: Some(60),
             now_us: 7,
             wait_us: Some(30_000_000),
-        };
+        }
+    }
+
+    #[test]
+    fn a_ceilings_denial_holds_until_its_wait_and_an_operators_reset_wins_over_a_late_one() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        let reply = ceiling_denial();
         assert!(cache.ceiling_denied().is_none());
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
         clock.advance(Duration::from_millis(400));
@@ -593,14 +598,7 @@ mod tests {
     fn a_ceilings_denial_is_known_for_its_whole_wait_until_they_admit() {
         let clock = ManualClock::default();
         let cache = OverlimitCache::new(Arc::new(clock.clone()));
-        let reply = ScriptReply {
-            allowed: false,
-            remaining: 0,
-            retry_after: Some(30),
-            reset: Some(60),
-            now_us: 7,
-            wait_us: Some(30_000_000),
-        };
+        let reply = ceiling_denial();
         cache.ceiling_admits();
         assert!(cache.ceiling_denying().is_none());
         cache.remember_ceiling(cache.epoch(), 30_000_000, 0, &[reply]);
