@@ -843,9 +843,10 @@ impl Connector {
             if connected && !movable && !moving {
                 // A decision connection no reader task reads yet (no batch sent on it: the
                 // first decisions after it was made, or every decision while batches are off):
-                // Redis may close it while the checks' socket, used by the checks ([`checks_every`]),
-                // stays open (its idle `timeout`), and the first batch sent on it would fail with it. Looked at
-                // every second; made again alone, redis-rs's socket kept.
+                // Redis may close it while the checks' socket, used by the checks
+                // ([`checks_every`]), stays open (its idle `timeout`), and the first batch sent
+                // on it would fail with it. Looked at every second; made again alone,
+                // redis-rs's socket kept.
                 // (At most once a look: a socket closed as soon as it is made waits for the next.)
                 // Or one that ended while idle after carrying batches
                 // ([`Link::batches_closed_alone`]).
