@@ -34,14 +34,19 @@ async fn get(gw: &common::Gateway, key: &str) -> reqwest::Response {
         .unwrap()
 }
 
-fn limits_of(gw: &common::Gateway, identity: &str) -> Value {
+/// `/limits/<endpoint>` for `identity`: the body of its 200.
+fn limits_of_route(gw: &common::Gateway, endpoint: &str, identity: &str) -> Value {
     let (status, body) = blocking_get(&gw.admin(&format!(
-        "/limits/e.api?identity={}",
+        "/limits/{endpoint}?identity={}",
         percent_encode(identity)
     )))
     .unwrap();
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
+}
+
+fn limits_of(gw: &common::Gateway, identity: &str) -> Value {
+    limits_of_route(gw, "e.api", identity)
 }
 
 /// `DELETE /limits/e.api` for `identity`: the body of its 200.
@@ -822,13 +827,46 @@ async fn ocr_call(gw: &common::Gateway, key: &str, pages: &str) -> reqwest::Resp
 }
 
 fn ocr_remaining(gw: &common::Gateway, key: &str) -> i64 {
-    let (status, body) = blocking_get(&gw.admin(&format!(
-        "/limits/e.ocr?identity=header%3Ax-api-key%3A{key}"
-    )))
-    .unwrap();
-    assert_eq!(status, 200, "{body}");
-    let view: Value = serde_json::from_str(&body).unwrap();
+    let view = limits_of_route(gw, "e.ocr", &format!("header:x-api-key:{key}"));
     remaining(&view, "pages")
+}
+
+/// A reported cost is charged to every token-bucket limit that admitted the request, the
+/// caller's own and a ceiling every caller shares alike, and not to a sliding window (which
+/// counts requests), in one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reported_cost_is_charged_to_every_token_bucket_and_no_window() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let route = ocr()
+        .bucket_limit("daily", 100, 0)
+        .limit(
+            "hourly",
+            "algorithm = \"sliding_window\"\nlimit = 50\nwindow_size_micro = 3_600_000_000",
+        )
+        .limit(
+            "everyone",
+            "identity = \"global\"\nalgorithm = \"token_bucket\"\ncapacity_micro = 1_000_000_000\nrefill_rate_micro_per_sec = 0",
+        );
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route)
+        .start();
+    let calls = redis.command_calls("evalsha");
+    assert_eq!(ocr_call(&gw, "t", "4").await.status(), 200);
+    common::wait_until(Duration::from_secs(2), "the charge", || {
+        gw.metric("sentinel_response_charges_total{endpoint_id=\"e.ocr\",result=\"charged\"}")
+            == 1.0
+    });
+    let mine = limits_of_route(&gw, "e.ocr", "header:x-api-key:t");
+    // Admitted at a cost of 1, then 4 more charged to each bucket; the window counts the
+    // request once.
+    assert_eq!(remaining(&mine, "pages"), 10 - 1 - 4, "{mine}");
+    assert_eq!(remaining(&mine, "daily"), 100 - 1 - 4, "{mine}");
+    assert_eq!(remaining(&mine, "hourly"), 50 - 1, "{mine}");
+    let everyone = limits_of_route(&gw, "e.ocr", "global");
+    assert_eq!(remaining(&everyone, "everyone"), 1000 - 1 - 4, "{everyone}");
+    // The decision and the charge: one call each.
+    assert_eq!(redis.command_calls("evalsha") - calls, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
