@@ -88,6 +88,37 @@ async fn a_dead_address_leaves_the_rotation_and_comes_back() {
     );
 }
 
+/// A check fails on a non-2xx answer and on a timeout, not only on a refused connection: an
+/// address whose health path answers 503, or answers past `timeout_ms`, leaves the rotation
+/// while it still serves requests; and when every address is unhealthy, all are tried
+/// anyway, so requests are still served (200) by the address the checks call unhealthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_whose_check_answers_non_2xx_or_late_is_unhealthy_and_still_tried() {
+    for (path, timeout_ms) in [("/status/503", 200), ("/slow?ms=2000", 200)] {
+        let redis = Redis::start();
+        let up = Upstream::start("a");
+        let gw = GatewayConfig::new(&redis.url())
+            .section(&format!(
+                "[upstreams.app]\naddrs = [\"{}\"]\nhealth_check = {{ path = \"{path}\", interval_ms = 200, timeout_ms = {timeout_ms}, unhealthy_after = 2, healthy_after = 2 }}\n",
+                up.addr()
+            ))
+            .route(Route::new("e.open").prefix("/").unlimited())
+            .start();
+        // (The series is there once checked: a missing one reads 0 too.)
+        wait_until(Duration::from_secs(10), "unhealthy", || all_down(&gw));
+        let served = served_by(&gw, 3).await;
+        assert_eq!(served, vec!["a"; 3], "{path}");
+        assert_eq!(
+            gw.logs()
+                .matches("every address of the upstream is unhealthy")
+                .count(),
+            1,
+            "{path}: {}",
+            gw.logs()
+        );
+    }
+}
+
 fn healthy_port(gw: &Gateway, port: u16) -> f64 {
     gw.metric(&format!(
         "sentinel_upstream_healthy{{addr=\"127.0.0.1:{port}\",upstream=\"app\"}}"

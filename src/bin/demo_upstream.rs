@@ -1,6 +1,7 @@
 //! A small backend for the demo, the tests and the benchmarks. It answers every request with
-//! JSON describing what it received (method, path, query, headers, body size), and
-//! `/slow?ms=N` waits N milliseconds first. A request header `X-Demo-Reply-<Name>: <value>`
+//! JSON describing what it received (method, path, query, headers, body size),
+//! `/slow?ms=N` waits N milliseconds first, and a path ending in `/status/N` is answered
+//! with status N (a backend whose health check fails, say). A request header `X-Demo-Reply-<Name>: <value>`
 //! comes back as the answer's header `<Name>: <value>` (to play a backend that reports a
 //! cost, such as `X-OCR-Pages`).
 //!
@@ -58,6 +59,12 @@ async fn handle(
         "body": String::from_utf8_lossy(&body),
     });
     let mut resp = Response::new(Full::new(Bytes::from(answer.to_string())));
+    if let Some(status) = (parts.uri.path().rsplit_once("/status/"))
+        .and_then(|(_, n)| n.parse::<u16>().ok())
+        .and_then(|n| hyper::StatusCode::from_u16(n).ok())
+    {
+        *resp.status_mut() = status;
+    }
     resp.headers_mut()
         .insert("content-type", "application/json".parse().expect("valid"));
     resp.headers_mut().insert(
@@ -75,7 +82,8 @@ async fn handle(
 }
 
 const USAGE: &str = "usage: demo-upstream [ADDR] [NAME]   (default 127.0.0.1:9001, demo)\n\
-answers every request with JSON describing it; /slow?ms=N waits N ms first; a request header\n\
+answers every request with JSON describing it; /slow?ms=N waits N ms first; .../status/N is\n\
+answered with status N; a request header\n\
 X-Demo-Reply-<Name>: <value> comes back as the answer's header <Name>: <value>";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
