@@ -320,9 +320,9 @@ fn a_trusted_proxy_naming_no_client_is_logged_as_itself() {
         b"GET /x HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: garbage\r\nConnection: close\r\n\r\n";
     assert_eq!(common::raw_request(gw.port, request), Some(200));
     wait_until(Duration::from_secs(3), "the line", || {
-        access_lines(&log).len() == 1
+        common::access_lines(&log).len() == 1
     });
-    assert_eq!(access_lines(&log)[0]["client_ip"], "127.0.0.1");
+    assert_eq!(common::access_lines(&log)[0]["client_ip"], "127.0.0.1");
 }
 
 /// A trusted proxy's `X-Forwarded-For` fields are passed on byte for byte, with the peer
@@ -567,14 +567,6 @@ async fn h2c_answers_as_http1_does() {
     assert!(h2.get(plain.url("/api/x")).send().await.is_err());
 }
 
-fn access_lines(path: &std::path::Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-        .collect()
-}
-
 /// A route limited by the `User-Agent` or `Host` header: that field of its lines would be the
 /// raw identity, and is null (the identity's hash is there); other routes keep theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -639,9 +631,9 @@ async fn an_identity_header_the_access_log_names_is_not_written() {
     let connect = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n";
     assert_eq!(common::raw_request(gw.port, connect), Some(405));
     wait_until(Duration::from_secs(3), "seven access lines", || {
-        access_lines(&log).len() == 7
+        common::access_lines(&log).len() == 7
     });
-    let lines = access_lines(&log);
+    let lines = common::access_lines(&log);
     let of = |endpoint: &str| {
         lines
             .iter()
@@ -731,9 +723,9 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         .unwrap();
     assert_eq!(big.status(), 431);
     wait_until(Duration::from_secs(3), "five access lines", || {
-        access_lines(&log).len() == 5
+        common::access_lines(&log).len() == 5
     });
-    let lines = access_lines(&log);
+    let lines = common::access_lines(&log);
     let keys = [
         "timestamp",
         "request_id",
@@ -837,9 +829,9 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     });
     http.get(gw.url("/nowhere")).send().await.unwrap();
     wait_until(Duration::from_secs(3), "a line in the new file", || {
-        access_lines(&log).len() == 1
+        common::access_lines(&log).len() == 1
     });
-    assert_eq!(access_lines(&rotated).len(), 5);
+    assert_eq!(common::access_lines(&rotated).len(), 5);
 
     // Turned off by a reload: the lines of the requests answered before it are written (the
     // writer's last batch was dropped), and so is the line of one that began before it and
@@ -858,7 +850,7 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     http.get(gw.url("/nowhere")).send().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let lines = access_lines(&log);
+    let lines = common::access_lines(&log);
     assert_eq!(lines.len(), 22, "{lines:?}");
     assert_eq!(lines[21]["endpoint_id"], "e.slow");
     assert_eq!(gw.metric("sentinel_access_log_dropped_total"), 0.0);

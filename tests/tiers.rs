@@ -563,6 +563,29 @@ async fn an_unlimited_tier_is_never_charged_a_reported_cost() {
         .find(|l| l["name"] == "burst")
         .expect("the burst limit");
     assert_eq!(burst["remaining"], 0, "{body}");
+    // The free caller's next request is refused by its tier's burst: its access-log line names
+    // the tier and the limit; the unlimited tier's lines name their tier and no decision.
+    assert_eq!(call("free-key", "1").await.unwrap().status(), 429);
+    let mut lines = Vec::new();
+    common::wait_until(std::time::Duration::from_secs(5), "five lines", || {
+        lines = common::access_lines(&log);
+        lines.len() == 5
+    });
+    for line in &lines[..3] {
+        assert_eq!(
+            (&line["tier"], &line["limit"], &line["decision_reason"]),
+            (&"internal".into(), &Value::Null, &Value::Null),
+            "{line}"
+        );
+        assert_eq!(line["tls"], false, "{line}");
+    }
+    let denied = &lines[4];
+    assert_eq!(
+        (&denied["status"], &denied["tier"], &denied["limit"]),
+        (&429.into(), &"free".into(), &"burst".into()),
+        "{denied}"
+    );
+    assert_eq!(denied["decision_reason"], "rate_limited", "{denied}");
 }
 
 /// Sends one request with `key` and the client's own claims to be someone else, and returns

@@ -425,11 +425,14 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
 }
 
 /// The same limited route over HTTP/1.1 and HTTP/2 on TLS, and over h2c: the exact
-/// sequence of 200s and 429s, and the forwarded headers the upstream sees.
+/// sequence of 200s and 429s, the forwarded headers the upstream sees, and the access log's
+/// `tls` and `protocol` of each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limited_route_answers_the_same_over_http1_http2_tls_and_h2c() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
-    let gw = s.config(&redis, &up, "").start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = s.config(&redis, &up, "").access_log(&log).start();
     let h2 = s.ca.http_client(s.tls_port, &[PDFTALK], false);
     let h1 = s.ca.http_client(s.tls_port, &[PDFTALK], true);
     let h2c = common::h2c_client();
@@ -471,4 +474,21 @@ async fn a_limited_route_answers_the_same_over_http1_http2_tls_and_h2c() {
         "the authority of an h2 request is its host"
     );
     assert_eq!(headers["x-forwarded-for"], "127.0.0.1");
+    // 5 requests over each, then the echo: each line says how it came.
+    let mut lines = Vec::new();
+    common::wait_until(Duration::from_secs(5), "sixteen lines", || {
+        lines = common::access_lines(&log);
+        lines.len() == 16
+    });
+    let how = |line: &Value| (line["tls"].clone(), line["protocol"].clone());
+    for (range, tls, protocol) in [
+        (0..5, true, "HTTP/2"),
+        (5..10, true, "HTTP/1.1"),
+        (10..15, false, "HTTP/2"),
+        (15..16, true, "HTTP/2"),
+    ] {
+        for line in &lines[range] {
+            assert_eq!(how(line), (tls.into(), protocol.into()), "{line}");
+        }
+    }
 }

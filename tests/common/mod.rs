@@ -669,6 +669,15 @@ pub fn read_head(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
     Some(head)
 }
 
+/// The lines of the access log at `path` written so far, as JSON.
+pub fn access_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
 /// The one line of the access log at `path`, once written (within 5 s), as JSON.
 pub fn the_access_log_line(path: &std::path::Path) -> serde_json::Value {
     let mut text = String::new();
