@@ -121,6 +121,99 @@ async fn jwt_subjects_get_their_own_buckets_and_forgeries_get_401_without_redis(
     );
 }
 
+/// `[auth.jwt]`'s `issuer`, `audiences` and `leeway_seconds` as written in gateway.toml: a
+/// token of another issuer or audience, expired or not yet valid past the leeway, is 401
+/// before any Redis call; one within the leeway is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_issuer_audience_and_leeway_of_the_file_are_checked() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare(&redis.url())
+        .section(
+            "[auth.jwt]\nsecret_env = \"SENTINEL_JWT_SECRET\"\nalgorithms = [\"HS256\"]\n\
+             issuer = \"https://idp.example/\"\naudiences = [\"pdftalk-api\"]\nleeway_seconds = 30\n",
+        )
+        .upstream("app", &[up.addr()])
+        .route(limited("t.jwt", "/api").identity("jwt"))
+        .start_with_env(&[("SENTINEL_JWT_SECRET", SECRET)]);
+    let token = |claims: serde_json::Value| {
+        encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(SECRET.as_bytes()).unwrap(),
+        )
+        .unwrap()
+    };
+    let (iss, aud, t) = ("https://idp.example/", "pdftalk-api", now());
+    let cases = [
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t + 300}),
+            200,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": "https://other.example/", "aud": aud, "exp": t + 300}),
+            401,
+        ),
+        (
+            serde_json::json!({"sub": "a", "aud": aud, "exp": t + 300}),
+            401,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": "another-api", "exp": t + 300}),
+            401,
+        ),
+        // Expired 10 s ago: within the leeway. 90 s ago: past it.
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t - 10}),
+            200,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t - 90}),
+            401,
+        ),
+        // Valid from 10 s on: within the leeway. From 90 s on: not yet.
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t + 300, "nbf": t + 10}),
+            200,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t + 300, "nbf": t + 90}),
+            401,
+        ),
+    ];
+    let http = client();
+    // A first decision moves the gateway's Redis connection to the proxy's workers, which a
+    // loaded machine can stretch past the budget: made first, until admitted.
+    let warm = token(serde_json::json!({"sub": "warm", "iss": iss, "aud": aud, "exp": t + 300}));
+    common::wait_until(
+        std::time::Duration::from_secs(10),
+        "a first admission",
+        || {
+            let rt = tokio::runtime::Handle::current();
+            tokio::task::block_in_place(|| {
+                rt.block_on(http.get(gw.url("/api/x")).bearer_auth(&warm).send())
+            })
+            .is_ok_and(|r| r.status() == 200)
+        },
+    );
+    redis.reset_stats();
+    for (claims, want) in &cases {
+        let r = http
+            .get(gw.url("/api/x"))
+            .bearer_auth(token(claims.clone()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), *want, "{claims}");
+    }
+    let admitted = cases.iter().filter(|(_, w)| *w == 200).count() as u64;
+    assert_eq!(
+        redis.command_calls("evalsha"),
+        admitted,
+        "only the taken ones reach Redis"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarded_for_counts_only_from_trusted_proxies() {
     let redis = Redis::start();
