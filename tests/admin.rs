@@ -41,6 +41,8 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         ("GET", "/metrics"),
         ("POST", "/reload"),
         ("GET", "/nowhere"),
+        ("GET", "/limits/a.open?identity=global"),
+        ("DELETE", "/limits/a.open?identity=global"),
     ] {
         let req = |auth: Option<&str>| {
             let mut r = http.request(method.parse().unwrap(), gw.admin(path));
@@ -83,7 +85,7 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         .await
         .unwrap();
     assert!(
-        metrics.contains("\nsentinel_admin_refused_total 18\n"),
+        metrics.contains("\nsentinel_admin_refused_total 30\n"),
         "{metrics}"
     );
     let logs = gw.logs();
