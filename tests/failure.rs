@@ -56,6 +56,7 @@ struct Answer {
     status: u16,
     retry_after: Option<u64>,
     content_type: Option<String>,
+    request_id: Option<String>,
     body: String,
     elapsed: Duration,
 }
@@ -74,14 +75,13 @@ async fn send(http: &reqwest::Client, url: &str, key: &str) -> Answer {
         .headers()
         .get("retry-after")
         .map(|v| v.to_str().unwrap().parse().unwrap());
-    let content_type = r
-        .headers()
-        .get("content-type")
-        .map(|v| v.to_str().unwrap().to_owned());
+    let header = |name: &str| (r.headers().get(name)).map(|v| v.to_str().unwrap().to_owned());
+    let (content_type, request_id) = (header("content-type"), header("x-request-id"));
     Answer {
         status,
         retry_after,
         content_type,
+        request_id,
         body: r.text().await.unwrap(),
         elapsed,
     }
@@ -175,6 +175,10 @@ fn assert_unavailable(a: &Answer) {
     assert!(
         a.retry_after.is_some_and(|s| s >= 1),
         "503 carries Retry-After"
+    );
+    assert!(
+        a.request_id.as_ref().is_some_and(|id| id.len() == 32),
+        "503 carries its request id"
     );
 }
 

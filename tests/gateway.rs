@@ -524,12 +524,16 @@ async fn upstream_down_is_502_and_slow_is_504() {
     let r = http.get(gw.url("/dead")).send().await.unwrap();
     assert_eq!(r.status(), 502);
     assert_eq!(r.headers()["content-type"], "application/json");
+    // The request id on the gateway's own answers too, and in the request's WARN line.
+    let dead_id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(dead_id.len(), 32, "{dead_id}");
     assert_eq!(
         r.text().await.unwrap(),
         r#"{"detail":"upstream unavailable"}"#
     );
     let r = http.get(gw.url("/slow?ms=3000")).send().await.unwrap();
     assert_eq!(r.status(), 504);
+    assert_eq!(r.headers()["x-request-id"].len(), 32);
     assert_eq!(r.text().await.unwrap(), r#"{"detail":"upstream timeout"}"#);
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.dead",status="502"}"#),
@@ -546,6 +550,10 @@ async fn upstream_down_is_502_and_slow_is_504() {
         .expect("one structured WARN line per upstream failure");
     assert!(
         line.contains("\"status\":502") && line.contains("\"upstream\":\"dead\""),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!("\"request_id\":\"{dead_id}\"")),
         "{line}"
     );
 }
