@@ -86,6 +86,30 @@ async fn admitted(gw: &common::Gateway, key: &str, n: usize) -> usize {
     ok
 }
 
+/// A `default_tier` listed under `tiers`: a caller without a tier (or with one no route lists)
+/// gets that tier's limits, not the route's own; an unlimited one forwards without a Redis
+/// call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_default_tier_applies_to_callers_without_a_tier() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    for (default, want) in [("pro", 4), ("internal", 6)] {
+        let dir = tempfile::tempdir().unwrap();
+        let gw = with_keys(&redis, &up, dir.path(), &one_tenant_a_tier())
+            .route(tiered().set("default_tier", quoted(default)))
+            .section(TIERS)
+            .start();
+        redis.reset_stats();
+        for key in ["free-key", "gold-key"] {
+            assert_eq!(admitted(&gw, key, 6).await, want, "{default}: {key}");
+        }
+        let calls = redis.command_calls("evalsha");
+        match default {
+            "internal" => assert_eq!(calls, 0, "unlimited: no Redis call"),
+            _ => assert!(calls > 0),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
