@@ -224,6 +224,41 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
 /// A reload that lowers a token bucket's capacity holds the callers who already have a
 /// bucket to it at once, whether the bucket refills or not (one that never refilled kept the
 /// tokens it held above the new capacity, and spent them all).
+/// `/limits` counts in whole requests at the route's cost, rounded down: 7 tokens at a cost
+/// of 2 are a capacity of 3; after one request 5 tokens are 2 requests left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_are_read_in_whole_requests_at_the_routes_cost() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("l.cost")
+                .prefix("/cost")
+                .identity_header("X-API-Key")
+                .token_bucket(7_000_000, 0)
+                .set("cost_micro", "2_000_000"),
+        )
+        .start();
+    let r = client()
+        .get(gw.url("/cost"))
+        .header("X-API-Key", "k")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (status, body) =
+        common::blocking_get(&gw.admin("/limits/l.cost?identity=header%3Ax-api-key%3Ak")).unwrap();
+    assert_eq!(status, 200, "{body}");
+    let view: Value = serde_json::from_str(&body).unwrap();
+    let l = &view["limits"][0];
+    assert_eq!(
+        (&l["remaining"], &l["capacity"]),
+        (&json!(2), &json!(3)),
+        "{view}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_that_lowers_a_capacity_holds_existing_buckets_to_it() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
