@@ -448,6 +448,36 @@ async fn bodies_over_the_limit_are_413_before_any_token_is_spent() {
     );
 }
 
+/// A chunked body that outgrows `max_body_bytes` is cut: the upstream never receives more of
+/// it than the limit, whatever the client goes on sending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_past_the_limit_never_reaches_the_upstream_whole() {
+    let redis = Redis::start();
+    let (upstream, received) = recording_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("max_body_bytes", "1500")
+        .upstream("app", &[upstream.as_str()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let port = gw.port;
+    let status = tokio::task::spawn_blocking(move || chunked_post(port, "/up", 8000))
+        .await
+        .unwrap();
+    assert!(matches!(status, Some(413) | None), "{status:?}");
+    // What the upstream got by now is all it gets.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let body_bytes = received
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| **b == b'a')
+        .count();
+    assert!(
+        body_bytes <= 1500,
+        "{body_bytes} bytes of the body reached the upstream"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_answers_as_http1_does() {
     let redis = Redis::start();
