@@ -116,6 +116,11 @@ async fn bucket_admits_its_capacity_then_429s_then_refills() {
 
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="true",decision_reason="allowed",endpoint_id="t.bucket"}"#), 4.0);
     assert_eq!(gw.metric(r#"sentinel_decisions_total{allowed="false",decision_reason="rate_limited",endpoint_id="t.bucket"}"#), 2.0);
+    // A route of one limit names it `default`.
+    assert_eq!(
+        gw.metric(r#"sentinel_limit_denials_total{endpoint_id="t.bucket",limit="default"}"#),
+        2.0
+    );
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.bucket",status="200"}"#),
         4.0

@@ -189,6 +189,13 @@ async fn each_tier_gets_its_limits_and_the_ceiling_still_applies() {
         gw.metric("sentinel_tier_decisions_total{allowed=\"true\",endpoint_id=\"t.ocr\",tier=\"internal\"}"),
         12.0
     );
+    // Denials by tier: pro's fifth request, and x-pro-key's two the ceiling refused.
+    assert_eq!(
+        gw.metric(
+            "sentinel_tier_decisions_total{allowed=\"false\",endpoint_id=\"t.ocr\",tier=\"pro\"}"
+        ),
+        3.0
+    );
 
     // /limits per tier.
     let view = |query: &str| {
