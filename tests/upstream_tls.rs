@@ -76,6 +76,29 @@ async fn an_upstream_over_tls_is_verified_against_ca_path_and_the_sni_name() {
     common::wait_until(std::time::Duration::from_secs(3), "the reason", || {
         untrusted.logs().contains("upstream failed")
     });
+    let logs = untrusted.logs();
+    let failed = (logs.lines())
+        .find(|l| l.contains("upstream failed"))
+        .unwrap();
+    assert!(failed.contains("UnknownIssuer"), "the reason: {failed}");
+
+    // Without `sni`, the name is the address's host: `localhost` is the certificate's name,
+    // an IP address is not.
+    let by_name = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[upstreams.secure]\naddrs = [\"localhost:{front_port}\"]\ntls = true\n{ca_field}\n"
+        ))
+        .route(
+            Route::new("edge")
+                .prefix("/")
+                .unlimited()
+                .upstream("secure"),
+        )
+        .start();
+    let (status, body) = get(&by_name).await;
+    assert_eq!(status, 200, "{body}\n{}", by_name.logs());
+    let by_address = edge(&redis, front_port, &ca_field);
+    assert_eq!(get(&by_address).await.0, 502);
 
     // The right CA, a name the certificate does not carry: 502.
     let wrong_name = edge(
