@@ -862,6 +862,18 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         common::access_lines(&log).len() == 1
     });
     assert_eq!(common::access_lines(&rotated).len(), 5);
+    // Rotated again, and a reload (unchanged config) reopens it too.
+    let rotated_again = dir.path().join("access.log.2");
+    std::fs::rename(&log, &rotated_again).unwrap();
+    assert_eq!(gw.reload(), 200);
+    http.get(gw.url("/nowhere")).send().await.unwrap();
+    wait_until(Duration::from_secs(3), "a line in the newer file", || {
+        common::access_lines(&log).len() == 1
+    });
+    assert_eq!(common::access_lines(&rotated_again).len(), 1);
+    std::fs::remove_file(&log).unwrap();
+    std::fs::rename(&rotated_again, &log).unwrap();
+    assert_eq!(gw.reload(), 200);
 
     // Turned off by a reload: the lines of the requests answered before it are written (the
     // writer's last batch was dropped), and so is the line of one that began before it and
