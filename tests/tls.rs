@@ -424,6 +424,41 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
     );
 }
 
+/// Several `[[server.tls]]` listeners, each with its own certificates: each serves the routes,
+/// and chooses its certificate by its own names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tls_listeners_each_serve_with_their_own_certificates() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let second = free_port();
+    // The second listener serves `named` to every client (no SNI table of its own).
+    let extra = format!(
+        "[[server.tls]]\nlisten = {}\ncert_path = {}\nkey_path = {}\n",
+        quoted(&format!("127.0.0.1:{second}")),
+        quoted(&s.path("named.pem").display().to_string()),
+        quoted(&s.path("named.key").display().to_string()),
+    );
+    let gw = s.config(&redis, &up, "").section(&extra).start();
+    for port in [s.tls_port, second] {
+        let client = s.ca.http_client(port, &[PDFTALK], false);
+        let r = client
+            .get(format!("https://{PDFTALK}:{port}/open/x"))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{port}: {e:?}\n{}", gw.logs()));
+        assert_eq!(r.status(), 200, "{port}");
+        assert_eq!(r.version(), reqwest::Version::HTTP_2, "{port}");
+    }
+    // `localhost` is the first listener's default certificate's name, not the second's.
+    for (port, ok) in [(s.tls_port, true), (second, false)] {
+        let client = s.ca.http_client(port, &["localhost"], false);
+        let r = client
+            .get(format!("https://localhost:{port}/open/x"))
+            .send()
+            .await;
+        assert_eq!(r.is_ok(), ok, "{port}: {r:?}");
+    }
+}
+
 /// The same limited route over HTTP/1.1 and HTTP/2 on TLS, and over h2c: the exact
 /// sequence of 200s and 429s, the forwarded headers the upstream sees, and the access log's
 /// `tls` and `protocol` of each.
