@@ -130,6 +130,42 @@ async fn tokens_of_an_identity_provider_are_verified_with_its_jwks() {
     assert_eq!(redis.limiter_calls(), 0, "refused before Redis");
 }
 
+/// A `jwks_path` is read again on every reload: a key the identity provider took out of the
+/// set is refused from then on, the others still taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_taken_out_of_the_jwks_file_is_refused_after_a_reload() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let jwks = dir.path().join("jwks.json");
+    std::fs::copy(fixture("jwks.json"), &jwks).unwrap();
+    let section = jwt_section("").replace(
+        &quoted(fixture("jwks.json").to_str().unwrap()),
+        &quoted(jwks.to_str().unwrap()),
+    );
+    let gw = start(&redis, &up, &section);
+    let http = client();
+    let claims = serde_json::json!({"org_id": "o", "iss": "https://idp.example/", "aud": "pdftalk-api", "exp": now() + 60});
+    let status = |alg, kid, key| {
+        let request = http
+            .get(gw.url("/api"))
+            .bearer_auth(token(alg, Some(kid), key, claims.clone()))
+            .send();
+        async move { request.await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status(Algorithm::RS256, "rsa-1", "rsa.der").await, 200);
+    let mut set: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&jwks).unwrap()).unwrap();
+    set["keys"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|k| k["kid"] != "rsa-1");
+    std::fs::write(&jwks, set.to_string()).unwrap();
+    assert_eq!(gw.reload(), 200);
+    assert_eq!(status(Algorithm::RS256, "rsa-1", "rsa.der").await, 401);
+    assert_eq!(status(Algorithm::ES256, "ec-1", "ec.der").await, 200);
+}
+
 #[test]
 fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();
