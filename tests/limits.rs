@@ -224,6 +224,49 @@ async fn an_operator_reads_and_resets_one_identitys_buckets() {
 /// A reload that lowers a token bucket's capacity holds the callers who already have a
 /// bucket to it at once, whether the bucket refills or not (one that never refilled kept the
 /// tokens it held above the new capacity, and spent them all).
+/// A `DELETE` after a reload changed `policy_version` deletes the buckets of the current
+/// version, which the requests now spend; the old version's are left to expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_deletes_the_current_policy_versions_buckets() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = |version: u64| {
+        GatewayConfig::new(&redis.url())
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("l.v")
+                    .prefix("/v")
+                    .identity_header("X-API-Key")
+                    .token_bucket(2_000_000, 0)
+                    .policy_version(version),
+            )
+    };
+    let gw = config(1).start();
+    let send = || client().get(gw.url("/v")).header("X-API-Key", "k").send();
+    let identity = "header:x-api-key:k";
+    assert_eq!(send().await.unwrap().status(), 200);
+    gw.rewrite_config(&config(2).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    // A new version starts full: two more.
+    assert_eq!(send().await.unwrap().status(), 200);
+    assert_eq!(send().await.unwrap().status(), 200);
+    assert_eq!(send().await.unwrap().status(), 429);
+    let r = client()
+        .delete(gw.admin("/limits/l.v?identity=header%3Ax-api-key%3Ak"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(body["keys_deleted"], 1, "{body}");
+    assert_eq!(
+        redis.keys("sentinel:*"),
+        vec![bucket_key("sentinel", identity, "l.v", 1)],
+        "the old version's bucket is left"
+    );
+    assert_eq!(send().await.unwrap().status(), 200, "full again");
+}
+
 /// `/limits` counts in whole requests at the route's cost, rounded down: 7 tokens at a cost
 /// of 2 are a capacity of 3; after one request 5 tokens are 2 requests left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
