@@ -312,6 +312,48 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
     assert_eq!(decisions(&gw, "c.closed", "allowed", true), 4.0);
 }
 
+/// A slot being moved to a node that stalls: the decisions an `ASK` sends there time out and
+/// count on that node's breaker, not on the owner's, which answered (the `ASK`): every other
+/// key the owner holds keeps being decided. (The owner's breaker opened, and its every key
+/// was refused for the quarantine.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_importing_node_trips_its_own_breaker_not_the_owners() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = start_gateway(&cluster.seed_urls(), &up.addr());
+    let tenant = "moving";
+    let k = key(tenant, "c.closed");
+    let from = cluster.owner(&k);
+    let to = (from + 1) % 3;
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+    let slot = sentinel_gateway::store::slot(k.as_bytes());
+    cluster.migrate_key(slot, from, to, &k);
+    let other = tenants_by_node(&cluster, "c.closed", 4, "owner")[from]
+        .iter()
+        .find(|t| sentinel_gateway::store::slot(key(t, "c.closed").as_bytes()) != slot)
+        .cloned()
+        .unwrap();
+    cluster.nodes[to].proc.signal("STOP");
+    // Past the threshold of 5: each waits its budget at the stalled node.
+    assert_eq!(statuses("/closed", &gw, tenant, 6).await, [503; 6]);
+    let (_, ready) = blocking_get(&gw.admin("/readyz")).unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
+    let breaker_of = |i: usize| {
+        let name = format!("127.0.0.1:{}", cluster.nodes[i].port);
+        (ready["redis_nodes"].as_array().unwrap().iter())
+            .find(|n| n["node"] == name)
+            .map(|n| n["breaker"].clone())
+    };
+    assert_eq!(breaker_of(to), Some("open".into()), "{ready}");
+    assert_eq!(breaker_of(from), Some("closed".into()), "{ready}");
+    assert_eq!(
+        get("/closed", &gw, &other).await.0,
+        200,
+        "the owner's other keys"
+    );
+    cluster.nodes[to].proc.signal("CONT");
+}
+
 /// `/limits` follows `ASK` and `MOVED` as decisions do: mid-migration its read finds the
 /// bucket where it went, and once the slot has moved its reset deletes it there. It answered
 /// 503 for as long as a slot migrated, and logged nothing.

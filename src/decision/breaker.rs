@@ -275,6 +275,15 @@ impl Breaker {
         self.record_failure(false);
     }
 
+    /// A failure of a call no permit of this breaker let through (one a redirect sent to this
+    /// node): counts toward the threshold while closed, as [`Permit::charge`] would.
+    pub fn charge(&self, charge: Charge, cause: StoreFailure) {
+        if charge == Charge::Failure {
+            self.note_cause(cause);
+            self.record_failure(false);
+        }
+    }
+
     /// A probe that learnt nothing about Redis (a broken key): the breaker stays half-open and
     /// the next request probes.
     fn release_probe(&self) {

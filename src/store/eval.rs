@@ -150,13 +150,16 @@ impl Store {
     /// `probe`: this is the link's breaker's half-open probe; after a timeout whose call is
     /// still unanswered it opens a fresh connection first, inside the same budget, so a peer
     /// that vanished silently (or moved behind its DNS name) is left behind.
+    ///
+    /// Beside the answer, the node a `MOVED` or `ASK` sent the call on to, when it went on:
+    /// a failure there is that node's, not `link`'s (which answered, with the redirect).
     pub(super) async fn run<T>(
         &self,
         link: &Arc<Link>,
         call: Call<'_>,
         probe: bool,
         parse: impl FnOnce(&[u8]) -> Option<T>,
-    ) -> Result<T, Failure> {
+    ) -> (Result<T, Failure>, Option<Arc<Link>>) {
         let connector = &self.inner.connector;
         if connector.wants_proxy_runtime() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -169,11 +172,13 @@ impl Store {
         }
         let script = self.inner.scripts.get(call.kind);
         let started = Instant::now();
-        let result = self.eval(link, script, call, probe).await;
+        let (result, redirected) = self.eval(link, script, call, probe).await;
         if let Err(Failure::Split) = result {
             // Nothing was asked of Redis: its state and metrics are left as they were.
-            return Err(Failure::Split);
+            return (Err(Failure::Split), None);
         }
+        // The node that failed, when the call failed: the last one asked.
+        let link = redirected.as_ref().unwrap_or(link);
         let timed_out = matches!(result, Err(Failure::Timeout));
         link.suspect.store(timed_out, Ordering::Relaxed);
         if timed_out {
@@ -200,7 +205,7 @@ impl Store {
         if let Err(failure) = &reply {
             self.count(failure.cause());
         }
-        reply
+        (reply, redirected)
     }
 
     pub(super) fn count(&self, failure: StoreFailure) {
@@ -257,14 +262,15 @@ impl Store {
         link.conn.load_full().ok_or(Failure::NotConnected)
     }
 
-    /// The evaluation, redirects included, inside one budget.
+    /// The evaluation, redirects included, inside one budget; and the node the last redirect
+    /// sent it to, if any.
     async fn eval(
         &self,
         link: &Arc<Link>,
         script: &Script,
         call: Call<'_>,
         probe: bool,
-    ) -> Result<Reply, Failure> {
+    ) -> (Result<Reply, Failure>, Option<Arc<Link>>) {
         // A compensation is waited for longer: dropped, it would leave the queue unsent.
         let budget = match call.compensation {
             true => COMPENSATION_WAIT,
@@ -280,6 +286,8 @@ impl Store {
             },
             ..call
         };
+        // Where a redirect sent the call, kept past the budget's end (which drops `attempt`).
+        let redirected: std::sync::Mutex<Option<Arc<Link>>> = std::sync::Mutex::new(None);
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
@@ -326,6 +334,7 @@ impl Store {
                     tracing::warn!(addr = %redirect.addr, "redis redirected to an address that cannot be used");
                     return Err(Failure::Unavailable);
                 };
+                *redirected.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&next));
                 // A node first named by this redirect connects now; the budget bounds the
                 // wait.
                 next.connected().await;
@@ -338,9 +347,11 @@ impl Store {
             );
             Err(Failure::Unavailable)
         };
-        tokio::time::timeout(timer, attempt)
+        let result = tokio::time::timeout(timer, attempt)
             .await
-            .unwrap_or(Err(Failure::Timeout))
+            .unwrap_or(Err(Failure::Timeout));
+        let redirected = redirected.into_inner().unwrap_or_else(|p| p.into_inner());
+        (result, redirected)
     }
 
     /// A `fail_closed` decision sent alone (a breaker's probe, `batch_max = 1`, a node that

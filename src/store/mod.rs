@@ -523,7 +523,7 @@ impl Store {
         // breaker says, and is no decision: it goes out though the breaker is open, and its
         // outcome counts neither for nor against it.
         if call.compensation {
-            let outcome = self.run(&link, call, false, parse).await;
+            let (outcome, _) = self.run(&link, call, false, parse).await;
             return Some(Evaluation {
                 outcome: outcome.map_err(|f| Degradation::Store(f.cause())),
                 breaker: breaker.state(),
@@ -541,15 +541,29 @@ impl Store {
             }
         };
         let probe = permit.is_probe();
-        let result = self.run(&link, call, probe, parse).await;
-        match &result {
-            Ok(_) => permit.success(),
-            Err(Failure::Split) => {
+        let (result, redirected) = self.run(&link, call, probe, parse).await;
+        match (&result, redirected) {
+            // Failed on the node a `MOVED` or `ASK` named (a slot being moved to a node that
+            // is down, slow or refuses `ASKING`): that node's failure, counted by its breaker;
+            // the node asked first answered (the redirect), and every other key it owns keeps
+            // being decided.
+            (Err(failure), Some(next)) if *failure != Failure::Split => {
+                permit.success();
+                if *failure == Failure::NotConnected {
+                    next.failed_at_once();
+                }
+                next.breaker.charge(failure.charge(false), failure.cause());
+                if next.breaker.state() == BreakerState::Open {
+                    self.ask_refresh();
+                }
+            }
+            (Ok(_), _) => permit.success(),
+            (Err(Failure::Split), _) => {
                 // Nothing decided: a probe goes to the next call.
                 permit.charge(Failure::Split.charge(probe), Failure::Split.cause());
                 return None;
             }
-            Err(failure) => {
+            (Err(failure), _) => {
                 if *failure == Failure::NotConnected {
                     link.failed_at_once();
                 }
