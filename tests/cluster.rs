@@ -312,6 +312,23 @@ async fn moved_and_ask_are_followed_and_the_bucket_moves_with_its_slot() {
     assert_eq!(decisions(&gw, "c.closed", "allowed", true), 4.0);
 }
 
+/// `tenant`'s `/closed` bucket, made by one request, then moved to the next primary while
+/// its slot is still migrating there (its owner answers `ASK` for it): the key, its slot,
+/// the owner and the node it moved to.
+async fn moved_mid_migration(
+    cluster: &RedisCluster,
+    gw: &Gateway,
+    tenant: &str,
+) -> (String, u16, usize, usize) {
+    let k = key(tenant, "c.closed");
+    let from = cluster.owner(&k);
+    let to = (from + 1) % 3;
+    assert_eq!(get("/closed", gw, tenant).await.0, 200);
+    let slot = sentinel_gateway::store::slot(k.as_bytes());
+    cluster.migrate_key(slot, from, to, &k);
+    (k, slot, from, to)
+}
+
 /// A slot being moved to a node that stalls: the decisions an `ASK` sends there time out and
 /// count on that node's breaker, not on the owner's, which answered (the `ASK`): every other
 /// key the owner holds keeps being decided. (The owner's breaker opened, and its every key
@@ -322,12 +339,7 @@ async fn a_stalled_importing_node_trips_its_own_breaker_not_the_owners() {
     let up = Upstream::start("app");
     let gw = start_gateway(&cluster.seed_urls(), &up.addr());
     let tenant = "moving";
-    let k = key(tenant, "c.closed");
-    let from = cluster.owner(&k);
-    let to = (from + 1) % 3;
-    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
-    let slot = sentinel_gateway::store::slot(k.as_bytes());
-    cluster.migrate_key(slot, from, to, &k);
+    let (_, slot, from, to) = moved_mid_migration(&cluster, &gw, tenant).await;
     let other = tenants_by_node(&cluster, "c.closed", 4, "owner")[from]
         .iter()
         .find(|t| sentinel_gateway::store::slot(key(t, "c.closed").as_bytes()) != slot)
@@ -363,12 +375,7 @@ async fn the_admins_limits_follow_ask_and_moved() {
     let up = Upstream::start("app");
     let gw = start_gateway(&cluster.seed_urls(), &up.addr());
     let tenant = "admin-migrating";
-    let k = key(tenant, "c.closed");
-    let from = cluster.owner(&k);
-    let to = (from + 1) % 3;
-    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
-    let slot = sentinel_gateway::store::slot(k.as_bytes());
-    cluster.migrate_key(slot, from, to, &k);
+    let (k, slot, _, to) = moved_mid_migration(&cluster, &gw, tenant).await;
     let limits = gw.admin(&format!(
         "/limits/c.closed?identity=header%3Ax-api-key%3A{tenant}"
     ));

@@ -316,12 +316,7 @@ async fn a_decision_connection_closed_before_its_first_decision_is_made_again_un
             );
             let ids = unused();
             assert_eq!(ids.len(), 1, "{batch_max}: one decision connection unused");
-            let _: i64 = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("ID")
-                .arg(ids[0])
-                .query(&mut redis.conn())
-                .unwrap();
+            redis.kill_client(ids[0]);
             // At once: before the connector's look, the decision goes alone.
             assert_eq!(
                 send(&http, &gw.url("/closed"), &format!("b{round}"))
@@ -383,12 +378,7 @@ async fn a_batches_socket_closed_while_idle_is_made_again_alone() {
     // Idle for more than a second, as Redis's `timeout` finds it.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let ids = batches();
-    let _: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("ID")
-        .arg(ids[0])
-        .query(&mut redis.conn())
-        .unwrap();
+    redis.kill_client(ids[0]);
     wait_until(Duration::from_secs(5), "the end seen", || {
         gw.logs()
             .contains("redis closed the batches' connection while it was idle")

@@ -146,21 +146,9 @@ async fn each_listed_hmac_algorithm_is_taken_and_no_other() {
             &EncodingKey::from_secret(SECRET.as_bytes()).unwrap(),
         )
         .unwrap();
-        // (A first decision may meet a machine too busy for the budget: tried again then.)
-        let mut status = 0;
-        for _ in 0..20 {
-            let r = http
-                .get(gw.url("/api/x"))
-                .bearer_auth(&token)
-                .send()
-                .await
-                .unwrap();
-            status = r.status().as_u16();
-            if status != 503 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
+        let status =
+            common::status_past_a_busy_start(|| http.get(gw.url("/api/x")).bearer_auth(&token))
+                .await;
         assert_eq!(status, want, "{alg:?}");
     }
 }

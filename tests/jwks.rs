@@ -153,21 +153,8 @@ async fn each_listed_rsa_algorithm_is_taken_with_an_unpinned_key() {
         (Algorithm::RS256, 401),
     ] {
         let t = token(alg, Some("rsa-2"), "rsa2.der", claims.clone());
-        // (A first decision may meet a machine too busy for the budget: tried again then.)
-        let mut status = 0;
-        for _ in 0..20 {
-            let r = http
-                .get(gw.url("/api"))
-                .bearer_auth(&t)
-                .send()
-                .await
-                .unwrap();
-            status = r.status().as_u16();
-            if status != 503 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
+        let status =
+            common::status_past_a_busy_start(|| http.get(gw.url("/api")).bearer_auth(&t)).await;
         assert_eq!(status, want, "{alg:?}");
     }
 }

@@ -230,6 +230,16 @@ impl Redis {
             .collect()
     }
 
+    /// `CLIENT KILL ID id`: Redis closes that one client's connection.
+    pub fn kill_client(&self, id: u64) {
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .query(&mut self.conn())
+            .unwrap();
+    }
+
     /// `CONFIG SET name value`, as the tests change a running Redis.
     pub fn config_set(&self, name: &str, value: &str) {
         let _: () = redis::cmd("CONFIG")
@@ -667,6 +677,21 @@ pub fn read_head(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
         }
     }
     Some(head)
+}
+
+/// The status of the request `send` makes, sent again (up to 20 times, 100 ms apart) while
+/// it is 503: a gateway's first decision moves its Redis connection to the proxy's workers,
+/// which a machine busy with other tests can stretch past the budget.
+pub async fn status_past_a_busy_start(send: impl Fn() -> reqwest::RequestBuilder) -> u16 {
+    let mut status = 0;
+    for _ in 0..20 {
+        status = send().send().await.unwrap().status().as_u16();
+        if status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    status
 }
 
 /// The lines of the access log at `path` written so far, as JSON.
