@@ -617,9 +617,12 @@ fn a_reload_with_a_password_in_the_file_is_refused_without_showing_it() {
 
 /// The least-privilege ACL user of docs/configuration.md ("The Redis user's permissions")
 /// is enough for every decision, the fleet heartbeat, the eviction check and the admin's
-/// reset; a user without one command a script needs (`HSET`) makes every decision a store
-/// failure by its fail mode, logged once with Redis's words, never as a bug, and counted by
-/// the breaker as an `OOM` is.
+/// reset; a user without a command a script needs (`HSET`; `EXPIRE` and `PEXPIRE`) is found
+/// out when the gateway connects, said once at ERROR with the commands, and makes every
+/// decision a store failure by its fail mode without reaching Redis (no bucket charged),
+/// counted by the breaker as an `OOM` is, never logged as a bug; granted them, it decides
+/// again from its next check. A command taken away while connected fails the decisions in
+/// Redis, with Redis's words, until that check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outage() {
     let least = "~sentinel:* resetchannels &sentinel:v1:resets* -@all +evalsha +script|load \
@@ -637,7 +640,12 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     };
     let mut args = user("least", least);
     args.extend(user("nohset", &least.replace(" +hset", "")));
+    args.extend(user("noexpire", &least.replace(" +expire +pexpire", "")));
+    args.extend(user("revoked", least));
     args.extend(user("noconfig", &least.replace(" +config|get", "")));
+    // Idle clients closed after 4 s: the gateways' checks (and so their look at the
+    // permissions) run every 2 s.
+    args.extend(["--timeout".to_owned(), "4".to_owned()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let redis = Redis::start_with(free_port(), &args);
     let up = Upstream::start("app");
@@ -698,21 +706,94 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         "{logs}"
     );
 
+    let buckets = || {
+        redis::cmd("KEYS")
+            .arg("sentinel:v1:*:e.api:*")
+            .query::<Vec<String>>(&mut redis.conn())
+            .unwrap()
+            .len()
+    };
+    let refused_line = |gw: &common::Gateway, commands: &str| {
+        let logs = gw.logs();
+        let told: Vec<String> = logs
+            .lines()
+            .filter(|l| l.contains("may not run commands the limiter scripts need"))
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(told.len(), 1, "once: {logs}");
+        assert!(told[0].contains("\"ERROR\""), "{logs}");
+        assert!(
+            told[0].contains(&format!("\"commands\":\"{commands}\"")),
+            "{logs}"
+        );
+        assert!(!logs.contains("this is a bug"), "{logs}");
+    };
     let nohset = as_user("nohset");
+    wait_until(Duration::from_secs(10), "connected", || redis_up(&nohset));
     assert_eq!(statuses(&nohset, "a", 6).await, [503; 6]);
     assert_eq!(
         nohset.metric("sentinel_breaker_state"),
         1.0,
         "five failures open it"
     );
+    assert_eq!(
+        nohset.metric("sentinel_store_errors_total{cause=\"connection_error\"}"),
+        5.0,
+        "the sixth short-circuited"
+    );
+    refused_line(&nohset, "HSET");
     let logs = nohset.logs();
+    let told = logs
+        .lines()
+        .filter(|l| l.contains("redis cannot serve the limiter scripts"))
+        .filter(|l| l.contains("may not run HSET") && l.contains("\"WARN\""))
+        .count();
+    assert_eq!(told, 1, "once for the decisions: {logs}");
+    drop(nohset);
+
+    // Without `EXPIRE` and `PEXPIRE` a script would fail after its `HSET`, the bucket
+    // charged: the decisions are not sent.
+    let before = buckets();
+    let noexpire = as_user("noexpire");
+    wait_until(Duration::from_secs(10), "connected", || redis_up(&noexpire));
+    assert_eq!(statuses(&noexpire, "n", 3).await, [503; 3]);
+    assert_eq!(buckets(), before, "nothing written");
+    refused_line(&noexpire, "EXPIRE PEXPIRE");
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "noexpire", "+expire", "+pexpire"])
+        .query(&mut redis.conn())
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the next check", || {
+        noexpire
+            .logs()
+            .contains("may run every command the limiter scripts need again")
+    });
+    assert_eq!(statuses(&noexpire, "n", 4).await, [200, 200, 200, 429]);
+    drop(noexpire);
+
+    // Taken away while connected: Redis refuses it inside the script, in its own words,
+    // until the next check finds it.
+    let revoked = as_user("revoked");
+    warmed(&revoked).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "revoked", "-hset"])
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(statuses(&revoked, "r", 1).await, [503]);
+    let logs = revoked.logs();
     let told: Vec<&str> = logs
         .lines()
         .filter(|l| l.contains("The user executing the script can't run this command"))
         .collect();
-    assert_eq!(told.len(), 1, "once, with Redis's words: {logs}");
+    assert_eq!(told.len(), 1, "with Redis's words: {logs}");
     assert!(told[0].contains("\"WARN\""), "{logs}");
-    assert!(!logs.contains("this is a bug"), "{logs}");
+    wait_until(Duration::from_secs(10), "the next check", || {
+        revoked
+            .logs()
+            .contains("may not run commands the limiter scripts need")
+    });
+    refused_line(&revoked, "HSET");
+    drop(revoked);
 
     // Without `CONFIG GET` (a managed Redis) the gateway decides as usual and says once that
     // it cannot check the eviction policy (the start-up check does not say it a second time).

@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use rand::Rng;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError};
@@ -25,7 +26,7 @@ use tokio::sync::{watch, Notify};
 use super::breakers::BreakerBoard;
 use super::dial::Dial;
 use super::link::{Conn, Link, Opened, Target};
-use super::script::Scripts;
+use super::script::{Scripts, PERMISSIONS_LUA};
 use super::wire::Wire;
 use super::Said;
 
@@ -34,6 +35,10 @@ use super::Said;
 /// their connectors run on.
 pub(super) struct Connector {
     scripts: Scripts,
+    /// `lua/permissions.lua`, asked with each node's settings.
+    permissions: redis::Script,
+    /// `[redis] key_prefix`: the buckets' keys the permissions are asked for.
+    key_prefix: ArcSwap<String>,
     require_noeviction: AtomicBool,
     /// The proxy's runtime, learnt from the first request: connections' driver tasks are
     /// moved there so a decision does not hop to another thread and back.
@@ -49,6 +54,7 @@ pub(super) struct Connector {
 impl Connector {
     pub(super) fn new(
         scripts: Scripts,
+        key_prefix: &str,
         require_noeviction: bool,
         dedicated_io_thread: bool,
         breakers: Arc<BreakerBoard>,
@@ -56,6 +62,8 @@ impl Connector {
     ) -> Self {
         Self {
             scripts,
+            permissions: redis::Script::new(PERMISSIONS_LUA),
+            key_prefix: ArcSwap::from_pointee(key_prefix.to_owned()),
             require_noeviction: AtomicBool::new(require_noeviction),
             proxy_runtime: OnceLock::new(),
             dedicated_io_thread,
@@ -76,6 +84,13 @@ impl Connector {
 
     pub(super) fn set_require_noeviction(&self, required: bool) {
         self.require_noeviction.store(required, Ordering::Relaxed);
+    }
+
+    /// A reload's `key_prefix`: the next checks ask the permissions on its keys.
+    pub(super) fn set_key_prefix(&self, key_prefix: &str) {
+        if **self.key_prefix.load() != key_prefix {
+            self.key_prefix.store(Arc::new(key_prefix.to_owned()));
+        }
     }
 
     /// Whether the proxy's runtime, where the decision connections are moved, is not known
@@ -455,13 +470,43 @@ async fn idle_timeout(conn: &mut MultiplexedConnection) -> Option<u64> {
     reply.get(1)?.parse().ok()
 }
 
-/// The node's settings the gateway reads, on one connection, both commands sent at once: the
-/// eviction policy ([`eviction_policy`]) and the idle timeout ([`idle_timeout`]).
-async fn node_settings(
+/// What `lua/permissions.lua` said of the ACL user: the commands of the limiter scripts it may
+/// not run on a key of `key_prefix` (none: every one, or a Redis before 7.0 that cannot say);
+/// `None` when it could not be asked (`EVALSHA` refused: every decision is refused anyway;
+/// Redis busy or gone).
+async fn refused_commands(
     conn: &mut MultiplexedConnection,
-) -> (redis::RedisResult<Option<EvictionPolicy>>, Option<u64>) {
-    let mut other = conn.clone();
-    tokio::join!(eviction_policy(conn), idle_timeout(&mut other))
+    script: &redis::Script,
+    key_prefix: &str,
+) -> Option<Vec<String>> {
+    let key = format!("{key_prefix}:v1:permissions");
+    script.arg(key).invoke_async(conn).await.ok()
+}
+
+/// The node's settings the gateway reads, on one connection, the three sent at once: the
+/// eviction policy ([`eviction_policy`]), the idle timeout ([`idle_timeout`]) and the
+/// commands the ACL user may not run ([`refused_commands`]).
+struct Settings {
+    policy: redis::RedisResult<Option<EvictionPolicy>>,
+    idle: Option<u64>,
+    refused: Option<Vec<String>>,
+}
+
+impl Connector {
+    async fn node_settings(&self, conn: &mut MultiplexedConnection) -> Settings {
+        let (mut idle, mut permitted) = (conn.clone(), conn.clone());
+        let key_prefix = self.key_prefix.load_full();
+        let (policy, idle, refused) = tokio::join!(
+            eviction_policy(conn),
+            idle_timeout(&mut idle),
+            refused_commands(&mut permitted, &self.permissions, &key_prefix)
+        );
+        Settings {
+            policy,
+            idle,
+            refused,
+        }
+    }
 }
 
 /// Whether Redis answered that it cannot serve now (`BUSY` while a script runs, `LOADING`,
@@ -678,14 +723,11 @@ impl Connector {
             None => open_both(&target.dial, false, None).await?,
         };
         let conn = &mut opened.conn;
-        let (policy, idle) = node_settings(conn).await;
-        if let Some(policy) = policy? {
+        let settings = self.node_settings(conn).await;
+        if let Some(policy) = settings.policy? {
             self.note_policy(link, &target.node, policy);
         }
-        // (Read from a Redis a reload has since moved the link off: not this one's.)
-        if let Some(seconds) = idle.filter(|_| link.target.load().node == target.node) {
-            link.idle_timeout_s.store(seconds, Ordering::Relaxed);
-        }
+        self.note_settings(link, &target.node, settings.idle, settings.refused);
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
                 Ok(_) => {}
@@ -757,17 +799,55 @@ impl Connector {
         };
         let node = link.node();
         let mut c = conn.redis();
-        let Ok((policy, idle)) = tokio::time::timeout(CONNECT_TIMEOUT, node_settings(&mut c)).await
+        let Ok(settings) = tokio::time::timeout(CONNECT_TIMEOUT, self.node_settings(&mut c)).await
         else {
             return;
         };
-        if let Ok(Some(policy)) = policy {
+        if let Ok(Some(policy)) = settings.policy {
             self.note_policy(link, &node, policy);
         }
-        // (Read from a Redis the link has since been moved off: not this one's.)
-        if let Some(seconds) = idle.filter(|_| link.target.load().node == node) {
+        self.note_settings(link, &node, settings.idle, settings.refused);
+    }
+
+    /// Records the idle timeout and the commands refused that `node` said, and says when
+    /// the user lacks commands the scripts need, and when it no longer does.
+    fn note_settings(
+        &self,
+        link: &Link,
+        node: &str,
+        idle: Option<u64>,
+        refused: Option<Vec<String>>,
+    ) {
+        // Read from a Redis a reload has since moved the link off: not this one's.
+        if link.target.load().node != node {
+            return;
+        }
+        if let Some(seconds) = idle {
             link.idle_timeout_s.store(seconds, Ordering::Relaxed);
         }
+        // Not asked (Redis busy, say): what was found stands.
+        let Some(refused) = refused else {
+            return;
+        };
+        let refused = (!refused.is_empty()).then(|| refused.join(" ").to_uppercase());
+        let was = link.refused.load_full();
+        if was.as_deref() == refused.as_ref() {
+            return;
+        }
+        link.lacks_commands
+            .store(refused.is_some(), Ordering::Relaxed);
+        match &refused {
+            Some(commands) => {
+                tracing::error!(node, commands = commands.as_str(), "the redis user may not run commands the limiter scripts need (grant them); limited requests are answered by their fail mode without reaching redis until it may");
+            }
+            None => {
+                tracing::info!(
+                    node,
+                    "the redis user may run every command the limiter scripts need again"
+                );
+            }
+        }
+        link.refused.store(refused.map(Arc::new));
     }
 
     /// Makes the checks' socket of `conn` again, alone (Redis closed it while the decisions'

@@ -170,6 +170,15 @@ impl Store {
                 }
             }
         }
+        // The ACL user may not run what the scripts need: sent, the decision would fail, and
+        // after its first write (a bucket charged). It fails here, as an `OOM` would.
+        if link.lacks_commands.load(Ordering::Relaxed) {
+            let refused = link.refused.load_full();
+            let commands = refused.as_deref().map_or("", String::as_str);
+            link.log_unavailable(&format_args!("the redis user may not run {commands}"));
+            self.count(Failure::Unavailable.cause());
+            return (Err(Failure::Unavailable), None);
+        }
         let script = self.inner.scripts.get(call.kind);
         let started = Instant::now();
         let (result, redirected) = self.eval(link, script, call, probe).await;

@@ -226,6 +226,12 @@ pub(super) struct Link {
     pub(super) turns: super::batch::Turns,
     /// The node refused the last `SCRIPT LOAD` (logged once until a load succeeds).
     pub(super) load_refused: AtomicBool,
+    /// The commands of the limiter scripts the ACL user may not run on a bucket, as the last
+    /// connection or check found them (`lua/permissions.lua`); while some are, decisions
+    /// fail without being sent (they would fail after their first write).
+    pub(super) refused: ArcSwapOption<String>,
+    /// Whether `refused` names any: what a decision looks at.
+    pub(super) lacks_commands: AtomicBool,
     /// The node's `TIME` against this process's clock: decisions' deadlines in its time.
     pub(super) clock: super::deadline::RedisClock,
     /// A primary of a Redis Cluster (its batches may span several slots).
@@ -261,6 +267,8 @@ impl Link {
             breaker,
             turns: Default::default(),
             load_refused: AtomicBool::new(false),
+            refused: ArcSwapOption::empty(),
+            lacks_commands: AtomicBool::new(false),
             in_cluster: false,
             refresh,
         }

@@ -163,6 +163,7 @@ impl Store {
         let board = Arc::new(BreakerBoard::new(breaker, clock, Arc::clone(metrics)));
         let connector = Arc::new(Connector::new(
             scripts.clone(),
+            &config.key_prefix,
             config.require_noeviction,
             config.dedicated_io_thread,
             board,
@@ -271,6 +272,7 @@ impl Store {
             .store(config.batch_max, Ordering::Relaxed);
         let connector = &self.inner.connector;
         connector.set_require_noeviction(config.require_noeviction);
+        connector.set_key_prefix(&config.key_prefix);
         match (&self.inner.layout, &config.target) {
             (Layout::Single(_), RedisTarget::Sentinel(s)) => match &self.inner.sentinel {
                 Some(watcher) => {

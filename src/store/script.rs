@@ -36,6 +36,7 @@ pub const BATCH_CLUSTER_LUA: &str = concat!(
     include_str!("../../lua/batch.lua")
 );
 pub const HEARTBEAT_LUA: &str = include_str!("../../lua/heartbeat.lua");
+pub const PERMISSIONS_LUA: &str = include_str!("../../lua/permissions.lua");
 
 /// The limiter scripts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
