@@ -392,6 +392,44 @@ async fn a_master_demoted_without_a_failover_is_left_for_the_one_the_sentinel_na
     assert!(logs.contains("READONLY"), "the reason is logged: {logs}");
 }
 
+/// The master in use is demoted (a replica of another node now) while the sentinel still
+/// names it, and its connections are killed: the connection made again at once finds by
+/// `ROLE` that the node is a replica, is refused with why, and no decision is sent to it;
+/// promoted again, it is connected to and decided on. (The gateway connected to it again and
+/// decided on it until its first `READONLY`, `/readyz` saying up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_master_connected_again_at_once_is_refused_by_its_role() {
+    let (master, other) = (Redis::start(), Redis::start());
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let gw = gateway(sentinel_port, &up, None);
+    assert_eq!(statuses(&gw, "a", 1).await, [200]);
+    let replicaof = |args: &[&str]| {
+        let _: () = redis::cmd("REPLICAOF")
+            .arg(args)
+            .query(&mut master.conn())
+            .unwrap();
+    };
+    replicaof(&["127.0.0.1", &other.port.to_string()]);
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal"])
+        .query(&mut master.conn())
+        .unwrap();
+    assert!(killed >= 1, "the gateway's connections");
+    wait_until(Duration::from_secs(5), "the replica refused", || {
+        gw.logs().contains("answers ROLE as a replica")
+    });
+    assert_ne!(readyz(&gw)["redis"], "up");
+    assert_eq!(statuses(&gw, "b", 3).await, [503; 3]);
+    let logs = gw.logs();
+    assert!(!logs.contains("READONLY"), "nothing sent to it: {logs}");
+
+    replicaof(&["NO", "ONE"]);
+    assert!(admitted_within_5_s(&gw, "c").await, "{}", gw.logs());
+    assert_eq!(readyz(&gw)["redis"], "up");
+}
+
 /// Two sentinels, each monitoring its own master as `mymaster`, and their processes.
 struct TwoSentinels {
     ports: [u16; 2],

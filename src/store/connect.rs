@@ -728,6 +728,25 @@ impl Connector {
             self.note_policy(link, &target.node, policy);
         }
         self.note_settings(link, &target.node, settings.idle, settings.refused);
+        // Behind Sentinel, the node must still be the master: one demoted while its
+        // connection was made again at once (a stale sentinel listed first may still name
+        // it) would be decided on until its first `READONLY`. Refused, the sentinels are
+        // asked where the master went, checking the one in use.
+        if link.follows_sentinels() {
+            match super::sentinel::master_by_role(conn).await {
+                Ok(Some(false)) => {
+                    link.found_replica.store(true, Ordering::Relaxed);
+                    link.ask_where();
+                    return Err(RedisError::from(io::Error::other(
+                        "the node answers ROLE as a replica now (demoted): asking the sentinels where the master went",
+                    )));
+                }
+                Err(e) if is_transport(&e) || e.is_timeout() => return Err(e),
+                // A master, or the role unknown (`ROLE` refused: the sentinel's word is
+                // taken, as when it named the node).
+                _ => {}
+            }
+        }
         for script in [&self.scripts.token_bucket, &self.scripts.sliding_window] {
             match script.load(conn).await {
                 Ok(_) => {}

@@ -232,6 +232,9 @@ pub(super) struct Link {
     pub(super) refused: ArcSwapOption<String>,
     /// Whether `refused` names any: what a decision looks at.
     pub(super) lacks_commands: AtomicBool,
+    /// Behind Sentinel: a connection was refused because the node answered `ROLE` as a
+    /// replica; the sentinels' next answer is checked, though it names the node in use.
+    pub(super) found_replica: AtomicBool,
     /// The node's `TIME` against this process's clock: decisions' deadlines in its time.
     pub(super) clock: super::deadline::RedisClock,
     /// A primary of a Redis Cluster (its batches may span several slots).
@@ -269,8 +272,21 @@ impl Link {
             load_refused: AtomicBool::new(false),
             refused: ArcSwapOption::empty(),
             lacks_commands: AtomicBool::new(false),
+            found_replica: AtomicBool::new(false),
             in_cluster: false,
             refresh,
+        }
+    }
+
+    /// The one link of a Sentinel layout (whose `refresh` asks the sentinels).
+    pub(super) fn follows_sentinels(&self) -> bool {
+        !self.in_cluster && self.refresh.is_some()
+    }
+
+    /// Asks the sentinels (or a cluster's map) again now.
+    pub(super) fn ask_where(&self) {
+        if let Some(refresh) = &self.refresh {
+            refresh.notify_one();
         }
     }
 

@@ -167,23 +167,16 @@ impl Sentinel {
                 Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => return Ok(true),
                 Err(e) => return Err(format!("cannot connect to it: {}", super::Said(&e))),
             };
-            let role: redis::Value = match redis::cmd("ROLE").query_async(&mut opened.conn).await {
-                Ok(role) => role,
+            match master_by_role(&mut opened.conn).await {
+                Ok(Some(master)) => Ok(master),
                 // The user may not run ROLE: the sentinel's word is taken, said once.
-                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                Ok(None) => {
                     if !self.role_refused.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(node = %target.node, error = %super::Said(&e), "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
+                        tracing::warn!(node = %target.node, "redis sentinel: the user may not run ROLE (grant +role), so the master a sentinel names is taken on its word: a stale sentinel's old master would not be caught");
                     }
-                    return Ok(true);
+                    Ok(true)
                 }
-                Err(e) => return Err(format!("ROLE failed: {}", super::Said(&e))),
-            };
-            match role {
-                redis::Value::Array(items) => match items.first() {
-                    Some(redis::Value::BulkString(b)) => Ok(b.as_slice() == b"master"),
-                    _ => Err("ROLE answered an unknown shape".to_owned()),
-                },
-                _ => Err("ROLE answered an unknown shape".to_owned()),
+                Err(e) => Err(format!("ROLE failed: {}", super::Said(&e))),
             }
         };
         tokio::time::timeout(ASK_TIMEOUT, check)
@@ -290,15 +283,39 @@ impl Sentinel {
     /// `Ok(false)` when the one in use was taken on the sentinels' word; `Err`: why the link
     /// points at no master now. The master in use is checked when it answered `READONLY` or
     /// the link has no connection to it (dead, or refusing: a sentinel that still names it
-    /// may be stale).
+    /// may be stale), or when a connection to it was refused because it answered as a
+    /// replica.
     pub(super) async fn follow_once(&self, link: &Link) -> Result<bool, String> {
-        let connected = link.conn.load().is_some();
-        let (target, checked) = self.discover_checking(connected).await?;
+        let trusted =
+            link.conn.load().is_some() && !link.found_replica.swap(false, Ordering::Relaxed);
+        let (target, checked) = self.discover_checking(trusted).await?;
         if self.master().as_deref() != Some(target.node.as_str()) {
             self.switch(link, target);
             return Ok(true);
         }
         Ok(checked)
+    }
+}
+
+/// Whether the node on `conn` answers `ROLE` as a master; `None` when the user may not run
+/// `ROLE`.
+pub(super) async fn master_by_role(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> redis::RedisResult<Option<bool>> {
+    let unknown = || {
+        redis::RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "ROLE answered an unknown shape",
+        ))
+    };
+    match redis::cmd("ROLE").query_async(conn).await {
+        Ok(redis::Value::Array(items)) => match items.first() {
+            Some(redis::Value::BulkString(b)) => Ok(Some(b.as_slice() == b"master")),
+            _ => Err(unknown()),
+        },
+        Ok(_) => Err(unknown()),
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
