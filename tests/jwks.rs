@@ -1,4 +1,4 @@
-//! JWTs from an identity provider, against the binary: RS256 / ES256 / EdDSA tokens verified
+//! JWTs from an identity provider, against the binary: RS256 / ES256 / ES384 / EdDSA tokens verified
 //! with the keys of a JWKS file (`tests/fixtures/jwt`: test keys made for this suite), the
 //! `kid` picking the key, `iss` and `aud` checked, the bucket named by `identity_claim`.
 
@@ -27,7 +27,7 @@ fn now() -> u64 {
 fn token(alg: Algorithm, kid: Option<&str>, key_file: &str, claims: serde_json::Value) -> String {
     let der = std::fs::read(fixture(key_file)).unwrap();
     let key = match alg {
-        Algorithm::ES256 => EncodingKey::from_ec_der(&der),
+        Algorithm::ES256 | Algorithm::ES384 => EncodingKey::from_ec_der(&der),
         Algorithm::EdDSA => EncodingKey::from_ed_der(&der),
         _ => EncodingKey::from_rsa_der(&der),
     };
@@ -157,6 +157,48 @@ async fn each_listed_rsa_algorithm_is_taken_with_an_unpinned_key() {
             common::status_past_a_busy_start(|| http.get(gw.url("/api")).bearer_auth(&t)).await;
         assert_eq!(status, want, "{alg:?}");
     }
+}
+
+/// An ES384 token, signed with a P-384 key of the set, is taken while ES384 is listed, and
+/// refused once a reload lists ES256 alone; a token whose header names ES384 with the P-256
+/// key's kid is refused (the key's curve is P-256), as is one naming ES256 with the P-384
+/// key's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn es384_tokens_are_verified_with_a_p384_key_while_listed() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let mut set: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("jwks.json")).unwrap()).unwrap();
+    let p384: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("ec384.jwk.json")).unwrap()).unwrap();
+    set["keys"].as_array_mut().unwrap().push(p384);
+    let jwks = dir.path().join("jwks.json");
+    std::fs::write(&jwks, set.to_string()).unwrap();
+    let section = |algorithms: &str| {
+        format!(
+            "[auth.jwt]\nalgorithms = [{algorithms}]\njwks_path = {}\nidentity_claim = \"org_id\"\n",
+            quoted(jwks.to_str().unwrap())
+        )
+    };
+    let gw = start(&redis, &up, &section(r#""ES256", "ES384""#));
+    let http = client();
+    let claims = serde_json::json!({"org_id": "o", "exp": now() + 60});
+    let status = |alg, kid, key| {
+        let t = token(alg, Some(kid), key, claims.clone());
+        let request = http.get(gw.url("/api")).bearer_auth(t).send();
+        async move { request.await.unwrap().status().as_u16() }
+    };
+    assert_eq!(status(Algorithm::ES384, "ec-384", "ec384.der").await, 200);
+    assert_eq!(status(Algorithm::ES256, "ec-1", "ec.der").await, 200);
+    assert_eq!(status(Algorithm::ES384, "ec-1", "ec384.der").await, 401);
+    assert_eq!(status(Algorithm::ES256, "ec-384", "ec.der").await, 401);
+
+    let config = std::fs::read_to_string(&gw.config_path).unwrap();
+    gw.rewrite_config(&config.replace(r#""ES256", "ES384""#, r#""ES256""#));
+    assert_eq!(gw.reload(), 200);
+    assert_eq!(status(Algorithm::ES384, "ec-384", "ec384.der").await, 401);
+    assert_eq!(status(Algorithm::ES256, "ec-1", "ec.der").await, 200);
 }
 
 /// A `jwks_path` is read again on every reload: a key the identity provider took out of the
