@@ -332,7 +332,10 @@ async fn moved_mid_migration(
 /// A slot being moved to a node that stalls: the decisions an `ASK` sends there time out and
 /// count on that node's breaker, not on the owner's, which answered (the `ASK`): every other
 /// key the owner holds keeps being decided. (The owner's breaker opened, and its every key
-/// was refused for the quarantine.)
+/// was refused for the quarantine.) Once that node's breaker is open, an `ASK` to it is its
+/// short-circuit, answered at once (`circuit_open`), not a wait of the whole budget; after
+/// the quarantine the next such call is its probe, which opens it again. (Every call went
+/// on and waited the budget, and a breaker half-open stayed so: no redirected call probed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_importing_node_trips_its_own_breaker_not_the_owners() {
     let cluster = RedisCluster::start();
@@ -363,6 +366,23 @@ async fn a_stalled_importing_node_trips_its_own_breaker_not_the_owners() {
         200,
         "the owner's other keys"
     );
+    let closed = |reason| decisions(&gw, "c.closed", reason, false);
+    assert_eq!(closed("fail_closed"), 5.0, "five waited the budget");
+    assert_eq!(closed("circuit_open"), 1.0, "the sixth was not sent on");
+    // The quarantine (1 s) over, the next redirected call probes the stalled node, fails,
+    // and opens its breaker again: the one after is short-circuited.
+    let transitions = |to: &str| {
+        gw.metric(&format!(
+            r#"sentinel_breaker_transitions_total{{to="{to}"}}"#
+        ))
+    };
+    wait_until(Duration::from_secs(5), "half-open", || {
+        transitions("half_open") >= 1.0
+    });
+    assert_eq!(statuses("/closed", &gw, tenant, 2).await, [503; 2]);
+    assert_eq!(closed("fail_closed"), 6.0, "the probe waited the budget");
+    assert_eq!(closed("circuit_open"), 2.0, "the next did not");
+    assert_eq!(transitions("open"), 2.0, "opened again by the probe");
     cluster.nodes[to].proc.signal("CONT");
 }
 

@@ -275,12 +275,21 @@ impl Breaker {
         self.record_failure(false);
     }
 
-    /// A failure of a call no permit of this breaker let through (one a redirect sent to this
-    /// node): counts toward the threshold while closed, as [`Permit::charge`] would.
-    pub fn charge(&self, charge: Charge, cause: StoreFailure) {
-        if charge == Charge::Failure {
-            self.note_cause(cause);
-            self.record_failure(false);
+    /// Settles a permit let go by [`Permit::detach`] (`probe`: whether it was the probe), as
+    /// the permit would have been: `None` when Redis answered, else the failure's charge and
+    /// cause.
+    pub fn settle(&self, probe: bool, failed: Option<(Charge, StoreFailure)>) {
+        match failed {
+            None => self.record_success(probe),
+            Some((Charge::Failure, cause)) => {
+                self.note_cause(cause);
+                self.record_failure(probe);
+            }
+            Some((Charge::Nothing, _)) => {
+                if probe {
+                    self.release_probe();
+                }
+            }
         }
     }
 
@@ -330,6 +339,14 @@ impl Permit<'_> {
         if self.probe {
             self.breaker.release_probe();
         }
+    }
+
+    /// Lets the permit go unsettled, for a call that outlives its borrow of the breaker:
+    /// whether it was the probe. [`Breaker::settle`] settles it, and must, when it was the
+    /// probe (an abandoned probe counts as a failure: the caller's guard does that).
+    pub fn detach(mut self) -> bool {
+        self.settled = true;
+        self.probe
     }
 
     /// Settles the permit by a failure's [`Charge`]; `cause` is what it was, for the log
@@ -447,6 +464,50 @@ mod tests {
                 BreakerState::Closed
             ],
             "one transition to half_open, counted once"
+        );
+    }
+
+    /// A permit let go by `detach` and settled later counts as the permit would have.
+    #[test]
+    fn a_detached_permit_settles_as_the_permit_would() {
+        let clock = ManualClock::default();
+        let (b, _) = breaker(&clock);
+        for _ in 0..4 {
+            let probe = b.acquire().unwrap().detach();
+            b.settle(probe, Some((Charge::Failure, StoreFailure::Timeout)));
+        }
+        b.settle(b.acquire().unwrap().detach(), None);
+        fail(&b, 4);
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "an answer resets the count"
+        );
+        let probe = b.acquire().unwrap().detach();
+        b.settle(probe, Some((Charge::Failure, StoreFailure::Timeout)));
+        assert_eq!(b.state(), BreakerState::Open);
+        clock.advance(Duration::from_secs(30));
+        let probe = b.acquire().unwrap().detach();
+        assert!(probe, "the probe");
+        assert!(b.acquire().is_err(), "only one");
+        b.settle(
+            probe,
+            Some((Charge::Nothing, StoreFailure::ConnectionError)),
+        );
+        let probe = b.acquire().unwrap().detach();
+        assert!(probe, "handed to the next call");
+        b.settle(probe, Some((Charge::Failure, StoreFailure::Timeout)));
+        assert_eq!(
+            b.state(),
+            BreakerState::Open,
+            "a failed probe opens it again"
+        );
+        clock.advance(Duration::from_secs(30));
+        b.settle(b.acquire().unwrap().detach(), None);
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "an answered probe closes it"
         );
     }
 

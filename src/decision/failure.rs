@@ -48,6 +48,10 @@ pub enum Failure {
     /// several slots): nothing was written, and the decision is made slot by slot instead.
     /// No failure of Redis: it never reaches the decision table.
     Split,
+    /// The node a `MOVED` or `ASK` named has its breaker open (this much of its quarantine
+    /// left): the call goes no further, and the decision is that node's short-circuit
+    /// (`circuit_open`), as for a node asked first. No failure of Redis either.
+    Quarantined(std::time::Duration),
 }
 
 /// What a failed evaluation does to its node's breaker.
@@ -70,14 +74,15 @@ impl Failure {
             | Failure::Unavailable
             | Failure::BrokenKey
             | Failure::Rejected
-            | Failure::Split => StoreFailure::ConnectionError,
+            | Failure::Split
+            | Failure::Quarantined(_) => StoreFailure::ConnectionError,
         }
     }
 
     /// How it counts for the breaker; `probe`: the evaluation was the half-open probe.
     pub fn charge(self, probe: bool) -> Charge {
         match self {
-            Failure::BrokenKey | Failure::Split => Charge::Nothing,
+            Failure::BrokenKey | Failure::Split | Failure::Quarantined(_) => Charge::Nothing,
             Failure::ConnectionLost | Failure::NotConnected if !probe => Charge::Nothing,
             _ => Charge::Failure,
         }

@@ -151,15 +151,16 @@ impl Store {
     /// still unanswered it opens a fresh connection first, inside the same budget, so a peer
     /// that vanished silently (or moved behind its DNS name) is left behind.
     ///
-    /// Beside the answer, the node a `MOVED` or `ASK` sent the call on to, when it went on:
-    /// a failure there is that node's, not `link`'s (which answered, with the redirect).
+    /// Beside the answer, the node a `MOVED` or `ASK` sent the call on to, when it went on,
+    /// with its breaker's permit: a failure there is that node's, not `link`'s (which
+    /// answered, with the redirect).
     pub(super) async fn run<T>(
         &self,
         link: &Arc<Link>,
         call: Call<'_>,
         probe: bool,
         parse: impl FnOnce(&[u8]) -> Option<T>,
-    ) -> (Result<T, Failure>, Option<Arc<Link>>) {
+    ) -> (Result<T, Failure>, Option<Redirected>) {
         let connector = &self.inner.connector;
         if connector.wants_proxy_runtime() {
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -186,8 +187,12 @@ impl Store {
             // Nothing was asked of Redis: its state and metrics are left as they were.
             return (Err(Failure::Split), None);
         }
+        if let Err(Failure::Quarantined(left)) = result {
+            // The node asked answered at once (the redirect), the next was not asked.
+            return (Err(Failure::Quarantined(left)), redirected);
+        }
         // The node that failed, when the call failed: the last one asked.
-        let link = redirected.as_ref().unwrap_or(link);
+        let link = redirected.as_ref().map_or(link, |r| &r.link);
         let timed_out = matches!(result, Err(Failure::Timeout));
         link.suspect.store(timed_out, Ordering::Relaxed);
         if timed_out {
@@ -279,7 +284,7 @@ impl Store {
         script: &Script,
         call: Call<'_>,
         probe: bool,
-    ) -> (Result<Reply, Failure>, Option<Arc<Link>>) {
+    ) -> (Result<Reply, Failure>, Option<Redirected>) {
         // A compensation is waited for longer: dropped, it would leave the queue unsent.
         let budget = match call.compensation {
             true => COMPENSATION_WAIT,
@@ -296,7 +301,7 @@ impl Store {
             ..call
         };
         // Where a redirect sent the call, kept past the budget's end (which drops `attempt`).
-        let redirected: std::sync::Mutex<Option<Arc<Link>>> = std::sync::Mutex::new(None);
+        let redirected: std::sync::Mutex<Option<Redirected>> = std::sync::Mutex::new(None);
         let attempt = async {
             // Owned only after a redirect: the common case touches no reference count.
             let mut link: Cow<'_, Arc<Link>> = Cow::Borrowed(link);
@@ -343,7 +348,25 @@ impl Store {
                     tracing::warn!(addr = %redirect.addr, "redis redirected to an address that cannot be used");
                     return Err(Failure::Unavailable);
                 };
-                *redirected.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&next));
+                // That node's breaker lets the call through, or not: open, the node is not
+                // asked, and the budget is not spent waiting for a node known to fail (a slot
+                // moving to a stalled one, say); half-open, the call may be its probe. A
+                // compensation is owed whatever a breaker says, and counts for none.
+                let went_on = match call.compensation {
+                    true => Redirected::uncounted(Arc::clone(&next)),
+                    false => match next.breaker.acquire() {
+                        Ok(permit) => Redirected::new(Arc::clone(&next), permit.detach()),
+                        Err(short) => return Err(Failure::Quarantined(short.retry_in)),
+                    },
+                };
+                let before = redirected
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .replace(went_on);
+                // A node an earlier redirect named answered (with this one).
+                if let Some(before) = before {
+                    before.settle(None);
+                }
                 // A node first named by this redirect connects now; the budget bounds the
                 // wait.
                 next.connected().await;
@@ -525,7 +548,11 @@ impl Store {
         e: &dyn std::fmt::Display,
     ) -> Failure {
         match failure {
-            Failure::Timeout | Failure::Noscript | Failure::NotConnected | Failure::Split => {}
+            Failure::Timeout
+            | Failure::Noscript
+            | Failure::NotConnected
+            | Failure::Split
+            | Failure::Quarantined(_) => {}
             Failure::ConnectionLost => {}
             Failure::BrokenKey => self.inner.broken_keys.report(key, e),
             Failure::Rejected => {
@@ -545,6 +572,55 @@ impl Store {
             }
         }
         failure
+    }
+}
+
+/// The node a `MOVED` or `ASK` sent a call on to, with what its breaker let through: the
+/// call's outcome there settles it ([`Redirected::settle`]); a probe dropped unsettled (its
+/// request gone) counts as a failed probe, as a dropped permit does.
+pub(super) struct Redirected {
+    pub(super) link: Arc<Link>,
+    probe: bool,
+    /// Whether the outcome counts for the breaker (not for a compensation).
+    counts: bool,
+    settled: bool,
+}
+
+impl Redirected {
+    fn new(link: Arc<Link>, probe: bool) -> Self {
+        Self {
+            link,
+            probe,
+            counts: true,
+            settled: false,
+        }
+    }
+
+    fn uncounted(link: Arc<Link>) -> Self {
+        Self {
+            link,
+            probe: false,
+            counts: false,
+            settled: false,
+        }
+    }
+
+    /// Settles the node's breaker by the call's outcome there: `None` when it answered.
+    pub(super) fn settle(mut self, failed: Option<Failure>) {
+        self.settled = true;
+        if self.counts {
+            let failed = failed.map(|f| (f.charge(self.probe), f.cause()));
+            self.link.breaker.settle(self.probe, failed);
+        }
+    }
+}
+
+impl Drop for Redirected {
+    fn drop(&mut self) {
+        if !self.settled && self.counts && self.probe {
+            let failed = (crate::decision::Charge::Failure, StoreFailure::Timeout);
+            self.link.breaker.settle(true, Some(failed));
+        }
     }
 }
 

@@ -545,27 +545,40 @@ impl Store {
         let probe = permit.is_probe();
         let (result, redirected) = self.run(&link, call, probe, parse).await;
         match (&result, redirected) {
-            // Failed on the node a `MOVED` or `ASK` named (a slot being moved to a node that
-            // is down, slow or refuses `ASKING`): that node's failure, counted by its breaker;
-            // the node asked first answered (the redirect), and every other key it owns keeps
-            // being decided.
-            (Err(failure), Some(next)) if *failure != Failure::Split => {
+            // The node a redirect named is in quarantine: its short-circuit, as though asked
+            // first; the node asked answered.
+            (Err(Failure::Quarantined(retry_in)), _) => {
                 permit.success();
-                if *failure == Failure::NotConnected {
-                    next.failed_at_once();
+                return Some(Evaluation {
+                    outcome: Err(Degradation::BreakerOpen {
+                        retry_in: *retry_in,
+                    }),
+                    breaker: BreakerState::Open,
+                });
+            }
+            // Went on to the node a `MOVED` or `ASK` named (a slot being moved, perhaps to a
+            // node that is down, slow or refuses `ASKING`): its outcome there is that node's,
+            // counted by its breaker; the node asked first answered (the redirect), and
+            // every other key it owns keeps being decided.
+            (outcome, Some(next)) => {
+                permit.success();
+                let failed = outcome.as_ref().err().copied();
+                if failed == Some(Failure::NotConnected) {
+                    next.link.failed_at_once();
                 }
-                next.breaker.charge(failure.charge(false), failure.cause());
-                if next.breaker.state() == BreakerState::Open {
+                let link = Arc::clone(&next.link);
+                next.settle(failed);
+                if link.breaker.state() == BreakerState::Open {
                     self.ask_refresh();
                 }
             }
-            (Ok(_), _) => permit.success(),
-            (Err(Failure::Split), _) => {
+            (Ok(_), None) => permit.success(),
+            (Err(Failure::Split), None) => {
                 // Nothing decided: a probe goes to the next call.
                 permit.charge(Failure::Split.charge(probe), Failure::Split.cause());
                 return None;
             }
-            (Err(failure), _) => {
+            (Err(failure), None) => {
                 if *failure == Failure::NotConnected {
                     link.failed_at_once();
                 }
