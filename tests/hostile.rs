@@ -805,14 +805,17 @@ fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_befo
 /// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII; a colon
 /// or bracket out of place; an empty label) is 400 and never forwarded: it reached the
 /// upstream as it came, with no `X-Forwarded-Host` when it was not ASCII, and
-/// `api.example..` was routed as `api.example`. Transfer codings other than one `chunked` are 400 and never forwarded:
+/// `api.example..` was routed as `api.example`; nor (RFC 3986 allows them in a name, no DNS
+/// name holds them) a list, a sub-delimiter or a percent-encoding: `a.example,b.example`
+/// missed a `host = "a.example"` route's limit and reached the upstream as it came, where a
+/// backend taking a list's first served it as `a.example`. Transfer codings other than one `chunked` are 400 and never forwarded:
 /// `gzip, chunked` reached the upstream as plain `chunked`, the gzip coding dropped.
 #[test]
 fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwarded() {
     let redis = Redis::start();
     let (upstream, received) = counting_upstream();
     let gw = closed_and_open(&redis.url(), &upstream, 100).start();
-    let refused: [&[u8]; 11] = [
+    let refused: [&[u8]; 14] = [
         // A client may not have a field the gateway sets dropped at the next hop.
         b"GET /open HTTP/1.1\r\nHost: a\r\nConnection: X-Forwarded-For\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: a b\r\nX-API-Key: k\r\n\r\n",
@@ -822,6 +825,11 @@ fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwa
         b"GET /open HTTP/1.1\r\nHost: a\tb\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: \"a\"\r\nX-API-Key: k\r\n\r\n",
         b"GET /open HTTP/1.1\r\nHost: \xc3\xa9\r\nX-API-Key: k\r\n\r\n",
+        // RFC 3986's other name characters, no DNS name's: a backend taking the first of a
+        // list serves `a.example` by a route that did not match it.
+        b"GET /open HTTP/1.1\r\nHost: a.example,b.example\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a.example;b\r\nX-API-Key: k\r\n\r\n",
+        b"GET /open HTTP/1.1\r\nHost: a%2eexample\r\nX-API-Key: k\r\n\r\n",
         b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
         b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
         b"POST /open HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
@@ -846,6 +854,7 @@ fn a_host_that_names_no_host_and_codings_besides_chunked_are_400_and_never_forwa
     for host in [
         "api.example:8080",
         "api.example.",
+        "_svc.api-1.example",
         "127.0.0.1",
         "[::1]:80",
         "",

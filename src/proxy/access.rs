@@ -50,7 +50,11 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         |name: http::header::HeaderName| req.headers.get(name).map(|v| Lossy(v.as_bytes()));
     let route = ctx.route.as_ref();
     let hidden = |field: &str| identity_in(ctx, field);
-    let received = super::forwarded::received_host(req).filter(|_| !hidden("host"));
+    // A `Host` that is no authority (answered 400) may be anything a client sent, a
+    // credential of a head whose line breaks were lost among it: not written.
+    let received = super::forwarded::received_host(req)
+        .filter(|_| !hidden("host"))
+        .filter(|h| super::head::is_authority(h));
     let host = received.as_deref().map(Lossy);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",

@@ -102,8 +102,12 @@ pub fn target_authority(req: &RequestHeader) -> Option<&str> {
 
 /// Whether `v` is an authority as a `Host` carries it (RFC 3986, 3.2): a host, then
 /// optionally `:` and a port of digits. The host is an IP literal in brackets, or a name or
-/// IPv4 address of unreserved characters, percent-encodings and sub-delimiters with no empty
-/// label (`a..b`, `a..`: nginx refuses them too; one trailing dot is a fully qualified name).
+/// IPv4 address of letters, digits, `-`, `.` and `_` with no empty label (`a..b`, `a..`:
+/// nginx refuses them too; one trailing dot is a fully qualified name). RFC 3986 also lets a
+/// name hold `~`, percent-encodings and sub-delimiters, which no DNS name holds: such a host
+/// matches no route's `host`, and would reach the upstream as `Host` and `X-Forwarded-Host`
+/// as it came, where a backend taking the first of a list (`api.example,other`) serves it
+/// as the host whose limit it went around.
 /// Userinfo (`@`) is Pingora's to refuse before this. Empty is an authority (a target
 /// without one).
 pub fn is_authority(v: &[u8]) -> bool {
@@ -123,7 +127,7 @@ pub fn is_authority(v: &[u8]) -> bool {
             let at = v.iter().position(|&b| b == b':').unwrap_or(v.len());
             let name = &v[..at];
             let empty_label = name.first() == Some(&b'.') || name.windows(2).any(|w| w == b"..");
-            if !name.iter().all(|&b| name_char(b)) || empty_label {
+            if !name.iter().all(|&b| host_name_char(b)) || empty_label {
                 return false;
             }
             &v[at..]
@@ -154,8 +158,14 @@ fn ip_literal(literal: &[u8]) -> bool {
     !zone.is_empty() && address.parse::<std::net::Ipv6Addr>().is_ok()
 }
 
-/// A character of a host name or IPv4 address (RFC 3986, 3.2.2): unreserved, `%` of a
-/// percent-encoding, or a sub-delimiter.
+/// A character of a host name or IPv4 address as DNS names are written: a letter, a digit,
+/// `-`, `.`, or `_` (some internal names hold it).
+fn host_name_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_')
+}
+
+/// A character of an IP literal's inside (RFC 3986, 3.2.2): unreserved, `%` of a zone's
+/// percent-encoding, or a sub-delimiter (an `IPvFuture` may hold them).
 fn name_char(b: u8) -> bool {
     b.is_ascii_alphanumeric()
         || matches!(
@@ -192,6 +202,7 @@ mod tests {
             "[fe80::1%25eth0]",
             "[v1.fe80::a+en1]",
             "xn--bcher-kva.example",
+            "_service.internal-host.example",
             "",
         ] {
             assert!(is_authority(good.as_bytes()), "{good:?}");
@@ -226,6 +237,20 @@ mod tests {
             "api.example..",
             "a..b:80",
             "..",
+            // RFC 3986's other name characters, no DNS name's: a list, a parameter, an
+            // encoding.
+            "api.example.com,evil.example",
+            "api.example.com;x",
+            "api%2eexample.com",
+            "a~b",
+            "a!b",
+            "a$b",
+            "a&b",
+            "a'b",
+            "a(b)",
+            "a*b",
+            "a+b",
+            "a=b",
         ] {
             assert!(!is_authority(bad.as_bytes()), "{bad:?}");
         }
