@@ -16,6 +16,9 @@
 -- capacity 10^6 .. 10^15 micro-tokens, rate 0 .. 10^12 per second, cost 1 .. capacity.
 -- 2^53: below it doubles are exact integers, and every number the scripts write is.
 local EXACT = 9007199254740992
+-- A mode past this is a refund whose charge's time is `mode - REFUND_AT` (the gateway's
+-- `limiter::mode::REFUND_AT`).
+local REFUND_AT = 16
 local abs = math.abs
 
 local function tb_read(key, capacity, rate, now)
@@ -260,17 +263,29 @@ local function sliding_window(key, limit, window, cost, now)
   return 0, 0, retry, window_end, wait, nil
 end
 
--- Takes back `amount` requests (a refund) from the current window, else from the previous
--- one when the window turned meanwhile; never below zero. Answers as an admission.
-local function sw_adjust(key, limit, window, amount, now)
+-- Takes back `amount` requests (a refund) from the window they were charged in, when
+-- `charged` (the charge's Redis time, microseconds; 0: not known) says which: this window's
+-- count, or the previous one's when the window turned since (taken from this one, the refund
+-- would make room in a window other requests filled: more than `limit` in it), or nothing
+-- when it is older still. Not known: from the current window, else from the previous one.
+-- Never below zero. Answers as an admission.
+local function sw_adjust(key, limit, window, amount, now, charged)
   local index, elapsed, c, p = sw_read(key, window, now)
-  if c >= amount then
-    c = c - amount
-  else
-    p = max(0, p - (amount - c))
-    c = 0
+  local at = index
+  if charged > 0 then at = idiv(charged, window) end
+  if charged == 0 then
+    if c >= amount then
+      c = c - amount
+    else
+      p = max(0, p - (amount - c))
+      c = 0
+    end
+  elseif at >= index then
+    c = max(0, c - amount)
+  elseif at == index - 1 then
+    p = max(0, p - amount)
   end
-  sw_write(key, window, index, elapsed, c, p)
+  if at >= index - 1 then sw_write(key, window, index, elapsed, c, p) end
   local left = max(0, limit - c - sw_weight(p, window, elapsed))
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end
@@ -298,6 +313,12 @@ local touching = 0
 local function several(keys, k0, mode, limits, now)
   local n = #limits
   local out = {}
+  -- A refund whose charge's time is known (lua/limits_multi.lua).
+  local charged = 0
+  if mode >= REFUND_AT then
+    charged = mode - REFUND_AT
+    mode = 1
+  end
 
   local function arg(i, j) return limits[i][j] end
   local function key(i) return keys[k0 + i] end
@@ -350,7 +371,7 @@ local function several(keys, k0, mode, limits, now)
         if mode == 2 then amount = -cost end
         allowed, left, retry, reset, wait = tb_adjust(key(i), a, b, amount, now)
       elseif mode == 1 then
-        allowed, left, retry, reset, wait = sw_adjust(key(i), a, b, cost, now)
+        allowed, left, retry, reset, wait = sw_adjust(key(i), a, b, cost, now, charged)
       else
         local index, elapsed, c, p = sw_read(key(i), b, now)
         allowed, left, retry, reset, wait = 1, max(0, a - c), 0, ceil_div(b - elapsed, MICRO), 0

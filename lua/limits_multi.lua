@@ -1,7 +1,9 @@
 -- Several limits of one request, decided together: one key per limit.
 --
 -- KEYS[i]  limit i's bucket (a token bucket or a sliding window hash, lua/limits.lua)
--- ARGV[1]  mode: 0 decide, 1 refund, 2 charge, 3 peek
+-- ARGV[1]  mode: 0 decide, 1 refund, 2 charge, 3 peek; 16 + T: a refund of a charge Redis
+--          made at time T (microseconds), which a sliding window takes from the window it
+--          was made in
 -- ARGV[2 + 4(i-1) ..]  limit i: kind (1 token bucket, 2 sliding window), then as the
 --          single-limit scripts take them: capacity, refill, cost (micro-tokens) or limit,
 --          window, cost (requests)

@@ -161,17 +161,32 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     let live = Arc::new(ArcSwap::from_pointee(snapshot));
     {
         // A charge answered too late and given back: a denial of its keys read in between
-        // is not repeated by the over-limit cache.
-        let live = Arc::clone(&live);
+        // is not repeated by the over-limit cache, here or on the other gateways, which are
+        // told as of a reset (without waiting for them): the denial one of them read while
+        // the charge stood would otherwise be repeated for the bucket's whole wait.
+        // (The store lives as long as the process: the hook's hold on it is no leak.)
+        let (live, teller) = (Arc::clone(&live), store.clone());
         store.on_give_back(Box::new(move |keys| {
+            use crate::limiter::endpoint::{endpoint_of_key, identity_hash_of_key};
             let snapshot = live.load();
+            let mut told: Vec<(&str, &str)> = Vec::new();
             for key in keys {
-                let endpoint = crate::limiter::endpoint::endpoint_of_key(key)
+                let id = endpoint_of_key(key);
+                let endpoint = id
                     .and_then(crate::config::EndpointId::parse)
                     .and_then(|id| snapshot.endpoints.get(&id));
                 if let Some(endpoint) = endpoint {
                     endpoint.forget_denial(key);
                 }
+                if let (Some(id), Some(hash)) = (id, identity_hash_of_key(key)) {
+                    if !told.contains(&(id, hash)) {
+                        told.push((id, hash));
+                    }
+                }
+            }
+            let channel = crate::limiter::inspect::reset_channel(&snapshot.config.redis.key_prefix);
+            for (id, hash) in told {
+                teller.tell(channel.clone(), &format!("{id} {hash}"));
             }
         }));
     }

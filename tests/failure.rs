@@ -608,6 +608,138 @@ async fn admission_answered_too_late(batch_max: Option<u32>) {
     assert_eq!(limits["limits"][0]["remaining"], 1, "{limits}");
 }
 
+/// A sliding window's charge given back after its window turned is taken from the window it
+/// was charged in (the previous one's count), not from the window that now holds other
+/// requests' admissions. Here a gateway whose answers come late (refused by its fail mode,
+/// given back) charges five of ten at the end of one window; another gateway, on the same
+/// Redis, admits in the next. Taken from the new window's count, the five refunds made room
+/// there while the old window's weight stood: the second gateway admitted fourteen within
+/// one fixed window of a limit of ten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_after_its_window_turned_is_taken_from_the_window_it_was_charged_in() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let window_us: u64 = 2_000_000;
+    let on = |url: &str| {
+        GatewayConfig::new(url)
+            .breaker(100, 30)
+            .redis("timeout_ms", "100")
+            .upstream("app", &[up.addr()])
+            .route(
+                Route::new("t.window")
+                    .prefix("/window")
+                    .identity_header("X-API-Key")
+                    .fail_closed()
+                    .sliding_window(10, window_us),
+            )
+            .start()
+    };
+    let (late, direct) = (on(&proxy.url()), on(&redis.url()));
+    let http = client();
+    // Both connected (their first decisions on another caller).
+    assert_eq!(send(&http, &late.url("/window"), "warm").await.status, 200);
+    assert_eq!(
+        send(&http, &direct.url("/window"), "warm").await.status,
+        200
+    );
+    let redis_us = || {
+        let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();
+        s * 1_000_000 + us
+    };
+    // 350 ms before a window ends.
+    let into = redis_us() % window_us;
+    let wait = (window_us - 350_000 + window_us - into) % window_us;
+    tokio::time::sleep(Duration::from_micros(wait)).await;
+    let window = redis_us() / window_us + 1;
+    proxy.set(Mode::Delay(Duration::from_millis(600)));
+    let url = late.url("/window");
+    let charged = (0..5).map(|_| send(&http, &url, "k"));
+    for a in futures_util::future::join_all(charged).await {
+        assert_unavailable(&a);
+    }
+    let admitted_in_window =
+        |answers: &[Answer]| answers.iter().filter(|a| a.status == 200).count();
+    let mut admitted = 0;
+    // Early in the next window, the old one's five weigh: five more are admitted.
+    while redis_us() / window_us < window {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut early = Vec::new();
+    for _ in 0..7 {
+        early.push(send(&http, &direct.url("/window"), "k").await);
+    }
+    admitted += admitted_in_window(&early);
+    // The five refunds come (each answer 600 ms late), then, late in the window, its
+    // weight has nearly decayed.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    assert!(redis_us() / window_us == window, "still the same window");
+    let mut late_in_window = Vec::new();
+    for _ in 0..12 {
+        late_in_window.push(send(&http, &direct.url("/window"), "k").await);
+    }
+    assert_eq!(redis_us() / window_us, window, "still the same window");
+    admitted += admitted_in_window(&late_in_window);
+    assert_eq!(admitted, 10, "one fixed window, a limit of ten");
+    proxy.set(Mode::Pass);
+}
+
+/// A charge given back on one gateway (its answer came late, its request was refused) is
+/// told to the others: a denial one of them read while the charge stood, and remembered for
+/// the bucket's whole wait, is forgotten, and the caller is decided by Redis again. (The
+/// other gateway went on refusing for the wait, here 1000 s, with the bucket full again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_given_back_on_one_gateway_is_forgotten_by_the_others() {
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let up = Upstream::start("app");
+    let on = |url: &str| {
+        GatewayConfig::new(url)
+            .breaker(100, 30)
+            .redis("timeout_ms", "100")
+            .upstream("app", &[up.addr()])
+            .route(
+                // Three, then one more every 1000 s: a denial is remembered for its wait.
+                Route::new("t.closed")
+                    .prefix("/closed")
+                    .identity_header("X-API-Key")
+                    .token_bucket(3_000_000, 1_000)
+                    .fail_closed(),
+            )
+            .start()
+    };
+    let (late, direct) = (on(&proxy.url()), on(&redis.url()));
+    let http = client();
+    assert_eq!(send(&http, &late.url("/closed"), "warm").await.status, 200);
+    assert_eq!(
+        send(&http, &direct.url("/closed"), "warm").await.status,
+        200
+    );
+    proxy.set(Mode::Delay(Duration::from_millis(800)));
+    let url = late.url("/closed");
+    let charged = (0..3).map(|_| send(&http, &url, "k"));
+    for a in futures_util::future::join_all(charged).await {
+        assert_unavailable(&a);
+    }
+    // The bucket holds the three charges: denied, and remembered.
+    let denied = send(&http, &direct.url("/closed"), "k").await;
+    assert_eq!(denied.status, 429);
+    let listening = || {
+        redis::cmd("PUBSUB")
+            .arg(&["NUMSUB", "sentinel:v1:resets"])
+            .query::<(String, u32)>(&mut redis.conn())
+            .unwrap()
+            .1
+            >= 1
+    };
+    wait_until(Duration::from_millis(500), "the resets channel", listening);
+    // The late answers come, and the charges are given back.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    proxy.set(Mode::Pass);
+    let statuses = futures_statuses_gw(&http, &direct, "/closed", "k", 4).await;
+    assert_eq!(statuses, [200, 200, 200, 429], "{}", direct.logs());
+}
+
 /// The breaker's probe, when the quarantine ends with the node not connected, has the
 /// connector try at once and waits for that attempt: a Redis back during the connector's
 /// backoff (steps of up to 2 s) closes the breaker at the end of the quarantine, not one

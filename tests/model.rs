@@ -580,6 +580,62 @@ fn sliding_window_past_2_pow_53_equals_the_model() {
         .unwrap();
 }
 
+/// A sliding window's refund whose charge's Redis time is known (mode `REFUND_AT` + the
+/// time) takes the request back from the window it was charged in: this window's count, the
+/// previous one's, or nothing for an older one; never below zero.
+#[test]
+fn a_refund_takes_from_the_window_its_charge_was_made_in() {
+    let redis = common::Redis::start();
+    let mut conn = redis.conn();
+    let window: u64 = 86_400_000_000;
+    let key = "model:sw:refund";
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    let now = secs * 1_000_000 + micros;
+    let index = now / window;
+    let counts = |conn: &mut redis::Connection| -> (u64, u64) {
+        redis::cmd("HMGET")
+            .arg(key)
+            .arg(&["c", "p"])
+            .query(conn)
+            .unwrap()
+    };
+    let refund = sentinel_gateway::limiter::mode::refund;
+    for (charged_at, after) in [
+        (now, (4, 5)),
+        (now - window, (5, 4)),
+        (now - 2 * window, (5, 5)),
+        (0, (4, 5)),
+    ] {
+        let _: () = redis::cmd("HSET")
+            .arg(key)
+            .arg(&[("w", index), ("c", 5), ("p", 5)])
+            .query(&mut conn)
+            .unwrap();
+        let _: String = redis::cmd("EVAL")
+            .arg(LIMITS_LUA)
+            .arg(1)
+            .arg(key)
+            .arg(&[refund(charged_at), 2, 10, window, 1, 0][..])
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(counts(&mut conn), after, "charged at {charged_at}");
+    }
+    // Never below zero.
+    let _: () = redis::cmd("HSET")
+        .arg(key)
+        .arg(&[("w", index), ("c", 0), ("p", 0)])
+        .query(&mut conn)
+        .unwrap();
+    let _: String = redis::cmd("EVAL")
+        .arg(LIMITS_LUA)
+        .arg(1)
+        .arg(key)
+        .arg(&[refund(now - window), 2, 10, window, 3, 0][..])
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(counts(&mut conn), (0, 0));
+}
+
 /// One decision of a batch in the batch test: which of the two token buckets, the sliding
 /// window, or both buckets together as a several-limits decision, and its cost in requests.
 #[derive(Debug, Clone, Copy)]

@@ -219,6 +219,14 @@ pub fn endpoint_of_key(key: &str) -> Option<&str> {
     rest.split(':').next().filter(|id| !id.is_empty())
 }
 
+/// The identity hash a bucket key names (`{key_prefix}:v1:{hash}:...`, the hash in braces
+/// for `[[routes.limits]]`).
+pub fn identity_hash_of_key(key: &str) -> Option<&str> {
+    let (_, rest) = key.split_once(":v1:")?;
+    let rest = rest.strip_prefix('{').unwrap_or(rest);
+    rest.get(..64)
+}
+
 /// The keys of every limit of a several-limits endpoint for `identity` (an identity
 /// string, not its hash), as [`Endpoint::limit_keys`] builds them on the request path.
 pub fn limit_keys(

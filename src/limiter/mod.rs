@@ -22,10 +22,24 @@ use in_flight::Ticket;
 /// The several-limits script's modes (`lua/limits_multi.lua`).
 pub mod mode {
     pub const DECIDE: u64 = 0;
+    /// Gives a charge back, its time not known: a sliding window takes it from its current
+    /// window, else from the previous one.
     pub const REFUND: u64 = 1;
     pub const CHARGE: u64 = 2;
     /// Decides without writing anything, whatever the outcome.
     pub const PEEK: u64 = 3;
+    /// Above this, a refund of a charge made at Redis time `mode - REFUND_AT` (microseconds,
+    /// the charging answer's `now`): a sliding window takes it from the window it was charged
+    /// in (lua/limits_multi.lua).
+    pub const REFUND_AT: u64 = 16;
+
+    /// The mode of a refund of a charge Redis made at `charged_at_us` (0: not known).
+    pub fn refund(charged_at_us: u64) -> u64 {
+        match charged_at_us {
+            0 => REFUND,
+            at => REFUND_AT + at,
+        }
+    }
 }
 
 /// What becomes of `policy`'s admission whose answer came too late: a request the fail mode
@@ -369,6 +383,9 @@ async fn two_calls(
     if !admitted {
         ticket.settled();
     }
+    // When Redis charged the caller's limits (one call, one time): a refund takes the charge
+    // from the window it was made in.
+    let charged_at = first_replies.first().map_or(0, |r| r.now_us);
     for (i, r) in own.iter().zip(first_replies) {
         replies[*i] = Some(r);
     }
@@ -427,7 +444,7 @@ async fn two_calls(
         let giving_back = ticket.giving_back();
         let store = store.clone();
         let keys: Vec<String> = pick(own).into_iter().map(str::to_owned).collect();
-        let args = args_of(own, mode::REFUND);
+        let args = args_of(own, mode::refund(charged_at));
         let left = store.budget().saturating_sub(started.elapsed());
         let task = tokio::spawn(async move {
             // The caller's concurrent denials wait for this to be over.

@@ -121,11 +121,17 @@ impl Queue {
         rx
     }
 
-    /// The refund of a decision's charge (its keys and arguments in the queue): its keys,
-    /// and the several-limits script's arguments that give each limit its cost back; `None`
-    /// when the decision charged nothing whatever its answer (a peek, a refund, a charge).
-    fn refund_of(&self, keys: Range<usize>, args: Range<usize>) -> Option<(Vec<String>, Vec<u64>)> {
-        let args = refund_args(&self.args[args])?;
+    /// The refund of a decision's charge (its keys and arguments in the queue), made by
+    /// Redis at `charged_at_us`: its keys, and the several-limits script's arguments that
+    /// give each limit its cost back; `None` when the decision charged nothing whatever its
+    /// answer (a peek, a refund, a charge).
+    fn refund_of(
+        &self,
+        keys: Range<usize>,
+        args: Range<usize>,
+        charged_at_us: u64,
+    ) -> Option<(Vec<String>, Vec<u64>)> {
+        let args = refund_args(&self.args[args], charged_at_us)?;
         let keys = keys
             .map(|k| String::from_utf8_lossy(self.key(k)).into_owned())
             .collect();
@@ -806,10 +812,13 @@ impl Store {
             if let Err(Answer::Reply(bytes, range)) = tx.send(answer) {
                 // Nobody waits for it: the decision gave up (its request was refused by its
                 // fail mode) or its request is gone. What it was charged is given back.
-                let admitted = ScriptReply::parse_many(&bytes[range], keys.len())
-                    .is_some_and(|replies| replies.iter().all(|r| r.allowed));
+                let replies = ScriptReply::parse_many(&bytes[range], keys.len());
+                let admitted = (replies.as_ref()).is_some_and(|r| r.iter().all(|r| r.allowed));
+                let charged_at = (replies.as_ref())
+                    .and_then(|r| r.first())
+                    .map_or(0, |r| r.now_us);
                 if give_back && admitted {
-                    if let Some((keys, args)) = queue.refund_of(keys, args) {
+                    if let Some((keys, args)) = queue.refund_of(keys, args, charged_at) {
                         self.give_back(keys, args);
                     }
                 }
@@ -840,13 +849,14 @@ impl Store {
 
 /// The several-limits script's arguments that give a decision's charge back, from the
 /// decision's arguments as a batch holds them (its kind's code, then, for several limits, its
-/// key count and mode, then its arguments); `None` when it charged nothing whatever its
-/// answer (a peek, a refund, a charge).
-pub(super) fn refund_args(args: &[u64]) -> Option<Vec<u64>> {
+/// key count and mode, then its arguments) and the time Redis charged it (its answer's
+/// `now`); `None` when it charged nothing whatever its answer (a peek, a refund, a charge).
+pub(super) fn refund_args(args: &[u64], charged_at_us: u64) -> Option<Vec<u64>> {
+    let refund = crate::limiter::mode::refund(charged_at_us);
     match args {
-        limit @ [1 | 2, ..] => Some([&[crate::limiter::mode::REFUND][..], limit].concat()),
+        limit @ [1 | 2, ..] => Some([&[refund][..], limit].concat()),
         [3, _, mode, limits @ ..] if *mode == crate::limiter::mode::DECIDE => {
-            Some([&[crate::limiter::mode::REFUND][..], limits].concat())
+            Some([&[refund][..], limits].concat())
         }
         _ => None,
     }

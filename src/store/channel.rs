@@ -59,6 +59,9 @@ pub enum Heard<'a> {
 /// Told what the listener hears ([`Heard`]).
 pub type Listener = Box<dyn Fn(Heard<'_>) + Send + Sync>;
 
+/// What stands for the reply channel of a message that asks for no answer ([`Store::tell`]).
+const NO_REPLY: &str = "-";
+
 /// How long an announcement waits for its listeners to say they acted on it.
 const HEARD_WITHIN: Duration = Duration::from_millis(250);
 
@@ -88,6 +91,9 @@ impl Store {
                 return;
             };
             listener(Heard::Message(body));
+            if reply_to == NO_REPLY {
+                return;
+            }
             let (store, reply_to) = (store.clone(), reply_to.to_owned());
             tokio::spawn(async move {
                 let _ = store.publish(&reply_to, "").await;
@@ -166,6 +172,18 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Publishes `message` on `channel` to every gateway listening, off the caller's path,
+    /// asking for no answer: best effort, a failure said at DEBUG (what [`Store::announce`]
+    /// does for a reset, without waiting for the listeners).
+    pub fn tell(&self, channel: String, message: &str) {
+        let (store, message) = (self.clone(), format!("{NO_REPLY} {message}"));
+        drop(self.runtime.spawn(async move {
+            if let Err(error) = store.publish(&channel, &message).await {
+                tracing::debug!(channel, error = %error, "could not tell the other gateways");
+            }
+        }));
     }
 
     /// How many listeners `channel` has on all a cluster's primaries together (0 with one

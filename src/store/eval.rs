@@ -714,12 +714,14 @@ impl Drop for ReadLate {
             else {
                 return;
             };
-            let admitted = reply.bytes().and_then(|b| {
-                crate::decision::ScriptReply::parse_many(b, late.keys.len())
-                    .map(|replies| replies.iter().all(|r| r.allowed))
-            });
-            if let (Some(true), Some(refund)) = (admitted, super::batch::refund_args(&late.queued))
-            {
+            let replies = reply
+                .bytes()
+                .and_then(|b| crate::decision::ScriptReply::parse_many(b, late.keys.len()));
+            let Some(replies) = replies.filter(|r| r.iter().all(|r| r.allowed)) else {
+                return;
+            };
+            let charged_at = replies.first().map_or(0, |r| r.now_us);
+            if let Some(refund) = super::batch::refund_args(&late.queued, charged_at) {
                 late.store.give_back(late.keys, refund);
             }
         }));
