@@ -467,6 +467,34 @@ async fn answers_before_the_limiter_never_reach_redis() {
     assert_eq!(decisions, 0.0, "a 401 produces no decision");
 }
 
+/// A raw space in an HTTP/1 target is taken as `%20` wherever it stands in the request line,
+/// with h2c on as off. With h2c on, the look for the HTTP/2 preface reads at most its 24
+/// bytes first, and a line cut there with its space in it was refused 400.
+#[test]
+fn a_raw_space_in_the_target_is_read_as_an_escape_wherever_it_stands() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    for h2c in ["true", "false"] {
+        let gw = GatewayConfig::new(&redis.url())
+            .server("h2c", h2c)
+            .upstream("app", &[up.addr()])
+            .route(Route::new("t.space").prefix("/rl").unlimited())
+            .start();
+        for n in 1..=30 {
+            let request = format!(
+                "GET /rl/{} b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                "a".repeat(n)
+            );
+            assert_eq!(
+                common::raw_request(gw.port, request.as_bytes()),
+                Some(200),
+                "h2c = {h2c}, the space after {} bytes",
+                8 + n
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwards_the_normalized_request_and_round_robins() {
     let redis = Redis::start();

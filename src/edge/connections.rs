@@ -899,6 +899,21 @@ impl AsyncRead for Guarded {
             let n = this.peeked.len().min(buf.remaining());
             buf.put_slice(&this.peeked[..n]);
             this.peeked.drain(..n);
+            // With what came behind them, when it is there already: the look for the
+            // preface stopped after at most its 24 bytes, which may end inside the request
+            // line, and Pingora refuses a line it cannot read yet (a raw space, which it
+            // escapes in a whole line, made such a partial one a 400).
+            if this.peeked.is_empty() && buf.remaining() > 0 {
+                let mut more = buf.take(HEAD_WIRE_LIMIT.saturating_sub(n));
+                let start = more.filled().as_ptr();
+                if let Poll::Ready(Ok(())) = Pin::new(&mut this.inner).poll_read(cx, &mut more) {
+                    assert_eq!(start, more.filled().as_ptr(), "the read swapped its buffer");
+                    let read = more.filled().len();
+                    // SAFETY: the `read` bytes after `filled` were written by the read above.
+                    unsafe { buf.assume_init(read) };
+                    buf.advance(read);
+                }
+            }
             Poll::Ready(Ok(()))
         };
         if !matches!(read, Poll::Ready(Ok(()))) || buf.filled().len() == before {
