@@ -327,10 +327,6 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         connections: Arc::clone(&connections),
     };
     let control = store.runtime().clone();
-    // The starting admin stops accepting first: the connections that come meanwhile wait in
-    // the socket's backlog for the admin proper, rather than two accept loops sharing it.
-    drop(starting);
-    control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
     control.spawn(Arc::clone(&connections).sweep());
     control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
@@ -375,6 +371,11 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
             }
         }
     }
+    // The start is over but for the listeners: the admin proper takes over. The starting
+    // admin stops accepting first: the connections that come meanwhile wait in the socket's
+    // backlog for the admin proper, rather than two accept loops sharing it.
+    drop(starting);
+    control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
     control.spawn(crate::remote_jwks::keep_fresh(
         jwks,
         move || watched.load().jwks_target(),

@@ -294,6 +294,59 @@ async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
     assert!(logs.contains("client_secret=***"), "{logs}");
 }
 
+/// While the start waits for the JWKS (a provider that takes connections and never
+/// answers: up to 5 s), the admin answers as a starting gateway's: `/readyz` 503 starting,
+/// `/healthz` 200, and every other path 503 `{"detail":"starting"}`. (The admin proper
+/// served `/metrics` and `/limits` then, and took a reload before the gateway was ready.)
+#[test]
+fn while_the_start_waits_for_the_jwks_the_admin_answers_as_starting() {
+    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://127.0.0.1:{}/.well-known/jwks.json",
+        hanging.local_addr().unwrap().port()
+    );
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let [port, admin] = common::free_ports();
+    let config = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\n",
+            quoted(&url)
+        ))
+        .upstream("app", &[up.addr()])
+        .route(
+            Route::new("j.api")
+                .prefix("/api")
+                .identity("jwt")
+                .unlimited(),
+        )
+        .render(port, admin);
+    let starting = std::thread::spawn(move || common::Gateway::start_with(port, admin, &config));
+    let at = |path: &str| common::blocking_get(&format!("http://127.0.0.1:{admin}{path}"));
+    let mut seen = Vec::new();
+    while !starting.is_finished() {
+        if let Some((503, body)) = at("/readyz") {
+            assert!(body.contains(r#""starting":true"#), "{body}");
+            for path in ["/metrics", "/limits/j.api?identity=global", "/reload"] {
+                if let Some(answer) = at(path) {
+                    seen.push((path, answer));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let gw = starting.join().unwrap();
+    assert!(seen.len() >= 3, "{seen:?}");
+    for (path, (status, body)) in &seen {
+        assert_eq!(
+            (*status, body.as_str()),
+            (503, r#"{"detail":"starting"}"#),
+            "{path}"
+        );
+    }
+    assert_eq!(gw.metric("sentinel_config_generation"), 1.0);
+    drop(hanging);
+}
+
 /// A reload that moves `jwks_url` while a fetch from the old URL hangs lets that fetch go:
 /// the new provider is asked at once, and its tokens verify within moments, not after the
 /// hanging fetch's 5 s.
