@@ -130,7 +130,7 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
     let raw: RawKeyFile = match toml::from_str(source) {
         Ok(raw) => raw,
         Err(e) => {
-            c.push(e.span().as_ref(), None, e.message().trim().to_owned());
+            c.push(e.span().as_ref(), None, unshown(e.message().trim()));
             return Err(c.errors);
         }
     };
@@ -168,6 +168,32 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
     Ok(ApiKeyTable {
         keys: keys.into_iter().map(|(d, (_, o))| (d, o)).collect(),
     })
+}
+
+/// The file's own names, which a message may show.
+const FIELDS: [&str; 4] = ["keys", "sha256", "tenant", "tier"];
+
+/// A TOML error's message with what the file holds left out: a name or string it quotes
+/// (`unknown field \`...\``, `duplicate key`, `invalid type: string "..."`) may be a key
+/// written where its hash belongs, or as a table's name. The file's own field names stay.
+fn unshown(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find(['`', '"']) {
+        let quote = rest[at..].chars().next().unwrap_or('`');
+        let Some(len) = rest[at + 1..].find(quote) else {
+            break;
+        };
+        let quoted = &rest[at + 1..at + 1 + len];
+        out.push_str(&rest[..at]);
+        match FIELDS.contains(&quoted) {
+            true => out.push_str(&rest[at..at + len + 2]),
+            false => out.push_str("(not shown: it may be a key)"),
+        }
+        rest = &rest[at + len + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn hex_digest(text: &str) -> Option<[u8; 32]> {
@@ -271,13 +297,25 @@ mod tests {
             errors[0].to_string(),
             "keys.toml:5:10: keys[1]: this sha256 is listed already, as keys[0]: a key has one tenant"
         );
+        // A name or string the file holds may be a key: never shown, the file's own
+        // names are.
         let unknown = parse(Path::new("keys.toml"), "[[keys]]\nkey = \"plain\"\n").unwrap_err();
-        assert!(
-            unknown[0]
-                .to_string()
-                .starts_with("keys.toml:2:1: unknown field `key`"),
-            "{}",
-            unknown[0]
+        assert_eq!(
+            unknown[0].to_string(),
+            "keys.toml:2:1: unknown field (not shown: it may be a key), expected one of `sha256`, `tenant`, `tier`"
         );
+        for (source, secret) in [
+            ("live_9f8e7d6c5b4a = \"acme\"\n", "live_9f8e7d6c5b4a"),
+            ("keys = \"live_9f8e7d6c5b4a\"\n", "live_9f8e7d6c5b4a"),
+            (
+                "[[keys]]\nsha256 = \"x\"\ntenant = \"a\"\nacme-secret-key-AAAA = 1\n",
+                "acme-secret-key-AAAA",
+            ),
+        ] {
+            let errors = parse(Path::new("keys.toml"), source).unwrap_err();
+            let text = errors[0].to_string();
+            assert!(!text.contains(secret), "{text}");
+            assert!(text.contains("(not shown: it may be a key)"), "{text}");
+        }
     }
 }
