@@ -272,6 +272,11 @@ struct Conn {
     cut: std::sync::atomic::AtomicBool,
     /// Its key among the HTTP/2 connections (`Connections::h2`), 0 when it has none.
     h2_key: AtomicUsize,
+    /// HTTP/2, once multiplexed: when a header block it is sending began (a `HEADERS` frame
+    /// whose block has not ended, its `CONTINUATION`s to come), on the `since_ms` clock; 0
+    /// when none is on its way. The connection can carry nothing else meanwhile, and the
+    /// block has a request head's deadline, as its first one had.
+    block_since_ms: AtomicU64,
 }
 
 impl Connections {
@@ -422,6 +427,12 @@ impl Connections {
                             Some((Arc::clone(c), HEAD_TIMED_OUT))
                         }
                         IDLE if idle > 0 && since >= idle => Some((Arc::clone(c), IDLE_TIMED_OUT)),
+                        // A header block on its way past the head's deadline.
+                        MULTIPLEXED
+                            if matches!(c.block_since_ms.load(Ordering::Relaxed), b if b != 0 && now.saturating_sub(b) >= head) =>
+                        {
+                            Some((Arc::clone(c), HEAD_TIMED_OUT))
+                        }
                         // With no keep-alive (0), as soon as its streams are done.
                         MULTIPLEXED if quiet() && ended() >= idle => {
                             Some((Arc::clone(c), IDLE_TIMED_OUT))
@@ -446,7 +457,9 @@ impl Connections {
                     _ => {}
                 }
                 self.close(&conn, why);
-                if conn.state.load(Ordering::Relaxed) == MULTIPLEXED {
+                // (One stuck in a header block is cut at its next read: it could not read
+                // a GOAWAY's streams to their end anyway.)
+                if conn.state.load(Ordering::Relaxed) == MULTIPLEXED && why != HEAD_TIMED_OUT {
                     self.goaway(&conn);
                 }
             }
@@ -508,6 +521,7 @@ impl Connections {
             goaway_ms: AtomicU64::new(0),
             cut: std::sync::atomic::AtomicBool::new(false),
             h2_key: AtomicUsize::new(0),
+            block_since_ms: AtomicU64::new(0),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
@@ -825,6 +839,19 @@ impl AsyncRead for Guarded {
             if this.reg.conn.cut.load(Ordering::Relaxed) {
                 return Poll::Ready(Ok(()));
             }
+            // A header block not complete within the head's deadline: the read fails, and
+            // the block is told as a 408 without an answer, as a first one's.
+            if this.reg.conn.close.load(Ordering::Relaxed) == HEAD_TIMED_OUT {
+                let since = this.reg.conn.block_since_ms.swap(0, Ordering::Relaxed);
+                if since != 0 {
+                    let took = this.reg.connections.now_ms().saturating_sub(since);
+                    let request_id = crate::proxy::forwarded::new_request_id();
+                    let took = Duration::from_millis(took);
+                    let head = BadHead::of(408, &request_id, "HTTP/2", took, 0);
+                    tell_bad_head(&this.reg.connections, &this.inner, head);
+                }
+                return Poll::Ready(Err(Self::header_timed_out()));
+            }
             // Its last read tells which HTTP/2 connection is quietest (`admit`).
             let before = buf.filled().len();
             let read = Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -834,6 +861,11 @@ impl AsyncRead for Guarded {
             if buf.filled().len() > before {
                 let now = this.reg.connections.now_ms();
                 this.reg.conn.since_ms.store(now, Ordering::Relaxed);
+                let was_open = this.h2_head.open;
+                if this.h2_head.follow(&buf.filled()[before..]) != was_open {
+                    let since = if this.h2_head.open { now.max(1) } else { 0 };
+                    this.reg.conn.block_since_ms.store(since, Ordering::Relaxed);
+                }
             }
             return read;
         }
@@ -932,7 +964,12 @@ impl AsyncRead for Guarded {
             }
             // The first request's header block is complete: from here on the HTTP/2 layer
             // and its streams are the proxy's.
-            H2_HEAD if this.h2_head.ended_by(&buf.filled()[before..]) => {
+            H2_HEAD
+                if {
+                    this.h2_head.follow(&buf.filled()[before..]);
+                    this.h2_head.completed
+                } =>
+            {
                 let now = this.reg.connections.now_ms();
                 conn.since_ms.store(now, Ordering::Relaxed);
                 conn.stream_end_ms.store(now, Ordering::Relaxed);
@@ -944,12 +981,13 @@ impl AsyncRead for Guarded {
     }
 }
 
-/// Follows an HTTP/2 connection's first bytes, frame by frame, until a header block ends
-/// (a `HEADERS` or `CONTINUATION` frame with `END_HEADERS`): until then no request has
-/// reached the HTTP/2 layer whole, and the connection has a request head's deadline and can
-/// be closed to make room like one waiting for an HTTP/1 request. Without it, a TLS client
-/// that chose `h2` and sent nothing, or one trickling a header block, kept its connection
-/// until the keep-alive timeout or for good.
+/// Follows an HTTP/2 connection's bytes, frame by frame: until its first header block ends
+/// (a `HEADERS` or `CONTINUATION` frame with `END_HEADERS`, its payload all in) no request
+/// has reached the HTTP/2 layer whole, and the connection has a request head's deadline and
+/// can be closed to make room like one waiting for an HTTP/1 request; after it, each header
+/// block on its way has that deadline too ([`Conn::block_since_ms`]). Without it, a TLS
+/// client that chose `h2` and sent nothing, or one trickling a header block, kept its
+/// connection until the keep-alive timeout or for good.
 #[derive(Debug, Default)]
 struct H2Head {
     /// Bytes to pass over before the next frame header (the preface, a frame's payload).
@@ -963,6 +1001,10 @@ struct H2Head {
     /// A `HEADERS` frame has begun: a request is on its way (cut at the deadline, it is
     /// logged and counted as a 408, as an HTTP/1 head begun).
     begun: bool,
+    /// A header block is on its way (begun, not complete).
+    open: bool,
+    /// A header block has been complete: the first request is the HTTP/2 layer's.
+    completed: bool,
 }
 
 impl H2Head {
@@ -978,30 +1020,33 @@ impl H2Head {
         }
     }
 
-    /// Follows `bytes`, the next ones read; whether a header block ended in them.
-    fn ended_by(&mut self, mut bytes: &[u8]) -> bool {
+    /// Follows `bytes`, the next ones read; whether a header block is on its way after them.
+    fn follow(&mut self, mut bytes: &[u8]) -> bool {
         loop {
             let passed = self.skip.min(bytes.len());
             self.skip -= passed;
             bytes = &bytes[passed..];
             if self.skip > 0 {
-                return false;
+                return self.open;
             }
-            if self.ends {
-                return true;
+            if std::mem::take(&mut self.ends) {
+                self.open = false;
+                self.completed = true;
             }
             let n = (self.frame.len() - self.have).min(bytes.len());
             self.frame[self.have..self.have + n].copy_from_slice(&bytes[..n]);
             self.have += n;
             bytes = &bytes[n..];
             if self.have < self.frame.len() {
-                return false;
+                return self.open;
             }
             self.have = 0;
             let [l0, l1, l2, kind, flags, ..] = self.frame;
             self.begun |= kind == Self::HEADERS;
-            self.ends = matches!(kind, Self::HEADERS | Self::CONTINUATION)
-                && flags & Self::END_HEADERS != 0;
+            if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
+                self.open = true;
+                self.ends = flags & Self::END_HEADERS != 0;
+            }
             self.skip = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
         }
     }
