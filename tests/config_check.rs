@@ -478,6 +478,13 @@ fn an_open_admin_listener_is_warned_of_and_an_empty_redis_url_is_unset() {
         out.contains("is reachable from other hosts and no admin_token_env is set"),
         "{out}"
     );
+    // An IPv4-mapped loopback address is loopback.
+    let mapped = format!(
+        "admin_listen = \"[::ffff:127.0.0.1]:{}\"\n{routes}",
+        common::free_port()
+    );
+    let (ok, out) = common::check_body(dir.path(), &mapped, &[]);
+    assert!(ok && !out.contains("reachable from other hosts"), "{out}");
     let (ok, out) = common::check_body(dir.path(), routes, &[("SENTINEL_REDIS_URL", Some(""))]);
     assert!(ok, "{out}");
     assert!(

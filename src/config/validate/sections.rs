@@ -185,7 +185,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     // Reachable from elsewhere and open to anyone: `/reload`, `DELETE /limits` and
     // `/metrics` for whoever reaches the address.
     if let (Some(admin), Some(None)) = (admin_listen, &admin_token) {
-        if !admin.ip().is_loopback() {
+        if !crate::identity::canonical(admin.ip()).is_loopback() {
             c.warn(admin_span.as_ref(), None, format!("server.admin_listen = \"{admin}\" is reachable from other hosts and no admin_token_env is set: anyone who reaches it can reload the config, reset limits and read the metrics; set admin_token_env, or listen on a loopback address"));
         }
     }
