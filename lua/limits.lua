@@ -267,7 +267,8 @@ end
 -- `charged` (the charge's Redis time, microseconds; 0: not known) says which: this window's
 -- count, or the previous one's when the window turned since (taken from this one, the refund
 -- would make room in a window other requests filled: more than `limit` in it), or nothing
--- when it is older still. Not known: from the current window, else from the previous one.
+-- when it is older still (or later than now). Not known: from the current window, else from
+-- the previous one.
 -- Never below zero. Answers as an admission.
 local function sw_adjust(key, limit, window, amount, now, charged)
   local index, elapsed, c, p = sw_read(key, window, now)
@@ -280,12 +281,14 @@ local function sw_adjust(key, limit, window, amount, now, charged)
       p = max(0, p - (amount - c))
       c = 0
     end
-  elseif at >= index then
+  elseif at == index then
     c = max(0, c - amount)
   elseif at == index - 1 then
     p = max(0, p - amount)
   end
-  if at >= index - 1 then sw_write(key, window, index, elapsed, c, p) end
+  -- A charge made later than Redis's now (its clock stepped back, or another node's after a
+  -- failover) is in a window this one cannot see: nothing is written, which would erase it.
+  if at == index or at == index - 1 then sw_write(key, window, index, elapsed, c, p) end
   local left = max(0, limit - c - sw_weight(p, window, elapsed))
   return 1, left, 0, ceil_div(window - elapsed, MICRO), 0
 end

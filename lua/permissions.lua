@@ -1,6 +1,7 @@
 -- Which of the commands the limiter scripts run on a bucket the connection's user may not
--- run (Redis 7's ACL, as the scripts would meet it), asked once a connection and at each of
--- its checks, so that decisions are not sent to fail halfway, after their first write.
+-- run (Redis 7's ACL, as the scripts would meet it): asked once a decision met an ACL
+-- refusal, and at each check while some are refused, so that decisions are not sent to fail
+-- halfway, after their first write.
 --
 -- ARGV[1]  a key of the buckets' prefix (`<key_prefix>:v1:...`)
 --

@@ -270,8 +270,9 @@ fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeo
 /// After its first request, each header block an HTTP/2 connection begins has a request
 /// head's deadline too: `HEADERS` without `END_HEADERS` on a second stream, then nothing,
 /// is cut at `header_read_timeout_ms` (and is a 408, as a first block is), as is one whose
-/// closing `CONTINUATION` payload is trickled. Before, the connection stayed until the
-/// keep-alive timeout and its GOAWAY's grace. A connection between requests is not cut.
+/// closing `CONTINUATION` payload is trickled, or one sent in the same write as the whole
+/// first request. Before, the connection stayed until the keep-alive timeout and its
+/// GOAWAY's grace. A connection between requests is not cut.
 #[test]
 fn each_http2_header_block_after_the_first_is_held_to_header_read_timeout() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
@@ -282,27 +283,44 @@ fn each_http2_header_block_after_the_first_is_held_to_header_read_timeout() {
     ];
     let gw = gateway(&redis, &up, &server);
     // The preface, SETTINGS, a whole GET on stream 1 (`:authority` localhost).
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    let block = [
+        0x82, 0x86, 0x84, 0x41, 9, b'l', b'o', b'c', b'a', b'l', b'h', b'o', b's', b't',
+    ];
+    hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    hello.extend_from_slice(&block);
+    // HEADERS on stream 3 without END_HEADERS.
+    let unfinished = [0, 0, 3, 0x1, 0x1, 0, 0, 0, 3, 0x82, 0x86, 0x84];
+    // Reads what the gateway sends for `wait`: whether the connection is still open then.
+    let drained = |s: &mut TcpStream, wait: Duration| {
+        s.set_read_timeout(Some(wait)).unwrap();
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return false,
+                Ok(_) => continue,
+                Err(e) => {
+                    return matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    )
+                }
+            }
+        }
+    };
     let first = || {
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
-        let block = [
-            0x82, 0x86, 0x84, 0x41, 9, b'l', b'o', b'c', b'a', b'l', b'h', b'o', b's', b't',
-        ];
-        hello.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
-        hello.extend_from_slice(&block);
         let mut s = open(gw.port);
         s.write_all(&hello).unwrap();
         // Its answer comes: the first request was whole.
         let mut buf = [0u8; 4096];
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         assert!(s.read(&mut buf).unwrap() > 0);
-        std::thread::sleep(Duration::from_millis(300));
+        assert!(drained(&mut s, Duration::from_millis(300)));
         s
     };
-    // HEADERS on stream 3 without END_HEADERS, then nothing.
     let mut s = first();
-    s.write_all(&[0, 0, 3, 0x1, 0x1, 0, 0, 0, 3, 0x82, 0x86, 0x84])
-        .unwrap();
+    s.write_all(&unfinished).unwrap();
     let took = closed_after(s, b"");
     assert!(
         (EARLIEST..LATEST).contains(&took),
@@ -311,31 +329,28 @@ fn each_http2_header_block_after_the_first_is_held_to_header_read_timeout() {
     // HEADERS on stream 3, then a CONTINUATION with END_HEADERS whose 100 bytes are
     // trickled and never whole.
     let mut s = first();
-    s.write_all(&[0, 0, 3, 0x1, 0x1, 0, 0, 0, 3, 0x82, 0x86, 0x84])
-        .unwrap();
+    s.write_all(&unfinished).unwrap();
     s.write_all(&[0, 0, 100, 0x9, 0x4, 0, 0, 0, 3]).unwrap();
     let took = closed_after(s, &[0x84; 50]);
     assert!(
         (EARLIEST..LATEST).contains(&took),
         "CONTINUATION trickled: {took:?}"
     );
-    let series = r#"sentinel_requests_total{endpoint_id="_unmatched",status="408"}"#;
-    assert_eq!(gw.metric(series), 2.0);
-    // Between requests, a connection is kept past the head's deadline.
-    let mut s = first();
-    std::thread::sleep(Duration::from_millis(2_000));
-    s.set_read_timeout(Some(Duration::from_millis(200)))
+    // The unfinished HEADERS in the same write as the whole first request.
+    let mut s = open(gw.port);
+    s.write_all(&[&hello[..], &unfinished[..]].concat())
         .unwrap();
-    let mut buf = [0u8; 64];
-    let open_still = match s.read(&mut buf) {
-        Ok(0) => false,
-        Ok(_) => true,
-        Err(e) => matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        ),
-    };
-    assert!(open_still, "an idle connection kept");
+    let took = closed_after(s, b"");
+    assert!((EARLIEST..LATEST).contains(&took), "in one write: {took:?}");
+    let series = r#"sentinel_requests_total{endpoint_id="_unmatched",status="408"}"#;
+    assert_eq!(gw.metric(series), 3.0);
+    // Between requests, a connection is kept past the head's deadline: nothing comes, not
+    // even a GOAWAY.
+    let mut s = first();
+    assert!(
+        drained(&mut s, Duration::from_millis(2_000)),
+        "an idle connection kept"
+    );
 }
 
 /// 1 000 idle connections and 200 trickling ones: another client's requests are still

@@ -582,7 +582,7 @@ fn sliding_window_past_2_pow_53_equals_the_model() {
 
 /// A sliding window's refund whose charge's Redis time is known (mode `REFUND_AT` + the
 /// time) takes the request back from the window it was charged in: this window's count, the
-/// previous one's, or nothing for an older one; never below zero.
+/// previous one's, or nothing for an older one (or one later than now); never below zero.
 #[test]
 fn a_refund_takes_from_the_window_its_charge_was_made_in() {
     let redis = common::Redis::start();
@@ -604,6 +604,8 @@ fn a_refund_takes_from_the_window_its_charge_was_made_in() {
         (now, (4, 5)),
         (now - window, (5, 4)),
         (now - 2 * window, (5, 5)),
+        // Later than Redis's now (a clock stepped back): not this window's to take from.
+        (now + window, (5, 5)),
         (0, (4, 5)),
     ] {
         let _: () = redis::cmd("HSET")

@@ -131,7 +131,7 @@ fn inner_code(detail: &str) -> Option<&str> {
 /// the script can't run this command or subcommand", "... can't access at least one of the
 /// keys ..."), Redis 7.2+ and Valkey ("ACL failure in script: User x has no permissions to
 /// run the 'hset' command"), relayed plain or inside a script error.
-fn is_acl_refusal(detail: &str) -> bool {
+pub fn is_acl_refusal(detail: &str) -> bool {
     detail.contains("The user executing the script can't")
         || detail.contains("ACL failure in script")
         || detail.contains("has no permissions to")

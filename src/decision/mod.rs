@@ -27,7 +27,7 @@ pub mod token_bucket;
 use std::time::Duration;
 
 pub use breaker::{Breaker, BreakerState};
-pub use failure::{Charge, Failure};
+pub use failure::{is_acl_refusal, Charge, Failure};
 pub use reply::ScriptReply;
 
 use crate::config::FailMode;

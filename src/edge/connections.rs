@@ -614,6 +614,8 @@ pub struct Guarded {
     replacing: Option<(Vec<u8>, usize)>,
     /// Bytes read while looking for the h2c preface, given back to the first reads.
     peeked: Vec<u8>,
+    /// An error the read behind them met, told at the next read.
+    deferred: Option<std::io::Error>,
     /// Where an HTTP/2 connection is in its first request's head (`H2_HEAD`).
     h2_head: H2Head,
     /// The request in progress needs its upstream's answer whatever becomes of the client
@@ -841,6 +843,8 @@ impl AsyncRead for Guarded {
             }
             // A header block not complete within the head's deadline: the read fails, and
             // the block is told as a 408 without an answer, as a first one's.
+            // (One whose first request became whole as the sweeper found its first head late
+            // has no block on its way: the sweeper's GOAWAY closes it gracefully.)
             if this.reg.conn.close.load(Ordering::Relaxed) == HEAD_TIMED_OUT {
                 let since = this.reg.conn.block_since_ms.swap(0, Ordering::Relaxed);
                 if since != 0 {
@@ -849,8 +853,8 @@ impl AsyncRead for Guarded {
                     let took = Duration::from_millis(took);
                     let head = BadHead::of(408, &request_id, "HTTP/2", took, 0);
                     tell_bad_head(&this.reg.connections, &this.inner, head);
+                    return Poll::Ready(Err(Self::header_timed_out()));
                 }
-                return Poll::Ready(Err(Self::header_timed_out()));
             }
             // Its last read tells which HTTP/2 connection is quietest (`admit`).
             let before = buf.filled().len();
@@ -862,8 +866,11 @@ impl AsyncRead for Guarded {
                 let now = this.reg.connections.now_ms();
                 this.reg.conn.since_ms.store(now, Ordering::Relaxed);
                 let was_open = this.h2_head.open;
-                if this.h2_head.follow(&buf.filled()[before..]) != was_open {
-                    let since = if this.h2_head.open { now.max(1) } else { 0 };
+                let open = this.h2_head.follow(&buf.filled()[before..]);
+                // A block begun in these bytes has the deadline from now, though another
+                // ended in them.
+                if open != was_open || (open && this.h2_head.began) {
+                    let since = if open { now.max(1) } else { 0 };
                     this.reg.conn.block_since_ms.store(since, Ordering::Relaxed);
                 }
             }
@@ -902,6 +909,9 @@ impl AsyncRead for Guarded {
             this.reg.conn.waker.register(cx.waker());
             return this.refuse_head(cx);
         }
+        if let Some(e) = this.deferred.take() {
+            return Poll::Ready(Err(e));
+        }
         let before = buf.filled().len();
         let read = if this.peeked.is_empty() {
             this.reg.conn.waker.register(cx.waker());
@@ -938,12 +948,18 @@ impl AsyncRead for Guarded {
             if this.peeked.is_empty() && buf.remaining() > 0 {
                 let mut more = buf.take(HEAD_WIRE_LIMIT.saturating_sub(n));
                 let start = more.filled().as_ptr();
-                if let Poll::Ready(Ok(())) = Pin::new(&mut this.inner).poll_read(cx, &mut more) {
-                    assert_eq!(start, more.filled().as_ptr(), "the read swapped its buffer");
-                    let read = more.filled().len();
-                    // SAFETY: the `read` bytes after `filled` were written by the read above.
-                    unsafe { buf.assume_init(read) };
-                    buf.advance(read);
+                match Pin::new(&mut this.inner).poll_read(cx, &mut more) {
+                    Poll::Ready(Ok(())) => {
+                        assert_eq!(start, more.filled().as_ptr(), "the read swapped its buffer");
+                        let read = more.filled().len();
+                        // SAFETY: the `read` bytes after `filled` were written by the read
+                        // above.
+                        unsafe { buf.assume_init(read) };
+                        buf.advance(read);
+                    }
+                    // Told at the next read, after the bytes in hand.
+                    Poll::Ready(Err(e)) => this.deferred = Some(e),
+                    Poll::Pending => {}
                 }
             }
             Poll::Ready(Ok(()))
@@ -973,6 +989,10 @@ impl AsyncRead for Guarded {
                 let now = this.reg.connections.now_ms();
                 conn.since_ms.store(now, Ordering::Relaxed);
                 conn.stream_end_ms.store(now, Ordering::Relaxed);
+                // The next block may have begun in the same bytes.
+                if this.h2_head.open {
+                    conn.block_since_ms.store(now.max(1), Ordering::Relaxed);
+                }
                 conn.state.store(MULTIPLEXED, Ordering::Relaxed);
             }
             _ => {}
@@ -1003,6 +1023,8 @@ struct H2Head {
     begun: bool,
     /// A header block is on its way (begun, not complete).
     open: bool,
+    /// A `HEADERS` frame began in the bytes the last [`H2Head::follow`] was given.
+    began: bool,
     /// A header block has been complete: the first request is the HTTP/2 layer's.
     completed: bool,
 }
@@ -1022,6 +1044,7 @@ impl H2Head {
 
     /// Follows `bytes`, the next ones read; whether a header block is on its way after them.
     fn follow(&mut self, mut bytes: &[u8]) -> bool {
+        self.began = false;
         loop {
             let passed = self.skip.min(bytes.len());
             self.skip -= passed;
@@ -1042,6 +1065,7 @@ impl H2Head {
             }
             self.have = 0;
             let [l0, l1, l2, kind, flags, ..] = self.frame;
+            self.began |= kind == Self::HEADERS;
             self.begun |= kind == Self::HEADERS;
             if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
                 self.open = true;
@@ -1469,6 +1493,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                 reg,
                 replacing: None,
                 peeked: Vec::new(),
+                deferred: None,
                 h2_head: H2Head::at_preface(),
                 through_reset: AtomicBool::new(false),
                 was_reset: AtomicBool::new(false),

@@ -473,7 +473,8 @@ async fn idle_timeout(conn: &mut MultiplexedConnection) -> Option<u64> {
 /// What `lua/permissions.lua` said of the ACL user: the commands of the limiter scripts it may
 /// not run on a key of `key_prefix` (none: every one, or a Redis before 7.0 that cannot say);
 /// `None` when it could not be asked (`EVALSHA` refused: every decision is refused anyway;
-/// Redis busy or gone).
+/// Redis busy or gone). Asked only once a decision met an ACL refusal, and then at each
+/// check until the user may run them all: an `EVALSHA` of its own, which no decision is.
 async fn refused_commands(
     conn: &mut MultiplexedConnection,
     script: &redis::Script,
@@ -483,9 +484,9 @@ async fn refused_commands(
     script.arg(key).invoke_async(conn).await.ok()
 }
 
-/// The node's settings the gateway reads, on one connection, the three sent at once: the
-/// eviction policy ([`eviction_policy`]), the idle timeout ([`idle_timeout`]) and the
-/// commands the ACL user may not run ([`refused_commands`]).
+/// The node's settings the gateway reads, on one connection, sent at once: the eviction
+/// policy ([`eviction_policy`]), the idle timeout ([`idle_timeout`]) and, when a refusal
+/// was met, the commands the ACL user may not run ([`refused_commands`]).
 struct Settings {
     policy: redis::RedisResult<Option<EvictionPolicy>>,
     idle: Option<u64>,
@@ -493,14 +494,19 @@ struct Settings {
 }
 
 impl Connector {
-    async fn node_settings(&self, conn: &mut MultiplexedConnection) -> Settings {
+    async fn node_settings(&self, link: &Link, conn: &mut MultiplexedConnection) -> Settings {
         let (mut idle, mut permitted) = (conn.clone(), conn.clone());
         let key_prefix = self.key_prefix.load_full();
-        let (policy, idle, refused) = tokio::join!(
-            eviction_policy(conn),
-            idle_timeout(&mut idle),
-            refused_commands(&mut permitted, &self.permissions, &key_prefix)
-        );
+        let ask = link.permissions_asked.swap(false, Ordering::Relaxed)
+            || link.lacks_commands.load(Ordering::Relaxed);
+        let permissions = async {
+            match ask {
+                true => refused_commands(&mut permitted, &self.permissions, &key_prefix).await,
+                false => None,
+            }
+        };
+        let (policy, idle, refused) =
+            tokio::join!(eviction_policy(conn), idle_timeout(&mut idle), permissions);
         Settings {
             policy,
             idle,
@@ -723,7 +729,7 @@ impl Connector {
             None => open_both(&target.dial, false, None).await?,
         };
         let conn = &mut opened.conn;
-        let settings = self.node_settings(conn).await;
+        let settings = self.node_settings(link, conn).await;
         if let Some(policy) = settings.policy? {
             self.note_policy(link, &target.node, policy);
         }
@@ -818,7 +824,8 @@ impl Connector {
         };
         let node = link.node();
         let mut c = conn.redis();
-        let Ok(settings) = tokio::time::timeout(CONNECT_TIMEOUT, self.node_settings(&mut c)).await
+        let Ok(settings) =
+            tokio::time::timeout(CONNECT_TIMEOUT, self.node_settings(link, &mut c)).await
         else {
             return;
         };
@@ -970,6 +977,11 @@ impl Connector {
                 if let Some(conn) = unread {
                     again_at = Some(tokio::time::Instant::now());
                     self.decisions_socket_again(&link, &conn).await;
+                    continue;
+                }
+                // A decision met an ACL refusal: which commands, asked now.
+                if link.permissions_asked.load(Ordering::Relaxed) {
+                    self.recheck_policy(&link).await;
                     continue;
                 }
                 tokio::select! {

@@ -560,6 +560,11 @@ impl Store {
             }
             Failure::Unavailable => {
                 link.log_unavailable(e);
+                // Which commands, asked of the ACL, so that the next decisions are not sent
+                // to fail after their first write.
+                if crate::decision::is_acl_refusal(&e.to_string()) {
+                    link.ask_permissions();
+                }
                 // READONLY, CLUSTERDOWN, MASTERDOWN...: in a cluster the map may be stale
                 // (this node was demoted after a failover, say); look again rather than wait
                 // 5 s.

@@ -232,6 +232,8 @@ pub(super) struct Link {
     pub(super) refused: ArcSwapOption<String>,
     /// Whether `refused` names any: what a decision looks at.
     pub(super) lacks_commands: AtomicBool,
+    /// A decision met an ACL refusal: the permissions are asked at the next look.
+    pub(super) permissions_asked: AtomicBool,
     /// Behind Sentinel: a connection was refused because the node answered `ROLE` as a
     /// replica; the sentinels' next answer is checked, though it names the node in use.
     pub(super) found_replica: AtomicBool,
@@ -272,9 +274,18 @@ impl Link {
             load_refused: AtomicBool::new(false),
             refused: ArcSwapOption::empty(),
             lacks_commands: AtomicBool::new(false),
+            permissions_asked: AtomicBool::new(false),
             found_replica: AtomicBool::new(false),
             in_cluster: false,
             refresh,
+        }
+    }
+
+    /// A decision met an ACL refusal: the connector asks which commands the user may not
+    /// run, now (once until it has asked).
+    pub(super) fn ask_permissions(&self) {
+        if !self.permissions_asked.swap(true, Ordering::Relaxed) {
+            self.wake.notify_one();
         }
     }
 
