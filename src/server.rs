@@ -185,8 +185,12 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
                 }
             }
             let channel = crate::limiter::inspect::reset_channel(&snapshot.config.redis.key_prefix);
-            for (id, hash) in told {
-                teller.tell(channel.clone(), &format!("{id} {hash}"));
+            // Not a ceiling's (every caller's: told, every other gateway would forget all
+            // it remembers of the endpoint, at each late answer of a slow Redis): their
+            // memory of a ceiling's denial lasts its wait.
+            let global = crate::limiter::identity_hash("global");
+            for (id, hash) in told.into_iter().filter(|(_, h)| *h != global) {
+                teller.tell(channel.clone(), format!("{id} {hash}"));
             }
         }));
     }
@@ -328,7 +332,6 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     };
     let control = store.runtime().clone();
     control.spawn(Arc::clone(&connections).sweep());
-    control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
     control.spawn(reopen_on_sigusr1(Arc::clone(&reloader), early.usr1));
     control.spawn(ignore_sigusr2(early.usr2));
     let stops = Arc::new(Stops::default());
@@ -337,7 +340,6 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         early.int,
         Arc::clone(&stops),
     ));
-    control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     let watched = Arc::clone(&live);
     let mut at_start = None;
     if let Some(url) = jwks_target {
@@ -376,6 +378,9 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     // backlog for the admin proper, rather than two accept loops sharing it.
     drop(starting);
     control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
+    // Reloads, by `SIGHUP` (kept meanwhile) or a watched file, from here on too.
+    control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
+    control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     control.spawn(crate::remote_jwks::keep_fresh(
         jwks,
         move || watched.load().jwks_target(),

@@ -176,19 +176,35 @@ const FIELDS: [&str; 4] = ["keys", "sha256", "tenant", "tier"];
 /// A TOML error's message with what the file holds left out: a name or string it quotes
 /// (`unknown field \`...\``, `duplicate key`, `invalid type: string "..."`) may be a key
 /// written where its hash belongs, or as a table's name. The file's own field names stay.
+/// A quoted name may hold the quote itself (a TOML quoted key): the known messages are cut
+/// at their last quote, and anything else at its first quote left unmatched.
 fn unshown(message: &str) -> String {
+    const HIDDEN: &str = "(not shown: it may be a key)";
+    for (lead, close) in [
+        ("unknown field `", "`, expected"),
+        ("duplicate key `", "`"),
+        ("invalid type: string \"", "\", expected"),
+    ] {
+        if let Some(rest) = message.strip_prefix(lead) {
+            let end = rest.rfind(close).unwrap_or(rest.len());
+            let after = rest.get(end + 1..).unwrap_or("");
+            let kept = &lead[..lead.len() - 1];
+            return format!("{kept}{HIDDEN}{after}");
+        }
+    }
     let mut out = String::with_capacity(message.len());
     let mut rest = message;
     while let Some(at) = rest.find(['`', '"']) {
         let quote = rest[at..].chars().next().unwrap_or('`');
+        out.push_str(&rest[..at]);
         let Some(len) = rest[at + 1..].find(quote) else {
-            break;
+            out.push_str(HIDDEN);
+            return out;
         };
         let quoted = &rest[at + 1..at + 1 + len];
-        out.push_str(&rest[..at]);
         match FIELDS.contains(&quoted) {
             true => out.push_str(&rest[at..at + len + 2]),
-            false => out.push_str("(not shown: it may be a key)"),
+            false => out.push_str(HIDDEN),
         }
         rest = &rest[at + len + 2..];
     }
@@ -306,6 +322,7 @@ mod tests {
         );
         for (source, secret) in [
             ("live_9f8e7d6c5b4a = \"acme\"\n", "live_9f8e7d6c5b4a"),
+            ("\"ab`cd-secret\" = 1\n", "cd-secret"),
             ("keys = \"live_9f8e7d6c5b4a\"\n", "live_9f8e7d6c5b4a"),
             (
                 "[[keys]]\nsha256 = \"x\"\ntenant = \"a\"\nacme-secret-key-AAAA = 1\n",

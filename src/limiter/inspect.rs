@@ -188,7 +188,8 @@ pub fn reset_channel(key_prefix: &str) -> String {
     format!("{key_prefix}:v1:resets")
 }
 
-/// What another gateway's reset announced (`<endpoint_id> <identity_hash>`), heard: the
+/// What another gateway's reset announced (`<endpoint_id> <identity_hash>`, a line each when
+/// several come together), heard: the
 /// endpoint's remembered denials of that identity (its tiers' too) are forgotten. `None`:
 /// the listener subscribed afresh and may have missed resets: every remembered denial is
 /// forgotten.
@@ -199,14 +200,17 @@ pub fn heard_reset(endpoints: &HashMap<EndpointId, Arc<Endpoint>>, message: Opti
         }
         return;
     };
-    let Some((id, identity_hash)) = message.split_once(' ') else {
-        return;
-    };
-    let Some(endpoint) = EndpointId::parse(id).and_then(|id| endpoints.get(&id)) else {
-        return;
-    };
-    let everyone = identity_hash == super::identity_hash("global");
-    forget_denials(&endpoint.with_tiers(), identity_hash, everyone);
+    // One per line: a give-back's tellings go out together (`Store::tell`).
+    for line in message.lines() {
+        let Some((id, identity_hash)) = line.split_once(' ') else {
+            continue;
+        };
+        let Some(endpoint) = EndpointId::parse(id).and_then(|id| endpoints.get(&id)) else {
+            continue;
+        };
+        let everyone = identity_hash == super::identity_hash("global");
+        forget_denials(&endpoint.with_tiers(), identity_hash, everyone);
+    }
 }
 
 /// The over-limit cache remembers a denial under the caller's own key, and a ceiling's in a

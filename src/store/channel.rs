@@ -59,6 +59,9 @@ pub enum Heard<'a> {
 /// Told what the listener hears ([`Heard`]).
 pub type Listener = Box<dyn Fn(Heard<'_>) + Send + Sync>;
 
+/// How long [`Store::tell`] gathers what it is told before it publishes it.
+const TELL_EVERY: Duration = Duration::from_millis(50);
+
 /// What stands for the reply channel of a message that asks for no answer ([`Store::tell`]).
 const NO_REPLY: &str = "-";
 
@@ -176,12 +179,35 @@ impl Store {
 
     /// Publishes `message` on `channel` to every gateway listening, off the caller's path,
     /// asking for no answer: best effort, a failure said at DEBUG (what [`Store::announce`]
-    /// does for a reset, without waiting for the listeners).
-    pub fn tell(&self, channel: String, message: &str) {
-        let (store, message) = (self.clone(), format!("{NO_REPLY} {message}"));
+    /// does for a reset, without waiting for the listeners). What is told within
+    /// [`TELL_EVERY`] goes out together, each message once, one line each: a burst of them
+    /// (late answers come in bursts, from a Redis that is slow) is one `PUBLISH`.
+    pub fn tell(&self, channel: String, message: String) {
+        let mut told = self.inner.told.lock().unwrap_or_else(|p| p.into_inner());
+        let first = told.is_empty();
+        if !told.iter().any(|(c, m)| *c == channel && *m == message) {
+            told.push((channel, message));
+        }
+        drop(told);
+        if !first {
+            return;
+        }
+        let store = self.clone();
         drop(self.runtime.spawn(async move {
-            if let Err(error) = store.publish(&channel, &message).await {
-                tracing::debug!(channel, error = %error, "could not tell the other gateways");
+            tokio::time::sleep(TELL_EVERY).await;
+            let told =
+                std::mem::take(&mut *store.inner.told.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut channels: Vec<&str> = told.iter().map(|(c, _)| c.as_str()).collect();
+            channels.dedup();
+            for channel in channels {
+                let lines: Vec<&str> = (told.iter())
+                    .filter(|(c, _)| c == channel)
+                    .map(|(_, m)| m.as_str())
+                    .collect();
+                let message = format!("{NO_REPLY} {}", lines.join("\n"));
+                if let Err(error) = store.publish(channel, &message).await {
+                    tracing::debug!(channel, error = %error, "could not tell the other gateways");
+                }
             }
         }));
     }

@@ -356,7 +356,15 @@ impl Store {
                     true => Redirected::uncounted(Arc::clone(&next)),
                     false => match next.breaker.acquire() {
                         Ok(permit) => Redirected::new(Arc::clone(&next), permit.detach()),
-                        Err(short) => return Err(Failure::Quarantined(short.retry_in)),
+                        Err(short) => {
+                            // A node an earlier redirect named answered (with this one).
+                            let before =
+                                redirected.lock().unwrap_or_else(|p| p.into_inner()).take();
+                            if let Some(before) = before {
+                                before.settle(None);
+                            }
+                            return Err(Failure::Quarantined(short.retry_in));
+                        }
                     },
                 };
                 let before = redirected
