@@ -733,8 +733,9 @@ async fn a_charge_given_back_on_one_gateway_is_forgotten_by_the_others() {
             >= 1
     };
     wait_until(Duration::from_millis(500), "the resets channel", listening);
-    // The late answers come, and the charges are given back.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // The late answers come (0.8 s), the charges are given back (the refund's answer 0.8 s
+    // later: the gateway tells the others once it is applied), and the others are told.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     proxy.set(Mode::Pass);
     let statuses = futures_statuses_gw(&http, &direct, "/closed", "k", 4).await;
     assert_eq!(statuses, [200, 200, 200, 429], "{}", direct.logs());
