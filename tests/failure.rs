@@ -608,6 +608,32 @@ async fn admission_answered_too_late(batch_max: Option<u32>) {
     assert_eq!(limits["limits"][0]["remaining"], 1, "{limits}");
 }
 
+/// Two gateways with `route` (at `path`) on `redis`: the first through `proxy`, whose answers
+/// can be held back, the second direct; both connected, each having decided once (for a
+/// caller of its own).
+async fn late_and_direct(
+    redis: &Redis,
+    proxy: &FaultProxy,
+    up: &Upstream,
+    route: Route,
+    path: &str,
+    http: &reqwest::Client,
+) -> (Gateway, Gateway) {
+    let on = |url: &str| {
+        GatewayConfig::new(url)
+            .breaker(100, 30)
+            .redis("timeout_ms", "100")
+            .upstream("app", &[up.addr()])
+            .route(route.clone())
+            .start()
+    };
+    let (late, direct) = (on(&proxy.url()), on(&redis.url()));
+    for gw in [&late, &direct] {
+        assert_eq!(send(http, &gw.url(path), "warm").await.status, 200);
+    }
+    (late, direct)
+}
+
 /// A sliding window's charge given back after its window turned is taken from the window it
 /// was charged in (the previous one's count), not from the window that now holds other
 /// requests' admissions. Here a gateway whose answers come late (refused by its fail mode,
@@ -621,28 +647,13 @@ async fn a_refund_after_its_window_turned_is_taken_from_the_window_it_was_charge
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
     let window_us: u64 = 2_000_000;
-    let on = |url: &str| {
-        GatewayConfig::new(url)
-            .breaker(100, 30)
-            .redis("timeout_ms", "100")
-            .upstream("app", &[up.addr()])
-            .route(
-                Route::new("t.window")
-                    .prefix("/window")
-                    .identity_header("X-API-Key")
-                    .fail_closed()
-                    .sliding_window(10, window_us),
-            )
-            .start()
-    };
-    let (late, direct) = (on(&proxy.url()), on(&redis.url()));
+    let route = Route::new("t.window")
+        .prefix("/window")
+        .identity_header("X-API-Key")
+        .fail_closed()
+        .sliding_window(10, window_us);
     let http = client();
-    // Both connected (their first decisions on another caller).
-    assert_eq!(send(&http, &late.url("/window"), "warm").await.status, 200);
-    assert_eq!(
-        send(&http, &direct.url("/window"), "warm").await.status,
-        200
-    );
+    let (late, direct) = late_and_direct(&redis, &proxy, &up, route, "/window", &http).await;
     let redis_us = || {
         let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();
         s * 1_000_000 + us
@@ -693,28 +704,14 @@ async fn a_charge_given_back_on_one_gateway_is_forgotten_by_the_others() {
     let redis = Redis::start();
     let proxy = FaultProxy::start(redis.port);
     let up = Upstream::start("app");
-    let on = |url: &str| {
-        GatewayConfig::new(url)
-            .breaker(100, 30)
-            .redis("timeout_ms", "100")
-            .upstream("app", &[up.addr()])
-            .route(
-                // Three, then one more every 1000 s: a denial is remembered for its wait.
-                Route::new("t.closed")
-                    .prefix("/closed")
-                    .identity_header("X-API-Key")
-                    .token_bucket(3_000_000, 1_000)
-                    .fail_closed(),
-            )
-            .start()
-    };
-    let (late, direct) = (on(&proxy.url()), on(&redis.url()));
+    // Three, then one more every 1000 s: a denial is remembered for its wait.
+    let route = Route::new("t.closed")
+        .prefix("/closed")
+        .identity_header("X-API-Key")
+        .token_bucket(3_000_000, 1_000)
+        .fail_closed();
     let http = client();
-    assert_eq!(send(&http, &late.url("/closed"), "warm").await.status, 200);
-    assert_eq!(
-        send(&http, &direct.url("/closed"), "warm").await.status,
-        200
-    );
+    let (late, direct) = late_and_direct(&redis, &proxy, &up, route, "/closed", &http).await;
     proxy.set(Mode::Delay(Duration::from_millis(800)));
     let url = late.url("/closed");
     let charged = (0..3).map(|_| send(&http, &url, "k"));

@@ -599,7 +599,23 @@ fn a_refund_takes_from_the_window_its_charge_was_made_in() {
             .query(conn)
             .unwrap()
     };
-    let refund = sentinel_gateway::limiter::mode::refund;
+    // The counts `c` and `p` refunded `cost` of a charge made at `charged_at`: what is left.
+    let mut refunded = |(c, p): (u64, u64), charged_at: u64, cost: u64| {
+        let _: () = redis::cmd("HSET")
+            .arg(key)
+            .arg(&[("w", index), ("c", c), ("p", p)])
+            .query(&mut conn)
+            .unwrap();
+        let mode = sentinel_gateway::limiter::mode::refund(charged_at);
+        let _: String = redis::cmd("EVAL")
+            .arg(LIMITS_LUA)
+            .arg(1)
+            .arg(key)
+            .arg(&[mode, 2, 10, window, cost, 0][..])
+            .query(&mut conn)
+            .unwrap();
+        counts(&mut conn)
+    };
     for (charged_at, after) in [
         (now, (4, 5)),
         (now - window, (5, 4)),
@@ -608,34 +624,17 @@ fn a_refund_takes_from_the_window_its_charge_was_made_in() {
         (now + window, (5, 5)),
         (0, (4, 5)),
     ] {
-        let _: () = redis::cmd("HSET")
-            .arg(key)
-            .arg(&[("w", index), ("c", 5), ("p", 5)])
-            .query(&mut conn)
-            .unwrap();
-        let _: String = redis::cmd("EVAL")
-            .arg(LIMITS_LUA)
-            .arg(1)
-            .arg(key)
-            .arg(&[refund(charged_at), 2, 10, window, 1, 0][..])
-            .query(&mut conn)
-            .unwrap();
-        assert_eq!(counts(&mut conn), after, "charged at {charged_at}");
+        assert_eq!(
+            refunded((5, 5), charged_at, 1),
+            after,
+            "charged at {charged_at}"
+        );
     }
-    // Never below zero.
-    let _: () = redis::cmd("HSET")
-        .arg(key)
-        .arg(&[("w", index), ("c", 0), ("p", 0)])
-        .query(&mut conn)
-        .unwrap();
-    let _: String = redis::cmd("EVAL")
-        .arg(LIMITS_LUA)
-        .arg(1)
-        .arg(key)
-        .arg(&[refund(now - window), 2, 10, window, 3, 0][..])
-        .query(&mut conn)
-        .unwrap();
-    assert_eq!(counts(&mut conn), (0, 0));
+    assert_eq!(
+        refunded((0, 0), now - window, 3),
+        (0, 0),
+        "never below zero"
+    );
 }
 
 /// One decision of a batch in the batch test: which of the two token buckets, the sliding
