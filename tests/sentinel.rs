@@ -430,6 +430,38 @@ async fn a_demoted_master_connected_again_at_once_is_refused_by_its_role() {
     assert_eq!(readyz(&gw)["redis"], "up");
 }
 
+/// A stale sentinel listed first goes on naming a master that was demoted: the gateway
+/// follows the next sentinel's master, and asks the demoted node its role once in a while,
+/// not at every question to the sentinels (every second: a connection, `AUTH` and `ROLE`
+/// each time, from every gateway of the fleet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_a_stale_sentinel_names_is_not_dialled_every_second() {
+    let (first, second) = (Redis::start(), Redis::start());
+    let up = Upstream::start("app");
+    let (_sentinels, gw) = on_two_sentinels(first.port, second.port, &up);
+    let at = |port: u16| format!("127.0.0.1:{port}");
+    assert_eq!(readyz(&gw)["redis_sentinel_master"]["addr"], at(first.port));
+    let _: () = redis::cmd("REPLICAOF")
+        .arg(&["127.0.0.1", &second.port.to_string()])
+        .query(&mut first.conn())
+        .unwrap();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal"])
+        .query(&mut first.conn())
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the next sentinel's master",
+        || readyz(&gw)["redis_sentinel_master"]["addr"] == at(second.port),
+    );
+    assert!(admitted_within_5_s(&gw, "a").await, "decisions on it");
+    let before = common::connections_received(first.port);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // This test's own two `INFO` connections, and at most one of the gateway's.
+    let made = common::connections_received(first.port) - before;
+    assert!(made <= 2, "{made} connections in 4 s");
+}
+
 /// Two sentinels, each monitoring its own master as `mymaster`, and their processes.
 struct TwoSentinels {
     ports: [u16; 2],

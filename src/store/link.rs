@@ -284,6 +284,11 @@ impl Link {
     /// A decision met an ACL refusal: the connector asks which commands the user may not
     /// run, now (once until it has asked).
     pub(super) fn ask_permissions(&self) {
+        // Known already (the refusals of decisions sent before it was: a few milliseconds of
+        // them under load), the next check asks again.
+        if self.lacks_commands.load(Ordering::Relaxed) {
+            return;
+        }
         if !self.permissions_asked.swap(true, Ordering::Relaxed) {
             self.wake.notify_one();
         }

@@ -45,7 +45,14 @@ pub(super) struct Sentinel {
     kept: tokio::sync::Mutex<HashMap<String, Opened>>,
     /// The master's user may not run `ROLE`, and it was said.
     role_refused: AtomicBool,
+    /// Nodes a sentinel named that answered `ROLE` as replicas, and when: a stale sentinel
+    /// listed first names its node at every question (every second), which is not dialled
+    /// again for [`REPLICA_KEPT`].
+    replicas: std::sync::Mutex<Vec<(String, std::time::Instant)>>,
 }
+
+/// How long a node found a replica is taken as one without asking it again.
+const REPLICA_KEPT: Duration = Duration::from_secs(10);
 
 /// The sentinels (by URL) that did not answer when last asked, each said once: one fewer
 /// sentinel to follow a failover with is an operator's business. The process's, not a
@@ -60,6 +67,7 @@ impl Sentinel {
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
             role_refused: AtomicBool::new(false),
+            replicas: std::sync::Mutex::new(Vec::new()),
             suspect: AtomicBool::new(false),
             kept: tokio::sync::Mutex::new(HashMap::new()),
         }
@@ -250,9 +258,22 @@ impl Sentinel {
             if in_use && !recheck {
                 return Ok((target, false));
             }
-            match self.is_master(&target).await {
+            let replica_lately = !in_use && {
+                let mut replicas = self.replicas.lock().unwrap_or_else(|p| p.into_inner());
+                replicas.retain(|(_, at)| at.elapsed() < REPLICA_KEPT);
+                replicas.iter().any(|(node, _)| *node == target.node)
+            };
+            let role = match replica_lately {
+                true => Ok(false),
+                false => self.is_master(&target).await,
+            };
+            match role {
                 Ok(true) => return Ok((target, true)),
                 Ok(false) => {
+                    if !replica_lately {
+                        let mut replicas = self.replicas.lock().unwrap_or_else(|p| p.into_inner());
+                        replicas.push((target.node.clone(), std::time::Instant::now()));
+                    }
                     tracing::debug!(node = %target.node, sentinel = %dial.info.addr(), "a sentinel names a node that is not a master (yet)");
                     why = format!(
                         "sentinel {} names {}, which does not answer as a master",
