@@ -379,7 +379,11 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     drop(starting);
     control.spawn(Arc::new(admin).serve(admin_socket, admin_connections));
     // Reloads, by `SIGHUP` (kept meanwhile) or a watched file, from here on too.
-    control.spawn(reload_on_sighup(Arc::clone(&reloader), early.hup));
+    control.spawn(reload_on_sighup(
+        Arc::clone(&reloader),
+        early.hup,
+        early.hup_before,
+    ));
     control.spawn(crate::reload::watch(Arc::clone(&reloader)));
     control.spawn(crate::remote_jwks::keep_fresh(
         jwks,
@@ -430,14 +434,13 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     Ok(())
 }
 
-async fn reload_on_sighup(reloader: Arc<Reloader>, hup: Option<Signal>) {
+async fn reload_on_sighup(reloader: Arc<Reloader>, hup: Option<Signal>, before: bool) {
     let Some(mut hup) = hup else {
         tracing::error!("cannot listen for SIGHUP; reload with POST /reload");
         return;
     };
-    // One that came before the runtime listened (one that came after is also in `hup`: it
-    // then reloads twice, which costs nothing but a generation).
-    if EARLY_HUP.swap(false, Ordering::Relaxed) {
+    // One that came before the runtime listened (those after are in `hup`).
+    if before {
         let _ = reloader.reload_off_thread("signal").await;
     }
     while hup.recv().await.is_some() {
@@ -516,6 +519,9 @@ pub fn hold_early_signals() {
 /// each one that comes is kept until the gateway runs and acts on it.
 struct EarlySignals {
     hup: Option<Signal>,
+    /// A SIGHUP came before `hup` listened ([`EARLY_HUP`], read once then: the handler
+    /// chained to tokio's notes later ones too, which `hup` has).
+    hup_before: bool,
     usr1: Option<Signal>,
     /// SIGUSR2: ignored (nginx's binary upgrade).
     usr2: Option<Signal>,
@@ -528,8 +534,10 @@ struct EarlySignals {
 impl EarlySignals {
     /// Inside a runtime.
     fn listen() -> Self {
+        let hup = signal(SignalKind::hangup()).ok();
         Self {
-            hup: signal(SignalKind::hangup()).ok(),
+            hup_before: EARLY_HUP.swap(false, Ordering::Relaxed),
+            hup,
             usr1: signal(SignalKind::user_defined1()).ok(),
             usr2: signal(SignalKind::user_defined2()).ok(),
             term: signal(SignalKind::terminate()).ok(),

@@ -270,8 +270,8 @@ fn an_http2_connection_without_a_whole_first_request_is_cut_at_header_read_timeo
 /// After its first request, each header block an HTTP/2 connection begins has a request
 /// head's deadline too: `HEADERS` without `END_HEADERS` on a second stream, then nothing,
 /// is cut at `header_read_timeout_ms` (and is a 408, as a first block is), as is one whose
-/// closing `CONTINUATION` payload is trickled, or one sent in the same write as the whole
-/// first request. Before, the connection stayed until the keep-alive timeout and its
+/// closing `CONTINUATION` payload is trickled, one sent in the same write as the whole
+/// first request, or a frame whose header comes in part. Before, the connection stayed until the keep-alive timeout and its
 /// GOAWAY's grace. A connection between requests is not cut.
 #[test]
 fn each_http2_header_block_after_the_first_is_held_to_header_read_timeout() {
@@ -342,8 +342,16 @@ fn each_http2_header_block_after_the_first_is_held_to_header_read_timeout() {
         .unwrap();
     let took = closed_after(s, b"");
     assert!((EARLIEST..LATEST).contains(&took), "in one write: {took:?}");
+    // Eight of the nine bytes of a frame's header.
+    let mut s = first();
+    s.write_all(&unfinished[..8]).unwrap();
+    let took = closed_after(s, b"");
+    assert!(
+        (EARLIEST..LATEST).contains(&took),
+        "a frame header in part: {took:?}"
+    );
     let series = r#"sentinel_requests_total{endpoint_id="_unmatched",status="408"}"#;
-    assert_eq!(gw.metric(series), 3.0);
+    assert_eq!(gw.metric(series), 4.0);
     // Between requests, a connection is kept past the head's deadline: nothing comes, not
     // even a GOAWAY.
     let mut s = first();

@@ -232,7 +232,7 @@ fn name(
         c.push(
             Some(&value.span()),
             label,
-            format!("{field} = \"{text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"),
+            format!("{field} is not valid ({} characters, not shown: it may be a key pasted in the wrong place): use 1 to 128 of a-z, 0-9, '.', '_', '-'", text.chars().count()),
         );
         return None;
     }
@@ -300,8 +300,8 @@ mod tests {
             text,
             vec![
                 "keys.toml:2:10: keys[0]: sha256 is not a SHA-256 (2 characters, not shown: it may be the key itself): write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)".to_owned(),
-                "keys.toml:3:10: keys[0]: tenant = \"Acme Corp\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
-                "keys.toml:12:8: keys[2]: tier = \"\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
+                "keys.toml:3:10: keys[0]: tenant is not valid (9 characters, not shown: it may be a key pasted in the wrong place): use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
+                "keys.toml:12:8: keys[2]: tier is not valid (0 characters, not shown: it may be a key pasted in the wrong place): use 1 to 128 of a-z, 0-9, '.', '_', '-'".to_owned(),
             ]
         );
         let dup = format!(

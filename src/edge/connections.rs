@@ -865,12 +865,14 @@ impl AsyncRead for Guarded {
             if buf.filled().len() > before {
                 let now = this.reg.connections.now_ms();
                 this.reg.conn.since_ms.store(now, Ordering::Relaxed);
-                let was_open = this.h2_head.open;
-                let open = this.h2_head.follow(&buf.filled()[before..]);
-                // A block begun in these bytes has the deadline from now, though another
-                // ended in them.
-                if open != was_open || (open && this.h2_head.began) {
-                    let since = if open { now.max(1) } else { 0 };
+                let head = &mut this.h2_head;
+                let was = head.pending();
+                head.follow(&buf.filled()[before..]);
+                let pending = head.pending();
+                // A block begun in these bytes after another ended in them has the deadline
+                // from now; one whose frame header came in parts, from its first byte.
+                if pending != was || (pending && head.began && head.ended) {
+                    let since = if pending { now.max(1) } else { 0 };
                     this.reg.conn.block_since_ms.store(since, Ordering::Relaxed);
                 }
             }
@@ -990,7 +992,7 @@ impl AsyncRead for Guarded {
                 conn.since_ms.store(now, Ordering::Relaxed);
                 conn.stream_end_ms.store(now, Ordering::Relaxed);
                 // The next block may have begun in the same bytes.
-                if this.h2_head.open {
+                if this.h2_head.pending() {
                     conn.block_since_ms.store(now.max(1), Ordering::Relaxed);
                 }
                 conn.state.store(MULTIPLEXED, Ordering::Relaxed);
@@ -1025,6 +1027,8 @@ struct H2Head {
     open: bool,
     /// A `HEADERS` frame began in the bytes the last [`H2Head::follow`] was given.
     began: bool,
+    /// A header block ended in them.
+    ended: bool,
     /// A header block has been complete: the first request is the HTTP/2 layer's.
     completed: bool,
 }
@@ -1042,9 +1046,16 @@ impl H2Head {
         }
     }
 
+    /// Whether a header block may be on its way: one begun and not complete, or a frame's
+    /// header read in part (a `HEADERS` one's, perhaps).
+    fn pending(&self) -> bool {
+        self.open || self.have > 0
+    }
+
     /// Follows `bytes`, the next ones read; whether a header block is on its way after them.
     fn follow(&mut self, mut bytes: &[u8]) -> bool {
         self.began = false;
+        self.ended = false;
         loop {
             let passed = self.skip.min(bytes.len());
             self.skip -= passed;
@@ -1055,6 +1066,7 @@ impl H2Head {
             if std::mem::take(&mut self.ends) {
                 self.open = false;
                 self.completed = true;
+                self.ended = true;
             }
             let n = (self.frame.len() - self.have).min(bytes.len());
             self.frame[self.have..self.have + n].copy_from_slice(&bytes[..n]);

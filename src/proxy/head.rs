@@ -127,6 +127,10 @@ pub fn is_authority(v: &[u8]) -> bool {
             let at = v.iter().position(|&b| b == b':').unwrap_or(v.len());
             let name = &v[..at];
             let empty_label = name.first() == Some(&b'.') || name.windows(2).any(|w| w == b"..");
+            // A port without a host (`:80`).
+            if name.is_empty() && at < v.len() {
+                return false;
+            }
             if !name.iter().all(|&b| host_name_char(b)) || empty_label {
                 return false;
             }
@@ -140,22 +144,18 @@ pub fn is_authority(v: &[u8]) -> bool {
     }
 }
 
-/// What may stand in brackets (RFC 3986, 3.2.2): an IPv6 address, with a zone after `%25`
-/// (RFC 6874), or an `IPvFuture` (`v` and hex digits, `.`, then more). A name in brackets
-/// (`[api.example.com]`) is none: it names no host.
+/// What may stand in brackets: an IPv6 address, with a zone after `%25` (RFC 6874) of
+/// letters, digits and `-._~`, as interface names are written. RFC 3986 also lets an
+/// `IPvFuture` stand there (`v` and hex digits, `.`, then unreserved characters and
+/// sub-delimiters), which no address holds yet: refused, as a name's sub-delimiters are
+/// ([`is_authority`]). A name in brackets (`[api.example.com]`) is none: it names no host.
 fn ip_literal(literal: &[u8]) -> bool {
     let Ok(text) = std::str::from_utf8(literal) else {
         return false;
     };
-    if let Some(future) = text.strip_prefix(['v', 'V']) {
-        return future.split_once('.').is_some_and(|(version, rest)| {
-            !version.is_empty()
-                && version.bytes().all(|b| b.is_ascii_hexdigit())
-                && !rest.is_empty()
-        });
-    }
     let (address, zone) = text.split_once("%25").unwrap_or((text, "-"));
-    !zone.is_empty() && address.parse::<std::net::Ipv6Addr>().is_ok()
+    let zone_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~');
+    !zone.is_empty() && zone.bytes().all(zone_char) && address.parse::<std::net::Ipv6Addr>().is_ok()
 }
 
 /// A character of a host name or IPv4 address as DNS names are written: a letter, a digit,
@@ -200,7 +200,6 @@ mod tests {
             "127.0.0.1:80",
             "[::1]:8080",
             "[fe80::1%25eth0]",
-            "[v1.fe80::a+en1]",
             "xn--bcher-kva.example",
             "_service.internal-host.example",
             "",
@@ -251,6 +250,12 @@ mod tests {
             "a*b",
             "a+b",
             "a=b",
+            // Nor in brackets: an `IPvFuture`, a zone of them; nor a port without a host.
+            "[v1.fe80::a+en1]",
+            "[v1.api.example,evil.example]",
+            "[fe80::1%25a,b]",
+            "[fe80::1%25%2e]",
+            ":80",
         ] {
             assert!(!is_authority(bad.as_bytes()), "{bad:?}");
         }
