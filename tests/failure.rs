@@ -714,13 +714,15 @@ async fn a_charge_given_back_on_one_gateway_is_forgotten_by_the_others() {
     let (late, direct) = late_and_direct(&redis, &proxy, &up, route, "/closed", &http).await;
     proxy.set(Mode::Delay(Duration::from_millis(800)));
     let url = late.url("/closed");
-    let charged = (0..3).map(|_| send(&http, &url, "k"));
+    // Two callers, told together in one message.
+    let charged = (0..6).map(|i| send(&http, &url, ["k", "j"][i % 2]));
     for a in futures_util::future::join_all(charged).await {
         assert_unavailable(&a);
     }
-    // The bucket holds the three charges: denied, and remembered.
-    let denied = send(&http, &direct.url("/closed"), "k").await;
-    assert_eq!(denied.status, 429);
+    // Each bucket holds its three charges: denied, and remembered.
+    for key in ["k", "j"] {
+        assert_eq!(send(&http, &direct.url("/closed"), key).await.status, 429);
+    }
     let listening = || {
         redis::cmd("PUBSUB")
             .arg(&["NUMSUB", "sentinel:v1:resets"])
@@ -734,8 +736,10 @@ async fn a_charge_given_back_on_one_gateway_is_forgotten_by_the_others() {
     // later: the gateway tells the others once it is applied), and the others are told.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     proxy.set(Mode::Pass);
-    let statuses = futures_statuses_gw(&http, &direct, "/closed", "k", 4).await;
-    assert_eq!(statuses, [200, 200, 200, 429], "{}", direct.logs());
+    for key in ["k", "j"] {
+        let statuses = futures_statuses_gw(&http, &direct, "/closed", key, 4).await;
+        assert_eq!(statuses, [200, 200, 200, 429], "{key}: {}", direct.logs());
+    }
 }
 
 /// The breaker's probe, when the quarantine ends with the node not connected, has the

@@ -187,6 +187,9 @@ fn unshown(message: &str) -> String {
     ] {
         if let Some(rest) = message.strip_prefix(lead) {
             let end = rest.rfind(close).unwrap_or(rest.len());
+            if FIELDS.contains(&&rest[..end]) {
+                return message.to_owned();
+            }
             let after = rest.get(end + 1..).unwrap_or("");
             let kept = &lead[..lead.len() - 1];
             return format!("{kept}{HIDDEN}{after}");

@@ -826,7 +826,12 @@ impl AsyncRead for Guarded {
         let this = &mut *self;
         let state = this.reg.conn.state.load(Ordering::Relaxed);
         if state == BUSY {
-            return match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            // (The error the read behind the preface's bytes met, in its place.)
+            let read = match this.deferred.take() {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Pin::new(&mut this.inner).poll_read(cx, buf),
+            };
+            return match read {
                 Poll::Ready(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
                     this.was_reset.store(true, Ordering::Relaxed);
                     match this.through_reset.load(Ordering::Relaxed) {
@@ -837,6 +842,9 @@ impl AsyncRead for Guarded {
                 read => read,
             };
         }
+        if let Some(e) = this.deferred.take() {
+            return Poll::Ready(Err(e));
+        }
         if state == MULTIPLEXED {
             if this.reg.conn.cut.load(Ordering::Relaxed) {
                 return Poll::Ready(Ok(()));
@@ -846,9 +854,11 @@ impl AsyncRead for Guarded {
             // (One whose first request became whole as the sweeper found its first head late
             // has no block on its way: the sweeper's GOAWAY closes it gracefully.)
             if this.reg.conn.close.load(Ordering::Relaxed) == HEAD_TIMED_OUT {
-                let since = this.reg.conn.block_since_ms.swap(0, Ordering::Relaxed);
-                if since != 0 {
-                    let took = this.reg.connections.now_ms().saturating_sub(since);
+                let since = this.reg.conn.block_since_ms.load(Ordering::Relaxed);
+                let took = this.reg.connections.now_ms().saturating_sub(since);
+                // A block begun since the sweeper's look (its GOAWAY's grace) has its own time.
+                if since != 0 && took >= this.reg.connections.header_timeout().as_millis() as u64 {
+                    this.reg.conn.block_since_ms.store(0, Ordering::Relaxed);
                     let request_id = crate::proxy::forwarded::new_request_id();
                     let took = Duration::from_millis(took);
                     let head = BadHead::of(408, &request_id, "HTTP/2", took, 0);
@@ -869,9 +879,9 @@ impl AsyncRead for Guarded {
                 let was = head.pending();
                 head.follow(&buf.filled()[before..]);
                 let pending = head.pending();
-                // A block begun in these bytes after another ended in them has the deadline
-                // from now; one whose frame header came in parts, from its first byte.
-                if pending != was || (pending && head.began && head.ended) {
+                // What is pending after a block ended in these bytes has the deadline from
+                // now; a frame header that came in parts, from its first byte.
+                if pending != was || (pending && head.ended) {
                     let since = if pending { now.max(1) } else { 0 };
                     this.reg.conn.block_since_ms.store(since, Ordering::Relaxed);
                 }
@@ -910,9 +920,6 @@ impl AsyncRead for Guarded {
         if state == HEAD && this.head_bytes >= HEAD_WIRE_LIMIT {
             this.reg.conn.waker.register(cx.waker());
             return this.refuse_head(cx);
-        }
-        if let Some(e) = this.deferred.take() {
-            return Poll::Ready(Err(e));
         }
         let before = buf.filled().len();
         let read = if this.peeked.is_empty() {

@@ -185,9 +185,7 @@ impl Store {
     pub fn tell(&self, channel: String, message: String) {
         let mut told = self.inner.told.lock().unwrap_or_else(|p| p.into_inner());
         let first = told.is_empty();
-        if !told.iter().any(|(c, m)| *c == channel && *m == message) {
-            told.push((channel, message));
-        }
+        told.insert((channel, message));
         drop(told);
         if !first {
             return;
@@ -198,6 +196,7 @@ impl Store {
             let told =
                 std::mem::take(&mut *store.inner.told.lock().unwrap_or_else(|p| p.into_inner()));
             let mut channels: Vec<&str> = told.iter().map(|(c, _)| c.as_str()).collect();
+            channels.sort_unstable();
             channels.dedup();
             for channel in channels {
                 let lines: Vec<&str> = (told.iter())

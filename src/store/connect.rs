@@ -497,8 +497,10 @@ impl Connector {
     async fn node_settings(&self, link: &Link, conn: &mut MultiplexedConnection) -> Settings {
         let (mut idle, mut permitted) = (conn.clone(), conn.clone());
         let key_prefix = self.key_prefix.load_full();
-        let ask = link.permissions_asked.swap(false, Ordering::Relaxed)
-            || link.lacks_commands.load(Ordering::Relaxed);
+        let asked = link.permissions_asked.swap(false, Ordering::Relaxed);
+        let ask = asked || link.lacks_commands.load(Ordering::Relaxed);
+        // A check (not an ask) lets refusals ask again.
+        link.permissions_quiet.store(asked, Ordering::Relaxed);
         let permissions = async {
             match ask {
                 true => refused_commands(&mut permitted, &self.permissions, &key_prefix).await,

@@ -234,6 +234,9 @@ pub(super) struct Link {
     pub(super) lacks_commands: AtomicBool,
     /// A decision met an ACL refusal: the permissions are asked at the next look.
     pub(super) permissions_asked: AtomicBool,
+    /// The last ask named nothing refused (a Redis before 7.0, a refusal of a key pattern
+    /// the ask's key passes): refusals ask nothing more until the next check.
+    pub(super) permissions_quiet: AtomicBool,
     /// Behind Sentinel: a connection was refused because the node answered `ROLE` as a
     /// replica; the sentinels' next answer is checked, though it names the node in use.
     pub(super) found_replica: AtomicBool,
@@ -275,6 +278,7 @@ impl Link {
             refused: ArcSwapOption::empty(),
             lacks_commands: AtomicBool::new(false),
             permissions_asked: AtomicBool::new(false),
+            permissions_quiet: AtomicBool::new(false),
             found_replica: AtomicBool::new(false),
             in_cluster: false,
             refresh,
@@ -286,7 +290,9 @@ impl Link {
     pub(super) fn ask_permissions(&self) {
         // Known already (the refusals of decisions sent before it was: a few milliseconds of
         // them under load), the next check asks again.
-        if self.lacks_commands.load(Ordering::Relaxed) {
+        if self.lacks_commands.load(Ordering::Relaxed)
+            || self.permissions_quiet.load(Ordering::Relaxed)
+        {
             return;
         }
         if !self.permissions_asked.swap(true, Ordering::Relaxed) {

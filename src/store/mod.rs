@@ -76,7 +76,7 @@ struct Inner {
     /// Told the keys of each charge given back after its decision gave up ([`Store::on_give_back`]).
     gave_back: std::sync::OnceLock<GiveBackHook>,
     /// What [`Store::tell`] has to publish at its next flush, by channel.
-    told: std::sync::Mutex<Vec<(String, String)>>,
+    told: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
     /// An announcement failed (said at INFO once).
     announce_failed: std::sync::atomic::AtomicBool,
     /// An announcement's replies could not be heard (said at INFO once).
@@ -224,7 +224,7 @@ impl Store {
             broken_keys: BrokenKeys::default(),
             sentinel: sentinel_watcher,
             gave_back: std::sync::OnceLock::new(),
-            told: std::sync::Mutex::new(Vec::new()),
+            told: std::sync::Mutex::new(std::collections::HashSet::new()),
             announce_failed: std::sync::atomic::AtomicBool::new(false),
             replies_failed: std::sync::atomic::AtomicBool::new(false),
         });

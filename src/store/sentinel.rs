@@ -229,6 +229,8 @@ impl Sentinel {
         let recheck = self.suspect.swap(false, Ordering::Relaxed) || !trusted;
         let mut why = String::from("no sentinel to ask");
         let mut not_masters: Vec<String> = Vec::new();
+        // Named, but taken as replicas without asking ([`REPLICA_KEPT`]).
+        let mut passed_over: Vec<(String, u16)> = Vec::new();
         for url in &sentinels.sentinels {
             let Some(dial) = self.sentinel_dial(url) else {
                 continue;
@@ -264,7 +266,10 @@ impl Sentinel {
                 replicas.iter().any(|(node, _)| *node == target.node)
             };
             let role = match replica_lately {
-                true => Ok(false),
+                true => {
+                    passed_over.push((host.clone(), port));
+                    Ok(false)
+                }
                 false => self.is_master(&target).await,
             };
             match role {
@@ -290,6 +295,20 @@ impl Sentinel {
                 }
             }
             not_masters.push(target.node);
+        }
+        // None answered as a master: one taken as a replica lately may have been promoted
+        // since (a quick fail-back).
+        for (host, port) in passed_over {
+            let Some(target) = self.target_for(&host, port) else {
+                continue;
+            };
+            if let Ok(true) = self.is_master(&target).await {
+                self.replicas
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .retain(|(node, _)| *node != target.node);
+                return Ok((target, true));
+            }
         }
         Err(why)
     }
