@@ -1032,9 +1032,7 @@ struct H2Head {
     begun: bool,
     /// A header block is on its way (begun, not complete).
     open: bool,
-    /// A `HEADERS` frame began in the bytes the last [`H2Head::follow`] was given.
-    began: bool,
-    /// A header block ended in them.
+    /// A header block ended in the bytes the last [`H2Head::follow`] was given.
     ended: bool,
     /// A header block has been complete: the first request is the HTTP/2 layer's.
     completed: bool,
@@ -1059,16 +1057,15 @@ impl H2Head {
         self.open || self.have > 0
     }
 
-    /// Follows `bytes`, the next ones read; whether a header block is on its way after them.
-    fn follow(&mut self, mut bytes: &[u8]) -> bool {
-        self.began = false;
+    /// Follows `bytes`, the next ones read ([`H2Head::pending`] says where they left it).
+    fn follow(&mut self, mut bytes: &[u8]) {
         self.ended = false;
         loop {
             let passed = self.skip.min(bytes.len());
             self.skip -= passed;
             bytes = &bytes[passed..];
             if self.skip > 0 {
-                return self.open;
+                return;
             }
             if std::mem::take(&mut self.ends) {
                 self.open = false;
@@ -1080,11 +1077,10 @@ impl H2Head {
             self.have += n;
             bytes = &bytes[n..];
             if self.have < self.frame.len() {
-                return self.open;
+                return;
             }
             self.have = 0;
             let [l0, l1, l2, kind, flags, ..] = self.frame;
-            self.began |= kind == Self::HEADERS;
             self.begun |= kind == Self::HEADERS;
             if matches!(kind, Self::HEADERS | Self::CONTINUATION) {
                 self.open = true;

@@ -212,9 +212,7 @@ impl Endpoint {
 /// The `endpoint_id` a bucket key names: `{key_prefix}:v1:{hash}:{endpoint_id}:...`, the
 /// hash in braces (a cluster hash tag) for `[[routes.limits]]`.
 pub fn endpoint_of_key(key: &str) -> Option<&str> {
-    let (_, rest) = key.split_once(":v1:")?;
-    let rest = rest.strip_prefix('{').unwrap_or(rest);
-    let rest = rest.get(64..)?;
+    let rest = hashed_part(key)?.get(64..)?;
     let rest = rest.strip_prefix('}').unwrap_or(rest).strip_prefix(':')?;
     rest.split(':').next().filter(|id| !id.is_empty())
 }
@@ -222,9 +220,13 @@ pub fn endpoint_of_key(key: &str) -> Option<&str> {
 /// The identity hash a bucket key names (`{key_prefix}:v1:{hash}:...`, the hash in braces
 /// for `[[routes.limits]]`).
 pub fn identity_hash_of_key(key: &str) -> Option<&str> {
+    hashed_part(key)?.get(..64)
+}
+
+/// A bucket key from its identity hash on (past `:v1:` and the hash tag's brace).
+fn hashed_part(key: &str) -> Option<&str> {
     let (_, rest) = key.split_once(":v1:")?;
-    let rest = rest.strip_prefix('{').unwrap_or(rest);
-    rest.get(..64)
+    Some(rest.strip_prefix('{').unwrap_or(rest))
 }
 
 /// The keys of every limit of a several-limits endpoint for `identity` (an identity
