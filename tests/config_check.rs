@@ -334,6 +334,32 @@ fn the_redis_url_variable_is_validated_too() {
             && !stderr.contains("Hunter2"),
         "{stderr}"
     );
+    // A password in a TCP URL's query is not read by the client (Redis would answer every
+    // call NOAUTH): refused at once, without the password; one before the host is taken.
+    for url in [
+        "redis://127.0.0.1:6379/0?password=Hunter2-pw",
+        "rediss://app@127.0.0.1:6380?PASS=Hunter2-pw",
+    ] {
+        let out = common::check_config(
+            &root.join("gateway.toml"),
+            &[("SENTINEL_REDIS_URL", Some(url))],
+        );
+        assert_eq!(out.status.code(), Some(2), "{url}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("a password in the query (?password=) is read only in a unix:// URL")
+                && !stderr.contains("Hunter2"),
+            "{stderr}"
+        );
+    }
+    let out = common::check_config(
+        &root.join("gateway.toml"),
+        &[(
+            "SENTINEL_REDIS_URL",
+            Some("redis://:Hunter2-pw@127.0.0.1:6379/0"),
+        )],
+    );
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
 
 #[test]

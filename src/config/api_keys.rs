@@ -195,9 +195,19 @@ fn unshown(message: &str) -> String {
             return format!("{kept}{HIDDEN}{after}");
         }
     }
+    // What a message says was expected, outside a quote, is TOML's grammar or the field's
+    // type, never the file's text ("missing escaped value, expected `b`, `f`, ..."):
+    // kept as written.
+    const EXPECTED: &str = ", expected ";
     let mut out = String::with_capacity(message.len());
     let mut rest = message;
-    while let Some(at) = rest.find(['`', '"']) {
+    loop {
+        let quote_at = rest.find(['`', '"']);
+        if rest[..quote_at.unwrap_or(rest.len())].contains(EXPECTED) {
+            out.push_str(rest);
+            return out;
+        }
+        let Some(at) = quote_at else { break };
         let quote = rest[at..].chars().next().unwrap_or('`');
         out.push_str(&rest[..at]);
         let Some(len) = rest[at + 1..].find(quote) else {
@@ -337,5 +347,19 @@ mod tests {
             assert!(!text.contains(secret), "{text}");
             assert!(text.contains("(not shown: it may be a key)"), "{text}");
         }
+        // What TOML says it expected is its grammar, not the file's: written as it is, once.
+        let escape = parse(Path::new("keys.toml"), "[keys.\"live_9f8e\\q\"]\n").unwrap_err();
+        let text = escape[0].to_string();
+        assert!(
+            text.contains("missing escaped value, expected `b`, ")
+                && !text.contains("not shown")
+                && !text.contains("live_9f8e"),
+            "{text}"
+        );
+        let value = unshown("invalid value: string \"live_9f8e\", expected a tier name");
+        assert_eq!(
+            value,
+            "invalid value: string (not shown: it may be a key), expected a tier name"
+        );
     }
 }

@@ -1156,6 +1156,26 @@ fn check_redis_url(
             );
             None
         }
+        // `SENTINEL_REDIS_URL` may carry a password, but one in the query of a TCP URL is
+        // not read (Redis would answer every call `NOAUTH`): said now, not at the first call.
+        Ok(client)
+            if in_query
+                && (url.starts_with("redis://") || url.starts_with("rediss://"))
+                && client
+                    .get_connection_info()
+                    .redis_settings()
+                    .password()
+                    .is_none() =>
+        {
+            c.push(
+                span,
+                None,
+                format!(
+                    "{what}: a password in the query (?password=) is read only in a unix:// URL; write it before the host, redis://user:password@host:port"
+                ),
+            );
+            None
+        }
         Ok(_)
             if url.starts_with("redis://")
                 || url.starts_with("rediss://")
