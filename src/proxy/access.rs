@@ -56,6 +56,12 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         .filter(|_| !hidden("host"))
         .filter(|h| super::head::is_authority(h));
     let host = received.as_deref().map(Lossy);
+    // A `CONNECT` names an authority, no path.
+    let path = ctx
+        .path
+        .as_deref()
+        .filter(|_| req.method != http::Method::CONNECT)
+        .map(without_parameters);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",
         http::Version::HTTP_10 => "HTTP/1.0",
@@ -74,10 +80,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         method: Some(req.method.as_str()),
         host,
         // A `CONNECT` names an authority, no path.
-        path: ctx
-            .path
-            .as_deref()
-            .filter(|_| req.method != http::Method::CONNECT),
+        path: path.as_deref(),
         protocol,
         tls: origin.is_some_and(|o| o.tls),
         status,
@@ -119,6 +122,23 @@ pub(super) fn identity_in(ctx: &RequestCtx, field: &str) -> bool {
     }
 }
 
+/// `path` without its segments' parameters (from a `;` to the segment's end): a session id
+/// there (`;jsessionid=...`, a servlet's cookieless session) is a cookie's equal, which no
+/// line carries, as it carries no query. An encoded `%3B` is data, and stays.
+fn without_parameters(path: &str) -> std::borrow::Cow<'_, str> {
+    if !path.contains(';') {
+        return path.into();
+    }
+    let mut out = String::with_capacity(path.len());
+    for (i, segment) in path.split('/').enumerate() {
+        if i > 0 {
+            out.push('/');
+        }
+        out.push_str(segment.split(';').next().unwrap_or_default());
+    }
+    out.into()
+}
+
 /// `took` in milliseconds, to the microsecond: `0.868`, not `0.8684419999999999`, the noise
 /// of a double made from seconds.
 fn millis(took: std::time::Duration) -> f64 {
@@ -128,6 +148,20 @@ fn millis(took: std::time::Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    #[test]
+    fn a_path_is_written_without_its_parameters() {
+        for (path, written) in [
+            ("/api/v1", "/api/v1"),
+            ("/shop;jsessionid=A1B2/cart", "/shop/cart"),
+            ("/api/v1;jsessionid=A1B2", "/api/v1"),
+            ("/a;x;y=1/b;SECRET/", "/a/b/"),
+            ("/;p", "/"),
+            ("/a%3Bb", "/a%3Bb"),
+        ] {
+            assert_eq!(super::without_parameters(path), written, "{path}");
+        }
+    }
 
     #[test]
     fn durations_are_written_in_milliseconds_to_the_microsecond() {
