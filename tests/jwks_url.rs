@@ -349,6 +349,61 @@ fn while_the_start_waits_for_the_jwks_the_admin_answers_as_starting() {
     drop(hanging);
 }
 
+/// With `watch_config`, a change to the file made while the start waits for the JWKS is
+/// loaded once the gateway is ready, by the watch, and not before: the start's own load is
+/// generation 1 when `/readyz` first says ready, and the change is generation 2 after.
+#[test]
+fn a_change_during_the_starts_jwks_fetch_is_loaded_after_it() {
+    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://127.0.0.1:{}/.well-known/jwks.json",
+        hanging.local_addr().unwrap().port()
+    );
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let [port, admin] = common::free_ports();
+    let text = GatewayConfig::new(&redis.url())
+        .server("watch_config", "true")
+        .section(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\n",
+            quoted(&url)
+        ))
+        .upstream("app", &[up.addr()])
+        .route(Route::new("j.open").prefix("/open").unlimited())
+        .render(port, admin);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, &text).unwrap();
+    let _gw = common::Proc::gateway(&path, None);
+    let at = |path: &str| common::blocking_get(&format!("http://127.0.0.1:{admin}{path}"));
+    wait_until(Duration::from_secs(10), "the starting admin", || {
+        at("/readyz").is_some_and(|(s, b)| s == 503 && b.contains(r#""starting":true"#))
+    });
+    let added = text.replace("/open", "/moved");
+    assert_ne!(added, text);
+    std::fs::write(&path, added).unwrap();
+    wait_until(Duration::from_secs(20), "ready", || {
+        at("/readyz").is_some_and(|(s, _)| s == 200)
+    });
+    let generation = || {
+        at("/metrics").and_then(|(_, body)| {
+            body.lines()
+                .find_map(|l| l.strip_prefix("sentinel_config_generation "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+    };
+    // The watch looks every 0.5 s and loads a change seen twice: a second at least.
+    assert_eq!(generation(), Some(1.0), "not loaded while starting");
+    wait_until(Duration::from_secs(10), "the change loaded", || {
+        generation() == Some(2.0)
+    });
+    let get = |p: &str| {
+        let head = format!("GET {p} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        common::raw_request(port, head.as_bytes())
+    };
+    assert_eq!((get("/moved/x"), get("/open/x")), (Some(200), Some(404)));
+    drop(hanging);
+}
+
 /// A reload that moves `jwks_url` while a fetch from the old URL hangs lets that fetch go:
 /// the new provider is asked at once, and its tokens verify within moments, not after the
 /// hanging fetch's 5 s.
