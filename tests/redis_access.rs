@@ -643,6 +643,7 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     args.extend(user("noexpire", &least.replace(" +expire +pexpire", "")));
     args.extend(user("revoked", least));
     args.extend(user("noconfig", &least.replace(" +config|get", "")));
+    args.extend(user("otherkeys", &least.replace("~sentinel:*", "~other:*")));
     // Idle clients closed after 4 s: the gateways' checks (and so their look at the
     // permissions) run every 2 s.
     args.extend(["--timeout".to_owned(), "4".to_owned()]);
@@ -801,6 +802,29 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
     // A bucket of one: untouched by the three refused, it admits one.
     assert_eq!(rare(&noexpire, "m", 2).await, [200, 429]);
     drop(noexpire);
+
+    // Key patterns that do not match the buckets' keys refuse every command on them: said
+    // with the keys, and the decisions not sent from then on (nothing was written).
+    let otherkeys = as_user("otherkeys");
+    wait_until(Duration::from_secs(10), "connected", || {
+        redis_up(&otherkeys)
+    });
+    let before = buckets();
+    assert_eq!(rare(&otherkeys, "o", 1).await, [503]);
+    wait_until(Duration::from_secs(5), "the refused commands", || {
+        otherkeys
+            .logs()
+            .contains("may not run commands the limiter scripts need")
+    });
+    assert_eq!(rare(&otherkeys, "o", 3).await, [503; 3]);
+    refused_line(&otherkeys, "HMGET HSET EXPIRE PEXPIRE PERSIST");
+    assert!(
+        otherkeys.logs().contains(r#""keys":"sentinel:*""#),
+        "{}",
+        otherkeys.logs()
+    );
+    assert_eq!(buckets(), before, "nothing written");
+    drop(otherkeys);
 
     // Taken away while connected: Redis refuses it inside the script, in its own words,
     // and the gateway asks which commands at once.

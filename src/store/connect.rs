@@ -866,7 +866,10 @@ impl Connector {
             .store(refused.is_some(), Ordering::Relaxed);
         match &refused {
             Some(commands) => {
-                tracing::error!(node, commands = commands.as_str(), "the redis user may not run commands the limiter scripts need (grant them); limited requests are answered by their fail mode without reaching redis until it may");
+                // Redis's ACL refuses a command on a key the user's key patterns do not
+                // match as it refuses the command itself: both are named.
+                let keys = format!("{}:*", self.key_prefix.load());
+                tracing::error!(node, commands = commands.as_str(), keys = keys.as_str(), "the redis user may not run commands the limiter scripts need on their keys (grant the commands, and the keys, as ~<keys>); limited requests are answered by their fail mode without reaching redis until it may");
             }
             None => {
                 tracing::info!(
