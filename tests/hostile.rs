@@ -802,6 +802,83 @@ fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_befo
     assert_eq!(redis.command_calls("evalsha"), 1, "the one POST decided");
 }
 
+/// A method or path some backends take from a field instead of the request's own
+/// (`X-HTTP-Method-Override`, `X-Original-URL` and their kin, `_method` in the query) is
+/// 400 when the route it would pick is not the one the request's own picks, and never
+/// forwarded nor charged: `GET /ingest` with `X-HTTP-Method-Override: POST` went to the
+/// unlimited catch-all and reached a backend that serves it as the limited `POST`, as
+/// `POST /free` with `X-Original-URL: /ingest` reached one behind IIS. Where
+/// every reading picks the same route, the request is decided and forwarded as usual.
+#[test]
+fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
+    let redis = Redis::start();
+    let (upstream, received) = counting_upstream();
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[upstream])
+        .route(
+            Route::new("t.post")
+                .prefix("/ingest")
+                .methods(&["POST"])
+                .identity_header("X-API-Key")
+                .token_bucket(1_000_000, 0)
+                .fail_closed(),
+        )
+        .route(Route::new("t.all").prefix("/").unlimited())
+        .start();
+    redis.reset_stats();
+    let head = |method: &str, target: &str, field: &str| {
+        format!(
+            "{method} {target} HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\n{field}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+    };
+    for (method, target, field) in [
+        ("GET", "/ingest", "X-HTTP-Method-Override: POST\r\n"),
+        ("GET", "/ingest", "x-http-method-override: post\r\n"),
+        ("GET", "/ingest", "X-HTTP-Method: POST\r\n"),
+        ("GET", "/ingest", "X-Method-Override: POST\r\n"),
+        ("POST", "/ingest", "X-HTTP-Method-Override: GET\r\n"),
+        ("POST", "/free", "X-Original-URL: /ingest\r\n"),
+        ("POST", "/free", "X-Rewrite-URL: /ingest/doc?x=1\r\n"),
+        ("POST", "/free", "X-Original-URL: /free/../ingest\r\n"),
+        ("GET", "/ingest?_method=POST", ""),
+        ("GET", "/ingest?a=1&%5Fmethod=post", ""),
+        // The two together: each alone picks the catch-all, both a limited POST /ingest.
+        (
+            "GET",
+            "/free",
+            "X-HTTP-Method-Override: POST\r\nX-Original-URL: /ingest\r\n",
+        ),
+        // No method or path at all: refused, not guessed.
+        ("GET", "/free", "X-HTTP-Method-Override: P O S T\r\n"),
+        ("GET", "/free", "X-Original-URL: http://a/ingest\r\n"),
+    ] {
+        let answer = raw_answer(gw.port, head(method, target, field).as_bytes());
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{method} {target} {field}: {answer}"
+        );
+        assert!(answer.contains(r#"{"detail":"bad request"}"#), "{answer}");
+    }
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(redis.limiter_calls(), 0, "refused before the limiter");
+    // Readings that pick the same route pass: decided and forwarded as usual.
+    for (method, target, field) in [
+        ("POST", "/ingest", "X-HTTP-Method-Override: POST\r\n"),
+        ("GET", "/free", "X-HTTP-Method-Override: DELETE\r\n"),
+        ("GET", "/free", "X-Original-URL: /ingest?x=1\r\n"),
+        ("GET", "/free", "X-HTTP-Method-Override: \r\n"),
+        ("GET", "/free?_method=PUT", ""),
+    ] {
+        let answer = raw_answer(gw.port, head(method, target, field).as_bytes());
+        assert!(
+            answer.starts_with("HTTP/1.1 200"),
+            "{method} {target} {field}: {answer}"
+        );
+    }
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 5);
+    assert_eq!(redis.command_calls("evalsha"), 1, "the one POST decided");
+}
+
 /// A `Host` that names no host (a space, a tab, a double quote, a byte past ASCII; a colon
 /// or bracket out of place; an empty label) is 400 and never forwarded: it reached the
 /// upstream as it came, with no `X-Forwarded-Host` when it was not ASCII, and

@@ -50,6 +50,59 @@ pub fn announced_length(req: &RequestHeader) -> Option<Option<u64>> {
     Some(Some(n.unwrap_or(u64::MAX)))
 }
 
+/// A field some backends take the request's method or path from instead of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Override {
+    /// `X-HTTP-Method-Override`, `X-HTTP-Method`, `X-Method-Override` (Rack, Express's
+    /// method-override, Symfony, Laravel, ASP.NET).
+    Method,
+    /// `X-Original-URL`, `X-Rewrite-URL` (Symfony and Zend behind IIS).
+    Path,
+}
+
+/// Which override the field `name` (lower case, as the header map holds it) is, also under
+/// the spellings a CGI server folds into it (`x_original_url`). Called for every field of
+/// every request: a length and a first byte turn nearly all away.
+pub fn override_of(name: &str) -> Option<Override> {
+    if !matches!(name.len(), 13 | 14 | 17 | 22) || !name.starts_with('x') {
+        return None;
+    }
+    let folded = crate::routing::folded_field_name(name);
+    match folded.as_ref() {
+        "x-http-method-override" | "x-http-method" | "x-method-override" => Some(Override::Method),
+        "x-original-url" | "x-rewrite-url" => Some(Override::Path),
+        _ => None,
+    }
+}
+
+/// The method an override field (or a `_method` parameter) names, as the backends read it:
+/// upper-cased. `Some(None)` for an empty value, which they ignore; `None` for one that is
+/// no method the gateway takes.
+pub fn override_method(value: &[u8]) -> Option<Option<http::Method>> {
+    let value = value.trim_ascii();
+    if value.is_empty() {
+        return Some(None);
+    }
+    let method = http::Method::from_bytes(&value.to_ascii_uppercase()).ok()?;
+    crate::routing::plain_method(&method).then_some(Some(method))
+}
+
+/// The path an `X-Original-URL` or `X-Rewrite-URL` names, normalized as a request's is, its
+/// query and fragment left out. `Some(None)` for an empty value; `None` for one that is no
+/// absolute path (a full URL included) or that no request's path could be.
+pub fn override_path(value: &[u8]) -> Option<Option<String>> {
+    let value = std::str::from_utf8(value.trim_ascii()).ok()?;
+    if value.is_empty() {
+        return Some(None);
+    }
+    let path = value.split(['?', '#']).next().unwrap_or_default();
+    if !path.starts_with('/') || path.starts_with("//") {
+        return None;
+    }
+    let path = crate::routing::normalized(path).ok()?;
+    Some(Some(path.into_owned()))
+}
+
 /// Whether the request's `Connection` names what Pingora refuses to send on (a protected
 /// field, `host` or an `x-forwarded-*` the gateway writes; a pseudo-header; a token with
 /// bytes no token may hold; ten names or more) once the request was decided, which then
@@ -190,6 +243,49 @@ fn name_char(b: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    use super::{override_method, override_of, override_path, Override};
+
+    #[test]
+    fn override_fields_are_known_by_their_name_and_cgi_spellings() {
+        for (name, kind) in [
+            ("x-http-method-override", Some(Override::Method)),
+            ("x-http-method", Some(Override::Method)),
+            ("x-method-override", Some(Override::Method)),
+            ("x_http_method_override", Some(Override::Method)),
+            ("x-original-url", Some(Override::Path)),
+            ("x_original.url", Some(Override::Path)),
+            ("x-rewrite-url", Some(Override::Path)),
+            ("x-request-id", None),
+            ("x-forwarded-for", None),
+            ("content-length", None),
+        ] {
+            assert_eq!(override_of(name), kind, "{name}");
+        }
+        assert_eq!(override_method(b" post "), Some(Some(http::Method::POST)));
+        assert_eq!(override_method(b""), Some(None));
+        assert_eq!(override_method(b"P O S T"), None);
+        assert_eq!(override_method(b"GET\x01"), None);
+        assert_eq!(
+            override_path(b"/a/./b/../c?x=1"),
+            Some(Some("/a/c".to_owned()))
+        );
+        assert_eq!(override_path(b" "), Some(None));
+        for refused in [
+            &b"http://a/b"[..],
+            b"//a/b",
+            b"a/b",
+            b"/%2e%2e/%2e%2e/x",
+            b"/a\\b",
+        ] {
+            assert_eq!(
+                override_path(refused),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(refused)
+            );
+        }
+    }
     use super::*;
 
     #[test]

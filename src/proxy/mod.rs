@@ -348,6 +348,58 @@ impl Gateway {
         }
     }
 
+    /// Whether every method and path the request's override fields (and `_method`
+    /// parameters) could make a backend read, each with each, is served alike by `route`,
+    /// the route of its own method and path. A backend that takes its method from
+    /// `X-HTTP-Method-Override` serves `GET /ocr` sent with `POST` there as the `POST`
+    /// a route limits, and one behind IIS serves `GET /free` with `X-Original-URL: /ocr`
+    /// as `/ocr`: either would pass the limit on the route the gateway found. A value that
+    /// is no method or path is refused too; an empty one is read as none, as backends do.
+    fn overrides_alike(
+        &self,
+        snapshot: &Snapshot,
+        host: Option<&str>,
+        req: &RequestHeader,
+        path: &str,
+        route: &Arc<Route>,
+    ) -> bool {
+        let mut methods = vec![req.method.clone()];
+        let mut paths = vec![path.to_owned()];
+        for (name, value) in &req.headers {
+            match head::override_of(name.as_str()) {
+                Some(head::Override::Method) => match head::override_method(value.as_bytes()) {
+                    Some(m) => methods.extend(m),
+                    None => return false,
+                },
+                Some(head::Override::Path) => match head::override_path(value.as_bytes()) {
+                    Some(p) => paths.extend(p),
+                    None => return false,
+                },
+                None => {}
+            }
+        }
+        let query = req.uri.query().unwrap_or_default();
+        for value in query.split('&').filter_map(method_parameter) {
+            match head::override_method(value.as_bytes()) {
+                Some(m) => methods.extend(m),
+                None => return false,
+            }
+        }
+        methods.iter().all(|method| {
+            paths.iter().all(|p| {
+                if *method == req.method && p == path {
+                    return true;
+                }
+                let found = snapshot.routes.find(host, method, p);
+                let other = match p.contains(';') {
+                    true => self.route_of_parameters(snapshot, host, method, p, found),
+                    false => Ok(found),
+                };
+                other.is_ok_and(|o| o.is_some_and(|o| o.serves_alike(route)))
+            })
+        })
+    }
+
     /// Decides one limited request and returns the answer that denies it, if any.
     async fn limit(
         &self,
@@ -583,11 +635,13 @@ impl ProxyHttp for Gateway {
             return self.answer(session, ctx, Answer::AtCapacity).await;
         }
         let req = session.req_header();
-        let (mut header_bytes, mut underscored) = (0, false);
+        let (mut header_bytes, mut underscored, mut overriding) = (0, false, false);
         for (k, v) in &req.headers {
             header_bytes += k.as_str().len() + v.len();
             underscored |= !crate::routing::plain_field_name(k.as_str());
+            overriding |= head::override_of(k.as_str()).is_some();
         }
+        overriding |= req.uri.query().is_some_and(query_names_a_method);
         if let Some(origin) = &mut ctx.origin {
             origin.underscored = underscored;
         }
@@ -656,6 +710,14 @@ impl ProxyHttp for Gateway {
             match self.route_of_parameters(&snapshot, host.as_deref(), &req.method, &path, found) {
                 Ok(route) => found = route,
                 Err(()) => return self.answer(session, ctx, Answer::BadRequest).await,
+            }
+        }
+        // A method or path some backends take from a field (or `_method`) instead of the
+        // request's own: refused when the route it would pick serves otherwise.
+        if let Some(route) = found.filter(|_| overriding) {
+            let alike = self.overrides_alike(&snapshot, host.as_deref(), req, &path, route);
+            if !alike {
+                return self.answer(session, ctx, Answer::BadRequest).await;
             }
         }
         let Some(route) = found.cloned() else {
@@ -1252,6 +1314,20 @@ impl ProxyHttp for Gateway {
         }
         self.charged(ctx).await;
     }
+}
+
+/// Whether a query may hold a `_method` parameter (Symfony, Laravel and Express read the
+/// method from one): `_method` as written, or its `_` percent-encoded.
+fn query_names_a_method(query: &str) -> bool {
+    query.contains("_method") || query.contains("%5F") || query.contains("%5f")
+}
+
+/// The value of a query's pair when its name is `_method` (its `_` percent-encoded too),
+/// percent-decoded.
+fn method_parameter(pair: &str) -> Option<std::borrow::Cow<'_, str>> {
+    let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+    (name == "_method").then(|| percent_encoding::percent_decode_str(value).decode_utf8_lossy())
 }
 
 #[cfg(test)]
