@@ -337,6 +337,11 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         b"/api/v1/doc;jsessionid=1/more",
         // A parameter on the last segment, emptied: a trailing slash to every reader.
         b"/api/v1/;jsessionid=1",
+        // Trailing dots and spaces that do not change the route, with them or without (as
+        // Windows servers read a path).
+        b"/api/v1/doc.",
+        b"/api/v1/doc%20",
+        b"/api/v1/doc.%20./more",
     ];
     for path in tricks {
         assert_eq!(
@@ -383,6 +388,16 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         b"/api/v1/;x/doc",
         // Older Undertow ends the path at its first `;`: `/login` to it.
         b"/login;x/foo",
+        // Windows servers trim a segment's trailing dots and spaces: `/login` and
+        // `/api/v1/...` to them, the catch-all's as written.
+        b"/login.",
+        b"/login%20",
+        b"/login..%20",
+        b"/api./v1/doc",
+        b"/api/v1%20/doc",
+        // A segment of dots and spaces only: nothing to a Windows server.
+        b"/x/.../api",
+        b"/x/.%20/api",
     ];
     for path in bad {
         assert_eq!(

@@ -387,17 +387,28 @@ impl Gateway {
         }
         methods.iter().all(|method| {
             paths.iter().all(|p| {
-                if *method == req.method && p == path {
-                    return true;
-                }
-                let found = snapshot.routes.find(host, method, p);
-                let other = match p.contains(';') {
-                    true => self.route_of_parameters(snapshot, host, method, p, found),
-                    false => Ok(found),
-                };
-                other.is_ok_and(|o| o.is_some_and(|o| o.serves_alike(route)))
+                (*method == req.method && p == path)
+                    || self.reading_alike(snapshot, host, method, p, route)
             })
         })
+    }
+
+    /// Whether the request read as `method` and the normal path `path` is served alike by
+    /// `route`: its route there (one every reading of its path parameters agrees on) is one.
+    fn reading_alike(
+        &self,
+        snapshot: &Snapshot,
+        host: Option<&str>,
+        method: &http::Method,
+        path: &str,
+        route: &Route,
+    ) -> bool {
+        let found = snapshot.routes.find(host, method, path);
+        let other = match path.contains(';') {
+            true => self.route_of_parameters(snapshot, host, method, path, found),
+            false => Ok(found),
+        };
+        other.is_ok_and(|o| o.is_some_and(|o| o.serves_alike(route)))
     }
 
     /// Decides one limited request and returns the answer that denies it, if any.
@@ -711,6 +722,20 @@ impl ProxyHttp for Gateway {
                 Ok(route) => found = route,
                 Err(()) => return self.answer(session, ctx, Answer::BadRequest).await,
             }
+        }
+        // Windows servers trim each segment's trailing dots and spaces (`/ingest.` is
+        // `/ingest` to IIS): refused when that reading's route serves otherwise.
+        match crate::routing::without_trailing_dots(&path) {
+            Ok(None) => {}
+            Ok(Some(trimmed)) => {
+                let alike = found.is_none_or(|route| {
+                    self.reading_alike(&snapshot, host.as_deref(), &req.method, &trimmed, route)
+                });
+                if !alike {
+                    return self.answer(session, ctx, Answer::BadRequest).await;
+                }
+            }
+            Err(_) => return self.answer(session, ctx, Answer::BadRequest).await,
         }
         // A method or path some backends take from a field (or `_method`) instead of the
         // request's own: refused when the route it would pick serves otherwise.

@@ -24,6 +24,9 @@ pub enum PathError {
     /// themselves read it in different ways (Tomcat drops the emptied segment, Jetty keeps it
     /// before it resolves a `..`), so no route can be told to be the one that serves it.
     AmbiguousParameter,
+    /// A segment of dots and spaces only, past `.` and `..` (`/a/.../b`, `/a/.%20/b`): a
+    /// Windows server trims it to nothing.
+    DotsOnly,
 }
 
 impl fmt::Display for PathError {
@@ -40,6 +43,7 @@ impl fmt::Display for PathError {
             PathError::AmbiguousParameter => {
                 "a path parameter (';') stands on an empty or dot segment"
             }
+            PathError::DotsOnly => "a segment holds only dots and spaces",
         })
     }
 }
@@ -180,6 +184,31 @@ pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
         cut.push_str(bare);
     }
     Ok(Cow::Owned(cut))
+}
+
+/// A normal path as Windows servers read it (IIS and HTTP.sys, whose file names cannot end
+/// so): each segment without its trailing dots and spaces, `/ingest.` and `/ingest%20` being
+/// `/ingest`, where other backends read the path as written; a request whose route the two
+/// readings choose differently is refused (the proxy's request filter). `None` when no
+/// segment ends so; a segment of dots and spaces only is [`PathError::DotsOnly`].
+pub fn without_trailing_dots(normal: &str) -> Result<Option<String>, PathError> {
+    let trailing = |s: &str| s.ends_with('.') || s.ends_with("%20");
+    if !normal.split('/').any(trailing) {
+        return Ok(None);
+    }
+    let mut trimmed = String::with_capacity(normal.len());
+    for segment in normal.split('/').skip(1) {
+        trimmed.push('/');
+        let mut bare = segment;
+        while let Some(rest) = bare.strip_suffix('.').or_else(|| bare.strip_suffix("%20")) {
+            bare = rest;
+        }
+        if bare.is_empty() && !segment.is_empty() {
+            return Err(PathError::DotsOnly);
+        }
+        trimmed.push_str(bare);
+    }
+    Ok(Some(trimmed))
 }
 
 /// A normal path as older Undertow reads it (before 2.0.30: WildFly 18, Spring Boot 2.2):

@@ -301,6 +301,14 @@ fn route_path(
         );
         return None;
     }
+    if routing::without_trailing_dots(text).is_ok_and(|t| t.is_some()) {
+        c.push(
+            Some(&value.span()),
+            label,
+            format!("{field} = \"{text}\" has a segment ending in a dot or a space: Windows servers trim those, and a request whose route depends on it is refused, so the route could never serve; write the path without them"),
+        );
+        return None;
+    }
     match routing::normalize_path(text) {
         Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => {
             Some(if exact {
@@ -344,7 +352,8 @@ fn route_path(
                 | PathError::Backslash
                 | PathError::ControlCharacter
                 | PathError::NotUtf8
-                | PathError::AmbiguousParameter => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
+                | PathError::AmbiguousParameter
+                | PathError::DotsOnly => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
             };
             c.push(
                 Some(&value.span()),
