@@ -848,6 +848,28 @@ fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
             "/free",
             "X-HTTP-Method-Override: POST\r\nX-Original-URL: /ingest\r\n",
         ),
+        // As PHP and Node read a query's names: decoded, leading spaces dropped, `.` and `[` read as `_`, and
+        // `;` a separator to some.
+        ("GET", "/ingest?_m%65thod=POST", ""),
+        ("GET", "/ingest?.method=post", ""),
+        ("GET", "/ingest?+_method=POST", ""),
+        ("GET", "/ingest?[method=POST", ""),
+        ("GET", "/ingest?x=1;_method=POST", ""),
+        // A CGI server's spelling of the field.
+        ("GET", "/ingest", "X_HTTP_Method_Override: POST\r\n"),
+        // A trailing dot with an override: `POST /ingest` to a Windows server.
+        ("GET", "/ingest.", "X-HTTP-Method: POST\r\n"),
+        // Two methods (or two paths): no client sends them, refused whatever they pick.
+        (
+            "GET",
+            "/free",
+            "X-HTTP-Method-Override: PUT\r\nX-HTTP-Method: DELETE\r\n",
+        ),
+        (
+            "GET",
+            "/free",
+            "X-Original-URL: /a\r\nX-Rewrite-URL: /b\r\n",
+        ),
         // No method or path at all: refused, not guessed.
         ("GET", "/free", "X-HTTP-Method-Override: P O S T\r\n"),
         ("GET", "/free", "X-Original-URL: http://a/ingest\r\n"),
@@ -868,6 +890,11 @@ fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
         ("GET", "/free", "X-Original-URL: /ingest?x=1\r\n"),
         ("GET", "/free", "X-HTTP-Method-Override: \r\n"),
         ("GET", "/free?_method=PUT", ""),
+        (
+            "GET",
+            "/free",
+            "X-HTTP-Method-Override: PUT\r\nX-HTTP-Method: put\r\n",
+        ),
     ] {
         let answer = raw_answer(gw.port, head(method, target, field).as_bytes());
         assert!(
@@ -875,7 +902,7 @@ fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
             "{method} {target} {field}: {answer}"
         );
     }
-    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 5);
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 6);
     assert_eq!(redis.command_calls("evalsha"), 1, "the one POST decided");
 }
 

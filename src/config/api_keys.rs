@@ -210,7 +210,17 @@ fn unshown(message: &str) -> String {
         let Some(at) = quote_at else { break };
         let quote = rest[at..].chars().next().unwrap_or('`');
         out.push_str(&rest[..at]);
-        let Some(len) = rest[at + 1..].find(quote) else {
+        // A quote a `\` escapes (as a Debug-written string holds one) does not end it.
+        let inside = &rest[at + 1..];
+        let closing = inside.char_indices().find(|&(i, c)| {
+            let escapes = inside[..i]
+                .bytes()
+                .rev()
+                .take_while(|b| *b == b'\\')
+                .count();
+            c == quote && escapes % 2 == 0
+        });
+        let Some((len, _)) = closing else {
             out.push_str(HIDDEN);
             return out;
         };
@@ -355,6 +365,12 @@ mod tests {
                 && !text.contains("not shown")
                 && !text.contains("live_9f8e"),
             "{text}"
+        );
+        let escaped =
+            unshown("invalid value: string \"a\\\", expected b-live_9f8e\", expected a tier");
+        assert_eq!(
+            escaped,
+            "invalid value: string (not shown: it may be a key), expected a tier"
         );
         let value = unshown("invalid value: string \"live_9f8e\", expected a tier name");
         assert_eq!(

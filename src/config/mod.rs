@@ -75,10 +75,12 @@ fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
         let masked: Vec<String> = query
             .split('&')
             .map(|pair| match pair.split_once('=') {
+                // The name as a client reads it: `pa%73s` is `pass`.
                 Some((k, _))
-                    if every_value
-                        || k.eq_ignore_ascii_case("pass")
-                        || k.eq_ignore_ascii_case("password") =>
+                    if every_value || {
+                        let k = percent_encoding::percent_decode_str(k).decode_utf8_lossy();
+                        k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password")
+                    } =>
                 {
                     format!("{k}=***")
                 }

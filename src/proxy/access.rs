@@ -61,7 +61,8 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         .path
         .as_deref()
         .filter(|_| req.method != http::Method::CONNECT)
-        .map(without_parameters);
+        // Without its parameters: a session id there is a cookie's equal.
+        .map(crate::routing::parameters_dropped);
     let protocol = match req.version {
         http::Version::HTTP_2 => "HTTP/2",
         http::Version::HTTP_10 => "HTTP/1.0",
@@ -79,7 +80,6 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         client_ip: origin.and_then(|o| o.client.or(o.peer)),
         method: Some(req.method.as_str()),
         host,
-        // A `CONNECT` names an authority, no path.
         path: path.as_deref(),
         protocol,
         tls: origin.is_some_and(|o| o.tls),
@@ -122,23 +122,6 @@ pub(super) fn identity_in(ctx: &RequestCtx, field: &str) -> bool {
     }
 }
 
-/// `path` without its segments' parameters (from a `;` to the segment's end): a session id
-/// there (`;jsessionid=...`, a servlet's cookieless session) is a cookie's equal, which no
-/// line carries, as it carries no query. An encoded `%3B` is data, and stays.
-fn without_parameters(path: &str) -> std::borrow::Cow<'_, str> {
-    if !path.contains(';') {
-        return path.into();
-    }
-    let mut out = String::with_capacity(path.len());
-    for (i, segment) in path.split('/').enumerate() {
-        if i > 0 {
-            out.push('/');
-        }
-        out.push_str(segment.split(';').next().unwrap_or_default());
-    }
-    out.into()
-}
-
 /// `took` in milliseconds, to the microsecond: `0.868`, not `0.8684419999999999`, the noise
 /// of a double made from seconds.
 fn millis(took: std::time::Duration) -> f64 {
@@ -159,7 +142,7 @@ mod tests {
             ("/;p", "/"),
             ("/a%3Bb", "/a%3Bb"),
         ] {
-            assert_eq!(super::without_parameters(path), written, "{path}");
+            assert_eq!(crate::routing::parameters_dropped(path), written, "{path}");
         }
     }
 

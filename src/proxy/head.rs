@@ -243,49 +243,6 @@ fn name_char(b: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
-
-    use super::{override_method, override_of, override_path, Override};
-
-    #[test]
-    fn override_fields_are_known_by_their_name_and_cgi_spellings() {
-        for (name, kind) in [
-            ("x-http-method-override", Some(Override::Method)),
-            ("x-http-method", Some(Override::Method)),
-            ("x-method-override", Some(Override::Method)),
-            ("x_http_method_override", Some(Override::Method)),
-            ("x-original-url", Some(Override::Path)),
-            ("x_original.url", Some(Override::Path)),
-            ("x-rewrite-url", Some(Override::Path)),
-            ("x-request-id", None),
-            ("x-forwarded-for", None),
-            ("content-length", None),
-        ] {
-            assert_eq!(override_of(name), kind, "{name}");
-        }
-        assert_eq!(override_method(b" post "), Some(Some(http::Method::POST)));
-        assert_eq!(override_method(b""), Some(None));
-        assert_eq!(override_method(b"P O S T"), None);
-        assert_eq!(override_method(b"GET\x01"), None);
-        assert_eq!(
-            override_path(b"/a/./b/../c?x=1"),
-            Some(Some("/a/c".to_owned()))
-        );
-        assert_eq!(override_path(b" "), Some(None));
-        for refused in [
-            &b"http://a/b"[..],
-            b"//a/b",
-            b"a/b",
-            b"/%2e%2e/%2e%2e/x",
-            b"/a\\b",
-        ] {
-            assert_eq!(
-                override_path(refused),
-                None,
-                "{:?}",
-                String::from_utf8_lossy(refused)
-            );
-        }
-    }
     use super::*;
 
     #[test]
@@ -387,6 +344,47 @@ mod tests {
             &[("Host", "a b")],
         ] {
             assert_eq!(head(refused), None, "{refused:?}");
+        }
+    }
+
+    #[test]
+    fn override_fields_are_known_by_their_name_and_cgi_spellings() {
+        for (name, kind) in [
+            ("x-http-method-override", Some(Override::Method)),
+            ("x-http-method", Some(Override::Method)),
+            ("x-method-override", Some(Override::Method)),
+            ("x_http_method_override", Some(Override::Method)),
+            ("x-original-url", Some(Override::Path)),
+            ("x_original.url", Some(Override::Path)),
+            ("x-rewrite-url", Some(Override::Path)),
+            ("x-request-id", None),
+            ("x-forwarded-for", None),
+            ("content-length", None),
+        ] {
+            assert_eq!(override_of(name), kind, "{name}");
+        }
+        assert_eq!(override_method(b" post "), Some(Some(http::Method::POST)));
+        assert_eq!(override_method(b""), Some(None));
+        assert_eq!(override_method(b"P O S T"), None);
+        assert_eq!(override_method(b"GET\x01"), None);
+        assert_eq!(
+            override_path(b"/a/./b/../c?x=1"),
+            Some(Some("/a/c".to_owned()))
+        );
+        assert_eq!(override_path(b" "), Some(None));
+        for refused in [
+            &b"http://a/b"[..],
+            b"//a/b",
+            b"a/b",
+            b"/%2e%2e/%2e%2e/x",
+            b"/a\\b",
+        ] {
+            assert_eq!(
+                override_path(refused),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(refused)
+            );
         }
     }
 }

@@ -353,8 +353,11 @@ impl Gateway {
     /// the route of its own method and path. A backend that takes its method from
     /// `X-HTTP-Method-Override` serves `GET /ocr` sent with `POST` there as the `POST`
     /// a route limits, and one behind IIS serves `GET /free` with `X-Original-URL: /ocr`
-    /// as `/ocr`: either would pass the limit on the route the gateway found. A value that
-    /// is no method or path is refused too; an empty one is read as none, as backends do.
+    /// as `/ocr`: either would pass the limit on the route the gateway found. Each path is
+    /// read as written and as Windows trims it ([`crate::routing::without_trailing_dots`]).
+    /// A value that is no method or path is refused, as are two different methods or two
+    /// different paths (no client sends them, and each would multiply the lookups); an
+    /// empty one is read as none, as backends do. At most two methods by four paths.
     fn overrides_alike(
         &self,
         snapshot: &Snapshot,
@@ -363,29 +366,37 @@ impl Gateway {
         path: &str,
         route: &Arc<Route>,
     ) -> bool {
-        let mut methods = vec![req.method.clone()];
-        let mut paths = vec![path.to_owned()];
+        let (mut method, mut named) = (None, None);
         for (name, value) in &req.headers {
-            match head::override_of(name.as_str()) {
-                Some(head::Override::Method) => match head::override_method(value.as_bytes()) {
-                    Some(m) => methods.extend(m),
-                    None => return false,
-                },
-                Some(head::Override::Path) => match head::override_path(value.as_bytes()) {
-                    Some(p) => paths.extend(p),
-                    None => return false,
-                },
-                None => {}
+            let one = match head::override_of(name.as_str()) {
+                Some(head::Override::Method) => head::override_method(value.as_bytes())
+                    .is_some_and(|m| m.is_none_or(|m| only(&mut method, m))),
+                Some(head::Override::Path) => head::override_path(value.as_bytes())
+                    .is_some_and(|p| p.is_none_or(|p| only(&mut named, p))),
+                None => true,
+            };
+            if !one {
+                return false;
             }
         }
         let query = req.uri.query().unwrap_or_default();
-        for value in query.split('&').filter_map(method_parameter) {
-            match head::override_method(value.as_bytes()) {
-                Some(m) => methods.extend(m),
-                None => return false,
+        for value in query.split(['&', ';']).filter_map(method_parameter) {
+            let one = head::override_method(value.as_bytes())
+                .is_some_and(|m| m.is_none_or(|m| only(&mut method, m)));
+            if !one {
+                return false;
             }
         }
-        methods.iter().all(|method| {
+        let methods = std::iter::once(&req.method).chain(method.as_ref());
+        let mut paths = vec![path.to_owned()];
+        paths.extend(named);
+        for at in 0..paths.len() {
+            match crate::routing::without_trailing_dots(&paths[at]) {
+                Ok(trimmed) => paths.extend(trimmed),
+                Err(_) => return false,
+            }
+        }
+        methods.into_iter().all(|method| {
             paths.iter().all(|p| {
                 (*method == req.method && p == path)
                     || self.reading_alike(snapshot, host, method, p, route)
@@ -652,7 +663,7 @@ impl ProxyHttp for Gateway {
             underscored |= !crate::routing::plain_field_name(k.as_str());
             overriding |= head::override_of(k.as_str()).is_some();
         }
-        overriding |= req.uri.query().is_some_and(query_names_a_method);
+        overriding |= req.uri.query().is_some_and(query_may_name_a_method);
         if let Some(origin) = &mut ctx.origin {
             origin.underscored = underscored;
         }
@@ -1341,18 +1352,46 @@ impl ProxyHttp for Gateway {
     }
 }
 
-/// Whether a query may hold a `_method` parameter (Symfony, Laravel and Express read the
-/// method from one): `_method` as written, or its `_` percent-encoded.
-fn query_names_a_method(query: &str) -> bool {
-    query.contains("_method") || query.contains("%5F") || query.contains("%5f")
+/// Sets `slot` to `value`, or says whether it holds it already: one value besides the
+/// request's own.
+fn only<T: PartialEq>(slot: &mut Option<T>, value: T) -> bool {
+    match slot {
+        Some(held) => *held == value,
+        None => {
+            *slot = Some(value);
+            true
+        }
+    }
 }
 
-/// The value of a query's pair when its name is `_method` (its `_` percent-encoded too),
+/// Whether a query may hold a `_method` parameter (Symfony, Laravel and Express read the
+/// method from one): a name with `method` in it, or any percent-encoding.
+fn query_may_name_a_method(query: &str) -> bool {
+    query.contains("ethod") || query.contains('%')
+}
+
+/// The value of a query's pair when its name is `_method` as PHP and Node read names:
+/// percent-decoded (`+` a space), leading spaces dropped, and (PHP) `.`, a space and `[`
+/// read as `_`, so `.method`, `+method` and `_m%65thod` are `_method` too. The value
 /// percent-decoded.
-fn method_parameter(pair: &str) -> Option<std::borrow::Cow<'_, str>> {
+fn method_parameter(pair: &str) -> Option<String> {
     let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
-    (name == "_method").then(|| percent_encoding::percent_decode_str(value).decode_utf8_lossy())
+    if !name.contains("ethod") && !name.contains('%') {
+        return None;
+    }
+    let decoded = |text: &str| {
+        let text = text.replace('+', " ");
+        percent_encoding::percent_decode_str(&text)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let name = decoded(name);
+    let name = name.trim_start_matches(' ');
+    let folded = name.bytes().map(|b| match b {
+        b'.' | b' ' | b'[' => b'_',
+        b => b,
+    });
+    folded.eq(*b"_method").then(|| decoded(value))
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@
 mod path;
 
 pub use path::{
-    before_parameters, normalize_path, normalized, without_parameters, without_trailing_dots,
-    PathError, MAX_PATH_BYTES,
+    before_parameters, normalize_path, normalized, parameters_dropped, without_parameters,
+    without_trailing_dots, PathError, MAX_PATH_BYTES,
 };
 
 use http::Method;

@@ -24,10 +24,12 @@ pub enum PathError {
     /// themselves read it in different ways (Tomcat drops the emptied segment, Jetty keeps it
     /// before it resolves a `..`), so no route can be told to be the one that serves it.
     AmbiguousParameter,
-    /// A segment of dots and spaces only, past `.` and `..` (`/a/.../b`, `/a/.%20/b`): a
-    /// Windows server trims it to nothing.
-    DotsOnly,
 }
+
+/// A segment of dots and spaces only, past `.` and `..` (`/a/.../b`, `/a/.%20/b`): a Windows
+/// server trims it to nothing, and no route can be told to be the one that serves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DotsOnly;
 
 impl fmt::Display for PathError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -43,7 +45,6 @@ impl fmt::Display for PathError {
             PathError::AmbiguousParameter => {
                 "a path parameter (';') stands on an empty or dot segment"
             }
-            PathError::DotsOnly => "a segment holds only dots and spaces",
         })
     }
 }
@@ -169,10 +170,8 @@ pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
     if !normal.contains(';') {
         return Ok(Cow::Borrowed(normal));
     }
-    let mut cut = String::with_capacity(normal.len());
     let mut segments = normal.split('/').skip(1).peekable();
     while let Some(segment) = segments.next() {
-        cut.push('/');
         let bare = segment.split(';').next().unwrap_or_default();
         // The last segment emptied (`/api/;jsessionid=1`) is a trailing slash to every
         // reader; any other emptied or dot segment is not read alike.
@@ -181,17 +180,32 @@ pub fn without_parameters(normal: &str) -> Result<Cow<'_, str>, PathError> {
         {
             return Err(PathError::AmbiguousParameter);
         }
-        cut.push_str(bare);
     }
-    Ok(Cow::Owned(cut))
+    Ok(parameters_dropped(normal))
+}
+
+/// `path` with each segment cut at its first raw `;`, whatever is left: what the access log
+/// writes (a session id there is a cookie's equal), and [`without_parameters`]'s reading.
+pub fn parameters_dropped(path: &str) -> Cow<'_, str> {
+    if !path.contains(';') {
+        return Cow::Borrowed(path);
+    }
+    let mut cut = String::with_capacity(path.len());
+    for (i, segment) in path.split('/').enumerate() {
+        if i > 0 {
+            cut.push('/');
+        }
+        cut.push_str(segment.split(';').next().unwrap_or_default());
+    }
+    Cow::Owned(cut)
 }
 
 /// A normal path as Windows servers read it (IIS and HTTP.sys, whose file names cannot end
 /// so): each segment without its trailing dots and spaces, `/ingest.` and `/ingest%20` being
 /// `/ingest`, where other backends read the path as written; a request whose route the two
 /// readings choose differently is refused (the proxy's request filter). `None` when no
-/// segment ends so; a segment of dots and spaces only is [`PathError::DotsOnly`].
-pub fn without_trailing_dots(normal: &str) -> Result<Option<String>, PathError> {
+/// segment ends so.
+pub fn without_trailing_dots(normal: &str) -> Result<Option<String>, DotsOnly> {
     let trailing = |s: &str| s.ends_with('.') || s.ends_with("%20");
     if !normal.split('/').any(trailing) {
         return Ok(None);
@@ -204,7 +218,7 @@ pub fn without_trailing_dots(normal: &str) -> Result<Option<String>, PathError> 
             bare = rest;
         }
         if bare.is_empty() && !segment.is_empty() {
-            return Err(PathError::DotsOnly);
+            return Err(DotsOnly);
         }
         trimmed.push_str(bare);
     }

@@ -383,6 +383,10 @@ mod tests {
             redact_url("unix:///run/redis.sock?db=2&pass=secret"),
             "unix:///run/redis.sock?db=2&pass=***"
         );
+        assert_eq!(
+            redact_url("unix:///run/redis.sock?pa%73s=secret&Pass%77ord=s"),
+            "unix:///run/redis.sock?pa%73s=***&Pass%77ord=***"
+        );
         assert_eq!(redact_url("redis://u:pa/ss@h:1/0"), "redis://u:***@h:1/0");
     }
 }

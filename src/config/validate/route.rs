@@ -301,15 +301,17 @@ fn route_path(
         );
         return None;
     }
-    if routing::without_trailing_dots(text).is_ok_and(|t| t.is_some()) {
-        c.push(
-            Some(&value.span()),
-            label,
-            format!("{field} = \"{text}\" has a segment ending in a dot or a space: Windows servers trim those, and a request whose route depends on it is refused, so the route could never serve; write the path without them"),
-        );
-        return None;
-    }
     match routing::normalize_path(text) {
+        // What a request reaching it would be refused for: a segment Windows servers read
+        // otherwise (checked on the normal form, which `check` would have written next).
+        Ok(n) if !matches!(routing::without_trailing_dots(&n), Ok(None)) => {
+            c.push(
+                Some(&value.span()),
+                label,
+                format!("{field} = \"{text}\" has a segment ending in a dot or a space: Windows servers trim those, and a request whose route depends on it is refused, so the route could never serve; write the path without them"),
+            );
+            None
+        }
         Ok(n) if n.as_str() == text.as_str() && (text == "/" || !text.ends_with('/')) => {
             Some(if exact {
                 PathMatch::Exact(n)
@@ -352,8 +354,7 @@ fn route_path(
                 | PathError::Backslash
                 | PathError::ControlCharacter
                 | PathError::NotUtf8
-                | PathError::AmbiguousParameter
-                | PathError::DotsOnly => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
+                | PathError::AmbiguousParameter => "a request holding that is answered 400 and never routed, so no request could match: write the path without it".to_owned(),
             };
             c.push(
                 Some(&value.span()),

@@ -1128,14 +1128,22 @@ fn check_redis_url(
         Some(rest) => format!("redis://{rest}"),
         None => url.to_owned(),
     };
-    // A password in the query (`?password=`): redis-rs reads one there only for a socket's
-    // URL, but it is a secret written in the file all the same.
-    let in_query = url.split_once('?').is_some_and(|(_, query)| {
-        query.split('&').any(|pair| {
-            let key = pair.split('=').next().unwrap_or_default();
-            key.eq_ignore_ascii_case("password") || key.eq_ignore_ascii_case("pass")
+    // A password in the query (`?password=`, `?pass=`; the name percent-decoded, as the
+    // client reads it): redis-rs reads one there only as a socket's `?pass=`, but it is a
+    // secret written in the file all the same.
+    let named = |wanted: &[&str]| {
+        url.split_once('?').is_some_and(|(_, query)| {
+            query.split('&').any(|pair| {
+                let key = pair.split('=').next().unwrap_or_default();
+                let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
+                wanted.iter().any(|w| key.eq_ignore_ascii_case(w))
+            })
         })
-    });
+    };
+    let in_query = named(&["password", "pass"]);
+    let socket = url.starts_with("unix://") || url.starts_with("redis+unix://");
+    // What the client would not read: `?password=` anywhere, `?pass=` but in a socket's.
+    let unread = named(&["password"]) || (!socket && named(&["pass"]));
     match redis::Client::open(plain.as_str()) {
         Ok(client)
             if in_file.is_some()
@@ -1156,22 +1164,14 @@ fn check_redis_url(
             );
             None
         }
-        // `SENTINEL_REDIS_URL` may carry a password, but one in the query of a TCP URL is
-        // not read (Redis would answer every call `NOAUTH`): said now, not at the first call.
-        Ok(client)
-            if in_query
-                && (url.starts_with("redis://") || url.starts_with("rediss://"))
-                && client
-                    .get_connection_info()
-                    .redis_settings()
-                    .password()
-                    .is_none() =>
-        {
+        // `SENTINEL_REDIS_URL` may carry a password, but one the client does not read in
+        // the query would have Redis answer every call `NOAUTH`: said now, not at the first.
+        Ok(_) if unread => {
             c.push(
                 span,
                 None,
                 format!(
-                    "{what}: a password in the query (?password=) is read only in a unix:// URL; write it before the host, redis://user:password@host:port"
+                    "{what}: a password in the query is not read by the Redis client (only ?pass= in a unix:// URL is); write it before the host, redis://user:password@host:port"
                 ),
             );
             None
