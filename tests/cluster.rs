@@ -386,6 +386,52 @@ async fn a_stalled_importing_node_trips_its_own_breaker_not_the_owners() {
     cluster.nodes[to].proc.signal("CONT");
 }
 
+/// A slot migrating to a node outside the slot map (a primary without slots yet) that
+/// dies: redirects that name it fail at once once its first attempt failed, each as a node
+/// down fails, and its outage is said once. (Its link was made again at each refresh of
+/// the map, which it is not in: dialled and said down again each time, about once a
+/// second, and every redirected decision waited its whole budget for the new link.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_to_a_dead_node_outside_the_map_fails_at_once_and_is_said_once() {
+    let mut cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let away = cluster.add_empty_node();
+    // A budget far above a refused connection's few milliseconds.
+    let gw = connected(
+        cluster_config(&cluster.seed_urls()[..3], &up.addr())
+            .redis("timeout_ms", "400")
+            .breaker(1000, 1)
+            .start(),
+    );
+    let tenant = "asked-away";
+    let k = key(tenant, "c.closed");
+    assert_eq!(get("/closed", &gw, tenant).await.0, 200);
+    let slot = sentinel_gateway::store::slot(k.as_bytes());
+    cluster.migrate_key(slot, cluster.owner(&k), away, &k);
+    cluster.kill(away);
+    let mut took = Vec::new();
+    for _ in 0..8 {
+        let asked = std::time::Instant::now();
+        assert_eq!(get("/closed", &gw, tenant).await.0, 503);
+        took.push(asked.elapsed());
+        // Past the map's refreshes (every second while a node is not healthy).
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    // Generous for a loaded machine: the wait was the budget, 400 ms, each time.
+    assert!(
+        took[1..].iter().all(|t| *t < Duration::from_millis(200)),
+        "{took:?}"
+    );
+    let node = format!("127.0.0.1:{}", cluster.nodes[away].port);
+    let said = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("redis unavailable") && l.contains(&node))
+        .count();
+    assert_eq!(said, 1, "{}", gw.logs());
+    assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 8.0);
+}
+
 /// `/limits` follows `ASK` and `MOVED` as decisions do: mid-migration its read finds the
 /// bucket where it went, and once the slot has moved its reset deletes it there. It answered
 /// 503 for as long as a slot migrated, and logged nothing.

@@ -39,6 +39,8 @@ const REFRESH_DEGRADED_EVERY: Duration = Duration::from_secs(1);
 const REFRESH_MIN_GAP: Duration = Duration::from_millis(100);
 /// One `CLUSTER SLOTS` query, connection included.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a node outside the slot map is kept after a redirect last named it.
+const NAMED_KEPT: Duration = Duration::from_secs(10);
 
 pub(super) struct Cluster {
     seeds: ArcSwap<Vec<String>>,
@@ -139,6 +141,8 @@ impl Cluster {
         let name = node_name(host, port);
         let mut known = self.known.lock().expect("cluster links lock");
         if let Some(link) = known.get(&name) {
+            link.named_at
+                .store(super::deadline::mono_us(), Ordering::Relaxed);
             return Some(Arc::clone(link));
         }
         let seed = self.node_template()?;
@@ -146,6 +150,8 @@ impl Cluster {
             Target::node(&seed, &self.access.load(), host, port),
             &self.refresh,
         );
+        link.named_at
+            .store(super::deadline::mono_us(), Ordering::Relaxed);
         known.insert(name, Arc::clone(&link));
         Some(link)
     }
@@ -233,8 +239,15 @@ impl Cluster {
             });
             Arc::clone(link)
         });
+        // A node outside the map that redirects still name (a migration's destination
+        // without slots yet, or one gone down or demoted mid-migration) is kept: made again
+        // at each refresh, it was dialled and its outage said again each time, and each
+        // redirected call waited for its first attempt.
+        let now = super::deadline::mono_us();
         known.retain(|_, link| {
-            let keep = map.nodes().iter().any(|l| Arc::ptr_eq(l, link));
+            let named = link.named_at.load(Ordering::Relaxed);
+            let keep = map.nodes().iter().any(|l| Arc::ptr_eq(l, link))
+                || (named != 0 && now < named + NAMED_KEPT.as_micros() as u64);
             if !keep {
                 connector.retire(link);
             }

@@ -42,6 +42,17 @@ pub fn mono_us() -> u64 {
     ORIGIN.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1
 }
 
+/// Whether a line said at most once every `secs` seconds may be said now (`last`: when it
+/// was last, in [`mono_us`]; 0: never), marking it said.
+pub fn once_every(last: &std::sync::atomic::AtomicU64, secs: u64) -> bool {
+    use std::sync::atomic::Ordering;
+    let (now, was) = (mono_us(), last.load(Ordering::Relaxed));
+    (was == 0 || now >= was + secs * 1_000_000)
+        && last
+            .compare_exchange(was, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
 /// A `TIME` reply's seconds and microseconds as microseconds (saturated: a reply of a broken
 /// node is no overflow).
 pub fn time_us(secs: u64, micros: u64) -> u64 {

@@ -72,6 +72,9 @@ pub(super) struct Redirect {
     pub(super) ask: bool,
 }
 
+/// When "redirected too many times" was last said ([`super::deadline::once_every`]).
+static REDIRECTS_LOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The redirect an error carries, if it is one.
 pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
     let (addr, slot) = e.redirect_node()?;
@@ -376,15 +379,22 @@ impl Store {
                     before.settle(None);
                 }
                 // A node first named by this redirect connects now; the budget bounds the
-                // wait.
-                next.connected().await;
+                // wait. One known down fails the call at once, as any node down does.
+                if !next.reached().await {
+                    next.failed_at_once();
+                    return Err(Failure::NotConnected);
+                }
                 link = Cow::Owned(next);
                 asking = redirect.ask;
             }
-            tracing::warn!(
-                key_slot = super::slot(call.keys[0].as_bytes()),
-                "redis cluster redirected too many times"
-            );
+            // A slot whose nodes redirect in a loop (a migration's destination demoted to a
+            // replica, which sends it back) fails every decision of it: said once in 10 s.
+            if super::deadline::once_every(&REDIRECTS_LOGGED, 10) {
+                tracing::warn!(
+                    key_slot = super::slot(call.keys[0].as_bytes()),
+                    "redis cluster redirected too many times (said at most once every 10 s)"
+                );
+            }
             Err(Failure::Unavailable)
         };
         let result = tokio::time::timeout(timer, attempt)

@@ -220,6 +220,11 @@ pub(super) struct Link {
     /// When a reply that says the node cannot serve was last logged, in seconds since the
     /// link was made (0: never).
     unavailable_logged: std::sync::atomic::AtomicU64,
+    /// The last connection attempt failed (none has succeeded since).
+    attempt_failed: AtomicBool,
+    /// In a cluster, when a redirect last named the node (seconds of [`super::deadline`]'s
+    /// clock, 0: never): a node outside the slot map is kept while redirects name it.
+    pub(super) named_at: AtomicU64,
     made: std::time::Instant,
     pub(super) breaker: Breaker,
     /// Whether the node takes batches.
@@ -271,6 +276,8 @@ impl Link {
             probe_kept: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
+            attempt_failed: AtomicBool::new(false),
+            named_at: AtomicU64::new(0),
             made: std::time::Instant::now(),
             breaker,
             turns: Default::default(),
@@ -356,6 +363,25 @@ impl Link {
             notified.as_mut().enable();
             if self.is_connected() {
                 return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits for the connection a redirect needs: whether there is one, at once when the
+    /// node's last attempt failed (it is down, and a request fails at once, as while any
+    /// node is down); for a node just named, until its first attempt's outcome (the caller
+    /// bounds the wait).
+    pub(super) async fn reached(&self) -> bool {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_connected() {
+                return true;
+            }
+            if self.attempt_failed.load(Ordering::Acquire) {
+                return false;
             }
             notified.await;
         }
@@ -646,6 +672,7 @@ impl Link {
     /// requests to find it down are answered `redis_connection_error` by their fail mode, as
     /// the decision table's row says, not `circuit_open`.
     pub(super) fn attempt_failed(&self) {
+        self.attempt_failed.store(true, Ordering::Release);
         if self.asked_while_down.load(Ordering::Relaxed) {
             self.breaker.count_failure();
         }
@@ -655,6 +682,7 @@ impl Link {
     /// the breaker's quarantine (opened by the old master's failures) ends: the next request
     /// probes the new master.
     pub(super) fn connected_again(&self) {
+        self.attempt_failed.store(false, Ordering::Release);
         self.forget_outage();
         self.asked_while_down.store(false, Ordering::Relaxed);
         if self.new_master.swap(false, Ordering::AcqRel) {

@@ -204,6 +204,42 @@ impl RedisCluster {
             .expect("MIGRATE");
     }
 
+    /// Starts one more primary, without slots, and has the cluster meet it: a node outside
+    /// the slot map until slots move to it. Its index.
+    pub fn add_empty_node(&mut self) -> usize {
+        let [port, bus] = free_ports();
+        let node = Self::start_node(port, bus, None);
+        let _: () = redis::cmd("CLUSTER")
+            .arg("MEET")
+            .arg("127.0.0.1")
+            .arg(port)
+            .arg(bus)
+            .query(&mut self.nodes[0].conn())
+            .expect("MEET");
+        self.nodes.push(node);
+        self.bus_ports.push(bus);
+        let count = self.nodes.len();
+        wait_until(
+            Duration::from_secs(30),
+            "every node to know the new one",
+            || {
+                self.nodes.iter().all(|n| {
+                    let nodes: String = redis::cmd("CLUSTER")
+                        .arg("NODES")
+                        .query(&mut n.conn())
+                        .unwrap_or_default();
+                    nodes
+                        .lines()
+                        .filter(|l| l.contains("master") && !l.contains("handshake"))
+                        .count()
+                        == count
+                })
+            },
+        );
+        self.wait_ok();
+        count - 1
+    }
+
     /// Kills node `i` (SIGKILL) and waits for it to exit.
     pub fn kill(&mut self, i: usize) {
         let node = &mut self.nodes[i];
