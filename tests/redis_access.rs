@@ -449,6 +449,12 @@ async fn an_outage_whose_reason_changes_is_logged_again() {
     // One for the node not reached (refused, reset or timed out: one reason), one for the
     // refused password.
     assert_eq!(reasons.len(), 2, "{reasons:?}");
+    // A dependency's fault: at ERROR (contract section 8).
+    assert!(
+        outage_lines(&gw).iter().all(|l| l.contains(r#""level":"ERROR""#)),
+        "{:?}",
+        outage_lines(&gw)
+    );
     assert!(!gw.logs().contains("Pa55word"), "never a password");
 }
 

@@ -646,7 +646,8 @@ impl Link {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if logged.len() < REASONS_LOGGED && !logged.iter().any(|k| k == kind) {
-            tracing::warn!(node = %self.node(), error = reason, "redis unavailable; reconnecting in the background");
+            // A dependency's fault, said once a reason: ERROR, what an operator alerts on.
+            tracing::error!(node = %self.node(), error = reason, "redis unavailable; reconnecting in the background");
             logged.push(kind.to_owned());
         }
     }
