@@ -281,6 +281,55 @@ fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
     );
 }
 
+/// With `watch_config`, a key file replaced by one of the same length under its old
+/// modification time (as `cp -p`, `rsync -a` or `tar` deploy a file) is loaded: the watch
+/// compared the time and the length alone, and the old keys went on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    write_keys(&keys, &[hash_key("key-a", "alpha")]);
+    let gw = config(&redis, &up, &keys)
+        .server("watch_config", "true")
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
+    let old = std::fs::metadata(&keys).unwrap();
+    // A new file, renamed over the old one, and one written in place: each the same length,
+    // each given the old modification time.
+    for (key, tenant, renamed) in [("key-b", "betaa", true), ("key-c", "gamma", false)] {
+        let text = hash_key(key, tenant);
+        assert_eq!(text.len() as u64, old.len(), "the same length");
+        let target = match renamed {
+            true => dir.path().join("keys.new"),
+            false => keys.clone(),
+        };
+        std::fs::write(&target, &text).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&target)
+            .unwrap()
+            .set_modified(old.modified().unwrap())
+            .unwrap();
+        if renamed {
+            std::fs::rename(&target, &keys).unwrap();
+        }
+        let url = gw.url("/ocr");
+        let mut loaded = false;
+        for _ in 0..50 {
+            if send(&http, &url, Some(key)).await.0 == 200 {
+                loaded = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(loaded, "{key} loaded by the watch: {}", gw.logs());
+    }
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 401);
+}
+
 /// A reload does not wait for a writer of a FIFO among the config's files (a key file
 /// swapped for one by mistake): it held `POST /reload`, and every reload after it, until a
 /// writer came. Read as empty, which no key file may be: refused at once, the old keys

@@ -451,7 +451,9 @@ async fn an_outage_whose_reason_changes_is_logged_again() {
     assert_eq!(reasons.len(), 2, "{reasons:?}");
     // A dependency's fault: at ERROR (contract section 8).
     assert!(
-        outage_lines(&gw).iter().all(|l| l.contains(r#""level":"ERROR""#)),
+        outage_lines(&gw)
+            .iter()
+            .all(|l| l.contains(r#""level":"ERROR""#)),
         "{:?}",
         outage_lines(&gw)
     );

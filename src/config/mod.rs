@@ -115,15 +115,30 @@ pub const MAX_CAPACITY_MICRO: u64 = 1_000_000_000_000_000;
 /// Largest accepted `refill_rate_micro_per_sec` and fallback rates (10^6 requests per second).
 pub const MAX_RATE_MICRO_PER_SEC: u64 = 1_000_000_000_000;
 
-/// A file's modification time and length (`None`: it cannot be read): what `watch_config`
-/// compares.
-pub type FileStamp = Option<(Option<std::time::SystemTime>, u64)>;
+/// A file's modification time, length, status change time and inode (`None`: it cannot be
+/// read): what `watch_config` compares. The status change time is the kernel's, moved by
+/// every write and rename, where the modification time is whatever a tool sets it to (`cp
+/// -p`, `rsync -a` and `tar` keep the old one): a change of the same length under the
+/// old time was missed.
+pub type FileStamp = Option<FileState>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileState {
+    modified: Option<std::time::SystemTime>,
+    len: u64,
+    changed: (i64, i64),
+    inode: (u64, u64),
+}
 
 /// `path` as it is now.
 pub(crate) fn file_stamp(path: &Path) -> FileStamp {
-    std::fs::metadata(path)
-        .ok()
-        .map(|m| (m.modified().ok(), m.len()))
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| FileState {
+        modified: m.modified().ok(),
+        len: m.len(),
+        changed: (m.ctime(), m.ctime_nsec()),
+        inode: (m.dev(), m.ino()),
+    })
 }
 
 /// What the config load running on a thread keeps beside what it reads.
