@@ -560,11 +560,11 @@ impl Metrics {
     /// `sentinel_tls_cert_expiry_timestamp_seconds` of these certificates (their file, and the
     /// end of their validity in Unix seconds), and of no others: a reload that drops a
     /// certificate drops its series.
-    pub fn tls_certs<'a>(&self, certs: impl IntoIterator<Item = (&'a std::path::Path, i64)>) {
+    pub fn tls_certs<'a>(&self, certs: impl IntoIterator<Item = (&'a str, i64)>) {
         self.tls_cert_expiry.reset();
         for (path, not_after) in certs {
             self.tls_cert_expiry
-                .with_label_values(&[&path.display().to_string()])
+                .with_label_values(&[path])
                 .set(not_after);
         }
     }

@@ -220,7 +220,7 @@ impl Reloader {
         self.metrics.tls_certs(
             served
                 .iter()
-                .map(|(path, t)| (path.as_path(), *t))
+                .map(|(path, t)| (path.as_str(), *t))
                 .chain(redis.access.client_cert_expiry()),
         );
         self.edge

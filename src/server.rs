@@ -136,7 +136,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     metrics.tls_certs(
         served
             .iter()
-            .map(|(path, t)| (path.as_path(), *t))
+            .map(|(path, t)| (path.as_str(), *t))
             .chain(config.redis.access.client_cert_expiry()),
     );
     let max_connections = budget.max_connections;

@@ -190,6 +190,38 @@ fn an_address_sent_as_the_sni_name_is_answered_and_logs_no_warning() {
     assert!(loud.is_empty(), "{loud:#?}");
 }
 
+/// A certificate's expiry is labelled with its `cert_path` as the config writes it, here
+/// relative to the config file: the series is the same however the file was named at start
+/// (it was the path the file was read from, the config's directory before it).
+#[test]
+fn a_certificates_expiry_is_labelled_as_the_config_writes_its_path() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let [port, admin] = common::free_ports();
+    let relative = tls_section(
+        s.tls_port,
+        (Path::new("default.pem"), Path::new("default.key")),
+        (Path::new("named.pem"), Path::new("named.key")),
+        "",
+    );
+    let text = GatewayConfig::new(&redis.url())
+        .section(&relative)
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/open").unlimited())
+        .render(port, admin);
+    let path = s.path("gateway.toml");
+    std::fs::write(&path, text).unwrap();
+    let _gw = common::Proc::gateway(&path, None);
+    let metrics = || common::blocking_get(&format!("http://127.0.0.1:{admin}/metrics"));
+    wait_until(Duration::from_secs(20), "ready", || {
+        metrics().is_some_and(|(status, _)| status == 200)
+    });
+    let (_, body) = metrics().unwrap();
+    for file in ["default.pem", "named.pem"] {
+        let series = format!("sentinel_tls_cert_expiry_timestamp_seconds{{cert_path=\"{file}\"}}");
+        assert!(body.contains(&series), "{series}: {body}");
+    }
+}
+
 #[test]
 fn min_version_1_3_refuses_a_tls_1_2_client() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());

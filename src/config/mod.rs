@@ -320,9 +320,9 @@ pub struct RedisAccess {
 impl RedisAccess {
     /// The client certificate's file and the end of its validity (Unix seconds), for
     /// `sentinel_tls_cert_expiry_timestamp_seconds`.
-    pub fn client_cert_expiry(&self) -> Option<(&std::path::Path, i64)> {
+    pub fn client_cert_expiry(&self) -> Option<(&str, i64)> {
         let tls = self.tls.as_ref()?;
-        Some((tls.cert_path.as_deref()?, tls.not_after?))
+        Some((tls.cert_written.as_deref()?, tls.not_after?))
     }
 }
 

@@ -27,10 +27,10 @@ pub struct TlsListener {
 impl TlsListener {
     /// Each certificate this listener serves, by file, with the end of its validity (Unix
     /// seconds).
-    pub fn expiries(&self) -> impl Iterator<Item = (&std::path::Path, i64)> {
+    pub fn expiries(&self) -> impl Iterator<Item = (&str, i64)> {
         std::iter::once(&self.default)
             .chain(self.sni.iter().map(|s| &s.pair))
-            .map(|p| (p.cert_path.as_path(), p.not_after))
+            .map(|p| (p.cert_written.as_str(), p.not_after))
     }
 }
 
@@ -128,6 +128,9 @@ impl fmt::Display for ServerName {
 #[derive(Clone)]
 pub struct CertPair {
     pub cert_path: PathBuf,
+    /// `cert_path` as the config writes it: the label of its expiry's series, the same
+    /// however the config file was named at start.
+    pub cert_written: String,
     pub key_path: PathBuf,
     pub key: Arc<CertifiedKey>,
     /// The end of the certificate's validity, as written in it.
@@ -194,6 +197,7 @@ impl CertPair {
         })?;
         Ok(Self {
             cert_path: cert_path.to_owned(),
+            cert_written: cert_path.display().to_string(),
             key_path: key_path.to_owned(),
             key: Arc::new(certified),
             expires,
@@ -314,6 +318,8 @@ impl fmt::Debug for CertPair {
 pub struct RedisTls {
     pub ca_path: Option<PathBuf>,
     pub cert_path: Option<PathBuf>,
+    /// `cert_path` as the config writes it (the label of its expiry's series).
+    pub cert_written: Option<String>,
     pub key_path: Option<PathBuf>,
     /// The bytes of the files, as read: what a reload compares.
     source: Vec<Vec<u8>>,
@@ -411,6 +417,7 @@ impl RedisTls {
         Ok(Self {
             ca_path: ca_path.map(Path::to_owned),
             cert_path: client.map(|(c, _)| c.to_owned()),
+            cert_written: client.map(|(c, _)| c.display().to_string()),
             key_path: client.map(|(_, k)| k.to_owned()),
             source,
             client: Arc::new(config),

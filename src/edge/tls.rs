@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -28,7 +27,7 @@ struct CertSet {
     /// By the part after `*.`.
     wildcard: HashMap<String, Arc<CertifiedKey>>,
     /// Each certificate's file and expiry (Unix seconds), for the metric.
-    expiries: Vec<(PathBuf, i64)>,
+    expiries: Vec<(String, i64)>,
 }
 
 impl CertSet {
@@ -50,7 +49,7 @@ impl CertSet {
             wildcard,
             expiries: listener
                 .expiries()
-                .map(|(path, t)| (path.to_path_buf(), t))
+                .map(|(path, t)| (path.to_owned(), t))
                 .collect(),
         }
     }
@@ -145,7 +144,7 @@ impl Certificates {
 
     /// The file and expiry of every certificate served now: a listener a reload removed
     /// serves its last ones until the restart.
-    pub fn expiries(&self) -> Vec<(PathBuf, i64)> {
+    pub fn expiries(&self) -> Vec<(String, i64)> {
         self.listeners
             .iter()
             .flat_map(|l| l.resolver.set.load().expiries.clone())

@@ -923,7 +923,12 @@ fn redis_access(
         ca_path.as_deref(),
         client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
     ) {
-        Ok(tls) => Some(tls),
+        Ok(mut tls) => {
+            tls.cert_written = cert
+                .filter(|_| client.is_some())
+                .map(|c| c.get_ref().clone());
+            Some(tls)
+        }
         Err(e) => {
             let (field, value, why) = match e {
                 crate::config::tls::RedisTlsError::Ca(why) => ("tls_ca_path", ca, why),

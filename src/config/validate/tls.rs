@@ -174,7 +174,10 @@ fn pair(
     match CertPair::load(&cert_path, &key_path) {
         // Out of its validity, it is served: said by `check` and logged at ERROR at every
         // start and reload (`Config::out_of_date_certificates`).
-        Ok(pair) => Some(pair),
+        Ok(pair) => Some(CertPair {
+            cert_written: cert.get_ref().clone(),
+            ..pair
+        }),
         Err(PairError::Cert(why)) => {
             c.push(
                 Some(&cert.span()),
