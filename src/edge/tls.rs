@@ -225,6 +225,7 @@ mod tests {
     fn pair(marker: u8) -> CertPair {
         CertPair {
             cert_path: format!("{marker}.pem").into(),
+            cert_written: format!("{marker}.pem"),
             key_path: format!("{marker}.key").into(),
             key: key(marker),
             expires: String::new(),
