@@ -18,7 +18,7 @@ fn exported() -> Vec<String> {
         sentinel_gateway::config::Enforcement::Enforce,
         &["default"],
     );
-    metrics.tls_certs([(Path::new("tls/default.pem"), 0)]);
+    metrics.tls_certs([("tls/default.pem", 0)]);
     metrics
         .registry
         .gather()
