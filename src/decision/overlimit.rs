@@ -11,7 +11,7 @@
 //! never before. The sliding window uses the moment its estimate would admit the request.
 //!
 //! Bounded: a fixed number of keys per endpoint; when full, expired entries are dropped and,
-//! if still full, the denial is simply not cached. Each endpoint has its own cache, rebuilt
+//! if still full, a new denial replaces the least asked of a few entries. Each endpoint has its own cache, rebuilt
 //! on every reload, so a reload or a new `policy_version` starts with an empty one.
 //!
 //! A ceiling's denial (on a cluster, where the ceilings live on another slot than the
@@ -142,6 +142,10 @@ struct Entry {
     full_at: u64,
     /// The index of the limit that denied.
     limit: u8,
+    /// The requests it answered: when the cache is full, a new denial takes the place of
+    /// the least asked of a few ([`insert`]), so that identities made up to fill it (each
+    /// denied once) cannot keep a hot one out.
+    hits: u32,
     /// With several limits, what each said ([`Other`]), for the `RateLimit` fields of the
     /// repeated 429, which carry one item per limit.
     limits: Option<Box<[Other]>>,
@@ -277,8 +281,11 @@ impl OverlimitCache {
     fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
-        match shard.get(key) {
-            Some(entry) if entry.kept > now => Some((denied_of(entry, now), also(entry, now))),
+        match shard.get_mut(key) {
+            Some(entry) if entry.kept > now => {
+                entry.hits = entry.hits.saturating_add(1);
+                Some((denied_of(entry, now), also(entry, now)))
+            }
             Some(_) => {
                 shard.remove(key);
                 None
@@ -411,16 +418,31 @@ fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry
         kept: now + wait_us,
         full_at: at(now, replies.get(limit).and_then(|r| r.reset)),
         limit: u8::try_from(limit).unwrap_or(u8::MAX),
+        hits: 0,
         limits,
     }
 }
 
-/// Puts `entry` in `shard` when there is room (expired entries make some).
+/// How many entries a full shard compares to choose the one a new denial replaces.
+const EVICTION_SAMPLE: usize = 8;
+
+/// Puts `entry` in `shard`. A full shard drops its expired entries, and when none has, the
+/// least asked of [`EVICTION_SAMPLE`] entries taken from a place that moves with the clock
+/// (the oldest of them among equals): a cache filled with identities denied once, never
+/// asked again, took no new denial until theirs ended, a hot identity's included.
 fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64) {
     if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
         shard.retain(|_, e| e.kept > now);
         if shard.len() >= CAPACITY / SHARDS {
-            return;
+            let from = (now as usize) % shard.len();
+            let victim = (shard.iter().skip(from))
+                .chain(shard.iter())
+                .take(EVICTION_SAMPLE)
+                .min_by_key(|(_, e)| (e.hits, e.kept))
+                .map(|(k, _)| k.clone());
+            if let Some(victim) = victim {
+                shard.remove(&victim);
+            }
         }
     }
     if remembering() {
@@ -657,5 +679,35 @@ mod tests {
             Some((1_000_000, None)),
             "expired entries make room"
         );
+    }
+
+    /// Full of identities denied once and never asked again (made up to fill it), the cache
+    /// still takes a new denial, and keeps the ones asked often: it took none until theirs
+    /// ended, 1000 s here.
+    #[test]
+    fn full_of_denials_never_asked_again_it_takes_new_ones_and_keeps_hot_ones() {
+        let clock = ManualClock::default();
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        let fill = |from: usize| {
+            for i in from..from + 2 * CAPACITY {
+                cache.remember(
+                    cache.epoch(),
+                    &format!("once-{i}"),
+                    1_000_000_000,
+                    (0, None),
+                );
+            }
+        };
+        cache.remember(cache.epoch(), "hot", 1_000_000_000, (0, None));
+        for _ in 0..100 {
+            assert!(cache.denied_for("hot").is_some());
+        }
+        fill(0);
+        assert!(cache.len() <= CAPACITY);
+        cache.remember(cache.epoch(), "new", 1_000_000_000, (0, None));
+        assert!(cache.denied_for("new").is_some(), "a new denial taken");
+        fill(2 * CAPACITY);
+        assert!(cache.denied_for("hot").is_some(), "the hot one kept");
+        assert!(cache.len() <= CAPACITY);
     }
 }
