@@ -167,6 +167,10 @@ impl Reloader {
                 "server.grace_period_seconds",
                 old.grace_period != new.grace_period,
             ),
+            (
+                "server.drain_delay_seconds",
+                old.drain_delay != new.drain_delay,
+            ),
             ("server.h2c", old.h2c != new.h2c),
             (
                 "server.keepalive_timeout_seconds",

@@ -422,11 +422,12 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
 
     server.add_service(proxy);
     let tls: Vec<_> = server_cfg.tls.iter().map(|t| t.listen).collect();
-    tracing::info!(listen = ?server_cfg.listen, tls = ?tls, max_connections, admin = %server_cfg.admin_listen, "gateway starting");
+    tracing::info!(listen = ?server_cfg.listen, tls_listen = ?tls, max_connections, admin = %server_cfg.admin_listen, "gateway starting");
     server.run(RunArgs {
         shutdown_signal: Box::new(Drain {
             lifecycle,
             grace: server_cfg.grace_period,
+            delay: server_cfg.drain_delay,
             stops,
             access_log,
         }),
@@ -596,6 +597,8 @@ fn stopping_now(in_flight: usize) {
 struct Drain {
     lifecycle: Arc<Lifecycle>,
     grace: Duration,
+    /// `drain_delay_seconds`.
+    delay: Duration,
     stops: Arc<Stops>,
     access_log: Arc<AccessLog>,
 }
@@ -617,9 +620,22 @@ impl ShutdownSignalWatch for Drain {
         self.lifecycle.begin_draining(|| {
             tracing::info!(
                 grace_period_seconds = self.grace.as_secs(),
+                drain_delay_seconds = self.delay.as_secs(),
                 "{signal}: draining"
             );
         });
+        // Unready, answering with `Connection: close`, and still accepting, while a load
+        // balancer takes the gateway out of its rotation: connections it sends meanwhile are
+        // served, not refused. A `SIGINT` meanwhile stops at once.
+        if !self.delay.is_zero() {
+            tokio::select! {
+                () = tokio::time::sleep(self.delay) => {}
+                () = self.stops.int.notified() => {
+                    stopping_now(self.lifecycle.in_flight());
+                    return ShutdownSignal::FastShutdown;
+                }
+            }
+        }
         let lifecycle = Arc::clone(&self.lifecycle);
         let access_log = Arc::clone(&self.access_log);
         let stops = Arc::clone(&self.stops);

@@ -108,6 +108,64 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     );
 }
 
+/// With `drain_delay_seconds`, a SIGTERM turns `/readyz` unready at once while the listeners
+/// go on accepting for that long: a new connection then is served (its answer says
+/// `Connection: close`), not refused; after it, the listeners close and the drain ends as
+/// without it.
+#[test]
+fn a_drain_delay_keeps_accepting_while_unready() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let mut gw = routes(
+        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "2"),
+        &up.addr(),
+        api(100),
+    )
+    .start();
+    let sent = Instant::now();
+    gw.proc.signal("TERM");
+    wait_until(Duration::from_secs(2), "/readyz to turn 503", || {
+        blocking_get(&gw.admin("/readyz")).is_some_and(|(s, _)| s == 503)
+    });
+    // A new connection, its request without `Connection: close`: read until the gateway
+    // closes it.
+    let answer = {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).expect("accepted");
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conn.write_all(b"GET /api/x HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\n\r\n")
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = conn.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    assert!(
+        sent.elapsed() < Duration::from_millis(1500),
+        "within the delay: {:?}",
+        sent.elapsed()
+    );
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
+    let code = gw
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("exits once drained");
+    assert_eq!(code, 0);
+    assert!(
+        sent.elapsed() >= Duration::from_secs(2),
+        "not before the delay: {:?}",
+        sent.elapsed()
+    );
+    assert!(
+        gw.logs().contains(r#""drain_delay_seconds":2"#),
+        "{}",
+        gw.logs()
+    );
+}
+
 /// SIGQUIT, nginx's graceful stop, drains as SIGTERM does (it was ignored without a word).
 #[test]
 fn sigquit_drains_as_sigterm_does() {

@@ -263,6 +263,9 @@ pub struct ServerConfig {
     pub admin_listen: SocketAddr,
     pub trusted_proxies: Vec<IpNet>,
     pub grace_period: Duration,
+    /// On `SIGTERM`, how long the listeners go on accepting, `/readyz` unready, before they
+    /// close (a load balancer's time to stop sending new connections).
+    pub drain_delay: Duration,
     /// Reload when the file changes (polled, debounced).
     pub watch_config: bool,
     /// Also accept HTTP/2 with prior knowledge on the plain listeners.

@@ -66,6 +66,7 @@ pub struct RawServer {
     pub admin_listen: Option<Spanned<String>>,
     pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
     pub grace_period_seconds: Option<Spanned<i64>>,
+    pub drain_delay_seconds: Option<Spanned<i64>>,
     pub watch_config: Option<bool>,
     pub h2c: Option<bool>,
     pub max_body_bytes: Option<Spanned<i64>>,

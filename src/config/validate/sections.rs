@@ -135,6 +135,15 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (0, 3600),
         " seconds",
     );
+    let drain_delay = int_in(
+        c,
+        None,
+        "server.drain_delay_seconds",
+        s.and_then(|s| s.drain_delay_seconds.as_ref()),
+        0,
+        (0, 300),
+        " seconds",
+    );
     let max_body_bytes = body_limit(
         c,
         None,
@@ -257,6 +266,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         admin_listen: admin_listen?,
         trusted_proxies: trusted_proxies?,
         grace_period: Duration::from_secs(grace?),
+        drain_delay: Duration::from_secs(drain_delay?),
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
         max_body_bytes: max_body_bytes?,
