@@ -48,6 +48,11 @@ impl Lifecycle {
         self.ready.load(Ordering::Acquire) && !self.is_draining()
     }
 
+    /// Whether it was ever ready (a drain since included).
+    pub fn was_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Acquire)
     }

@@ -278,6 +278,10 @@ impl Reloader {
 /// before it is loaded (an editor writing in several steps is read once, complete).
 pub const WATCH_EVERY: Duration = Duration::from_millis(500);
 
+/// How many more looks a change that leaves a file missing waits for it to come back before
+/// it is loaded (and fails, said once): 5 s.
+const MISSING_LOOKS: u32 = 10;
+
 /// With `server.watch_config = true`: reloads when the file's modification time or size
 /// changes, once it has been stable for one more look. Failed reloads are counted and logged
 /// as any reload; the next change is tried again.
@@ -287,7 +291,7 @@ pub async fn watch(reloader: Arc<Reloader>) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
-    let mut pending = None;
+    let (mut pending, mut missing_looks) = (None, 0);
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         if !reloader.live.load().config.server.watch_config {
@@ -311,11 +315,17 @@ pub async fn watch(reloader: Arc<Reloader>) {
             continue;
         }
         if pending.as_ref() != Some(&now) {
-            pending = Some(now);
+            (pending, missing_looks) = (Some(now), 0);
+            continue;
+        }
+        // A file gone is waited for a while: a deploy that deletes it and writes it again
+        // (a second later, say) is one change, not a failed reload in between.
+        if now.iter().any(Option::is_none) && missing_looks < MISSING_LOOKS {
+            missing_looks += 1;
             continue;
         }
         loaded = now;
-        pending = None;
+        (pending, missing_looks) = (None, 0);
         let _ = reloader.reload_off_thread("watch").await;
     }
 }

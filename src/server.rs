@@ -626,8 +626,9 @@ impl ShutdownSignalWatch for Drain {
         });
         // Unready, answering with `Connection: close`, and still accepting, while a load
         // balancer takes the gateway out of its rotation: connections it sends meanwhile are
-        // served, not refused. A `SIGINT` meanwhile stops at once.
-        if !self.delay.is_zero() {
+        // served, not refused. A `SIGINT` meanwhile stops at once. A process never ready was
+        // in no rotation.
+        if !self.delay.is_zero() && self.lifecycle.was_ready() {
             tokio::select! {
                 () = tokio::time::sleep(self.delay) => {}
                 () = self.stops.int.notified() => {

@@ -330,6 +330,48 @@ async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 401);
 }
 
+/// With `watch_config`, a key file deleted and written again a second later (as some deploys
+/// do) is one change: loaded, and no failed reload in between (the watch loaded the missing
+/// file, an ERROR and a failure counted, which the shipped alert fires on). One gone for good
+/// is said once it has stayed gone a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_deleted_and_written_again_is_one_change() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    write_keys(&keys, &[hash_key("key-a", "alpha")]);
+    let gw = config(&redis, &up, &keys)
+        .server("watch_config", "true")
+        .start();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
+    std::fs::remove_file(&keys).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    write_keys(&keys, &[hash_key("key-b", "beta")]);
+    let url = gw.url("/ocr");
+    let mut loaded = false;
+    for _ in 0..100 {
+        if send(&http, &url, Some("key-b")).await.0 == 200 {
+            loaded = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(loaded, "{}", gw.logs());
+    let failed = r#"sentinel_config_reloads_total{result="failure"}"#;
+    assert_eq!(gw.metric(failed), 0.0, "{}", gw.logs());
+    std::fs::remove_file(&keys).unwrap();
+    common::wait_until(Duration::from_secs(15), "the missing file said", || {
+        gw.metric(failed) == 1.0
+    });
+    assert_eq!(
+        send(&http, &url, Some("key-b")).await.0,
+        200,
+        "still serving"
+    );
+}
+
 /// A reload does not wait for a writer of a FIFO among the config's files (a key file
 /// swapped for one by mistake): it held `POST /reload`, and every reload after it, until a
 /// writer came. Read as empty, which no key file may be: refused at once, the old keys

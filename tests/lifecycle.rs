@@ -117,7 +117,7 @@ fn a_drain_delay_keeps_accepting_while_unready() {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let mut gw = routes(
-        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "2"),
+        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "3"),
         &up.addr(),
         api(100),
     )
@@ -140,7 +140,7 @@ fn a_drain_delay_keeps_accepting_while_unready() {
         String::from_utf8_lossy(&answer).into_owned()
     };
     assert!(
-        sent.elapsed() < Duration::from_millis(1500),
+        sent.elapsed() < Duration::from_millis(2500),
         "within the delay: {:?}",
         sent.elapsed()
     );
@@ -155,12 +155,12 @@ fn a_drain_delay_keeps_accepting_while_unready() {
         .expect("exits once drained");
     assert_eq!(code, 0);
     assert!(
-        sent.elapsed() >= Duration::from_secs(2),
+        sent.elapsed() >= Duration::from_secs(3),
         "not before the delay: {:?}",
         sent.elapsed()
     );
     assert!(
-        gw.logs().contains(r#""drain_delay_seconds":2"#),
+        gw.logs().contains(r#""drain_delay_seconds":3"#),
         "{}",
         gw.logs()
     );

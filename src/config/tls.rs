@@ -128,8 +128,9 @@ impl fmt::Display for ServerName {
 #[derive(Clone)]
 pub struct CertPair {
     pub cert_path: PathBuf,
-    /// `cert_path` as the config writes it: the label of its expiry's series, the same
-    /// however the config file was named at start.
+    /// `cert_path` as the config writes it (the validator's; [`CertPair::load`] puts the
+    /// path read): the label of its expiry's series, the same however the config file was
+    /// named at start.
     pub cert_written: String,
     pub key_path: PathBuf,
     pub key: Arc<CertifiedKey>,
@@ -318,7 +319,8 @@ impl fmt::Debug for CertPair {
 pub struct RedisTls {
     pub ca_path: Option<PathBuf>,
     pub cert_path: Option<PathBuf>,
-    /// `cert_path` as the config writes it (the label of its expiry's series).
+    /// `cert_path` as the config writes it (the validator's; [`RedisTls::load`] puts the path
+    /// read): the label of its expiry's series.
     pub cert_written: Option<String>,
     pub key_path: Option<PathBuf>,
     /// The bytes of the files, as read: what a reload compares.

@@ -425,12 +425,16 @@ fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry
 
 /// How many entries a full shard compares to choose the one a new denial replaces.
 const EVICTION_SAMPLE: usize = 8;
+const _: () = assert!(CAPACITY / SHARDS >= EVICTION_SAMPLE);
 
 /// Puts `entry` in `shard`. A full shard drops its expired entries, and when none has, the
 /// least asked of [`EVICTION_SAMPLE`] entries taken from a place that moves with the clock
-/// (the oldest of them among equals): a cache filled with identities denied once, never
+/// (the one ending soonest among equals): a cache filled with identities denied once, never
 /// asked again, took no new denial until theirs ended, a hot identity's included.
 fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64) {
+    if !remembering() {
+        return;
+    }
     if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
         shard.retain(|_, e| e.kept > now);
         if shard.len() >= CAPACITY / SHARDS {
@@ -445,9 +449,7 @@ fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64)
             }
         }
     }
-    if remembering() {
-        shard.insert(key.to_owned(), entry);
-    }
+    shard.insert(key.to_owned(), entry);
 }
 
 fn denied_of(entry: &Entry, now: u64) -> Denied {

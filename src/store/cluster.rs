@@ -59,12 +59,15 @@ pub(super) struct Cluster {
     /// failure per failed attempt to read the map, and short-circuits the decisions when
     /// open, as one Redis's breaker does while its connection cannot be made.
     pub(super) mapless: Breaker,
+    /// When "redirected too many times" was last said ([`super::deadline::once_every`]).
+    pub(super) redirects_logged: AtomicU64,
 }
 
 impl Cluster {
     pub(super) fn new(seeds: Vec<String>, access: RedisAccess, mapless: Breaker) -> Self {
         Self {
             mapless,
+            redirects_logged: AtomicU64::new(0),
             seeds: ArcSwap::from_pointee(seeds),
             access: ArcSwap::from_pointee(access),
             epoch: AtomicU64::new(0),
@@ -140,19 +143,20 @@ impl Cluster {
         let (host, port) = parse_addr(addr)?;
         let name = node_name(host, port);
         let mut known = self.known.lock().expect("cluster links lock");
-        if let Some(link) = known.get(&name) {
-            link.named_at
-                .store(super::deadline::mono_us(), Ordering::Relaxed);
-            return Some(Arc::clone(link));
-        }
-        let seed = self.node_template()?;
-        let link = connector.node(
-            Target::node(&seed, &self.access.load(), host, port),
-            &self.refresh,
-        );
+        let link = match known.get(&name) {
+            Some(link) => Arc::clone(link),
+            None => {
+                let seed = self.node_template()?;
+                let link = connector.node(
+                    Target::node(&seed, &self.access.load(), host, port),
+                    &self.refresh,
+                );
+                known.insert(name, Arc::clone(&link));
+                link
+            }
+        };
         link.named_at
             .store(super::deadline::mono_us(), Ordering::Relaxed);
-        known.insert(name, Arc::clone(&link));
         Some(link)
     }
 

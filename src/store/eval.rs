@@ -72,9 +72,6 @@ pub(super) struct Redirect {
     pub(super) ask: bool,
 }
 
-/// When "redirected too many times" was last said ([`super::deadline::once_every`]).
-static REDIRECTS_LOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
 /// The redirect an error carries, if it is one.
 pub(super) fn redirect(e: &RedisError) -> Option<Redirect> {
     let (addr, slot) = e.redirect_node()?;
@@ -370,6 +367,7 @@ impl Store {
                         }
                     },
                 };
+                let went_on_probes = went_on.probe;
                 let before = redirected
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -379,20 +377,34 @@ impl Store {
                     before.settle(None);
                 }
                 // A node first named by this redirect connects now; the budget bounds the
-                // wait. One known down fails the call at once, as any node down does.
-                if !next.reached().await {
-                    next.failed_at_once();
-                    return Err(Failure::NotConnected);
+                // wait. One known down fails a decision at once, as any node down does (its
+                // probe first wakes the connector, as a first node's probe does); a give-back
+                // waits for it, as it waits for any node.
+                if call.compensation {
+                    next.connected().await;
+                } else {
+                    if went_on_probes && !next.is_connected() {
+                        next.try_now().await;
+                    }
+                    if !next.reached().await {
+                        return Err(Failure::NotConnected);
+                    }
                 }
                 link = Cow::Owned(next);
                 asking = redirect.ask;
             }
             // A slot whose nodes redirect in a loop (a migration's destination demoted to a
             // replica, which sends it back) fails every decision of it: said once in 10 s.
-            if super::deadline::once_every(&REDIRECTS_LOGGED, 10) {
+            let say = match &self.inner.layout {
+                Layout::Cluster(cluster) => {
+                    super::deadline::once_every(&cluster.redirects_logged, 10)
+                }
+                _ => true,
+            };
+            if say {
                 tracing::warn!(
                     key_slot = super::slot(call.keys[0].as_bytes()),
-                    "redis cluster redirected too many times (said at most once every 10 s)"
+                    "redis cluster redirected too many times"
                 );
             }
             Err(Failure::Unavailable)

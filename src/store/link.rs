@@ -217,15 +217,14 @@ pub(super) struct Link {
     pub(super) probe_kept: AtomicBool,
     /// The node left the cluster's topology: its connector stops.
     pub(super) retired: AtomicBool,
-    /// When a reply that says the node cannot serve was last logged, in seconds since the
-    /// link was made (0: never).
+    /// When a reply that says the node cannot serve was last logged
+    /// ([`super::deadline::once_every`]).
     unavailable_logged: std::sync::atomic::AtomicU64,
     /// The last connection attempt failed (none has succeeded since).
     attempt_failed: AtomicBool,
-    /// In a cluster, when a redirect last named the node (seconds of [`super::deadline`]'s
-    /// clock, 0: never): a node outside the slot map is kept while redirects name it.
+    /// In a cluster, when a redirect last named the node ([`super::deadline::mono_us`], 0:
+    /// never): a node outside the slot map is kept while redirects name it.
     pub(super) named_at: AtomicU64,
-    made: std::time::Instant,
     pub(super) breaker: Breaker,
     /// Whether the node takes batches.
     pub(super) turns: super::batch::Turns,
@@ -278,7 +277,6 @@ impl Link {
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
             attempt_failed: AtomicBool::new(false),
             named_at: AtomicU64::new(0),
-            made: std::time::Instant::now(),
             breaker,
             turns: Default::default(),
             load_refused: AtomicBool::new(false),
@@ -380,7 +378,7 @@ impl Link {
             if self.is_connected() {
                 return true;
             }
-            if self.attempt_failed.load(Ordering::Acquire) {
+            if self.attempt_failed.load(Ordering::Acquire) || self.retired.load(Ordering::Relaxed) {
                 return false;
             }
             notified.await;
@@ -622,14 +620,7 @@ impl Link {
     /// its reason, at most once every 10 s per node: the breaker's transition says that Redis
     /// failed, this says why.
     pub(super) fn log_unavailable(&self, error: &dyn std::fmt::Display) {
-        let now = self.made.elapsed().as_secs() + 1;
-        let last = self.unavailable_logged.load(Ordering::Relaxed);
-        if (last == 0 || now >= last + 10)
-            && self
-                .unavailable_logged
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if super::deadline::once_every(&self.unavailable_logged, 10) {
             tracing::warn!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
         }
     }
@@ -726,6 +717,8 @@ impl Link {
         self.retired.store(true, Ordering::Relaxed);
         self.conn.store(None);
         self.wake.notify_one();
+        // A redirect waiting for it ([`Link::reached`]) is told at once.
+        self.ready.notify_waiters();
     }
 }
 

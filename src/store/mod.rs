@@ -709,7 +709,9 @@ impl Store {
                     false => cluster.moved(connector, redirect.slot, &redirect.addr),
                 }
                 .ok_or_else(|| format!("redirected to {}, which cannot be used", redirect.addr))?;
-                next.connected().await;
+                if !next.reached().await {
+                    return Err(format!("redirected to {}, which is down", redirect.addr));
+                }
                 link = Some(next);
                 asking = redirect.ask;
             }
