@@ -52,6 +52,19 @@ fn config(redis: &Redis, up: &Upstream, keys: &Path) -> GatewayConfig {
         .route(ocr_route())
 }
 
+/// Whether `key` is admitted at `url` within `within` (a watched key file being loaded),
+/// asked every 100 ms.
+async fn admitted_within(http: &reqwest::Client, url: &str, key: &str, within: Duration) -> bool {
+    let until = std::time::Instant::now() + within;
+    while std::time::Instant::now() < until {
+        if send(http, url, Some(key)).await.0 == 200 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
 async fn send(http: &reqwest::Client, url: &str, key: Option<&str>) -> (u16, String) {
     let mut req = http.post(url);
     if let Some(k) = key {
@@ -316,15 +329,7 @@ async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
         if renamed {
             std::fs::rename(&target, &keys).unwrap();
         }
-        let url = gw.url("/ocr");
-        let mut loaded = false;
-        for _ in 0..50 {
-            if send(&http, &url, Some(key)).await.0 == 200 {
-                loaded = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let loaded = admitted_within(&http, &gw.url("/ocr"), key, Duration::from_secs(5)).await;
         assert!(loaded, "{key} loaded by the watch: {}", gw.logs());
     }
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 401);
@@ -350,14 +355,7 @@ async fn a_key_file_deleted_and_written_again_is_one_change() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     write_keys(&keys, &[hash_key("key-b", "beta")]);
     let url = gw.url("/ocr");
-    let mut loaded = false;
-    for _ in 0..100 {
-        if send(&http, &url, Some("key-b")).await.0 == 200 {
-            loaded = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let loaded = admitted_within(&http, &url, "key-b", Duration::from_secs(10)).await;
     assert!(loaded, "{}", gw.logs());
     let failed = r#"sentinel_config_reloads_total{result="failure"}"#;
     assert_eq!(gw.metric(failed), 0.0, "{}", gw.logs());

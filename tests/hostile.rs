@@ -742,8 +742,14 @@ fn a_content_length_that_is_not_one_number_is_400_and_never_forwarded() {
 /// folds the case served it as a POST), and a `Connection` naming a field the gateway writes
 /// (refused by Pingora only after the limiter had charged a token). Both are 400 before the
 /// route: never forwarded, never charged.
-#[test]
-fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_before_the_limit() {
+/// A limited `POST /ingest` route (a bucket of one that never refills) beside an unlimited
+/// catch-all, before a counting upstream; Redis's statistics reset. The Redis, the gateway
+/// and what the upstream received.
+fn post_limited_beside_a_catch_all() -> (
+    Redis,
+    Gateway,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
     let redis = Redis::start();
     let (upstream, received) = counting_upstream();
     let gw = GatewayConfig::new(&redis.url())
@@ -759,6 +765,12 @@ fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_befo
         .route(Route::new("t.all").prefix("/").unlimited())
         .start();
     redis.reset_stats();
+    (redis, gw, received)
+}
+
+#[test]
+fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_before_the_limit() {
+    let (redis, gw, received) = post_limited_beside_a_catch_all();
     for method in ["post", "Post", "pOST", "get", "M-SEARCH!"] {
         let head = format!(
             "{method} /ingest HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\nContent-Length: 0\r\n\r\n"
@@ -811,21 +823,7 @@ fn a_method_in_lower_case_and_a_connection_naming_a_forwarded_field_are_400_befo
 /// every reading picks the same route, the request is decided and forwarded as usual.
 #[test]
 fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
-    let redis = Redis::start();
-    let (upstream, received) = counting_upstream();
-    let gw = GatewayConfig::new(&redis.url())
-        .upstream("app", &[upstream])
-        .route(
-            Route::new("t.post")
-                .prefix("/ingest")
-                .methods(&["POST"])
-                .identity_header("X-API-Key")
-                .token_bucket(1_000_000, 0)
-                .fail_closed(),
-        )
-        .route(Route::new("t.all").prefix("/").unlimited())
-        .start();
-    redis.reset_stats();
+    let (redis, gw, received) = post_limited_beside_a_catch_all();
     let head = |method: &str, target: &str, field: &str| {
         format!(
             "{method} {target} HTTP/1.1\r\nHost: a\r\nX-API-Key: k\r\n{field}Content-Length: 0\r\nConnection: close\r\n\r\n"

@@ -294,24 +294,32 @@ async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
     assert!(logs.contains("client_secret=***"), "{logs}");
 }
 
+/// A provider that takes connections and never answers (its listener, held by the caller),
+/// and the `[auth.jwt]` section that names it.
+fn hanging_provider() -> (std::net::TcpListener, String) {
+    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://127.0.0.1:{}/.well-known/jwks.json",
+        hanging.local_addr().unwrap().port()
+    );
+    let section = format!(
+        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\n",
+        quoted(&url)
+    );
+    (hanging, section)
+}
+
 /// While the start waits for the JWKS (a provider that takes connections and never
 /// answers: up to 5 s), the admin answers as a starting gateway's: `/readyz` 503 starting,
 /// `/healthz` 200, and every other path 503 `{"detail":"starting"}`. (The admin proper
 /// served `/metrics` and `/limits` then, and took a reload before the gateway was ready.)
 #[test]
 fn while_the_start_waits_for_the_jwks_the_admin_answers_as_starting() {
-    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!(
-        "http://127.0.0.1:{}/.well-known/jwks.json",
-        hanging.local_addr().unwrap().port()
-    );
+    let (hanging, section) = hanging_provider();
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let [port, admin] = common::free_ports();
     let config = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\n",
-            quoted(&url)
-        ))
+        .section(&section)
         .upstream("app", &[up.addr()])
         .route(
             Route::new("j.api")
@@ -354,19 +362,12 @@ fn while_the_start_waits_for_the_jwks_the_admin_answers_as_starting() {
 /// generation 1 when `/readyz` first says ready, and the change is generation 2 after.
 #[test]
 fn a_change_during_the_starts_jwks_fetch_is_loaded_after_it() {
-    let hanging = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!(
-        "http://127.0.0.1:{}/.well-known/jwks.json",
-        hanging.local_addr().unwrap().port()
-    );
+    let (hanging, section) = hanging_provider();
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let [port, admin] = common::free_ports();
     let text = GatewayConfig::new(&redis.url())
         .server("watch_config", "true")
-        .section(&format!(
-            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_url = {}\n",
-            quoted(&url)
-        ))
+        .section(&section)
         .upstream("app", &[up.addr()])
         .route(Route::new("j.open").prefix("/open").unlimited())
         .render(port, admin);
