@@ -1372,7 +1372,7 @@ fn query_may_name_a_method(query: &str) -> bool {
 
 /// The value of a query's pair when its name is `_method` as PHP and Node read names:
 /// percent-decoded (`+` a space), leading spaces dropped, and (PHP) `.`, a space and `[`
-/// read as `_`, so `.method`, `+method` and `_m%65thod` are `_method` too. The value
+/// read as `_`, so `.method`, `[method`, `+_method` and `_m%65thod` are `_method` too. The value
 /// percent-decoded.
 fn method_parameter(pair: &str) -> Option<String> {
     let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
