@@ -430,6 +430,22 @@ async fn an_ask_to_a_dead_node_outside_the_map_fails_at_once_and_is_said_once() 
         .count();
     assert_eq!(said, 1, "{}", gw.logs());
     assert_eq!(decisions(&gw, "c.closed", "fail_closed", false), 8.0);
+    // The admin's read follows the same redirect, and fails at once there too (it waited
+    // its whole second).
+    let asked = std::time::Instant::now();
+    let read = client()
+        .get(gw.admin(&format!(
+            "/limits/c.closed?identity=header%3Ax-api-key%3A{tenant}"
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 503);
+    assert!(
+        asked.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        asked.elapsed()
+    );
 }
 
 /// `/limits` follows `ASK` and `MOVED` as decisions do: mid-migration its read finds the
