@@ -166,6 +166,30 @@ fn a_drain_delay_keeps_accepting_while_unready() {
     );
 }
 
+/// A SIGINT during the drain delay stops at once, as during the drain itself.
+#[test]
+fn a_sigint_during_the_drain_delay_stops_at_once() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let mut gw = routes(
+        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "60"),
+        &up.addr(),
+        api(100),
+    )
+    .start();
+    gw.proc.signal("TERM");
+    common::wait_until(Duration::from_secs(5), "the drain begun", || {
+        gw.logs().contains("SIGTERM: draining")
+    });
+    let sent = Instant::now();
+    gw.proc.signal("INT");
+    gw.proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("stops, not after the delay's minute");
+    assert!(sent.elapsed() < Duration::from_secs(10));
+    assert!(gw.logs().contains("SIGINT: stopping now"), "{}", gw.logs());
+}
+
 /// SIGQUIT, nginx's graceful stop, drains as SIGTERM does (it was ignored without a word).
 #[test]
 fn sigquit_drains_as_sigterm_does() {
