@@ -868,6 +868,10 @@ fn a_method_or_path_a_field_overrides_is_400_when_it_picks_another_route() {
             "/free",
             "X-Original-URL: /a\r\nX-Rewrite-URL: /b\r\n",
         ),
+        // A path as the backends read the field, without resolving its dots: not in normal
+        // form, refused (`/ingest/../x` reached an `/ingest/{id}` of theirs).
+        ("POST", "/other", "X-Original-URL: /ingest/../x\r\n"),
+        ("POST", "/other", "X-Rewrite-URL: /ingest/%2e%2e/x\r\n"),
         // No method or path at all: refused, not guessed.
         ("GET", "/free", "X-HTTP-Method-Override: P O S T\r\n"),
         ("GET", "/free", "X-Original-URL: http://a/ingest\r\n"),

@@ -393,6 +393,9 @@ async fn path_tricks_hit_the_same_bucket_or_get_400() {
         b"/login.",
         b"/login%20",
         b"/login..%20",
+        // With a parameter after them: `/login.` to a Java reading, `/login` to Windows.
+        b"/login.;x",
+        b"/login%20;jsessionid=1",
         b"/api./v1/doc",
         b"/api/v1%20/doc",
         // A segment of dots and spaces only: nothing to a Windows server.

@@ -99,8 +99,12 @@ pub fn override_path(value: &[u8]) -> Option<Option<String>> {
     if !path.starts_with('/') || path.starts_with("//") {
         return None;
     }
-    let path = crate::routing::normalized(path).ok()?;
-    Some(Some(path.into_owned()))
+    // Backends take the field as written, without resolving `..` (`/ingest/../x` may be an
+    // `/ingest/{id}` of theirs) or decoding: only a path already in normal form is read.
+    match crate::routing::normalized(path).ok()? {
+        std::borrow::Cow::Borrowed(normal) => Some(Some(normal.to_owned())),
+        std::borrow::Cow::Owned(_) => None,
+    }
 }
 
 /// Whether the request's `Connection` names what Pingora refuses to send on (a protected
@@ -368,12 +372,18 @@ mod tests {
         assert_eq!(override_method(b"P O S T"), None);
         assert_eq!(override_method(b"GET\x01"), None);
         assert_eq!(
-            override_path(b"/a/./b/../c?x=1"),
-            Some(Some("/a/c".to_owned()))
+            override_path(b"/a/b;x/c?x=1#f"),
+            Some(Some("/a/b;x/c".to_owned()))
         );
         assert_eq!(override_path(b" "), Some(None));
+        // Read as written by the backends: a path not in normal form is refused, not
+        // resolved (`/ingest/../x` is routed as written by some).
         for refused in [
-            &b"http://a/b"[..],
+            &b"/a/./b/../c"[..],
+            b"/ingest/../x",
+            b"/ingest/%2e%2e/x",
+            b"/%61",
+            b"http://a/b",
             b"//a/b",
             b"a/b",
             b"/%2e%2e/%2e%2e/x",

@@ -206,21 +206,31 @@ pub fn parameters_dropped(path: &str) -> Cow<'_, str> {
 /// readings choose differently is refused (the proxy's request filter). `None` when no
 /// segment ends so.
 pub fn without_trailing_dots(normal: &str) -> Result<Option<String>, DotsOnly> {
+    // A segment's name (before its parameters, which a Java reading drops) and the segment
+    // as a whole: `/ingest.;x` is `/ingest.` to Tomcat, then `/ingest` to Windows.
+    fn name(segment: &str) -> &str {
+        segment.split(';').next().unwrap_or_default()
+    }
+    fn trim(mut bare: &str) -> &str {
+        while let Some(rest) = bare.strip_suffix('.').or_else(|| bare.strip_suffix("%20")) {
+            bare = rest;
+        }
+        bare
+    }
     let trailing = |s: &str| s.ends_with('.') || s.ends_with("%20");
-    if !normal.split('/').any(trailing) {
+    if !normal.split('/').any(|s| trailing(s) || trailing(name(s))) {
         return Ok(None);
     }
     let mut trimmed = String::with_capacity(normal.len());
     for segment in normal.split('/').skip(1) {
         trimmed.push('/');
-        let mut bare = segment;
-        while let Some(rest) = bare.strip_suffix('.').or_else(|| bare.strip_suffix("%20")) {
-            bare = rest;
-        }
-        if bare.is_empty() && !segment.is_empty() {
+        let (own, parameters) = segment.split_at(name(segment).len());
+        let bare = trim(own);
+        if bare.is_empty() && !own.is_empty() {
             return Err(DotsOnly);
         }
         trimmed.push_str(bare);
+        trimmed.push_str(trim(parameters));
     }
     Ok(Some(trimmed))
 }
@@ -327,6 +337,32 @@ mod tests {
             normalize_path(&format!("/{}", "a".repeat(MAX_PATH_BYTES))),
             Err(PathError::TooLong)
         );
+    }
+
+    #[test]
+    fn a_path_as_windows_servers_trim_its_segments() {
+        for (path, trimmed) in [
+            ("/ingest/doc", None),
+            ("/ingest.", Some("/ingest")),
+            ("/ingest%20./x", Some("/ingest/x")),
+            // A segment's name before its parameters, and the segment as a whole.
+            ("/ingest.;x", Some("/ingest;x")),
+            (
+                "/ingest%20;jsessionid=1/doc",
+                Some("/ingest;jsessionid=1/doc"),
+            ),
+            ("/ingest;x.", Some("/ingest;x")),
+            ("/ingest;x", None),
+        ] {
+            assert_eq!(
+                without_trailing_dots(path),
+                Ok(trimmed.map(str::to_owned)),
+                "{path}"
+            );
+        }
+        for dots in ["/a/.../b", "/a/.%20/b", "/a/..;x"] {
+            assert_eq!(without_trailing_dots(dots), Err(DotsOnly), "{dots}");
+        }
     }
 
     #[test]
