@@ -294,11 +294,14 @@ fn a_key_file_changed_while_the_start_reads_it_is_loaded() {
     );
 }
 
-/// With `watch_config`, a key file replaced by one of the same length under its old
-/// modification time (as `cp -p`, `rsync -a` or `tar` deploy a file) is loaded: the watch
-/// compared the time and the length alone, and the old keys went on serving.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
+/// A gateway with `watch_config` whose key file (in its own directory) holds `key-a`; the
+/// directory, the key file, and the Redis and upstream it uses.
+fn watched_with_key_a() -> (
+    common::Gateway,
+    tempfile::TempDir,
+    std::path::PathBuf,
+    (Redis, Upstream),
+) {
     let redis = Redis::start();
     let up = Upstream::start("app");
     let dir = tempfile::tempdir().unwrap();
@@ -307,6 +310,15 @@ async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
     let gw = config(&redis, &up, &keys)
         .server("watch_config", "true")
         .start();
+    (gw, dir, keys, (redis, up))
+}
+
+/// With `watch_config`, a key file replaced by one of the same length under its old
+/// modification time (as `cp -p`, `rsync -a` or `tar` deploy a file) is loaded: the watch
+/// compared the time and the length alone, and the old keys went on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
+    let (gw, dir, keys, _processes) = watched_with_key_a();
     let http = client();
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
     let old = std::fs::metadata(&keys).unwrap();
@@ -341,14 +353,7 @@ async fn a_key_file_changed_under_its_old_time_and_length_is_loaded() {
 /// is said once it has stayed gone a few seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_file_deleted_and_written_again_is_one_change() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys.toml");
-    write_keys(&keys, &[hash_key("key-a", "alpha")]);
-    let gw = config(&redis, &up, &keys)
-        .server("watch_config", "true")
-        .start();
+    let (gw, _dir, keys, _processes) = watched_with_key_a();
     let http = client();
     assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
     std::fs::remove_file(&keys).unwrap();

@@ -108,20 +108,22 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     );
 }
 
+/// A gateway with `drain_delay_seconds = secs`, and the Redis and upstream it uses.
+fn with_drain_delay(secs: &str) -> (common::Gateway, (Redis, Upstream)) {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url()).server("drain_delay_seconds", secs);
+    let gw = routes(config, &up.addr(), api(100)).start();
+    (gw, (redis, up))
+}
+
 /// With `drain_delay_seconds`, a SIGTERM turns `/readyz` unready at once while the listeners
 /// go on accepting for that long: a new connection then is served (its answer says
 /// `Connection: close`), not refused; after it, the listeners close and the drain ends as
 /// without it.
 #[test]
 fn a_drain_delay_keeps_accepting_while_unready() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let mut gw = routes(
-        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "3"),
-        &up.addr(),
-        api(100),
-    )
-    .start();
+    let (mut gw, _processes) = with_drain_delay("3");
     let sent = Instant::now();
     gw.proc.signal("TERM");
     wait_until(Duration::from_secs(2), "/readyz to turn 503", || {
@@ -169,14 +171,7 @@ fn a_drain_delay_keeps_accepting_while_unready() {
 /// A SIGINT during the drain delay stops at once, as during the drain itself.
 #[test]
 fn a_sigint_during_the_drain_delay_stops_at_once() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let mut gw = routes(
-        GatewayConfig::new(&redis.url()).server("drain_delay_seconds", "60"),
-        &up.addr(),
-        api(100),
-    )
-    .start();
+    let (mut gw, _processes) = with_drain_delay("60");
     gw.proc.signal("TERM");
     common::wait_until(Duration::from_secs(5), "the drain begun", || {
         gw.logs().contains("SIGTERM: draining")
