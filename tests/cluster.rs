@@ -965,6 +965,104 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
     );
 }
 
+/// A node that says its cluster is down (`CLUSTERDOWN`) opens its own breaker, as any
+/// failure of its answers does; once it says the cluster is whole again, its quarantine
+/// ends within about a second, not after `open_seconds`: the node answered all along (before,
+/// its keys were refused for the rest of the 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_whole_again_ends_the_quarantine_its_clusterdown_opened() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
+        .server("threads", "2")
+        .redis("timeout_ms", "50")
+        .breaker(3, 30)
+        .upstream("app", &[&up.addr()])
+        .route(per_tenant("c.closed", "/closed").fail_closed())
+        .start();
+    let gw = connected(gw);
+    let tenants = tenants_by_node(&cluster, "c.closed", 4, "whole");
+    let down = 0;
+    let mut node = cluster.nodes[down].conn();
+    let state = |node: &mut redis::Connection| -> String {
+        redis::cmd("CLUSTER").arg("INFO").query(node).unwrap()
+    };
+    // One of its own slots taken from the node's own view: with full coverage required, the
+    // node says the whole cluster is down; the other nodes still own their keys.
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "cluster-require-full-coverage", "yes"])
+        .query(&mut node)
+        .unwrap();
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key(&tenants[down][3], "c.closed"))
+        .query(&mut node)
+        .unwrap();
+    let _: () = redis::cmd("CLUSTER")
+        .arg("DELSLOTS")
+        .arg(slot)
+        .query(&mut node)
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the node to say the cluster is down",
+        || state(&mut node).contains("cluster_state:fail"),
+    );
+    for _ in 0..3 {
+        assert_eq!(get("/closed", &gw, &tenants[down][0]).await.0, 503);
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="open"}"#),
+        1.0,
+        "three CLUSTERDOWN replies open the node's breaker: {}",
+        gw.logs()
+    );
+    assert_eq!(decisions(&gw, "c.closed", "circuit_open", false), 0.0);
+    assert_eq!(get("/closed", &gw, &tenants[down][1]).await.0, 503);
+    assert_eq!(decisions(&gw, "c.closed", "circuit_open", false), 1.0);
+    assert_eq!(
+        get("/closed", &gw, &tenants[1][0]).await.0,
+        200,
+        "another node's keys are decided"
+    );
+
+    let _: () = redis::cmd("CLUSTER")
+        .arg("ADDSLOTS")
+        .arg(slot)
+        .query(&mut node)
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the node to say the cluster is ok",
+        || state(&mut node).contains("cluster_state:ok"),
+    );
+    let whole = Instant::now();
+    loop {
+        let status = get("/closed", &gw, &tenants[down][2]).await.0;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503);
+        // The map is read every second while a breaker is open; a loaded machine may add
+        // a little to the node's answer.
+        assert!(
+            whole.elapsed() < Duration::from_secs(4),
+            "the node's keys stayed refused for its quarantine: {}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        gw.logs().contains("redis cluster is whole again"),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(
+        gw.metric(r#"sentinel_breaker_transitions_total{to="closed"}"#),
+        1.0
+    );
+}
+
 /// A cluster none of whose seeds answers (down, or refusing the password) before any slot
 /// map was read: each decision fails at once as a connection error and is counted, and each
 /// failed attempt to read the map counts against a breaker, which opens as one Redis's does

@@ -271,6 +271,49 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Ends the quarantine of each primary whose breaker `CLUSTERDOWN` replies opened, once
+    /// the node says its cluster is whole again (`cluster_state:ok`): the node answered all
+    /// along, so waiting out `open_seconds` would refuse its keys for nothing, as a Sentinel
+    /// failover's new master does not wait out its old master's.
+    async fn end_cluster_down_quarantines(&self) {
+        let topology = self.topology.load_full();
+        for link in topology.nodes() {
+            if !link.cluster_down.load(Ordering::Relaxed) {
+                continue;
+            }
+            if link.breaker.state() == BreakerState::Closed {
+                link.cluster_down.store(false, Ordering::Relaxed);
+                continue;
+            }
+            let Some(conn) = link.conn.load_full() else {
+                continue;
+            };
+            let mut c = conn.redis();
+            let mut ask = redis::cmd("CLUSTER");
+            ask.arg("INFO");
+            let info = ask.query_async::<String>(&mut c);
+            let Ok(Ok(info)) = tokio::time::timeout(QUERY_TIMEOUT, info).await else {
+                continue;
+            };
+            if info.lines().any(|l| l.trim_end() == "cluster_state:ok") {
+                link.cluster_down.store(false, Ordering::Relaxed);
+                if link.breaker.state() == BreakerState::Open {
+                    tracing::info!(node = %link.node(), "redis cluster is whole again; the node's quarantine ends and the next request probes it");
+                    link.breaker.end_quarantine();
+                }
+            }
+        }
+    }
+}
+
+/// Whether an error reply says the node's whole cluster is down: `CLUSTERDOWN The cluster
+/// is down` for a call of its own, `ERR ... while the cluster is down` for a batch's script
+/// (not `CLUSTERDOWN Hash slot not served`: one slot's, which the slot map settles).
+pub(super) fn says_cluster_down(error: &str) -> bool {
+    error.contains("cluster is down")
+}
+
 /// Keeps the slot map current for as long as the store lives.
 pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connector>) {
     let mut failing = false;
@@ -292,6 +335,7 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
                 failing = true;
             }
         }
+        cluster.end_cluster_down_quarantines().await;
         let topology = cluster.topology.load();
         // A primary whose breaker is not closed may be one that handed its slots over.
         let healthy = !failing

@@ -599,6 +599,9 @@ impl Store {
                 // (this node was demoted after a failover, say); look again rather than wait
                 // 5 s.
                 if let Layout::Cluster(cluster) = &self.inner.layout {
+                    if super::cluster::says_cluster_down(&e.to_string()) {
+                        link.cluster_down.store(true, Ordering::Relaxed);
+                    }
                     cluster.ask_refresh();
                 } else if let Some(sentinel) = &self.inner.sentinel {
                     // READONLY from what was the master: ask the sentinels where it went.

@@ -225,6 +225,9 @@ pub(super) struct Link {
     /// In a cluster, when a redirect last named the node ([`super::deadline::mono_us`], 0:
     /// never): a node outside the slot map is kept while redirects name it.
     pub(super) named_at: AtomicU64,
+    /// In a cluster, the node answered that its cluster is down (`CLUSTERDOWN`): it is up,
+    /// and its breaker's quarantine ends once it says the cluster is whole again.
+    pub(super) cluster_down: AtomicBool,
     pub(super) breaker: Breaker,
     /// Whether the node takes batches.
     pub(super) turns: super::batch::Turns,
@@ -277,6 +280,7 @@ impl Link {
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
             attempt_failed: AtomicBool::new(false),
             named_at: AtomicU64::new(0),
+            cluster_down: AtomicBool::new(false),
             breaker,
             turns: Default::default(),
             load_refused: AtomicBool::new(false),
