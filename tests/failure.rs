@@ -1270,6 +1270,57 @@ async fn an_idle_connection_that_redis_closes_is_noticed_without_traffic() {
     assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
 }
 
+/// A Redis down for long is dialled at least every half second, so one that is back is used
+/// within about half a second: the reconnection's backoff stops doubling at 500 ms (at 2 s,
+/// `fail_closed` requests were refused up to 2 s after Redis was back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_down_for_long_is_dialled_every_half_second_and_used_soon_after_it_is_back() {
+    let mut r = rig(30);
+    assert_eq!(
+        send(&r.http, &r.gw.url("/closed"), "warm").await.status,
+        200
+    );
+    let port = r.redis.port;
+    r.redis.proc.signal("KILL");
+    r.redis
+        .proc
+        .wait_exit(Duration::from_secs(5))
+        .expect("redis died");
+    // Each attempt is one connection the fault proxy accepts and closes at once (nothing
+    // behind it). Three seconds in, the backoff is at its cap.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = r.proxy.accepted();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let attempts = r.proxy.accepted() - before;
+    // At most 500 ms apart (plus the attempt itself): at least 7 in 4 s; at the old 2 s cap,
+    // steps of 1-2 s, at most 5.
+    assert!(
+        attempts >= 7,
+        "{attempts} connection attempts in 4 s: {}",
+        r.gw.logs()
+    );
+    let _back = Redis::start_on(port);
+    let back = Instant::now();
+    let mut i = 0;
+    loop {
+        i += 1;
+        let a = send(&r.http, &r.gw.url("/closed"), &format!("after-{i}")).await;
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.status, 503, "{}", a.body);
+        // Half a second of backoff at most, the connection's set-up on a debug build, and a
+        // loaded machine's share.
+        assert!(
+            back.elapsed() < Duration::from_millis(1_500),
+            "Redis back {:?} ago and still unused: {}",
+            back.elapsed(),
+            r.gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_and_restarted_with_data_loss_recovers() {
     let mut redis = Redis::start();
