@@ -1,6 +1,7 @@
 //! Micro-benchmarks of the request path's local work: path normalization, route matching,
 //! key building, the decision with the breaker open, the emergency limiter, answer headers,
-//! a batch's command and answer, and the forwarded headers on the request sent upstream.
+//! a batch's command and answer, the forwarded headers on the request sent upstream, and a
+//! denial remembered in a full over-limit cache.
 //! Compare them as ratios within one run; absolute numbers depend on the machine.
 
 use std::hint::black_box;
@@ -251,8 +252,27 @@ fn header_map_room(c: &mut Criterion) {
     });
 }
 
+/// A new denial remembered while the over-limit cache is full of denials that have not
+/// ended (made-up identities denied once each): what choosing the entry it replaces costs.
+fn overlimit_full(c: &mut Criterion) {
+    use sentinel_gateway::decision::overlimit::{OverlimitCache, CAPACITY};
+    let cache = OverlimitCache::new(Arc::new(MonotonicClock::default()));
+    let wait = 3_600_000_000;
+    for i in 0..CAPACITY * 2 {
+        cache.remember(0, &format!("filler-{i}"), wait, (0, None));
+    }
+    let mut n = 0u64;
+    c.bench_function("overlimit_remember_full", |b| {
+        b.iter(|| {
+            n += 1;
+            cache.remember(0, black_box(&format!("new-{n}")), wait, (0, None));
+        })
+    });
+}
+
 criterion_group!(
     benches,
+    overlimit_full,
     forwarded,
     header_map_room,
     routing,

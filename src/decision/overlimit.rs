@@ -10,8 +10,9 @@
 //! Redis evaluated: a client may be refused up to one round trip after its token appeared,
 //! never before. The sliding window uses the moment its estimate would admit the request.
 //!
-//! Bounded: a fixed number of keys per endpoint; when full, expired entries are dropped and,
-//! if still full, a new denial replaces the least asked of a few entries. Each endpoint has its own cache, rebuilt
+//! Bounded: a fixed number of keys per endpoint; when full, a new denial replaces the least
+//! asked of a few entries chosen at random, an ended one first, and expired entries are
+//! dropped at most once a second. Each endpoint has its own cache, rebuilt
 //! on every reload, so a reload or a new `policy_version` starts with an empty one.
 //!
 //! A ceiling's denial (on a cluster, where the ceilings live on another slot than the
@@ -20,12 +21,13 @@
 //! [`OverlimitCache::clear`]) starts a new epoch: a denial Redis gave before it, remembered
 //! after it, is dropped (`since`).
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
+use indexmap::IndexMap;
+use rand::Rng;
 
 use crate::clock::SharedClock;
 use crate::decision::ScriptReply;
@@ -161,7 +163,16 @@ struct Other {
     asked: bool,
 }
 
-type Shard = Mutex<HashMap<String, Entry>>;
+/// A part of the cache under one lock: its entries, in a map with places by index (so that
+/// a full one picks entries at random in constant time), and when its ended entries were
+/// last dropped.
+#[derive(Default)]
+struct Entries {
+    map: IndexMap<String, Entry>,
+    swept_at: u64,
+}
+
+type Shard = Mutex<Entries>;
 
 pub struct OverlimitCache {
     shards: Vec<Shard>,
@@ -189,7 +200,7 @@ fn seconds_until(at: u64, now: u64) -> Option<u64> {
 impl OverlimitCache {
     pub fn new(clock: SharedClock) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
             clock,
             ceiling_until: AtomicU64::new(0),
@@ -281,13 +292,13 @@ impl OverlimitCache {
     fn lookup<T>(&self, key: &str, also: impl FnOnce(&Entry, u64) -> T) -> Option<(Denied, T)> {
         let now = self.clock.now_us();
         let mut shard = self.shard(key).lock().unwrap_or_else(|p| p.into_inner());
-        match shard.get_mut(key) {
+        match shard.map.get_mut(key) {
             Some(entry) if entry.kept > now => {
                 entry.hits = entry.hits.saturating_add(1);
                 Some((denied_of(entry, now), also(entry, now)))
             }
             Some(_) => {
-                shard.remove(key);
+                shard.map.swap_remove(key);
                 None
             }
             None => None,
@@ -369,7 +380,8 @@ impl OverlimitCache {
         self.shard(key)
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(key);
+            .map
+            .swap_remove(key);
         self.drop_ceiling();
     }
 
@@ -378,7 +390,7 @@ impl OverlimitCache {
     pub fn clear(&self) {
         self.epoch.fetch_add(1, Ordering::SeqCst);
         for shard in &self.shards {
-            shard.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            shard.lock().unwrap_or_else(|p| p.into_inner()).map.clear();
         }
         self.drop_ceiling();
     }
@@ -386,7 +398,7 @@ impl OverlimitCache {
     pub fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).map.len())
             .sum()
     }
 
@@ -427,29 +439,42 @@ fn entry(now: u64, wait_us: u64, limit: usize, replies: &[ScriptReply]) -> Entry
 const EVICTION_SAMPLE: usize = 8;
 const _: () = assert!(CAPACITY / SHARDS >= EVICTION_SAMPLE);
 
-/// Puts `entry` in `shard`. A full shard drops its expired entries, and when none has, the
-/// least asked of [`EVICTION_SAMPLE`] entries taken from a place that moves with the clock
-/// (the one ending soonest among equals): a cache filled with identities denied once, never
-/// asked again, took no new denial until theirs ended, a hot identity's included.
-fn insert(shard: &mut HashMap<String, Entry>, key: &str, entry: Entry, now: u64) {
+/// How often a full shard drops its ended entries (microseconds).
+const SWEEP_EVERY_US: u64 = 1_000_000;
+
+/// Puts `entry` in `shard`. A full shard drops its ended entries (once a second at most: a
+/// pass over all of them), and when still full, the new denial takes the place of the least
+/// asked of [`EVICTION_SAMPLE`] entries chosen at random (an ended one first, then the one
+/// ending soonest among equals): a cache filled with identities denied once, never asked
+/// again, took no new denial until theirs ended, a hot identity's included; and a pass over
+/// the shard at every new denial cost a flood of them 4.7 us each, the sample 0.35 us, the
+/// new key's allocation included (`cargo bench --bench hot_path overlimit_remember_full`).
+fn insert(shard: &mut Entries, key: &str, entry: Entry, now: u64) {
     if !remembering() {
         return;
     }
-    if shard.len() >= CAPACITY / SHARDS && !shard.contains_key(key) {
-        shard.retain(|_, e| e.kept > now);
-        if shard.len() >= CAPACITY / SHARDS {
-            let from = (now as usize) % shard.len();
-            let victim = (shard.iter().skip(from))
-                .chain(shard.iter())
-                .take(EVICTION_SAMPLE)
-                .min_by_key(|(_, e)| (e.hits, e.kept))
-                .map(|(k, _)| k.clone());
-            if let Some(victim) = victim {
-                shard.remove(&victim);
-            }
+    if let Some(kept) = shard.map.get_mut(key) {
+        *kept = entry;
+        return;
+    }
+    if shard.map.len() >= CAPACITY / SHARDS && now >= shard.swept_at + SWEEP_EVERY_US {
+        shard.swept_at = now;
+        shard.map.retain(|_, e| e.kept > now);
+    }
+    let len = shard.map.len();
+    if len >= CAPACITY / SHARDS {
+        let mut rng = rand::rng();
+        let victim = (0..EVICTION_SAMPLE)
+            .map(|_| rng.random_range(0..len))
+            .min_by_key(|&i| {
+                let e = &shard.map[i];
+                (e.kept > now, e.hits, e.kept)
+            });
+        if let Some(victim) = victim {
+            shard.map.swap_remove_index(victim);
         }
     }
-    shard.insert(key.to_owned(), entry);
+    shard.map.insert(key.to_owned(), entry);
 }
 
 fn denied_of(entry: &Entry, now: u64) -> Denied {
