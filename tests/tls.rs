@@ -489,6 +489,19 @@ async fn two_tls_listeners_each_serve_with_their_own_certificates() {
             .await;
         assert_eq!(r.is_ok(), ok, "{port}: {r:?}");
     }
+    // The start line names both TLS listeners, in a field of their own: `tls` is the access
+    // log's boolean on the same stdout.
+    let start = gw
+        .logs()
+        .lines()
+        .find(|l| l.contains(r#""message":"gateway starting""#))
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .expect("the start line");
+    let tls = start["tls_listen"].as_str().expect("tls_listen");
+    for port in [s.tls_port, second] {
+        assert!(tls.contains(&format!("127.0.0.1:{port}")), "{start}");
+    }
+    assert!(start.get("tls").is_none(), "{start}");
 }
 
 /// The same limited route over HTTP/1.1 and HTTP/2 on TLS, and over h2c: the exact
