@@ -420,6 +420,18 @@ fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
         for (now, was, name) in pairs {
             if kind(was) != kind(now) {
                 moved.push((id.to_owned(), format!("a reload changed limit {name} from {} to {} under the same policy_version: both keep their state in the same Redis key, so the new one starts afresh and a change back finds what the old one left; bump policy_version with such a change", kind(was), kind(now))));
+            } else if let (
+                Algorithm::SlidingWindow {
+                    window_micro: w, ..
+                },
+                Algorithm::SlidingWindow {
+                    window_micro: v, ..
+                },
+            ) = (was, now)
+            {
+                if w != v {
+                    moved.push((id.to_owned(), format!("a reload changed limit {name}'s window_size_micro from {w} to {v} under the same policy_version: a window's count is kept under its index in windows of the old size, so every caller's count starts afresh; bump policy_version with such a change")));
+                }
             }
         }
     }

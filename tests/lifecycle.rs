@@ -1229,7 +1229,8 @@ fn a_reload_that_would_take_every_route_away_is_refused() {
 }
 
 /// A reload that keeps an endpoint's `policy_version` but moves its buckets all the same (a
-/// limit's algorithm changed, or its limits moved to `[[routes.limits]]`) says so at WARN;
+/// limit's algorithm or sliding window's size changed, or its limits moved to
+/// `[[routes.limits]]`) says so at WARN;
 /// with a new `policy_version`, which says it on purpose, it does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
@@ -1255,6 +1256,19 @@ async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
     wait_until(Duration::from_secs(3), "the warning", || {
         said(&gw, algorithm) == 1
     });
+    // A sliding window's size: its counts are kept by the window's index.
+    let wider = Route::new("l.api")
+        .prefix("/api")
+        .identity("global")
+        .sliding_window(5, 120_000_000);
+    gw.rewrite_config(&with(wider).render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    wait_until(Duration::from_secs(3), "the warning", || {
+        said(
+            &gw,
+            "window_size_micro from 60000000 to 120000000 under the same policy_version",
+        ) == 1
+    });
     gw.rewrite_config(&with(window().policy_version(2)).render(gw.port, gw.admin_port));
     assert_eq!(gw.reload(), 200);
     let several = Route::new("l.api")
@@ -1269,7 +1283,7 @@ async fn a_reload_that_moves_buckets_under_the_same_policy_version_says_so() {
     });
     assert_eq!(
         said(&gw, "under the same policy_version"),
-        2,
+        3,
         "{}",
         gw.logs()
     );
