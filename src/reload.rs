@@ -173,6 +173,14 @@ impl Reloader {
             ),
             ("server.h2c", old.h2c != new.h2c),
             (
+                "server.h2_stream_window_bytes",
+                old.h2_stream_window != new.h2_stream_window,
+            ),
+            (
+                "server.h2_connection_window_bytes",
+                old.h2_connection_window != new.h2_connection_window,
+            ),
+            (
                 "server.keepalive_timeout_seconds",
                 old.keepalive_timeout != new.keepalive_timeout,
             ),

@@ -567,6 +567,59 @@ async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     assert_eq!(r.status(), 200);
 }
 
+/// HTTP/2 uploads on one connection: a stream whose upstream stops reading its body holds at
+/// most its own window, and another upload goes on beside it. With the protocol's 64 KiB
+/// windows, the stuck stream's 64 KiB was the whole connection's window: the second upload
+/// waited for the first's upstream (4 s here), as a PDF upload waited behind another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upload_whose_upstream_stops_reading_holds_up_no_other_stream() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    // Reads the head only, and answers 4 s later without reading the body.
+    let stuck = common::raw_server(|mut s| {
+        use std::io::Write;
+        let _ = common::read_head(&mut s);
+        std::thread::sleep(Duration::from_secs(4));
+        let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[up.addr()])
+        .upstream("stuck", &[stuck])
+        .route(
+            Route::new("e.stuck")
+                .prefix("/stuck")
+                .unlimited()
+                .upstream("stuck"),
+        )
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let h2 = common::h2c_client();
+    let r = h2.get(gw.url("/x")).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    // More than the sockets between the gateway and the stuck upstream take: the rest waits
+    // in the stream's window.
+    let first = {
+        let (h2, url) = (h2.clone(), gw.url("/stuck"));
+        tokio::spawn(async move { h2.post(url).body(vec![b'a'; 32 << 20]).send().await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sent = Instant::now();
+    let r = h2
+        .post(gw.url("/upload"))
+        .body(vec![b'b'; 2 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    let took = sent.elapsed();
+    let seen: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(seen["body_bytes"], 2 << 20);
+    // Not behind the stuck upstream's 4 s (a loaded machine's share aside).
+    assert!(took < Duration::from_millis(2_500), "{took:?}");
+    let _ = first.await;
+}
+
 /// At the bound with every connection busy, an HTTP/2 one included (its stream is a request
 /// in progress), a new connection is closed at once. Before, the busy HTTP/2 connection was
 /// sent a GOAWAY to make room, and the new client was let in only to be answered 503.

@@ -96,6 +96,13 @@ fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
     out
 }
 
+/// HTTP/2's default windows: a stream's 1 MiB (a 200 MB upload 50 ms away takes 10 s, not
+/// the 160 s of the protocol's 64 KiB), a connection's twice that, so that a stream whose
+/// upstream stops reading holds at most half of it and the others go on. A connection's
+/// window is also the most a client can make the gateway hold of bodies not yet passed on.
+pub const H2_STREAM_WINDOW: i64 = 1 << 20;
+pub const H2_CONNECTION_WINDOW: i64 = 2 << 20;
+
 /// Largest accepted `max_body_bytes` (1 TiB); 0 means no limit.
 pub const MAX_BODY_BYTES: i64 = 1 << 40;
 
@@ -270,6 +277,10 @@ pub struct ServerConfig {
     pub watch_config: bool,
     /// Also accept HTTP/2 with prior knowledge on the plain listeners.
     pub h2c: bool,
+    /// HTTP/2 flow control: what a client may send on a stream, and on a connection, before
+    /// the gateway has passed it on (the windows it announces and keeps open).
+    pub h2_stream_window: u32,
+    pub h2_connection_window: u32,
     /// The body size of routes without their own `max_body_bytes`; `None`: no limit.
     pub max_body_bytes: Option<u64>,
     /// The request id's header, on upstream requests and on every answer.

@@ -67,6 +67,8 @@ pub struct RawServer {
     pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
     pub grace_period_seconds: Option<Spanned<i64>>,
     pub drain_delay_seconds: Option<Spanned<i64>>,
+    pub h2_stream_window_bytes: Option<Spanned<i64>>,
+    pub h2_connection_window_bytes: Option<Spanned<i64>>,
     pub watch_config: Option<bool>,
     pub h2c: Option<bool>,
     pub max_body_bytes: Option<Spanned<i64>>,

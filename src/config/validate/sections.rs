@@ -144,6 +144,25 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (0, 300),
         " seconds",
     );
+    // HTTP/2's windows: the protocol's own bounds (RFC 9113, 6.9.2).
+    let h2_stream_window = int_in(
+        c,
+        None,
+        "server.h2_stream_window_bytes",
+        s.and_then(|s| s.h2_stream_window_bytes.as_ref()),
+        H2_STREAM_WINDOW,
+        (65_535, 2_147_483_647),
+        " bytes",
+    );
+    let h2_connection_window = int_in(
+        c,
+        None,
+        "server.h2_connection_window_bytes",
+        s.and_then(|s| s.h2_connection_window_bytes.as_ref()),
+        H2_CONNECTION_WINDOW,
+        (65_535, 2_147_483_647),
+        " bytes",
+    );
     let max_body_bytes = body_limit(
         c,
         None,
@@ -269,6 +288,8 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         drain_delay: Duration::from_secs(drain_delay?),
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
+        h2_stream_window: h2_stream_window? as u32,
+        h2_connection_window: h2_connection_window? as u32,
         max_body_bytes: max_body_bytes?,
         request_id_wire: request_id_header
             .as_ref()
