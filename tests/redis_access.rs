@@ -765,7 +765,7 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         .collect();
     assert_eq!(told.len(), 1, "once for the decisions: {logs}");
     assert!(
-        told[0].contains("\"WARN\"")
+        told[0].contains("\"ERROR\"")
             && told[0].contains("The user executing the script can't run this command"),
         "with Redis's words: {logs}"
     );
@@ -849,7 +849,7 @@ async fn the_documented_acl_permissions_are_enough_and_a_missing_one_is_an_outag
         .filter(|l| l.contains("The user executing the script can't run this command"))
         .collect();
     assert_eq!(told.len(), 1, "with Redis's words: {logs}");
-    assert!(told[0].contains("\"WARN\""), "{logs}");
+    assert!(told[0].contains("\"ERROR\""), "{logs}");
     wait_until(Duration::from_secs(5), "the refused commands", || {
         revoked
             .logs()

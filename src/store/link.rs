@@ -625,7 +625,9 @@ impl Link {
     /// failed, this says why.
     pub(super) fn log_unavailable(&self, error: &dyn std::fmt::Display) {
         if super::deadline::once_every(&self.unavailable_logged, 10) {
-            tracing::warn!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
+            // A dependency's fault (contract section 8), as the outage's line is: what an
+            // operator alerts on, whether or not the connection stays up.
+            tracing::error!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
         }
     }
 
