@@ -322,6 +322,22 @@ async fn an_untrusted_redis_certificate_is_a_connection_error_never_a_plain_conn
         gw.logs().contains("TLS handshake with redis")
     });
     assert_eq!(t.redis.limiter_calls(), 0);
+    // The CA given by a reload: the connection is made again, said as what changed (it was
+    // said to be the URL or the credentials), and decisions are Redis's.
+    let trusted = limited(
+        GatewayConfig::new(&t.url()).redis("tls_ca_path", quoted(&t.ca_path())),
+        &up,
+    );
+    gw.rewrite_config(&trusted.render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    assert!(
+        gw.logs()
+            .contains(r#""message":"redis connection settings changed; reconnecting","changed":"the TLS settings or files""#),
+        "{}",
+        gw.logs()
+    );
+    wait_until(Duration::from_secs(5), "connected", || redis_up(&gw));
+    assert_eq!(statuses(&gw, "b", 1).await, [200]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

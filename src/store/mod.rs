@@ -294,7 +294,21 @@ impl Store {
                 let current = link.target.load();
                 if current.url != *url || current.access != config.access {
                     link.move_to(Target::new(url, &config.access)?);
-                    tracing::info!("redis.url or its credentials changed; reconnecting");
+                    // Said as what changed: a CA file rewritten is no new URL.
+                    let (was, now) = (&current.access, &config.access);
+                    let changed: Vec<&str> = [
+                        ("the url", current.url != *url),
+                        (
+                            "the credentials",
+                            was.username != now.username || was.password != now.password,
+                        ),
+                        ("the TLS settings or files", was.tls != now.tls),
+                    ]
+                    .into_iter()
+                    .filter_map(|(what, changed)| changed.then_some(what))
+                    .collect();
+                    let changed = changed.join(", ");
+                    tracing::info!(%changed, "redis connection settings changed; reconnecting");
                 }
                 Ok(None)
             }
