@@ -1202,6 +1202,18 @@ fn check_redis_url(
         }
         // `SENTINEL_REDIS_URL` may carry a password, but one the client does not read in
         // the query would have Redis answer every call `NOAUTH`: said now, not at the first.
+        // Redis numbers its databases from 0: a negative one is refused at every decision.
+        Ok(client) if client.get_connection_info().redis_settings().db() < 0 => {
+            c.push(
+                span,
+                None,
+                format!(
+                    "{what} selects database {}: Redis numbers its databases from 0 (the path's /0, /1, ...)",
+                    client.get_connection_info().redis_settings().db()
+                ),
+            );
+            None
+        }
         Ok(_) if unread => {
             c.push(
                 span,
