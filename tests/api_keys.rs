@@ -225,6 +225,23 @@ fn hash_key_prints_the_line_and_check_names_the_key_file() {
         "{stdout}"
     );
 
+    // A byte that is not UTF-8 is said at the key file's own line and column, as its other
+    // problems are (it was said at the config's line, with a byte index into the key file).
+    let mut bytes = hash_key("k", "acme").into_bytes();
+    bytes.extend_from_slice(b"# caf\xe9\n");
+    std::fs::write(dir.path().join("keys.toml"), &bytes).unwrap();
+    let line = String::from_utf8_lossy(&bytes).matches('\n').count();
+    let out = common::check_config(&path, &[("SENTINEL_REDIS_URL", None)]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "keys.toml:{line}:6: the API key file is not UTF-8 here"
+        )),
+        "{stderr}"
+    );
+    std::fs::write(dir.path().join("keys.toml"), hash_key("k", "acme")).unwrap();
+
     // Without the section, a route cannot use api_key.
     let bare = GatewayConfig::new("redis://127.0.0.1:6379/0")
         .upstream("app", &["127.0.0.1:9"])

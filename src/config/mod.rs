@@ -214,6 +214,22 @@ pub(crate) fn open_without_waiting(
 }
 
 /// [`read_named`], as UTF-8.
+/// Where a file's first byte that is not UTF-8 is: its line, and its column counted in
+/// characters (1-based).
+pub(crate) fn not_utf8_at(e: &std::string::FromUtf8Error) -> (usize, usize) {
+    let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+    let valid = std::str::from_utf8(valid).unwrap_or_default();
+    let line = valid.matches('\n').count() + 1;
+    let column = valid
+        .rsplit('\n')
+        .next()
+        .unwrap_or_default()
+        .chars()
+        .count()
+        + 1;
+    (line, column)
+}
+
 pub(crate) fn read_named_to_string(path: &Path) -> std::io::Result<String> {
     String::from_utf8(read_named(path)?)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
@@ -811,19 +827,8 @@ impl Config {
         let bytes = read_whole(path)
             .map_err(|e| error(None, format!("cannot read the config file: {e}")))?;
         let source = String::from_utf8(bytes).map_err(|e| {
-            let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
-            // Where the bad byte is: its line, and its column counted in characters.
-            let valid = std::str::from_utf8(valid).unwrap_or_default();
-            let line = valid.matches('\n').count() + 1;
-            let column = valid
-                .rsplit('\n')
-                .next()
-                .unwrap_or_default()
-                .chars()
-                .count()
-                + 1;
             error(
-                Some((line, column)),
+                Some(not_utf8_at(&e)),
                 "the config file is not UTF-8 here: TOML is UTF-8 (re-save it so)".into(),
             )
         })?;
