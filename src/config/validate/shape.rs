@@ -19,6 +19,35 @@ use toml::Spanned;
 
 use super::route_label;
 
+/// The key (before a line's `=`, or a table header) of the most dot-separated parts, and
+/// their number: where a file nests too deep for TOML's reader.
+fn deepest_key(source: &str) -> Option<(Range<usize>, usize)> {
+    let mut deepest: Option<(Range<usize>, usize)> = None;
+    let mut offset = 0;
+    for line in source.split_inclusive('\n') {
+        let start = offset + (line.len() - line.trim_start().len());
+        offset += line.len();
+        let (mut parts, mut quote, mut end) = (1, None, start);
+        for (i, ch) in line.trim_start().char_indices() {
+            match (quote, ch) {
+                (None, '"' | '\'') => quote = Some(ch),
+                (Some(q), _) if ch == q => quote = None,
+                (None, '.') => parts += 1,
+                (None, '=' | ']' | '#') if i > 0 => {
+                    end = start + i;
+                    break;
+                }
+                _ => {}
+            }
+            end = start + i + ch.len_utf8();
+        }
+        if deepest.as_ref().is_none_or(|(_, most)| parts > *most) {
+            deepest = Some((start..end, parts));
+        }
+    }
+    deepest.filter(|(_, parts)| *parts > 1)
+}
+
 /// A file TOML cannot read into the config's shape: where its first error is, the route it
 /// is in, and the message.
 pub(super) fn error(
@@ -44,6 +73,13 @@ pub(super) fn error(
     };
     let message = past_i64(message.trim());
     let Some(span) = span else {
+        // TOML gives no place for a key nested past its reader's depth: the key of most
+        // parts is it.
+        if message.contains("recursion limit") {
+            if let Some((at, parts)) = deepest_key(source) {
+                return (Some(at), None, format!("a key of {parts} parts (a dotted key or a table header) nests deeper than the TOML reader goes; no field of the config is nested more than a few tables deep"));
+            }
+        }
         return (None, None, message);
     };
     let message = said_plainly(source, span.clone(), message);
