@@ -458,7 +458,11 @@ pub(super) fn cidrs(
                 if network != net {
                     c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" has host bits set: it is taken as the network \"{network}\" (write \"{}\" for the one address)", IpNet::from(net.addr())));
                 }
-                nets.push(as_ipv4(network));
+                let network = as_ipv4(network);
+                if nets.contains(&network) {
+                    c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" is the network \"{network}\" listed already: keep one"));
+                }
+                nets.push(network);
             }
             Err(_) => {
                 c.push(Some(&p.span()), route, format!("{field} entry \"{text}\" is not a CIDR: write an address or a network such as \"10.0.0.0/8\""));
@@ -1024,6 +1028,7 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
         );
         ok = false;
     }
+    repeated(c, "redis.sentinel_urls", urls.get_ref());
     let mut sentinels = Vec::new();
     for u in urls.get_ref() {
         let what = format!("redis.sentinel_urls entry \"{}\"", redact_url(u.get_ref()));
@@ -1092,6 +1097,25 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
     ok.then_some(target)
 }
 
+/// Warns of each URL of `list` written as an earlier one (letters' case aside): listed
+/// twice, it is still one node asked (said by index: a URL may hold a user name).
+fn repeated(c: &mut Collector, field: &str, list: &[Spanned<String>]) {
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for (i, entry) in list.iter().enumerate() {
+        let key = entry.get_ref().trim().to_ascii_lowercase();
+        match seen.get(&key) {
+            Some(j) => c.warn(
+                Some(&entry.span()),
+                None,
+                format!("{field}[{i}] is {field}[{j}] again: a node listed twice is still one; keep one"),
+            ),
+            None => {
+                seen.insert(key, i);
+            }
+        }
+    }
+}
+
 /// Seed nodes of a Redis Cluster: 1 to 64 `redis://host:port` URLs, database 0 (a cluster
 /// has no other).
 fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Option<RedisTarget> {
@@ -1107,6 +1131,7 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
         );
         return None;
     }
+    repeated(c, "redis.cluster_urls", list);
     let mut ok = true;
     let mut urls = Vec::with_capacity(list.len());
     for seed in list {
@@ -1299,6 +1324,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 format!("auth.jwt.algorithms is empty: use a subset of {accepted}"),
             );
         }
+        for (i, alg) in a.get_ref().iter().enumerate() {
+            if let Some(j) = a.get_ref()[..i].iter().position(|b| b == alg) {
+                c.warn(Some(&a.span()), None, format!("auth.jwt.algorithms[{i}] = \"{alg}\" is listed already as auth.jwt.algorithms[{j}]: keep one"));
+            }
+        }
         // Those not accepted are said above, once: the checks below look at the rest.
         algorithms = (a.get_ref().iter())
             .filter(|alg| JWT_ALGORITHMS.contains(&alg.as_str()))
@@ -1430,6 +1460,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 "auth.jwt.audiences must list non-empty audiences: leave it out to accept any"
                     .into(),
             );
+        }
+        for (i, aud) in a.get_ref().iter().enumerate() {
+            if let Some(j) = a.get_ref()[..i].iter().position(|b| b == aud) {
+                c.warn(Some(&a.span()), None, format!("auth.jwt.audiences[{i}] is listed already as auth.jwt.audiences[{j}]: keep one"));
+            }
         }
         audiences = a.get_ref().clone();
     }
