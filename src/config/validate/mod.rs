@@ -336,6 +336,16 @@ pub(super) fn env_var_shown(name: &str) -> String {
     }
 }
 
+/// Whether a name holds a character no name is written with: a control character (a line
+/// break, a NUL) or one that turns the direction text is shown in (U+202E and its kin), which
+/// would show `check`'s lines and the logs otherwise than they are.
+pub(super) fn unprintable(name: &str) -> bool {
+    name.chars().any(|ch| {
+        ch.is_control()
+            || matches!(ch, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    })
+}
+
 /// Reads an optional integer within `lo..=hi`, naming the field and the valid range.
 pub(super) fn int_in(
     c: &mut Collector,

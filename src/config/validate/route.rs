@@ -1019,7 +1019,9 @@ fn tiers(
             }
             Some(TierFrom::ApiKey)
         }
-        crate::config::raw::RawTierFrom::Claim { claim } if !claim.is_empty() => {
+        crate::config::raw::RawTierFrom::Claim { claim }
+            if !claim.is_empty() && !super::unprintable(claim) =>
+        {
             if identity.is_some_and(|i| *i != IdentitySource::Jwt) {
                 c.push(Some(&from.span()), label, format!("tier_from = {{ claim = \"{claim}\" }} needs identity = \"jwt\": the tier is a claim of the caller's token"));
                 ok = false;

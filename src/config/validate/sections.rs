@@ -882,9 +882,8 @@ fn redis_access(
         None => None,
         Some(u)
             if u.get_ref().is_empty()
-                || u.get_ref()
-                    .chars()
-                    .any(|ch| ch.is_whitespace() || ch.is_control()) =>
+                || u.get_ref().chars().any(char::is_whitespace)
+                || super::unprintable(u.get_ref()) =>
         {
             c.push(Some(&u.span()), None, format!("redis.username = \"{}\" is not an ACL user name: write one word, such as \"gateway\"", u.get_ref().escape_debug()));
             ok = false;
@@ -1066,13 +1065,17 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
             c.push(Some(&urls.span()), None, "redis.sentinel_urls needs redis.sentinel_master: the name the sentinels monitor the master under".into());
             None
         }
-        Some(m) if m.get_ref().is_empty() || m.get_ref().chars().any(char::is_whitespace) => {
+        Some(m)
+            if m.get_ref().is_empty()
+                || m.get_ref().chars().any(char::is_whitespace)
+                || super::unprintable(m.get_ref()) =>
+        {
             c.push(
                 Some(&m.span()),
                 None,
                 format!(
                     "redis.sentinel_master = \"{}\" is not a master name",
-                    m.get_ref()
+                    m.get_ref().escape_debug()
                 ),
             );
             None
@@ -1446,6 +1449,13 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 format!("auth.jwt.{field} is empty: leave it out, or give a value"),
             );
             None
+        } else if super::unprintable(v.get_ref()) {
+            c.push(
+                Some(&v.span()),
+                None,
+                format!("auth.jwt.{field} = \"{}\" holds a control character or one that turns the text's direction: no token's claim is written so", v.get_ref().escape_debug()),
+            );
+            None
         } else {
             Some(v.get_ref().clone())
         }
@@ -1453,11 +1463,15 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
     let issuer = j.issuer.as_ref().and_then(|i| text("issuer", i, c));
     let mut audiences = Vec::new();
     if let Some(a) = &j.audiences {
-        if a.get_ref().is_empty() || a.get_ref().iter().any(String::is_empty) {
+        if a.get_ref().is_empty()
+            || a.get_ref()
+                .iter()
+                .any(|a| a.is_empty() || super::unprintable(a))
+        {
             c.push(
                 Some(&a.span()),
                 None,
-                "auth.jwt.audiences must list non-empty audiences: leave it out to accept any"
+                "auth.jwt.audiences must list non-empty audiences without control characters: leave it out to accept any"
                     .into(),
             );
         }
