@@ -314,7 +314,22 @@ fn request_id_clashes(
 }
 
 pub(super) fn route_label(index: usize, endpoint_id: &str) -> String {
-    format!("routes[{index}] ({endpoint_id})")
+    format!("routes[{index}] ({})", cut(endpoint_id))
+}
+
+/// A value written in the file, as a message repeats it: whole up to 128 bytes (every valid
+/// name fits), else its start and how long it is, so that a value pasted by mistake (a
+/// megabyte of it) does not fill every line said of it.
+pub(super) fn cut(value: &str) -> std::borrow::Cow<'_, str> {
+    const SHOWN: usize = 128;
+    if value.len() <= SHOWN {
+        return value.into();
+    }
+    let mut end = SHOWN - 16;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &value[..end], value.len()).into()
 }
 
 /// How an `*_env` field's variable is named in a message: as written when the environment
@@ -374,6 +389,26 @@ pub(super) fn int_in(
 #[cfg(test)]
 mod tests {
     use super::sends_back;
+
+    /// A value past 128 bytes is said by its start and length: a 5 MB `key_prefix` made a
+    /// 5 MB message, and a long `endpoint_id` was repeated whole on every line of its route.
+    #[test]
+    fn a_long_value_is_cut_in_messages() {
+        assert_eq!(super::cut("api.v1"), "api.v1");
+        let exact = "e".repeat(128);
+        assert_eq!(super::cut(&exact), exact);
+        let long = "k".repeat(5_000_000);
+        assert_eq!(
+            super::cut(&long),
+            format!("{}... (5000000 bytes)", "k".repeat(112))
+        );
+        // Never inside a character.
+        let wide = "\u{e9}".repeat(100);
+        assert_eq!(
+            super::cut(&wide),
+            format!("{}... (200 bytes)", "\u{e9}".repeat(56))
+        );
+    }
 
     #[test]
     fn an_upstream_at_a_listener_of_its_family_sends_back() {

@@ -46,7 +46,8 @@ pub(super) fn route(
                     Some(&id.span()),
                     label,
                     format!(
-                        "endpoint_id = \"{id_text}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'"
+                        "endpoint_id = \"{}\" is not valid: use 1 to 128 of a-z, 0-9, '.', '_', '-'",
+                        super::cut(id_text)
                     ),
                 );
             }

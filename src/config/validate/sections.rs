@@ -800,7 +800,7 @@ pub(super) fn redis(
                 && v.bytes()
                     .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
             if !valid {
-                c.push(Some(&p.span()), None, format!("redis.key_prefix = \"{v}\" is not usable: use 1 to 64 of a-z, A-Z, 0-9, '.', '_', '-'"));
+                c.push(Some(&p.span()), None, format!("redis.key_prefix = \"{}\" is not usable: use 1 to 64 of a-z, A-Z, 0-9, '.', '_', '-'", super::cut(v)));
             }
             valid.then(|| v.clone())
         }
