@@ -126,32 +126,11 @@ local function tb_denial(capacity, rate, cost, tokens, frac)
   return retry, wait
 end
 
--- A denial writes nothing of the bucket. But a key whose time to live ends before the
--- bucket is full again at these arguments (a reload lowered the rate, or raised the
--- capacity, after its time to live was set) has it set again: ended, the key would read as a
--- full bucket long before the new rate fills it, and a caller the old rate drained would
--- get a whole bucket at once. `full`: seconds until full (tb_until_full); `e` as tb_read
--- found it (nil: no such field, a key no version of these scripts wrote).
-local function tb_keep(key, full, now, e)
-  if not e or e < 0 then return end
-  local _, now_s = clock(now)
-  if full < 0 then
-    redis.call('HSET', key, 'e', '-1')
-    redis.call('PERSIST', key)
-  elseif e < now_s + full + 1 then
-    local ttl = full + 1 + max(1, idiv(full, 4))
-    redis.call('HSET', key, 'e', format('%d', now_s + ttl))
-    redis.call('EXPIRE', key, format('%d', ttl))
-  end
-end
-
 local function token_bucket(key, capacity, rate, cost, now)
   local tokens, frac, e = tb_read(key, capacity, rate, now)
   if tokens < cost then
     local retry, wait = tb_denial(capacity, rate, cost, tokens, frac)
-    local full = tb_until_full(capacity, rate, tokens)
-    tb_keep(key, full, now, e)
-    return 0, tokens, retry, full, wait, nil
+    return 0, tokens, retry, tb_until_full(capacity, rate, tokens), wait, nil
   end
   local left = tokens - cost
   return 1, left, 0, tb_until_full(capacity, rate, left), 0,
@@ -164,9 +143,7 @@ local function tb_decide(key, capacity, rate, cost, now)
   local tokens, frac, e = tb_read(key, capacity, rate, now)
   if tokens < cost then
     local retry, wait = tb_denial(capacity, rate, cost, tokens, frac)
-    local full = tb_until_full(capacity, rate, tokens)
-    tb_keep(key, full, now, e)
-    return reply(0, tokens, retry, full, now, wait)
+    return reply(0, tokens, retry, tb_until_full(capacity, rate, tokens), now, wait)
   end
   local left = tokens - cost
   return admitted(left, tb_write(key, capacity, rate, left, frac, now, e), now)

@@ -10,8 +10,7 @@
 -- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
 -- micro-tokens left, retry-after seconds (0 when allowed, -1 when never), seconds until
 -- full (-1 when never), now in microseconds, and on a denial microseconds until the cost is
--- available (-1 when not exact; 0 when allowed). A denied request writes nothing of the bucket
--- (its time to live only, when it ends before the bucket is full again: tb_keep).
+-- available (-1 when not exact; 0 when allowed). A denied request writes nothing.
 
 -- MICRO, idiv, ceil_div, reply (lua/int.lua) and tb_decide (lua/limits.lua) are
 -- prepended by the gateway.

@@ -324,55 +324,6 @@ async fn identities_keys_and_policy_versions() {
     )));
 }
 
-/// A reload that lowers a rate keeps each bucket's tokens, and a bucket the old rate drained
-/// is refilled at the new one: its key's time to live, set for the old rate, is set again at
-/// its next denial. Before, the key ended when the old rate would have filled it, and the
-/// caller got a whole bucket at once (2 tokens after 4.5 s, where the new rate gives 0.45).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reload_that_lowers_a_rate_refills_a_drained_bucket_at_the_new_rate() {
-    let redis = Redis::start();
-    let up = Upstream::start("app");
-    let config = |rate: u64| {
-        GatewayConfig::new(&redis.url())
-            .upstream("app", &[up.addr()])
-            .route(
-                Route::new("t.slow")
-                    .prefix("/slow")
-                    .identity_header("X-API-Key")
-                    .token_bucket(2_000_000, rate),
-            )
-    };
-    let gw = config(500_000).start();
-    let key = bucket_key("sentinel", "header:x-api-key:drained", "t.slow", 1);
-    let mut admitted = 0;
-    while gw.status_for("/slow", "drained").await == 200 {
-        admitted += 1;
-        assert!(admitted < 5, "drained");
-    }
-    // Full again within 4 s at a token every 2 s: the key lives 6 s at most.
-    let pttl = |redis: &Redis| -> i64 {
-        redis::cmd("PTTL")
-            .arg(&key)
-            .query(&mut redis.conn())
-            .unwrap()
-    };
-    assert!(pttl(&redis) <= 6_000, "{}", pttl(&redis));
-
-    // One token in 20 s: full again in 40 s.
-    gw.rewrite_config(&config(50_000).render(gw.port, gw.admin_port));
-    assert_eq!(gw.reload(), 200);
-    // The reload's new over-limit cache sends this one to Redis, which denies it.
-    assert_eq!(gw.status_for("/slow", "drained").await, 429);
-    assert!(
-        pttl(&redis) > 30_000,
-        "the denial set the key's time to live for the new rate: {} ms",
-        pttl(&redis)
-    );
-    // Past the old time to live: the bucket has about a third of a token, not 2.
-    tokio::time::sleep(Duration::from_millis(6_500)).await;
-    assert_eq!(gw.remaining_of_key("t.slow", "drained"), 0);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_before_the_limiter_never_reach_redis() {
     let redis = Redis::start();

@@ -52,6 +52,14 @@ fn steps(max_cost: u64) -> impl Strategy<Value = Vec<Step>> {
     )
 }
 
+/// A key's every field and the moment it ends (`EXPIRETIME`, Redis 7), to compare.
+fn written(conn: &mut redis::Connection, key: &str) -> (Vec<(String, String)>, i64) {
+    let mut fields: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(conn).unwrap();
+    fields.sort();
+    let ends: i64 = redis::cmd("EXPIRETIME").arg(key).query(conn).unwrap();
+    (fields, ends)
+}
+
 #[test]
 fn token_bucket_script_equals_the_model() {
     let redis = common::Redis::start();
@@ -79,6 +87,8 @@ fn token_bucket_script_equals_the_model() {
             let mut state: Option<BucketState> = None;
             for step in &steps {
                 std::thread::sleep(Duration::from_micros(step.pause_us));
+                // The key whole, and when it ends: what a denial must leave as it was.
+                let before = written(&mut conn, &key);
                 let reply = eval(
                     &mut conn,
                     TOKEN_BUCKET_LUA,
@@ -118,6 +128,11 @@ fn token_bucket_script_equals_the_model() {
                                 state.map(|s| s.at_us)
                             ),
                             "a denial writes nothing"
+                        );
+                        prop_assert_eq!(
+                            written(&mut conn, &key),
+                            before,
+                            "a denial writes nothing, not even the key's time to live"
                         );
                         // The exact wait the over-limit cache relies on.
                         let (_, frac) = bucket.refill(state, now);
