@@ -972,14 +972,32 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_whole_again_ends_the_quarantine_its_clusterdown_opened() {
     let cluster = RedisCluster::start();
+    // As an ACL user with the documented permissions alone (`CLUSTER INFO` is not among
+    // them: the node is asked by a read of a key of its own).
+    for i in 0..cluster.nodes.len() {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("gw")
+            .arg(
+                "on >pw-gw-0123 ~sentinel:* resetchannels &sentinel:v1:resets* -@all \
+                 +evalsha +script|load +time +hmget +hset +expire +pexpire +persist +del \
+                 +publish +subscribe +config|get +ping +cluster|slots +asking +pubsub|numsub"
+                    .split_whitespace()
+                    .collect::<Vec<_>>(),
+            )
+            .query(&mut cluster.nodes[i].conn())
+            .unwrap();
+    }
     let up = Upstream::start("app");
     let gw = GatewayConfig::bare_cluster(&cluster.seed_urls())
         .server("threads", "2")
         .redis("timeout_ms", "50")
+        .redis("username", "\"gw\"")
+        .redis("password_env", "\"TEST_REDIS_PASSWORD\"")
         .breaker(3, 30)
         .upstream("app", &[&up.addr()])
         .route(per_tenant("c.closed", "/closed").fail_closed())
-        .start();
+        .start_with_env(&[("TEST_REDIS_PASSWORD", "pw-gw-0123")]);
     let gw = connected(gw);
     let tenants = tenants_by_node(&cluster, "c.closed", 4, "whole");
     let down = 0;

@@ -273,38 +273,66 @@ impl Cluster {
 
 impl Cluster {
     /// Ends the quarantine of each primary whose breaker `CLUSTERDOWN` replies opened, once
-    /// the node says its cluster is whole again (`cluster_state:ok`): the node answered all
-    /// along, so waiting out `open_seconds` would refuse its keys for nothing, as a Sentinel
-    /// failover's new master does not wait out its old master's.
-    async fn end_cluster_down_quarantines(&self) {
+    /// the node answers a key of its own again: the node answered all along, so waiting out
+    /// `open_seconds` would refuse its keys for nothing, as a Sentinel failover's new master
+    /// does not wait out its old master's. The key is read (`HMGET`, which the scripts' ACL
+    /// user may run on the buckets' keys; `CLUSTER INFO` is not among its commands), on
+    /// every such node at once and briefly, so that a node that stalls holds up neither the
+    /// others nor the next read of the slot map.
+    async fn end_cluster_down_quarantines(&self, connector: &Connector) {
+        const ASK_WITHIN: Duration = Duration::from_millis(250);
         let topology = self.topology.load_full();
-        for link in topology.nodes() {
+        let prefix = connector.key_prefix();
+        let asks = topology.nodes().iter().filter_map(|link| {
             if !link.cluster_down.load(Ordering::Relaxed) {
-                continue;
+                return None;
             }
             if link.breaker.state() == BreakerState::Closed {
                 link.cluster_down.store(false, Ordering::Relaxed);
-                continue;
+                return None;
             }
-            let Some(conn) = link.conn.load_full() else {
-                continue;
-            };
-            let mut c = conn.redis();
-            let mut ask = redis::cmd("CLUSTER");
-            ask.arg("INFO");
-            let info = ask.query_async::<String>(&mut c);
-            let Ok(Ok(info)) = tokio::time::timeout(QUERY_TIMEOUT, info).await else {
-                continue;
-            };
-            if info.lines().any(|l| l.trim_end() == "cluster_state:ok") {
-                link.cluster_down.store(false, Ordering::Relaxed);
-                if link.breaker.state() == BreakerState::Open {
-                    tracing::info!(node = %link.node(), "redis cluster is whole again; the node's quarantine ends and the next request probes it");
-                    link.breaker.end_quarantine();
+            let conn = link.conn.load_full()?;
+            let key = key_of(&topology, link, &prefix)?;
+            Some(async move {
+                let mut c = conn.redis();
+                let mut read = redis::cmd("HMGET");
+                read.arg(&key).arg("t");
+                let answer = tokio::time::timeout(ASK_WITHIN, read.query_async::<Value>(&mut c));
+                let whole = match answer.await {
+                    Ok(Ok(_)) => true,
+                    // A redirect: the node answers, its cluster up; the map is read again.
+                    Ok(Err(e)) => matches!(
+                        e.kind(),
+                        redis::ErrorKind::Server(
+                            redis::ServerErrorKind::Moved | redis::ServerErrorKind::Ask
+                        )
+                    ),
+                    Err(_) => false,
+                };
+                if whole {
+                    link.cluster_down.store(false, Ordering::Relaxed);
+                    if link.breaker.state() == BreakerState::Open {
+                        tracing::info!(node = %link.node(), "redis cluster is whole again; the node's quarantine ends and the next request probes it");
+                        link.breaker.end_quarantine();
+                    }
                 }
-            }
-        }
+            })
+        });
+        futures_util::future::join_all(asks).await;
     }
+}
+
+/// A key under `prefix` whose slot `link` owns in `topology` (its hash tag found by trying
+/// numbers: a node owning one slot of 16 384 takes about that many tries, a few
+/// milliseconds).
+fn key_of(topology: &Topology, link: &Arc<Link>, prefix: &str) -> Option<String> {
+    (0..200_000u32)
+        .map(|i| format!("{prefix}:cluster-probe:{{{i}}}"))
+        .find(|key| {
+            topology
+                .owner(super::slots::slot(key.as_bytes()))
+                .is_some_and(|owner| Arc::ptr_eq(owner, link))
+        })
 }
 
 /// Whether an error reply says the node's whole cluster is down: `CLUSTERDOWN The cluster
@@ -335,7 +363,7 @@ pub(super) async fn keep_topology(cluster: Arc<Cluster>, connector: Arc<Connecto
                 failing = true;
             }
         }
-        cluster.end_cluster_down_quarantines().await;
+        cluster.end_cluster_down_quarantines(&connector).await;
         let topology = cluster.topology.load();
         // A primary whose breaker is not closed may be one that handed its slots over.
         let healthy = !failing

@@ -86,6 +86,11 @@ impl Connector {
         self.require_noeviction.store(required, Ordering::Relaxed);
     }
 
+    /// `[redis] key_prefix`, as the last load set it.
+    pub(super) fn key_prefix(&self) -> Arc<String> {
+        self.key_prefix.load_full()
+    }
+
     /// A reload's `key_prefix`: the next checks ask the permissions on its keys.
     pub(super) fn set_key_prefix(&self, key_prefix: &str) {
         if **self.key_prefix.load() != key_prefix {
