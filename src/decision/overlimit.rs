@@ -27,7 +27,6 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwapOption;
 use indexmap::IndexMap;
-use rand::Rng;
 
 use crate::clock::SharedClock;
 use crate::decision::ScriptReply;
@@ -164,12 +163,14 @@ struct Other {
 }
 
 /// A part of the cache under one lock: its entries, in a map with places by index (so that
-/// a full one picks entries at random in constant time), and when its ended entries were
-/// last dropped.
+/// a full one looks at a few places in constant time), and when its ended entries were last
+/// dropped.
 #[derive(Default)]
 struct Entries {
     map: IndexMap<String, Entry>,
     swept_at: u64,
+    /// Replacements made: with the clock, where the next one looks.
+    turns: u64,
 }
 
 type Shard = Mutex<Entries>;
@@ -444,8 +445,8 @@ const SWEEP_EVERY_US: u64 = 1_000_000;
 
 /// Puts `entry` in `shard`. A full shard drops its ended entries (once a second at most: a
 /// pass over all of them), and when still full, the new denial takes the place of the least
-/// asked of [`EVICTION_SAMPLE`] entries chosen at random (an ended one first, then the one
-/// ending soonest among equals): a cache filled with identities denied once, never asked
+/// asked of [`EVICTION_SAMPLE`] entries spread over the shard ([`victim`]: an ended one
+/// first, then the one ending soonest among equals): a cache filled with identities denied once, never asked
 /// again, took no new denial until theirs ended, a hot identity's included; and a pass over
 /// the shard at every new denial cost a flood of them 4.7 us each, the sample 0.35 us, the
 /// new key's allocation included (`cargo bench --bench hot_path overlimit_remember_full`).
@@ -453,28 +454,44 @@ fn insert(shard: &mut Entries, key: &str, entry: Entry, now: u64) {
     if !remembering() {
         return;
     }
-    if let Some(kept) = shard.map.get_mut(key) {
-        *kept = entry;
+    if let Some(old) = shard.map.get_mut(key) {
+        *old = entry;
         return;
     }
     if shard.map.len() >= CAPACITY / SHARDS && now >= shard.swept_at + SWEEP_EVERY_US {
         shard.swept_at = now;
         shard.map.retain(|_, e| e.kept > now);
     }
-    let len = shard.map.len();
-    if len >= CAPACITY / SHARDS {
-        let mut rng = rand::rng();
-        let victim = (0..EVICTION_SAMPLE)
-            .map(|_| rng.random_range(0..len))
-            .min_by_key(|&i| {
-                let e = &shard.map[i];
-                (e.kept > now, e.hits, e.kept)
-            });
-        if let Some(victim) = victim {
-            shard.map.swap_remove_index(victim);
+    if shard.map.len() >= CAPACITY / SHARDS {
+        shard.turns += 1;
+        if let Some(i) = victim(&shard.map, now, now ^ shard.turns.rotate_left(40)) {
+            shard.map.swap_remove_index(i);
         }
     }
     shard.map.insert(key.to_owned(), entry);
+}
+
+/// Which of `entries` a new denial replaces (`now`: the clock; `seed`: it, told apart from
+/// the shard's earlier replacements): of [`EVICTION_SAMPLE`] places the seed spreads over
+/// them (no random source: the same seed chooses the same), an entry ended by `now` first,
+/// then the least asked, then the one ending soonest.
+fn victim(entries: &IndexMap<String, Entry>, now: u64, seed: u64) -> Option<usize> {
+    let len = entries.len() as u64;
+    let mut x = seed;
+    (0..EVICTION_SAMPLE)
+        .map(|_| {
+            // SplitMix64's step: places far apart for clocks a microsecond apart.
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % len.max(1)) as usize
+        })
+        .filter(|&i| i < entries.len())
+        .min_by_key(|&i| {
+            let e = &entries[i];
+            (e.kept > now, e.hits, e.kept)
+        })
 }
 
 fn denied_of(entry: &Entry, now: u64) -> Denied {
@@ -736,5 +753,51 @@ mod tests {
         fill(2 * CAPACITY);
         assert!(cache.denied_for("hot").is_some(), "the hot one kept");
         assert!(cache.len() <= CAPACITY);
+    }
+
+    /// A full shard drops its ended entries at most once a second (a pass over all of them
+    /// at every new denial cost a flood of them 4.7 us each).
+    #[test]
+    fn a_full_shard_drops_its_ended_entries_once_a_second() {
+        let clock = ManualClock::default();
+        clock.advance(std::time::Duration::from_secs(2));
+        let cache = OverlimitCache::new(Arc::new(clock.clone()));
+        for i in 0..2 * CAPACITY {
+            cache.remember(cache.epoch(), &format!("brief-{i}"), 500_000, (0, None));
+        }
+        assert_eq!(cache.len(), CAPACITY);
+        clock.advance(std::time::Duration::from_millis(600));
+        cache.remember(cache.epoch(), "later", 500_000, (0, None));
+        assert_eq!(
+            cache.len(),
+            CAPACITY,
+            "swept less than a second ago: one replaced"
+        );
+        clock.advance(std::time::Duration::from_millis(500));
+        cache.remember(cache.epoch(), "after", 500_000, (0, None));
+        assert!(
+            cache.len() < CAPACITY - CAPACITY / SHARDS / 2,
+            "the new denial's shard swept: {}",
+            cache.len()
+        );
+    }
+
+    /// A new denial takes an ended entry's place before a live one's, however often the
+    /// ended one was asked.
+    #[test]
+    fn a_replacement_takes_an_ended_entry_before_a_live_one() {
+        let mut entries = IndexMap::new();
+        for i in 0..1024 {
+            let mut e = entry(0, 100, 0, &[]);
+            e.hits = 5;
+            if i == 512 {
+                e = entry(0, 1_000_000_000, 0, &[]);
+            }
+            entries.insert(format!("k{i}"), e);
+        }
+        for seed in 0..2_000 {
+            let i = victim(&entries, 1_000, seed).expect("a victim");
+            assert_ne!(i, 512, "seed {seed}");
+        }
     }
 }
