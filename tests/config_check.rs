@@ -216,6 +216,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         &path,
         format!(
             "[server]\ntrusted_proxies = [\"127.0.0.0/8\", \"192.168.7.9/24\", \"0.0.0.0/0\", \"127.0.0.0/8\"]\n\
+             h2_connection_window_bytes = 100_000\n\
              [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\nalgorithms = [\"HS256\", \"HS256\"]\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n\
              [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}",
@@ -238,6 +239,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: server.trusted_proxies entry \"192.168.7.9/24\" has host bits set: it is taken as the network \"192.168.7.0/24\" (write \"192.168.7.9/32\" for the one address)", position_of(&path, "\"192.168.7.9/24\"")),
             format!("warning: {file}:{}: server.trusted_proxies entry \"0.0.0.0/0\" is every IPv4 address: every peer may then say which client it forwards for (X-Forwarded-For): a client_ip identity, an exemption and the access log's client address are each client's own to choose", position_of(&path, "\"0.0.0.0/0\"")),
             format!("warning: {file}:{}: server.trusted_proxies entry \"127.0.0.0/8\" is the network \"127.0.0.0/8\" listed already: keep one", position_of(&path, "\"127.0.0.0/8\"]")),
+            format!("warning: {file}:{}: server.h2_connection_window_bytes = 100000 is below h2_stream_window_bytes = 1048576: one stream whose upstream stops reading can hold the whole connection's window, and its other uploads wait for it", position_of(&path, "100_000")),
             format!("warning: {file}:{}: auth.jwt.algorithms[1] = \"HS256\" is listed already as auth.jwt.algorithms[0]: keep one", position_of(&path, "[\"HS256\"")),
             format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
             format!("warning: {file}:{}: routes[0] (x.api): methods[1] = \"X1\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400", position_of(&path, "\"X1\"")),

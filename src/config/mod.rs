@@ -213,7 +213,6 @@ pub(crate) fn open_without_waiting(
     Ok(file)
 }
 
-/// [`read_named`], as UTF-8.
 /// Where a file's first byte that is not UTF-8 is: its line, and its column counted in
 /// characters (1-based).
 pub(crate) fn not_utf8_at(e: &std::string::FromUtf8Error) -> (usize, usize) {
@@ -230,6 +229,7 @@ pub(crate) fn not_utf8_at(e: &std::string::FromUtf8Error) -> (usize, usize) {
     (line, column)
 }
 
+/// [`read_named`], as UTF-8.
 pub(crate) fn read_named_to_string(path: &Path) -> std::io::Result<String> {
     String::from_utf8(read_named(path)?)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))

@@ -307,7 +307,10 @@ impl Store {
                     .into_iter()
                     .filter_map(|(what, changed)| changed.then_some(what))
                     .collect();
-                    let changed = changed.join(", ");
+                    let changed = match changed.is_empty() {
+                        true => "the connection settings".to_owned(),
+                        false => changed.join(", "),
+                    };
                     tracing::info!(%changed, "redis connection settings changed; reconnecting");
                 }
                 Ok(None)

@@ -163,6 +163,15 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (65_535, 2_147_483_647),
         " bytes",
     );
+    if let (Some(stream), Some(connection)) = (h2_stream_window, h2_connection_window) {
+        if connection < stream {
+            let at = s
+                .and_then(|s| s.h2_connection_window_bytes.as_ref())
+                .or_else(|| s.and_then(|s| s.h2_stream_window_bytes.as_ref()))
+                .map(|v| v.span());
+            c.warn(at.as_ref(), None, format!("server.h2_connection_window_bytes = {connection} is below h2_stream_window_bytes = {stream}: one stream whose upstream stops reading can hold the whole connection's window, and its other uploads wait for it"));
+        }
+    }
     let max_body_bytes = body_limit(
         c,
         None,
