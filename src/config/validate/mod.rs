@@ -351,6 +351,25 @@ pub(super) fn env_var_shown(name: &str) -> String {
     }
 }
 
+/// Each entry of `list` that reads (as `key` reads it) as an earlier one: its index and the
+/// first such earlier one's. A list written with an entry twice is still each entry once,
+/// which `check` says.
+pub(super) fn listed_again<T, K: Eq + std::hash::Hash>(
+    list: &[T],
+    key: impl Fn(&T) -> K,
+) -> Vec<(usize, usize)> {
+    let mut seen = std::collections::HashMap::new();
+    (list.iter().enumerate())
+        .filter_map(|(i, entry)| match seen.entry(key(entry)) {
+            std::collections::hash_map::Entry::Occupied(first) => Some((i, *first.get())),
+            std::collections::hash_map::Entry::Vacant(place) => {
+                place.insert(i);
+                None
+            }
+        })
+        .collect()
+}
+
 /// Whether a name holds a character no name is written with: a control character (a line
 /// break, a NUL) or one that turns the direction text is shown in (U+202E and its kin), which
 /// would show `check`'s lines and the logs otherwise than they are.

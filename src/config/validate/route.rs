@@ -64,12 +64,15 @@ pub(super) fn route(
             );
         }
         let all = m.get_ref();
+        // Listed before (in any case: `get` is `GET`): said (it matches as once).
+        let again: std::collections::HashMap<usize, usize> =
+            super::listed_again(all, |w| w.get_ref().to_ascii_uppercase())
+                .into_iter()
+                .collect();
         (all.iter().enumerate())
             .filter_map(|(i, written)| {
                 let (name, at) = (written.get_ref(), Some(written.span()));
-                // Listed before (in any case: `get` is `GET`): said (it matches as once).
-                let upper = |w: &Spanned<String>| w.get_ref().to_ascii_uppercase();
-                if let Some(j) = all[..i].iter().position(|w| upper(w) == upper(written)) {
+                if let Some(j) = again.get(&i) {
                     c.warn(at.as_ref(), label, format!("methods[{i}] = \"{name}\" is listed already as methods[{j}]: keep one"));
                 }
                 match http::Method::from_bytes(name.to_ascii_uppercase().as_bytes()) {

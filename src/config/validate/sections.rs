@@ -1112,19 +1112,14 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
 /// Warns of each URL of `list` written as an earlier one (letters' case aside): listed
 /// twice, it is still one node asked (said by index: a URL may hold a user name).
 fn repeated(c: &mut Collector, field: &str, list: &[Spanned<String>]) {
-    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for (i, entry) in list.iter().enumerate() {
-        let key = entry.get_ref().trim().to_ascii_lowercase();
-        match seen.get(&key) {
-            Some(j) => c.warn(
-                Some(&entry.span()),
-                None,
-                format!("{field}[{i}] is {field}[{j}] again: a node listed twice is still one; keep one"),
+    for (i, j) in super::listed_again(list, |u| u.get_ref().trim().to_ascii_lowercase()) {
+        c.warn(
+            Some(&list[i].span()),
+            None,
+            format!(
+                "{field}[{i}] is {field}[{j}] again: a node listed twice is still one; keep one"
             ),
-            None => {
-                seen.insert(key, i);
-            }
-        }
+        );
     }
 }
 
@@ -1336,10 +1331,9 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 format!("auth.jwt.algorithms is empty: use a subset of {accepted}"),
             );
         }
-        for (i, alg) in a.get_ref().iter().enumerate() {
-            if let Some(j) = a.get_ref()[..i].iter().position(|b| b == alg) {
-                c.warn(Some(&a.span()), None, format!("auth.jwt.algorithms[{i}] = \"{alg}\" is listed already as auth.jwt.algorithms[{j}]: keep one"));
-            }
+        for (i, j) in super::listed_again(a.get_ref(), String::clone) {
+            let alg = &a.get_ref()[i];
+            c.warn(Some(&a.span()), None, format!("auth.jwt.algorithms[{i}] = \"{alg}\" is listed already as auth.jwt.algorithms[{j}]: keep one"));
         }
         // Those not accepted are said above, once: the checks below look at the rest.
         algorithms = (a.get_ref().iter())
@@ -1484,10 +1478,8 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                     .into(),
             );
         }
-        for (i, aud) in a.get_ref().iter().enumerate() {
-            if let Some(j) = a.get_ref()[..i].iter().position(|b| b == aud) {
-                c.warn(Some(&a.span()), None, format!("auth.jwt.audiences[{i}] is listed already as auth.jwt.audiences[{j}]: keep one"));
-            }
+        for (i, j) in super::listed_again(a.get_ref(), String::clone) {
+            c.warn(Some(&a.span()), None, format!("auth.jwt.audiences[{i}] is listed already as auth.jwt.audiences[{j}]: keep one"));
         }
         audiences = a.get_ref().clone();
     }
