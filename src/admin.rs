@@ -497,6 +497,9 @@ impl Admin {
                 for n in self.store.nodes() {
                     self.metrics.redis_node(&n.node, Some(n.connected));
                 }
+                self.metrics
+                    .redis_up
+                    .set(i64::from(self.store.is_connected()));
                 reply(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",

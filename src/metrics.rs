@@ -49,6 +49,8 @@ pub struct Metrics {
     pub in_flight: IntGauge,
     /// Downstream connections open, and the bound on them; set at scrape time.
     pub connections_open: IntGauge,
+    /// `/readyz`'s `redis`: 1 while the gateway holds its Redis connections.
+    pub redis_up: IntGauge,
     pub connections_max: IntGauge,
     /// What the bound did, by `action` (`closed_idle`, `refused`); set at scrape time.
     connections_shed: IntCounterVec,
@@ -329,6 +331,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let redis_up = register(
+            &r,
+            IntGauge::new(
+                "sentinel_redis_up",
+                "1 while the gateway holds a connection to Redis (with Sentinel, to the master; with Redis Cluster, to every primary), as /readyz's redis field; set when scraped.",
+            )
+            .expect("valid"),
+        );
         let connections_open = register(
             &r,
             IntGauge::new(
@@ -482,6 +492,7 @@ impl Metrics {
             jwks_refresh,
             in_flight,
             connections_open,
+            redis_up,
             connections_max,
             connections_shed,
             fleet_instances,

@@ -185,6 +185,10 @@ fn assert_unavailable(a: &Answer) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_while_nothing_asks_is_a_connection_error_for_the_first_requests() {
     let r = refused_after_warm_up().await;
+    // Said without a request: `/readyz`'s `redis` as a series.
+    wait_until(Duration::from_secs(5), "sentinel_redis_up to say 0", || {
+        r.gw.metric("sentinel_redis_up") == 0.0
+    });
     let timed = r.gw.metric("sentinel_redis_duration_seconds_count");
     // No request for 1.5 s: the loss and five or six failed connection attempts, none of
     // them asked for by a request.
