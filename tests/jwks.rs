@@ -278,6 +278,24 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
         )),
         "{err}"
     );
+    // A byte that is not UTF-8: said at the JWKS's own line and column, as a JSON error is.
+    std::fs::write(
+        &bad,
+        b"{\"keys\": [\n  {\"kty\": \"RSA\", \"n\": \"caf\xe9\"}\n]}\n",
+    )
+    .unwrap();
+    let (code, err) = check(with(&format!(
+        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
+        quoted(bad.to_str().unwrap())
+    )));
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains(&format!(
+            "{}:2:27: the JWKS file is not UTF-8 here",
+            bad.display()
+        )),
+        "{err}"
+    );
     let (code, err) = check(with("[auth.jwt]\nalgorithms = [\"RS256\"]\n"));
     assert_eq!(code, Some(2));
     assert!(

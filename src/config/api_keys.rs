@@ -109,16 +109,16 @@ pub fn key_line(key: &[u8]) -> String {
 
 /// Reads and validates a key file.
 pub fn load(path: &Path) -> Result<ApiKeyTable, Vec<ConfigError>> {
-    match super::read_named(path).map(String::from_utf8) {
-        Ok(Ok(source)) => parse(path, &source),
+    match super::read_named_text(path) {
+        Ok(source) => parse(path, &source),
         // Said at the key file's own line, as its other problems are.
-        Ok(Err(e)) => Err(vec![ConfigError {
+        Err(super::NotRead::NotUtf8(at)) => Err(vec![ConfigError {
             file: path.to_path_buf(),
-            position: Some(super::not_utf8_at(&e)),
+            position: Some(at),
             route: None,
             message: "the API key file is not UTF-8 here: TOML is UTF-8 (re-save it so)".into(),
         }]),
-        Err(e) => Err(vec![ConfigError {
+        Err(super::NotRead::Io(e)) => Err(vec![ConfigError {
             file: path.to_path_buf(),
             position: None,
             route: None,

@@ -22,8 +22,14 @@ pub fn load(
         route: key,
         message,
     };
-    let source = super::read_named_to_string(path)
-        .map_err(|e| vec![error(None, None, format!("cannot read the JWKS file: {e}"))])?;
+    let source = super::read_named_text(path).map_err(|e| match e {
+        super::NotRead::NotUtf8(at) => vec![error(
+            Some(at),
+            None,
+            "the JWKS file is not UTF-8 here: JSON is UTF-8 (re-save it so)".into(),
+        )],
+        super::NotRead::Io(e) => vec![error(None, None, format!("cannot read the JWKS file: {e}"))],
+    })?;
     let set: JwkSet = serde_json::from_str(&source).map_err(|e| {
         vec![error(
             // serde_json counts a column 0 at a line's start (the file's end after a newline).

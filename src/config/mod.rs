@@ -229,10 +229,18 @@ pub(crate) fn not_utf8_at(e: &std::string::FromUtf8Error) -> (usize, usize) {
     (line, column)
 }
 
-/// [`read_named`], as UTF-8.
-pub(crate) fn read_named_to_string(path: &Path) -> std::io::Result<String> {
-    String::from_utf8(read_named(path)?)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+/// Why a file a config names was not read as text.
+pub(crate) enum NotRead {
+    Io(std::io::Error),
+    /// Read, but not UTF-8 from this line and column on ([`not_utf8_at`]).
+    NotUtf8((usize, usize)),
+}
+
+/// [`read_named`], as UTF-8: a byte that is not is said at its line and column, as any
+/// other problem of the file is.
+pub(crate) fn read_named_text(path: &Path) -> Result<String, NotRead> {
+    let bytes = read_named(path).map_err(NotRead::Io)?;
+    String::from_utf8(bytes).map_err(|e| NotRead::NotUtf8(not_utf8_at(&e)))
 }
 
 /// A validated gateway configuration.
