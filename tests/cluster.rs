@@ -107,6 +107,21 @@ async fn statuses(path: &str, gw: &Gateway, tenant: &str, n: usize) -> Vec<u16> 
     out
 }
 
+/// `tenant` asks `/closed` every 50 ms, answered 503 until one is 200 within `within` (else
+/// `what` is said).
+async fn admitted_within(gw: &Gateway, tenant: &str, within: Duration, what: &str) {
+    let since = Instant::now();
+    loop {
+        let (status, _) = get("/closed", gw, tenant).await;
+        if status == 200 {
+            return;
+        }
+        assert_eq!(status, 503);
+        assert!(since.elapsed() < within, "{what}: {}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn decisions(gw: &Gateway, endpoint: &str, reason: &str, allowed: bool) -> f64 {
     gw.metric(&format!(
         r#"sentinel_decisions_total{{allowed="{allowed}",decision_reason="{reason}",endpoint_id="{endpoint}"}}"#
@@ -933,20 +948,13 @@ async fn a_primary_that_hands_its_slots_over_while_its_breaker_is_open_is_left_s
     wait_until(Duration::from_secs(10), "the replica to take over", || {
         cluster.owner(&key(tenant, "c.closed")) == replica
     });
-    let handed_over = Instant::now();
-    loop {
-        let (status, _) = get("/closed", &gw, tenant).await;
-        if status == 200 {
-            break;
-        }
-        assert_eq!(status, 503);
-        assert!(
-            handed_over.elapsed() < Duration::from_millis(2_500),
-            "the keys stayed with the old primary's open breaker: {}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    admitted_within(
+        &gw,
+        tenant,
+        Duration::from_millis(2_500),
+        "the keys stayed with the old primary's open breaker",
+    )
+    .await;
     // The old primary's quarantine ended when it left the map: every opening has its end in
     // the counter and the log.
     let transitions = |to: &str| {
@@ -1054,22 +1062,15 @@ async fn a_cluster_whole_again_ends_the_quarantine_its_clusterdown_opened() {
         "the node to say the cluster is ok",
         || state(&mut node).contains("cluster_state:ok"),
     );
-    let whole = Instant::now();
-    loop {
-        let status = get("/closed", &gw, &tenants[down][2]).await.0;
-        if status == 200 {
-            break;
-        }
-        assert_eq!(status, 503);
-        // The map is read every second while a breaker is open; a loaded machine may add
-        // a little to the node's answer.
-        assert!(
-            whole.elapsed() < Duration::from_secs(4),
-            "the node's keys stayed refused for its quarantine: {}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // The map is read every second while a breaker is open; a loaded machine may add a
+    // little to the node's answer.
+    admitted_within(
+        &gw,
+        &tenants[down][2],
+        Duration::from_secs(4),
+        "the node's keys stayed refused for its quarantine",
+    )
+    .await;
     assert!(
         gw.logs().contains("redis cluster is whole again"),
         "{}",

@@ -266,10 +266,13 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
             String::from_utf8_lossy(&out.stderr).to_string(),
         )
     };
-    let (code, err) = check(with(&format!(
-        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
-        quoted(bad.to_str().unwrap())
-    )));
+    let with_bad = || {
+        with(&format!(
+            "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
+            quoted(bad.to_str().unwrap())
+        ))
+    };
+    let (code, err) = check(with_bad());
     assert_eq!(code, Some(2));
     assert!(
         err.contains(&format!(
@@ -284,10 +287,7 @@ fn a_jwks_that_cannot_serve_is_a_config_error_naming_the_file() {
         b"{\"keys\": [\n  {\"kty\": \"RSA\", \"n\": \"caf\xe9\"}\n]}\n",
     )
     .unwrap();
-    let (code, err) = check(with(&format!(
-        "[auth.jwt]\nalgorithms = [\"RS256\"]\njwks_path = {}\n",
-        quoted(bad.to_str().unwrap())
-    )));
+    let (code, err) = check(with_bad());
     assert_eq!(code, Some(2));
     assert!(
         err.contains(&format!(
