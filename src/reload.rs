@@ -413,18 +413,37 @@ fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
             moved.push((id.to_owned(), "a reload moved the endpoint's limits between the single-limit fields and [[routes.limits]] under the same policy_version: their buckets live under other keys, so every caller starts afresh".to_owned()));
             continue;
         }
-        let single = [(p.algorithm, q.algorithm)];
-        let pairs = p.limits.iter().filter_map(|l| {
-            let was = q
-                .limits
-                .iter()
-                .find(|o| o.name == l.name && o.global == l.global)?;
-            Some((l.algorithm, was.algorithm, l.name.as_str()))
-        });
-        let pairs: Vec<(Algorithm, Algorithm, &str)> = match p.several {
-            true => pairs.collect(),
-            false => single.iter().map(|(a, b)| (*a, *b, "default")).collect(),
+        // Each limit kept by name, the route's own and each tier's (a tier's keys are its
+        // own, kept under the same rule).
+        let matched = |now: &[crate::config::Limit], was: &[crate::config::Limit], tier: &str| {
+            now.iter()
+                .filter_map(|l| {
+                    let old = was
+                        .iter()
+                        .find(|o| o.name == l.name && o.global == l.global)?;
+                    let name = match tier {
+                        "" => l.name.clone(),
+                        tier => format!("{} of tier {tier}", l.name),
+                    };
+                    Some((l.algorithm, old.algorithm, name))
+                })
+                .collect::<Vec<_>>()
         };
+        let mut pairs: Vec<(Algorithm, Algorithm, String)> = match p.several {
+            true => matched(&p.limits, &q.limits, ""),
+            false => vec![(p.algorithm, q.algorithm, "default".to_owned())],
+        };
+        if let (Some(now), Some(was)) = (&p.tiers, &q.tiers) {
+            for (tier, limits) in &now.tiers {
+                if let (
+                    crate::config::TierLimits::Limits(now),
+                    Some(crate::config::TierLimits::Limits(was)),
+                ) = (limits, was.tiers.get(tier))
+                {
+                    pairs.extend(matched(now, was, tier));
+                }
+            }
+        }
         for (now, was, name) in pairs {
             if kind(was) != kind(now) {
                 moved.push((id.to_owned(), format!("a reload changed limit {name} from {} to {} under the same policy_version: both keep their state in the same Redis key, so the new one starts afresh and a change back finds what the old one left; bump policy_version with such a change", kind(was), kind(now))));

@@ -513,6 +513,27 @@ async fn an_upgrade_in_the_key_file_takes_effect_on_reload() {
         4,
         "pro: a bucket of its own"
     );
+    // A tier's limit whose algorithm changes under the same policy_version moves its
+    // buckets as a route's own does: said at WARN, naming the tier.
+    let window = TIERS.replace(
+        "algorithm = \"token_bucket\"\ncapacity_micro = 4_000_000\nrefill_rate_micro_per_sec = 0",
+        "algorithm = \"sliding_window\"\nlimit = 4\nwindow_size_micro = 60_000_000",
+    );
+    let config = GatewayConfig::new(&redis.url())
+        .section(&format!(
+            "[auth.api_keys]\nfile = {}\n",
+            quoted(keys.to_str().unwrap())
+        ))
+        .upstream("app", &[up.addr()])
+        .route(tiered())
+        .section(&window);
+    gw.rewrite_config(&config.render(gw.port, gw.admin_port));
+    assert_eq!(gw.reload(), 200);
+    common::wait_until(std::time::Duration::from_secs(3), "the warning", || {
+        gw.logs().contains(
+            "a reload changed limit burst of tier pro from token_bucket to sliding_window under the same policy_version",
+        )
+    });
 }
 
 /// A caller on an `unlimited` tier of a route whose upstream reports costs: the reported cost

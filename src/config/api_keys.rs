@@ -137,7 +137,14 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
     let raw: RawKeyFile = match toml::from_str(source) {
         Ok(raw) => raw,
         Err(e) => {
-            c.push(e.span().as_ref(), None, unshown(e.message().trim()));
+            // TOML gives no place for a key nested past its reader: the key of most parts.
+            let deep = (e.span().is_none() && e.message().contains("recursion limit"))
+                .then(|| super::validate::deepest_key(source))
+                .flatten();
+            match deep {
+                Some((at, parts)) => c.push(Some(&at), None, format!("a key of {parts} parts (a dotted key or a table header) nests deeper than the TOML reader goes; a key file is [[keys]] tables of a few fields")),
+                None => c.push(e.span().as_ref(), None, unshown(e.message().trim())),
+            }
             return Err(c.errors);
         }
     };
@@ -275,6 +282,23 @@ mod tests {
 
     fn sha(key: &str) -> String {
         hex::encode(Sha256::digest(key.as_bytes()))
+    }
+
+    /// A key nested past TOML's reader is said at the key file's own line (it was said at
+    /// the config's, as "recursion limit").
+    #[test]
+    fn a_key_nested_too_deep_is_said_at_its_line() {
+        let source = format!("keys = []\n\na{} = 1\n", ".b".repeat(150));
+        let errors = parse(Path::new("keys.toml"), &source)
+            .err()
+            .expect("refused");
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].position, Some((3, 1)));
+        assert!(
+            errors[0].message.starts_with("a key of 151 parts"),
+            "{}",
+            errors[0].message
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@
 mod route;
 mod sections;
 mod shape;
+pub(super) use shape::deepest_key;
 mod tls;
 
 use std::path::Path;
@@ -376,7 +377,7 @@ pub(super) fn listed_again<T, K: Eq + std::hash::Hash>(
 pub(super) fn unprintable(name: &str) -> bool {
     name.chars().any(|ch| {
         ch.is_control()
-            || matches!(ch, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+            || matches!(ch, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
     })
 }
 

@@ -1023,9 +1023,11 @@ fn tiers(
             }
             Some(TierFrom::ApiKey)
         }
-        crate::config::raw::RawTierFrom::Claim { claim }
-            if !claim.is_empty() && !super::unprintable(claim) =>
-        {
+        crate::config::raw::RawTierFrom::Claim { claim } if super::unprintable(claim) => {
+            c.push(Some(&from.span()), label, format!("tier_from = {{ claim = \"{}\" }}: the claim's name holds a control character or one that turns the text's direction: no token's claim is written so", claim.escape_debug()));
+            None
+        }
+        crate::config::raw::RawTierFrom::Claim { claim } if !claim.is_empty() => {
             if identity.is_some_and(|i| *i != IdentitySource::Jwt) {
                 c.push(Some(&from.span()), label, format!("tier_from = {{ claim = \"{claim}\" }} needs identity = \"jwt\": the tier is a claim of the caller's token"));
                 ok = false;

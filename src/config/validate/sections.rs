@@ -1234,13 +1234,17 @@ fn check_redis_url(
         }
         // `SENTINEL_REDIS_URL` may carry a password, but one the client does not read in
         // the query would have Redis answer every call `NOAUTH`: said now, not at the first.
-        // Redis numbers its databases from 0: a negative one is refused at every decision.
-        Ok(client) if client.get_connection_info().redis_settings().db() < 0 => {
+        // Redis numbers its databases from 0, and takes an index that fits 32 bits: another
+        // is refused at every decision.
+        Ok(client)
+            if i32::try_from(client.get_connection_info().redis_settings().db())
+                .map_or(true, |db| db < 0) =>
+        {
             c.push(
                 span,
                 None,
                 format!(
-                    "{what} selects database {}: Redis numbers its databases from 0 (the path's /0, /1, ...)",
+                    "{what} selects database {}: Redis numbers its databases from 0 (the path's /0, /1, ... up to the server's `databases` less one)",
                     client.get_connection_info().redis_settings().db()
                 ),
             );

@@ -21,7 +21,7 @@ use super::route_label;
 
 /// The key (before a line's `=`, or a table header) of the most dot-separated parts, and
 /// their number: where a file nests too deep for TOML's reader.
-fn deepest_key(source: &str) -> Option<(Range<usize>, usize)> {
+pub(crate) fn deepest_key(source: &str) -> Option<(Range<usize>, usize)> {
     let mut deepest: Option<(Range<usize>, usize)> = None;
     let mut offset = 0;
     for line in source.split_inclusive('\n') {
