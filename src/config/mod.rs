@@ -99,7 +99,8 @@ fn redacted(url: &str, every_value: bool) -> std::borrow::Cow<'_, str> {
 /// HTTP/2's default windows: a stream's 1 MiB (a 200 MB upload 50 ms away takes 10 s, not
 /// the 160 s of the protocol's 64 KiB), a connection's twice that, so that a stream whose
 /// upstream stops reading holds at most half of it and the others go on. A connection's
-/// window is also the most a client can make the gateway hold of bodies not yet passed on.
+/// window is also the most body bytes a client can make the gateway hold before they are
+/// passed on (each stream in progress holds buffers of its own besides).
 pub const H2_STREAM_WINDOW: i64 = 1 << 20;
 pub const H2_CONNECTION_WINDOW: i64 = 2 << 20;
 

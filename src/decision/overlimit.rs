@@ -11,8 +11,8 @@
 //! never before. The sliding window uses the moment its estimate would admit the request.
 //!
 //! Bounded: a fixed number of keys per endpoint; when full, a new denial replaces the least
-//! asked of a few entries chosen at random, an ended one first, and expired entries are
-//! dropped at most once a second. Each endpoint has its own cache, rebuilt
+//! asked of a few entries spread over the full part by the clock, an ended one first, and
+//! ended entries are dropped at most once a second. Each endpoint has its own cache, rebuilt
 //! on every reload, so a reload or a new `policy_version` starts with an empty one.
 //!
 //! A ceiling's denial (on a cluster, where the ceilings live on another slot than the
@@ -446,10 +446,11 @@ const SWEEP_EVERY_US: u64 = 1_000_000;
 /// Puts `entry` in `shard`. A full shard drops its ended entries (once a second at most: a
 /// pass over all of them), and when still full, the new denial takes the place of the least
 /// asked of [`EVICTION_SAMPLE`] entries spread over the shard ([`victim`]: an ended one
-/// first, then the one ending soonest among equals): a cache filled with identities denied once, never asked
-/// again, took no new denial until theirs ended, a hot identity's included; and a pass over
-/// the shard at every new denial cost a flood of them 4.7 us each, the sample 0.35 us, the
-/// new key's allocation included (`cargo bench --bench hot_path overlimit_remember_full`).
+/// first, then the one ending soonest among equals): a cache filled with identities denied
+/// once, never asked again, took no new denial until theirs ended, a hot identity's
+/// included; and a pass over the shard at every new denial cost a flood of them 4.7 us
+/// each, the sample 0.35 us, the new key's allocation included (`cargo bench --bench
+/// hot_path overlimit_remember_full`).
 fn insert(shard: &mut Entries, key: &str, entry: Entry, now: u64) {
     if !remembering() {
         return;
