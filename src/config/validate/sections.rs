@@ -1250,6 +1250,18 @@ fn check_redis_url(
             );
             None
         }
+        // The client reads a database in the query of a socket's URL only: in a TCP one it
+        // would be passed over, and the buckets kept in database 0.
+        Ok(_) if !socket && named(&["db"]) => {
+            c.push(
+                span,
+                None,
+                format!(
+                    "{what}: a database in the query is not read by the Redis client (only a unix:// URL's ?db= is); write it as the path, redis://host:port/2"
+                ),
+            );
+            None
+        }
         Ok(_) if unread => {
             c.push(
                 span,
