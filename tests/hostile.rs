@@ -493,6 +493,55 @@ async fn a_redis_out_of_memory_is_one_failure_each_and_says_why_once() {
     assert!(why[0].contains("OOM"), "{}", why[0]);
 }
 
+/// Another reason a Redis cannot serve, within 10 s of the last one said, is said at once
+/// (a `READONLY` after an `OOM` line waited for the next 10 s slot); the same reason again
+/// is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_reason_a_redis_cannot_serve_is_said_at_once() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    // A breaker that never opens here: every decision reaches Redis.
+    let gw = closed_and_open(&redis.url(), &up.addr(), 1_000)
+        .breaker(1_000, 30)
+        .start();
+    let http = client();
+    assert_eq!(status(&http, &gw.url("/closed"), "warm").await, 200);
+    let said = |gw: &Gateway| -> Vec<String> {
+        gw.logs()
+            .lines()
+            .filter(|l| l.contains("redis cannot serve the limiter scripts"))
+            .map(str::to_owned)
+            .collect()
+    };
+    redis.config_set("maxmemory", "1");
+    for i in 0..3 {
+        assert_eq!(
+            status(&http, &gw.url("/closed"), &format!("o{i}")).await,
+            503
+        );
+    }
+    redis.config_set("maxmemory", "0");
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(common::free_port())
+        .query(&mut redis.conn())
+        .unwrap();
+    for i in 0..3 {
+        assert_eq!(
+            status(&http, &gw.url("/closed"), &format!("r{i}")).await,
+            503
+        );
+    }
+    let _: () = redis::cmd("REPLICAOF")
+        .arg(&["NO", "ONE"])
+        .query(&mut redis.conn())
+        .unwrap();
+    let lines = said(&gw);
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    assert!(lines[0].contains("OOM"), "{}", lines[0]);
+    assert!(lines[1].contains("READONLY"), "{}", lines[1]);
+}
+
 /// An upstream on a free port that answers every request head with 200 and the request's path
 /// as the body (with a 70 KB field for a path under `/big-head`), counting the heads it
 /// received.

@@ -220,6 +220,8 @@ pub(super) struct Link {
     /// When a reply that says the node cannot serve was last logged
     /// ([`super::deadline::once_every`]).
     unavailable_logged: std::sync::atomic::AtomicU64,
+    /// The code of the reply last said so (`OOM`, `READONLY`, ...): another is said at once.
+    unavailable_said: std::sync::Mutex<String>,
     /// The last connection attempt failed (none has succeeded since).
     attempt_failed: AtomicBool,
     /// In a cluster, when a redirect last named the node ([`super::deadline::mono_us`], 0:
@@ -278,6 +280,7 @@ impl Link {
             probe_kept: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             unavailable_logged: std::sync::atomic::AtomicU64::new(0),
+            unavailable_said: std::sync::Mutex::new(String::new()),
             attempt_failed: AtomicBool::new(false),
             named_at: AtomicU64::new(0),
             cluster_down: AtomicBool::new(false),
@@ -621,10 +624,28 @@ impl Link {
     }
 
     /// Logs a reply that says the node cannot serve (`OOM`, `READONLY`, `LOADING`...) with
-    /// its reason, at most once every 10 s per node: the breaker's transition says that Redis
-    /// failed, this says why.
+    /// its reason, at most once every 10 s per node and reason (the reply's code: a
+    /// `READONLY` just after an `OOM` line is said at once): the breaker's transition says
+    /// that Redis failed, this says why.
     pub(super) fn log_unavailable(&self, error: &dyn std::fmt::Display) {
-        if super::deadline::once_every(&self.unavailable_logged, 10) {
+        let error = error.to_string();
+        let code = error.split(' ').next().unwrap_or_default();
+        let new_reason = {
+            let mut said = self
+                .unavailable_said
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let new = *said != code;
+            if new {
+                code.clone_into(&mut said);
+            }
+            new
+        };
+        if new_reason {
+            self.unavailable_logged
+                .store(super::deadline::mono_us(), Ordering::Relaxed);
+        }
+        if new_reason || super::deadline::once_every(&self.unavailable_logged, 10) {
             // A dependency's fault (contract section 8), as the outage's line is: what an
             // operator alerts on, whether or not the connection stays up.
             tracing::error!(node = %self.node(), error = %error, "redis cannot serve the limiter scripts");
