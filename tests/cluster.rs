@@ -1024,16 +1024,19 @@ async fn a_cluster_whole_again_ends_the_quarantine_its_clusterdown_opened() {
         .arg(key(&tenants[down][3], "c.closed"))
         .query(&mut node)
         .unwrap();
-    let _: () = redis::cmd("CLUSTER")
-        .arg("DELSLOTS")
-        .arg(slot)
-        .query(&mut node)
-        .unwrap();
-    wait_until(
-        Duration::from_secs(5),
-        "the node to say the cluster is down",
-        || state(&mut node).contains("cluster_state:fail"),
-    );
+    // The slot taken from (or given back to) the node's view, and the cluster's state it
+    // then says.
+    let slot_to = |node: &mut redis::Connection, how: &str, then: &str| {
+        let _: () = redis::cmd("CLUSTER")
+            .arg(how)
+            .arg(slot)
+            .query(node)
+            .unwrap();
+        wait_until(Duration::from_secs(5), then, || {
+            state(node).contains(&format!("cluster_state:{then}"))
+        });
+    };
+    slot_to(&mut node, "DELSLOTS", "fail");
     for _ in 0..3 {
         assert_eq!(get("/closed", &gw, &tenants[down][0]).await.0, 503);
     }
@@ -1052,16 +1055,7 @@ async fn a_cluster_whole_again_ends_the_quarantine_its_clusterdown_opened() {
         "another node's keys are decided"
     );
 
-    let _: () = redis::cmd("CLUSTER")
-        .arg("ADDSLOTS")
-        .arg(slot)
-        .query(&mut node)
-        .unwrap();
-    wait_until(
-        Duration::from_secs(5),
-        "the node to say the cluster is ok",
-        || state(&mut node).contains("cluster_state:ok"),
-    );
+    slot_to(&mut node, "ADDSLOTS", "ok");
     // The map is read every second while a breaker is open; a loaded machine may add a
     // little to the node's answer.
     admitted_within(

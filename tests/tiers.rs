@@ -496,15 +496,17 @@ async fn an_upgrade_in_the_key_file_takes_effect_on_reload() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
     std::fs::write(&keys, entry("tenant-key", "a", None)).unwrap();
-    let gw = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.api_keys]\nfile = {}\n",
-            quoted(keys.to_str().unwrap())
-        ))
-        .upstream("app", &[up.addr()])
-        .route(tiered())
-        .section(TIERS)
-        .start();
+    let config = |tiers: &str| {
+        GatewayConfig::new(&redis.url())
+            .section(&format!(
+                "[auth.api_keys]\nfile = {}\n",
+                quoted(keys.to_str().unwrap())
+            ))
+            .upstream("app", &[up.addr()])
+            .route(tiered())
+            .section(tiers)
+    };
+    let gw = config(TIERS).start();
     assert_eq!(admitted(&gw, "tenant-key", 3).await, 2, "free");
     std::fs::write(&keys, entry("tenant-key", "a", Some("pro"))).unwrap();
     assert_eq!(gw.reload(), 200);
@@ -519,15 +521,7 @@ async fn an_upgrade_in_the_key_file_takes_effect_on_reload() {
         "algorithm = \"token_bucket\"\ncapacity_micro = 4_000_000\nrefill_rate_micro_per_sec = 0",
         "algorithm = \"sliding_window\"\nlimit = 4\nwindow_size_micro = 60_000_000",
     );
-    let config = GatewayConfig::new(&redis.url())
-        .section(&format!(
-            "[auth.api_keys]\nfile = {}\n",
-            quoted(keys.to_str().unwrap())
-        ))
-        .upstream("app", &[up.addr()])
-        .route(tiered())
-        .section(&window);
-    gw.rewrite_config(&config.render(gw.port, gw.admin_port));
+    gw.rewrite_config(&config(&window).render(gw.port, gw.admin_port));
     assert_eq!(gw.reload(), 200);
     common::wait_until(std::time::Duration::from_secs(3), "the warning", || {
         gw.logs().contains(
