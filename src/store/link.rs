@@ -629,8 +629,10 @@ impl Link {
     /// that Redis failed, this says why.
     pub(super) fn log_unavailable(&self, error: &dyn std::fmt::Display) {
         let error = error.to_string();
+        // Redis's code (an upper-case word); a refusal the gateway tells itself (a command
+        // the ACL refuses, not sent) is no new reason.
         let code = error.split(' ').next().unwrap_or_default();
-        let new_reason = {
+        let new_reason = !code.is_empty() && code.bytes().all(|b| b.is_ascii_uppercase()) && {
             let mut said = self
                 .unavailable_said
                 .lock()
