@@ -7,7 +7,8 @@
 //! - token bucket: `q` = capacity / cost, `w` = seconds to refill the whole capacity,
 //!   `r` = tokens left / cost, `t` = seconds until the bucket is full again;
 //! - sliding window: `q` = limit / cost, `w` = the window in seconds, `r` = requests the
-//!   estimate still admits / cost, `t` = seconds until the current window ends.
+//!   estimate still admits / cost, `t` = seconds until the current window ends;
+//! - on a denial by the limit, `t` is at least its `Retry-After`.
 //!
 //! `w` and `t` are left out when the bucket never refills.
 
@@ -103,8 +104,15 @@ fn item(
         policy_item.push_str(&format!(";w={w}"));
     }
     let mut state = format!("\"{name}\";r={remaining}");
-    // A bucket that never refills has no time to full, whatever the reply says.
+    // A bucket that never refills has no time to full, whatever the reply says. On a denial
+    // by this limit, never before it admits again: a sliding window's current window can
+    // end while the last one's weight still refuses, and `t=0` beside `r=0` would send a
+    // client that reads only these fields straight back.
     if let (Some(_), Some(t)) = (window, reply.reset) {
+        let t = match (reply.allowed, reply.retry_after) {
+            (false, Some(wait)) => t.max(wait),
+            _ => t,
+        };
         state.push_str(&format!(";t={t}"));
     }
     Some((policy_item, state))
@@ -187,5 +195,36 @@ mod tests {
         let f = fields(&p, &reply(42, Some(13))).unwrap();
         assert_eq!(f.policy, r#""resumint.tailor";q=100;w=60"#);
         assert_eq!(f.state, r#""resumint.tailor";r=42;t=13"#);
+    }
+
+    #[test]
+    fn a_denial_never_says_to_come_back_before_it_admits() {
+        let p = policy(
+            Algorithm::SlidingWindow {
+                limit: 5,
+                window_micro: 10_000_000,
+            },
+            1_000_000,
+        );
+        // The current window has just ended, the last one's weight still refuses for 2 s.
+        let denied = ScriptReply {
+            allowed: false,
+            retry_after: Some(2),
+            ..reply(0, Some(0))
+        };
+        assert_eq!(
+            fields(&p, &denied).unwrap().state,
+            r#""resumint.tailor";r=0;t=2"#
+        );
+        // A later window end stays as it is.
+        let later = ScriptReply {
+            allowed: false,
+            retry_after: Some(2),
+            ..reply(0, Some(7))
+        };
+        assert_eq!(
+            fields(&p, &later).unwrap().state,
+            r#""resumint.tailor";r=0;t=7"#
+        );
     }
 }
