@@ -212,6 +212,12 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .fail_closed()
         .policy_version(4)
         .set("fallback_rate_fleet_micro", "3_000_000");
+    // A header the client writes as an identity, and a rate written in requests (11 a
+    // second meant; one request in 25 hours written).
+    let spoofable = Route::new("w.api")
+        .prefix("/w")
+        .identity_header("X-Forwarded-For")
+        .token_bucket(5_000_000, 11);
     std::fs::write(
         &path,
         format!(
@@ -219,16 +225,17 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
              h2_connection_window_bytes = 100_000\n\
              [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\nalgorithms = [\"HS256\", \"HS256\"]\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n\
-             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}",
+             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}{}",
             route.toml(),
             made_up.toml(),
-            open.toml()
+            open.toml(),
+            spoofable.toml()
         ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("ok, 3 route(s)"), "{stdout}");
+    assert!(stdout.contains("ok, 4 route(s)"), "{stdout}");
     // A method listed twice is said once in the route's line.
     assert!(stdout.contains("x.api: GET,HEAD,X1 "), "{stdout}");
     let file = path.display();
@@ -249,6 +256,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             format!("warning: {file}:{}: routes[2] (z.open): fallback_rate_fleet_micro on a route that is not limited (algorithm = \"none\") has no emergency to share: the fleet is not counted for it", position_of(&path, "3_000_000")),
             format!("warning: {file}:{}: routes[2] (z.open): fail_mode, policy_version on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without a decision", position_of(&path, "\"fail_closed\"")),
+            format!("warning: {file}:{}: routes[3] (w.api): refill_rate_micro_per_sec = 11 adds one token (one request of cost 1_000_000) every 25.3 hours: the rate is in micro-tokens a second (11 requests a second is 11000000)", position_of(&path, "11\n")),
+            format!("warning: {file}:{}: routes[3] (w.api): identity = {{ header = \"X-Forwarded-For\" }}: the client writes this header itself, so every value it makes up is a bucket of its own; for the client's address behind a load balancer use identity = \"client_ip\" with [server] trusted_proxies, which reads X-Forwarded-For from the right, past your proxies", position_of(&path, "{ header = \"X-Forwarded-For\"")),
             format!("warning: {file}:{}: upstreams.spare is named by no route: no request goes to it", position_of(&path, "[upstreams.spare]")),
             // Pointed at the value that turns the check off.
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),

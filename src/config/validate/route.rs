@@ -477,15 +477,21 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &AlgorithmFields<'_>) ->
                     c.push(Some(&r.algorithm.span()), label, format!("{at}refill_rate_micro_per_sec is required for algorithm = \"token_bucket\": micro-tokens added per second (0 = never refills)"));
                     None
                 }
-                v => int_in(
-                    c,
-                    label,
-                    &format!("{at}refill_rate_micro_per_sec"),
-                    v.as_ref(),
-                    0,
-                    (0, MAX_RATE_MICRO_PER_SEC as i64),
-                    " (10^6 requests per second)",
-                ),
+                v => {
+                    let refill = int_in(
+                        c,
+                        label,
+                        &format!("{at}refill_rate_micro_per_sec"),
+                        v.as_ref(),
+                        0,
+                        (0, MAX_RATE_MICRO_PER_SEC as i64),
+                        " (10^6 requests per second)",
+                    );
+                    if let (Some(rate), Some(written)) = (refill, v) {
+                        slow_refill(c, label, at, rate, written);
+                    }
+                    refill
+                }
             };
             Some(Algorithm::TokenBucket {
                 capacity_micro: capacity?,
@@ -556,6 +562,29 @@ fn algorithm(c: &mut Collector, label: Option<&str>, r: &AlgorithmFields<'_>) ->
     }
 }
 
+/// A token bucket refilled more slowly than one token a day: `refill_rate_micro_per_sec = 10`
+/// written for "10 a second", as nginx's `rate=10r/s` or Kong's `second = 10` read. Warned,
+/// not refused: a quota of one request a week is a rate too.
+fn slow_refill(
+    c: &mut Collector,
+    label: Option<&str>,
+    at: &str,
+    rate: u64,
+    written: &Spanned<i64>,
+) {
+    const DAY_SECONDS: u64 = 86_400;
+    if rate == 0 || rate * DAY_SECONDS >= ONE_TOKEN_MICRO {
+        return;
+    }
+    let hours = ONE_TOKEN_MICRO as f64 / rate as f64 / 3600.0;
+    c.warn(Some(&written.span()), label, format!("{at}refill_rate_micro_per_sec = {rate} adds one token (one request of cost 1_000_000) every {hours:.1} hours: the rate is in micro-tokens a second ({rate} requests a second is {})", rate * ONE_TOKEN_MICRO));
+}
+
+/// Headers that carry a client's address as a proxy wrote it, or as the client did: an
+/// identity read from one is the client's own choice (`client_ip` reads them past the
+/// trusted proxies).
+const ADDRESS_HEADERS: [&str; 3] = ["x-forwarded-for", "forwarded", "x-real-ip"];
+
 fn identity(
     c: &mut Collector,
     label: Option<&str>,
@@ -624,7 +653,12 @@ fn identity(
                 );
                 None
             }
-            Ok(name) => Some(IdentitySource::Header(name.as_str().to_owned())),
+            Ok(name) => {
+                if ADDRESS_HEADERS.contains(&name.as_str()) {
+                    c.warn(Some(&span), label, format!("identity = {{ header = \"{header}\" }}: the client writes this header itself, so every value it makes up is a bucket of its own; for the client's address behind a load balancer use identity = \"client_ip\" with [server] trusted_proxies, which reads X-Forwarded-For from the right, past your proxies"));
+                }
+                Some(IdentitySource::Header(name.as_str().to_owned()))
+            }
             Err(_) => {
                 c.push(
                     Some(&span),
