@@ -52,7 +52,7 @@ pub struct Metrics {
     /// `/readyz`'s `redis`: 1 while the gateway holds its Redis connections.
     pub redis_up: IntGauge,
     pub connections_max: IntGauge,
-    /// What the bound did, by `action` (`closed_idle`, `refused`); set at scrape time.
+    /// What the bound did, by `action` (`closed_idle`, `refused`, `request_refused`); set at scrape time.
     connections_shed: IntCounterVec,
     pub fleet_instances: IntGauge,
     /// Access log lines dropped because the writer could not keep up (or could not write).
@@ -360,13 +360,13 @@ impl Metrics {
             IntCounterVec::new(
                 Opts::new(
                     "sentinel_connections_shed_total",
-                    "Connections the bound shed: closed_idle (an idle one closed, or an idle HTTP/2 one sent a GOAWAY, to make room), refused (a new one closed at once: every connection busy).",
+                    "Connections the bound shed: closed_idle (an idle one closed, or an idle HTTP/2 one sent a GOAWAY, to make room), refused (a new one closed at once: every connection busy), request_refused (a request answered 503 at capacity).",
                 ),
                 &["action"],
             )
             .expect("valid"),
         );
-        for action in ["closed_idle", "refused"] {
+        for action in ["closed_idle", "refused", "request_refused"] {
             connections_shed.with_label_values(&[action]);
         }
         let fleet_instances = register(
@@ -644,6 +644,7 @@ impl Metrics {
         for (action, how) in [
             ("closed_idle", Shed::ClosedIdle),
             ("refused", Shed::Refused),
+            ("request_refused", Shed::RequestRefused),
         ] {
             let counter = self.connections_shed.with_label_values(&[action]);
             counter.inc_by(connections.shed(how).saturating_sub(counter.get()));

@@ -526,10 +526,11 @@ fn at_max_connections_with_every_connection_busy_a_new_one_is_closed_at_once() {
     assert_eq!(blocking_get(&gw.url("/x")).map(|a| a.0), Some(200));
 }
 
-/// HTTP/2 streams count as requests in flight: each holds an upstream connection, so at
-/// `max_connections` requests in flight a new stream is answered 503 instead of taking
-/// another descriptor. Before, one connection's streams could take every descriptor, and
-/// the upstreams, Redis and the admin starved.
+/// HTTP/2 streams count as requests in flight: each holds an upstream connection, so a
+/// connection's streams past its first take at most half of `max_connections` (2 of 5
+/// here), and a new stream past that is answered 503 instead of taking another descriptor.
+/// Before, one connection's streams could take every descriptor, and the upstreams, Redis
+/// and the admin starved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
@@ -557,7 +558,7 @@ async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     }
     let ok = answers.iter().filter(|a| a.0 == 200).count();
     let refused: Vec<_> = answers.iter().filter(|a| a.0 == 503).collect();
-    assert_eq!((ok, refused.len()), (5, 7), "{answers:?}");
+    assert_eq!((ok, refused.len()), (3, 9), "{answers:?}");
     for (_, retry, body) in refused {
         assert_eq!(body, r#"{"detail":"gateway at capacity"}"#);
         assert_eq!(retry.as_ref().map(|v| v.to_str().unwrap()), Some("1"));
@@ -565,6 +566,112 @@ async fn http2_streams_in_flight_are_bounded_by_max_connections() {
     // The bound is on what is in flight: once the slow ones are answered, streams pass.
     let r = h2.get(gw.url("/x")).send().await.unwrap();
     assert_eq!(r.status(), 200);
+}
+
+/// Two HTTP/2 connections open 30 streams each that take 4 s (as streams whose body never
+/// comes hold their place until the upstream's timeout): their streams past each one's first
+/// take at most half of `max_connections` (10 of 20), and eight other clients beside them are
+/// answered. Before, the two connections' streams took all 20 places, and every other
+/// client was answered 503 for as long as they held them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_few_http2_connections_full_of_streams_leave_room_for_other_clients() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "20"), ("h2c", "true")]);
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let h2 = common::h2c_client();
+        // The connection first, which its 30 streams then share.
+        assert_eq!(h2.get(gw.url("/x")).send().await.unwrap().status(), 200);
+        for _ in 0..30 {
+            let (h2, url) = (h2.clone(), gw.url("/slow?ms=4000"));
+            streams.push(tokio::spawn(async move {
+                let r = h2.get(url).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let others: Vec<_> = (0..8)
+        .map(|_| {
+            let url = gw.url("/slow?ms=500");
+            tokio::task::spawn_blocking(move || blocking_get(&url).map(|a| a.0))
+        })
+        .collect();
+    for (i, o) in others.into_iter().enumerate() {
+        assert_eq!(o.await.unwrap(), Some(200), "other client {i}");
+    }
+    let mut answers = Vec::new();
+    for s in streams {
+        answers.push(s.await.unwrap());
+    }
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    assert_eq!(ok, 12, "each connection's first and 10 more: {answers:?}");
+    for (status, body) in answers.iter().filter(|a| a.0 != 200) {
+        assert_eq!(
+            (*status, body.as_str()),
+            (503, r#"{"detail":"gateway at capacity"}"#)
+        );
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_connections_shed_total{action="request_refused"}"#),
+        48.0
+    );
+}
+
+/// At the bound, an HTTP/1.1 client between two of its requests is not the connection that
+/// makes room while HTTP/2 connections beside it have been idle for longer: the idle longest
+/// goes, whatever its protocol. Before, any idle HTTP/1 connection went before any idle
+/// HTTP/2 one, and new HTTP/2 connections arriving every 60 ms cut the busy client's
+/// keep-alive connection between its requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_connections_idle_http2_connections_make_room_before_a_busier_http1_one() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
+    let port = gw.port;
+    let busy = tokio::task::spawn_blocking(move || {
+        let mut s = open(port);
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut answered = 0;
+        for _ in 0..25 {
+            if s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").is_err() {
+                break;
+            }
+            let mut buf = [0u8; 4096];
+            match s.read(&mut buf) {
+                Ok(n) if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200") => {
+                    answered += 1
+                }
+                _ => break,
+            }
+            std::thread::sleep(Duration::from_millis(80));
+        }
+        answered
+    });
+    // Nine HTTP/2 connections, one request each, then idle: the bound is full.
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        let h2 = common::h2c_client();
+        assert_eq!(h2.get(gw.url("/x")).send().await.unwrap().status(), 200);
+        idle.push(h2);
+    }
+    // New HTTP/2 connections, one every 60 ms, each making room.
+    for i in 0..15 {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let h2 = common::h2c_client();
+        let r = h2.get(gw.url("/x")).send().await;
+        assert_eq!(
+            r.map(|r| r.status().as_u16()).ok(),
+            Some(200),
+            "newcomer {i}"
+        );
+        idle.push(h2);
+    }
+    assert_eq!(
+        busy.await.unwrap(),
+        25,
+        "every request of the busy client, on one connection"
+    );
+    assert!(gw.metric(r#"sentinel_connections_shed_total{action="closed_idle"}"#) >= 15.0);
 }
 
 /// HTTP/2 uploads on one connection: a stream whose upstream stops reading its body holds at

@@ -23,15 +23,21 @@
 //! timeout arms a timer on every read; measured, that cost a fifth of the plain proxy's
 //! throughput.)
 //!
-//! At `max_connections`, a new connection first closes the connection idle longest that has
-//! no request in progress (`Handshake`, `Head`, including a wait for the h2c preface, or
-//! `Idle`), as nginx does (of the 64 oldest such connections: a bounded look, which picks the
-//! longest idle among them, not always of all). A connection asked to close reads end-of-file, which Pingora
-//! treats as a client that left. Failing those, the HTTP/2 connection without a stream in
-//! the proxy ([`StreamSlot`]) that read last longest ago is sent a GOAWAY through its own
-//! shutdown watch: a stream still on its way from the HTTP/2 layer to the proxy, where
-//! nothing here sees it, is answered all the same, then the connection closes. When there is
-//! none of either, the new connection is closed at once.
+//! At `max_connections`, a new connection first makes room with the connection idle longest
+//! that has no request in progress, as nginx does (of the 64 oldest such connections: a
+//! bounded look, which picks the longest idle among them, not always of all): one waiting for
+//! its first request (`Handshake`, `Head`, including a wait for the h2c preface), an HTTP/1
+//! one between requests (`Idle`), or an HTTP/2 one without a stream in the proxy
+//! ([`StreamSlot`]) since its last stream ended. An HTTP/1 one asked to close reads
+//! end-of-file, which Pingora treats as a client that left; an HTTP/2 one is sent a GOAWAY
+//! through its own shutdown watch: a stream still on its way from the HTTP/2 layer to the
+//! proxy, where nothing here sees it, is answered all the same, then the connection closes.
+//! When no connection is idle, the new connection is closed at once.
+//!
+//! The requests in flight are bounded by `max_connections` too (each holds an upstream
+//! connection), and an HTTP/2 connection's streams past its first in progress may take at
+//! most half of it together ([`Connections::stream_started`]): a few connections opening
+//! streams they never finish cannot take every place from the clients beside them.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -229,7 +235,9 @@ pub struct Connections {
     h2: Mutex<std::collections::HashMap<usize, Arc<Conn>>>,
     /// Connections closed (or sent a GOAWAY) to make room at the bound, and new ones closed
     /// at once there because every connection was busy: `sentinel_connections_shed_total`.
-    shed: [AtomicU64; 2],
+    shed: [AtomicU64; 3],
+    /// HTTP/2 streams in the proxy past their connection's first ([`Connections::stream_started`]).
+    extra_streams: Arc<AtomicUsize>,
 }
 
 /// What the bound did to a connection ([`Connections::shed`]).
@@ -239,6 +247,23 @@ pub enum Shed {
     ClosedIdle = 0,
     /// A new connection closed at once: every connection was busy.
     Refused = 1,
+    /// A request answered 503 at capacity ([`Connections::request_refused`]).
+    RequestRefused = 2,
+}
+
+/// Since when a connection has had no request in progress, on the `since_ms` clock: a new
+/// one waiting for its first request (or its TLS handshake, or its h2c preface), an HTTP/1
+/// one between keep-alive requests, an HTTP/2 one without a stream in the proxy since its
+/// last stream ended (frames without a stream, a PING, do not make it busy); `None` while
+/// it has a request in progress.
+fn idle_since(c: &Conn) -> Option<u64> {
+    match c.state.load(Ordering::Relaxed) {
+        HEAD | IDLE | HANDSHAKE | H2_HEAD => Some(c.since_ms.load(Ordering::Relaxed)),
+        MULTIPLEXED if c.streams.load(Ordering::Relaxed) == 0 => {
+            Some(c.stream_end_ms.load(Ordering::Relaxed))
+        }
+        _ => None,
+    }
 }
 
 /// How many idle connections, oldest first, are looked at to choose the one idle longest.
@@ -293,6 +318,7 @@ impl Connections {
             bad_head: std::sync::OnceLock::new(),
             h2: Mutex::new(std::collections::HashMap::new()),
             shed: Default::default(),
+            extra_streams: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -309,6 +335,12 @@ impl Connections {
 
     /// An HTTP/2 stream of the connection whose socket digest is `digest` reached the
     /// proxy: it counts as the connection's request in progress until the slot drops.
+    ///
+    /// A stream past its connection's first in progress is an extra one: the extra streams
+    /// of every connection together may hold at most half of `max_connections`
+    /// ([`StreamSlot::over_share`]), so that a few connections opening streams they never
+    /// finish (a body that never comes) leave the other half to every other client's
+    /// requests, one connection's worth each, as HTTP/1 gives.
     pub fn stream_started(&self, digest: &Arc<SocketDigest>) -> Option<StreamSlot> {
         let key = Arc::as_ptr(digest) as usize;
         let conn = Arc::clone(
@@ -317,8 +349,25 @@ impl Connections {
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&key)?,
         );
-        conn.streams.fetch_add(1, Ordering::Relaxed);
-        Some(StreamSlot(conn, self.epoch))
+        let before = conn.streams.fetch_add(1, Ordering::Relaxed);
+        let (extra, over_share) = if before == 0 {
+            (None, false)
+        } else {
+            let extras = self.extra_streams.fetch_add(1, Ordering::Relaxed) + 1;
+            (Some(Arc::clone(&self.extra_streams)), extras > self.max / 2)
+        };
+        Some(StreamSlot {
+            conn,
+            epoch: self.epoch,
+            extra,
+            over_share,
+        })
+    }
+
+    /// A request answered 503 at capacity: past the requests in flight that
+    /// `max_connections` bounds, or past the extra HTTP/2 streams' share of them.
+    pub fn request_refused(&self) {
+        self.shed[Shed::RequestRefused as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Sets what is told of each request head answered 400 here, once, at start.
@@ -472,41 +521,27 @@ impl Connections {
         let mut open = self.lock();
         if open.len() - self.closing.load(Ordering::Relaxed).min(open.len()) >= self.max {
             let keep = |c: &&Arc<Conn>| c.close.load(Ordering::Relaxed) == KEEP;
-            // Of the first idle connections by age, the one idle longest (a client using its
-            // old connection in a tight loop is not the one cut); a bounded look at the idle
-            // ones (busy ones are passed over, as before).
-            let oldest_idle = open
+            // Of the first idle connections by age, HTTP/1 and HTTP/2 alike, the one idle
+            // longest (a client using its old connection in a tight loop is not the one cut,
+            // nor one between two requests for connections idle for seconds beside it); a
+            // bounded look at the idle ones (busy ones are passed over).
+            let idle_longest = open
                 .values()
                 .filter(keep)
-                .filter(|c| {
-                    matches!(
-                        c.state.load(Ordering::Relaxed),
-                        HEAD | IDLE | HANDSHAKE | H2_HEAD
-                    )
-                })
+                .filter_map(|c| Some((idle_since(c)?, c)))
                 .take(EVICTION_SAMPLE)
-                .min_by_key(|c| c.since_ms.load(Ordering::Relaxed));
-            if let Some(idle) = oldest_idle {
-                self.close(idle, EVICTED);
-                self.shed[Shed::ClosedIdle as usize].fetch_add(1, Ordering::Relaxed);
-            } else {
-                // No HTTP/1 connection is idle: the HTTP/2 one without a stream in the
-                // proxy that read last longest ago is sent a GOAWAY. A stream whose HEADERS
-                // are on their way to the proxy is still answered before it closes; the
-                // client opens a new connection for its next request.
-                let quietest = open
-                    .values()
-                    .filter(keep)
-                    .filter(|c| c.state.load(Ordering::Relaxed) == MULTIPLEXED)
-                    .filter(|c| c.streams.load(Ordering::Relaxed) == 0)
-                    .min_by_key(|c| c.since_ms.load(Ordering::Relaxed));
-                let Some(quietest) = quietest else {
-                    self.shed[Shed::Refused as usize].fetch_add(1, Ordering::Relaxed);
-                    return None;
-                };
-                self.close(quietest, EVICTED);
-                self.shed[Shed::ClosedIdle as usize].fetch_add(1, Ordering::Relaxed);
-                self.goaway(quietest);
+                .min_by_key(|(since, _)| *since);
+            let Some((_, idle)) = idle_longest else {
+                self.shed[Shed::Refused as usize].fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            self.close(idle, EVICTED);
+            self.shed[Shed::ClosedIdle as usize].fetch_add(1, Ordering::Relaxed);
+            // An HTTP/2 one is sent a GOAWAY: a stream whose HEADERS are on their way to
+            // the proxy is still answered before it closes; the client opens a new
+            // connection for its next request.
+            if idle.state.load(Ordering::Relaxed) == MULTIPLEXED {
+                self.goaway(idle);
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -562,13 +597,30 @@ impl Connections {
 /// An HTTP/2 stream in the proxy, counted on its connection until dropped; the
 /// connection's idle time starts again when it ends (the `Instant` is the clock's epoch).
 #[derive(Debug)]
-pub struct StreamSlot(Arc<Conn>, Instant);
+pub struct StreamSlot {
+    conn: Arc<Conn>,
+    epoch: Instant,
+    /// Every connection's extra streams' count, when this is one ([`Connections::stream_started`]).
+    extra: Option<Arc<AtomicUsize>>,
+    over_share: bool,
+}
+
+impl StreamSlot {
+    /// An extra stream past the extra streams' share of `max_connections`: it is answered
+    /// 503 at capacity.
+    pub fn over_share(&self) -> bool {
+        self.over_share
+    }
+}
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        let now = self.1.elapsed().as_millis() as u64;
-        self.0.stream_end_ms.store(now, Ordering::Relaxed);
-        self.0.streams.fetch_sub(1, Ordering::Release);
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.conn.stream_end_ms.store(now, Ordering::Relaxed);
+        self.conn.streams.fetch_sub(1, Ordering::Release);
+        if let Some(extras) = &self.extra {
+            extras.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

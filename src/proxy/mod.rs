@@ -623,6 +623,7 @@ impl ProxyHttp for Gateway {
             pingora_core::protocols::http::ServerSession::H2(_) => {
                 if let Some(digest) = session.digest().and_then(|d| d.socket_digest.as_ref()) {
                     ctx.h2_stream = self.connections.stream_started(digest);
+                    ctx.over_capacity |= ctx.h2_stream.as_ref().is_some_and(|s| s.over_share());
                 }
             }
             _ => {}
@@ -654,6 +655,7 @@ impl ProxyHttp for Gateway {
         // descriptors Redis, the upstreams and the admin need. One HTTP/1 connection
         // carries one at a time, so only streams meet this in practice.
         if ctx.over_capacity {
+            self.connections.request_refused();
             return self.answer(session, ctx, Answer::AtCapacity).await;
         }
         let req = session.req_header();
