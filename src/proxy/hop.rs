@@ -1,9 +1,11 @@
 //! The upstream's answer loses the fields of its own connection before it is passed on
 //! (RFC 9110, 7.6.1), as nginx and Envoy do: those its `Connection` names, and `Keep-Alive`,
 //! `Proxy-Connection`, `TE` and `Upgrade` (kept on a `101`, whose tunnel they describe).
-//! The client's connection gets the gateway's own `Connection`.
+//! The client's connection gets the gateway's own `Connection`. `Trailer` goes too: the
+//! trailer fields an upstream sends after a chunked body are not passed on (as nginx's
+//! proxy does not), so the answer does not announce fields that never come.
 
-use http::header::{CONNECTION, TE, UPGRADE};
+use http::header::{CONNECTION, TE, TRAILER, UPGRADE};
 use http::{HeaderName, StatusCode};
 use pingora_http::ResponseHeader;
 
@@ -11,6 +13,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     *name == CONNECTION
         || *name == TE
         || *name == UPGRADE
+        || *name == TRAILER
         || name.as_str() == "keep-alive"
         || name.as_str() == "proxy-connection"
 }
@@ -32,7 +35,7 @@ pub fn end_at_this_hop(answer: &mut ResponseHeader) {
     for name in named {
         answer.remove_header(&name);
     }
-    for name in ["keep-alive", "proxy-connection", "te"] {
+    for name in ["keep-alive", "proxy-connection", "te", "trailer"] {
         answer.remove_header(name);
     }
     if !tunnel {
@@ -109,7 +112,7 @@ mod tests {
             ],
         );
         end_at_this_hop(&mut r);
-        assert_eq!(names(&r), ["content-type", "trailer", "x-kept"]);
+        assert_eq!(names(&r), ["content-type", "x-kept"]);
     }
 
     #[test]
