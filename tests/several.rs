@@ -86,6 +86,58 @@ fn remaining(view: &Value, name: &str) -> i64 {
         .unwrap()
 }
 
+/// `ratelimit_headers = "x-ratelimit"`: `X-RateLimit-Limit`, `-Remaining` and `-Reset` of the
+/// limit nearest to refusing, as clients of Envoy, Kong, APISIX and Tyk read them, on
+/// answers Redis decided and on the denials the over-limit cache repeats; no IETF fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    // burst: 3, refilled 1 per 100 s; daily: 5, refilled 1 per 1000 s.
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(route(|r| {
+            r.set("ratelimit_headers", "\"x-ratelimit\"")
+                .bucket_limit("burst", 3, 10_000)
+                .bucket_limit("daily", 5, 1_000)
+        }))
+        .start();
+    let fields = |r: &reqwest::Response| {
+        let h = r.headers();
+        assert!(h.get("ratelimit").is_none() && h.get("ratelimit-policy").is_none());
+        let n = |name: &str| -> u64 { h[name].to_str().unwrap().parse().unwrap() };
+        (
+            n("x-ratelimit-limit"),
+            n("x-ratelimit-remaining"),
+            n("x-ratelimit-reset"),
+        )
+    };
+    // burst has 2 left of 3, daily 4 of 5: burst is nearest; full again in 100 s.
+    let r = get(&gw, "k1").await;
+    assert_eq!(r.status(), 200);
+    let (limit, remaining, reset) = fields(&r);
+    assert_eq!((limit, remaining), (3, 2));
+    assert!((99..=100).contains(&reset), "{reset}");
+    // daily: 3 left, after the two tries below it stays at 3 (a denial charges nothing).
+    for _ in 0..2 {
+        assert_eq!(get(&gw, "k1").await.status(), 200);
+    }
+    for cached in [false, true] {
+        let r = get(&gw, "k1").await;
+        assert_eq!(r.status(), 429);
+        let wait = common::retry_after(&r);
+        let (limit, remaining, reset) = fields(&r);
+        assert_eq!((limit, remaining), (3, 0), "cached: {cached}");
+        assert!(
+            reset >= wait && reset <= 300,
+            "cached: {cached}: {reset} against {wait}"
+        );
+    }
+    assert_eq!(
+        gw.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="e.api"}"#),
+        1.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_limits_on_one_identity_admit_exactly_and_a_denial_charges_neither() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));

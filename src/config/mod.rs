@@ -639,14 +639,31 @@ pub struct Policy {
     pub fallback_fleet: bool,
     pub policy_version: u64,
     pub mode: Enforcement,
-    /// Send `RateLimit-Policy` and `RateLimit` on answers Redis decided.
-    pub ratelimit_headers: bool,
+    /// The rate limit header fields sent on answers Redis decided.
+    pub ratelimit_headers: RateLimitHeaders,
     /// One emergency bucket for the endpoint, or one per identity.
     pub emergency_per_identity: bool,
     /// Charge what the upstream's answer reports to the token buckets that admitted it.
     pub cost_from_response: Option<CostFromResponse>,
     /// `tier_from`: the caller's tier chooses the limits on its own identity.
     pub tiers: Option<TierPlan>,
+}
+
+/// `ratelimit_headers`: which header fields tell a caller its limits, on answers Redis
+/// decided. `true` (or `"ietf"`): `RateLimit-Policy` and `RateLimit`
+/// (draft-ietf-httpapi-ratelimit-headers-09); `"x-ratelimit"`: `X-RateLimit-Limit`,
+/// `-Remaining` and `-Reset`, as Envoy, Kong, APISIX and Tyk send them; `"both"`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateLimitHeaders {
+    pub ietf: bool,
+    pub x: bool,
+}
+
+impl RateLimitHeaders {
+    /// Any field at all: the decision's reply is kept for them.
+    pub fn any(self) -> bool {
+        self.ietf || self.x
+    }
 }
 
 impl Policy {

@@ -229,7 +229,7 @@ pub struct RawRoute {
     pub fallback_rate_fleet_micro: Option<Spanned<i64>>,
     pub emergency_scope: Option<Spanned<String>>,
     pub policy_version: Option<Spanned<i64>>,
-    pub ratelimit_headers: Option<Spanned<bool>>,
+    pub ratelimit_headers: Option<Spanned<RawRateLimitHeaders>>,
     pub cost_micro: Option<Spanned<i64>>,
     pub mode: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,
@@ -258,6 +258,33 @@ impl<'de> Deserialize<'de> for RawTierFrom {
             NamedOrTable::Named(n) => RawTierFrom::Named(n),
             NamedOrTable::Table(claim) => RawTierFrom::Claim { claim },
         })
+    }
+}
+
+/// `ratelimit_headers = true` (or `false`), or the name of the fields: `"ietf"`,
+/// `"x-ratelimit"`, `"both"` (a name is checked with the route's other fields).
+#[derive(Debug)]
+pub enum RawRateLimitHeaders {
+    Bool(bool),
+    Named(String),
+}
+
+impl<'de> Deserialize<'de> for RawRateLimitHeaders {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = RawRateLimitHeaders;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false, \"ietf\", \"x-ratelimit\" or \"both\"")
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(RawRateLimitHeaders::Bool(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(RawRateLimitHeaders::Named(v.to_owned()))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 

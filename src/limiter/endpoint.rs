@@ -305,7 +305,7 @@ mod tests {
             fallback_fleet: false,
             policy_version: 3,
             mode: Enforcement::Enforce,
-            ratelimit_headers: false,
+            ratelimit_headers: Default::default(),
             emergency_per_identity: false,
             cost_from_response: None,
             tiers: None,

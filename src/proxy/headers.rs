@@ -12,14 +12,44 @@
 //!
 //! `w` and `t` are left out when the bucket never refills.
 
-use crate::config::{Algorithm, Policy, ONE_TOKEN_MICRO};
+use crate::config::{Algorithm, Policy, RateLimitHeaders, ONE_TOKEN_MICRO};
 use crate::decision::ScriptReply;
 
-/// The two header values.
+/// The header fields of one answer, as the route asks for them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RateLimitFields {
-    pub policy: String,
-    pub state: String,
+    /// `RateLimit-Policy` and `RateLimit`, with `ratelimit_headers = true` (or `"ietf"`).
+    pub ietf: Option<(String, String)>,
+    /// `X-RateLimit-Limit`, `-Remaining` and `-Reset` (`None` when it never refills), with
+    /// `"x-ratelimit"`: the limit nearest to refusing (see [`nearest`]).
+    pub x: Option<(u64, u64, Option<u64>)>,
+}
+
+impl RateLimitFields {
+    /// Sets the fields on an answer's head.
+    pub fn set_on(&self, head: &mut pingora_http::ResponseHeader) -> pingora_core::Result<()> {
+        if let Some((policy, state)) = &self.ietf {
+            head.insert_header("ratelimit-policy", policy.as_str())?;
+            head.insert_header("ratelimit", state.as_str())?;
+        }
+        if let Some((limit, remaining, reset)) = self.x {
+            head.insert_header("x-ratelimit-limit", limit.to_string())?;
+            head.insert_header("x-ratelimit-remaining", remaining.to_string())?;
+            if let Some(reset) = reset {
+                head.insert_header("x-ratelimit-reset", reset.to_string())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One limit's numbers and items.
+struct Item {
+    policy: String,
+    state: String,
+    quota: u64,
+    remaining: u64,
+    reset: Option<u64>,
 }
 
 /// A single-limit route's item is named after the endpoint, as before `[[routes.limits]]`;
@@ -30,18 +60,15 @@ pub fn fields(policy: &Policy, reply: &ScriptReply) -> Option<RateLimitFields> {
         Some(_) => "default",
         None => policy.endpoint_id.as_str(),
     };
-    let (policy_item, state_item) = item(name, policy.algorithm, policy.cost_micro, reply)?;
-    Some(RateLimitFields {
-        policy: policy_item,
-        state: state_item,
-    })
+    let item = item(name, policy.algorithm, policy.cost_micro, reply)?;
+    Some(joined(policy.ratelimit_headers, vec![item]))
 }
 
 /// With `[[routes.limits]]`: one item per limit, named after the limit, in the policy's
 /// order; a limit Redis could not be asked about (a ceiling on another cluster node whose
 /// read failed after the caller's own limits denied) is left out.
 pub fn several(policy: &Policy, replies: &[ScriptReply]) -> Option<RateLimitFields> {
-    let items: Vec<(String, String)> = policy
+    let items: Vec<Item> = policy
         .limits
         .iter()
         .zip(replies)
@@ -51,31 +78,48 @@ pub fn several(policy: &Policy, replies: &[ScriptReply]) -> Option<RateLimitFiel
     if items.is_empty() {
         return None;
     }
-    let (policies, states): (Vec<String>, Vec<String>) = items.into_iter().unzip();
-    Some(RateLimitFields {
-        policy: policies.join(", "),
-        state: states.join(", "),
-    })
+    Some(joined(policy.ratelimit_headers, items))
 }
 
 /// With `[[routes.limits]]`, a denial repeated by the over-limit cache: the item of the
 /// limit that denied, the only one the cache knows about.
 pub fn one(policy: &Policy, limit: usize, reply: &ScriptReply) -> Option<RateLimitFields> {
     let l = policy.limits.get(limit)?;
-    let (policy_item, state_item) = item(&l.name, l.algorithm, policy.cost_micro, reply)?;
-    Some(RateLimitFields {
-        policy: policy_item,
-        state: state_item,
+    let item = item(&l.name, l.algorithm, policy.cost_micro, reply)?;
+    Some(joined(policy.ratelimit_headers, vec![item]))
+}
+
+fn joined(which: RateLimitHeaders, items: Vec<Item>) -> RateLimitFields {
+    let x = which
+        .x
+        .then(|| nearest(&items))
+        .flatten()
+        .map(|i| (i.quota, i.remaining, i.reset));
+    let ietf = which.ietf.then(|| {
+        let (policies, states): (Vec<&str>, Vec<&str>) = items
+            .iter()
+            .map(|i| (i.policy.as_str(), i.state.as_str()))
+            .unzip();
+        (policies.join(", "), states.join(", "))
+    });
+    RateLimitFields { ietf, x }
+}
+
+/// The limit whose numbers the `X-RateLimit-*` fields give, as Envoy's and Kong's single set
+/// does: the one with the fewest requests left; among those, the one that frees last (on a
+/// 429, the denying limit whose `Reset` is the wait until every limit admits again).
+fn nearest(items: &[Item]) -> Option<&Item> {
+    items.iter().min_by(|a, b| {
+        a.remaining.cmp(&b.remaining).then(
+            b.reset
+                .unwrap_or(u64::MAX)
+                .cmp(&a.reset.unwrap_or(u64::MAX)),
+        )
     })
 }
 
-/// One limit's `RateLimit-Policy` and `RateLimit` items.
-fn item(
-    name: &str,
-    algorithm: Algorithm,
-    cost_micro: u64,
-    reply: &ScriptReply,
-) -> Option<(String, String)> {
+/// One limit's `RateLimit-Policy` and `RateLimit` items, and its numbers.
+fn item(name: &str, algorithm: Algorithm, cost_micro: u64, reply: &ScriptReply) -> Option<Item> {
     let (quota, window, remaining) = match algorithm {
         Algorithm::None => return None,
         Algorithm::TokenBucket {
@@ -99,23 +143,32 @@ fn item(
             (limit / cost, window, reply.remaining.max(0) as u64 / cost)
         }
     };
-    let mut policy_item = format!("\"{name}\";q={quota}");
+    let mut policy = format!("\"{name}\";q={quota}");
     if let Some(w) = window {
-        policy_item.push_str(&format!(";w={w}"));
+        policy.push_str(&format!(";w={w}"));
     }
     let mut state = format!("\"{name}\";r={remaining}");
     // A bucket that never refills has no time to full, whatever the reply says. On a denial
     // by this limit, never before it admits again: a sliding window's current window can
     // end while the last one's weight still refuses, and `t=0` beside `r=0` would send a
     // client that reads only these fields straight back.
-    if let (Some(_), Some(t)) = (window, reply.reset) {
-        let t = match (reply.allowed, reply.retry_after) {
+    let reset = match (window, reply.reset) {
+        (Some(_), Some(t)) => Some(match (reply.allowed, reply.retry_after) {
             (false, Some(wait)) => t.max(wait),
             _ => t,
-        };
+        }),
+        _ => None,
+    };
+    if let Some(t) = reset {
         state.push_str(&format!(";t={t}"));
     }
-    Some((policy_item, state))
+    Some(Item {
+        policy,
+        state,
+        quota,
+        remaining,
+        reset,
+    })
 }
 
 #[cfg(test)]
@@ -135,7 +188,10 @@ mod tests {
             fallback_fleet: false,
             policy_version: 1,
             mode: Enforcement::Enforce,
-            ratelimit_headers: true,
+            ratelimit_headers: RateLimitHeaders {
+                ietf: true,
+                x: true,
+            },
             emergency_per_identity: false,
             cost_from_response: None,
             tiers: None,
@@ -163,8 +219,9 @@ mod tests {
             2_000_000,
         );
         let f = fields(&p, &reply(7_500_000, Some(7))).unwrap();
-        assert_eq!(f.policy, r#""resumint.tailor";q=10;w=10"#);
-        assert_eq!(f.state, r#""resumint.tailor";r=3;t=7"#);
+        assert_eq!(f.ietf.as_ref().unwrap().0, r#""resumint.tailor";q=10;w=10"#);
+        assert_eq!(f.ietf.as_ref().unwrap().1, r#""resumint.tailor";r=3;t=7"#);
+        assert_eq!(f.x, Some((10, 3, Some(7))));
         let never = policy(
             Algorithm::TokenBucket {
                 capacity_micro: 5_000_000,
@@ -174,13 +231,16 @@ mod tests {
         );
         let f = fields(&never, &reply(0, None)).unwrap();
         assert_eq!(
-            (f.policy.as_str(), f.state.as_str()),
+            (
+                f.ietf.as_ref().unwrap().0.as_str(),
+                f.ietf.as_ref().unwrap().1.as_str()
+            ),
             (r#""resumint.tailor";q=5"#, r#""resumint.tailor";r=0"#)
         );
         // Beside another limit that denied, the script reports a reset of 0 for it: still
         // no `t`.
         let f = fields(&never, &reply(3_000_000, Some(0))).unwrap();
-        assert_eq!(f.state, r#""resumint.tailor";r=3"#);
+        assert_eq!(f.ietf.as_ref().unwrap().1, r#""resumint.tailor";r=3"#);
     }
 
     #[test]
@@ -193,8 +253,11 @@ mod tests {
             1_000_000,
         );
         let f = fields(&p, &reply(42, Some(13))).unwrap();
-        assert_eq!(f.policy, r#""resumint.tailor";q=100;w=60"#);
-        assert_eq!(f.state, r#""resumint.tailor";r=42;t=13"#);
+        assert_eq!(
+            f.ietf.as_ref().unwrap().0,
+            r#""resumint.tailor";q=100;w=60"#
+        );
+        assert_eq!(f.ietf.as_ref().unwrap().1, r#""resumint.tailor";r=42;t=13"#);
     }
 
     #[test]
@@ -213,7 +276,7 @@ mod tests {
             ..reply(0, Some(0))
         };
         assert_eq!(
-            fields(&p, &denied).unwrap().state,
+            fields(&p, &denied).unwrap().ietf.unwrap().1,
             r#""resumint.tailor";r=0;t=2"#
         );
         // A later window end stays as it is.
@@ -223,8 +286,69 @@ mod tests {
             ..reply(0, Some(7))
         };
         assert_eq!(
-            fields(&p, &later).unwrap().state,
+            fields(&p, &later).unwrap().ietf.unwrap().1,
             r#""resumint.tailor";r=0;t=7"#
         );
+    }
+
+    fn item(name: &str, remaining: u64, reset: Option<u64>) -> Item {
+        Item {
+            policy: format!("\"{name}\";q=10"),
+            state: format!("\"{name}\";r={remaining}"),
+            quota: 10,
+            remaining,
+            reset,
+        }
+    }
+
+    #[test]
+    fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
+        let both = RateLimitHeaders {
+            ietf: true,
+            x: true,
+        };
+        // The fewest left wins; among limits with none left, the one that frees last.
+        let f = joined(
+            both,
+            vec![item("burst", 4, Some(2)), item("daily", 1, Some(5000))],
+        );
+        assert_eq!(f.x, Some((10, 1, Some(5000))));
+        let f = joined(
+            both,
+            vec![
+                item("burst", 0, Some(3)),
+                item("daily", 0, Some(70)),
+                item("fleet", 2, Some(1)),
+            ],
+        );
+        assert_eq!(f.x, Some((10, 0, Some(70))));
+        // A limit that never refills has no reset, and frees last of all.
+        let f = joined(both, vec![item("a", 0, Some(9)), item("b", 0, None)]);
+        assert_eq!(f.x, Some((10, 0, None)));
+        let ietf = f.ietf.unwrap();
+        assert_eq!(
+            ietf,
+            (
+                "\"a\";q=10, \"b\";q=10".to_owned(),
+                "\"a\";r=0, \"b\";r=0".to_owned()
+            )
+        );
+        // Only what the route asks for.
+        let only_x = joined(
+            RateLimitHeaders {
+                ietf: false,
+                x: true,
+            },
+            vec![item("a", 3, Some(1))],
+        );
+        assert_eq!((only_x.ietf, only_x.x), (None, Some((10, 3, Some(1)))));
+        let only_ietf = joined(
+            RateLimitHeaders {
+                ietf: true,
+                x: false,
+            },
+            vec![item("a", 3, Some(1))],
+        );
+        assert_eq!(only_ietf.x, None);
     }
 }

@@ -274,8 +274,7 @@ impl Gateway {
         let mut header = answer.header()?;
         ctx.tag(&mut header)?;
         if let Some(f) = &ctx.ratelimit {
-            header.insert_header("ratelimit-policy", f.policy.as_str())?;
-            header.insert_header("ratelimit", f.state.as_str())?;
+            f.set_on(&mut header)?;
         }
         // At capacity, nothing more is spent on the request; a broken request's body may be
         // framed otherwise than Pingora reads it, and is not read. Nor is the connection kept:
@@ -508,7 +507,7 @@ impl Gateway {
         let decision = if policy.several {
             let several = limiter::decide_limits(&self.store, &endpoint, &hash).await;
             ctx.denied_by = several.denied_by;
-            if policy.ratelimit_headers {
+            if policy.ratelimit_headers.any() {
                 ctx.ratelimit = match (several.decision.reply(), several.denied_by) {
                     (Some(repeated), Some(limit))
                         if several.decision.cached() && several.replies.is_empty() =>
@@ -525,7 +524,7 @@ impl Gateway {
             if decision.reason() == DecisionReason::RateLimited {
                 ctx.denied_by = Some(0);
             }
-            if policy.ratelimit_headers {
+            if policy.ratelimit_headers.any() {
                 ctx.ratelimit = decision.reply().and_then(|r| headers::fields(policy, r));
             }
             decision
@@ -978,8 +977,7 @@ impl ProxyHttp for Gateway {
         self.close_when_draining(session);
         outgoing::frame_for_http_1_0(session, upstream_response);
         if let Some(f) = &ctx.ratelimit {
-            upstream_response.insert_header("ratelimit-policy", f.policy.as_str())?;
-            upstream_response.insert_header("ratelimit", f.state.as_str())?;
+            f.set_on(upstream_response)?;
         }
         let cost = ctx
             .route

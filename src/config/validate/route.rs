@@ -8,7 +8,7 @@ use toml::Spanned;
 
 use super::{int_in, route_label};
 use crate::config::error::Collector;
-use crate::config::raw::{RawConfig, RawIdentity, RawRoute};
+use crate::config::raw::{RawConfig, RawIdentity, RawRateLimitHeaders, RawRoute};
 use crate::config::*;
 use crate::routing::{self, PathError, PathMatch};
 
@@ -1005,6 +1005,7 @@ fn policy(
             unit_micro: unit?,
         })
     });
+    let ratelimit_headers = ratelimit_headers(c, label, r.ratelimit_headers.as_ref());
     if r.cost_from_response.is_some() && cost_from_response.is_none() {
         return None;
     }
@@ -1020,11 +1021,33 @@ fn policy(
         fallback_fleet,
         policy_version: version?,
         mode: mode?,
-        ratelimit_headers: r.ratelimit_headers.as_ref().is_some_and(|v| *v.get_ref()),
+        ratelimit_headers: ratelimit_headers?,
         emergency_per_identity: per_identity?,
         cost_from_response,
         tiers: tiers?,
     })
+}
+
+/// `ratelimit_headers`: `true` is the IETF fields, as before the names.
+fn ratelimit_headers(
+    c: &mut Collector,
+    label: Option<&str>,
+    written: Option<&Spanned<RawRateLimitHeaders>>,
+) -> Option<RateLimitHeaders> {
+    let Some(written) = written else {
+        return Some(RateLimitHeaders::default());
+    };
+    let (ietf, x) = match written.get_ref() {
+        RawRateLimitHeaders::Bool(on) => (*on, false),
+        RawRateLimitHeaders::Named(n) if n == "ietf" => (true, false),
+        RawRateLimitHeaders::Named(n) if n == "x-ratelimit" => (false, true),
+        RawRateLimitHeaders::Named(n) if n == "both" => (true, true),
+        RawRateLimitHeaders::Named(n) => {
+            c.push(Some(&written.span()), label, format!("ratelimit_headers = \"{}\" is unknown: use true (the IETF RateLimit-Policy and RateLimit fields, as \"ietf\"), \"x-ratelimit\" (X-RateLimit-Limit, -Remaining and -Reset), \"both\" or false", super::cut(n)));
+            return None;
+        }
+    };
+    Some(RateLimitHeaders { ietf, x })
 }
 
 /// `tier_from`, `default_tier` and `[routes.tiers.*]`: `Some(None)` for a route without
