@@ -33,7 +33,14 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Validate the config file and print one line per route; exit 0 when valid, 2 when not.
-    Check,
+    Check {
+        /// Also connect to Redis as the gateway would and read what decides whether it can
+        /// serve (the connection, maxmemory-policy, the ACL for the limiter's commands);
+        /// exit 1 when a node cannot serve the limiter, 2 when the gateway would refuse to
+        /// start (an evicting policy with require_noeviction).
+        #[arg(long)]
+        redis: bool,
+    },
     /// Read an API key on stdin and print the `sha256 = "..."` line for the key file (with
     /// --tenant, a whole [[keys]] entry). The key itself is never stored.
     HashKey {
@@ -125,12 +132,12 @@ pub fn main() -> i32 {
     if cli.command.is_none() {
         crate::server::hold_early_signals();
     }
-    let check = match &cli.command {
+    let (check, ask_redis) = match &cli.command {
         Some(Command::HashKey { tenant, tier }) => {
             return hash_key(tenant.as_deref(), tier.as_deref())
         }
-        Some(Command::Check) => true,
-        None => false,
+        Some(Command::Check { redis }) => (true, *redis),
+        None => (false, false),
     };
     // Before reading: a change made while it is read is then seen by `watch_config`.
     let config_file = crate::reload::file_stamp(&cli.config);
@@ -182,6 +189,9 @@ pub fn main() -> i32 {
                 cli.config.display(),
                 config.routes.len()
             );
+            if ask_redis {
+                return check_redis(&config.redis);
+            }
             0
         }
         (false, Ok(config)) => {
@@ -200,6 +210,82 @@ pub fn main() -> i32 {
             }
         }
     }
+}
+
+/// `check --redis`: one line per node; 0 when every node can serve the limiter, 1 when one
+/// cannot (not reached, or its user may not run the scripts' commands: the gateway would
+/// start and decide by each route's fail mode), 2 when the gateway would not start (an
+/// evicting policy with `require_noeviction`).
+fn check_redis(config: &crate::config::RedisConfig) -> i32 {
+    use crate::store::EvictionPolicy;
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start a runtime to reach redis: {e}");
+            return 1;
+        }
+    };
+    let nodes = match runtime.block_on(crate::store::inspect(config)) {
+        Ok(nodes) => nodes,
+        Err(why) => {
+            println!("redis: cannot serve: {why}");
+            return 1;
+        }
+    };
+    let mut code = 0;
+    for n in &nodes {
+        if let Some(why) = &n.unreachable {
+            println!("redis {}: cannot serve: {why}", n.node);
+            code = code.max(1);
+            continue;
+        }
+        let mut node = 0;
+        let mut said = Vec::new();
+        if let Some(v) = &n.version {
+            said.push(format!("redis {v}"));
+        }
+        said.push(match &n.policy {
+            EvictionPolicy::NoEviction => "maxmemory-policy noeviction".to_owned(),
+            EvictionPolicy::Evicting(p) if config.require_noeviction => {
+                node = 2;
+                format!("maxmemory-policy {p}: keys can be evicted, which require_noeviction refuses")
+            }
+            EvictionPolicy::Evicting(p) => {
+                format!("maxmemory-policy {p}: keys can be evicted (allowed: require_noeviction = false): an evicted bucket starts full again")
+            }
+            EvictionPolicy::Unknown => {
+                "maxmemory-policy not readable (CONFIG not permitted): make sure it is noeviction"
+                    .to_owned()
+            }
+        });
+        match &n.refused {
+            Ok(refused) if refused.is_empty() => {
+                said.push("the limiter's commands permitted".to_owned())
+            }
+            Ok(refused) => {
+                node = node.max(1);
+                said.push(format!(
+                    "the user may not run {}: every decision would fail",
+                    refused.join(", ")
+                ));
+            }
+            Err(e) => {
+                node = node.max(1);
+                said.push(format!("the user cannot run the limiter's scripts: {e}"));
+            }
+        }
+        let verdict = match node {
+            0 => "ok",
+            1 => "cannot serve",
+            _ => "the gateway would not start",
+        };
+        println!("redis {}: {verdict}: {}", n.node, said.join("; "));
+        code = code.max(node);
+    }
+    code
 }
 
 fn requests(micro: u64) -> String {

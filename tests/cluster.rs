@@ -1265,3 +1265,40 @@ fn the_start_checks_every_primarys_eviction_policy_not_the_seeds() {
     let gw = cluster_config(&seed(replicas[0]), &up.addr()).start();
     connected(gw);
 }
+
+/// `check --redis` with one seed reads every primary of the slot map it gives, one line
+/// each, as the gateway would connect to them.
+#[test]
+fn check_redis_reads_every_primary_of_the_slot_map() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let config = cluster_config(&cluster.seed_urls()[..1], &up.addr());
+    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+    let out = common::run_binary(
+        &[
+            "check".as_ref(),
+            "--redis".as_ref(),
+            "--config".as_ref(),
+            path.as_os_str(),
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let mut nodes: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("redis "))
+        .map(|l| {
+            assert!(l.contains(": ok: "), "{l}");
+            l.split(": ").next().unwrap()
+        })
+        .collect();
+    nodes.sort();
+    let mut expected: Vec<String> = (cluster.nodes.iter())
+        .map(|n| format!("redis 127.0.0.1:{}", n.port))
+        .collect();
+    expected.sort();
+    assert_eq!(nodes, expected);
+}

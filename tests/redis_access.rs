@@ -1194,3 +1194,92 @@ async fn an_evicting_policy_is_said_once_however_often_the_connection_is_made_ag
     });
     assert_eq!(count(evicting), 1, "{}", gw.logs());
 }
+
+/// `check --redis`, as an operator runs it before a deploy: connects as the gateway would (the
+/// documented least-privilege user) and says of each node whether it can serve the limiter,
+/// with an exit code a pipeline reads: 0 it can; 1 it cannot (a command the scripts need
+/// refused, a wrong password, Redis down: the gateway would start and decide by each
+/// route's fail mode); 2 the gateway would not start (an evicting policy with
+/// `require_noeviction`). The password never reaches its output.
+#[test]
+fn check_redis_says_whether_each_node_can_serve_the_limiter() {
+    let least = "~sentinel:* resetchannels &sentinel:v1:resets* -@all +evalsha +script|load \
+                 +time +hmget +hset +expire +pexpire +persist +zadd +zremrangebyscore +zcard \
+                 +del +publish +subscribe +config|get +ping +select";
+    let mut args: Vec<String> = Vec::new();
+    for (name, rules) in [
+        ("least", least.to_owned()),
+        ("nohset", least.replace(" +hset", "")),
+    ] {
+        args.extend(["--user", name, "on", &format!(">pw-{name}-0123")].map(str::to_owned));
+        args.extend(rules.split_whitespace().map(str::to_owned));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let redis = Redis::start_with(free_port(), &args);
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let url = redis.url();
+    let check = |user: &str, password: &str| {
+        let config = limited(
+            GatewayConfig::new(&url)
+                .redis("username", quoted(user))
+                .redis("password_env", quoted("TEST_REDIS_PASSWORD")),
+            &up,
+        );
+        let path = dir.path().join("gateway.toml");
+        std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+        let out = common::run_binary(
+            &[
+                "check".as_ref(),
+                "--redis".as_ref(),
+                "--config".as_ref(),
+                path.as_os_str(),
+            ],
+            &[("TEST_REDIS_PASSWORD", Some(password))],
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(!stdout.contains(password), "{stdout}");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("redis "))
+            .unwrap_or_else(|| panic!("{stdout}"))
+            .to_owned();
+        (out.status.code(), line)
+    };
+    let node = format!("redis 127.0.0.1:{}", redis.port);
+    assert_eq!(
+        check("least", "pw-least-0123"),
+        (
+            Some(0),
+            format!("{node}: ok: maxmemory-policy noeviction; the limiter's commands permitted")
+        )
+    );
+    assert_eq!(
+        check("nohset", "pw-nohset-0123"),
+        (Some(1), format!("{node}: cannot serve: maxmemory-policy noeviction; the user may not run hset: every decision would fail"))
+    );
+    let (code, line) = check("least", "not-the-password");
+    assert_eq!(code, Some(1));
+    assert!(
+        line.starts_with(&format!("{node}: cannot serve: ")),
+        "{line}"
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(
+        check("least", "pw-least-0123"),
+        (Some(2), format!("{node}: the gateway would not start: maxmemory-policy allkeys-lru: keys can be evicted, which require_noeviction refuses; the limiter's commands permitted"))
+    );
+    let port = redis.port;
+    drop(redis);
+    let (code, line) = check("least", "pw-least-0123");
+    assert_eq!(code, Some(1));
+    assert!(
+        line.starts_with(&format!("redis 127.0.0.1:{port}: cannot serve: ")),
+        "{line}"
+    );
+}

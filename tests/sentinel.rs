@@ -1004,3 +1004,46 @@ async fn sentinels_that_stop_answering_leave_the_decisions_on_the_master() {
     );
     sentinel.signal("CONT");
 }
+
+/// `check --redis` on `sentinel_urls` reads the master the sentinel names now, and says so
+/// when no sentinel answers.
+#[test]
+fn check_redis_reads_the_master_the_sentinel_names() {
+    let (master, _replica) = replicated();
+    let dir = tempfile::tempdir().unwrap();
+    let (sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let path = dir.path().join("gateway.toml");
+    let check = || {
+        let config = on_sentinel(sentinel_port)
+            .upstream("app", &[up.addr()])
+            .route(api_route());
+        std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+        let out = common::run_binary(
+            &[
+                "check".as_ref(),
+                "--redis".as_ref(),
+                "--config".as_ref(),
+                path.as_os_str(),
+            ],
+            &[],
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let lines: Vec<String> = (stdout.lines())
+            .filter(|l| l.starts_with("redis"))
+            .map(str::to_owned)
+            .collect();
+        (out.status.code(), lines)
+    };
+    let (code, lines) = check();
+    assert_eq!(code, Some(0), "{lines:?}");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with(&format!("redis 127.0.0.1:{}: ok: ", master.port)),
+        "{lines:?}"
+    );
+    drop(sentinel);
+    let (code, lines) = check();
+    assert_eq!(code, Some(1), "{lines:?}");
+    assert!(lines[0].starts_with("redis: cannot serve: "), "{lines:?}");
+}

@@ -578,31 +578,7 @@ pub(super) fn reason(e: &RedisError) -> String {
 /// one does not permit `CONFIG` (and none evicts). A Redis that is down is not an error here
 /// (`NoEviction`): the routes follow their fail modes until it comes.
 pub async fn preflight(config: &crate::config::RedisConfig) -> (EvictionPolicy, String) {
-    let targets: Vec<Target> = match &config.target {
-        crate::config::RedisTarget::Single(url) => {
-            Target::new(url, &config.access).ok().into_iter().collect()
-        }
-        crate::config::RedisTarget::Cluster(seeds) => {
-            match super::cluster::primaries_of(seeds, &config.access).await {
-                Some(primaries) if !primaries.is_empty() => primaries,
-                // A seed answered, without a map: the seeds themselves are what is known.
-                Some(_) => seeds
-                    .iter()
-                    .filter_map(|url| Target::new(url, &config.access).ok())
-                    .collect(),
-                // None answered: the store checks each primary once it is reached.
-                None => Vec::new(),
-            }
-        }
-        // The master the sentinels name now, if they answer (else the store checks it once
-        // they do, and says so in the log and `/readyz`).
-        crate::config::RedisTarget::Sentinel(target) => {
-            let sentinel =
-                super::sentinel::Sentinel::for_a_check(target.clone(), config.access.clone());
-            let found = tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await;
-            found.ok().and_then(Result::ok).into_iter().collect()
-        }
-    };
+    let (targets, _) = targets(config).await;
     // Every node at once: nodes that do not answer cost their timeout once, not each.
     let checks = targets.iter().map(|target| async move {
         let check = async {
@@ -626,6 +602,124 @@ pub async fn preflight(config: &crate::config::RedisConfig) -> (EvictionPolicy, 
         }
     }
     (found, String::new())
+}
+
+/// The nodes a check reads: the Redis of the URL, a cluster's primaries (or its seeds, when
+/// one answers without a map), the master the sentinels name now; none, with why, when no
+/// seed or sentinel answered.
+async fn targets(config: &crate::config::RedisConfig) -> (Vec<Target>, Option<String>) {
+    match &config.target {
+        crate::config::RedisTarget::Single(url) => match Target::new(url, &config.access) {
+            Ok(target) => (vec![target], None),
+            Err(e) => (Vec::new(), Some(e.to_string())),
+        },
+        crate::config::RedisTarget::Cluster(seeds) => {
+            match super::cluster::primaries_of(seeds, &config.access).await {
+                Some(primaries) if !primaries.is_empty() => (primaries, None),
+                // A seed answered, without a map: the seeds themselves are what is known.
+                Some(_) => (
+                    seeds
+                        .iter()
+                        .filter_map(|url| Target::new(url, &config.access).ok())
+                        .collect(),
+                    None,
+                ),
+                // None answered: the store checks each primary once it is reached.
+                None => (
+                    Vec::new(),
+                    Some("no cluster_urls seed gave the slot map".to_owned()),
+                ),
+            }
+        }
+        // The master the sentinels name now, if they answer (else the store checks it once
+        // they do, and says so in the log and `/readyz`).
+        crate::config::RedisTarget::Sentinel(target) => {
+            let sentinel =
+                super::sentinel::Sentinel::for_a_check(target.clone(), config.access.clone());
+            match tokio::time::timeout(Duration::from_secs(3), sentinel.discover()).await {
+                Ok(Ok(master)) => (vec![master], None),
+                Ok(Err(e)) => (Vec::new(), Some(e.to_string())),
+                Err(_) => (
+                    Vec::new(),
+                    Some("no sentinel named a master within 3 s".to_owned()),
+                ),
+            }
+        }
+    }
+}
+
+/// What `check --redis` found of one node.
+#[derive(Debug)]
+pub struct NodeReport {
+    /// `host:port`, without credentials.
+    pub node: String,
+    /// Why the gateway could not connect (or authenticate, or make the TLS handshake).
+    pub unreachable: Option<String>,
+    /// `CONFIG GET maxmemory-policy`.
+    pub policy: EvictionPolicy,
+    /// The commands of the limiter's scripts the connection's user may not run, or why
+    /// that could not be asked (a user that may not run scripts at all).
+    pub refused: Result<Vec<String>, String>,
+    /// `INFO server`'s `redis_version`, when the user may read it.
+    pub version: Option<String>,
+}
+
+/// `check --redis`: connects to every node the config names as the gateway would (URL,
+/// credentials, TLS, the cluster's map, the sentinels' master) and reads what decides
+/// whether it can serve: the connection, the eviction policy and the ACL for the scripts'
+/// commands. `Err` when there is no node to read (no seed or sentinel answered).
+pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeReport>, String> {
+    let (targets, why) = targets(config).await;
+    if targets.is_empty() {
+        return Err(why.unwrap_or_else(|| "no node to read".to_owned()));
+    }
+    let permissions = redis::Script::new(PERMISSIONS_LUA);
+    let reads = targets.iter().map(|target| {
+        let permissions = &permissions;
+        async move {
+            let read = async {
+                let mut opened = open(&target.dial).await.map_err(|e| e.to_string())?;
+                let mut conn = opened.conn.clone();
+                let policy = eviction_policy(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let key = format!("{}:v1:permissions", config.key_prefix);
+                let refused: redis::RedisResult<Vec<String>> =
+                    permissions.arg(key).invoke_async(&mut conn).await;
+                let info: redis::RedisResult<String> = redis::cmd("INFO")
+                    .arg("server")
+                    .query_async(&mut opened.conn)
+                    .await;
+                let version = info.ok().and_then(|i| {
+                    i.lines()
+                        .find_map(|l| l.strip_prefix("redis_version:"))
+                        .map(|v| v.trim().to_owned())
+                });
+                Ok::<_, String>((
+                    policy.unwrap_or(EvictionPolicy::Unknown),
+                    refused.map_err(|e| e.to_string()),
+                    version,
+                ))
+            };
+            let (unreachable, (policy, refused, version)) =
+                match tokio::time::timeout(Duration::from_secs(3), read).await {
+                    Ok(Ok(found)) => (None, found),
+                    Ok(Err(e)) => (Some(e), (EvictionPolicy::Unknown, Ok(Vec::new()), None)),
+                    Err(_) => (
+                        Some("no answer within 3 s".to_owned()),
+                        (EvictionPolicy::Unknown, Ok(Vec::new()), None),
+                    ),
+                };
+            NodeReport {
+                node: target.node.clone(),
+                unreachable,
+                policy,
+                refused,
+                version,
+            }
+        }
+    });
+    Ok(futures_util::future::join_all(reads).await)
 }
 
 impl Connector {

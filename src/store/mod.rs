@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use connect::{preflight, EvictionPolicy};
+pub use connect::{inspect, preflight, EvictionPolicy, NodeReport};
 pub use script::ScriptKind;
 pub use slots::slot;
 
