@@ -42,13 +42,16 @@ pub struct KeyOwner {
 /// Every key of the file, by its SHA-256.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApiKeyTable {
-    keys: HashMap<[u8; 32], KeyOwner>,
+    /// Each key's owner, beside the index of its entry in the file (kept from the reading,
+    /// which names the first entry of a hash listed twice: a second map of a million keys
+    /// at the end of a reading cost more than the index does).
+    keys: HashMap<[u8; 32], (u32, KeyOwner)>,
 }
 
 impl ApiKeyTable {
     /// The owner of the key whose SHA-256 is `digest`.
     pub fn owner_of_digest(&self, digest: &[u8; 32]) -> Option<&KeyOwner> {
-        self.keys.get(digest)
+        self.keys.get(digest).map(|(_, o)| o)
     }
 
     /// The owner of `key` as a client presents it.
@@ -67,7 +70,7 @@ impl ApiKeyTable {
     /// The tiers keys name, with how many keys name each.
     pub fn tiers(&self) -> std::collections::BTreeMap<&str, usize> {
         let mut tiers = std::collections::BTreeMap::new();
-        for tier in self.keys.values().filter_map(|o| o.tier.as_deref()) {
+        for tier in self.keys.values().filter_map(|(_, o)| o.tier.as_deref()) {
             *tiers.entry(tier).or_insert(0) += 1;
         }
         tiers
@@ -82,7 +85,7 @@ impl ApiKeyTable {
     ) -> Vec<(&'a str, Vec<&'a str>)> {
         use std::collections::{BTreeMap, BTreeSet};
         let mut by_tenant: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-        for o in self.keys.values() {
+        for (_, o) in self.keys.values() {
             let tier = tier_of(o.tier.as_deref());
             by_tenant.entry(&o.tenant).or_default().insert(tier);
         }
@@ -95,7 +98,7 @@ impl ApiKeyTable {
 
     /// Distinct tenants.
     pub fn tenants(&self) -> usize {
-        let mut tenants: Vec<&str> = self.keys.values().map(|o| &*o.tenant).collect();
+        let mut tenants: Vec<&str> = self.keys.values().map(|(_, o)| &*o.tenant).collect();
         tenants.sort_unstable();
         tenants.dedup();
         tenants.len()
@@ -134,6 +137,25 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
         c.push(None, None, "the API key file is empty (no table, no key: blank lines or comments only): a file truncated or not yet written is never loaded; for a file that holds no key on purpose, write `keys = []`".into());
         return Err(c.errors);
     }
+    // A large file is read a piece at a time (each piece's TOML document dropped once its
+    // keys are taken): a million keys read whole took 1.6 GB at their peak, 16 times the
+    // file, where the keys themselves hold 200 MB.
+    let mut keys: HashMap<[u8; 32], (u32, KeyOwner)> = HashMap::new();
+    let mut next = 0;
+    for (offset, piece) in pieces(source) {
+        match toml::from_str::<RawKeyFile>(piece) {
+            Ok(raw) => take(&mut c, &mut keys, &mut next, raw, offset),
+            // Said as the whole file's reading says it, at its place in the file (or, where a
+            // piece was cut inside a multi-line string, read whole).
+            Err(_) => return parse_whole(path, source),
+        }
+    }
+    finish(c, keys)
+}
+
+/// [`parse`], reading the whole file as one TOML document.
+fn parse_whole(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>> {
+    let mut c = Collector::new(path, source);
     let raw: RawKeyFile = match toml::from_str(source) {
         Ok(raw) => raw,
         Err(e) => {
@@ -148,18 +170,57 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
             return Err(c.errors);
         }
     };
-    let mut keys: HashMap<[u8; 32], (usize, KeyOwner)> = HashMap::new();
-    for (i, entry) in raw.keys.iter().enumerate() {
-        let k = entry.get_ref();
+    let mut keys = HashMap::new();
+    take(&mut c, &mut keys, &mut 0, raw, 0);
+    finish(c, keys)
+}
+
+/// How many `[[keys]]` entries a piece of the file holds at most ([`pieces`]).
+const ENTRIES_A_PIECE: usize = 4096;
+
+/// The file cut before every [`ENTRIES_A_PIECE`]-th line that is a `[[keys]]` header alone,
+/// with each piece's byte offset; what comes before the first header stays with it.
+fn pieces(source: &str) -> Vec<(usize, &str)> {
+    let mut cuts = vec![0];
+    let (mut headers, mut at) = (0usize, 0usize);
+    for line in source.split_inclusive('\n') {
+        if line.trim_end() == "[[keys]]" {
+            if headers > 0 && headers % ENTRIES_A_PIECE == 0 {
+                cuts.push(at);
+            }
+            headers += 1;
+        }
+        at += line.len();
+    }
+    cuts.push(source.len());
+    cuts.windows(2)
+        .map(|w| (w[0], &source[w[0]..w[1]]))
+        .collect()
+}
+
+/// Checks a piece's entries and adds its keys; `next` is the index of its first entry in the
+/// file, and `offset` where the piece begins in it (the spans are the piece's own).
+fn take(
+    c: &mut Collector,
+    keys: &mut HashMap<[u8; 32], (u32, KeyOwner)>,
+    next: &mut usize,
+    raw: RawKeyFile,
+    offset: usize,
+) {
+    let at = |s: std::ops::Range<usize>| s.start + offset..s.end + offset;
+    for entry in raw.keys {
+        let i = *next;
+        *next += 1;
+        let k = entry.into_inner();
         let label = format!("keys[{i}]");
         let label = Some(label.as_str());
         let digest = hex_digest(k.sha256.get_ref());
         if digest.is_none() {
-            c.push(Some(&k.sha256.span()), label, format!("sha256 is not a SHA-256 ({} characters, not shown: it may be the key itself): write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)", k.sha256.get_ref().chars().count()));
+            c.push(Some(&at(k.sha256.span())), label, format!("sha256 is not a SHA-256 ({} characters, not shown: it may be the key itself): write its 64 hex digits, as `sentinel-gateway hash-key` prints them (never the key itself)", k.sha256.get_ref().chars().count()));
         }
-        let tenant = name(&mut c, label, "tenant", &k.tenant);
+        let tenant = name(c, label, "tenant", &k.tenant, offset);
         let tier = match &k.tier {
-            Some(t) => name(&mut c, label, "tier", t).map(Some),
+            Some(t) => name(c, label, "tier", t, offset).map(Some),
             None => Some(None),
         };
         let (Some(digest), Some(tenant), Some(tier)) = (digest, tenant, tier) else {
@@ -168,20 +229,24 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
         let owner = KeyOwner { tenant, tier };
         if let Some((first, _)) = keys.get(&digest) {
             c.push(
-                Some(&k.sha256.span()),
+                Some(&at(k.sha256.span())),
                 label,
                 format!("this sha256 is listed already, as keys[{first}]: a key has one tenant"),
             );
             continue;
         }
-        keys.insert(digest, (i, owner));
+        keys.insert(digest, (i as u32, owner));
     }
+}
+
+fn finish(
+    c: Collector,
+    keys: HashMap<[u8; 32], (u32, KeyOwner)>,
+) -> Result<ApiKeyTable, Vec<ConfigError>> {
     if !c.errors.is_empty() {
         return Err(c.errors);
     }
-    Ok(ApiKeyTable {
-        keys: keys.into_iter().map(|(d, (_, o))| (d, o)).collect(),
-    })
+    Ok(ApiKeyTable { keys })
 }
 
 /// The file's own names, which a message may show.
@@ -263,11 +328,13 @@ fn name(
     label: Option<&str>,
     field: &str,
     value: &Spanned<String>,
+    offset: usize,
 ) -> Option<Arc<str>> {
     let text = value.get_ref();
     if EndpointId::parse(text).is_none() {
+        let span = value.span();
         c.push(
-            Some(&value.span()),
+            Some(&(span.start + offset..span.end + offset)),
             label,
             format!("{field} is not valid ({} characters, not shown: it may be a key pasted in the wrong place): use 1 to 128 of a-z, 0-9, '.', '_', '-'", text.chars().count()),
         );
@@ -407,6 +474,79 @@ mod tests {
         assert_eq!(
             value,
             "invalid value: string (not shown: it may be a key), expected a tier name"
+        );
+    }
+
+    /// A file of many keys is read in pieces: what each piece holds is said at its place in
+    /// the whole file and by its index among all the entries, a key listed in two pieces is
+    /// found, and a piece cut inside a multi-line string (a `[[keys]]` line in its text) is
+    /// read whole instead, as TOML reads it.
+    #[test]
+    fn a_file_read_in_pieces_says_each_problem_where_the_whole_file_has_it() {
+        let n = 2 * ENTRIES_A_PIECE + 10;
+        let mut src = String::from("# keys\n");
+        for i in 0..n {
+            src.push_str(&format!(
+                "[[keys]]\nsha256 = \"{}\"\ntenant = \"t{i}\"\n",
+                sha(&i.to_string())
+            ));
+        }
+        assert_eq!(pieces(&src).len(), 3);
+        let table = parse(Path::new("keys.toml"), &src).unwrap();
+        assert_eq!(table.len(), n);
+        assert_eq!(table.owner(b"8200").unwrap().tenant.as_ref(), "t8200");
+        // The last entry's tenant made invalid, and its hash made the first's.
+        let last = n - 1;
+        let broken = src
+            .replace(&format!("tenant = \"t{last}\""), "tenant = \"T!\"")
+            .replace(&sha(&last.to_string()), &sha("0"));
+        let errors: Vec<String> = parse(Path::new("keys.toml"), &broken)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let line = 1 + 3 * last + 2;
+        assert_eq!(
+            errors,
+            [
+                format!("keys.toml:{}:10: keys[{last}]: tenant is not valid (2 characters, not shown: it may be a key pasted in the wrong place): use 1 to 128 of a-z, 0-9, '.', '_', '-'", line + 1),
+            ],
+            "a tenant in error is not looked up for duplicates"
+        );
+        let dup = src.replace(&sha(&last.to_string()), &sha("0"));
+        let errors = parse(Path::new("keys.toml"), &dup).unwrap_err();
+        assert_eq!(
+            errors[0].to_string(),
+            format!("keys.toml:{line}:10: keys[{last}]: this sha256 is listed already, as keys[0]: a key has one tenant")
+        );
+        // A TOML error in a later piece: at its line in the file.
+        let bad = src.replace(&format!("tenant = \"t{last}\""), "tenant = ");
+        let errors = parse(Path::new("keys.toml"), &bad).unwrap_err();
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with(&format!("keys.toml:{}:", line + 1)),
+            "{}",
+            errors[0]
+        );
+        // A multi-line string holding a `[[keys]]` line where a piece would be cut: the
+        // whole file's reading decides (a tenant of several lines is no valid name).
+        let cut = ENTRIES_A_PIECE;
+        let inside = src.replace(
+            &format!("[[keys]]\nsha256 = \"{}\"", sha(&cut.to_string())),
+            &format!(
+                "tier = \"\"\"\n[[keys]]\n\"\"\"\n[[keys]]\nsha256 = \"{}\"",
+                sha(&cut.to_string())
+            ),
+        );
+        let errors = parse(Path::new("keys.toml"), &inside).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0]
+                .to_string()
+                .contains(&format!("keys[{}]: tier is not valid", cut - 1)),
+            "{}",
+            errors[0]
         );
     }
 }
