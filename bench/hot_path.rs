@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the request path's local work: path normalization, route matching,
 //! key building, the decision with the breaker open, the emergency limiter, answer headers,
-//! a batch's command and answer, the forwarded headers on the request sent upstream, and a
-//! denial remembered in a full over-limit cache.
+//! a batch's command and answer, the forwarded headers on the request sent upstream, a
+//! denial remembered in a full over-limit cache, and a JWT's signature verified with ring
+//! (the gateway's) and with `jsonwebtoken`'s pure-Rust backend.
 //! Compare them as ratios within one run; absolute numbers depend on the machine.
 
 use std::hint::black_box;
@@ -270,8 +271,75 @@ fn overlimit_full(c: &mut Criterion) {
     });
 }
 
+/// One token's signature checked, as a JWT route checks each request's: with ring (what the
+/// gateway installs, `src/signatures.rs`) and with the crate's pure-Rust verifiers, for each
+/// kind of key of the tests' JWKS (ES384's key is its own file).
+fn jwt_signatures(c: &mut Criterion) {
+    use jsonwebtoken::jwk::{Jwk, JwkSet};
+    use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header};
+    let fixture = |name: &str| {
+        std::fs::read(format!(
+            "{}/tests/fixtures/jwt/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    };
+    let set: JwkSet = serde_json::from_slice(&fixture("jwks.json")).unwrap();
+    let ec384: Jwk = serde_json::from_slice(&fixture("ec384.jwk.json")).unwrap();
+    sentinel_gateway::signatures::install();
+    let crate_own = &jsonwebtoken::crypto::rust_crypto::DEFAULT_PROVIDER;
+    for (alg, kid, der) in [
+        (Algorithm::RS256, "rsa-1", "rsa.der"),
+        (Algorithm::ES256, "ec-1", "ec.der"),
+        (Algorithm::ES384, "", "ec384.der"),
+        (Algorithm::EdDSA, "ed-1", "ed.der"),
+    ] {
+        let jwk = match kid {
+            "" => ec384.clone(),
+            kid => set.find(kid).unwrap().clone(),
+        };
+        let key = DecodingKey::from_jwk(&jwk).unwrap();
+        let der = fixture(der);
+        let signing = match alg {
+            Algorithm::ES256 | Algorithm::ES384 => EncodingKey::from_ec_der(&der),
+            Algorithm::EdDSA => EncodingKey::from_ed_der(&der),
+            _ => EncodingKey::from_rsa_der(&der),
+        };
+        let claims = serde_json::json!({ "sub": "bench", "exp": 4_000_000_000u64 });
+        let token = jsonwebtoken::encode(&Header::new(alg), &claims, &signing).unwrap();
+        let (message, signature) = token.rsplit_once('.').unwrap();
+        assert_eq!(
+            jsonwebtoken::crypto::verify(signature, message.as_bytes(), &key, alg).ok(),
+            Some(true)
+        );
+        c.bench_function(&format!("jwt_verify_{alg:?}_ring"), |b| {
+            b.iter(|| {
+                jsonwebtoken::crypto::verify(black_box(signature), message.as_bytes(), &key, alg)
+            })
+        });
+        let bytes = base64_decode(signature);
+        c.bench_function(&format!("jwt_verify_{alg:?}_rust_crypto"), |b| {
+            b.iter(|| {
+                let verifier = (crate_own.verifier_factory)(&alg, &key).unwrap();
+                verifier
+                    .verify(black_box(message.as_bytes()), &bytes)
+                    .is_ok()
+            })
+        });
+    }
+}
+
+/// A JWT signature's bytes (base64url, no padding).
+fn base64_decode(text: &str) -> Vec<u8> {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(text)
+        .unwrap()
+}
+
 criterion_group!(
     benches,
+    jwt_signatures,
     overlimit_full,
     forwarded,
     header_map_room,

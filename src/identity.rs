@@ -56,6 +56,7 @@ impl JwtVerifier {
     /// `None` when the config holds nothing to verify with (no route uses jwt). `remote`:
     /// the fetched keys, with `jwks_url`.
     pub fn new(config: &JwtConfig, remote: Option<&Arc<JwksCache>>) -> Option<Self> {
+        crate::signatures::install();
         let algorithms: Vec<Algorithm> = config
             .algorithms
             .iter()

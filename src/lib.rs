@@ -16,6 +16,7 @@ pub mod reload;
 pub mod remote_jwks;
 pub mod routing;
 pub mod server;
+pub mod signatures;
 pub mod snapshot;
 mod stdout_log;
 pub mod store;
