@@ -119,6 +119,7 @@ fn hash_key(tenant: Option<&str>, tier: Option<&str>) -> i32 {
 
 /// Runs the command line; returns the process exit code.
 pub fn main() -> i32 {
+    crate::signatures::install();
     let cli = Cli::parse();
     if cli.command.is_some() {
         // `check | head` and the like: a closed pipe ends a command quietly, as it does any
@@ -248,15 +249,16 @@ fn check_redis(config: &crate::config::RedisConfig) -> i32 {
             said.push(format!("redis {v}"));
         }
         said.push(match &n.policy {
-            EvictionPolicy::NoEviction => "maxmemory-policy noeviction".to_owned(),
-            EvictionPolicy::Evicting(p) if config.require_noeviction => {
+            None => "maxmemory-policy not read: Redis is busy (a script running) or loading; ask again".to_owned(),
+            Some(EvictionPolicy::NoEviction) => "maxmemory-policy noeviction".to_owned(),
+            Some(EvictionPolicy::Evicting(p)) if config.require_noeviction => {
                 node = 2;
                 format!("maxmemory-policy {p}: keys can be evicted, which require_noeviction refuses")
             }
-            EvictionPolicy::Evicting(p) => {
+            Some(EvictionPolicy::Evicting(p)) => {
                 format!("maxmemory-policy {p}: keys can be evicted (allowed: require_noeviction = false): an evicted bucket starts full again")
             }
-            EvictionPolicy::Unknown => {
+            Some(EvictionPolicy::Unknown) => {
                 "maxmemory-policy not readable (CONFIG not permitted): make sure it is noeviction"
                     .to_owned()
             }
@@ -268,8 +270,8 @@ fn check_redis(config: &crate::config::RedisConfig) -> i32 {
             Ok(refused) => {
                 node = node.max(1);
                 said.push(format!(
-                    "the user may not run {}: every decision would fail",
-                    refused.join(", ")
+                    "the user may not run {}",
+                    refused_in_words(refused)
                 ));
             }
             Err(e) => {
@@ -286,6 +288,35 @@ fn check_redis(config: &crate::config::RedisConfig) -> i32 {
         code = code.max(node);
     }
     code
+}
+
+/// The commands a node's user may not run, with what each would stop.
+fn refused_in_words(refused: &[String]) -> String {
+    let of = |names: &[&str]| -> Vec<&str> {
+        (refused.iter())
+            .map(String::as_str)
+            .filter(|c| names.contains(c))
+            .collect()
+    };
+    [
+        (
+            of(&["time", "hmget", "hset", "expire", "pexpire", "persist"]),
+            "every decision would fail",
+        ),
+        (
+            of(&["zadd", "zremrangebyscore", "zcard"]),
+            "the fleet heartbeat of fallback_rate_fleet_micro would fail",
+        ),
+        (
+            of(&["del", "publish", "subscribe"]),
+            "DELETE /limits would fail or not reach the other gateways",
+        ),
+    ]
+    .into_iter()
+    .filter(|(names, _)| !names.is_empty())
+    .map(|(names, what)| format!("{}: {what}", names.join(", ")))
+    .collect::<Vec<_>>()
+    .join("; ")
 }
 
 fn requests(micro: u64) -> String {

@@ -89,8 +89,15 @@ pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -
                 "an RSA modulus of {bits} bits: RS* and PS* keys have 2048 bits or more (RFC 7518, 3.3)"
             ));
         }
+        // What the verifier (ring) takes: up to 8192 bits, an odd exponent of 3 to 2^33 - 1.
+        if bits > 8192 {
+            return Some(format!(
+                "an RSA modulus of {bits} bits: keys of more than 8192 bits are not verified"
+            ));
+        }
         let leading = e.iter().take_while(|b| **b == 0).count();
-        match &e[leading..] {
+        let e = &e[leading..];
+        match e {
             [] => return Some("an RSA exponent of zero".to_owned()),
             [1] => {
                 return Some(
@@ -98,6 +105,14 @@ pub fn unusable(jwk: &jsonwebtoken::jwk::Jwk, key: &jsonwebtoken::DecodingKey) -
                 )
             }
             _ => {}
+        }
+        let odd = e.last().is_some_and(|b| b % 2 == 1);
+        let too_large = e.len() > 5 || (e.len() == 5 && e[0] > 1);
+        if !odd || too_large {
+            return Some(
+                "an RSA exponent that is even, below 3 or past 2^33 - 1: such a key verifies nothing here (65537 is the usual one)"
+                    .to_owned(),
+            );
         }
         return None;
     }

@@ -13,7 +13,9 @@ use jsonwebtoken::signature::{Error, Verifier};
 use jsonwebtoken::{Algorithm, DecodingKey, DecodingKeyKind};
 use ring::signature as sig;
 
-/// Installs the provider once for the process; later calls change nothing.
+/// Installs the provider once for the process, before anything of `jsonwebtoken` runs (the
+/// command line does it first; the JWT verifier again): the crate settles on its own
+/// provider at its first use, and refuses another after.
 pub fn install() {
     static PROVIDER: std::sync::OnceLock<&'static CryptoProvider> = std::sync::OnceLock::new();
     PROVIDER.get_or_init(|| {
@@ -23,8 +25,10 @@ pub fn install() {
             verifier_factory: verifier,
             key_utils: crate_own.key_utils.clone(),
         }));
-        // Refused only when one is installed already: then that one verifies.
-        let _ = provider.install_default();
+        if provider.install_default().is_err() {
+            // Verified all the same, by the crate's own code: slower, not wrong.
+            tracing::debug!("jsonwebtoken's provider was settled before ring's could be installed");
+        }
         provider
     });
 }
@@ -92,15 +96,26 @@ impl RingVerifier {
             _ => return Err(ring::error::Unspecified),
         };
         match &self.key {
-            DecodingKeyKind::RsaModulusExponent { n, e } => {
-                sig::RsaPublicKeyComponents { n, e }.verify(rsa, message, signature)
+            // ring refuses a modulus or exponent written with leading zero bytes, which some
+            // identity providers publish (Java's `BigInteger.toByteArray()` gives a 257-byte
+            // modulus); the number is the same without them.
+            DecodingKeyKind::RsaModulusExponent { n, e } => sig::RsaPublicKeyComponents {
+                n: unpadded(n),
+                e: unpadded(e),
             }
+            .verify(rsa, message, signature),
             // A PKCS#1 `RSAPublicKey` in DER.
             DecodingKeyKind::SecretOrDer(der) => {
                 sig::UnparsedPublicKey::new(rsa, der).verify(message, signature)
             }
         }
     }
+}
+
+/// A big-endian number without its leading zero bytes.
+fn unpadded(number: &[u8]) -> &[u8] {
+    let zeros = number.iter().take_while(|b| **b == 0).count();
+    &number[zeros..]
 }
 
 impl Verifier<Vec<u8>> for RingVerifier {
@@ -166,5 +181,46 @@ mod tests {
         }
         let hmac = DecodingKey::from_secret(b"0123456789abcdef0123456789abcdef").unwrap();
         assert!(jsonwebtoken::crypto::verify("AAAA", b"x.y", &hmac, Algorithm::RS256).is_err());
+    }
+
+    /// RS256 and PS256 through ring, called directly (not through the process's provider,
+    /// which another test may have settled first), with the tests' RSA key as its JWK gives it
+    /// and with its modulus written with a leading zero byte, as some identity providers
+    /// publish it: the same number, verified the same.
+    #[test]
+    fn rsa_tokens_verify_with_their_modulus_padded_or_not() {
+        use jsonwebtoken::jwk::JwkSet;
+        let fixture = |name: &str| {
+            std::fs::read(format!(
+                "{}/tests/fixtures/jwt/{name}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap()
+        };
+        let set: JwkSet = serde_json::from_slice(&fixture("jwks.json")).unwrap();
+        let key = DecodingKey::from_jwk(set.find("rsa-1").unwrap()).unwrap();
+        let DecodingKeyKind::RsaModulusExponent { n, e } = key.kind() else {
+            panic!("an RSA JWK gives its components");
+        };
+        let padded = DecodingKey::from_rsa_raw_components(&[&[0u8][..], n].concat(), &[0, 1, 0, 1]);
+        assert_eq!(e, &[1, 0, 1]);
+        let signing = EncodingKey::from_rsa_der(&fixture("rsa.der"));
+        let claims = serde_json::json!({ "sub": "a" });
+        for alg in [Algorithm::RS256, Algorithm::PS256] {
+            let token = jsonwebtoken::encode(&Header::new(alg), &claims, &signing).unwrap();
+            let (message, signature) = token.rsplit_once('.').unwrap();
+            let signature = base64::Engine::decode(
+                &base64::engine::general_purpose::URL_SAFE_NO_PAD,
+                signature,
+            )
+            .unwrap();
+            for k in [&key, &padded] {
+                let v = verifier(&alg, k).unwrap();
+                assert!(v.verify(message.as_bytes(), &signature).is_ok(), "{alg:?}");
+                let mut bad = signature.clone();
+                bad[10] ^= 1;
+                assert!(v.verify(message.as_bytes(), &bad).is_err(), "{alg:?}");
+            }
+        }
     }
 }

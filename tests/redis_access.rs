@@ -1210,6 +1210,7 @@ fn check_redis_says_whether_each_node_can_serve_the_limiter() {
     for (name, rules) in [
         ("least", least.to_owned()),
         ("nohset", least.replace(" +hset", "")),
+        ("nopublish", least.replace(" +publish", "")),
     ] {
         args.extend(["--user", name, "on", &format!(">pw-{name}-0123")].map(str::to_owned));
         args.extend(rules.split_whitespace().map(str::to_owned));
@@ -1258,7 +1259,12 @@ fn check_redis_says_whether_each_node_can_serve_the_limiter() {
         check("nohset", "pw-nohset-0123"),
         (Some(1), format!("{node}: cannot serve: maxmemory-policy noeviction; the user may not run hset: every decision would fail"))
     );
+    assert_eq!(
+        check("nopublish", "pw-nopublish-0123"),
+        (Some(1), format!("{node}: cannot serve: maxmemory-policy noeviction; the user may not run publish: DELETE /limits would fail or not reach the other gateways"))
+    );
     let (code, line) = check("least", "not-the-password");
+    assert!(line.contains("Redis refused AUTH"), "{line}");
     assert_eq!(code, Some(1));
     assert!(
         line.starts_with(&format!("{node}: cannot serve: ")),

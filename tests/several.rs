@@ -87,7 +87,7 @@ fn remaining(view: &Value, name: &str) -> i64 {
 }
 
 /// `ratelimit_headers = "x-ratelimit"`: `X-RateLimit-Limit`, `-Remaining` and `-Reset` of the
-/// limit nearest to refusing, as clients of Envoy, Kong, APISIX and Tyk read them, on
+/// limit nearest to refusing, as clients of Envoy and APISIX read them, on
 /// answers Redis decided and on the denials the over-limit cache repeats; no IETF fields.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
@@ -117,7 +117,7 @@ async fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
     let (limit, remaining, reset) = fields(&r);
     assert_eq!((limit, remaining), (3, 2));
     assert!((99..=100).contains(&reset), "{reset}");
-    // daily: 3 left, after the two tries below it stays at 3 (a denial charges nothing).
+    // Two more admitted (burst 0 left, daily 2), then denials by burst, which charge nothing.
     for _ in 0..2 {
         assert_eq!(get(&gw, "k1").await.status(), 200);
     }

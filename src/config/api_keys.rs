@@ -142,37 +142,48 @@ pub fn parse(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>>
     // file, where the keys themselves hold 200 MB.
     let mut keys: HashMap<[u8; 32], (u32, KeyOwner)> = HashMap::new();
     let mut next = 0;
-    for (offset, piece) in pieces(source) {
-        match toml::from_str::<RawKeyFile>(piece) {
-            Ok(raw) => take(&mut c, &mut keys, &mut next, raw, offset),
-            // Said as the whole file's reading says it, at its place in the file (or, where a
-            // piece was cut inside a multi-line string, read whole).
-            Err(_) => return parse_whole(path, source),
-        }
+    let pieces = pieces(source);
+    let mut i = 0;
+    while i < pieces.len() {
+        let (offset, piece) = pieces[i];
+        let (raw, read) = match toml::from_str::<RawKeyFile>(piece) {
+            Ok(raw) => (raw, 1),
+            // A piece cut inside a multi-line string (a `[[keys]]` line in its text) reads
+            // with the next; any other mistake is said at its place, as the whole file's
+            // reading would say it, without reading the rest (a file cut short by a deploy
+            // is read at the same cost as a whole one).
+            Err(e) => {
+                let joined = pieces
+                    .get(i + 1)
+                    .map(|(_, next)| &source[offset..offset + piece.len() + next.len()]);
+                match joined.map(toml::from_str::<RawKeyFile>) {
+                    Some(Ok(raw)) => (raw, 2),
+                    _ => {
+                        said_unread(&mut c, source, &e, offset);
+                        return Err(c.errors);
+                    }
+                }
+            }
+        };
+        take(&mut c, &mut keys, &mut next, raw, offset);
+        i += read;
     }
     finish(c, keys)
 }
 
-/// [`parse`], reading the whole file as one TOML document.
-fn parse_whole(path: &Path, source: &str) -> Result<ApiKeyTable, Vec<ConfigError>> {
-    let mut c = Collector::new(path, source);
-    let raw: RawKeyFile = match toml::from_str(source) {
-        Ok(raw) => raw,
-        Err(e) => {
-            // TOML gives no place for a key nested past its reader: the key of most parts.
-            let deep = (e.span().is_none() && e.message().contains("recursion limit"))
-                .then(|| super::validate::deepest_key(source))
-                .flatten();
-            match deep {
-                Some((at, parts)) => c.push(Some(&at), None, format!("a key of {parts} parts (a dotted key or a table header) nests deeper than the TOML reader goes; a key file is [[keys]] tables of a few fields")),
-                None => c.push(e.span().as_ref(), None, unshown(e.message().trim())),
-            }
-            return Err(c.errors);
+/// A TOML error of the piece at `offset`, said at its place in the file.
+fn said_unread(c: &mut Collector, source: &str, e: &toml::de::Error, offset: usize) {
+    // TOML gives no place for a key nested past its reader: the key of most parts.
+    let deep = (e.span().is_none() && e.message().contains("recursion limit"))
+        .then(|| super::validate::deepest_key(source))
+        .flatten();
+    match deep {
+        Some((at, parts)) => c.push(Some(&at), None, format!("a key of {parts} parts (a dotted key or a table header) nests deeper than the TOML reader goes; a key file is [[keys]] tables of a few fields")),
+        None => {
+            let at = e.span().map(|s| s.start + offset..s.end + offset);
+            c.push(at.as_ref(), None, unshown(e.message().trim()))
         }
-    };
-    let mut keys = HashMap::new();
-    take(&mut c, &mut keys, &mut 0, raw, 0);
-    finish(c, keys)
+    }
 }
 
 /// How many `[[keys]]` entries a piece of the file holds at most ([`pieces`]).

@@ -358,5 +358,28 @@ mod tests {
         let errors =
             check(&serde_json::json!({"keys": [with("e", "AQ".into())]}).to_string()).unwrap_err();
         assert!(errors[0].contains("an RSA exponent of one"), "{errors:?}");
+        // Even (2), or past 2^33 - 1 (2^40 + 1): no verifier takes it, said at load.
+        for e in ["Ag", "AQAAAAAB"] {
+            let errors =
+                check(&serde_json::json!({"keys": [with("e", e.into())]}).to_string()).unwrap_err();
+            assert!(
+                errors[0].contains("an RSA exponent that is even, below 3 or past 2^33 - 1"),
+                "{e}: {errors:?}"
+            );
+        }
+        // Its modulus and exponent written with leading zero bytes: the same key, loaded.
+        let n = rsa["n"].as_str().unwrap();
+        let padded_n = {
+            use base64::Engine;
+            let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+            let mut bytes = vec![0u8];
+            bytes.extend(engine.decode(n).unwrap());
+            engine.encode(bytes)
+        };
+        let mut padded = rsa.clone();
+        padded["n"] = padded_n.into();
+        padded["e"] = "AAEAAQ".into();
+        let (_, warnings) = checked(&serde_json::json!({"keys": [padded]}).to_string()).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
 }

@@ -661,7 +661,7 @@ pub struct Policy {
 /// `ratelimit_headers`: which header fields tell a caller its limits, on answers Redis
 /// decided. `true` (or `"ietf"`): `RateLimit-Policy` and `RateLimit`
 /// (draft-ietf-httpapi-ratelimit-headers-09); `"x-ratelimit"`: `X-RateLimit-Limit`,
-/// `-Remaining` and `-Reset`, as Envoy, Kong, APISIX and Tyk send them; `"both"`.
+/// `-Remaining` and `-Reset`, as Envoy and APISIX send them; `"both"`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RateLimitHeaders {
     pub ietf: bool,

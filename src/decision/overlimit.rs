@@ -503,17 +503,20 @@ fn denied_of(entry: &Entry, now: u64) -> Denied {
     }
 }
 
-/// Each limit's answer as the entry kept it, its reset counted down to `now`.
+/// Each limit's answer as the entry kept it, its reset counted down to `now`; the denying
+/// limit's with the wait left (its `RateLimit` item's `t` is never below it).
 fn replies_of(entry: &Entry, now: u64) -> Vec<ScriptReply> {
     let Some(limits) = &entry.limits else {
         return Vec::new();
     };
+    let denying = usize::from(entry.limit);
     limits
         .iter()
-        .map(|l| ScriptReply {
+        .enumerate()
+        .map(|(i, l)| ScriptReply {
             allowed: false,
             remaining: l.remaining,
-            retry_after: None,
+            retry_after: (i == denying).then(|| (entry.until - now).div_ceil(1_000_000)),
             reset: seconds_until(l.full_at, now),
             now_us: u64::from(l.asked),
             wait_us: None,
@@ -580,14 +583,16 @@ mod tests {
         assert_eq!((denied.limit, denied.full_in_s), (0, Some(290)));
         let seen: Vec<_> = replies
             .iter()
-            .map(|r| (r.remaining, r.reset, r.now_us > 0))
+            .map(|r| (r.remaining, r.reset, r.now_us > 0, r.retry_after))
             .collect();
+        // The denying limit (the first) says the wait left, 50 s of the 60: its RateLimit
+        // item's `t` is never below it.
         assert_eq!(
             seen,
             [
-                (0, Some(290), true),
-                (2_000_000, Some(30), true),
-                (0, None, false)
+                (0, Some(290), true, Some(50)),
+                (2_000_000, Some(30), true, None),
+                (0, None, false, None)
             ]
         );
         // A single limit's denial has no list.

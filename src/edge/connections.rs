@@ -31,8 +31,10 @@
 //! ([`StreamSlot`]) since its last stream ended. An HTTP/1 one asked to close reads
 //! end-of-file, which Pingora treats as a client that left; an HTTP/2 one is sent a GOAWAY
 //! through its own shutdown watch: a stream still on its way from the HTTP/2 layer to the
-//! proxy, where nothing here sees it, is answered all the same, then the connection closes.
-//! When no connection is idle, the new connection is closed at once.
+//! proxy, where nothing here sees it, is answered all the same, then the connection closes
+//! (its socket held until its client closes it, `GOAWAY_GRACE_MS` at most: with 64 such still
+//! open, only connections that close at once make room). When no connection is idle, the new
+//! connection is closed at once.
 //!
 //! The requests in flight are bounded by `max_connections` too (each holds an upstream
 //! connection), and an HTTP/2 connection's streams past its first in progress may take at
@@ -238,6 +240,8 @@ pub struct Connections {
     shed: [AtomicU64; 3],
     /// HTTP/2 streams in the proxy past their connection's first ([`Connections::stream_started`]).
     extra_streams: Arc<AtomicUsize>,
+    /// HTTP/2 connections sent a GOAWAY to make room and not gone yet.
+    lingering: AtomicUsize,
 }
 
 /// What the bound did to a connection ([`Connections::shed`]).
@@ -302,6 +306,9 @@ struct Conn {
     /// when none is on its way. The connection can carry nothing else meanwhile, and the
     /// block has a request head's deadline, as its first one had.
     block_since_ms: AtomicU64,
+    /// HTTP/2, sent a GOAWAY to make room: counted in `Connections::lingering` until it is
+    /// gone.
+    lingers: AtomicBool,
 }
 
 impl Connections {
@@ -319,6 +326,7 @@ impl Connections {
             h2: Mutex::new(std::collections::HashMap::new()),
             shed: Default::default(),
             extra_streams: Arc::new(AtomicUsize::new(0)),
+            lingering: AtomicUsize::new(0),
         }
     }
 
@@ -349,17 +357,16 @@ impl Connections {
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&key)?,
         );
+        // The extra streams' count is every connection's streams in progress past one: a
+        // stream that starts beside others adds one, and one that ends beside others takes
+        // one away, whichever of them was first.
         let before = conn.streams.fetch_add(1, Ordering::Relaxed);
-        let (extra, over_share) = if before == 0 {
-            (None, false)
-        } else {
-            let extras = self.extra_streams.fetch_add(1, Ordering::Relaxed) + 1;
-            (Some(Arc::clone(&self.extra_streams)), extras > self.max / 2)
-        };
+        let over_share =
+            before > 0 && self.extra_streams.fetch_add(1, Ordering::Relaxed) + 1 > self.max / 2;
         Some(StreamSlot {
             conn,
             epoch: self.epoch,
-            extra,
+            extras: Arc::clone(&self.extra_streams),
             over_share,
         })
     }
@@ -525,9 +532,14 @@ impl Connections {
             // longest (a client using its old connection in a tight loop is not the one cut,
             // nor one between two requests for connections idle for seconds beside it); a
             // bounded look at the idle ones (busy ones are passed over).
+            // An HTTP/2 one sent a GOAWAY keeps its socket until its client closes it (5 s
+            // at most): with as many such still open as the look takes, only connections
+            // that close at once make room, so that the bound is not passed by more.
+            let h2_may_go = self.lingering.load(Ordering::Relaxed) < EVICTION_SAMPLE;
             let idle_longest = open
                 .values()
                 .filter(keep)
+                .filter(|c| h2_may_go || c.state.load(Ordering::Relaxed) != MULTIPLEXED)
                 .filter_map(|c| Some((idle_since(c)?, c)))
                 .take(EVICTION_SAMPLE)
                 .min_by_key(|(since, _)| *since);
@@ -541,6 +553,8 @@ impl Connections {
             // the proxy is still answered before it closes; the client opens a new
             // connection for its next request.
             if idle.state.load(Ordering::Relaxed) == MULTIPLEXED {
+                idle.lingers.store(true, Ordering::Relaxed);
+                self.lingering.fetch_add(1, Ordering::Relaxed);
                 self.goaway(idle);
             }
         }
@@ -557,6 +571,7 @@ impl Connections {
             cut: std::sync::atomic::AtomicBool::new(false),
             h2_key: AtomicUsize::new(0),
             block_since_ms: AtomicU64::new(0),
+            lingers: AtomicBool::new(false),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
@@ -591,6 +606,9 @@ impl Connections {
         if conn.close.load(Ordering::Relaxed) != KEEP {
             self.closing.fetch_sub(1, Ordering::Relaxed);
         }
+        if conn.lingers.load(Ordering::Relaxed) {
+            self.lingering.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -600,8 +618,8 @@ impl Connections {
 pub struct StreamSlot {
     conn: Arc<Conn>,
     epoch: Instant,
-    /// Every connection's extra streams' count, when this is one ([`Connections::stream_started`]).
-    extra: Option<Arc<AtomicUsize>>,
+    /// Every connection's extra streams' count ([`Connections::stream_started`]).
+    extras: Arc<AtomicUsize>,
     over_share: bool,
 }
 
@@ -617,9 +635,8 @@ impl Drop for StreamSlot {
     fn drop(&mut self) {
         let now = self.epoch.elapsed().as_millis() as u64;
         self.conn.stream_end_ms.store(now, Ordering::Relaxed);
-        self.conn.streams.fetch_sub(1, Ordering::Release);
-        if let Some(extras) = &self.extra {
-            extras.fetch_sub(1, Ordering::Relaxed);
+        if self.conn.streams.fetch_sub(1, Ordering::Release) > 1 {
+            self.extras.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }

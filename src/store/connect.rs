@@ -655,10 +655,12 @@ pub struct NodeReport {
     pub node: String,
     /// Why the gateway could not connect (or authenticate, or make the TLS handshake).
     pub unreachable: Option<String>,
-    /// `CONFIG GET maxmemory-policy`.
-    pub policy: EvictionPolicy,
-    /// The commands of the limiter's scripts the connection's user may not run, or why
-    /// that could not be asked (a user that may not run scripts at all).
+    /// `CONFIG GET maxmemory-policy`; `None` when Redis could not answer it now (`BUSY`
+    /// while a script runs, `LOADING`).
+    pub policy: Option<EvictionPolicy>,
+    /// The commands the gateway sends (the scripts', the fleet heartbeat's, the resets')
+    /// the connection's user may not run, or why that could not be asked (a user that may
+    /// not run scripts at all).
     pub refused: Result<Vec<String>, String>,
     /// `INFO server`'s `redis_version`, when the user may read it.
     pub version: Option<String>,
@@ -678,14 +680,16 @@ pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeRepo
         let permissions = &permissions;
         async move {
             let read = async {
-                let mut opened = open(&target.dial).await.map_err(|e| e.to_string())?;
+                let mut opened = open(&target.dial).await.map_err(|e| reason(&e))?;
                 let mut conn = opened.conn.clone();
-                let policy = eviction_policy(&mut conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let key = format!("{}:v1:permissions", config.key_prefix);
-                let refused: redis::RedisResult<Vec<String>> =
-                    permissions.arg(key).invoke_async(&mut conn).await;
+                let policy = eviction_policy(&mut conn).await.map_err(|e| reason(&e))?;
+                let prefix = &config.key_prefix;
+                let refused: redis::RedisResult<Vec<String>> = permissions
+                    .arg(format!("{prefix}:v1:permissions"))
+                    .arg(crate::limiter::heartbeat::fleet_key(prefix))
+                    .arg(crate::limiter::inspect::reset_channel(prefix))
+                    .invoke_async(&mut conn)
+                    .await;
                 let info: redis::RedisResult<String> = redis::cmd("INFO")
                     .arg("server")
                     .query_async(&mut opened.conn)
@@ -695,19 +699,15 @@ pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeRepo
                         .find_map(|l| l.strip_prefix("redis_version:"))
                         .map(|v| v.trim().to_owned())
                 });
-                Ok::<_, String>((
-                    policy.unwrap_or(EvictionPolicy::Unknown),
-                    refused.map_err(|e| e.to_string()),
-                    version,
-                ))
+                Ok::<_, String>((policy, refused.map_err(|e| reason(&e)), version))
             };
             let (unreachable, (policy, refused, version)) =
                 match tokio::time::timeout(Duration::from_secs(3), read).await {
                     Ok(Ok(found)) => (None, found),
-                    Ok(Err(e)) => (Some(e), (EvictionPolicy::Unknown, Ok(Vec::new()), None)),
+                    Ok(Err(e)) => (Some(e), (None, Ok(Vec::new()), None)),
                     Err(_) => (
                         Some("no answer within 3 s".to_owned()),
-                        (EvictionPolicy::Unknown, Ok(Vec::new()), None),
+                        (None, Ok(Vec::new()), None),
                     ),
                 };
             NodeReport {
