@@ -2,8 +2,8 @@
 //! of `jsonwebtoken`'s pure-Rust backend: a token is verified on each request it comes with,
 //! so the verification is most of what a JWT route costs, and a flood of tokens with bad
 //! signatures costs the gateway what each one's check does. Measured (`cargo bench --bench
-//! hot_path jwt_verify`, docs/benchmarks.md "JWT signatures"): RS256 22 us against 82, ES256
-//! 53 against 279, ES384 743 against 864. Ed25519 stays the crate's (35 us against ring's
+//! hot_path jwt_verify`, docs/benchmarks.md "JWT signatures"): RS256 24 us against 81, ES256
+//! 55 against 293, ES384 776 against 888. Ed25519 stays the crate's (35 us against ring's
 //! 48), as do signing (the tests' tokens) and the JWK utilities.
 //!
 //! [`install`] makes it the process's provider, before the first token is verified.
