@@ -1273,23 +1273,10 @@ fn check_redis_reads_every_primary_of_the_slot_map() {
     let cluster = RedisCluster::start();
     let up = Upstream::start("app");
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gateway.toml");
     let config = cluster_config(&cluster.seed_urls()[..1], &up.addr());
-    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
-    let out = common::run_binary(
-        &[
-            "check".as_ref(),
-            "--redis".as_ref(),
-            "--config".as_ref(),
-            path.as_os_str(),
-        ],
-        &[],
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}");
-    let mut nodes: Vec<&str> = stdout
-        .lines()
-        .filter(|l| l.starts_with("redis "))
+    let (code, stdout, lines) = common::check_redis(dir.path(), &config, &[]);
+    assert_eq!(code, Some(0), "{stdout}");
+    let mut nodes: Vec<&str> = (lines.iter())
         .map(|l| {
             assert!(l.contains(": ok: "), "{l}");
             l.split(": ").next().unwrap()

@@ -1227,25 +1227,13 @@ fn check_redis_says_whether_each_node_can_serve_the_limiter() {
                 .redis("password_env", quoted("TEST_REDIS_PASSWORD")),
             &up,
         );
-        let path = dir.path().join("gateway.toml");
-        std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
-        let out = common::run_binary(
-            &[
-                "check".as_ref(),
-                "--redis".as_ref(),
-                "--config".as_ref(),
-                path.as_os_str(),
-            ],
-            &[("TEST_REDIS_PASSWORD", Some(password))],
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let env = [("TEST_REDIS_PASSWORD", Some(password))];
+        let (code, stdout, lines) = common::check_redis(dir.path(), &config, &env);
         assert!(!stdout.contains(password), "{stdout}");
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with("redis "))
-            .unwrap_or_else(|| panic!("{stdout}"))
-            .to_owned();
-        (out.status.code(), line)
+        (
+            code,
+            lines.first().cloned().unwrap_or_else(|| panic!("{stdout}")),
+        )
     };
     let node = format!("redis 127.0.0.1:{}", redis.port);
     assert_eq!(

@@ -1013,27 +1013,12 @@ fn check_redis_reads_the_master_the_sentinel_names() {
     let dir = tempfile::tempdir().unwrap();
     let (sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
-    let path = dir.path().join("gateway.toml");
     let check = || {
         let config = on_sentinel(sentinel_port)
             .upstream("app", &[up.addr()])
             .route(api_route());
-        std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
-        let out = common::run_binary(
-            &[
-                "check".as_ref(),
-                "--redis".as_ref(),
-                "--config".as_ref(),
-                path.as_os_str(),
-            ],
-            &[],
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let lines: Vec<String> = (stdout.lines())
-            .filter(|l| l.starts_with("redis"))
-            .map(str::to_owned)
-            .collect();
-        (out.status.code(), lines)
+        let (code, _, lines) = common::check_redis(dir.path(), &config, &[]);
+        (code, lines)
     };
     let (code, lines) = check();
     assert_eq!(code, Some(0), "{lines:?}");

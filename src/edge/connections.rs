@@ -32,9 +32,9 @@
 //! end-of-file, which Pingora treats as a client that left; an HTTP/2 one is sent a GOAWAY
 //! through its own shutdown watch: a stream still on its way from the HTTP/2 layer to the
 //! proxy, where nothing here sees it, is answered all the same, then the connection closes
-//! (its socket held until its client closes it, `GOAWAY_GRACE_MS` at most: with 64 such still
-//! open, only connections that close at once make room). When no connection is idle, the new
-//! connection is closed at once.
+//! (its socket held until its client closes it, `GOAWAY_GRACE_MS` at most; past 64 such, the
+//! one sent its GOAWAY first is cut at once). When no connection is idle, the new connection
+//! is closed at once.
 //!
 //! The requests in flight are bounded by `max_connections` too (each holds an upstream
 //! connection), and an HTTP/2 connection's streams past its first in progress may take at
@@ -269,6 +269,10 @@ fn idle_since(c: &Conn) -> Option<u64> {
         _ => None,
     }
 }
+
+/// How many HTTP/2 connections sent a GOAWAY to make room may keep their sockets at once
+/// ([`Connections::admit`]).
+const LINGERING_MOST: usize = 64;
 
 /// How many idle connections, oldest first, are looked at to choose the one idle longest.
 const EVICTION_SAMPLE: usize = 64;
@@ -532,14 +536,9 @@ impl Connections {
             // longest (a client using its old connection in a tight loop is not the one cut,
             // nor one between two requests for connections idle for seconds beside it); a
             // bounded look at the idle ones (busy ones are passed over).
-            // An HTTP/2 one sent a GOAWAY keeps its socket until its client closes it (5 s
-            // at most): with as many such still open as the look takes, only connections
-            // that close at once make room, so that the bound is not passed by more.
-            let h2_may_go = self.lingering.load(Ordering::Relaxed) < EVICTION_SAMPLE;
             let idle_longest = open
                 .values()
                 .filter(keep)
-                .filter(|c| h2_may_go || c.state.load(Ordering::Relaxed) != MULTIPLEXED)
                 .filter_map(|c| Some((idle_since(c)?, c)))
                 .take(EVICTION_SAMPLE)
                 .min_by_key(|(since, _)| *since);
@@ -554,8 +553,22 @@ impl Connections {
             // connection for its next request.
             if idle.state.load(Ordering::Relaxed) == MULTIPLEXED {
                 idle.lingers.store(true, Ordering::Relaxed);
-                self.lingering.fetch_add(1, Ordering::Relaxed);
                 self.goaway(idle);
+                // An HTTP/2 one sent a GOAWAY keeps its socket until its client closes it,
+                // `GOAWAY_GRACE_MS` at most: past `LINGERING_MOST` such, the one sent its
+                // GOAWAY first is cut now (a client that ignores GOAWAYs would otherwise
+                // hold a socket past the bound for each new connection for 5 s).
+                if self.lingering.fetch_add(1, Ordering::Relaxed) >= LINGERING_MOST {
+                    let first = (open.values())
+                        .filter(|c| c.lingers.load(Ordering::Relaxed))
+                        .filter(|c| !c.cut.load(Ordering::Relaxed))
+                        .filter(|c| c.streams.load(Ordering::Relaxed) == 0)
+                        .min_by_key(|c| c.goaway_ms.load(Ordering::Relaxed));
+                    if let Some(first) = first {
+                        first.cut.store(true, Ordering::Relaxed);
+                        first.waker.wake();
+                    }
+                }
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

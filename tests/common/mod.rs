@@ -401,6 +401,32 @@ pub fn run_binary_with_stdin(args: &[&OsStr], stdin: &[u8]) -> Output {
     child.wait_with_output().expect("the binary exits")
 }
 
+/// `sentinel-gateway check --redis` on `config`, written as `gateway.toml` in `dir`: its exit
+/// code, its stdout, and the lines it says of Redis (`redis ...`).
+pub fn check_redis(
+    dir: &Path,
+    config: &config::GatewayConfig,
+    env: &[(&str, Option<&str>)],
+) -> (Option<i32>, String, Vec<String>) {
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+    let out = run_binary(
+        &[
+            OsStr::new("check"),
+            OsStr::new("--redis"),
+            OsStr::new("--config"),
+            path.as_os_str(),
+        ],
+        env,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let lines = (stdout.lines())
+        .filter(|l| l.starts_with("redis"))
+        .map(str::to_owned)
+        .collect();
+    (out.status.code(), stdout, lines)
+}
+
 /// `sentinel-gateway check --config <path>`.
 pub fn check_config(path: &Path, env: &[(&str, Option<&str>)]) -> Output {
     run_binary(
