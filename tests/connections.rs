@@ -618,6 +618,28 @@ async fn a_few_http2_connections_full_of_streams_leave_room_for_other_clients() 
     );
 }
 
+/// A busy HTTP/1.1 client: `requests` requests on one keep-alive connection, `pause_ms`
+/// apart; how many were answered 200 before the first that was not (its connection cut).
+fn busy_client(port: u16, requests: usize, pause_ms: u64) -> usize {
+    let mut s = open(port);
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut answered = 0;
+    for _ in 0..requests {
+        if s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").is_err() {
+            break;
+        }
+        let mut buf = [0u8; 4096];
+        match s.read(&mut buf) {
+            Ok(n) if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200") => {
+                answered += 1
+            }
+            _ => break,
+        }
+        std::thread::sleep(Duration::from_millis(pause_ms));
+    }
+    answered
+}
+
 /// At the bound, an HTTP/1.1 client between two of its requests is not the connection that
 /// makes room while HTTP/2 connections beside it have been idle for longer: the idle longest
 /// goes, whatever its protocol. Before, any idle HTTP/1 connection went before any idle
@@ -628,25 +650,7 @@ async fn at_max_connections_idle_http2_connections_make_room_before_a_busier_htt
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
     let port = gw.port;
-    let busy = tokio::task::spawn_blocking(move || {
-        let mut s = open(port);
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        let mut answered = 0;
-        for _ in 0..25 {
-            if s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").is_err() {
-                break;
-            }
-            let mut buf = [0u8; 4096];
-            match s.read(&mut buf) {
-                Ok(n) if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200") => {
-                    answered += 1
-                }
-                _ => break,
-            }
-            std::thread::sleep(Duration::from_millis(80));
-        }
-        answered
-    });
+    let busy = tokio::task::spawn_blocking(move || busy_client(port, 25, 80));
     // Nine HTTP/2 connections, one request each, then idle: the bound is full.
     let mut idle = Vec::new();
     for _ in 0..9 {
@@ -714,25 +718,7 @@ fn http2_clients_that_ignore_their_goaway_hold_at_most_64_sockets_past_the_bound
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let gw = gateway(&redis, &up, &[("max_connections", "10"), ("h2c", "true")]);
     let port = gw.port;
-    let busy = std::thread::spawn(move || {
-        let mut s = open(port);
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        let mut answered = 0;
-        for _ in 0..50 {
-            if s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").is_err() {
-                break;
-            }
-            let mut buf = [0u8; 4096];
-            match s.read(&mut buf) {
-                Ok(n) if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200") => {
-                    answered += 1
-                }
-                _ => break,
-            }
-            std::thread::sleep(Duration::from_millis(40));
-        }
-        answered
-    });
+    let busy = std::thread::spawn(move || busy_client(port, 50, 40));
     let mut held = Vec::new();
     let mut most_open = 0.0f64;
     for i in 0..150 {
