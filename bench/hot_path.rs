@@ -175,6 +175,7 @@ fn access_log(c: &mut Criterion) {
                 bytes_sent: 312,
                 identity_hash: Some(hash.as_str()),
                 user_agent: Some(Lossy(b"curl/8.5.0")),
+                error: None,
             })
         })
     });

@@ -119,6 +119,7 @@ fn a_request_head_trickled_byte_by_byte_is_cut_at_header_read_timeout() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     let line = &lines[0];
     assert_eq!(line["status"], 408);
+    assert_eq!(line["error"], "client_timeout");
     assert_eq!(line["bytes_sent"], 0);
     assert_eq!(line["protocol"], "HTTP/1.1");
     // From the accept to the cut: the head's whole time.
@@ -1541,6 +1542,7 @@ fn a_reset_while_the_answers_head_waits_for_its_body_is_a_499() {
     let line: serde_json::Value =
         serde_json::from_str(std::fs::read_to_string(&log).unwrap().trim()).unwrap();
     assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["error"], "client_closed", "{line}");
     assert_eq!(line["bytes_sent"], 0, "{line}");
     assert_eq!(loud_lines(&gw), Vec::<String>::new());
 }

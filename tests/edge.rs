@@ -789,6 +789,7 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         "bytes_sent",
         "identity_hash",
         "user_agent",
+        "error",
     ];
     for line in &lines {
         for key in keys {
@@ -810,6 +811,11 @@ async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
         (&400.into(), &Value::Null, &Value::Null)
     );
     assert_eq!(bad["client_ip"], "127.0.0.1");
+    // Only the head the client broke ended otherwise than with a whole answer.
+    assert_eq!(bad["error"], "client_error");
+    for whole in [a, d, n, big] {
+        assert_eq!(whole["error"], Value::Null, "{whole}");
+    }
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="_unmatched",status="400"}"#),
         1.0

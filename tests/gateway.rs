@@ -1091,33 +1091,70 @@ async fn an_upstream_that_never_accepts_the_connection_is_504() {
 
 /// An upstream that hangs up halfway through its body: the client keeps the 200 already sent
 /// and sees the body cut short; the WARN says that status and what happened, not a 502 the
-/// client never got.
+/// client never got, and the access log's line says the 200 and what cut it, as it does for
+/// an event stream that falls silent past the upstream's read timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_hangs_up_mid_body_is_logged_with_the_status_the_client_got() {
     use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { return };
-            let mut head = [0u8; 4096];
-            let _ = stream.read(&mut head);
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nten bytes.");
-        }
-    });
+    // `hold`: the connection is kept open, silent, after the first ten bytes.
+    let upstream = |hold: bool| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut head = [0u8; 4096];
+                let _ = stream.read(&mut head);
+                let _ =
+                    stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nten bytes.");
+                if hold {
+                    held.push(stream);
+                }
+            }
+        });
+        addr
+    };
+    let (cut, silent) = (upstream(false), upstream(true));
     let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
     let gw = GatewayConfig::new(&redis.url())
-        .upstream_timeouts("cut", &[addr], Some(300), Some(1000))
+        .upstream_timeouts("cut", &[cut], Some(300), Some(1000))
+        .upstream_timeouts("silent", &[silent], Some(300), Some(500))
         .route(
             Route::new("t.cut")
                 .prefix("/cut")
                 .upstream("cut")
                 .unlimited(),
         )
+        .route(
+            Route::new("t.silent")
+                .prefix("/silent")
+                .upstream("silent")
+                .unlimited(),
+        )
+        .access_log(&log)
         .start();
-    let r = client().get(gw.url("/cut")).send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    assert!(r.bytes().await.is_err(), "the body is cut short");
+    for path in ["/cut", "/silent"] {
+        let r = client().get(gw.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.bytes().await.is_err(), "the body is cut short");
+    }
+    common::wait_until(Duration::from_secs(3), "two access-log lines", || {
+        common::access_lines(&log).len() == 2
+    });
+    for line in common::access_lines(&log) {
+        let error = match line["path"].as_str() {
+            Some("/cut") => "upstream_failed",
+            _ => "upstream_timeout",
+        };
+        assert_eq!(
+            (&line["status"], &line["bytes_sent"], &line["error"]),
+            (&200.into(), &10.into(), &error.into()),
+            "{line}"
+        );
+    }
     common::wait_until(Duration::from_secs(3), "the WARN", || {
         gw.logs().contains("the body was cut short")
     });
@@ -1229,6 +1266,7 @@ async fn the_upstreams_hop_by_hop_fields_are_not_passed_on() {
     use std::io::{Read, Write};
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     let gw = app_config(&redis.url(), &up)
+        .server("h2c", "true")
         .route(Route::new("a.open").prefix("/").unlimited())
         .start();
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
@@ -1260,6 +1298,30 @@ async fn the_upstreams_hop_by_hop_fields_are_not_passed_on() {
         "trailer:",
     ] {
         assert!(!head.contains(gone), "{gone} in {head}");
+    }
+
+    // Over HTTP/2 a connection's field in an answer is malformed (RFC 9113, 8.2.2: the
+    // client would refuse the answer), and a `Trailer` would promise what never comes.
+    let mut request = common::h2c_client().get(gw.url("/x"));
+    for (name, value) in [
+        ("Keep-Alive", "timeout=1, max=1"),
+        ("Proxy-Connection", "close"),
+        ("TE", "trailers"),
+        ("Trailer", "X-Checksum"),
+        ("Upgrade", "h2c"),
+        ("X-Kept", "yes"),
+    ] {
+        request = request.header(format!("X-Demo-Reply-{name}"), value);
+    }
+    let r = request
+        .send()
+        .await
+        .expect("an answer the HTTP/2 client takes");
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kept"], "yes");
+    for gone in ["keep-alive", "proxy-connection", "te", "upgrade", "trailer"] {
+        assert!(r.headers().get(gone).is_none(), "{gone}: {:?}", r.headers());
     }
 }
 

@@ -1277,3 +1277,70 @@ fn check_redis_says_whether_each_node_can_serve_the_limiter() {
         "{line}"
     );
 }
+
+/// `check --redis` over TLS reads the node as the gateway would reach it (the CA of
+/// `tls_ca_path`), says a certificate it cannot trust in the TLS layer's words, and a node
+/// busy with a long script (`BUSY`) is one that cannot serve now, in Redis's words.
+#[test]
+fn check_redis_reads_a_node_over_tls_and_says_a_busy_one() {
+    let t = tls_redis_with(false, &["--busy-reply-threshold", "100"]);
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let node = format!("redis 127.0.0.1:{}", t.tls_port);
+    let check = |ca_path: &str| {
+        let config = limited(
+            GatewayConfig::new(&t.url()).redis("tls_ca_path", quoted(ca_path)),
+            &up,
+        );
+        let (code, stdout, lines) = common::check_redis(dir.path(), &config, &[]);
+        (
+            code,
+            lines.first().cloned().unwrap_or_else(|| panic!("{stdout}")),
+        )
+    };
+    // The default user may run `INFO`: Redis's version is said too.
+    let (code, line) = check(&t.ca_path());
+    assert_eq!(code, Some(0), "{line}");
+    assert!(line.starts_with(&format!("{node}: ok: redis ")), "{line}");
+    assert!(
+        line.ends_with("; maxmemory-policy noeviction; the limiter's commands permitted"),
+        "{line}"
+    );
+
+    // Another CA: the node's certificate is not trusted, so nothing can be decided on it.
+    let other = Ca::new();
+    let other_ca = dir.path().join("other-ca.pem");
+    std::fs::write(&other_ca, &other.pem).unwrap();
+    let (code, line) = check(&other_ca.display().to_string());
+    assert_eq!(code, Some(1), "{line}");
+    assert!(
+        line.starts_with(&format!("{node}: cannot serve: ")),
+        "{line}"
+    );
+    assert!(line.to_lowercase().contains("certificate"), "{line}");
+
+    // A script that runs past busy-reply-threshold: every other client is answered BUSY.
+    let busy_port = t.redis.port;
+    let busy = std::thread::spawn(move || {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{busy_port}/")).unwrap();
+        let mut conn = client.get_connection().unwrap();
+        // Ends when SCRIPT KILL stops it, with an error this thread ignores.
+        let _: redis::RedisResult<()> = redis::cmd("EVAL")
+            .arg("while true do end")
+            .arg(0)
+            .query(&mut conn);
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    let (code, line) = check(&t.ca_path());
+    let killed = redis::cmd("SCRIPT")
+        .arg("KILL")
+        .query::<()>(&mut t.redis.conn());
+    busy.join().unwrap();
+    killed.unwrap();
+    assert_eq!(code, Some(1), "{line}");
+    assert!(
+        line.starts_with(&format!("{node}: cannot serve: ")),
+        "{line}"
+    );
+    assert!(line.contains("BUSY"), "{line}");
+}

@@ -94,6 +94,7 @@ async fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
     // burst: 3, refilled 1 per 100 s; daily: 5, refilled 1 per 1000 s.
     let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
         .upstream("app", &[up.addr()])
         .route(route(|r| {
             r.set("ratelimit_headers", "\"x-ratelimit\"")
@@ -136,6 +137,18 @@ async fn the_x_ratelimit_fields_give_the_limit_nearest_to_refusing() {
         gw.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="e.api"}"#),
         1.0
     );
+    // The same fields over HTTP/2 (lower case there, as every field).
+    let r = (common::h2c_client().get(gw.url("/api/x")))
+        .header("X-API-Key", "k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.version(), r.status().as_u16()),
+        (reqwest::Version::HTTP_2, 429)
+    );
+    let (limit, remaining, _) = fields(&r);
+    assert_eq!((limit, remaining), (3, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -51,6 +51,10 @@ pub struct Line<'a> {
     pub bytes_sent: u64,
     pub identity_hash: Option<&'a str>,
     pub user_agent: Option<Lossy<'a>>,
+    /// What ended the request otherwise than with a whole answer (`upstream_timeout`,
+    /// `upstream_failed`, `client_closed`, `client_timeout`, `client_error`); `None` when
+    /// nothing did.
+    pub error: Option<&'a str>,
 }
 
 /// Header bytes as the client sent them, written as UTF-8 (invalid sequences replaced).
@@ -141,6 +145,7 @@ impl Line<'_> {
             self.upstream.map(str::as_bytes),
             self.identity_hash.map(str::as_bytes),
             self.user_agent.map(|u| u.0),
+            self.error.map(str::as_bytes),
         ] {
             match field {
                 None => out.extend_from_slice(&ABSENT.to_le_bytes()),
@@ -190,6 +195,7 @@ impl Line<'_> {
         let upstream = text()?;
         let identity_hash = text()?;
         let user_agent = text_bytes(&mut r)?;
+        let error = r.string()?.and_then(|b| std::str::from_utf8(b).ok());
         let line = Line {
             timestamp,
             request_id,
@@ -212,6 +218,7 @@ impl Line<'_> {
             bytes_sent,
             identity_hash,
             user_agent,
+            error,
         };
         Some((line, rest))
     }
@@ -590,6 +597,7 @@ mod tests {
             bytes_sent: 312,
             identity_hash: Some("9f86d081884c7d65"),
             user_agent: Some(Lossy(b"curl/8.5.0")),
+            error: Some("upstream_timeout"),
         }
     }
 
@@ -617,6 +625,7 @@ mod tests {
             bytes_sent: 0,
             identity_hash: None,
             user_agent: None,
+            error: None,
         }
     }
 
@@ -686,7 +695,8 @@ mod tests {
                 "bytes_received",
                 "bytes_sent",
                 "identity_hash",
-                "user_agent"
+                "user_agent",
+                "error"
             ]
         );
         assert_eq!(value["timestamp"], "2026-12-01T17:30:05.042Z");

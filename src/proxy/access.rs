@@ -36,6 +36,12 @@ pub fn bad_head(log: &crate::edge::AccessLog, head: &crate::edge::connections::B
         bytes_sent: head.bytes_sent,
         identity_hash: None,
         user_agent: None,
+        // A 431 is a limit the gateway keeps, as a 413 is; the others are the client's.
+        error: match head.status {
+            408 => Some(super::Failure::CLIENT_TIMEOUT),
+            431 => None,
+            _ => Some(super::Failure::CLIENT_ERROR),
+        },
     });
 }
 
@@ -105,6 +111,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
         bytes_sent: session.body_bytes_sent() as u64,
         identity_hash: ctx.identity_hash.as_deref(),
         user_agent: header(http::header::USER_AGENT).filter(|_| !hidden("user-agent")),
+        error: ctx.failure,
     };
     log.log(&line);
 }

@@ -70,6 +70,9 @@ pub struct RequestCtx {
     ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
+    /// What ended the request otherwise than with a whole answer (the access log's `error`):
+    /// one of [`Failure`]'s words, set where the failure is read.
+    failure: Option<&'static str>,
     connect_attempts: usize,
     /// The request was sent again after a kept-alive upstream connection failed under it.
     resent: bool,
@@ -1067,6 +1070,9 @@ impl ProxyHttp for Gateway {
         {
             let failed = matches!(e.esource(), ErrorSource::Upstream)
                 && !matches!(e.etype(), ErrorType::ReadTimedout);
+            if failed {
+                ctx.failure = Some(Failure::UPSTREAM_FAILED);
+            }
             if let (true, Some(route)) = (failed, &ctx.route) {
                 tracing::warn!(
                     endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
@@ -1146,6 +1152,7 @@ impl ProxyHttp for Gateway {
             ) => Some(Answer::UpstreamUnavailable),
             _ => None,
         };
+        ctx.failure = Failure::of(e, answer, body_withheld);
         // A `100 Continue` passed on from the upstream is not an answer yet.
         let answering = session
             .response_written()
@@ -1303,6 +1310,9 @@ impl ProxyHttp for Gateway {
             .or_else(|| session.response_written().map(|r| r.status.as_u16()))
             .filter(|s| *s == 101 || (*s >= 200 && !reset_first))
             .unwrap_or(CLIENT_CLOSED);
+        if status == CLIENT_CLOSED && ctx.failure.is_none() {
+            ctx.failure = Some(Failure::CLIENT_CLOSED);
+        }
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
                 access::log(&self.access_log, session, ctx, status);
@@ -1349,6 +1359,50 @@ impl ProxyHttp for Gateway {
             }
         }
         self.charged(ctx).await;
+    }
+}
+
+/// What ended a request otherwise than with a whole answer, as the access log's `error` says
+/// it: the status alone cannot (an upstream's `200` whose body its read timeout cut, a `499`
+/// whose upstream had timed out first).
+pub(crate) struct Failure;
+
+impl Failure {
+    /// The upstream did not answer in time (connect, read or write): a 504, or its answer's
+    /// body cut short.
+    const UPSTREAM_TIMEOUT: &'static str = "upstream_timeout";
+    /// The upstream refused, reset or closed its connection: a 502, or its body cut short.
+    const UPSTREAM_FAILED: &'static str = "upstream_failed";
+    /// The client left or reset its stream: a 499, or the answer's body cut short.
+    const CLIENT_CLOSED: &'static str = "client_closed";
+    /// The client held back the body it announced (408).
+    const CLIENT_TIMEOUT: &'static str = "client_timeout";
+    /// The client sent what cannot be read (a broken body, say: 400).
+    const CLIENT_ERROR: &'static str = "client_error";
+
+    /// The failure `e` is, read as `fail_to_proxy` read it (`answer`, `body_withheld`); none
+    /// for the gateway's own answers (a 413, a status a hook chose).
+    fn of(e: &Error, answer: Option<Answer>, body_withheld: bool) -> Option<&'static str> {
+        if body_withheld {
+            return Some(Self::CLIENT_TIMEOUT);
+        }
+        match (e.esource(), e.etype()) {
+            (_, ErrorType::HTTPStatus(_)) => None,
+            _ if answer == Some(Answer::BodyTooLarge) => None,
+            (
+                ErrorSource::Downstream,
+                ErrorType::ReadError
+                | ErrorType::WriteError
+                | ErrorType::ConnectionClosed
+                | ErrorType::H2Error,
+            ) => Some(Self::CLIENT_CLOSED),
+            (ErrorSource::Downstream, _) => Some(Self::CLIENT_ERROR),
+            _ => match answer {
+                Some(Answer::UpstreamTimeout) => Some(Self::UPSTREAM_TIMEOUT),
+                Some(Answer::UpstreamUnavailable) => Some(Self::UPSTREAM_FAILED),
+                _ => None,
+            },
+        }
     }
 }
 
