@@ -21,6 +21,16 @@ fn latency_buckets() -> Vec<f64> {
 }
 
 /// Statuses whose request counters are resolved ahead of time.
+/// `sentinel_tls_handshakes_total`'s results.
+const HANDSHAKE_RESULTS: [(&str, crate::edge::connections::Handshake); 3] = {
+    use crate::edge::connections::Handshake;
+    [
+        ("success", Handshake::Success),
+        ("failure", Handshake::Failure),
+        ("timeout", Handshake::Timeout),
+    ]
+};
+
 const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 413, 429, 500, 502, 503, 504];
 
 pub const UNMATCHED: &str = "_unmatched";
@@ -54,6 +64,7 @@ pub struct Metrics {
     pub connections_max: IntGauge,
     /// What the bound did, by `action` (`closed_idle`, `refused`, `request_refused`); set at scrape time.
     connections_shed: IntCounterVec,
+    tls_handshakes: IntCounterVec,
     pub fleet_instances: IntGauge,
     /// Access log lines dropped because the writer could not keep up (or could not write).
     pub access_log_dropped: IntCounter,
@@ -369,6 +380,20 @@ impl Metrics {
         for action in ["closed_idle", "refused", "request_refused"] {
             connections_shed.with_label_values(&[action]);
         }
+        let tls_handshakes = register(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "sentinel_tls_handshakes_total",
+                    "TLS handshakes on the listeners by result: success, failure (refused: no version, cipher or certificate in common, not TLS, closed in it), timeout (not complete within header_read_timeout_ms).",
+                ),
+                &["result"],
+            )
+            .expect("valid"),
+        );
+        for result in HANDSHAKE_RESULTS.map(|(result, _)| result) {
+            tls_handshakes.with_label_values(&[result]);
+        }
         let fleet_instances = register(
             &r,
             IntGauge::new(
@@ -495,6 +520,7 @@ impl Metrics {
             redis_up,
             connections_max,
             connections_shed,
+            tls_handshakes,
             fleet_instances,
             access_log_dropped,
             log_dropped,
@@ -648,6 +674,10 @@ impl Metrics {
         ] {
             let counter = self.connections_shed.with_label_values(&[action]);
             counter.inc_by(connections.shed(how).saturating_sub(counter.get()));
+        }
+        for (result, how) in HANDSHAKE_RESULTS {
+            let counter = self.tls_handshakes.with_label_values(&[result]);
+            counter.inc_by(connections.handshakes(how).saturating_sub(counter.get()));
         }
     }
 

@@ -199,13 +199,49 @@ fn an_idle_keep_alive_connection_is_closed_after_keepalive_timeout_seconds() {
     assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
 }
 
-#[test]
-fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
+/// ... and each handshake's end is counted by how it ended: `sentinel_tls_handshakes_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_handshake_that_never_comes_is_cut_at_header_read_timeout() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
-    let (gw, _ca, tls_port) = with_tls(&redis, &up, &[("header_read_timeout_ms", "1000")]);
-    let took = closed_after(open(tls_port), &[0x16, 0x03, 0x01]);
+    let (gw, ca, tls_port) = with_tls(&redis, &up, &[("header_read_timeout_ms", "1000")]);
+    let handshakes = |result: &str| {
+        gw.metric(&format!(
+            r#"sentinel_tls_handshakes_total{{result="{result}"}}"#
+        ))
+    };
+    assert_eq!(
+        ["success", "failure", "timeout"].map(handshakes),
+        [0.0; 3],
+        "shown before any"
+    );
+    let took = tokio::task::block_in_place(|| closed_after(open(tls_port), &[0x16, 0x03, 0x01]));
     assert!((EARLIEST..LATEST).contains(&took), "{took:?}");
+    // A connection that sends nothing (a load balancer's TCP check) began no handshake,
+    // whether it closes or waits past the deadline.
+    tokio::task::block_in_place(|| {
+        drop(open(tls_port));
+        closed_after(open(tls_port), b"");
+    });
     assert!(!gw.logs().contains("\"ERROR\""), "{}", gw.logs());
+    let https = ca.http_client(tls_port, &["localhost"], true);
+    let url = format!("https://localhost:{tls_port}/x");
+    assert_eq!(https.get(&url).send().await.unwrap().status(), 200);
+    // Plain HTTP, and a handshake record that is no client hello: both refused.
+    tokio::task::block_in_place(|| {
+        assert_eq!(
+            raw_request(tls_port, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"),
+            Some(400)
+        );
+        let mut s = open(tls_port);
+        s.write_all(&[0x16, 0x03, 0x01, 0x00, 0x04, 0xff, 0x00, 0x00, 0x00])
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    assert_eq!(
+        ["success", "failure", "timeout"].map(handshakes),
+        [1.0, 2.0, 1.0]
+    );
 }
 
 /// An HTTP/2 connection has a request head's deadline until its first request's header

@@ -242,6 +242,19 @@ pub struct Connections {
     extra_streams: Arc<AtomicUsize>,
     /// HTTP/2 connections sent a GOAWAY to make room and not gone yet.
     lingering: AtomicUsize,
+    /// TLS handshakes by how they ended: `sentinel_tls_handshakes_total`.
+    handshakes: [AtomicU64; 3],
+}
+
+/// How a TLS handshake ended ([`Connections::handshakes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handshake {
+    Success = 0,
+    /// The client's hello or its later messages refused (no version or cipher in common,
+    /// no certificate for its name, not TLS at all), or the connection closed in it.
+    Failure = 1,
+    /// Not complete within `header_read_timeout_ms`.
+    Timeout = 2,
 }
 
 /// What the bound did to a connection ([`Connections::shed`]).
@@ -313,6 +326,9 @@ struct Conn {
     /// HTTP/2, sent a GOAWAY to make room: counted in `Connections::lingering` until it is
     /// gone.
     lingers: AtomicBool,
+    /// TLS: its client sent its first bytes, so a handshake began (a connection closed
+    /// without a byte, a TCP health check, began none).
+    spoke: AtomicBool,
 }
 
 impl Connections {
@@ -329,6 +345,7 @@ impl Connections {
             bad_head: std::sync::OnceLock::new(),
             h2: Mutex::new(std::collections::HashMap::new()),
             shed: Default::default(),
+            handshakes: Default::default(),
             extra_streams: Arc::new(AtomicUsize::new(0)),
             lingering: AtomicUsize::new(0),
         }
@@ -337,6 +354,15 @@ impl Connections {
     /// How many connections the bound shed `how`, since the start.
     pub fn shed(&self, how: Shed) -> u64 {
         self.shed[how as usize].load(Ordering::Relaxed)
+    }
+
+    /// How many TLS handshakes ended `how`, since the start.
+    pub fn handshakes(&self, how: Handshake) -> u64 {
+        self.handshakes[how as usize].load(Ordering::Relaxed)
+    }
+
+    fn handshake_ended(&self, how: Handshake) {
+        self.handshakes[how as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// `max_connections`, which also bounds the requests in flight: an HTTP/2 connection
@@ -585,6 +611,7 @@ impl Connections {
             h2_key: AtomicUsize::new(0),
             block_since_ms: AtomicU64::new(0),
             lingers: AtomicBool::new(false),
+            spoke: AtomicBool::new(false),
         });
         open.insert(id, Arc::clone(&conn));
         drop(open);
@@ -1427,6 +1454,7 @@ impl AsyncRead for Handshaking {
         let read = Pin::new(&mut this.stream).poll_read(cx, buf);
         if this.first && buf.filled().len() > before {
             this.first = false;
+            this.conn.spoke.store(true, Ordering::Relaxed);
             // A TLS record starts with its content type (22, a handshake); a request line
             // with a method's capital letters. nginx answers such a client 400 too.
             if buf.filled().get(before).is_some_and(u8::is_ascii_uppercase) {
@@ -1562,6 +1590,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                     };
                     match tokio::time::timeout(timeout, acceptor.tls_handshake(transport)).await {
                         Ok(Ok(tls)) => {
+                            self.connections.handshake_ended(Handshake::Success);
                             let h2 = matches!(tls.selected_alpn_proto(), Some(ALPN::H2));
                             // The request head has its full time from the end of the handshake.
                             reg.conn
@@ -1573,10 +1602,16 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                             Box::new(tls)
                         }
                         Ok(Err(e)) => {
+                            if reg.conn.spoke.load(Ordering::Relaxed) {
+                                self.connections.handshake_ended(Handshake::Failure);
+                            }
                             tracing::debug!(error = %e, "TLS handshake failed");
                             return None;
                         }
                         Err(_) => {
+                            if reg.conn.spoke.load(Ordering::Relaxed) {
+                                self.connections.handshake_ended(Handshake::Timeout);
+                            }
                             tracing::debug!(
                                 "TLS handshake not complete within header_read_timeout_ms"
                             );
