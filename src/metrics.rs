@@ -32,6 +32,9 @@ const HANDSHAKE_RESULTS: [(&str, crate::edge::connections::Handshake); 3] = {
 };
 
 const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 413, 429, 500, 502, 503, 504];
+/// Those of requests no route matched, which no upstream or decision answers: the others
+/// (a 408, 431, 499 or 503 at capacity) show once they happen.
+const UNMATCHED_STATUSES: &[u16] = &[400, 404];
 
 pub const UNMATCHED: &str = "_unmatched";
 
@@ -626,15 +629,19 @@ impl Metrics {
     pub fn requests(&self, endpoint_label: &str) -> RequestCounters {
         RequestCounters {
             label: endpoint_label.to_owned(),
-            common: COMMON_STATUSES
-                .iter()
-                .map(|&s| {
-                    let c = self
-                        .requests
-                        .with_label_values(&[endpoint_label, &s.to_string()]);
-                    (s, c)
-                })
-                .collect(),
+            common: (if endpoint_label == UNMATCHED {
+                UNMATCHED_STATUSES
+            } else {
+                COMMON_STATUSES
+            })
+            .iter()
+            .map(|&s| {
+                let c = self
+                    .requests
+                    .with_label_values(&[endpoint_label, &s.to_string()]);
+                (s, c)
+            })
+            .collect(),
             vec: self.requests.clone(),
         }
     }
@@ -735,6 +742,26 @@ mod tests {
             .collect();
         found.sort();
         found
+    }
+
+    /// `sentinel_requests_total`'s statuses of `endpoint`, in the exposition's order.
+    fn statuses(m: &Metrics, endpoint: &str) -> Vec<String> {
+        let label = format!("sentinel_requests_total{{endpoint_id=\"{endpoint}\",status=\"");
+        (m.render().lines())
+            .filter_map(|l| l.strip_prefix(&label))
+            .map(|rest| rest.split('"').next().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn requests_no_route_matched_show_only_the_statuses_they_can_have_before_the_first() {
+        let m = Metrics::new();
+        let unmatched = m.requests(UNMATCHED);
+        let _ = m.requests("e.api");
+        assert_eq!(statuses(&m, UNMATCHED), ["400", "404"]);
+        assert_eq!(statuses(&m, "e.api").len(), COMMON_STATUSES.len());
+        unmatched.inc(503);
+        assert_eq!(statuses(&m, UNMATCHED), ["400", "404", "503"]);
     }
 
     #[test]

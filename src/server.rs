@@ -72,7 +72,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     let mut held = Vec::new();
     for (field, addr) in plain.chain(tls) {
         held.push(
-            std::net::TcpListener::bind(addr).map_err(|source| StartError::Listen {
+            (config.server.bind(*addr)).map_err(|source| StartError::Listen {
                 field,
                 addr: *addr,
                 source,
@@ -80,11 +80,10 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         );
     }
     let admin_addr = config.server.admin_listen;
-    let admin_socket =
-        std::net::TcpListener::bind(admin_addr).map_err(|source| StartError::Admin {
-            addr: admin_addr,
-            source,
-        })?;
+    let admin_socket = (config.server.bind(admin_addr)).map_err(|source| StartError::Admin {
+        addr: admin_addr,
+        source,
+    })?;
     drop(held);
     let budget = crate::edge::limits::budget(config.server.max_connections, config.server.threads);
     // Answered from now on: `/readyz` says the gateway is starting while it does.
@@ -319,12 +318,18 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     // it; the TLS listeners keep it, since the TLS layer reads in small records.
     let plain = pingora_core::protocols::l4::stream::L4BufferSettings::default().read(0);
     for addr in &server_cfg.listen {
-        proxy.add_listener(
-            pingora_core::listeners::ListenerConfig::tcp(addr.to_string()).l4_buffer(plain),
-        );
+        let mut listener =
+            pingora_core::listeners::ListenerConfig::tcp(addr.to_string()).l4_buffer(plain);
+        if let Some(options) = server_cfg.socket_options(*addr) {
+            listener = listener.tcp_socket_options(options);
+        }
+        proxy.add_listener(listener);
     }
     for tls in &server_cfg.tls {
-        proxy.add_tcp(&tls.listen.to_string());
+        match server_cfg.socket_options(tls.listen) {
+            Some(options) => proxy.add_tcp_with_settings(&tls.listen.to_string(), options),
+            None => proxy.add_tcp(&tls.listen.to_string()),
+        }
     }
     let admin = Admin {
         metrics: Arc::clone(&metrics),

@@ -1273,3 +1273,41 @@ async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_no
         "{late} ms after it was sent: {line}"
     );
 }
+
+/// nginx's pair of listeners, `listen = ["127.0.0.1:P", "[::]:P"]`: the `[::]` one is bound
+/// IPv6 only beside an IPv4 listener on its port (as nginx binds it), so both start, each
+/// serving its family; without that the wildcard took IPv4 too and the start failed.
+#[test]
+fn an_ipv6_wildcard_beside_an_ipv4_listener_of_its_port_starts_and_serves_both() {
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let [p, admin] = common::free_ports();
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .render(p, admin)
+        .replace(
+            &format!("listen = \"127.0.0.1:{p}\""),
+            &format!("listen = [\"127.0.0.1:{p}\", \"[::]:{p}\"]"),
+        );
+    let gw = common::Gateway::start_with_env(p, admin, &config, &[]);
+    let status = |to: std::net::SocketAddr| {
+        let mut s = TcpStream::connect(to).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer.get(9..12)?.parse::<u16>().ok()
+    };
+    assert_eq!(
+        status(([127, 0, 0, 1], p).into()),
+        Some(200),
+        "{}",
+        gw.logs()
+    );
+    // The IPv6 loopback, where the host has one.
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        let v6: std::net::SocketAddr = format!("[::1]:{p}").parse().unwrap();
+        assert_eq!(status(v6), Some(200), "{}", gw.logs());
+    }
+}

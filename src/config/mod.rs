@@ -331,6 +331,50 @@ impl ServerConfig {
     pub fn send_timeout_option(&self) -> Option<Duration> {
         (!self.send_timeout.is_zero()).then_some(self.send_timeout)
     }
+
+    /// Whether the listener `addr` is bound IPv6 only: a `[::]` one beside a listener of
+    /// an IPv4 address (or an IPv4-mapped one) on its port, the plain, TLS or admin ones,
+    /// which takes that port's IPv4 connections (nginx binds `[::]` so always). Alone on its
+    /// port, `[::]` takes IPv4 too where the host's `net.ipv6.bindv6only` is 0.
+    pub fn ipv6_only(&self, addr: SocketAddr) -> bool {
+        let ipv4 = |other: &SocketAddr| {
+            other.port() == addr.port() && crate::identity::canonical(other.ip()).is_ipv4()
+        };
+        addr.is_ipv6()
+            && addr.ip().is_unspecified()
+            && (self.listen.iter())
+                .chain(self.tls.iter().map(|t| &t.listen))
+                .chain(std::iter::once(&self.admin_listen))
+                .any(ipv4)
+    }
+
+    /// Binds the listener `addr` as the gateway serves it ([`Self::ipv6_only`]).
+    pub fn bind(&self, addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        socket.set_reuse_address(true)?;
+        if self.ipv6_only(addr) {
+            socket.set_only_v6(true)?;
+        }
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        Ok(socket.into())
+    }
+
+    /// Pingora's options for the listener `addr` ([`Self::ipv6_only`]).
+    pub fn socket_options(
+        &self,
+        addr: SocketAddr,
+    ) -> Option<pingora_core::listeners::TcpSocketOptions> {
+        self.ipv6_only(addr).then(|| {
+            let mut options = pingora_core::listeners::TcpSocketOptions::default();
+            options.ipv6_only = Some(true);
+            options
+        })
+    }
 }
 
 /// The largest `batch_max`: what one Redis call may decide at most.

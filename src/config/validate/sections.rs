@@ -19,6 +19,9 @@ use crate::config::*;
 /// What two listen addresses that [`overlap`] are told.
 pub(super) const SHARED: &str = "share a port on one address (or one of them is the wildcard that takes the other's): only one could be bound";
 
+/// What a listen address of port 0 is told: the system would choose a port no client knows.
+pub(super) const PORT_ZERO: &str = "has port 0, which lets the system choose a port no client would know: write a port from 1 to 65535";
+
 /// Whether two listen addresses cannot both be bound: one port on the same address (an
 /// IPv4-mapped one as IPv4), or one of them the wildcard of the other's family.
 pub(super) fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
@@ -29,8 +32,8 @@ pub(super) fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
         crate::identity::canonical(a.ip()),
         crate::identity::canonical(b.ip()),
     );
-    // Of one family: whether `[::]` also takes IPv4 is the host's setting (`bindv6only`),
-    // which the start's own binding finds out.
+    // Of one family only: a `[::]` listener beside an IPv4 one on its port is bound IPv6
+    // only (`ServerConfig::ipv6_only`), as nginx binds `[::]`.
     let takes =
         |w: std::net::IpAddr, o: std::net::IpAddr| w.is_unspecified() && w.is_ipv6() == o.is_ipv6();
     a == b || takes(a, b) || takes(b, a)
@@ -65,6 +68,12 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             let mut seen: Vec<SocketAddr> = Vec::new();
             (list.iter().enumerate())
                 .filter_map(|(i, a)| match a.get_ref().parse::<SocketAddr>() {
+                    Ok(addr) if addr.port() == 0 => {
+                        let at = if listed { format!("[{i}]") } else { String::new() };
+                        c.push(Some(&a.span()), None, format!("server.listen{at} = \"{addr}\" {PORT_ZERO}"));
+                        ok = false;
+                        None
+                    }
                     Ok(addr) => {
                         if let Some(other) = seen.iter().find(|o| overlap(**o, addr)) {
                             c.push(Some(&a.span()), None, format!("server.listen: \"{addr}\" and \"{other}\" {SHARED}"));
@@ -97,6 +106,14 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     let admin_listen = match s.and_then(|s| s.admin_listen.as_ref()) {
         None => Some("127.0.0.1:9090".parse().expect("valid default")),
         Some(a) => match a.get_ref().parse::<SocketAddr>() {
+            Ok(addr) if addr.port() == 0 => {
+                c.push(
+                    Some(&a.span()),
+                    None,
+                    format!("server.admin_listen = \"{addr}\" {PORT_ZERO}"),
+                );
+                None
+            }
             Ok(addr) => Some(addr),
             Err(_) => {
                 c.push(Some(&a.span()), None, format!("server.admin_listen = \"{}\" is not an address: write IP:port, such as \"127.0.0.1:9090\"", a.get_ref()));
@@ -450,9 +467,15 @@ pub(super) fn cidrs(
             .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from));
         match parsed {
             Ok(net) => {
-                // Every address of a family: said, as it is seldom meant.
-                if net.prefix_len() == 0 {
-                    let family = if net.addr().is_ipv4() { "IPv4" } else { "IPv6" };
+                // Every address of a family: said, as it is seldom meant. `::ffff:0:0/96`
+                // is every IPv4 address too (IPv4 clients are read as IPv4).
+                let family_net = as_ipv4(net.trunc());
+                if family_net.prefix_len() == 0 {
+                    let family = if family_net.addr().is_ipv4() {
+                        "IPv4"
+                    } else {
+                        "IPv6"
+                    };
                     let what = match field.ends_with("trusted_proxies") {
                         true => "every peer may then say which client it forwards for (X-Forwarded-For): a client_ip identity, an exemption and the access log's client address are each client's own to choose",
                         false => "every client of that family then goes without a limit",

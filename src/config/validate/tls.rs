@@ -25,6 +25,15 @@ pub(super) fn listeners(
         let t = t.get_ref();
         let at = format!("server.tls[{i}]");
         let listen = match t.listen.get_ref().parse::<SocketAddr>() {
+            Ok(a) if a.port() == 0 => {
+                let zero = super::sections::PORT_ZERO;
+                c.push(
+                    Some(&t.listen.span()),
+                    None,
+                    format!("{at}.listen = \"{a}\" {zero}"),
+                );
+                None
+            }
             Ok(a) if plain.iter().chain(&seen).any(|o| *o == a) => {
                 c.push(Some(&t.listen.span()), None, format!("{at}.listen = \"{a}\" is already a listener: every listener needs an address of its own"));
                 None
