@@ -107,3 +107,37 @@ async fn a_fleet_rate_holds_for_the_whole_fleet_during_an_outage() {
         "per-process {per_process} vs fleet {fleet}"
     );
 }
+
+/// A Redis back without its data (here `FLUSHALL`: a restart without persistence, a failover
+/// to an empty replica) has no fleet set: the first instance to beat makes it again alone.
+/// The count only grows until the set is one heartbeat's life old, so no instance takes the
+/// whole fleet rate meanwhile (its breaker may still send every decision to the emergency
+/// buckets).
+#[test]
+fn a_fleet_set_lost_with_redis_data_never_shrinks_the_count_while_it_fills_again() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let fallback = Fallback::Fleet(6_000_000);
+    let gateways: Vec<Gateway> = (0..2)
+        .map(|_| config(&redis.url(), &up.addr(), &fallback).start())
+        .collect();
+    for gw in &gateways {
+        wait_until(Duration::from_secs(10), "both gateways counted", || {
+            gw.metric("sentinel_fleet_instances") == 2.0
+        });
+    }
+    let _: () = redis::cmd("FLUSHALL").query(&mut redis.conn()).unwrap();
+    // Past the set's rebirth and every instance's next beats (2 s apart).
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        for gw in &gateways {
+            assert_eq!(gw.metric("sentinel_fleet_instances"), 2.0, "{}", gw.logs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let members: u64 = redis::cmd("ZCARD")
+        .arg("sentinel:v1:fleet")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(members, 3, "two instances and the set's birth");
+}

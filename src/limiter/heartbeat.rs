@@ -8,9 +8,13 @@
 //! fleet rate / N, never below one request per second.
 //!
 //! Staleness: an instance that stops is still counted for up to `HEARTBEAT_TTL`, and a new
-//! one is noticed by the others within `HEARTBEAT_EVERY`. During an outage N is frozen, so
-//! instances started or stopped during it are not accounted for: the fleet may then admit up
-//! to (actual instances / N) times the fleet rate.
+//! one is noticed by the others within `HEARTBEAT_EVERY` of its first beat. During an outage
+//! N is frozen, so instances started or stopped during it are not accounted for: the fleet may
+//! then admit up to (actual instances / N) times the fleet rate. A set younger than
+//! `HEARTBEAT_TTL` (a Redis back without its data, whose set the first instance to beat
+//! makes again) may lack instances that have not beaten into it yet: N only grows until it is
+//! that old, so the first instances back do not each take the whole fleet rate while their
+//! breakers still send every decision to the emergency buckets.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +49,13 @@ pub async fn heartbeat(
             .heartbeat(&key, &fleet.instance, HEARTBEAT_TTL.as_millis() as u64)
             .await
         {
-            Ok(n) => {
+            Ok((counted, age_ms)) => {
+                let young = age_ms < HEARTBEAT_TTL.as_millis() as u64;
+                let n = if young {
+                    counted.max(fleet.live())
+                } else {
+                    counted
+                };
                 if n != fleet.live() {
                     tracing::info!(instances = n, "fleet size changed");
                 }

@@ -618,20 +618,21 @@ impl Store {
         })
     }
 
-    /// Runs the fleet heartbeat (off the request path); returns the live instance count.
+    /// Runs the fleet heartbeat (off the request path); returns the live instance count and
+    /// the fleet set's age (milliseconds).
     pub async fn heartbeat(
         &self,
         key: &str,
         instance: &str,
         ttl_ms: u64,
-    ) -> Result<u64, StoreFailure> {
+    ) -> Result<(u64, u64), StoreFailure> {
         let Some(conn) = self.link_for(key).and_then(|l| l.conn.load_full()) else {
             return Err(StoreFailure::ConnectionError);
         };
         let mut c = conn.redis();
         let mut invocation = self.inner.heartbeat.key(key);
         invocation.arg(instance).arg(ttl_ms);
-        let call = invocation.invoke_async::<u64>(&mut c);
+        let call = invocation.invoke_async::<(u64, u64)>(&mut c);
         match tokio::time::timeout(Duration::from_millis(500), call).await {
             Err(_) => Err(StoreFailure::Timeout),
             Ok(Ok(n)) => Ok(n),
