@@ -292,7 +292,9 @@ const MISSING_LOOKS: u32 = 10;
 
 /// With `server.watch_config = true`: reloads when the file's modification time or size
 /// changes, once it has been stable for one more look. Failed reloads are counted and logged
-/// as any reload; the next change is tried again.
+/// as any reload; the next change is tried again, a change to a file only the refused config
+/// names too (a key file or certificate it names anew, written after it: Kubernetes updates
+/// a ConfigMap's and a Secret's volumes each in its own time).
 pub async fn watch(reloader: Arc<Reloader>) {
     let (mut seen, mut loaded) = reloader
         .read
@@ -300,6 +302,8 @@ pub async fn watch(reloader: Arc<Reloader>) {
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let (mut pending, mut missing_looks) = (None, 0);
+    // The files the last refused config named that the running one does not.
+    let mut refused_names: Vec<PathBuf> = Vec::new();
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         if !reloader.live.load().config.server.watch_config {
@@ -316,8 +320,10 @@ pub async fn watch(reloader: Arc<Reloader>) {
         if generation != seen {
             (seen, loaded) = (generation, read);
             pending = None;
+            refused_names.clear();
         }
-        let now = stamp(&reloader.path, &reloader.live.load().config);
+        let mut now = stamp(&reloader.path, &reloader.live.load().config);
+        now.extend(refused_names.iter().map(|f| file_stamp(f)));
         if now == loaded {
             pending = None;
             continue;
@@ -334,8 +340,54 @@ pub async fn watch(reloader: Arc<Reloader>) {
         }
         loaded = now;
         (pending, missing_looks) = (None, 0);
-        let _ = reloader.reload_off_thread("watch").await;
+        // Before the reload reads them: a file written while it fails is a change after.
+        let named = named_in_source(&reloader.path);
+        let before: Vec<FileStamp> = named.iter().map(|f| file_stamp(f)).collect();
+        if reloader.reload_off_thread("watch").await.is_err() {
+            let running = files(&reloader.path, &reloader.live.load().config);
+            loaded.truncate(running.len());
+            refused_names.clear();
+            for (file, stamp) in named.into_iter().zip(before) {
+                if !running.contains(&file) && !refused_names.contains(&file) {
+                    refused_names.push(file);
+                    loaded.push(stamp);
+                }
+            }
+        }
     }
+}
+
+/// The files the config at `path` names (as [`Config::named_files`] lists them), read from its
+/// text alone, for a config refused before it was a [`Config`]: none when it does not parse.
+fn named_in_source(path: &std::path::Path) -> Vec<PathBuf> {
+    let Ok(table) = std::fs::read_to_string(path)
+        .map_err(|_| ())
+        .and_then(|text| text.parse::<toml::Table>().map_err(|_| ()))
+    else {
+        return Vec::new();
+    };
+    let at = |value: Option<&toml::Value>, key: &str| -> Option<String> {
+        value?.get(key)?.as_str().map(str::to_owned)
+    };
+    let mut written = Vec::new();
+    let auth = table.get("auth");
+    written.extend(at(auth.and_then(|a| a.get("api_keys")), "file"));
+    written.extend(at(auth.and_then(|a| a.get("jwt")), "jwks_path"));
+    let listeners = (table.get("server"))
+        .and_then(|s| s.get("tls"))
+        .and_then(toml::Value::as_array);
+    for listener in listeners.into_iter().flatten() {
+        let sni = (listener.get("sni")).and_then(toml::Value::as_array);
+        for pair in std::iter::once(listener).chain(sni.into_iter().flatten()) {
+            written.extend(at(Some(pair), "cert_path"));
+            written.extend(at(Some(pair), "key_path"));
+        }
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    (written.into_iter())
+        .filter(|w| !w.is_empty())
+        .map(|w| dir.map_or_else(|| PathBuf::from(&w), |d| d.join(&w)))
+        .collect()
 }
 
 pub(crate) use crate::config::{file_stamp, FileStamp};

@@ -462,3 +462,29 @@ async fn keys_read_from_the_user_agent_are_not_written_to_the_access_log() {
     assert!(lines[0]["identity_hash"].is_string(), "{written}");
     assert!(lines.iter().all(|l| l["user_agent"].is_null()), "{written}");
 }
+
+/// With `watch_config`, the config pointed at a key file not written yet is refused, and
+/// loaded once that file comes (Kubernetes updates a ConfigMap's volume and a Secret's each in
+/// its own time): the watch looked only at the files the running config names, so the
+/// refused config stayed refused until a signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_naming_a_key_file_yet_to_come_is_loaded_when_it_comes() {
+    let (gw, dir, keys, _processes) = watched_with_key_a();
+    let http = client();
+    assert_eq!(send(&http, &gw.url("/ocr"), Some("key-a")).await.0, 200);
+    let later = dir.path().join("keys-2.toml");
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let (old, new) = (keys.display().to_string(), later.display().to_string());
+    assert!(text.contains(&old));
+    std::fs::write(&gw.config_path, text.replace(&old, &new)).unwrap();
+    let failed = r#"sentinel_config_reloads_total{result="failure"}"#;
+    common::wait_until(Duration::from_secs(15), "the refusal", || {
+        gw.metric(failed) == 1.0
+    });
+    write_keys(&later, &[hash_key("key-b", "beta")]);
+    let url = gw.url("/ocr");
+    let loaded = admitted_within(&http, &url, "key-b", Duration::from_secs(5)).await;
+    assert!(loaded, "{}", gw.logs());
+    assert_eq!(send(&http, &url, Some("key-a")).await.0, 401);
+    assert_eq!(gw.metric(failed), 1.0, "{}", gw.logs());
+}
