@@ -649,17 +649,39 @@ impl Admin {
         if method == Method::DELETE {
             // Every tier's buckets: the caller may have changed tier since.
             return match inspect::reset(&self.store, &endpoint.with_tiers(), &hash).await {
-                Ok(deleted) => {
+                Ok((deleted, announced)) => {
                     tracing::info!(
                         endpoint_id,
                         identity_hash = hash.as_str(),
                         keys_deleted = deleted,
+                        gateways_listening = announced.listening,
+                        gateways_heard = announced.heard,
                         "limits reset from the admin listener"
                     );
-                    json(
+                    let mut answer = json(
                         StatusCode::OK,
                         serde_json::json!({"reset": true, "keys_deleted": deleted}),
-                    )
+                    );
+                    if let (Some(listening), Some(heard)) = (announced.listening, announced.heard) {
+                        if heard < listening {
+                            tracing::warn!(
+                                endpoint_id,
+                                identity_hash = hash.as_str(),
+                                gateways_listening = listening,
+                                gateways_heard = heard,
+                                "not every gateway remembering denials said it heard the reset in time: those that did not repeat their remembered denials of the identity until their subscription's check ends it (within about 5 s) or their wait ends"
+                            );
+                        }
+                        // Who forgot its remembered denials at once, for the operator's curl.
+                        if let Ok(value) =
+                            http::HeaderValue::from_str(&format!("{heard}/{listening}"))
+                        {
+                            answer
+                                .headers_mut()
+                                .insert("x-sentinel-gateways-heard", value);
+                        }
+                    }
+                    answer
                 }
                 Err(_) => unavailable(),
             };

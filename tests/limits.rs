@@ -426,6 +426,59 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     assert!(first.starts_with("id="), "{first}");
 }
 
+/// A reset's answer says how many gateways remembering denials said in time that they forgot
+/// the identity (`x-sentinel-gateways-heard: <heard>/<listening>`), and one that did not (its
+/// process stopped, its subscription still open in Redis: a connection silently lost looks
+/// the same until its next ping) is a WARN: the reset was answered 200 without a sign before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_says_how_many_gateways_heard_it() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(two_a_key());
+    let (one, two) = (config.start(), config.start());
+    for _ in 0..2 {
+        assert_eq!(one.status_for("/tb", "k").await, 200);
+    }
+    assert_eq!(two.status_for("/tb", "k").await, 429);
+    common::wait_until(Duration::from_secs(5), "one listener", || {
+        let subscribers: (String, i64) = redis::cmd("PUBSUB")
+            .arg(&["NUMSUB", "sentinel:v1:resets"])
+            .query(&mut redis.conn())
+            .unwrap();
+        subscribers.1 == 1
+    });
+    let reset = || async {
+        let r = client()
+            .delete(one.admin("/limits/l.tb?identity=header%3Ax-api-key%3Ak"))
+            .send()
+            .await
+            .expect("the admin answers");
+        let heard = r.headers().get("x-sentinel-gateways-heard").cloned();
+        (r.status().as_u16(), heard.map(|h| h.to_str().unwrap().to_owned()))
+    };
+    assert_eq!(reset().await, (200, Some("1/1".to_owned())));
+    assert!(!one.logs().contains("not every gateway"), "{}", one.logs());
+    // The listener remembers the denial again, then stops answering.
+    for _ in 0..2 {
+        assert_eq!(two.status_for("/tb", "k").await, 200);
+    }
+    assert_eq!(two.status_for("/tb", "k").await, 429);
+    two.proc.signal("STOP");
+    let stopped = reset().await;
+    two.proc.signal("CONT");
+    assert_eq!(stopped, (200, Some("0/1".to_owned())));
+    let logs = one.logs();
+    let warned = logs
+        .lines()
+        .find(|l| l.contains("not every gateway remembering denials said it heard the reset"))
+        .unwrap_or_else(|| panic!("{logs}"));
+    assert!(warned.contains(r#""level":"WARN""#), "{warned}");
+    assert!(warned.contains(r#""gateways_listening":1"#), "{warned}");
+    assert!(warned.contains(r#""gateways_heard":0"#), "{warned}");
+}
+
 /// Once the fault proxy has taken no new connection for 300 ms: the gateway's decisions
 /// have their connection (it moves to the proxy's workers at the first decision).
 async fn settled(proxy: &FaultProxy) {

@@ -8,7 +8,7 @@ use crate::config::{Algorithm, EndpointId, Limit, ONE_TOKEN_MICRO};
 use crate::decision::sliding_window::{Window, WindowState};
 use crate::decision::token_bucket::{Bucket, BucketState};
 use crate::decision::StoreFailure;
-use crate::store::Store;
+use crate::store::{Announced, Store};
 
 use super::Endpoint;
 
@@ -143,7 +143,7 @@ pub async fn reset(
     store: &Store,
     endpoints: &[Arc<Endpoint>],
     identity_hash: &str,
-) -> Result<u64, StoreFailure> {
+) -> Result<(u64, Announced), StoreFailure> {
     let everyone = identity_hash == super::identity_hash("global");
     let mut keys: Vec<String> = endpoints
         .iter()
@@ -173,13 +173,14 @@ pub async fn reset(
     };
     forget_denials(endpoints, identity_hash, everyone);
     // The other gateways forget their remembered denials of it too.
+    let mut announced = Announced::default();
     if let Some(endpoint) = endpoints.first() {
         let message = format!("{} {identity_hash}", endpoint.policy.endpoint_id);
-        store
+        announced = store
             .announce(&reset_channel(endpoint.key_prefix()), &message)
             .await;
     }
-    Ok(deleted)
+    Ok((deleted, announced))
 }
 
 /// The channel resets are announced on: `{key_prefix}:v1:resets`, beside the keys (an ACL

@@ -40,6 +40,16 @@ use super::connect::{self, backoff, CONNECT_TIMEOUT};
 use super::link::Link;
 use super::{Store, ADMIN_TIMEOUT};
 
+/// What an announcement learnt of its listeners ([`Store::announce`]): `None` where it could
+/// not (the announcement failed; their answers could not be heard).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Announced {
+    /// The gateways listening when it was published, as Redis counted them.
+    pub listening: Option<u64>,
+    /// Those that said they acted on it in time.
+    pub heard: Option<u64>,
+}
+
 /// What a listener is told.
 pub enum Heard<'a> {
     /// An announcement.
@@ -108,8 +118,8 @@ impl Store {
 
     /// Publishes `message` on `channel` to every gateway listening, and waits (up to
     /// [`HEARD_WITHIN`]) until each said it acted on it; best effort: a failure is logged
-    /// (at INFO the first time), not returned.
-    pub async fn announce(&self, channel: &str, message: &str) {
+    /// (at INFO the first time), and what is known of who heard is returned.
+    pub async fn announce(&self, channel: &str, message: &str) -> Announced {
         let nonce: u64 = rand::rng().random();
         let reply_to = format!("{channel}:{nonce:016x}");
         // Subscribed before the announcement goes, on the node the answers are published on.
@@ -148,30 +158,31 @@ impl Store {
                 } else {
                     tracing::debug!(channel, error = %error, "could not announce a reset to the other gateways");
                 }
+                Announced::default()
             }
             Ok(listeners) => {
-                let listeners = listeners.max(elsewhere);
+                let listeners = listeners.max(elsewhere).max(0) as u64;
                 let Ok(replies) = replies else {
                     // Without their word, a moment for the listeners to act on it.
                     if listeners > 0 {
                         tokio::time::sleep(UNHEARD_GRACE).await;
                     }
-                    return;
+                    return Announced {
+                        listening: Some(listeners),
+                        heard: None,
+                    };
                 };
                 let mut replies = replies.into_on_message();
-                let heard = async {
-                    for _ in 0..listeners {
-                        if replies.next().await.is_none() {
-                            return;
-                        }
+                let mut heard = 0;
+                let hearing = async {
+                    while heard < listeners && replies.next().await.is_some() {
+                        heard += 1;
                     }
                 };
-                if tokio::time::timeout(HEARD_WITHIN, heard).await.is_err() {
-                    tracing::debug!(
-                        channel,
-                        listeners,
-                        "not every gateway said it heard a reset in time"
-                    );
+                let _ = tokio::time::timeout(HEARD_WITHIN, hearing).await;
+                Announced {
+                    listening: Some(listeners),
+                    heard: Some(heard),
                 }
             }
         }

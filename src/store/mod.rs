@@ -38,7 +38,7 @@ pub use slots::slot;
 
 use breakers::BreakerBoard;
 use broken_keys::BrokenKeys;
-pub use channel::{Heard, Listener};
+pub use channel::{Announced, Heard, Listener};
 use cluster::{keep_topology, Cluster};
 use connect::Connector;
 use eval::Call;
