@@ -650,29 +650,34 @@ impl Admin {
             // Every tier's buckets: the caller may have changed tier since.
             return match inspect::reset(&self.store, &endpoint.with_tiers(), &hash).await {
                 Ok((deleted, announced)) => {
-                    tracing::info!(
-                        endpoint_id,
-                        identity_hash = hash.as_str(),
-                        keys_deleted = deleted,
-                        gateways_listening = announced.listening,
-                        gateways_heard = announced.heard,
-                        "limits reset from the admin listener"
-                    );
+                    let (listening, heard) = (announced.listening, announced.heard);
+                    // One line a reset: a WARN when a gateway remembering denials did not say
+                    // in time that it forgot the identity.
+                    if matches!((listening, heard), (Some(l), Some(h)) if h < l) {
+                        tracing::warn!(
+                            endpoint_id,
+                            identity_hash = hash.as_str(),
+                            keys_deleted = deleted,
+                            gateways_listening = listening,
+                            gateways_heard = heard,
+                            "limits reset from the admin listener; not every gateway remembering denials said it heard the reset in time: those that did not repeat their remembered denials of the identity until their subscription's check ends it (within about 5 s) or their wait ends"
+                        );
+                    } else {
+                        tracing::info!(
+                            endpoint_id,
+                            identity_hash = hash.as_str(),
+                            keys_deleted = deleted,
+                            gateways_listening = listening,
+                            gateways_heard = heard,
+                            "limits reset from the admin listener"
+                        );
+                    }
                     let mut answer = json(
                         StatusCode::OK,
                         serde_json::json!({"reset": true, "keys_deleted": deleted}),
                     );
-                    if let (Some(listening), Some(heard)) = (announced.listening, announced.heard) {
-                        if heard < listening {
-                            tracing::warn!(
-                                endpoint_id,
-                                identity_hash = hash.as_str(),
-                                gateways_listening = listening,
-                                gateways_heard = heard,
-                                "not every gateway remembering denials said it heard the reset in time: those that did not repeat their remembered denials of the identity until their subscription's check ends it (within about 5 s) or their wait ends"
-                            );
-                        }
-                        // Who forgot its remembered denials at once, for the operator's curl.
+                    // Who forgot its remembered denials at once, for the operator's curl.
+                    if let (Some(listening), Some(heard)) = (listening, heard) {
                         if let Ok(value) =
                             http::HeaderValue::from_str(&format!("{heard}/{listening}"))
                         {

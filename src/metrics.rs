@@ -20,7 +20,6 @@ fn latency_buckets() -> Vec<f64> {
     buckets
 }
 
-/// Statuses whose request counters are resolved ahead of time.
 /// `sentinel_tls_handshakes_total`'s results.
 const HANDSHAKE_RESULTS: [(&str, crate::edge::connections::Handshake); 3] = {
     use crate::edge::connections::Handshake;
@@ -31,10 +30,13 @@ const HANDSHAKE_RESULTS: [(&str, crate::edge::connections::Handshake); 3] = {
     ]
 };
 
+/// Statuses whose request counters are resolved ahead of time.
 const COMMON_STATUSES: &[u16] = &[200, 201, 204, 400, 401, 404, 413, 429, 500, 502, 503, 504];
-/// Those of requests no route matched, which no upstream or decision answers: the others
-/// (a 408, 431, 499 or 503 at capacity) show once they happen.
+/// Those of requests no route matched, which no upstream or decision answers.
 const UNMATCHED_STATUSES: &[u16] = &[400, 404];
+/// The others such requests have, resolved at their first (a 503 at capacity is counted
+/// under `_unmatched` when the gateway is busiest): shown once they happen.
+const UNMATCHED_LATER: &[u16] = &[405, 408, 431, 499, 503];
 
 pub const UNMATCHED: &str = "_unmatched";
 
@@ -173,17 +175,23 @@ fn possible(reason: DecisionReason, allowed: bool, fail_mode: FailMode) -> bool 
 pub struct RequestCounters {
     label: String,
     common: HashMap<u16, IntCounter>,
+    /// Resolved at their first request, so that their series shows only once it happens.
+    later: Vec<(u16, std::sync::OnceLock<IntCounter>)>,
     vec: IntCounterVec,
 }
 
 impl RequestCounters {
     pub fn inc(&self, status: u16) {
-        match self.common.get(&status) {
-            Some(c) => c.inc(),
-            None => self
-                .vec
+        if let Some(c) = self.common.get(&status) {
+            return c.inc();
+        }
+        let resolve = || {
+            self.vec
                 .with_label_values(&[self.label.as_str(), &status.to_string()])
-                .inc(),
+        };
+        match self.later.iter().find(|(s, _)| *s == status) {
+            Some((_, c)) => c.get_or_init(resolve).inc(),
+            None => resolve().inc(),
         }
     }
 }
@@ -641,6 +649,14 @@ impl Metrics {
                     .with_label_values(&[endpoint_label, &s.to_string()]);
                 (s, c)
             })
+            .collect(),
+            later: (if endpoint_label == UNMATCHED {
+                UNMATCHED_LATER
+            } else {
+                &[]
+            })
+            .iter()
+            .map(|&s| (s, std::sync::OnceLock::new()))
             .collect(),
             vec: self.requests.clone(),
         }

@@ -26,6 +26,10 @@ pub struct Reloader {
     pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
+    /// The last refused reload's number (counted from 1) and the files only it named (not
+    /// the running config), as they were before it read them: `watch_config` watches them
+    /// too, whatever asked for that reload.
+    refused: Mutex<(u64, Vec<(PathBuf, FileStamp)>)>,
     /// The files as the last reload that was taken (or the start) found them before reading
     /// them, and its generation: what `watch_config` compares with.
     read: Mutex<(u64, Vec<FileStamp>)>,
@@ -72,6 +76,7 @@ impl Reloader {
             fleet,
             edge,
             lock: Mutex::new(()),
+            refused: Mutex::new((0, Vec::new())),
         }
     }
 
@@ -82,11 +87,26 @@ impl Reloader {
         // Before reading: a change made while the reload reads is then seen by the watch
         // (one more reload at worst), never missed.
         let before = file_stamp(&self.path);
+        let _ = crate::config::take_refused_named();
         let result = self.try_reload();
-        if let Ok(r) = &result {
-            // The new config's files as they were before it read them.
-            let read = stamp_read(&self.path, &self.live.load().config, before);
-            *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
+        match &result {
+            Ok(r) => {
+                // The new config's files as they were before it read them.
+                let read = stamp_read(&self.path, &self.live.load().config, before);
+                *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
+            }
+            Err(_) => {
+                // The files the refused config named, as its reading found them.
+                let running = files(&self.path, &self.live.load().config);
+                let mut only: Vec<(PathBuf, FileStamp)> = Vec::new();
+                for (file, stamp) in crate::config::take_refused_named() {
+                    if !running.contains(&file) && only.iter().all(|(f, _)| *f != file) {
+                        only.push((file, stamp));
+                    }
+                }
+                let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+                *refused = (refused.0 + 1, only);
+            }
         }
         self.metrics.config_reload(result.is_ok());
         let config = self.path.display();
@@ -302,8 +322,9 @@ pub async fn watch(reloader: Arc<Reloader>) {
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let (mut pending, mut missing_looks) = (None, 0);
-    // The files the last refused config named that the running one does not.
-    let mut refused_names: Vec<PathBuf> = Vec::new();
+    // The files the last refused config named that the running one does not, and which
+    // refusal that was.
+    let (mut refused_names, mut refusal): (Vec<PathBuf>, u64) = (Vec::new(), 0);
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         if !reloader.live.load().config.server.watch_config {
@@ -322,8 +343,24 @@ pub async fn watch(reloader: Arc<Reloader>) {
             pending = None;
             refused_names.clear();
         }
-        let mut now = stamp(&reloader.path, &reloader.live.load().config);
-        now.extend(refused_names.iter().map(|f| file_stamp(f)));
+        let running = files(&reloader.path, &reloader.live.load().config);
+        // A reload refused since (by any trigger): the files only it named, as it found them.
+        let (number, only) = reloader
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if number != refusal {
+            refusal = number;
+            loaded.truncate(running.len());
+            refused_names = only.iter().map(|(f, _)| f.clone()).collect();
+            loaded.extend(only.into_iter().map(|(_, stamp)| stamp));
+            pending = None;
+        }
+        let now: Vec<FileStamp> = (running.iter())
+            .chain(&refused_names)
+            .map(|f| file_stamp(f))
+            .collect();
         if now == loaded {
             pending = None;
             continue;
@@ -333,61 +370,20 @@ pub async fn watch(reloader: Arc<Reloader>) {
             continue;
         }
         // A file gone is waited for a while: a deploy that deletes it and writes it again
-        // (a second later, say) is one change, not a failed reload in between.
-        if now.iter().any(Option::is_none) && missing_looks < MISSING_LOOKS {
+        // (a second later, say) is one change, not a failed reload in between. One missing
+        // already (a refused config's, yet to come) is no reason to wait.
+        let gone = now
+            .iter()
+            .zip(&loaded)
+            .any(|(n, l)| n.is_none() && l.is_some());
+        if gone && missing_looks < MISSING_LOOKS {
             missing_looks += 1;
             continue;
         }
         loaded = now;
         (pending, missing_looks) = (None, 0);
-        // Before the reload reads them: a file written while it fails is a change after.
-        let named = named_in_source(&reloader.path);
-        let before: Vec<FileStamp> = named.iter().map(|f| file_stamp(f)).collect();
-        if reloader.reload_off_thread("watch").await.is_err() {
-            let running = files(&reloader.path, &reloader.live.load().config);
-            loaded.truncate(running.len());
-            refused_names.clear();
-            for (file, stamp) in named.into_iter().zip(before) {
-                if !running.contains(&file) && !refused_names.contains(&file) {
-                    refused_names.push(file);
-                    loaded.push(stamp);
-                }
-            }
-        }
+        let _ = reloader.reload_off_thread("watch").await;
     }
-}
-
-/// The files the config at `path` names (as [`Config::named_files`] lists them), read from its
-/// text alone, for a config refused before it was a [`Config`]: none when it does not parse.
-fn named_in_source(path: &std::path::Path) -> Vec<PathBuf> {
-    let Ok(table) = std::fs::read_to_string(path)
-        .map_err(|_| ())
-        .and_then(|text| text.parse::<toml::Table>().map_err(|_| ()))
-    else {
-        return Vec::new();
-    };
-    let at = |value: Option<&toml::Value>, key: &str| -> Option<String> {
-        value?.get(key)?.as_str().map(str::to_owned)
-    };
-    let mut written = Vec::new();
-    let auth = table.get("auth");
-    written.extend(at(auth.and_then(|a| a.get("api_keys")), "file"));
-    written.extend(at(auth.and_then(|a| a.get("jwt")), "jwks_path"));
-    let listeners = (table.get("server"))
-        .and_then(|s| s.get("tls"))
-        .and_then(toml::Value::as_array);
-    for listener in listeners.into_iter().flatten() {
-        let sni = (listener.get("sni")).and_then(toml::Value::as_array);
-        for pair in std::iter::once(listener).chain(sni.into_iter().flatten()) {
-            written.extend(at(Some(pair), "cert_path"));
-            written.extend(at(Some(pair), "key_path"));
-        }
-    }
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    (written.into_iter())
-        .filter(|w| !w.is_empty())
-        .map(|w| dir.map_or_else(|| PathBuf::from(&w), |d| d.join(&w)))
-        .collect()
 }
 
 pub(crate) use crate::config::{file_stamp, FileStamp};
@@ -398,11 +394,6 @@ fn files(path: &std::path::Path, config: &Config) -> Vec<PathBuf> {
     std::iter::once(path.to_path_buf())
         .chain(config.named_files())
         .collect()
-}
-
-/// The files of `config` (read from `path`) as they are now.
-pub(crate) fn stamp(path: &std::path::Path, config: &Config) -> Vec<FileStamp> {
-    files(path, config).iter().map(|f| file_stamp(f)).collect()
 }
 
 /// The files of `config` as its reading found them: the config file as `before` stamped it

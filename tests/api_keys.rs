@@ -487,4 +487,19 @@ async fn a_config_naming_a_key_file_yet_to_come_is_loaded_when_it_comes() {
     assert!(loaded, "{}", gw.logs());
     assert_eq!(send(&http, &url, Some("key-a")).await.0, 401);
     assert_eq!(gw.metric(failed), 1.0, "{}", gw.logs());
+    // Pointed at one that never comes, then back at the first: the missing file is no
+    // reason to wait for it (5 s) before the mended config is loaded.
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let never = dir.path().join("keys-never.toml").display().to_string();
+    std::fs::write(&gw.config_path, text.replace(&new, &never)).unwrap();
+    common::wait_until(Duration::from_secs(15), "the second refusal", || {
+        gw.metric(failed) == 2.0
+    });
+    let mended = std::time::Instant::now();
+    std::fs::write(&gw.config_path, text.replace(&new, &old)).unwrap();
+    let loaded = admitted_within(&http, &url, "key-a", Duration::from_secs(10)).await;
+    assert!(loaded, "{}", gw.logs());
+    // Two looks of 0.5 s at least; a loaded machine stretches them, never to 5 s.
+    let took = mended.elapsed();
+    assert!(took < Duration::from_millis(4500), "{took:?}");
 }

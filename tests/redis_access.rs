@@ -1330,13 +1330,21 @@ fn check_redis_reads_a_node_over_tls_and_says_a_busy_one() {
             .arg(0)
             .query(&mut conn);
     });
-    std::thread::sleep(Duration::from_millis(400));
+    // Busy once past the threshold: a PING is answered BUSY.
+    let mut conn = t.redis.conn();
+    common::wait_until(Duration::from_secs(10), "the script running", || {
+        redis::cmd("PING")
+            .query::<String>(&mut conn)
+            .is_err_and(|e| e.code() == Some("BUSY"))
+    });
     let (code, line) = check(&t.ca_path());
-    let killed = redis::cmd("SCRIPT")
-        .arg("KILL")
-        .query::<()>(&mut t.redis.conn());
+    common::wait_until(Duration::from_secs(10), "the script killed", || {
+        redis::cmd("SCRIPT")
+            .arg("KILL")
+            .query::<()>(&mut conn)
+            .is_ok()
+    });
     busy.join().unwrap();
-    killed.unwrap();
     assert_eq!(code, Some(1), "{line}");
     assert!(
         line.starts_with(&format!("{node}: cannot serve: ")),

@@ -156,12 +156,26 @@ struct Load {
     /// The files a config names, each stamped just before the load first read it
     /// ([`read_named`]); taken into [`Config::named_read`] when the load ends.
     named_read: Vec<(PathBuf, FileStamp)>,
+    /// The files the last load that failed named and tried to read, stamped as above
+    /// ([`take_refused_named`]).
+    refused_named: Vec<(PathBuf, FileStamp)>,
 }
 
 thread_local! {
     static LOAD: std::cell::RefCell<Load> = const {
-        std::cell::RefCell::new(Load { at_start: false, named_read: Vec::new() })
+        std::cell::RefCell::new(Load {
+            at_start: false,
+            named_read: Vec::new(),
+            refused_named: Vec::new(),
+        })
     };
+}
+
+/// The files the last config load on this thread that failed named and tried to read (a key
+/// file not there yet, say), each stamped just before: what `watch_config` watches after a
+/// refused reload.
+pub(crate) fn take_refused_named() -> Vec<(PathBuf, FileStamp)> {
+    LOAD.with_borrow_mut(|load| std::mem::take(&mut load.refused_named))
 }
 
 /// Reads a file the config names (API keys, JWKS, a certificate or key), stamped first: a
@@ -925,10 +939,16 @@ impl Config {
         LOAD.with_borrow_mut(|load| load.named_read.clear());
         let config = validate::validate(path, source, redis_url_override);
         let named_read = LOAD.with_borrow_mut(|load| std::mem::take(&mut load.named_read));
-        config.map(|config| Config {
-            named_read,
-            ..config
-        })
+        match config {
+            Ok(config) => Ok(Config {
+                named_read,
+                ..config
+            }),
+            Err(errors) => {
+                LOAD.with_borrow_mut(|load| load.refused_named = named_read);
+                Err(errors)
+            }
+        }
     }
 }
 

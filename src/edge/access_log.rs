@@ -52,8 +52,8 @@ pub struct Line<'a> {
     pub identity_hash: Option<&'a str>,
     pub user_agent: Option<Lossy<'a>>,
     /// What ended the request otherwise than with a whole answer (`upstream_timeout`,
-    /// `upstream_failed`, `client_closed`, `client_timeout`, `client_error`); `None` when
-    /// nothing did.
+    /// `upstream_failed`, `client_closed`, `client_timeout`, `client_error`,
+    /// `request_too_large`, `internal`); `None` when nothing did.
     pub error: Option<&'a str>,
 }
 

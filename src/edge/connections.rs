@@ -1602,8 +1602,17 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guard<A> {
                             Box::new(tls)
                         }
                         Ok(Err(e)) => {
-                            if reg.conn.spoke.load(Ordering::Relaxed) {
-                                self.connections.handshake_ended(Handshake::Failure);
+                            // The sweeper's deadline may end it first (a timeout all the
+                            // same); one closed to make room at the bound is neither.
+                            let ended = match reg.conn.close.load(Ordering::Relaxed) {
+                                HEAD_TIMED_OUT => Some(Handshake::Timeout),
+                                KEEP => Some(Handshake::Failure),
+                                _ => None,
+                            };
+                            if let (Some(how), true) =
+                                (ended, reg.conn.spoke.load(Ordering::Relaxed))
+                            {
+                                self.connections.handshake_ended(how);
                             }
                             tracing::debug!(error = %e, "TLS handshake failed");
                             return None;

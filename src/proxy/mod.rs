@@ -1152,11 +1152,11 @@ impl ProxyHttp for Gateway {
             ) => Some(Answer::UpstreamUnavailable),
             _ => None,
         };
-        ctx.failure = Failure::of(e, answer, body_withheld);
         // A `100 Continue` passed on from the upstream is not an answer yet.
         let answering = session
             .response_written()
             .is_none_or(|r| r.status.is_informational());
+        ctx.failure = Failure::of(e, answer, answering);
         if matches!(e.esource(), ErrorSource::Upstream) && !body_withheld {
             if let Some(route) = &ctx.route {
                 // Once the upstream's own head went out, the client keeps its status and sees
@@ -1379,29 +1379,26 @@ impl Failure {
     const CLIENT_TIMEOUT: &'static str = "client_timeout";
     /// The client sent what cannot be read (a broken body, say: 400).
     const CLIENT_ERROR: &'static str = "client_error";
+    /// The request's body outgrew `max_body_bytes` after the upstream's answer began: that
+    /// answer was cut (before it began, the 413 is a whole answer).
+    const REQUEST_TOO_LARGE: &'static str = "request_too_large";
+    /// The gateway failed itself (its own 500).
+    const INTERNAL: &'static str = "internal";
 
-    /// The failure `e` is, read as `fail_to_proxy` read it (`answer`, `body_withheld`); none
-    /// for the gateway's own answers (a 413, a status a hook chose).
-    fn of(e: &Error, answer: Option<Answer>, body_withheld: bool) -> Option<&'static str> {
-        if body_withheld {
-            return Some(Self::CLIENT_TIMEOUT);
-        }
-        match (e.esource(), e.etype()) {
-            (_, ErrorType::HTTPStatus(_)) => None,
-            _ if answer == Some(Answer::BodyTooLarge) => None,
-            (
-                ErrorSource::Downstream,
-                ErrorType::ReadError
-                | ErrorType::WriteError
-                | ErrorType::ConnectionClosed
-                | ErrorType::H2Error,
-            ) => Some(Self::CLIENT_CLOSED),
-            (ErrorSource::Downstream, _) => Some(Self::CLIENT_ERROR),
-            _ => match answer {
-                Some(Answer::UpstreamTimeout) => Some(Self::UPSTREAM_TIMEOUT),
-                Some(Answer::UpstreamUnavailable) => Some(Self::UPSTREAM_FAILED),
-                _ => None,
-            },
+    /// The failure `e` is, from what `fail_to_proxy` answers for it (`answer`; `answering`:
+    /// no answer began yet); none for the gateway's own whole answers (a 413).
+    fn of(e: &Error, answer: Option<Answer>, answering: bool) -> Option<&'static str> {
+        match answer {
+            Some(Answer::BodyTimeout) => Some(Self::CLIENT_TIMEOUT),
+            Some(Answer::UpstreamTimeout) => Some(Self::UPSTREAM_TIMEOUT),
+            Some(Answer::UpstreamUnavailable) => Some(Self::UPSTREAM_FAILED),
+            Some(Answer::BadRequest) => Some(Self::CLIENT_ERROR),
+            // The gateway's limit: a whole 413, or the upstream's answer cut for it.
+            Some(Answer::BodyTooLarge) => (!answering).then_some(Self::REQUEST_TOO_LARGE),
+            Some(_) => None,
+            // No answer reaches a client that left; anything else is the gateway's own 500.
+            None if matches!(e.esource(), ErrorSource::Downstream) => Some(Self::CLIENT_CLOSED),
+            None => Some(Self::INTERNAL),
         }
     }
 }
