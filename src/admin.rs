@@ -660,7 +660,7 @@ impl Admin {
                             keys_deleted = deleted,
                             gateways_listening = listening,
                             gateways_heard = heard,
-                            "limits reset from the admin listener; not every gateway remembering denials said it heard the reset in time: those that did not repeat their remembered denials of the identity until their subscription's check ends it (within about 5 s) or their wait ends"
+                            "limits reset from the admin listener; not every gateway remembering denials said it heard the reset in time: those that did not repeat their remembered denials of the identity until their subscription's check ends it (within about 6 s) or their wait ends"
                         );
                     } else {
                         tracing::info!(

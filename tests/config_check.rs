@@ -626,3 +626,34 @@ fn an_access_log_at_a_hard_link_of_the_config_is_refused() {
         "{stderr}"
     );
 }
+
+/// A `[::]:P` listener is bound IPv6 only beside an IPv4 listener of its port (nginx's
+/// `0.0.0.0:P` and `[::]:P` pair starts so); beside a single IPv4 address, the host's other
+/// IPv4 addresses are then served on that port by no listener: said, where the pair with the
+/// IPv4 wildcard is not.
+#[test]
+fn an_ipv6_wildcard_beside_one_ipv4_address_of_its_port_is_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gateway.toml");
+    let rest = "[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n\
+                [[routes]]\nendpoint_id = \"e\"\npath_prefix = \"/\"\nupstream = \"app\"\nalgorithm = \"none\"\n";
+    std::fs::write(
+        &path,
+        format!("[server]\nlisten = [\"[::]:8080\", \"127.0.0.1:8080\"]\n{rest}"),
+    )
+    .unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    let file = path.display();
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [format!("warning: {file}:{}: server.listen = \"[::]:8080\" is bound IPv6 only beside the IPv4 listener \"127.0.0.1:8080\" of its port: IPv4 clients of the host's other addresses are not taken on port 8080 (add \"0.0.0.0:8080\", or give that listener another port)", position_of(&path, "\"[::]:8080\""))]
+    );
+    std::fs::write(
+        &path,
+        format!("[server]\nlisten = [\"0.0.0.0:8080\", \"[::]:8080\"]\n{rest}"),
+    )
+    .unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!((code, stderr.as_str()), (0, ""));
+}

@@ -1484,6 +1484,10 @@ fn an_idle_websocket_tunnel_closes_with_nothing_written_into_it() {
     wait_until(Duration::from_secs(5), "the tunnel's line", || {
         std::fs::read_to_string(&log).is_ok_and(|l| l.contains(r#""status":101"#))
     });
+    // Cut for the upstream's silence, as an event stream is: the line says so.
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&log).unwrap().trim()).unwrap();
+    assert_eq!(line["error"], "upstream_timeout", "{line}");
     assert!(!gw.logs().contains(r#""level":"WARN""#), "{}", gw.logs());
     assert!(!gw.logs().contains(r#""level":"ERROR""#), "{}", gw.logs());
 }

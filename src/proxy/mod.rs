@@ -1070,9 +1070,15 @@ impl ProxyHttp for Gateway {
         {
             let failed = matches!(e.esource(), ErrorSource::Upstream)
                 && !matches!(e.etype(), ErrorType::ReadTimedout);
-            if failed {
-                ctx.failure = Some(Failure::UPSTREAM_FAILED);
-            }
+            // Cut for the upstream's silence past its read timeout (as an event stream is),
+            // or by its failure; a peer closing its side is the tunnel's end.
+            let timed_out = matches!(e.esource(), ErrorSource::Upstream)
+                && matches!(e.etype(), ErrorType::ReadTimedout);
+            ctx.failure = match (failed, timed_out) {
+                (true, _) => Some(Failure::UPSTREAM_FAILED),
+                (_, true) => Some(Failure::UPSTREAM_TIMEOUT),
+                _ => None,
+            };
             if let (true, Some(route)) = (failed, &ctx.route) {
                 tracing::warn!(
                     endpoint_id = route.endpoint.policy.endpoint_id.as_str(),

@@ -289,6 +289,41 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         &listen,
         config,
     );
+    // A `[::]:P` beside an IPv4 listener of its port is bound IPv6 only: without the IPv4
+    // wildcard on that port too, IPv4 clients of the host's other addresses are not taken.
+    let raw_tls = s.map(|s| s.tls.as_slice()).unwrap_or_default();
+    let every: Vec<(String, SocketAddr, Option<Range<usize>>)> = (listen.iter().zip(&listen_at))
+        .map(|(a, at)| ("server.listen".to_owned(), *a, at.clone()))
+        .chain(
+            (tls.iter().flatten())
+                .zip(raw_tls)
+                .enumerate()
+                .map(|(i, (t, raw))| {
+                    (
+                        format!("server.tls[{i}].listen"),
+                        t.listen,
+                        Some(raw.get_ref().listen.span()),
+                    )
+                }),
+        )
+        .chain(admin_listen.map(|a| ("server.admin_listen".to_owned(), a, admin_span.clone())))
+        .collect();
+    for (field, wildcard, at) in &every {
+        if !(wildcard.is_ipv6() && wildcard.ip().is_unspecified()) {
+            continue;
+        }
+        let port = wildcard.port();
+        let ipv4: Vec<SocketAddr> = (every.iter())
+            .map(|(_, a, _)| *a)
+            .filter(|a| a.port() == port && crate::identity::canonical(a.ip()).is_ipv4())
+            .collect();
+        let taken = ipv4
+            .iter()
+            .any(|a| crate::identity::canonical(a.ip()).is_unspecified());
+        if let (Some(first), false) = (ipv4.first(), taken) {
+            c.warn(at.as_ref(), None, format!("{field} = \"{wildcard}\" is bound IPv6 only beside the IPv4 listener \"{first}\" of its port: IPv4 clients of the host's other addresses are not taken on port {port} (add \"0.0.0.0:{port}\", or give that listener another port)"));
+        }
+    }
     if let (Some(admin), Some(tls)) = (admin_listen, tls.as_ref()) {
         if let Some(other) = tls.iter().find(|t| overlap(t.listen, admin)) {
             let shared = if other.listen == admin {
