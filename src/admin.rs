@@ -573,7 +573,8 @@ impl Admin {
             }
             (Err(why), _) | (_, Err(why)) => return bad(why),
         };
-        let identity = as_keyed(&identity);
+        let ipv6_prefix = snapshot.config.server.ipv6_identity_prefix;
+        let identity = as_keyed(&identity, ipv6_prefix);
         // An unlimited endpoint keys no request: any identity has no limits there, and a
         // reset deletes nothing (Redis is not asked; nothing is logged).
         if endpoint.policy.algorithm == crate::config::Algorithm::None {
@@ -602,7 +603,7 @@ impl Admin {
         let ceiling = endpoint.policy.limits.iter().any(|l| l.global);
         // `global` on a route whose callers are keyed otherwise: the ceilings alone (the
         // caller limits of an identity no request has would only ever read full).
-        let ceilings_only = !sources.iter().any(|s| keys_by(s, &identity));
+        let ceilings_only = !sources.iter().any(|s| keys_by(s, &identity, ipv6_prefix));
         if ceilings_only && !(ceiling && identity == "global") {
             let mut kinds: Vec<String> = sources.iter().map(|s| written_as(s)).collect();
             if ceiling {
@@ -776,7 +777,7 @@ impl Admin {
 /// name in lower case (`header:X-API-Key:v` is `header:x-api-key:v`), an address as the
 /// `client_ip` identity writes it (an IPv4-mapped IPv6 address as IPv4). Written otherwise,
 /// it would read as a bucket never used, and a `DELETE` would delete nothing.
-fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
+fn as_keyed(identity: &str, ipv6_prefix: u8) -> std::borrow::Cow<'_, str> {
     if let Some(rest) = identity.strip_prefix("header:") {
         if let Some((name, value)) = rest.split_once(':') {
             if name.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -785,11 +786,26 @@ fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     if let Some(addr) = identity.strip_prefix("ip:") {
-        if let Ok(ip) = addr.parse::<std::net::IpAddr>() {
-            let keyed = format!("ip:{}", crate::identity::canonical(ip));
-            if keyed != identity {
-                return keyed.into();
+        // An IPv6 address may come in brackets, as `X-Forwarded-For` may write it.
+        let addr = (addr.strip_prefix('['))
+            .and_then(|a| a.strip_suffix(']'))
+            .unwrap_or(addr);
+        let keyed = match (
+            addr.parse::<std::net::IpAddr>(),
+            addr.parse::<ipnet::Ipv6Net>(),
+        ) {
+            (Ok(ip), _) => Some(crate::identity::ipv6_grouped(
+                format!("ip:{}", crate::identity::canonical(ip)),
+                ipv6_prefix,
+            )),
+            // The network an IPv6 identity is keyed by, written as one.
+            (_, Ok(net)) if net.prefix_len() == ipv6_prefix && ipv6_prefix < 128 => {
+                Some(format!("ip:{}", net.trunc()))
             }
+            _ => None,
+        };
+        if let Some(keyed) = keyed.filter(|k| k != identity) {
+            return keyed.into();
         }
     }
     identity.into()
@@ -797,16 +813,18 @@ fn as_keyed(identity: &str) -> std::borrow::Cow<'_, str> {
 
 /// Whether the request path could key a caller of a route identified by `source` by
 /// `identity` (written as [`as_keyed`] makes it).
-fn keys_by(source: &IdentitySource, identity: &str) -> bool {
+fn keys_by(source: &IdentitySource, identity: &str, ipv6_prefix: u8) -> bool {
     let value = |prefix: &str| identity.strip_prefix(prefix).filter(|v| !v.is_empty());
     match source {
         // As a request can carry them: a claim of at most 256 bytes, a header value of at
         // most 1024, not blank, without spaces or tabs around it (the parser drops those) and
         // no control character but a tab.
         IdentitySource::Jwt => value("jwt:").is_some_and(|v| v.len() <= MAX_SUBJECT_BYTES),
-        IdentitySource::ClientIp => {
-            value("ip:").is_some_and(|a| a.parse::<std::net::IpAddr>().is_ok())
-        }
+        IdentitySource::ClientIp => value("ip:").is_some_and(|a| {
+            a.parse::<std::net::IpAddr>().is_ok()
+                || a.parse::<ipnet::Ipv6Net>()
+                    .is_ok_and(|n| n.prefix_len() == ipv6_prefix && ipv6_prefix < 128)
+        }),
         IdentitySource::Global => identity == "global",
         IdentitySource::Header(name) => value("header:")
             .and_then(|rest| rest.strip_prefix(name.as_str()))
@@ -841,43 +859,70 @@ mod tests {
 
     #[test]
     fn identities_are_read_as_the_request_path_keys_them() {
-        assert_eq!(as_keyed("header:X-API-Key:AbC"), "header:x-api-key:AbC");
-        assert_eq!(as_keyed("header:x-api-key:a:b"), "header:x-api-key:a:b");
-        assert_eq!(as_keyed("ip:::ffff:10.0.0.1"), "ip:10.0.0.1");
-        assert_eq!(as_keyed("ip:2001:DB8::1"), "ip:2001:db8::1");
         assert_eq!(
-            as_keyed("jwt:Tenant-7"),
+            as_keyed("header:X-API-Key:AbC", 128),
+            "header:x-api-key:AbC"
+        );
+        assert_eq!(
+            as_keyed("header:x-api-key:a:b", 128),
+            "header:x-api-key:a:b"
+        );
+        assert_eq!(as_keyed("ip:::ffff:10.0.0.1", 128), "ip:10.0.0.1");
+        assert_eq!(as_keyed("ip:2001:DB8::1", 128), "ip:2001:db8::1");
+        assert_eq!(
+            as_keyed("jwt:Tenant-7", 128),
             "jwt:Tenant-7",
             "a claim keeps its case"
         );
-        assert_eq!(as_keyed("ip:not-an-address"), "ip:not-an-address");
+        assert_eq!(as_keyed("ip:not-an-address", 128), "ip:not-an-address");
+        assert_eq!(as_keyed("ip:[2001:db8::1]", 128), "ip:2001:db8::1");
+        // With `ipv6_identity_prefix = 64`: an address as its /64, a /64 as written, IPv4
+        // as it is; another length is no identity of the route.
+        assert_eq!(as_keyed("ip:2001:DB8:1:1::7", 64), "ip:2001:db8:1:1::/64");
+        assert_eq!(as_keyed("ip:[2001:db8:1:1::7]", 64), "ip:2001:db8:1:1::/64");
+        assert_eq!(
+            as_keyed("ip:2001:db8:1:1:ffff::/64", 64),
+            "ip:2001:db8:1:1::/64"
+        );
+        assert_eq!(as_keyed("ip:::ffff:10.0.0.1", 64), "ip:10.0.0.1");
+        assert_eq!(as_keyed("ip:2001:db8::/48", 64), "ip:2001:db8::/48");
     }
 
     #[test]
     fn an_identity_must_be_one_the_route_keys_its_callers_by() {
         let header = IdentitySource::Header("x-api-key".to_owned());
-        assert!(keys_by(&header, "header:x-api-key:k1"));
-        assert!(!keys_by(&header, "header:x-api-key:"), "never sent: a 401");
-        assert!(!keys_by(&header, "header:x-other:k1"));
-        assert!(!keys_by(&header, "k1"), "the raw value");
-        assert!(keys_by(&IdentitySource::ApiKey, "tenant:acme-1.b_c"));
-        assert!(!keys_by(&IdentitySource::ApiKey, "tenant:Acme"));
-        assert!(!keys_by(&IdentitySource::ApiKey, "header:x-api-key:KEY"));
-        assert!(keys_by(&IdentitySource::ClientIp, "ip:10.0.0.1"));
-        assert!(keys_by(&IdentitySource::ClientIp, "ip:2001:db8::1"));
-        assert!(!keys_by(&IdentitySource::ClientIp, "ip:[2001:db8::1]"));
-        assert!(!keys_by(&IdentitySource::ClientIp, "ip:notanip"));
-        assert!(keys_by(&IdentitySource::Jwt, "jwt:Alice"));
-        assert!(!keys_by(&IdentitySource::Jwt, "jwt:"));
+        assert!(keys_by(&header, "header:x-api-key:k1", 128));
+        assert!(
+            !keys_by(&header, "header:x-api-key:", 128),
+            "never sent: a 401"
+        );
+        assert!(!keys_by(&header, "header:x-other:k1", 128));
+        assert!(!keys_by(&header, "k1", 128), "the raw value");
+        assert!(keys_by(&IdentitySource::ApiKey, "tenant:acme-1.b_c", 128));
+        assert!(!keys_by(&IdentitySource::ApiKey, "tenant:Acme", 128));
+        assert!(!keys_by(
+            &IdentitySource::ApiKey,
+            "header:x-api-key:KEY",
+            128
+        ));
+        assert!(keys_by(&IdentitySource::ClientIp, "ip:10.0.0.1", 128));
+        assert!(keys_by(&IdentitySource::ClientIp, "ip:2001:db8::1", 128));
+        assert!(!keys_by(&IdentitySource::ClientIp, "ip:notanip", 128));
+        assert!(keys_by(&IdentitySource::ClientIp, "ip:2001:db8::/64", 64));
+        assert!(!keys_by(&IdentitySource::ClientIp, "ip:2001:db8::/64", 128));
+        assert!(!keys_by(&IdentitySource::ClientIp, "ip:2001:db8::/48", 64));
+        assert!(keys_by(&IdentitySource::Jwt, "jwt:Alice", 128));
+        assert!(!keys_by(&IdentitySource::Jwt, "jwt:", 128));
         let long = "a".repeat(257);
         assert!(
-            !keys_by(&IdentitySource::Jwt, &format!("jwt:{long}")),
+            !keys_by(&IdentitySource::Jwt, &format!("jwt:{long}"), 128),
             "no token carries a claim that long"
         );
         let header = IdentitySource::Header("x-api-key".into());
         assert!(keys_by(
             &header,
-            &format!("header:x-api-key:{}", "a".repeat(1024))
+            &format!("header:x-api-key:{}", "a".repeat(1024)),
+            128
         ));
         for never in [
             format!("header:x-api-key:{}", "a".repeat(1025)),
@@ -886,10 +931,10 @@ mod tests {
             "header:x-api-key:   ".to_owned(),
             "header:x-api-key: k".to_owned(),
         ] {
-            assert!(!keys_by(&header, &never), "{never:?}");
+            assert!(!keys_by(&header, &never, 128), "{never:?}");
         }
-        assert!(keys_by(&IdentitySource::Global, "global"));
-        assert!(!keys_by(&IdentitySource::Global, "GLOBAL"));
+        assert!(keys_by(&IdentitySource::Global, "global", 128));
+        assert!(!keys_by(&IdentitySource::Global, "GLOBAL", 128));
     }
 
     #[test]

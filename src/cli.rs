@@ -168,7 +168,10 @@ pub fn main() -> i32 {
                 .as_ref()
                 .map_or("sub", |j| j.identity_claim.as_str());
             for route in &config.routes {
-                println!("{}", describe(route, claim));
+                println!(
+                    "{}",
+                    describe(route, claim, config.server.ipv6_identity_prefix)
+                );
             }
             for t in &config.server.tls {
                 println!("{}", describe_tls(t));
@@ -416,8 +419,9 @@ fn describe_algorithm(algorithm: Algorithm, cost_micro: u64) -> String {
     }
 }
 
-/// The route in plain words; `claim` is the JWT claim that names a caller.
-pub fn describe(route: &RouteConfig, claim: &str) -> String {
+/// The route in plain words; `claim` is the JWT claim that names a caller, `ipv6_prefix` the
+/// prefix an IPv6 client is keyed by.
+pub fn describe(route: &RouteConfig, claim: &str, ipv6_prefix: u8) -> String {
     let p = &route.policy;
     // A GET route matches HEAD too (section 3): the line says what it matches.
     let methods = route.methods.as_ref().map_or("any method".to_owned(), |m| {
@@ -446,6 +450,9 @@ pub fn describe(route: &RouteConfig, claim: &str) -> String {
     let identity = match &route.identity {
         IdentitySource::Jwt if claim == "sub" => "per JWT subject".to_owned(),
         IdentitySource::Jwt => format!("per JWT {claim} claim"),
+        IdentitySource::ClientIp if ipv6_prefix < 128 => {
+            format!("per client IP (IPv6 by its /{ipv6_prefix})")
+        }
         IdentitySource::ClientIp => "per client IP".to_owned(),
         IdentitySource::Global => "shared by all clients".to_owned(),
         IdentitySource::Header(h) => format!("per {h} header"),

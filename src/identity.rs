@@ -474,6 +474,23 @@ pub fn refusal(
     }
 }
 
+/// A `client_ip` identity as it is keyed with `[server] ipv6_identity_prefix`: an IPv6
+/// address as its network of `prefix` bits (`ip:2001:db8:1:1::/64`: a client holding a /64,
+/// as a home line or a cloud instance does, is one caller, not 2^64), an IPv4 one (an
+/// IPv4-mapped one too: written as IPv4 already) and a prefix of 128 as they are.
+pub fn ipv6_grouped(identity: String, prefix: u8) -> String {
+    if prefix >= 128 {
+        return identity;
+    }
+    let network = (identity.strip_prefix("ip:"))
+        .and_then(|a| a.parse::<std::net::Ipv6Addr>().ok())
+        .and_then(|a| ipnet::Ipv6Net::new(a, prefix).ok());
+    match network {
+        Some(net) => format!("ip:{}", net.trunc()),
+        None => identity,
+    }
+}
+
 /// The identity string of a request, before hashing.
 pub fn identify(
     source: &IdentitySource,

@@ -307,6 +307,60 @@ async fn forwarded_for_counts_only_from_trusted_proxies() {
     );
 }
 
+/// With `ipv6_identity_prefix = 64`, an IPv6 client is keyed by its /64 (a home line or a
+/// cloud instance holds 2^64 addresses: each was a bucket of its own), an IPv4 client by its
+/// address as before; `/limits` reads an address of the network as the network.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv6_client_is_one_caller_for_its_whole_prefix() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = start(
+        &redis,
+        &up,
+        &[
+            ("trusted_proxies", "[\"127.0.0.1/32\"]"),
+            ("ipv6_identity_prefix", "64"),
+        ],
+        &[Route::new("t.ip")
+            .prefix("/ip")
+            .identity("client_ip")
+            .token_bucket(2_000_000, 0)],
+    );
+    let http = client();
+    let mut statuses = Vec::new();
+    for client in [
+        "2001:db8:1:1::1",
+        "2001:db8:1:1::2",
+        "[2001:db8:1:1:ffff::9]:4711",
+        "2001:db8:1:2::1",
+        "10.0.0.1",
+        "10.0.0.2",
+    ] {
+        let r = http
+            .get(gw.url("/ip"))
+            .header("x-forwarded-for", client)
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 200, 200, 200]);
+    let mut want = vec![
+        bucket_key("sentinel", "ip:2001:db8:1:1::/64", "t.ip", 1),
+        bucket_key("sentinel", "ip:2001:db8:1:2::/64", "t.ip", 1),
+        bucket_key("sentinel", "ip:10.0.0.1", "t.ip", 1),
+        bucket_key("sentinel", "ip:10.0.0.2", "t.ip", 1),
+    ];
+    want.sort();
+    assert_eq!(redis.keys("sentinel:*"), want);
+    let (status, body) =
+        common::blocking_get(&gw.admin("/limits/t.ip?identity=ip%3A2001%3Adb8%3A1%3A1%3A%3A77"))
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(view["limits"][0]["remaining"], 0, "{view}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn path_tricks_hit_the_same_bucket_or_get_400() {
     let redis = Redis::start();

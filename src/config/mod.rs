@@ -317,6 +317,8 @@ pub struct ServerConfig {
     pub threads: usize,
     pub admin_listen: SocketAddr,
     pub trusted_proxies: Vec<IpNet>,
+    /// The prefix length an IPv6 `client_ip` identity is keyed by (128: the address).
+    pub ipv6_identity_prefix: u8,
     pub grace_period: Duration,
     /// On `SIGTERM`, how long the listeners go on accepting, `/readyz` unready, before they
     /// close (a load balancer's time to stop sending new connections).

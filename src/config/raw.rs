@@ -65,6 +65,7 @@ pub struct RawServer {
     pub threads: Option<Spanned<i64>>,
     pub admin_listen: Option<Spanned<String>>,
     pub trusted_proxies: Option<Spanned<Vec<Spanned<String>>>>,
+    pub ipv6_identity_prefix: Option<Spanned<i64>>,
     pub grace_period_seconds: Option<Spanned<i64>>,
     pub drain_delay_seconds: Option<Spanned<i64>>,
     pub h2_stream_window_bytes: Option<Spanned<i64>>,

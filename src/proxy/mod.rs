@@ -456,6 +456,10 @@ impl Gateway {
             identified = identify();
         }
         let (identity, caller_tier) = match identified {
+            Ok((id, tier)) if route.identity == IdentitySource::ClientIp => {
+                let prefix = snapshot.config.server.ipv6_identity_prefix;
+                (identity::ipv6_grouped(id, prefix), tier)
+            }
             Ok(found) => found,
             Err(e) => {
                 use identity::IdentityError::{InvalidToken, UnknownKid};

@@ -143,6 +143,15 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         "server.trusted_proxies",
         s.and_then(|s| s.trusted_proxies.as_ref()),
     );
+    let ipv6_identity_prefix = int_in(
+        c,
+        None,
+        "server.ipv6_identity_prefix",
+        s.and_then(|s| s.ipv6_identity_prefix.as_ref()),
+        128,
+        (1, 128),
+        "",
+    );
     let grace = int_in(
         c,
         None,
@@ -345,6 +354,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         threads: threads? as usize,
         admin_listen: admin_listen?,
         trusted_proxies: trusted_proxies?,
+        ipv6_identity_prefix: ipv6_identity_prefix? as u8,
         grace_period: Duration::from_secs(grace?),
         drain_delay: Duration::from_secs(drain_delay?),
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
