@@ -1089,7 +1089,8 @@ fn env_url_shown(value: &str) -> std::borrow::Cow<'_, str> {
 }
 
 /// The form of a URL of one Redis, said when one is not a URL.
-const SINGLE_FORM: &str = "redis://host:port/db (rediss:// for TLS)";
+const SINGLE_FORM: &str =
+    "redis://host:port/db (rediss:// for TLS; an IPv6 address in brackets: redis://[::1]:6379/0)";
 
 /// `sentinel_urls`, `sentinel_master` and `sentinel_password_env`.
 fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Option<RedisTarget> {
@@ -1658,7 +1659,7 @@ pub(super) fn upstream(
                     .to_socket_addrs()
                     .is_ok_and(|mut found| found.next().is_some());
                 if !resolves {
-                    c.warn(Some(&a.span()), None, format!("{} entry \"{written}\" does not resolve now: the upstream starts without its addresses and the name is resolved again every second until it has one (then every 30 s); meanwhile a request the upstream has no address for is answered 502", field("addrs")));
+                    c.warn(Some(&a.span()), None, format!("{} entry \"{written}\" does not resolve now: an upstream new to the process starts without its addresses (one running keeps those it resolved last), and the name is resolved again every second until it has one (then every 30 s); meanwhile a request the upstream has no address for is answered 502", field("addrs")));
                 }
                 let key = (name.to_ascii_lowercase(), port);
                 if names.contains(&key) {
