@@ -362,6 +362,31 @@ fn two_a_key() -> Route {
         .token_bucket(2_000_000, 10_000)
 }
 
+/// Two gateways of the resets' route: the first spent key `k`'s bucket, the second was
+/// denied it once, remembers the denial and listens for resets (the only listener: the first
+/// has no reason to).
+async fn two_gateways_the_second_listening(
+    redis: &Redis,
+    up: &Upstream,
+) -> (common::Gateway, common::Gateway) {
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(two_a_key());
+    let (one, two) = (config.start(), config.start());
+    for _ in 0..2 {
+        assert_eq!(one.status_for("/tb", "k").await, 200);
+    }
+    assert_eq!(two.status_for("/tb", "k").await, 429);
+    common::wait_until(Duration::from_secs(5), "one listener", || {
+        let subscribers: (String, i64) = redis::cmd("PUBSUB")
+            .arg(&["NUMSUB", "sentinel:v1:resets"])
+            .query(&mut redis.conn())
+            .unwrap();
+        subscribers.1 == 1
+    });
+    (one, two)
+}
+
 /// A reset on one gateway reaches the others' over-limit caches: a gateway that remembered
 /// the identity's denial admits its next request, where it repeated the denial for the
 /// bucket's whole wait (100 s here) before.
@@ -369,37 +394,13 @@ fn two_a_key() -> Route {
 async fn a_reset_on_one_gateway_is_heard_by_the_others() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(two_a_key());
-    let (one, two) = (config.start(), config.start());
-    assert_eq!(
-        [
-            one.status_for("/tb", "k").await,
-            one.status_for("/tb", "k").await
-        ],
-        [200, 200]
-    );
-    assert_eq!(
-        [
-            two.status_for("/tb", "k").await,
-            two.status_for("/tb", "k").await
-        ],
-        [429, 429]
-    );
+    let (one, two) = two_gateways_the_second_listening(&redis, &up).await;
+    assert_eq!(two.status_for("/tb", "k").await, 429);
     assert_eq!(
         two.metric(r#"sentinel_overlimit_cache_hits_total{endpoint_id="l.tb"}"#),
         1.0,
         "the second denial was the remembered one"
     );
-    // The gateway that remembered a denial listens; the other has no reason to.
-    common::wait_until(std::time::Duration::from_secs(5), "one listener", || {
-        let subscribers: (String, i64) = redis::cmd("PUBSUB")
-            .arg(&["NUMSUB", "sentinel:v1:resets"])
-            .query(&mut redis.conn())
-            .unwrap();
-        subscribers.1 == 1
-    });
     let listener = || -> String {
         let clients: String = redis::cmd("CLIENT")
             .arg(&["LIST", "TYPE", "pubsub"])
@@ -434,21 +435,7 @@ async fn a_reset_on_one_gateway_is_heard_by_the_others() {
 async fn a_reset_says_how_many_gateways_heard_it() {
     let redis = Redis::start();
     let up = Upstream::start("app");
-    let config = GatewayConfig::new(&redis.url())
-        .upstream("app", &[up.addr()])
-        .route(two_a_key());
-    let (one, two) = (config.start(), config.start());
-    for _ in 0..2 {
-        assert_eq!(one.status_for("/tb", "k").await, 200);
-    }
-    assert_eq!(two.status_for("/tb", "k").await, 429);
-    common::wait_until(Duration::from_secs(5), "one listener", || {
-        let subscribers: (String, i64) = redis::cmd("PUBSUB")
-            .arg(&["NUMSUB", "sentinel:v1:resets"])
-            .query(&mut redis.conn())
-            .unwrap();
-        subscribers.1 == 1
-    });
+    let (one, two) = two_gateways_the_second_listening(&redis, &up).await;
     let reset = || async {
         let r = client()
             .delete(one.admin("/limits/l.tb?identity=header%3Ax-api-key%3Ak"))
