@@ -605,7 +605,9 @@ impl Admin {
         // caller limits of an identity no request has would only ever read full).
         let ceilings_only = !sources.iter().any(|s| keys_by(s, &identity, ipv6_prefix));
         if ceilings_only && !(ceiling && identity == "global") {
-            let mut kinds: Vec<String> = sources.iter().map(|s| written_as(s)).collect();
+            let mut kinds: Vec<String> = (sources.iter())
+                .map(|s| written_as(s, ipv6_prefix))
+                .collect();
             if ceiling {
                 kinds.push("global".to_owned());
             }
@@ -843,9 +845,12 @@ fn keys_by(source: &IdentitySource, identity: &str, ipv6_prefix: u8) -> bool {
 }
 
 /// How the identity strings of a route identified by `source` are written, for a message.
-fn written_as(source: &IdentitySource) -> String {
+fn written_as(source: &IdentitySource, ipv6_prefix: u8) -> String {
     match source {
         IdentitySource::Jwt => "jwt:<claim value>".to_owned(),
+        IdentitySource::ClientIp if ipv6_prefix < 128 => {
+            format!("ip:<IPv4 address> or ip:<IPv6 network>/{ipv6_prefix}")
+        }
         IdentitySource::ClientIp => "ip:<address>".to_owned(),
         IdentitySource::Global => "global".to_owned(),
         IdentitySource::Header(name) => format!("header:{name}:<value>"),

@@ -94,6 +94,9 @@ impl Reloader {
                 // The new config's files as they were before it read them.
                 let read = stamp_read(&self.path, &self.live.load().config, before);
                 *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
+                // No refused config's files to watch any more.
+                let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+                *refused = (refused.0 + 1, Vec::new());
             }
             Err(_) => {
                 // The files the refused config named, as its reading found them.
@@ -503,6 +506,14 @@ fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
                     moved.push((id.to_owned(), format!("a reload changed limit {name}'s window_size_micro from {w} to {v} under the same policy_version: a window's count is kept under its index in windows of the old size, so every caller's count starts afresh; bump policy_version with such a change")));
                 }
             }
+        }
+        // Its IPv6 callers are keyed by another network length: other keys.
+        let (was, now) = (
+            old.server.ipv6_identity_prefix,
+            new.server.ipv6_identity_prefix,
+        );
+        if was != now && route.identity == crate::config::IdentitySource::ClientIp {
+            moved.push((id.to_owned(), format!("a reload changed server.ipv6_identity_prefix from {was} to {now}: the endpoint's IPv6 callers are keyed by other networks, so each starts afresh (set it alike on every gateway of a fleet, or their IPv6 callers have a bucket for each)")));
         }
     }
     moved

@@ -656,4 +656,18 @@ fn an_ipv6_wildcard_beside_one_ipv4_address_of_its_port_is_warned_of() {
     .unwrap();
     let (code, _, stderr) = check(&path);
     assert_eq!((code, stderr.as_str()), (0, ""));
+    // An IPv6 identity keyed by a network wider than a site's.
+    std::fs::write(
+        &path,
+        format!("[server]\nipv6_identity_prefix = 32\n{rest}"),
+    )
+    .unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(
+            ":2:24: server.ipv6_identity_prefix = 32 keys IPv6 clients by networks of 32 bits"
+        ),
+        "{stderr}"
+    );
 }

@@ -1279,8 +1279,10 @@ async fn a_client_still_sending_after_an_upstreams_early_answer_over_http2_is_no
 /// serving its family; without that the wildcard took IPv4 too and the start failed.
 #[test]
 fn an_ipv6_wildcard_beside_an_ipv4_listener_of_its_port_starts_and_serves_both() {
-    // A host without IPv6 has no `[::]` to bind.
-    if std::net::TcpListener::bind("[::]:0").is_err() {
+    // A host without IPv6 (or with it turned off: Docker's default) has no `[::1]`.
+    if std::net::TcpListener::bind("[::]:0").is_err()
+        || std::net::TcpListener::bind("[::1]:0").is_err()
+    {
         return;
     }
     let (redis, up) = (Redis::start(), Upstream::start("app"));

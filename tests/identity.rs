@@ -359,6 +359,18 @@ async fn an_ipv6_client_is_one_caller_for_its_whole_prefix() {
     assert_eq!(status, 200, "{body}");
     let view: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(view["limits"][0]["remaining"], 0, "{view}");
+    // A reload to another length moves every IPv6 caller to a fresh bucket: said.
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    let text = text.replace("ipv6_identity_prefix = 64", "ipv6_identity_prefix = 56");
+    std::fs::write(&gw.config_path, text).unwrap();
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200, "{body}");
+    let logs = gw.logs();
+    let said = logs
+        .lines()
+        .find(|l| l.contains("changed server.ipv6_identity_prefix from 64 to 56"))
+        .unwrap_or_else(|| panic!("{logs}"));
+    assert!(said.contains(r#""level":"WARN""#), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

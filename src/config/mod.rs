@@ -190,6 +190,12 @@ pub(crate) fn read_named(path: &Path) -> std::io::Result<Vec<u8>> {
     read_whole(path)
 }
 
+/// A file the config names that `watch_config` does not watch (a CA file, Redis's client
+/// certificate): read as [`read_named`] reads, not listed among the files read.
+pub(crate) fn read_unwatched(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_whole(path)
+}
+
 /// A file of the config, whole. At start a FIFO (a file a process writes as it is read) is
 /// waited for until its writer ends, as a start waits for the access log's reader; a reload
 /// does not wait for a writer that is not there (it held `POST /reload`, and every reload

@@ -340,7 +340,7 @@ impl RedisTls {
         client: Option<(&Path, &Path)>,
     ) -> Result<Self, RedisTlsError> {
         let read = |p: &Path, which: RedisTlsError| {
-            super::read_named(p).map_err(|e| which.with(format!("cannot be read: {e}")))
+            super::read_unwatched(p).map_err(|e| which.with(format!("cannot be read: {e}")))
         };
         let mut source = Vec::new();
         let mut roots = rustls::RootCertStore::empty();

@@ -152,6 +152,12 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (1, 128),
         "",
     );
+    if let (Some(prefix @ 1..48), Some(at)) = (
+        ipv6_identity_prefix,
+        s.and_then(|s| s.ipv6_identity_prefix.as_ref()),
+    ) {
+        c.warn(Some(&at.span()), None, format!("server.ipv6_identity_prefix = {prefix} keys IPv6 clients by networks of {prefix} bits, each a provider's many customers (a site has a /48, a home line or an instance a /64): every client of one shares its bucket"));
+    }
     let grace = int_in(
         c,
         None,
@@ -1904,7 +1910,8 @@ fn upstream_tls(
             let file = config
                 .parent()
                 .map_or_else(|| PathBuf::from(p.get_ref()), |dir| dir.join(p.get_ref()));
-            let read = crate::config::read_named(&file).map_err(|e| format!("cannot be read: {e}"));
+            let read =
+                crate::config::read_unwatched(&file).map_err(|e| format!("cannot be read: {e}"));
             let certs = read.and_then(|pem| {
                 rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
                     .map(|c| c.map(|c| c.to_vec()))
