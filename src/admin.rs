@@ -727,6 +727,7 @@ impl Admin {
             "redis": if store.is_connected() { "up" } else { "down" },
             "breaker": store.breaker_state().as_str(),
             "config_generation": self.reloader.live.load().generation,
+            "config_hash": self.reloader.live.load().config.source_hash,
             "redis_maxmemory_policy": store.eviction_policy(),
         });
         // Not ready yet, as the early answer says (`Starting`): a JWKS fetch, the listeners.

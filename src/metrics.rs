@@ -53,6 +53,7 @@ pub struct Metrics {
     requests: IntCounterVec,
     config_reloads: IntCounterVec,
     pub config_generation: IntGauge,
+    config_info: IntGaugeVec,
     shadow_denials: IntCounterVec,
     overlimit_hits: IntCounterVec,
     exempt_requests: IntCounterVec,
@@ -345,6 +346,17 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let config_info = register(
+            &r,
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_config_info",
+                    "1 for the config serving requests, by config_hash: the first 16 hex digits of the SHA-256 of its file's text, alike on every gateway given the same file.",
+                ),
+                &["config_hash"],
+            )
+            .expect("valid"),
+        );
         let in_flight = register(
             &r,
             IntGauge::new(
@@ -519,6 +531,7 @@ impl Metrics {
             requests,
             config_reloads,
             config_generation,
+            config_info,
             shadow_denials,
             overlimit_hits,
             exempt_requests,
@@ -660,6 +673,13 @@ impl Metrics {
             .collect(),
             vec: self.requests.clone(),
         }
+    }
+
+    /// The config serving requests now: its generation and its hash, one series alone.
+    pub fn config_loaded(&self, generation: u64, hash: &str) {
+        self.config_generation.set(generation as i64);
+        self.config_info.reset();
+        self.config_info.with_label_values(&[hash]).set(1);
     }
 
     pub fn store_errors(&self) -> StoreErrorCounters {

@@ -290,11 +290,12 @@ impl Reloader {
         {
             self.metrics.endpoint_removed(gone.as_str());
         }
+        let hash = snapshot.config.source_hash.clone();
         self.live.store(Arc::new(snapshot));
         if jwks_changed {
             jwks.refresh_now();
         }
-        self.metrics.config_generation.set(generation as i64);
+        self.metrics.config_loaded(generation, &hash);
         for (endpoint, why) in &moved {
             tracing::warn!(endpoint_id = %endpoint, "{why}");
         }

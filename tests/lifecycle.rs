@@ -1378,3 +1378,53 @@ async fn a_stdout_nobody_reads_stops_no_request_and_no_exit() {
     }
     assert!(denials > 0 && requests > 0, "{denials} {requests}");
 }
+
+/// Which config an instance runs: `/readyz`'s `config_hash` and `sentinel_config_info`, the
+/// first 16 hex digits of the SHA-256 of the file's text (alike on every gateway given the
+/// same file, where `config_generation` counts one process's reloads), one series alone,
+/// following a reload.
+#[test]
+fn the_config_an_instance_runs_is_named_by_its_hash() {
+    use sha2::Digest;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(Route::new("e.open").prefix("/").unlimited())
+        .start();
+    let hash_of = |path: &std::path::Path| -> String {
+        let digest = sha2::Sha256::digest(std::fs::read(path).unwrap());
+        digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+    };
+    let readyz = || -> serde_json::Value {
+        let (_, body) = common::blocking_get(&gw.admin("/readyz")).unwrap();
+        serde_json::from_str(&body).unwrap()
+    };
+    let series = || -> Vec<String> {
+        let (_, body) = common::blocking_get(&gw.admin("/metrics")).unwrap();
+        (body.lines())
+            .filter(|l| l.starts_with("sentinel_config_info{"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let first = hash_of(&gw.config_path);
+    assert_eq!(readyz()["config_hash"], first.as_str());
+    assert_eq!(
+        series(),
+        [format!("sentinel_config_info{{config_hash=\"{first}\"}} 1")]
+    );
+    let text = std::fs::read_to_string(&gw.config_path).unwrap();
+    std::fs::write(&gw.config_path, format!("# edited\n{text}")).unwrap();
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200, "{body}");
+    let second = hash_of(&gw.config_path);
+    assert_ne!(first, second);
+    let ready = readyz();
+    assert_eq!(
+        (&ready["config_hash"], &ready["config_generation"]),
+        (&second.as_str().into(), &2.into())
+    );
+    assert_eq!(
+        series(),
+        [format!("sentinel_config_info{{config_hash=\"{second}\"}} 1")]
+    );
+}

@@ -281,6 +281,10 @@ pub struct Config {
     pub warnings: Vec<ConfigError>,
     /// The files it names, as they were just before this load read them.
     pub named_read: Vec<(PathBuf, FileStamp)>,
+    /// The first 16 hex digits of the SHA-256 of the file's text as read: which config an
+    /// instance runs, alike on every gateway given the same file (`/readyz`,
+    /// `sentinel_config_info`).
+    pub source_hash: String,
 }
 
 /// Where `[access_log]` lines go.
@@ -950,6 +954,11 @@ impl Config {
         match config {
             Ok(config) => Ok(Config {
                 named_read,
+                source_hash: {
+                    use sha2::Digest;
+                    let digest = sha2::Sha256::digest(source.as_bytes());
+                    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+                },
                 ..config
             }),
             Err(errors) => {

@@ -102,6 +102,7 @@ pub fn validate(
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         warnings: c.warnings,
         named_read: Vec::new(),
+        source_hash: String::new(),
     })
 }
 
