@@ -1425,6 +1425,8 @@ fn the_config_an_instance_runs_is_named_by_its_hash() {
     );
     assert_eq!(
         series(),
-        [format!("sentinel_config_info{{config_hash=\"{second}\"}} 1")]
+        [format!(
+            "sentinel_config_info{{config_hash=\"{second}\"}} 1"
+        )]
     );
 }
