@@ -174,13 +174,16 @@ async fn a_failed_connect_tries_every_other_address_under_concurrency() {
 /// A name that does not resolve when the gateway starts is an outage, not a mistake in the
 /// file (as a Redis that does not answer): `check` warns and passes, the gateway starts and
 /// answers that upstream's requests 502 while the other upstreams serve, and a reload is
-/// not refused for it.
+/// not refused for it. Each 502's access-log line names the upstream (no address tried).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_name_that_does_not_resolve_at_start_is_a_502_not_a_config_error() {
     let redis = Redis::start();
     let up = Upstream::start("app");
+    let logs_dir = tempfile::tempdir().unwrap();
+    let log = logs_dir.path().join("access.log");
     // `.invalid` never resolves (RFC 6761).
     let config = GatewayConfig::new(&redis.url())
+        .access_log(&log)
         .upstream("gone", &["backend.invalid:8080"])
         .upstream("app", &[up.addr()])
         .route(
@@ -228,6 +231,28 @@ async fn a_name_that_does_not_resolve_at_start_is_a_502_not_a_config_error() {
         .count();
     assert_eq!(said, 1, "{logs}");
     assert!(!logs.contains("\"ERROR\""), "{logs}");
+    common::wait_until(Duration::from_secs(5), "the five lines", || {
+        common::access_lines(&log).len() == 5
+    });
+    for line in common::access_lines(&log) {
+        if line["path"] == "/away/x" {
+            assert_eq!(
+                (
+                    &line["status"],
+                    &line["upstream"],
+                    &line["upstream_addr"],
+                    &line["error"]
+                ),
+                (
+                    &502.into(),
+                    &"gone".into(),
+                    &serde_json::Value::Null,
+                    &"upstream_failed".into()
+                ),
+                "{line}"
+            );
+        }
+    }
     let (status, body) = gw.reload_answer();
     assert_eq!(status, 200, "{body}");
 }

@@ -103,7 +103,7 @@ pub(super) fn log(log: &crate::edge::AccessLog, session: &Session, ctx: &Request
                 .map(|_| DEFAULT_LIMIT)
         }),
         upstream: route
-            .filter(|_| forwarded)
+            .filter(|_| forwarded || ctx.no_address)
             .map(|r| r.upstream.config.name.as_str()),
         upstream_addr: ctx.upstream_addr.filter(|_| forwarded),
         duration_ms: millis(took),

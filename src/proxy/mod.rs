@@ -70,6 +70,8 @@ pub struct RequestCtx {
     ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
+    /// Its upstream had no address to try (a name that does not resolve yet).
+    no_address: bool,
     /// What ended the request otherwise than with a whole answer (the access log's `error`):
     /// one of [`Failure`]'s words, set where the failure is read.
     failure: Option<&'static str>,
@@ -823,7 +825,10 @@ impl ProxyHttp for Gateway {
             // The pool said it once (`select_turn`): not a line a request.
             .ok_or_else(|| {
                 Error::explain(ErrorType::ConnectNoRoute, "no upstream address").into_up()
-            })?;
+            });
+        // Its 502 names the upstream that had no address (and no address tried).
+        ctx.no_address = turn.is_err();
+        let turn = turn?;
         ctx.first_place.get_or_insert(turn.place);
         ctx.rotation = turn.of;
         let backend = turn.pick;
