@@ -194,7 +194,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .token_bucket(5_000_000, 1_000_000)
         .set(
             "exempt_client_cidrs",
-            r#"["10.1.2.3/16", "10.9.0.0/16", "::/0", "::ffff:0:0/96"]"#,
+            r#"["10.1.2.3/16", "10.9.0.0/16", "::/0", "::ffff:0:0/96", "::/8"]"#,
         );
     // An emergency bucket per value of a header the client writes as it likes.
     let made_up = Route::new("y.api")
@@ -255,6 +255,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/0\" is every IPv6 address: every client of that family then goes without a limit", position_of(&path, "\"::/0\"")),
             // IPv4 clients are read as IPv4: the mapped network of them all is every one.
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::ffff:0:0/96\" is every IPv4 address: every client of that family then goes without a limit", position_of(&path, "\"::ffff:0:0/96\"")),
+            // Wider than the mapped range: no IPv4 client is in it.
+            format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/8\" holds the IPv4-mapped addresses (::ffff:0:0/96), but IPv4 clients are read as IPv4: it matches none of them (write the IPv4 networks meant beside it, \"0.0.0.0/0\" for all)", position_of(&path, "\"::/8\"")),
             format!("warning: {file}:{}: routes[1] (y.api): emergency_scope = \"identity\" with identity = {{ header = \"x-key\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)", position_of(&path, "\"identity\"\n")),
             format!("warning: {file}:{}: routes[2] (z.open): fallback_rate_fleet_micro on a route that is not limited (algorithm = \"none\") has no emergency to share: the fleet is not counted for it", position_of(&path, "3_000_000")),
             format!("warning: {file}:{}: routes[2] (z.open): fail_mode, policy_version on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without a decision", position_of(&path, "\"fail_closed\"")),

@@ -537,6 +537,14 @@ pub(super) fn cidrs(
                         format!("{field} entry \"{text}\" is every {family} address: {what}"),
                     );
                 }
+                // Wider than the IPv4-mapped range and holding it: IPv4 clients are read as
+                // IPv4, so none of them is in it.
+                if let IpNet::V6(v6) = net.trunc() {
+                    let mapped: ipnet::Ipv6Net = "::ffff:0:0/96".parse().expect("valid");
+                    if (1..96).contains(&v6.prefix_len()) && v6.contains(&mapped) {
+                        c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" holds the IPv4-mapped addresses (::ffff:0:0/96), but IPv4 clients are read as IPv4: it matches none of them (write the IPv4 networks meant beside it, \"0.0.0.0/0\" for all)"));
+                    }
+                }
                 let network = net.trunc();
                 if network != net {
                     c.warn(Some(&p.span()), route, format!("{field} entry \"{text}\" has host bits set: it is taken as the network \"{network}\" (write \"{}\" for the one address)", IpNet::from(net.addr())));
