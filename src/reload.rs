@@ -26,17 +26,21 @@ pub struct Reloader {
     pub edge: Edge,
     /// Serializes reloads: SIGHUP and POST /reload may race.
     lock: Mutex<()>,
-    /// The last refused reload's number (counted from 1) and the files only it named (not
-    /// the running config), as they were before it read them: `watch_config` watches them
-    /// too, whatever asked for that reload.
-    refused: Mutex<(u64, Vec<(PathBuf, FileStamp)>)>,
-    /// The files as the last reload that was taken (or the start) found them before reading
-    /// them, and its generation: what `watch_config` compares with.
-    read: Mutex<(u64, Vec<FileStamp>)>,
+    /// What `watch_config` compares with, as the last reload attempt (or the start) left it.
+    watched: Mutex<Watched>,
     /// The settings the process started with, of those only a restart changes: a reload is
     /// told a restart is required while the file differs from them (and no longer once it is
     /// back to them).
     running: Running,
+}
+
+/// The files `watch_config` looks at, each as it was just before it was last read, and the
+/// reload attempt that said so (counted from 0, the start): the running config's files, and
+/// those only the last refused config named (a key file it names anew, not written yet).
+#[derive(Clone, Default)]
+struct Watched {
+    attempt: u64,
+    files: Vec<(PathBuf, FileStamp)>,
 }
 
 struct Running {
@@ -63,10 +67,13 @@ impl Reloader {
             server: started.config.server.clone(),
             dedicated_io_thread: started.config.redis.dedicated_io_thread,
         };
-        let generation = started.generation;
+        let files = files(&path, &started.config)
+            .into_iter()
+            .zip(read)
+            .collect();
         drop(started);
         Self {
-            read: Mutex::new((generation, read)),
+            watched: Mutex::new(Watched { attempt: 0, files }),
             running,
             path,
             live,
@@ -76,7 +83,6 @@ impl Reloader {
             fleet,
             edge,
             lock: Mutex::new(()),
-            refused: Mutex::new((0, Vec::new())),
         }
     }
 
@@ -89,28 +95,37 @@ impl Reloader {
         let before = file_stamp(&self.path);
         let _ = crate::config::take_refused_named();
         let result = self.try_reload();
-        match &result {
-            Ok(r) => {
-                // The new config's files as they were before it read them.
-                let read = stamp_read(&self.path, &self.live.load().config, before);
-                *self.read.lock().unwrap_or_else(|p| p.into_inner()) = (r.generation, read);
-                // No refused config's files to watch any more.
-                let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
-                *refused = (refused.0 + 1, Vec::new());
-            }
+        let running = files(&self.path, &self.live.load().config);
+        let mut watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+        let files = match &result {
+            // The new config's files as they were before it read them.
+            Ok(_) => (running.iter().cloned())
+                .zip(stamp_read(&self.path, &self.live.load().config, before))
+                .collect(),
+            // The refused config's reading: the file and what it named as it found them (so the
+            // same refusal is not tried again until one changes), the running config's other
+            // files as they are now.
             Err(_) => {
-                // The files the refused config named, as its reading found them.
-                let running = files(&self.path, &self.live.load().config);
-                let mut only: Vec<(PathBuf, FileStamp)> = Vec::new();
-                for (file, stamp) in crate::config::take_refused_named() {
-                    if !running.contains(&file) && only.iter().all(|(f, _)| *f != file) {
-                        only.push((file, stamp));
+                let read = crate::config::take_refused_named();
+                let mut files = vec![(self.path.clone(), before)];
+                for file in &running[1..] {
+                    let stamp = (read.iter().find(|(r, _)| r == file))
+                        .map_or_else(|| file_stamp(file), |(_, stamp)| *stamp);
+                    files.push((file.clone(), stamp));
+                }
+                for (file, stamp) in read {
+                    if files.iter().all(|(f, _)| *f != file) {
+                        files.push((file, stamp));
                     }
                 }
-                let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
-                *refused = (refused.0 + 1, only);
+                files
             }
-        }
+        };
+        *watched = Watched {
+            attempt: watched.attempt + 1,
+            files,
+        };
+        drop(watched);
         self.metrics.config_reload(result.is_ok());
         let config = self.path.display();
         match &result {
@@ -320,51 +335,31 @@ const MISSING_LOOKS: u32 = 10;
 /// names too (a key file or certificate it names anew, written after it: Kubernetes updates
 /// a ConfigMap's and a Secret's volumes each in its own time).
 pub async fn watch(reloader: Arc<Reloader>) {
-    let (mut seen, mut loaded) = reloader
-        .read
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
+    // The last attempt's files, when it is not the attempt `seen`.
+    let since = |seen: Option<u64>| {
+        let w = reloader.watched.lock().unwrap_or_else(|p| p.into_inner());
+        (Some(w.attempt) != seen).then(|| w.clone())
+    };
+    let (mut seen, mut looked_at, mut loaded) = (None, Vec::new(), Vec::new());
+    if let Some(Watched { attempt, files }) = since(seen) {
+        seen = Some(attempt);
+        (looked_at, loaded) = files.into_iter().unzip();
+    }
     let (mut pending, mut missing_looks) = (None, 0);
-    // The files the last refused config named that the running one does not, and which
-    // refusal that was.
-    let (mut refused_names, mut refusal): (Vec<PathBuf>, u64) = (Vec::new(), 0);
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         if !reloader.live.load().config.server.watch_config {
             pending = None;
             continue;
         }
-        // A reload by any trigger (the one that turned the watch on, too): the files as it
-        // read them, so a change made just after it is still a change.
-        let (generation, read) = reloader
-            .read
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if generation != seen {
-            (seen, loaded) = (generation, read);
-            pending = None;
-            refused_names.clear();
-        }
-        let running = files(&reloader.path, &reloader.live.load().config);
-        // A reload refused since (by any trigger): the files only it named, as it found them.
-        let (number, only) = reloader
-            .refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if number != refusal {
-            refusal = number;
-            loaded.truncate(running.len());
-            refused_names = only.iter().map(|(f, _)| f.clone()).collect();
-            loaded.extend(only.into_iter().map(|(_, stamp)| stamp));
+        // A reload attempt by any trigger (the one that turned the watch on, too): the files
+        // as it read them, so a change made just after it is still a change.
+        if let Some(Watched { attempt, files }) = since(seen) {
+            seen = Some(attempt);
+            (looked_at, loaded) = files.into_iter().unzip();
             pending = None;
         }
-        let now: Vec<FileStamp> = (running.iter())
-            .chain(&refused_names)
-            .map(|f| file_stamp(f))
-            .collect();
+        let now: Vec<FileStamp> = looked_at.iter().map(|f| file_stamp(f)).collect();
         if now == loaded {
             pending = None;
             continue;
