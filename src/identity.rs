@@ -594,6 +594,14 @@ fn forwarded_address(entry: &str) -> Option<IpAddr> {
         .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
 }
 
+/// Whether a connection can come from `ip`: not the unspecified address (`0.0.0.0`, `::`),
+/// IPv4's broadcast nor a multicast group, which a proxy writes only when it knows no
+/// client (or is told by one). Taken as a client, each would be one bucket that every such
+/// request shares, so an entry holding one is as unusable as one holding no address.
+fn can_be_a_peer(ip: IpAddr) -> bool {
+    !(ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST))
+}
+
 /// The client's address: the socket peer, or, when the peer is a trusted proxy, the
 /// `X-Forwarded-For` entry that names the client.
 ///
@@ -628,6 +636,7 @@ pub fn client_ip(
                 .ok()
                 .and_then(forwarded_address)
                 .map(canonical)
+                .filter(|ip| can_be_a_peer(*ip))
                 .ok_or(IdentityError::UnusableForwardedFor)?;
             if !is_trusted(ip, trusted) {
                 return Ok(ip);
@@ -754,6 +763,14 @@ mod tests {
             // A header that names no one: not the proxy's bucket either.
             "",
             " , ,",
+            // Addresses no connection comes from: one shared bucket each, were they taken.
+            "0.0.0.0",
+            "::",
+            "[::]:80",
+            "255.255.255.255",
+            "224.0.0.1",
+            "ff02::1",
+            "::ffff:0.0.0.0",
         ] {
             assert_eq!(
                 client_ip(&req(&[unusable], &[]), proxy, &trusted),

@@ -331,6 +331,11 @@ async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket
         // A header that names no one.
         "",
         " , ,",
+        // Addresses no connection comes from, which would each be a bucket all share.
+        "0.0.0.0",
+        "1.1.1.1, ::",
+        "255.255.255.255, 127.0.0.9",
+        "ff02::1",
     ] {
         assert_eq!(
             send(xff).await,
