@@ -634,7 +634,7 @@ fn an_access_log_at_a_hard_link_of_the_config_is_refused() {
 /// IPv4 addresses are then served on that port by no listener: said, where the pair with the
 /// IPv4 wildcard is not.
 #[test]
-fn an_ipv6_wildcard_beside_one_ipv4_address_of_its_port_is_warned_of() {
+fn listen_addresses_that_would_not_serve_as_meant_are_warned_of() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gateway.toml");
     let rest = "[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n\
@@ -658,6 +658,18 @@ fn an_ipv6_wildcard_beside_one_ipv4_address_of_its_port_is_warned_of() {
     .unwrap();
     let (code, _, stderr) = check(&path);
     assert_eq!((code, stderr.as_str()), (0, ""));
+    // An address the host does not have (TEST-NET-1): the start would fail to bind it.
+    std::fs::write(
+        &path,
+        format!("[server]\nlisten = [\"192.0.2.1:8080\", \"127.0.0.1:8081\"]\n{rest}"),
+    )
+    .unwrap();
+    let (code, _, stderr) = check(&path);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stderr.lines().collect::<Vec<_>>(),
+        [format!("warning: {file}:{}: server.listen = \"192.0.2.1:8080\": 192.0.2.1 is not an address of this host, so a start here would fail to bind it (fine if the file is for another host)", position_of(&path, "\"192.0.2.1:8080\""))]
+    );
     // An IPv6 identity keyed by a network wider than a site's.
     std::fs::write(
         &path,

@@ -339,6 +339,21 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             c.warn(at.as_ref(), None, format!("{field} = \"{wildcard}\" is bound IPv6 only beside the IPv4 listener \"{first}\" of its port: IPv4 clients of the host's other addresses are not taken on port {port} (add \"0.0.0.0:{port}\", or give that listener another port)"));
         }
     }
+    // An address this host does not have is no error of the file (it may be meant for
+    // another host), but a start here would fail to bind it: said before it does.
+    let mut looked: Vec<std::net::IpAddr> = Vec::new();
+    for (field, addr, at) in &every {
+        let ip = addr.ip();
+        if ip.is_unspecified() || ip.is_loopback() || looked.contains(&ip) {
+            continue;
+        }
+        looked.push(ip);
+        if let Err(e) = std::net::TcpListener::bind((ip, 0)) {
+            if e.kind() == std::io::ErrorKind::AddrNotAvailable {
+                c.warn(at.as_ref(), None, format!("{field} = \"{addr}\": {ip} is not an address of this host, so a start here would fail to bind it (fine if the file is for another host)"));
+            }
+        }
+    }
     if let (Some(admin), Some(tls)) = (admin_listen, tls.as_ref()) {
         if let Some(other) = tls.iter().find(|t| overlap(t.listen, admin)) {
             let shared = if other.listen == admin {
