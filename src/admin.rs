@@ -722,14 +722,19 @@ impl Admin {
         };
         let store = &self.store;
         store.refresh_breakers();
+        let snapshot = self.reloader.live.load();
         let mut body = serde_json::json!({
             "ready": ready,
             "redis": if store.is_connected() { "up" } else { "down" },
             "breaker": store.breaker_state().as_str(),
-            "config_generation": self.reloader.live.load().generation,
-            "config_hash": self.reloader.live.load().config.source_hash,
+            "config_generation": snapshot.generation,
+            "config_hash": snapshot.config.source_hash,
             "redis_maxmemory_policy": store.eviction_policy(),
         });
+        // Fields the file changes that wait for the next start, as the reload said them.
+        if !snapshot.restart_required.is_empty() {
+            body["restart_required"] = serde_json::json!(snapshot.restart_required);
+        }
         // Not ready yet, as the early answer says (`Starting`): a JWKS fetch, the listeners.
         if !ready && !self.lifecycle.is_draining() {
             body["starting"] = serde_json::json!(true);

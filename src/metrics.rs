@@ -54,6 +54,7 @@ pub struct Metrics {
     config_reloads: IntCounterVec,
     pub config_generation: IntGauge,
     config_info: IntGaugeVec,
+    config_restart_required: IntGauge,
     shadow_denials: IntCounterVec,
     overlimit_hits: IntCounterVec,
     exempt_requests: IntCounterVec,
@@ -357,6 +358,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let config_restart_required = register(
+            &r,
+            IntGauge::new(
+                "sentinel_config_restart_required",
+                "How many fields of the config serving requests take effect only at the next start (a reload's restart_required); 0 when none.",
+            )
+            .expect("valid"),
+        );
         let in_flight = register(
             &r,
             IntGauge::new(
@@ -532,6 +541,7 @@ impl Metrics {
             config_reloads,
             config_generation,
             config_info,
+            config_restart_required,
             shadow_denials,
             overlimit_hits,
             exempt_requests,
@@ -676,8 +686,10 @@ impl Metrics {
     }
 
     /// The config serving requests now: its generation and its hash, one series alone.
-    pub fn config_loaded(&self, generation: u64, hash: &str) {
+    /// `restart_required`: how many of the serving config's fields wait for the next start.
+    pub fn config_loaded(&self, generation: u64, hash: &str, restart_required: usize) {
         self.config_generation.set(generation as i64);
+        self.config_restart_required.set(restart_required as i64);
         self.config_info.reset();
         self.config_info.with_label_values(&[hash]).set(1);
     }

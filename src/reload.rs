@@ -245,7 +245,7 @@ impl Reloader {
             .map_err(|e| format!("access_log.path: cannot open it: {e}"))?;
         let generation = current.generation + 1;
         let moved = buckets_moved(&current.config, &config);
-        let snapshot = Snapshot::build(
+        let mut snapshot = Snapshot::build(
             config,
             generation,
             &self.metrics,
@@ -306,11 +306,13 @@ impl Reloader {
             self.metrics.endpoint_removed(gone.as_str());
         }
         let hash = snapshot.config.source_hash.clone();
+        snapshot.restart_required = restart_required.clone();
         self.live.store(Arc::new(snapshot));
         if jwks_changed {
             jwks.refresh_now();
         }
-        self.metrics.config_loaded(generation, &hash);
+        self.metrics
+            .config_loaded(generation, &hash, restart_required.len());
         for (endpoint, why) in &moved {
             tracing::warn!(endpoint_id = %endpoint, "{why}");
         }

@@ -150,7 +150,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)
         .map_err(StartError::Upstreams)?;
     snapshot.config.log_warnings();
-    metrics.config_loaded(1, &snapshot.config.source_hash);
+    metrics.config_loaded(1, &snapshot.config.source_hash, 0);
     let jwks = Arc::clone(&snapshot.jwks);
     let jwks_target = snapshot
         .config

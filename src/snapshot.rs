@@ -84,6 +84,9 @@ pub struct Snapshot {
     /// The request fields some route reads an identity from (`host`, `user-agent`): the
     /// access log line of a request refused before its route was known leaves them out.
     pub identity_fields: Vec<String>,
+    /// The fields this config changes that take effect only at the next start (the reload's
+    /// `restart_required`): empty at the start and once the file is back to the running ones.
+    pub restart_required: Vec<&'static str>,
 }
 
 impl Snapshot {
@@ -229,6 +232,7 @@ impl Snapshot {
             entries.push((rc.matcher(), Arc::new(route)));
         }
         Ok(Snapshot {
+            restart_required: Vec::new(),
             // (Not for a route that decides nothing, which has no emergency either.)
             uses_fleet: (config.routes.iter())
                 .any(|r| r.policy.fallback_fleet && r.policy.is_limited()),

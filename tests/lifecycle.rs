@@ -838,9 +838,8 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
     );
 
     // A listener change is accepted but reported as needing a restart.
-    let moved = std::fs::read_to_string(&gw.config_path)
-        .unwrap()
-        .replace("threads = 2", "threads = 3");
+    let running = std::fs::read_to_string(&gw.config_path).unwrap();
+    let moved = running.replace("threads = 2", "threads = 3");
     let moved = if moved.contains("threads = 3") {
         moved
     } else {
@@ -854,6 +853,26 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
         body["restart_required"],
         serde_json::json!(["server.threads"])
     );
+    // Said on as long as it waits, where a fleet's probes and scrapes see it.
+    let readyz = |http: reqwest::Client| {
+        let url = gw.admin("/readyz");
+        async move {
+            let r = http.get(url).send().await.unwrap();
+            serde_json::from_str::<serde_json::Value>(&r.text().await.unwrap()).unwrap()
+        }
+    };
+    assert_eq!(
+        readyz(http.clone()).await["restart_required"],
+        serde_json::json!(["server.threads"])
+    );
+    assert_eq!(gw.metric("sentinel_config_restart_required"), 1.0);
+    // The file put back to the running values: nothing waits.
+    gw.rewrite_config(&running);
+    let r = http.post(gw.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body = readyz(http.clone()).await;
+    assert!(body.get("restart_required").is_none(), "{body}");
+    assert_eq!(gw.metric("sentinel_config_restart_required"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
