@@ -422,6 +422,108 @@ async fn an_acl_user_with_the_password_from_the_environment() {
     );
 }
 
+/// A password read from a file of its own (a Kubernetes Secret's), rotated as Redis's ACLs
+/// rotate one: the new password added to the user, the file replaced (watched: reloaded),
+/// the old password taken away. Connections made after that use the new one; neither is
+/// ever in a log line or a metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_from_a_file_rotates_with_the_file() {
+    let redis = Redis::start_with(free_port(), &ACL_USER);
+    let up = Upstream::start("app");
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("redis-password");
+    // As `echo` writes it: the line break is not part of the password.
+    std::fs::write(&file, "s3cret-Pa55word\n").unwrap();
+    let gw = limited(
+        GatewayConfig::new(&redis.url())
+            .server("watch_config", "true")
+            .redis("username", quoted("gateway"))
+            .redis("password_file", quoted(file.to_str().unwrap())),
+        &up,
+    )
+    .start();
+    warmed(&gw).await;
+    assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
+
+    let acl = |args: &[&str]| {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("gateway")
+            .arg(args)
+            .query(&mut redis.conn())
+            .unwrap();
+    };
+    acl(&[">n3w-Pa55word-2"]);
+    // Replaced whole, as the kubelet swaps a Secret's files.
+    let next = secrets.path().join(".next");
+    std::fs::write(&next, "n3w-Pa55word-2\r\n").unwrap();
+    std::fs::rename(&next, &file).unwrap();
+    wait_until(Duration::from_secs(10), "the watch to reload", || {
+        gw.metric("sentinel_config_generation") == 2.0
+    });
+    acl(&["<s3cret-Pa55word"]);
+    // Every connection of the gateway cut: those it makes again must use the new password.
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("USER")
+        .arg("gateway")
+        .query(&mut redis.conn())
+        .unwrap();
+    warmed(&gw).await;
+    assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
+    let logs = gw.logs();
+    let metrics = common::blocking_get(&gw.admin("/metrics")).unwrap().1;
+    for secret in ["s3cret-Pa55word", "n3w-Pa55word-2"] {
+        assert!(!logs.contains(secret), "{logs}");
+        assert!(!metrics.contains(secret));
+    }
+}
+
+/// A secret's file is one of two places: not beside its variable, and one that cannot be
+/// read is a config error naming the field and the file, never what it holds.
+#[test]
+fn a_secret_file_is_checked_as_its_variable_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |body: &str| common::check_body(dir.path(), body, &[("SENTINEL_REDIS_URL", None)]);
+    let (ok, out) = check("[redis]\npassword_env = \"X\"\npassword_file = \"pw\"");
+    assert!(
+        !ok && out.contains("redis.password_env and redis.password_file are both set"),
+        "{out}"
+    );
+    let (ok, out) = check("[redis]\npassword_file = \"missing-pw\"");
+    assert!(
+        !ok && out.contains("redis.password_file = \"missing-pw\": cannot read it: No such file"),
+        "{out}"
+    );
+    std::fs::write(dir.path().join("empty"), "\n").unwrap();
+    let (ok, out) = check("[redis]\npassword_file = \"empty\"");
+    let empty = dir.path().join("empty");
+    assert!(
+        !ok && out.contains(&format!(
+            "redis.password_file: the file {} is not set (or empty)",
+            empty.display()
+        )),
+        "{out}"
+    );
+    std::fs::write(dir.path().join("short-token"), "Tok3n-short\n").unwrap();
+    // Inside `[server]`, which `check_body` opens.
+    let (ok, out) = check("admin_token_file = \"short-token\"");
+    let short = dir.path().join("short-token");
+    assert!(
+        !ok && out.contains(&format!("server.admin_token_file: the file {} holds 11 bytes: the admin token must be at least 16 bytes", short.display())),
+        "{out}"
+    );
+    assert!(!out.contains("Tok3n"), "{out}");
+    std::fs::write(
+        dir.path().join("token"),
+        "an-admin-token-of-32-bytes-0123\n",
+    )
+    .unwrap();
+    let (ok, out) = check("[redis]\npassword_file = \"token\"");
+    assert!(ok, "{out}");
+    assert!(!out.contains("an-admin-token"), "{out}");
+}
+
 /// An outage is logged again when its reason changes: a Redis restarted with the gateway's
 /// password rotated away is logged as refusing it, not only as the refused connections of
 /// the seconds before (the one line of the outage named those alone).

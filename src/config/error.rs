@@ -70,6 +70,8 @@ pub struct Collector<'a> {
     source: &'a str,
     pub errors: Vec<ConfigError>,
     pub warnings: Vec<ConfigError>,
+    /// The files secrets were read from (`*_file`): watched as the files a config names.
+    pub secret_files: Vec<std::path::PathBuf>,
 }
 
 impl<'a> Collector<'a> {
@@ -79,6 +81,7 @@ impl<'a> Collector<'a> {
             source,
             errors: Vec::new(),
             warnings: Vec::new(),
+            secret_files: Vec::new(),
         }
     }
 

@@ -281,6 +281,9 @@ pub struct Config {
     pub warnings: Vec<ConfigError>,
     /// The files it names, as they were just before this load read them.
     pub named_read: Vec<(PathBuf, FileStamp)>,
+    /// The files its secrets were read from (`password_file`, `admin_token_file`,
+    /// `sentinel_password_file`, `secret_file`).
+    pub secret_files: Vec<PathBuf>,
     /// The first 16 hex digits of the SHA-256 of the file's text as read: which config an
     /// instance runs, alike on every gateway given the same file (`/readyz`,
     /// `sentinel_config_info`).
@@ -895,6 +898,7 @@ impl Config {
         let mut files = Vec::new();
         files.extend(self.api_keys.as_ref().map(|k| k.file.clone()));
         files.extend(self.jwt.as_ref().and_then(|j| j.jwks_path.clone()));
+        files.extend(self.secret_files.iter().cloned());
         for t in &self.server.tls {
             for pair in std::iter::once(&t.default).chain(t.sni.iter().map(|s| &s.pair)) {
                 files.push(pair.cert_path.clone());

@@ -75,6 +75,7 @@ pub struct RawServer {
     pub max_body_bytes: Option<Spanned<i64>>,
     pub request_id_header: Option<Spanned<String>>,
     pub admin_token_env: Option<Spanned<String>>,
+    pub admin_token_file: Option<Spanned<String>>,
     pub header_read_timeout_ms: Option<Spanned<i64>>,
     pub keepalive_timeout_seconds: Option<Spanned<i64>>,
     pub send_timeout_seconds: Option<Spanned<i64>>,
@@ -120,9 +121,11 @@ pub struct RawRedis {
     pub batch_max: Option<Spanned<i64>>,
     pub username: Option<Spanned<String>>,
     pub password_env: Option<Spanned<String>>,
+    pub password_file: Option<Spanned<String>>,
     pub sentinel_urls: Option<Spanned<Vec<Spanned<String>>>>,
     pub sentinel_master: Option<Spanned<String>>,
     pub sentinel_password_env: Option<Spanned<String>>,
+    pub sentinel_password_file: Option<Spanned<String>>,
     pub tls_ca_path: Option<Spanned<String>>,
     pub tls_cert_path: Option<Spanned<String>>,
     pub tls_key_path: Option<Spanned<String>>,
@@ -153,6 +156,7 @@ pub struct RawApiKeys {
 #[serde(deny_unknown_fields)]
 pub struct RawJwt {
     pub secret_env: Option<Spanned<String>>,
+    pub secret_file: Option<Spanned<String>>,
     pub algorithms: Option<Spanned<Vec<String>>>,
     pub jwks_path: Option<Spanned<String>>,
     pub jwks_url: Option<Spanned<String>>,

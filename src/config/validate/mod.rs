@@ -101,6 +101,7 @@ pub fn validate(
         upstreams,
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         warnings: c.warnings,
+        secret_files: c.secret_files,
         named_read: Vec::new(),
         source_hash: String::new(),
     })
@@ -405,6 +406,91 @@ pub(super) fn int_in(
         return None;
     }
     Some(n as u64)
+}
+
+/// A secret as read from where the config says: `<field>_env`, an environment variable, or
+/// `<field>_file`, a file (a Kubernetes Secret's, Docker's `/run/secrets`), read at the start
+/// and at every reload, and watched with `watch_config` as the other files a config names.
+pub(super) struct SecretRead {
+    /// The field that says where (`redis.password_file`), for messages.
+    pub field: String,
+    /// Where, in words: `the environment variable REDIS_PASSWORD`, `the file
+    /// /run/secrets/redis` (never the value).
+    pub from: String,
+    pub span: std::ops::Range<usize>,
+    /// The value: `None` for a variable that is not set. A file's last line break (`\n` or
+    /// `\r\n`, as `echo` and editors leave it) is not part of it.
+    pub value: Option<Vec<u8>>,
+}
+
+/// Where the secret `field` (`redis.password`) is read from and what it holds: `Ok(None)`
+/// when neither `<field>_env` nor `<field>_file` is written (and no `default_env`), `Err`
+/// once a problem is said (both written; a file that cannot be read).
+pub(super) fn secret(
+    c: &mut Collector,
+    field: &str,
+    env: Option<&Spanned<String>>,
+    file: Option<&Spanned<String>>,
+    default_env: Option<(&str, std::ops::Range<usize>)>,
+    config: &Path,
+) -> Result<Option<SecretRead>, ()> {
+    match (env, file) {
+        (Some(_), Some(f)) => {
+            c.push(
+                Some(&f.span()),
+                None,
+                format!(
+                    "{field}_env and {field}_file are both set: read the secret from one of them"
+                ),
+            );
+            Err(())
+        }
+        (None, Some(f)) => {
+            let written = f.get_ref();
+            let path = config
+                .parent()
+                .map_or_else(|| PathBuf::from(written), |dir| dir.join(written));
+            match super::read_named(&path) {
+                Ok(mut value) => {
+                    c.secret_files.push(path.clone());
+                    if value.ends_with(b"\n") {
+                        value.pop();
+                        if value.ends_with(b"\r") {
+                            value.pop();
+                        }
+                    }
+                    Ok(Some(SecretRead {
+                        field: format!("{field}_file"),
+                        from: format!("the file {}", path.display()),
+                        span: f.span(),
+                        value: Some(value),
+                    }))
+                }
+                Err(e) => {
+                    // (Watched all the same, as every file a refused config tried to read.)
+                    c.push(
+                        Some(&f.span()),
+                        None,
+                        format!("{field}_file = \"{written}\": cannot read it: {e}"),
+                    );
+                    Err(())
+                }
+            }
+        }
+        (env, None) => {
+            let (name, span) = match (env, default_env) {
+                (Some(v), _) => (v.get_ref().as_str(), v.span()),
+                (None, Some((name, span))) => (name, span),
+                (None, None) => return Ok(None),
+            };
+            Ok(Some(SecretRead {
+                field: format!("{field}_env"),
+                from: format!("the environment variable {}", env_var_shown(name)),
+                span,
+                value: std::env::var_os(name).map(|v| v.into_encoded_bytes()),
+            }))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -230,26 +230,37 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             }
         },
     };
-    let admin_token = match s.and_then(|s| s.admin_token_env.as_ref()) {
-        None => Some(None),
-        Some(var) => match std::env::var_os(var.get_ref()) {
-            // Sent as `Authorization: Bearer <token>`, which carries visible ASCII only.
-            Some(v) if !v.as_encoded_bytes().iter().all(u8::is_ascii_graphic) => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds a space, a control character or a byte past ASCII: the admin token must be visible ASCII (it is sent in an Authorization header)", super::env_var_shown(var.get_ref())));
-                None
+    let admin_token = match super::secret(
+        c,
+        "server.admin_token",
+        s.and_then(|s| s.admin_token_env.as_ref()),
+        s.and_then(|s| s.admin_token_file.as_ref()),
+        None,
+        config,
+    ) {
+        Err(()) => None,
+        Ok(None) => Some(None),
+        Ok(Some(read)) => {
+            let (field, from, span) = (&read.field, &read.from, Some(&read.span));
+            match read.value {
+                // Sent as `Authorization: Bearer <token>`, which carries visible ASCII only.
+                Some(v) if !v.iter().all(u8::is_ascii_graphic) => {
+                    c.push(span, None, format!("{field}: {from} holds a space, a control character or a byte past ASCII: the admin token must be visible ASCII (it is sent in an Authorization header)"));
+                    None
+                }
+                Some(v) if v.len() >= MIN_ADMIN_TOKEN_BYTES => {
+                    Some(Some(Secret(Arc::from(v.as_slice()))))
+                }
+                Some(v) => {
+                    c.push(span, None, format!("{field}: {from} holds {} bytes: the admin token must be at least {MIN_ADMIN_TOKEN_BYTES} bytes", v.len()));
+                    None
+                }
+                None => {
+                    c.push(span, None, format!("{field}: {from} is not set: set it to the admin token (at least {MIN_ADMIN_TOKEN_BYTES} bytes)"));
+                    None
+                }
             }
-            Some(v) if v.len() >= MIN_ADMIN_TOKEN_BYTES => {
-                Some(Some(Secret(Arc::from(v.as_encoded_bytes()))))
-            }
-            Some(v) => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} holds {} bytes: the admin token must be at least {MIN_ADMIN_TOKEN_BYTES} bytes", super::env_var_shown(var.get_ref()), v.len()));
-                None
-            }
-            None => {
-                c.push(Some(&var.span()), None, format!("server.admin_token_env: the environment variable {} is not set: set it to the admin token (at least {MIN_ADMIN_TOKEN_BYTES} bytes)", super::env_var_shown(var.get_ref())));
-                None
-            }
-        },
+        }
     };
     // Reachable from elsewhere and open to anyone: `/reload`, `DELETE /limits` and
     // `/metrics` for whoever reaches the address.
@@ -836,7 +847,7 @@ pub(super) fn redis(
     }
     let target = match (url_override, url, cluster) {
         (None, None, None) if sentinel.is_some() => {
-            sentinel_target(c, r.expect("a [redis] section"))
+            sentinel_target(c, r.expect("a [redis] section"), config)
         }
         (Some(env), file_url, file_seeds) => {
             // The environment's URL is used; the file's are checked all the same (no password
@@ -848,7 +859,7 @@ pub(super) fn redis(
                     Some(&u.span()),
                     u.get_ref(),
                     &format!("redis.url \"{}\"", redact_url(u.get_ref())),
-                    Some("redis.password_env"),
+                    Some("redis.password"),
                     SINGLE_FORM,
                 );
             }
@@ -856,7 +867,7 @@ pub(super) fn redis(
                 let _ = cluster_urls(c, seeds);
             }
             if let (Some(_), Some(r)) = (sentinel, r) {
-                let _ = sentinel_target(c, r);
+                let _ = sentinel_target(c, r, config);
             }
             check_redis_url(
                 c,
@@ -881,7 +892,7 @@ pub(super) fn redis(
             Some(&u.span()),
             u.get_ref(),
             &format!("redis.url = \"{}\"", redact_url(u.get_ref())),
-            Some("redis.password_env"),
+            Some("redis.password"),
             SINGLE_FORM,
         )
         .map(RedisTarget::Single),
@@ -952,6 +963,41 @@ pub(super) fn redis(
     })
 }
 
+/// A password Redis (or a sentinel) is given, from `<field>_env` or `<field>_file`: `Ok(None)`
+/// when neither is written, `Err` once a problem is said (not set, empty, not UTF-8).
+fn redis_password(
+    c: &mut Collector,
+    field: &str,
+    what: &str,
+    env: Option<&Spanned<String>>,
+    file: Option<&Spanned<String>>,
+    config: &Path,
+) -> Result<Option<Secret>, ()> {
+    let Some(read) = super::secret(c, field, env, file, None, config)? else {
+        return Ok(None);
+    };
+    let (field, from) = (&read.field, &read.from);
+    match read.value.map(String::from_utf8) {
+        Some(Ok(v)) if !v.is_empty() => Ok(Some(Secret(Arc::from(v.as_bytes())))),
+        Some(Err(_)) => {
+            c.push(
+                Some(&read.span),
+                None,
+                format!("{field}: {from} is not UTF-8"),
+            );
+            Err(())
+        }
+        _ => {
+            c.push(
+                Some(&read.span),
+                None,
+                format!("{field}: {from} is not set (or empty): set it to {what}"),
+            );
+            Err(())
+        }
+    }
+}
+
 /// `username`, `password_env` and the TLS files of `[redis]`, checked against the URLs: TLS
 /// settings without a `rediss://` URL, or a mix of `redis://` and `rediss://` seeds, are
 /// errors rather than a silent plain-text connection.
@@ -997,29 +1043,18 @@ fn redis_access(
         }
         Some(u) => Some(u.get_ref().clone()),
     };
-    let password = match r.and_then(|r| r.password_env.as_ref()) {
-        None => None,
-        Some(var) => match std::env::var(var.get_ref()) {
-            Ok(v) if !v.is_empty() => Some(Secret(Arc::from(v.as_bytes()))),
-            Ok(_) | Err(std::env::VarError::NotPresent) => {
-                c.push(Some(&var.span()), None, format!("redis.password_env: the environment variable {} is not set (or empty): set it to the Redis password", super::env_var_shown(var.get_ref())));
-                ok = false;
-                None
-            }
-            Err(std::env::VarError::NotUnicode(_)) => {
-                c.push(
-                    Some(&var.span()),
-                    None,
-                    format!(
-                        "redis.password_env: the environment variable {} is not UTF-8",
-                        super::env_var_shown(var.get_ref())
-                    ),
-                );
-                ok = false;
-                None
-            }
-        },
-    };
+    let password = redis_password(
+        c,
+        "redis.password",
+        "the Redis password",
+        r.and_then(|r| r.password_env.as_ref()),
+        r.and_then(|r| r.password_file.as_ref()),
+        config,
+    )
+    .unwrap_or_else(|()| {
+        ok = false;
+        None
+    });
     let resolve = |p: &Spanned<String>| {
         let written = p.get_ref();
         config
@@ -1122,7 +1157,11 @@ const SINGLE_FORM: &str =
     "redis://host:port/db (rediss:// for TLS; an IPv6 address in brackets: redis://[::1]:6379/0)";
 
 /// `sentinel_urls`, `sentinel_master` and `sentinel_password_env`.
-fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Option<RedisTarget> {
+fn sentinel_target(
+    c: &mut Collector,
+    r: &crate::config::raw::RawRedis,
+    config: &Path,
+) -> Option<RedisTarget> {
     let urls = r.sentinel_urls.as_ref()?;
     let mut ok = true;
     if urls.get_ref().is_empty() || urls.get_ref().len() > 16 {
@@ -1143,7 +1182,7 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
             Some(&u.span()),
             u.get_ref(),
             &what,
-            Some("redis.sentinel_password_env"),
+            Some("redis.sentinel_password"),
             "redis://host:port (rediss:// for TLS)",
         ) {
             Some(url) => {
@@ -1189,16 +1228,15 @@ fn sentinel_target(c: &mut Collector, r: &crate::config::raw::RawRedis) -> Optio
         }
         Some(m) => Some(m.get_ref().clone()),
     };
-    let password = match &r.sentinel_password_env {
-        None => Some(None),
-        Some(var) => match std::env::var(var.get_ref()) {
-            Ok(v) if !v.is_empty() => Some(Some(Secret(Arc::from(v.as_bytes())))),
-            _ => {
-                c.push(Some(&var.span()), None, format!("redis.sentinel_password_env: the environment variable {} is not set (or empty, or not UTF-8): set it to the sentinels' password", super::env_var_shown(var.get_ref())));
-                None
-            }
-        },
-    };
+    let password = redis_password(
+        c,
+        "redis.sentinel_password",
+        "the sentinels' password",
+        r.sentinel_password_env.as_ref(),
+        r.sentinel_password_file.as_ref(),
+        config,
+    )
+    .ok();
     let target = RedisTarget::Sentinel(crate::config::SentinelTarget {
         sentinels,
         master: master?,
@@ -1247,7 +1285,7 @@ fn cluster_urls(c: &mut Collector, seeds: &Spanned<Vec<Spanned<String>>>) -> Opt
             Some(&seed.span()),
             text,
             &what,
-            Some("redis.password_env"),
+            Some("redis.password"),
             "redis://host:port (rediss:// for TLS)",
         ) else {
             ok = false;
@@ -1324,8 +1362,8 @@ fn check_redis_url(
                 span,
                 None,
                 format!(
-                    "{what} holds a password, which the file must not: put it in an environment variable and name that variable in {} (the user name may stay in the URL)",
-                    in_file.unwrap_or_default()
+                    "{what} holds a password, which the file must not: put it in an environment variable named in {field}_env, or in a file of its own named in {field}_file (the user name may stay in the URL)",
+                    field = in_file.unwrap_or_default()
                 ),
             );
             None
@@ -1464,17 +1502,30 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         c.warn(Some(&spanned.span()), None, "[auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does".into());
     }
     let secret = if used && symmetric {
-        let span = j.secret_env.as_ref().map_or(spanned.span(), |s| s.span());
-        match std::env::var_os(&secret_env) {
-            None => {
-                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes", super::env_var_shown(&secret_env)));
-                None
+        let read = super::secret(
+            c,
+            "auth.jwt.secret",
+            j.secret_env.as_ref(),
+            j.secret_file.as_ref(),
+            Some((secret_env.as_str(), spanned.span())),
+            config,
+        );
+        match read {
+            Err(()) | Ok(None) => None,
+            Ok(Some(read)) => {
+                let (field, from, span) = (&read.field, &read.from, Some(&read.span));
+                match read.value {
+                    None => {
+                        c.push(span, None, format!("{field}: {from} is not set: set it to a shared secret of at least {MIN_JWT_SECRET_BYTES} bytes"));
+                        None
+                    }
+                    Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
+                        c.push(span, None, format!("{field}: {from} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", v.len()));
+                        None
+                    }
+                    Some(v) => Some(Secret(Arc::from(v.as_slice()))),
+                }
             }
-            Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
-                c.push(Some(&span), None, format!("auth.jwt.secret_env: the environment variable {} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", super::env_var_shown(&secret_env), v.len()));
-                None
-            }
-            Some(v) => Some(Secret(Arc::from(v.as_encoded_bytes()))),
         }
     } else {
         None
