@@ -1064,7 +1064,19 @@ async fn a_redis_busy_with_a_script_cannot_serve_and_refuses_nothing() {
 async fn a_redis_that_wants_a_password_it_was_not_given_is_noauth_not_a_refusal() {
     let redis = Redis::start_with(free_port(), &["--requirepass", "not-given-0123"]);
     let up = Upstream::start("app");
-    let gw = limited(GatewayConfig::new(&redis.url()), &up).start();
+    let config = limited(GatewayConfig::new(&redis.url()), &up);
+    // `check --redis` says it as the start does, not as a Redis busy for a moment.
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stdout, lines) = common::check_redis(dir.path(), &config, &[]);
+    assert_eq!(
+        (code, lines),
+        (
+            Some(1),
+            vec![format!("redis 127.0.0.1:{}: cannot serve: Redis wants a password and was given none (NOAUTH): set redis.password_env or redis.password_file (and redis.username for an ACL user)", redis.port)]
+        ),
+        "{stdout}"
+    );
+    let gw = config.start();
     wait_until(Duration::from_secs(10), "the reason said", || {
         gw.logs().contains("NOAUTH")
     });

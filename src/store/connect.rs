@@ -683,6 +683,15 @@ pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeRepo
                 let mut opened = open(&target.dial).await.map_err(|e| reason(&e))?;
                 let mut conn = opened.conn.clone();
                 let policy = eviction_policy(&mut conn).await.map_err(|e| reason(&e))?;
+                // Not read for a reason of the moment (`BUSY`, `LOADING`), or because no
+                // password was given to a Redis that wants one: `NOAUTH` is said as itself.
+                if policy.is_none() {
+                    let ping: redis::RedisResult<String> =
+                        redis::cmd("PING").query_async(&mut conn).await;
+                    if ping.is_err_and(|e| e.code() == Some("NOAUTH")) {
+                        return Err("Redis wants a password and was given none (NOAUTH): set redis.password_env or redis.password_file (and redis.username for an ACL user)".to_owned());
+                    }
+                }
                 let prefix = &config.key_prefix;
                 let refused: redis::RedisResult<Vec<String>> = permissions
                     .arg(format!("{prefix}:v1:permissions"))
