@@ -1750,12 +1750,14 @@ pub(super) fn upstream(
                 addrs.push(SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port));
                 hosts.push(name);
             }
+            // Shown without what may be a password (`user:password@host:port`, a URL's).
             None => c.push(
                 Some(&a.span()),
                 None,
                 format!(
-                    "{} entry \"{written}\" {}",
+                    "{} entry \"{}\" {}",
                     field("addrs"),
+                    crate::config::redact_url_and_query(written),
                     why_not_an_address(written)
                 ),
             ),
@@ -1886,6 +1888,9 @@ fn why_not_an_address(written: &str) -> String {
     let how = "write \"host:port\", an IPv6 address in brackets (\"[::1]:8080\")";
     if written.contains("://") {
         return format!("is a URL, not an address: {how}");
+    }
+    if written.contains('@') {
+        return format!("holds a user (and perhaps a password) before '@', which an address has not: {how}: the gateway sends an upstream no credentials of its own");
     }
     if !written.starts_with('[') && written.matches(':').count() > 1 {
         return format!("is an IPv6 address without brackets: {how}");
