@@ -189,7 +189,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     // A method no request can carry past the edge (a digit: answered 400 before any route).
     let route = Route::new("x.api")
         .prefix("/x")
-        .methods(&["GET", "X1", "get"])
+        .methods(&["GET", "X1", "get", "POTS", "PROPFIND"])
         .identity("client_ip")
         .token_bucket(5_000_000, 1_000_000)
         .set(
@@ -237,7 +237,10 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("ok, 4 route(s)"), "{stdout}");
     // A method listed twice is said once in the route's line.
-    assert!(stdout.contains("x.api: GET,HEAD,X1 "), "{stdout}");
+    assert!(
+        stdout.contains("x.api: GET,HEAD,X1,POTS,PROPFIND "),
+        "{stdout}"
+    );
     let file = path.display();
     let warnings: Vec<&str> = stderr.lines().collect();
     assert_eq!(
@@ -251,6 +254,8 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: [auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does", position_of(&path, "[auth.jwt]")),
             format!("warning: {file}:{}: routes[0] (x.api): methods[1] = \"X1\" never reaches a route: requests whose method holds more than letters, '-' and '_' are answered 400", position_of(&path, "\"X1\"")),
             format!("warning: {file}:{}: routes[0] (x.api): methods[2] = \"get\" is listed already as methods[0]: keep one", position_of(&path, "\"get\"")),
+            // A misspelling leaves POST to another route; a WebDAV method is registered.
+            format!("warning: {file}:{}: routes[0] (x.api): methods[3] = \"POTS\" is no registered HTTP method (IANA's registry, or PURGE): if it is a misspelling, the method meant goes to another route (a catch-all's limit, or none); keep it if clients send it", position_of(&path, "\"POTS\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"10.1.2.3/16\" has host bits set: it is taken as the network \"10.1.0.0/16\" (write \"10.1.2.3/32\" for the one address)", position_of(&path, "\"10.1.2.3/16\"")),
             format!("warning: {file}:{}: routes[0] (x.api): exempt_client_cidrs entry \"::/0\" is every IPv6 address: every client of that family then goes without a limit", position_of(&path, "\"::/0\"")),
             // IPv4 clients are read as IPv4: the mapped network of them all is every one.

@@ -12,6 +12,53 @@ use crate::config::raw::{RawConfig, RawIdentity, RawRateLimitHeaders, RawRoute};
 use crate::config::*;
 use crate::routing::{self, PathError, PathMatch};
 
+/// The methods of IANA's HTTP Method Registry (RFC 9110's, PATCH, WebDAV's and its
+/// extensions'), with QUERY (the safe method with a body) and PURGE (caches'): a route's
+/// method outside them is warned of as a likely misspelling.
+const REGISTERED_METHODS: &[&str] = &[
+    "ACL",
+    "BASELINE-CONTROL",
+    "BIND",
+    "CHECKIN",
+    "CHECKOUT",
+    "CONNECT",
+    "COPY",
+    "DELETE",
+    "GET",
+    "HEAD",
+    "LABEL",
+    "LINK",
+    "LOCK",
+    "MERGE",
+    "MKACTIVITY",
+    "MKCALENDAR",
+    "MKCOL",
+    "MKREDIRECTREF",
+    "MKWORKSPACE",
+    "MOVE",
+    "OPTIONS",
+    "ORDERPATCH",
+    "PATCH",
+    "POST",
+    "PRI",
+    "PROPFIND",
+    "PROPPATCH",
+    "PURGE",
+    "PUT",
+    "QUERY",
+    "REBIND",
+    "REPORT",
+    "SEARCH",
+    "TRACE",
+    "UNBIND",
+    "UNCHECKOUT",
+    "UNLINK",
+    "UNLOCK",
+    "UPDATE",
+    "UPDATEREDIRECTREF",
+    "VERSION-CONTROL",
+];
+
 pub(super) fn route(
     c: &mut Collector,
     index: usize,
@@ -88,10 +135,7 @@ pub(super) fn route(
                     }
                     // What the edge lets through (letters, `-`, `_`): a method of other
                     // characters is answered 400 before any route, and would match nothing.
-                    Ok(method) if crate::routing::plain_method(&method) => Some(method),
-                    // Said, not refused: a file that started before (when such a method could
-                    // still reach a route) keeps starting.
-                    Ok(method) => {
+                    Ok(method) if !crate::routing::plain_method(&method) => {
                         c.warn(
                             at.as_ref(),
                             label,
@@ -99,6 +143,17 @@ pub(super) fn route(
                         );
                         Some(method)
                     }
+                    // A method no registry knows is most often a misspelling (`POTS`), which
+                    // leaves the method meant to another route: a catch-all's limit, or none.
+                    Ok(method) if !REGISTERED_METHODS.contains(&method.as_str()) => {
+                        c.warn(
+                            at.as_ref(),
+                            label,
+                            format!("methods[{i}] = \"{name}\" is no registered HTTP method (IANA's registry, or PURGE): if it is a misspelling, the method meant goes to another route (a catch-all's limit, or none); keep it if clients send it"),
+                        );
+                        Some(method)
+                    }
+                    Ok(method) => Some(method),
                     Err(_) => {
                         c.push(
                             at.as_ref(),
