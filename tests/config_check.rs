@@ -613,6 +613,53 @@ fn an_sni_name_its_certificate_does_not_carry_is_said() {
     );
 }
 
+/// An access log in a directory this process may not write (another user's; a read-only file
+/// system alike) passes `check` only to fail the start: refused by both, with the reason.
+#[test]
+fn an_access_log_the_process_may_not_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        "[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n[access_log]\npath = \"logs/access.log\"\n\
+         [[routes]]\nendpoint_id = \"a\"\npath_prefix = \"/\"\nupstream = \"app\"\nalgorithm = \"none\"\n",
+    )
+    .unwrap();
+    let open = std::fs::Permissions::from_mode(0o755);
+    std::fs::set_permissions(dir.path(), open.clone()).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // Root may write anywhere: the check is run as `nobody` then; otherwise the directory is
+    // made read-only to its owner.
+    // SAFETY: no arguments; reads the process's effective user.
+    let root = unsafe { libc::geteuid() } == 0;
+    let out = if root {
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_sentinel-gateway"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .env_remove("SENTINEL_REDIS_URL")
+            .output()
+            .expect("setpriv runs")
+    } else {
+        std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o555)).unwrap();
+        common::check_config(&path, &[("SENTINEL_REDIS_URL", None)])
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            ":4:8: access_log.path = \"logs/access.log\" cannot be written by this process: {}: Permission denied",
+            logs.display()
+        )),
+        "{stderr}"
+    );
+    std::fs::set_permissions(&logs, open).unwrap();
+}
+
 /// An access log named as a file the gateway reads is refused however it is named: here a
 /// hard link to the config file itself, into which its lines would be written.
 #[test]

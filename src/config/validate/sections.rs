@@ -723,8 +723,14 @@ pub(super) fn access_log(
                 .parent()
                 .map_or_else(|| PathBuf::from(p), |dir| dir.join(p));
             // What `check` can tell without writing anything: the file is made at start if
-            // missing, in a directory that must be there.
+            // missing, in a directory that must be there, and the process may write either
+            // (a read-only file system, a directory of another user's: the start would fail).
             let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+            let written = if file.exists() {
+                file.clone()
+            } else {
+                dir.map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+            };
             let problem = if file.is_dir() {
                 Some("is a directory: name a file in it".to_owned())
             } else if let Some(dir) = dir.filter(|d| !d.is_dir()) {
@@ -733,6 +739,11 @@ pub(super) fn access_log(
                     false => "does not exist",
                 };
                 Some(format!("cannot be made: {} {why}", dir.display()))
+            } else if let Err(e) = may_write(&written) {
+                Some(format!(
+                    "cannot be written by this process: {}: {e}",
+                    written.display()
+                ))
             } else if let Some((read, _)) = read_files(raw, config)
                 .into_iter()
                 .find(|(_, f)| same_file(f, &file))
@@ -753,6 +764,20 @@ pub(super) fn access_log(
                 None => Some(AccessLogTarget::File(file)),
             }
         }
+    }
+}
+
+/// Whether this process may write `path` (a file, or a directory to make one in), as the
+/// kernel says without writing: `EACCES` for another user's, `EROFS` on a read-only file
+/// system.
+fn may_write(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: `c_path` is a NUL-terminated string that outlives the call.
+    match unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
     }
 }
 
