@@ -569,6 +569,7 @@ impl Metrics {
         fail_mode: FailMode,
         mode: Enforcement,
         limits: &[&str],
+        reports_costs: bool,
     ) -> EndpointMetrics {
         for (name, current) in [
             ("enforce", mode == Enforcement::Enforce),
@@ -612,13 +613,26 @@ impl Metrics {
                     .expect("a histogram's options"),
             },
             degraded: counter(&self.degraded, &[endpoint_id, fail_mode.as_str()]),
-            shadow_denials: counter(&self.shadow_denials, &[endpoint_id]),
+            // Only where they can move: a route in shadow mode, one whose upstream reports
+            // costs (a platform's thousands of endpoints would show three charge series and a
+            // shadow one each, always 0).
+            shadow_denials: match mode {
+                Enforcement::Shadow => counter(&self.shadow_denials, &[endpoint_id]),
+                Enforcement::Enforce => unexported_counter(),
+            },
             overlimit_hits: counter(&self.overlimit_hits, &[endpoint_id]),
             exempt: self.exempt_requests.with_label_values(&[endpoint_id]),
-            charges: ResponseCharges {
-                charged: counter(&self.response_charges, &[endpoint_id, "charged"]),
-                invalid: counter(&self.response_charges, &[endpoint_id, "invalid"]),
-                failed: counter(&self.response_charges, &[endpoint_id, "failed"]),
+            charges: match reports_costs {
+                true => ResponseCharges {
+                    charged: counter(&self.response_charges, &[endpoint_id, "charged"]),
+                    invalid: counter(&self.response_charges, &[endpoint_id, "invalid"]),
+                    failed: counter(&self.response_charges, &[endpoint_id, "failed"]),
+                },
+                false => ResponseCharges {
+                    charged: unexported_counter(),
+                    invalid: unexported_counter(),
+                    failed: unexported_counter(),
+                },
             },
             limit_denials: limits
                 .iter()
@@ -816,9 +830,28 @@ mod tests {
     fn only_the_decisions_an_endpoint_can_give_are_shown_before_the_first() {
         let m = Metrics::new();
         let enforce = Enforcement::Enforce;
-        let closed = m.endpoint("e.closed", FailMode::FailClosed, enforce, &["default"]);
-        m.endpoint("e.open", FailMode::FailOpen, enforce, &["burst", "daily"]);
-        m.endpoint("e.none", FailMode::FailOpen, enforce, &[]);
+        let closed = m.endpoint(
+            "e.closed",
+            FailMode::FailClosed,
+            enforce,
+            &["default"],
+            false,
+        );
+        m.endpoint(
+            "e.open",
+            FailMode::FailOpen,
+            enforce,
+            &["burst", "daily"],
+            false,
+        );
+        m.endpoint("e.none", FailMode::FailOpen, enforce, &[], false);
+        m.endpoint(
+            "e.costs",
+            FailMode::FailOpen,
+            Enforcement::Shadow,
+            &["default"],
+            true,
+        );
         assert_eq!(
             decisions(&m, "e.closed"),
             [
@@ -841,6 +874,19 @@ mod tests {
             ]
         );
         assert_eq!(decisions(&m, "e.none"), Vec::<String>::new());
+        // Shadow denials and reported costs only where a route can have them.
+        let text = m.render();
+        let series = |name: &str| -> Vec<&str> {
+            (text.lines())
+                .filter(|l| l.starts_with(name))
+                .map(|l| l.split('"').nth(1).unwrap_or_default())
+                .collect()
+        };
+        assert_eq!(series("sentinel_shadow_denials_total{"), ["e.costs"]);
+        assert_eq!(
+            series("sentinel_response_charges_total{"),
+            ["e.costs", "e.costs", "e.costs"]
+        );
         // Counted where made ahead; a pair not made ahead is made when it comes.
         closed.count_decision(DecisionReason::FailClosed, false);
         closed.count_decision(DecisionReason::RedisTimeout, true);

@@ -165,6 +165,7 @@ impl Snapshot {
                             p.fail_mode,
                             p.mode,
                             &p.limits.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+                            p.cost_from_response.is_some(),
                         )
                     };
                     let mut endpoint = Endpoint::new(

@@ -1394,7 +1394,9 @@ fn an_interim_answer_never_reaches_an_http_1_0_client() {
 
 /// A route that decides nothing (`algorithm = "none"`) has no series of what a decision does
 /// (a dashboard summing degraded decisions by `fail_mode` listed it under `fail_closed`); a
-/// limited route has them from the start.
+/// limited route has them from the start, its shadow denials and reported costs where it is
+/// in shadow mode and its upstream reports costs (a platform's thousands of routes would show
+/// four more series each, always 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_that_decides_nothing_has_no_decision_series() {
     let (redis, up) = (Redis::start(), Upstream::start("app"));
@@ -1405,6 +1407,17 @@ async fn a_route_that_decides_nothing_has_no_decision_series() {
                 .prefix("/limited")
                 .identity_header("X-API-Key")
                 .token_bucket(5_000_000, 0),
+        )
+        .route(
+            Route::new("m.costs")
+                .prefix("/costs")
+                .identity_header("X-API-Key")
+                .token_bucket(5_000_000, 0)
+                .set("mode", "\"shadow\"")
+                .set(
+                    "cost_from_response",
+                    "{ header = \"X-OCR-Pages\", unit_micro = 1_000_000 }",
+                ),
         )
         .route(Route::new("m.open").prefix("/").unlimited())
         .start();
@@ -1426,7 +1439,14 @@ async fn a_route_that_decides_nothing_has_no_decision_series() {
         "sentinel_response_charges_total",
     ] {
         assert_eq!(series(family, "m.open"), 0, "{family}:\n{body}");
-        assert!(series(family, "m.limited") > 0, "{family}:\n{body}");
+        assert!(series(family, "m.costs") > 0, "{family}:\n{body}");
+        let enforced_without_costs = family == "sentinel_shadow_denials_total"
+            || family == "sentinel_response_charges_total";
+        assert_eq!(
+            series(family, "m.limited") == 0,
+            enforced_without_costs,
+            "{family}:\n{body}"
+        );
     }
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="m.open",status="200"}"#),

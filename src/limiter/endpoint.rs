@@ -320,6 +320,7 @@ mod tests {
                 FailMode::FailClosed,
                 Enforcement::Enforce,
                 &[],
+                false,
             ),
             std::sync::Arc::new(crate::clock::ManualClock::default()),
         );
