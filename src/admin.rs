@@ -86,6 +86,58 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> AdminResponse 
         .expect("static response parts are valid")
 }
 
+/// Whether `Accept-Encoding` takes gzip (Prometheus asks for it): `gzip` (or `x-gzip`), or
+/// `*` when gzip is not named, with a weight above 0.
+fn accepts_gzip(headers: &http::HeaderMap) -> bool {
+    let mut named = None;
+    let mut any = false;
+    for value in headers.get_all(http::header::ACCEPT_ENCODING) {
+        let Ok(value) = value.to_str() else { continue };
+        for item in value.split(',') {
+            let mut parts = item.split(';');
+            let coding = parts.next().unwrap_or_default().trim();
+            let weight = parts
+                .filter_map(|p| p.trim().strip_prefix("q="))
+                .find_map(|q| q.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            if coding.eq_ignore_ascii_case("gzip") || coding.eq_ignore_ascii_case("x-gzip") {
+                named = Some(weight > 0.0);
+            } else if coding == "*" {
+                any = weight > 0.0;
+            }
+        }
+    }
+    named.unwrap_or(any)
+}
+
+/// The exposition, gzipped when the scraper takes it and it is worth it (a config of
+/// thousands of routes exposes megabytes, which gzip makes a tenth or less).
+fn exposition(text: String, gzip: bool) -> AdminResponse {
+    const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+    if !gzip || text.len() < 1024 {
+        return reply(StatusCode::OK, CONTENT_TYPE, text);
+    }
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(
+        Vec::with_capacity(text.len() / 8),
+        flate2::Compression::fast(),
+    );
+    let zipped = match encoder
+        .write_all(text.as_bytes())
+        .and_then(|()| encoder.finish())
+    {
+        Ok(zipped) => zipped,
+        Err(_) => return reply(StatusCode::OK, CONTENT_TYPE, text),
+    };
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", CONTENT_TYPE)
+        .header("content-encoding", "gzip")
+        .header("vary", "accept-encoding")
+        .body(Full::new(Bytes::from(zipped)))
+        .expect("static response parts are valid")
+}
+
 fn json(status: StatusCode, value: serde_json::Value) -> AdminResponse {
     reply(status, "application/json", value.to_string())
 }
@@ -484,6 +536,7 @@ impl Admin {
             &Method::HEAD => Method::GET,
             m => m.clone(),
         };
+        let gzip = accepts_gzip(req.headers());
         match (method, req.uri().path()) {
             (Method::GET, "/metrics") => {
                 self.store.refresh_breakers();
@@ -500,11 +553,7 @@ impl Admin {
                 self.metrics
                     .redis_up
                     .set(i64::from(self.store.is_connected()));
-                reply(
-                    StatusCode::OK,
-                    "text/plain; version=0.0.4",
-                    self.metrics.render(),
-                )
+                exposition(self.metrics.render(), gzip)
             }
             (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
             (Method::GET, "/readyz") => self.readyz(),

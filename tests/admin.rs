@@ -183,6 +183,59 @@ async fn the_probes_answer_head_and_a_wrong_method_is_told_what_is_allowed() {
     }
 }
 
+/// `/metrics` is gzipped for a scraper that takes it (Prometheus asks so), plain text for one
+/// that does not or refuses it; both say the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_gzipped_for_a_scraper_that_takes_it() {
+    use std::io::Read;
+    let (redis, up) = (Redis::start(), Upstream::start("app"));
+    let gw = unlimited(&redis, &up);
+    let http = client();
+    let get = |encoding: Option<&'static str>| {
+        let (http, url) = (http.clone(), gw.admin("/metrics"));
+        async move {
+            let mut r = http.get(url);
+            if let Some(e) = encoding {
+                r = r.header("accept-encoding", e);
+            }
+            let r = r.send().await.unwrap();
+            let zipped = r
+                .headers()
+                .get("content-encoding")
+                .map(|v| v.to_str().unwrap().to_owned());
+            (zipped, r.bytes().await.unwrap())
+        }
+    };
+    // As Prometheus asks.
+    let (zipped, body) = get(Some("gzip")).await;
+    assert_eq!(zipped.as_deref(), Some("gzip"));
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&body[..])
+        .read_to_string(&mut text)
+        .expect("a gzip stream");
+    assert!(text.contains("sentinel_config_generation 1"), "{text}");
+    assert!(
+        body.len() * 3 < text.len(),
+        "{} of {}",
+        body.len(),
+        text.len()
+    );
+    for (asked, expected) in [
+        (None, None),
+        (Some("identity"), None),
+        (Some("gzip;q=0, identity"), None),
+        (Some("br;q=1.0, *;q=0.5"), Some("gzip")),
+        (Some("deflate, gzip;q=0.8"), Some("gzip")),
+    ] {
+        let (zipped, body) = get(asked).await;
+        assert_eq!(zipped.as_deref(), expected, "{asked:?}");
+        if expected.is_none() {
+            let plain = String::from_utf8(body.to_vec()).unwrap();
+            assert!(plain.contains("sentinel_config_generation 1"), "{asked:?}");
+        }
+    }
+}
+
 /// A client that closes its side once its request is sent (`nc -N`, `printf | nc -q0`) gets
 /// its answer, and what it asked for is done and logged: a reset's line was lost with the
 /// answer before.
