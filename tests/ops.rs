@@ -15,8 +15,9 @@ fn exported() -> Vec<String> {
     let _endpoint = metrics.endpoint(
         "any",
         sentinel_gateway::config::FailMode::FailOpen,
-        sentinel_gateway::config::Enforcement::Enforce,
+        sentinel_gateway::config::Enforcement::Shadow,
         &["default"],
+        true,
     );
     metrics.tls_certs([("tls/default.pem", 0)]);
     metrics
