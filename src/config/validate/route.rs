@@ -12,6 +12,36 @@ use crate::config::raw::{RawConfig, RawIdentity, RawRateLimitHeaders, RawRoute};
 use crate::config::*;
 use crate::routing::{self, PathError, PathMatch};
 
+/// The names to offer for `written`, a name none of `known` is, as `[a, b]`: all of them
+/// when they are few, else the three nearest by edit distance, said as such (a platform's
+/// 200 upstreams on one line help no one).
+fn nearest<'a>(written: &str, known: impl Iterator<Item = &'a str>) -> String {
+    const ALL_UP_TO: usize = 8;
+    let mut known: Vec<&str> = known.collect();
+    if known.len() <= ALL_UP_TO {
+        return format!("[{}]", known.join(", "));
+    }
+    let total = known.len();
+    known.sort_by_cached_key(|k| (edit_distance(written, k), *k));
+    format!("[{}] (the nearest 3 of {total})", known[..3].join(", "))
+}
+
+/// Levenshtein's distance between `a` and `b`, in characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let replaced = diagonal + usize::from(ca != *cb);
+            diagonal = row[j + 1];
+            row[j + 1] = replaced.min(row[j] + 1).min(diagonal + 1);
+        }
+    }
+    row[b.len()]
+}
+
 /// The methods of IANA's HTTP Method Registry (RFC 9110's, PATCH, WebDAV's and its
 /// extensions'), with QUERY (the safe method with a body) and PURGE (caches'): a route's
 /// method outside them is warned of as a likely misspelling.
@@ -221,19 +251,17 @@ pub(super) fn route(
         Some(name) => {
             let found = upstreams.get(name.get_ref()).cloned();
             if found.is_none() && !raw.upstreams.contains_key(name.get_ref()) {
-                let known: Vec<&str> = raw.upstreams.keys().map(String::as_str).collect();
+                let known = nearest(name.get_ref(), raw.upstreams.keys().map(String::as_str));
                 // An empty name is no upstream's (none may be defined with it).
                 let message = match name.get_ref().trim().is_empty() {
                     true => format!(
-                        "upstream = \"{}\" names no upstream: use one of [{}]",
+                        "upstream = \"{}\" names no upstream: use one of {known}",
                         name.get_ref(),
-                        known.join(", ")
                     ),
                     false => format!(
-                        "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of [{}]",
+                        "upstream = \"{}\" is not defined: define [upstreams.{}] or use one of {known}",
                         name.get_ref(),
                         super::shape::key_shown(name.get_ref()),
-                        known.join(", ")
                     ),
                 };
                 c.push(Some(&name.span()), label, message);
