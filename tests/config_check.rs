@@ -315,11 +315,11 @@ fn a_shared_endpoint_differing_in_tiers_is_pointed_at_the_tier() {
         format!("{line}:{column}")
     };
     let said = error(route("/b", "free", 40_000_000, false));
-    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: tiers)", at("pro.limits", 1))), "{said}");
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] (line 5) but not its limit fields (different: tiers)", at("pro.limits", 1))), "{said}");
     let said = error(route("/b", "basic", 30_000_000, false));
-    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: default_tier)", at("\"basic\"", 0))), "{said}");
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] (line 5) but not its limit fields (different: default_tier)", at("\"basic\"", 0))), "{said}");
     let said = error(route("/b", "free", 30_000_000, true));
-    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] but not its limit fields (different: ratelimit_headers)", at("true", 1))), "{said}");
+    assert!(said.contains(&format!(":{}: routes[1] (a.same): shares endpoint_id with routes[0] (line 5) but not its limit fields (different: ratelimit_headers)", at("true", 1))), "{said}");
 }
 
 /// `line:column` of the first occurrence of `needle` in the file.

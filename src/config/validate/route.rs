@@ -1323,11 +1323,13 @@ pub(super) fn shared_endpoints(
     raw: &[Spanned<RawRoute>],
     routes: &[(Range<usize>, RouteConfig)],
 ) {
-    let mut first: BTreeMap<&EndpointId, &RouteConfig> = BTreeMap::new();
+    let mut first: BTreeMap<&EndpointId, (&RouteConfig, usize)> = BTreeMap::new();
     for (span, route) in routes {
         let id = &route.policy.endpoint_id;
         match first.get(id) {
-            Some(prev) if prev.policy != route.policy || prev.identity != route.identity => {
+            Some(&(prev, prev_line))
+                if prev.policy != route.policy || prev.identity != route.identity =>
+            {
                 let fields = differing(prev, route);
                 let written = raw.get(route.index).map(|r| r.get_ref());
                 let before = prev.policy.tiers.as_ref().map(|t| &t.tiers);
@@ -1350,7 +1352,7 @@ pub(super) fn shared_endpoints(
                     Some(&at),
                     Some(&route_label(route.index, id.as_str())),
                     format!(
-                        "shares endpoint_id with routes[{}] but not its limit fields (different: {}): \
+                        "shares endpoint_id with routes[{}] (line {prev_line}) but not its limit fields (different: {}): \
                          routes of one endpoint share one bucket, so identity, algorithm, limits, \
                          cost, fail mode, fallback, emergency_scope, mode, policy_version, \
                          ratelimit_headers, cost_from_response and tiers must be identical",
@@ -1361,7 +1363,7 @@ pub(super) fn shared_endpoints(
             }
             Some(_) => {}
             None => {
-                first.insert(id, route);
+                first.insert(id, (route, c.position(span).0));
             }
         }
     }
