@@ -475,6 +475,9 @@ pub fn http_client() -> reqwest::Client {
     reqwest::Client::builder()
         .tls_backend_preconfigured(tls)
         .timeout(FETCH_TIMEOUT)
+        // Named, as a provider's firewall may ask of every client (some refuse a fetch
+        // without a `User-Agent`), and so its logs say who fetches.
+        .user_agent(concat!("sentinel-gateway/", env!("CARGO_PKG_VERSION")))
         .no_proxy()
         // A redirect is followed only where `jwks_url` itself may point.
         .redirect(reqwest::redirect::Policy::custom(|attempt| {

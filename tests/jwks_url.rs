@@ -41,6 +41,8 @@ struct Provider {
     port: u16,
     body: Arc<Mutex<Option<String>>>,
     hits: Arc<Mutex<u32>>,
+    /// The last request's head, as it came.
+    last: Arc<Mutex<String>>,
 }
 
 impl Provider {
@@ -49,13 +51,16 @@ impl Provider {
         let port = listener.local_addr().unwrap().port();
         let body = Arc::new(Mutex::new(Some(body)));
         let hits = Arc::new(Mutex::new(0));
-        let (served, counted) = (Arc::clone(&body), Arc::clone(&hits));
+        let last = Arc::new(Mutex::new(String::new()));
+        let (served, counted, heard) = (Arc::clone(&body), Arc::clone(&hits), Arc::clone(&last));
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let (served, counted) = (Arc::clone(&served), Arc::clone(&counted));
+                let heard = Arc::clone(&heard);
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
-                    let _ = socket.read(&mut buf).await;
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    *heard.lock().unwrap() = String::from_utf8_lossy(&buf[..n]).into_owned();
                     *counted.lock().unwrap() += 1;
                     let answer = match served.lock().unwrap().clone() {
                         // A whole answer of its own (a redirect).
@@ -70,7 +75,16 @@ impl Provider {
                 });
             }
         });
-        Provider { port, body, hits }
+        Provider {
+            port,
+            body,
+            hits,
+            last,
+        }
+    }
+
+    fn last_request(&self) -> String {
+        self.last.lock().unwrap().clone()
     }
 
     fn hits(&self) -> u32 {
@@ -150,6 +164,15 @@ async fn the_jwks_is_fetched_refreshed_on_an_unknown_kid_and_kept_when_the_provi
     assert_eq!(status(&gw, &token("rsa-1", "rsa.der")).await, 200);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(provider.hits(), 1, "fetched once at start");
+    // Named as itself (a provider's firewall may refuse a client that is not).
+    let head = provider.last_request().to_ascii_lowercase();
+    assert!(
+        head.contains(&format!(
+            "\r\nuser-agent: sentinel-gateway/{}\r\n",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{head}"
+    );
     assert_eq!(
         gw.metric("sentinel_jwks_refresh_total{result=\"success\"}"),
         1.0
