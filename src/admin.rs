@@ -553,6 +553,10 @@ impl Admin {
                 self.metrics
                     .redis_up
                     .set(i64::from(self.store.is_connected()));
+                let snapshot = self.reloader.live.load();
+                let keys = (snapshot.jwks_target())
+                    .map_or(0, |(url, _)| snapshot.jwks.keys(&url).keys.len());
+                self.metrics.jwks_keys.set(keys as i64);
                 exposition(self.metrics.render(), gzip)
             }
             (Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),

@@ -62,6 +62,8 @@ pub struct Metrics {
     response_charges: IntCounterVec,
     tier_decisions: IntCounterVec,
     pub jwks_refresh: crate::remote_jwks::RefreshCounters,
+    /// `sentinel_jwks_keys`: set when scraped.
+    pub jwks_keys: IntGauge,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     /// Downstream connections open, and the bound on them; set at scrape time.
@@ -289,6 +291,14 @@ impl Metrics {
             success: jwks_refreshes.with_label_values(&["success"]),
             failure: jwks_refreshes.with_label_values(&["failure"]),
         };
+        let jwks_keys = register(
+            &r,
+            IntGauge::new(
+                "sentinel_jwks_keys",
+                "Keys of [auth.jwt] jwks_url's last good fetch that verify tokens now: 0 before the first fetch (every token 401) and without jwks_url.",
+            )
+            .expect("valid"),
+        );
         let decision_duration = register(
             &r,
             HistogramVec::new(
@@ -549,6 +559,7 @@ impl Metrics {
             response_charges,
             tier_decisions,
             jwks_refresh,
+            jwks_keys,
             in_flight,
             connections_open,
             redis_up,

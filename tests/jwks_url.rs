@@ -300,6 +300,7 @@ async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
     let gw = start(&redis, &up, &jwt(&old));
     let signed = token("rsa-1", "rsa.der");
     assert_eq!(status(&gw, &signed).await, 200);
+    assert_eq!(gw.metric("sentinel_jwks_keys"), 1.0);
 
     let config = std::fs::read_to_string(&gw.config_path).unwrap();
     gw.rewrite_config(&config.replace(&jwt(&old), &jwt(&new)));
@@ -308,6 +309,8 @@ async fn a_reload_to_another_provider_stops_trusting_the_old_ones_keys() {
         new.hits() >= 1
     });
     assert_eq!(status(&gw, &signed).await, 401, "the old provider's key");
+    // No key verifies now: what an alert on a gateway that refuses every token reads.
+    assert_eq!(gw.metric("sentinel_jwks_keys"), 0.0);
     wait_until(Duration::from_secs(3), "the WARN", || {
         gw.logs()
             .contains("cannot fetch the JWKS; tokens get 401 until it is fetched")
