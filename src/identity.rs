@@ -41,6 +41,8 @@ pub struct JwtVerifier {
     identity_claim: String,
     /// `iss` is configured: it must be one string.
     issuer: bool,
+    /// `required_claims`: each claim must hold one of its values.
+    required_claims: Vec<(String, Vec<String>)>,
     /// [`JwtVerifier::note_refused`] said its line (once a config generation).
     kidless_said: std::sync::atomic::AtomicBool,
     /// The second (of the Unix clock) of [`JwtVerifier::note_refused`]'s last signature
@@ -83,15 +85,15 @@ impl JwtVerifier {
         // moves its bound onto `exp`.
         validation.reject_tokens_expiring_in_less_than = 1;
         validation.validate_nbf = true;
-        if let Some(iss) = &config.issuer {
-            validation.set_issuer(&[iss]);
+        if !config.issuer.is_empty() {
+            validation.set_issuer(&config.issuer);
         }
         validation.validate_aud = !config.audiences.is_empty();
         if validation.validate_aud {
             validation.set_audience(&config.audiences);
         }
         let mut required = vec!["exp"];
-        if config.issuer.is_some() {
+        if !config.issuer.is_empty() {
             required.push("iss");
         }
         if validation.validate_aud {
@@ -112,7 +114,8 @@ impl JwtVerifier {
             keys,
             remote,
             identity_claim: config.identity_claim.clone(),
-            issuer: config.issuer.is_some(),
+            issuer: !config.issuer.is_empty(),
+            required_claims: config.required_claims.clone(),
             kidless_said: std::sync::atomic::AtomicBool::new(false),
             kidless_checks: std::sync::Mutex::new((0, 0)),
         })
@@ -283,6 +286,20 @@ impl JwtVerifier {
         if self.issuer && !claims.claims.get("iss").is_some_and(|v| v.is_string()) {
             return Err(Refusal::Claims("iss is not one string"));
         }
+        // A claim's value, or one of a list claim's (`groups`, say), among those required.
+        for (name, values) in &self.required_claims {
+            let holds = |v: &serde_json::Value| claim_text(v).is_some_and(|t| values.contains(&t));
+            let held = match claims.claims.get(name) {
+                Some(serde_json::Value::Array(list)) => list.iter().any(holds),
+                Some(v) => holds(v),
+                None => false,
+            };
+            if !held {
+                return Err(Refusal::Claims(
+                    "a claim of auth.jwt.required_claims is missing or holds none of its values",
+                ));
+            }
+        }
         let id = (claims.claims.get(&self.identity_claim))
             .and_then(claim_text)
             .filter(|id| !id.is_empty() && id.len() <= MAX_SUBJECT_BYTES)
@@ -349,7 +366,7 @@ fn claims_refusal(kind: &jsonwebtoken::errors::ErrorKind) -> &'static str {
         K::ExpiredSignature => "expired (exp, with the leeway)",
         K::ImmatureSignature => "not yet valid (nbf, with the leeway)",
         K::InvalidAudience => "its aud is not among auth.jwt.audiences",
-        K::InvalidIssuer => "its iss is not auth.jwt.issuer",
+        K::InvalidIssuer => "its iss is not (one of) auth.jwt.issuer",
         K::MissingRequiredClaim(_) => "a required claim is missing (exp; iss, aud when set)",
         K::InvalidAlgorithm => "its alg does not fit the key",
         _ => "malformed (its claims cannot be read)",
@@ -912,8 +929,9 @@ mod tests {
                 jwks_path: None,
                 jwks_url: None,
                 jwks_refresh: std::time::Duration::from_secs(300),
-                issuer: None,
+                issuer: Vec::new(),
                 audiences: Vec::new(),
+                required_claims: Vec::new(),
                 leeway_secs: 30,
                 identity_claim: "sub".into(),
             }
@@ -1076,7 +1094,7 @@ mod tests {
         #[test]
         fn issuer_audience_leeway_and_the_identity_claim() {
             let v = jwks_verifier(&["RS256"], |c| {
-                c.issuer = Some("https://idp.example/".into());
+                c.issuer = vec!["https://idp.example/".into()];
                 c.audiences = vec!["pdftalk-api".into(), "other".into()];
                 c.identity_claim = "org_id".into();
             });
@@ -1131,6 +1149,51 @@ mod tests {
             );
             late["exp"] = serde_json::json!(now() - 40);
             assert_eq!(t(late), None, "past the leeway");
+        }
+
+        /// Providers that issue under two names (Entra's v1 and v2 issuers, Google's with and
+        /// without `https://`), and Cognito's access tokens, which carry no `aud` but a
+        /// `client_id` and `token_use`: what `required_claims` checks instead.
+        #[test]
+        fn several_issuers_and_required_claims() {
+            let v = jwks_verifier(&["RS256"], |c| {
+                c.issuer = vec![
+                    "https://sts.windows.net/t-1/".into(),
+                    "https://login.microsoftonline.com/t-1/v2.0".into(),
+                ];
+                c.required_claims = vec![
+                    ("token_use".into(), vec!["access".into()]),
+                    ("client_id".into(), vec!["app-a".into(), "app-b".into()]),
+                ];
+            });
+            let key = EncodingKey::from_rsa_der(&fixture("rsa.der"));
+            let t = |claims: serde_json::Value| {
+                id_of(&v, &signed(Algorithm::RS256, Some("rsa-1"), &key, claims))
+            };
+            let good = serde_json::json!({"sub": "u-1", "iss": "https://sts.windows.net/t-1/", "token_use": "access", "client_id": "app-b", "exp": now() + 60});
+            assert_eq!(t(good.clone()).as_deref(), Some("u-1"));
+            let mut v2 = good.clone();
+            v2["iss"] = serde_json::json!("https://login.microsoftonline.com/t-1/v2.0");
+            assert_eq!(t(v2).as_deref(), Some("u-1"), "the other issuer");
+            // A list claim holding one of the values is taken, as `aud` is.
+            let mut listed = good.clone();
+            listed["client_id"] = serde_json::json!(["other", "app-a"]);
+            assert_eq!(t(listed).as_deref(), Some("u-1"));
+            for (field, value) in [
+                ("iss", serde_json::json!("https://sts.windows.net/t-2/")),
+                // Cognito's ID token of the same pool: refused where access ones are asked.
+                ("token_use", serde_json::json!("id")),
+                ("client_id", serde_json::json!("app-c")),
+                ("client_id", serde_json::json!(["app-c"])),
+                ("client_id", serde_json::json!({"app-a": true})),
+            ] {
+                let mut bad = good.clone();
+                bad[field] = value;
+                assert_eq!(t(bad.clone()), None, "{bad}");
+            }
+            let mut missing = good.clone();
+            missing.as_object_mut().unwrap().remove("token_use");
+            assert_eq!(t(missing), None, "without token_use");
         }
 
         fn now() -> u64 {

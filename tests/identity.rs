@@ -153,9 +153,10 @@ async fn each_listed_hmac_algorithm_is_taken_and_no_other() {
     }
 }
 
-/// `[auth.jwt]`'s `issuer`, `audiences` and `leeway_seconds` as written in gateway.toml: a
-/// token of another issuer or audience, expired or not yet valid past the leeway, is 401
-/// before any Redis call; one within the leeway is taken.
+/// `[auth.jwt]`'s `issuer` (two of them), `audiences`, `required_claims` and
+/// `leeway_seconds` as written in gateway.toml: a token of another issuer or audience,
+/// without a required claim's value, expired or not yet valid past the leeway, is 401 before
+/// any Redis call; one within the leeway is taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_issuer_audience_and_leeway_of_the_file_are_checked() {
     let redis = Redis::start();
@@ -163,7 +164,8 @@ async fn the_issuer_audience_and_leeway_of_the_file_are_checked() {
     let gw = GatewayConfig::bare(&redis.url())
         .section(
             "[auth.jwt]\nsecret_env = \"SENTINEL_JWT_SECRET\"\nalgorithms = [\"HS256\"]\n\
-             issuer = \"https://idp.example/\"\naudiences = [\"pdftalk-api\"]\nleeway_seconds = 30\n",
+             issuer = [\"https://idp.example/\", \"idp.example\"]\naudiences = [\"pdftalk-api\"]\n\
+             required_claims = { token_use = \"access\" }\nleeway_seconds = 30\n",
         )
         .upstream("app", &[up.addr()])
         .route(limited("t.jwt", "/api").identity("jwt"))
@@ -181,6 +183,14 @@ async fn the_issuer_audience_and_leeway_of_the_file_are_checked() {
         (
             serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t + 300}),
             200,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": "idp.example", "aud": aud, "exp": t + 300}),
+            200,
+        ),
+        (
+            serde_json::json!({"sub": "a", "iss": iss, "aud": aud, "exp": t + 300, "token_use": "id"}),
+            401,
         ),
         (
             serde_json::json!({"sub": "a", "iss": "https://other.example/", "aud": aud, "exp": t + 300}),
@@ -213,10 +223,19 @@ async fn the_issuer_audience_and_leeway_of_the_file_are_checked() {
             401,
         ),
     ];
+    // Each an access token but where it says otherwise.
+    let cases = cases.map(|(mut claims, want)| {
+        if claims.get("token_use").is_none() {
+            claims["token_use"] = serde_json::json!("access");
+        }
+        (claims, want)
+    });
     let http = client();
     // A first decision moves the gateway's Redis connection to the proxy's workers, which a
     // loaded machine can stretch past the budget: made first, until admitted.
-    let warm = token(serde_json::json!({"sub": "warm", "iss": iss, "aud": aud, "exp": t + 300}));
+    let warm = token(
+        serde_json::json!({"sub": "warm", "iss": iss, "aud": aud, "exp": t + 300, "token_use": "access"}),
+    );
     common::wait_until(
         std::time::Duration::from_secs(10),
         "a first admission",

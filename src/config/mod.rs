@@ -507,8 +507,11 @@ pub struct JwtConfig {
     /// A JWKS fetched over HTTPS (or HTTP on loopback) in the background, instead of a file.
     pub jwks_url: Option<String>,
     pub jwks_refresh: Duration,
-    /// When given, `iss` must equal it.
-    pub issuer: Option<String>,
+    /// When not empty, `iss` must equal one of them.
+    pub issuer: Vec<String>,
+    /// Claims each token must carry with one of their values (a list claim: holding one):
+    /// `token_use = "access"`, `client_id = [...]` (Cognito's access tokens have no `aud`).
+    pub required_claims: Vec<(String, Vec<String>)>,
     /// When not empty, `aud` must contain one of them.
     pub audiences: Vec<String>,
     /// Clock skew tolerated on `exp` and `nbf`.

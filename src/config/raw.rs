@@ -161,8 +161,11 @@ pub struct RawJwt {
     pub jwks_path: Option<Spanned<String>>,
     pub jwks_url: Option<Spanned<String>>,
     pub jwks_refresh_seconds: Option<Spanned<i64>>,
-    pub issuer: Option<Spanned<String>>,
+    /// One issuer or a list of them: read by the validation, which says what it is not.
+    pub issuer: Option<Spanned<toml::Value>>,
     pub audiences: Option<Spanned<Vec<String>>>,
+    /// Claim name -> a value or a list of values (read by the validation too).
+    pub required_claims: Option<Spanned<BTreeMap<String, Spanned<toml::Value>>>>,
     pub leeway_seconds: Option<Spanned<i64>>,
     pub identity_claim: Option<Spanned<String>>,
 }

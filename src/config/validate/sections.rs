@@ -1653,7 +1653,74 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
             Some(v.get_ref().clone())
         }
     };
-    let issuer = j.issuer.as_ref().and_then(|i| text("issuer", i, c));
+    // A string or a list of strings, each a claim's possible value.
+    let texts = |field: &str, v: &Spanned<toml::Value>, c: &mut Collector| {
+        let example = match field {
+            "issuer" => "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
+            _ => "\"access\" or [\"app-a\", \"app-b\"]",
+        };
+        let values: Option<Vec<&str>> = match v.get_ref() {
+            toml::Value::String(s) => Some(vec![s.as_str()]),
+            toml::Value::Array(a) if !a.is_empty() => a.iter().map(|v| v.as_str()).collect(),
+            _ => None,
+        };
+        let Some(values) = values else {
+            c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string or a non-empty list of strings, such as {example}"));
+            return None;
+        };
+        let mut ok = true;
+        for value in &values {
+            if value.is_empty() {
+                c.push(
+                    Some(&v.span()),
+                    None,
+                    format!("auth.jwt.{field} holds an empty value: leave it out, or give a value"),
+                );
+                ok = false;
+            } else if super::unprintable(value) {
+                c.push(Some(&v.span()), None, format!("auth.jwt.{field} = \"{}\" holds a control character or one that turns the text's direction: no token's claim is written so", value.escape_debug()));
+                ok = false;
+            }
+        }
+        ok.then(|| values.into_iter().map(str::to_owned).collect::<Vec<_>>())
+    };
+    let issuer = match &j.issuer {
+        None => Some(Vec::new()),
+        Some(i) => texts("issuer", i, c),
+    };
+    let mut required_claims = Vec::new();
+    // In the file's order (the table is read sorted by name).
+    let mut written: Vec<_> = j.required_claims.iter().flat_map(|t| t.get_ref()).collect();
+    written.sort_by_key(|(_, v)| v.span().start);
+    for (name, value) in written {
+        let field = format!("required_claims.{}", super::shape::key_shown(name));
+        // Those the fields of their own check, or the clock does.
+        let own = match name.as_str() {
+            "iss" => Some("by auth.jwt.issuer"),
+            "aud" => Some("by auth.jwt.audiences"),
+            "exp" | "nbf" | "iat" => Some("against the clock, with auth.jwt.leeway_seconds"),
+            _ => None,
+        };
+        if let Some(own) = own {
+            c.push(
+                Some(&value.span()),
+                None,
+                format!("auth.jwt.{field} is checked {own}, not here"),
+            );
+            continue;
+        }
+        if name.is_empty() {
+            c.push(
+                Some(&value.span()),
+                None,
+                "auth.jwt.required_claims names an empty claim".into(),
+            );
+            continue;
+        }
+        if let Some(values) = texts(&field, value, c) {
+            required_claims.push((name.clone(), values));
+        }
+    }
     let mut audiences = Vec::new();
     if let Some(a) = &j.audiences {
         if a.get_ref().is_empty()
@@ -1694,8 +1761,9 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         jwks_path,
         jwks_url,
         jwks_refresh: Duration::from_secs(jwks_refresh?),
-        issuer,
+        issuer: issuer?,
         audiences,
+        required_claims,
         leeway_secs: leeway?,
         identity_claim: identity_claim?,
     })
