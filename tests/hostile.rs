@@ -351,7 +351,7 @@ async fn forwarded_for_garbage_in_the_clients_place_is_400_not_the_proxys_bucket
     );
     assert_eq!(
         gw.metric(r#"sentinel_requests_total{endpoint_id="t.ip",status="400"}"#),
-        5.0
+        9.0
     );
 }
 
