@@ -465,7 +465,7 @@ impl Metrics {
             &r,
             IntCounter::new(
                 "sentinel_admin_refused_total",
-                "Admin requests refused for a missing or wrong admin token (admin_token_env).",
+                "Admin requests refused for a missing or wrong admin token (admin_token_env or admin_token_file).",
             )
             .expect("valid"),
         );

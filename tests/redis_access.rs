@@ -500,9 +500,23 @@ fn a_secret_file_is_checked_as_its_variable_is() {
     let empty = dir.path().join("empty");
     assert!(
         !ok && out.contains(&format!(
-            "redis.password_file: the file {} is not set (or empty)",
+            "redis.password_file: the file {} is empty",
             empty.display()
         )),
+        "{out}"
+    );
+    // One last line break is the file's, a second one the password's: refused, not sent.
+    std::fs::write(dir.path().join("two-breaks"), "s3cret-Pa55word\n\n").unwrap();
+    let (ok, out) = check("[redis]\npassword_file = \"two-breaks\"");
+    assert!(
+        !ok && out.contains("holds a line break or another control character"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cret"), "{out}");
+    // A secret's file is a secret, not a device that never ends.
+    let (ok, out) = check("[redis]\npassword_file = \"/dev/zero\"");
+    assert!(
+        !ok && out.contains("redis.password_file = \"/dev/zero\" is over 64 KiB"),
         "{out}"
     );
     std::fs::write(dir.path().join("short-token"), "Tok3n-short\n").unwrap();

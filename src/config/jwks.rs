@@ -51,7 +51,7 @@ pub fn load(
         };
         match classify(jwk, private.get(i).copied().unwrap_or(false)) {
             Verdict::Private => errors.push(error(None, Some(label), "holds a private key (\"d\"): a JWKS of public keys must not, as anyone reading the file could sign tokens; publish the public key only".into())),
-            Verdict::Symmetric => errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env".into())),
+            Verdict::Symmetric => errors.push(error(None, Some(label), "a symmetric key (kty \"oct\") does not belong in a JWKS of public keys: anyone reading the file could sign tokens; HS* algorithms use auth.jwt.secret_env or secret_file".into())),
             Verdict::NotForSigning(why) => warnings.push(error(
                 None,
                 Some(label),

@@ -181,13 +181,19 @@ pub(crate) fn take_refused_named() -> Vec<(PathBuf, FileStamp)> {
 /// Reads a file the config names (API keys, JWKS, a certificate or key), stamped first: a
 /// change made while it is read is then a change to `watch_config`, never missed.
 pub(crate) fn read_named(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_named_up_to(path, u64::MAX)
+}
+
+/// [`read_named`], reading at most `most` bytes and one more (so that a file longer than
+/// `most` can be told from one of `most`): a secret's file named as `/dev/zero` ends.
+pub(crate) fn read_named_up_to(path: &Path, most: u64) -> std::io::Result<Vec<u8>> {
     let stamp = file_stamp(path);
     LOAD.with_borrow_mut(|load| {
         if !load.named_read.iter().any(|(p, _)| p == path) {
             load.named_read.push((path.to_path_buf(), stamp));
         }
     });
-    read_whole(path)
+    read_whole_up_to(path, most)
 }
 
 /// A file the config names that `watch_config` does not watch (a CA file, Redis's client
@@ -201,13 +207,21 @@ pub(crate) fn read_unwatched(path: &Path) -> std::io::Result<Vec<u8>> {
 /// does not wait for a writer that is not there (it held `POST /reload`, and every reload
 /// after it, until one came): such a FIFO reads as empty, which no file of the config may be.
 fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_whole_up_to(path, u64::MAX)
+}
+
+/// [`read_whole`], of at most `most` bytes and one more.
+fn read_whole_up_to(path: &Path, most: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    if LOAD.with_borrow(|load| load.at_start) {
+    if most == u64::MAX && LOAD.with_borrow(|load| load.at_start) {
         return std::fs::read(path);
     }
-    let mut file = open_without_waiting(std::fs::OpenOptions::new().read(true), path)?;
+    let file = match LOAD.with_borrow(|load| load.at_start) {
+        true => std::fs::File::open(path)?,
+        false => open_without_waiting(std::fs::OpenOptions::new().read(true), path)?,
+    };
     let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
+    file.take(most.saturating_add(1)).read_to_end(&mut bytes)?;
     Ok(bytes)
 }
 
@@ -350,7 +364,7 @@ pub struct ServerConfig {
     pub request_id_header: http::HeaderName,
     /// The same name as the bytes Pingora's `insert_header` takes without copying them.
     pub request_id_wire: bytes::Bytes,
-    /// `admin_token_env`'s value: every admin request but `/healthz` and `/readyz` needs it
+    /// `admin_token_env`'s (or `admin_token_file`'s) value: every admin request but `/healthz` and `/readyz` needs it
     /// as a bearer token.
     pub admin_token: Option<Secret>,
 }
@@ -432,7 +446,7 @@ pub struct RedisConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RedisAccess {
     pub username: Option<String>,
-    /// From `password_env`: never in the file.
+    /// From `password_env` or `password_file`: never in the config file.
     pub password: Option<Secret>,
     /// Present exactly when the URLs are `rediss://`.
     pub tls: Option<tls::RedisTls>,
@@ -463,7 +477,7 @@ pub enum RedisTarget {
 pub struct SentinelTarget {
     pub sentinels: Vec<String>,
     pub master: String,
-    /// `sentinel_password_env`: the sentinels' own password.
+    /// `sentinel_password_env` or `_file`: the sentinels' own password.
     pub password: Option<Secret>,
 }
 
@@ -498,7 +512,7 @@ pub struct JwtConfig {
     pub secret_env: String,
     /// A subset of [`JWT_ALGORITHMS`].
     pub algorithms: Vec<String>,
-    /// Read from `secret_env` when a route uses `identity = "jwt"` with an HS* algorithm.
+    /// Read from `secret_env` (or `secret_file`) when a route uses `identity = "jwt"` with an HS* algorithm.
     pub secret: Option<Secret>,
     /// The public keys of `jwks_path` (resolved against the config file's directory), read at
     /// load.
@@ -520,7 +534,7 @@ pub struct JwtConfig {
     pub identity_claim: String,
 }
 
-/// Every JWT algorithm a config may list: HS* verify with `secret_env`, the others with keys
+/// Every JWT algorithm a config may list: HS* verify with the shared secret, the others with keys
 /// of `jwks_path`.
 pub const JWT_ALGORITHMS: &[&str] = &[
     "HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256",

@@ -436,7 +436,22 @@ pub(super) struct SecretRead {
     /// The value: `None` for a variable that is not set. A file's last line break (`\n` or
     /// `\r\n`, as `echo` and editors leave it) is not part of it.
     pub value: Option<Vec<u8>>,
+    /// Read from a file: an empty value is said as an empty file, not an unset variable.
+    pub file: bool,
 }
+
+impl SecretRead {
+    /// "is not set (or empty)" for a variable, "is empty" for a file.
+    pub fn unset(&self) -> &'static str {
+        match self.file {
+            true => "is empty",
+            false => "is not set (or empty)",
+        }
+    }
+}
+
+/// A secret's file is read up to this size: past it, it holds more than a secret.
+const SECRET_FILE_MOST: u64 = 64 * 1024;
 
 /// Where the secret `field` (`redis.password`) is read from and what it holds: `Ok(None)`
 /// when neither `<field>_env` nor `<field>_file` is written (and no `default_env`), `Err`
@@ -465,7 +480,11 @@ pub(super) fn secret(
             let path = config
                 .parent()
                 .map_or_else(|| PathBuf::from(written), |dir| dir.join(written));
-            match super::read_named(&path) {
+            match super::read_named_up_to(&path, SECRET_FILE_MOST) {
+                Ok(value) if value.len() as u64 > SECRET_FILE_MOST => {
+                    c.push(Some(&f.span()), None, format!("{field}_file = \"{written}\" is over {} KiB: a secret's file holds the secret alone", SECRET_FILE_MOST / 1024));
+                    Err(())
+                }
                 Ok(mut value) => {
                     c.secret_files.push(path.clone());
                     if value.ends_with(b"\n") {
@@ -479,6 +498,7 @@ pub(super) fn secret(
                         from: format!("the file {}", path.display()),
                         span: f.span(),
                         value: Some(value),
+                        file: true,
                     }))
                 }
                 Err(e) => {
@@ -503,6 +523,7 @@ pub(super) fn secret(
                 from: format!("the environment variable {}", env_var_shown(name)),
                 span,
                 value: std::env::var_os(name).map(|v| v.into_encoded_bytes()),
+                file: false,
             }))
         }
     }

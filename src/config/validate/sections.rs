@@ -794,6 +794,10 @@ fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
         files.extend(p.map(|p| (format!("{what} = \"{}\"", p.get_ref()), at(p.get_ref()))));
     };
     if let Some(server) = &raw.server {
+        add(
+            "server.admin_token_file".into(),
+            server.get_ref().admin_token_file.as_ref(),
+        );
         for (i, t) in server.get_ref().tls.iter().enumerate() {
             let t = t.get_ref();
             add(format!("server.tls[{i}].cert_path"), Some(&t.cert_path));
@@ -821,12 +825,22 @@ fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
             .as_ref()
             .and_then(|j| j.get_ref().jwks_path.as_ref());
         add("auth.jwt.jwks_path".into(), jwks);
+        let secret = auth
+            .jwt
+            .as_ref()
+            .and_then(|j| j.get_ref().secret_file.as_ref());
+        add("auth.jwt.secret_file".into(), secret);
     }
     if let Some(redis) = &raw.redis {
         let r = redis.get_ref();
         add("redis.tls_ca_path".into(), r.tls_ca_path.as_ref());
         add("redis.tls_cert_path".into(), r.tls_cert_path.as_ref());
         add("redis.tls_key_path".into(), r.tls_key_path.as_ref());
+        add("redis.password_file".into(), r.password_file.as_ref());
+        add(
+            "redis.sentinel_password_file".into(),
+            r.sentinel_password_file.as_ref(),
+        );
     }
     for (name, u) in &raw.upstreams {
         add(
@@ -1001,8 +1015,14 @@ fn redis_password(
     let Some(read) = super::secret(c, field, env, file, None, config)? else {
         return Ok(None);
     };
-    let (field, from) = (&read.field, &read.from);
-    match read.value.map(String::from_utf8) {
+    let (field, from, unset) = (&read.field, &read.from, read.unset());
+    match read.value.clone().map(String::from_utf8) {
+        // A line break or another control character left in (a file ending in two line
+        // breaks) is no password anyone meant: every connection would be refused.
+        Some(Ok(v)) if v.chars().any(char::is_control) => {
+            c.push(Some(&read.span), None, format!("{field}: {from} holds a line break or another control character (one last line break is not part of it): write the password alone"));
+            Err(())
+        }
         Some(Ok(v)) if !v.is_empty() => Ok(Some(Secret(Arc::from(v.as_bytes())))),
         Some(Err(_)) => {
             c.push(
@@ -1016,7 +1036,7 @@ fn redis_password(
             c.push(
                 Some(&read.span),
                 None,
-                format!("{field}: {from} is not set (or empty): set it to {what}"),
+                format!("{field}: {from} {unset}: set it to {what}"),
             );
             Err(())
         }
@@ -1525,6 +1545,18 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
     });
     if !used {
         c.warn(Some(&spanned.span()), None, "[auth.jwt] is set but no route has identity = \"jwt\": its secret and keys are not checked until one does".into());
+    }
+    // Said whether or not the secret is read now (no HS* algorithm, no jwt route yet).
+    let both = j.secret_env.is_some() && j.secret_file.is_some();
+    if both && !(used && symmetric) {
+        let _ = super::secret(
+            c,
+            "auth.jwt.secret",
+            j.secret_env.as_ref(),
+            j.secret_file.as_ref(),
+            None,
+            config,
+        );
     }
     let secret = if used && symmetric {
         let read = super::secret(
