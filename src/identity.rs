@@ -286,9 +286,14 @@ impl JwtVerifier {
         if self.issuer && !claims.claims.get("iss").is_some_and(|v| v.is_string()) {
             return Err(Refusal::Claims("iss is not one string"));
         }
-        // A claim's value, or one of a list claim's (`groups`, say), among those required.
+        // A claim's value, or one of a list claim's (`groups`, say), among those required: a
+        // string as written (compared without a copy), a number or a boolean as its text.
         for (name, values) in &self.required_claims {
-            let holds = |v: &serde_json::Value| claim_text(v).is_some_and(|t| values.contains(&t));
+            let holds = |v: &serde_json::Value| match v {
+                serde_json::Value::String(s) => values.iter().any(|w| w == s),
+                serde_json::Value::Bool(b) => values.iter().any(|w| *w == b.to_string()),
+                other => claim_text(other).is_some_and(|t| values.contains(&t)),
+            };
             let held = match claims.claims.get(name) {
                 Some(serde_json::Value::Array(list)) => list.iter().any(holds),
                 Some(v) => holds(v),
@@ -1194,6 +1199,17 @@ mod tests {
             let mut missing = good.clone();
             missing.as_object_mut().unwrap().remove("token_use");
             assert_eq!(t(missing), None, "without token_use");
+            // A boolean claim, required as `email_verified = true`.
+            let v = jwks_verifier(&["RS256"], |c| {
+                c.required_claims = vec![("email_verified".into(), vec!["true".into()])];
+            });
+            let t = |verified: serde_json::Value| {
+                let claims = serde_json::json!({"sub": "u-1", "email_verified": verified, "exp": now() + 60});
+                id_of(&v, &signed(Algorithm::RS256, Some("rsa-1"), &key, claims))
+            };
+            assert_eq!(t(serde_json::json!(true)).as_deref(), Some("u-1"));
+            assert_eq!(t(serde_json::json!(false)), None);
+            assert_eq!(t(serde_json::json!(1)), None);
         }
 
         fn now() -> u64 {

@@ -1691,10 +1691,17 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
             "issuer" => "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
             _ => "\"access\" or [\"app-a\", \"app-b\"]",
         };
-        let values: Option<Vec<&str>> = match v.get_ref() {
-            toml::Value::String(s) => Some(vec![s.as_str()]),
-            toml::Value::Array(a) if !a.is_empty() => a.iter().map(|v| v.as_str()).collect(),
+        // A claim's value may be a boolean (`email_verified = true`), kept as its text; an
+        // issuer may not.
+        let one = |v: &toml::Value| match v {
+            toml::Value::String(s) => Some(s.clone()),
+            toml::Value::Boolean(b) if field != "issuer" => Some(b.to_string()),
             _ => None,
+        };
+        let values: Option<Vec<String>> = match v.get_ref() {
+            toml::Value::Array(a) if !a.is_empty() => a.iter().map(one).collect(),
+            toml::Value::Array(_) => None,
+            single => one(single).map(|s| vec![s]),
         };
         let Some(values) = values else {
             c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string or a non-empty list of strings, such as {example}"));
@@ -1714,7 +1721,7 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                 ok = false;
             }
         }
-        ok.then(|| values.into_iter().map(str::to_owned).collect::<Vec<_>>())
+        ok.then_some(values)
     };
     let issuer = match &j.issuer {
         None => Some(Vec::new()),
