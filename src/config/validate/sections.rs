@@ -739,11 +739,22 @@ pub(super) fn access_log(
                     false => "does not exist",
                 };
                 Some(format!("cannot be made: {} {why}", dir.display()))
-            } else if let Err(e) = may_write(&written) {
-                Some(format!(
+            } else if let Err(e) = may_write(&written, file.exists()) {
+                let said = format!(
                     "cannot be written by this process: {}: {e}",
                     written.display()
-                ))
+                );
+                // A read-only file system is the host's for everyone; a permission is this
+                // user's, and `check` may run as another (a CI job, an operator's shell)
+                // than the gateway's: said, not refused (the start says it again, and exits).
+                if e.raw_os_error() == Some(libc::EROFS) {
+                    Some(said)
+                } else {
+                    // SAFETY: no arguments; reads the process's real user.
+                    let uid = unsafe { libc::getuid() };
+                    c.warn(Some(&path.span()), None, format!("access_log.path = \"{}\" {said} (user {uid}): a start as this user would exit 1", path.get_ref()));
+                    None
+                }
             } else if let Some((read, _)) = read_files(raw, config)
                 .into_iter()
                 .find(|(_, f)| same_file(f, &file))
@@ -770,12 +781,17 @@ pub(super) fn access_log(
 /// Whether this process may write `path` (a file, or a directory to make one in), as the
 /// kernel says without writing: `EACCES` for another user's, `EROFS` on a read-only file
 /// system.
-fn may_write(path: &Path) -> std::io::Result<()> {
+fn may_write(path: &Path, is_file: bool) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // A file is made in a directory the process may write and enter.
+    let mode = match is_file {
+        true => libc::W_OK,
+        false => libc::W_OK | libc::X_OK,
+    };
     // SAFETY: `c_path` is a NUL-terminated string that outlives the call.
-    match unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } {
+    match unsafe { libc::access(c_path.as_ptr(), mode) } {
         0 => Ok(()),
         _ => Err(std::io::Error::last_os_error()),
     }
