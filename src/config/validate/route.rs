@@ -13,17 +13,33 @@ use crate::config::*;
 use crate::routing::{self, PathError, PathMatch};
 
 /// The names to offer for `written`, a name none of `known` is, as `[a, b]`: all of them
-/// when they are few, else the three nearest by edit distance, said as such (a platform's
-/// 200 upstreams on one line help no one).
+/// when they are few, else the three nearest by edit distance that are near at all (a
+/// third of the name's characters, two at least), said as such (a platform's 200 upstreams
+/// on one line help no one).
 fn nearest<'a>(written: &str, known: impl Iterator<Item = &'a str>) -> String {
     const ALL_UP_TO: usize = 8;
-    let mut known: Vec<&str> = known.collect();
+    let known: Vec<&str> = known.collect();
     if known.len() <= ALL_UP_TO {
         return format!("[{}]", known.join(", "));
     }
     let total = known.len();
-    known.sort_by_cached_key(|k| (edit_distance(written, k), *k));
-    format!("[{}] (the nearest 3 of {total})", known[..3].join(", "))
+    let near = (written.chars().count() / 3).max(2);
+    let mut close: Vec<(usize, &str)> = (known.iter())
+        .map(|k| (edit_distance(written, k), *k))
+        .filter(|(d, _)| *d <= near)
+        .collect();
+    close.sort();
+    match close.len() {
+        0 => format!("the {total} defined (none is near this name)"),
+        n => {
+            let names: Vec<&str> = close.iter().take(3).map(|(_, k)| *k).collect();
+            format!(
+                "[{}] (the nearest {} of {total})",
+                names.join(", "),
+                n.min(3)
+            )
+        }
+    }
 }
 
 /// Levenshtein's distance between `a` and `b`, in characters.
