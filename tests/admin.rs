@@ -199,6 +199,8 @@ async fn metrics_are_gzipped_for_a_scraper_that_takes_it() {
                 r = r.header("accept-encoding", e);
             }
             let r = r.send().await.unwrap();
+            // Either way the answer depends on what was asked: caches are told so.
+            assert_eq!(r.headers()["vary"], "accept-encoding");
             let zipped = r
                 .headers()
                 .get("content-encoding")
