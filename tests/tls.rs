@@ -456,6 +456,58 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
     );
 }
 
+/// The chain a listener sends is as valid as its certificate that ends first: an intermediate
+/// sent with the server's certificate that ends before it is when clients refuse the chain,
+/// so the expiry metric (what `SentinelTlsCertExpiresSoon` reads) says its end, and one out
+/// of date is warned of and logged as an expired server certificate is.
+#[test]
+fn an_intermediate_that_ends_first_ends_the_chain() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let not_after = |der: &[u8]| {
+        x509_parser::parse_x509_certificate(der)
+            .unwrap()
+            .1
+            .validity()
+            .not_after
+            .timestamp() as f64
+    };
+    // The chain's second certificate stands for an intermediate: only its dates are read.
+    let chain = |second: &common::tls::Leaf| {
+        let leaf = s.ca.leaf_until(&["localhost"], None);
+        std::fs::write(
+            s.path("default.pem"),
+            format!("{}{}", leaf.cert_pem, second.cert_pem),
+        )
+        .unwrap();
+        std::fs::write(s.path("default.key"), &leaf.key_pem).unwrap();
+    };
+    let soon = s.ca.leaf_until(&["Intermediate CA"], Some(2030));
+    chain(&soon);
+    let config = s.config(&redis, &up, "");
+    let gw = config.start();
+    let series = format!(
+        "sentinel_tls_cert_expiry_timestamp_seconds{{cert_path=\"{}\"}}",
+        s.path("default.pem").display()
+    );
+    assert_eq!(gw.metric(&series), not_after(&soon.der));
+    drop(gw);
+    let expired = s.ca.leaf_until(&["Intermediate CA"], Some(2020));
+    chain(&expired);
+    let path = s.path("check.toml");
+    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+    let out = check_config(&path, &[]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("server.tls[0].cert_path")
+            && text.contains(
+                "holds, after the server's certificate, one (CN=Intermediate CA) that expired on"
+            ),
+        "{text}"
+    );
+}
+
 /// Several `[[server.tls]]` listeners, each with its own certificates: each serves the routes,
 /// and chooses its certificate by its own names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,7 +177,7 @@ impl CertPair {
                 "holds no certificate: give a PEM chain, the server's certificate first".into(),
             ));
         }
-        let (expires, not_after, out_of_date) = check_validity(&chain[0])?;
+        let (expires, not_after, out_of_date) = chain_validity(&chain)?;
         let key_pem = super::read_named(key_path)
             .map_err(|e| PairError::Key(format!("cannot be read: {e}")))?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
@@ -267,12 +267,52 @@ fn not_v3(cert: &x509_parser::certificate::X509Certificate<'_>) -> Option<String
 /// An expired or not yet valid certificate is not refused: a gateway that would not start (or
 /// reload) with it would turn an outage of the clients that check it into one of every
 /// client, the plain listeners' included, as nginx and Envoy do not.
+/// [`check_validity`] of a whole chain: the leaf first, then the intermediates the listener
+/// sends with it (clients check each, so an intermediate that expires before the leaf ends
+/// the chain's validity then): the earliest end of any, and the first out of date.
+fn chain_validity(
+    chain: &[CertificateDer<'_>],
+) -> Result<(String, i64, Option<String>), PairError> {
+    let mut found = check_validity(&chain[0])?;
+    for (i, cert) in chain.iter().enumerate().skip(1) {
+        let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+            return Err(PairError::Cert(format!(
+                "holds a certificate that cannot be parsed at place {} of its chain",
+                i + 1
+            )));
+        };
+        let (expires, not_after, out_of_date) = validity_of(&parsed);
+        let subject = parsed.subject().to_string();
+        if found.2.is_none() {
+            found.2 = out_of_date.map(|why| {
+                why.replacen(
+                    "holds a certificate",
+                    &format!("holds, after the server's certificate, one ({subject})"),
+                    1,
+                )
+            });
+        }
+        if not_after < found.1 {
+            found = (format!("{expires}, by {subject}"), not_after, found.2);
+        }
+    }
+    Ok(found)
+}
+
 fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64, Option<String>), PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;
     if let Some(why) = not_v3(&parsed) {
         return Err(PairError::Cert(why));
     }
+    Ok(validity_of(&parsed))
+}
+
+/// When `cert`'s validity ends (in words and in Unix seconds), and why it is out of date, if
+/// it is.
+fn validity_of(
+    parsed: &x509_parser::certificate::X509Certificate<'_>,
+) -> (String, i64, Option<String>) {
     let validity = parsed.validity();
     let now = x509_parser::time::ASN1Time::now();
     let out_of_date = if validity.not_after < now {
@@ -288,11 +328,11 @@ fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64, Option<Stri
     } else {
         None
     };
-    Ok((
+    (
         validity.not_after.to_string(),
         validity.not_after.timestamp(),
         out_of_date,
-    ))
+    )
 }
 
 impl PartialEq for CertPair {
