@@ -123,6 +123,37 @@ fn the_sni_name_chooses_the_certificate_and_unknown_names_get_the_default() {
     assert_eq!(conn.alpn().as_deref(), Some(&b"http/1.1"[..]));
     assert_eq!(conn.get(PDFTALK, "/open/x"), 200);
     assert_eq!(conn.get(PDFTALK, "/open/y"), 200, "keep-alive over TLS");
+    // One that offers HTTP/1.0 alone (`curl --http1.0`) is served, not refused.
+    let mut config = s.ca.client_config(rustls::ALL_VERSIONS);
+    config.alpn_protocols = vec![b"http/1.0".to_vec()];
+    let mut conn = Conn::open(config, s.tls_port, PDFTALK).unwrap();
+    assert_eq!(conn.alpn().as_deref(), Some(&b"http/1.0"[..]));
+    assert_eq!(conn.get(PDFTALK, "/open/z"), 200);
+}
+
+/// A client resumes its TLS session (one round trip and no signature less) after hundreds of
+/// other clients' handshakes: rustls's own store kept 256, under a second of a busy edge's.
+#[test]
+fn a_tls_session_is_resumed_after_hundreds_of_other_handshakes() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let _gw = s.config(&redis, &up, "").start();
+    for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
+        let mut config = s.ca.client_config(&[version]);
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // Clones share the client's session store.
+        let mut first = Conn::open(config.clone(), s.tls_port, PDFTALK).unwrap();
+        assert_eq!(first.get(PDFTALK, "/open/1"), 200);
+        assert!(!first.resumed());
+        for _ in 0..300 {
+            let mut other = s.ca.client_config(&[version]);
+            other.alpn_protocols = vec![b"http/1.1".to_vec()];
+            let mut conn = Conn::open(other, s.tls_port, PDFTALK).unwrap();
+            assert_eq!(conn.get(PDFTALK, "/open/2"), 200);
+        }
+        let mut again = Conn::open(config, s.tls_port, PDFTALK).unwrap();
+        assert!(again.resumed(), "{version:?}");
+        assert_eq!(again.get(PDFTALK, "/open/3"), 200);
+    }
 }
 
 /// Plain HTTP sent to a TLS listener is answered with the gateway's 400 in plain HTTP, as

@@ -213,7 +213,7 @@ fn signing_key(key: PrivateKeyDer<'static>) -> Result<Arc<dyn rustls::sign::Sign
     rustls::crypto::ring::default_provider()
         .key_provider
         .load_private_key(key)
-        .map_err(|e| format!("is not a key TLS can sign with: {e}"))
+        .map_err(|e| format!("is not a key TLS can sign with (RSA of 2048 bits or more, ECDSA on P-256 or P-384, or Ed25519: not RSA under 2048 bits nor P-521): {e}"))
 }
 
 /// Which file of a pair is wrong, and why.

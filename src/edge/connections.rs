@@ -139,8 +139,13 @@ macro_rules! delegate_rest {
                 self.inner_ref().get_ssl_digest()
             }
 
+            // `http/1.0`, which the TLS listeners offer too, is HTTP/1 to the server (Pingora
+            // would hand an ALPN it does not know to a custom protocol's handler, and close).
             fn selected_alpn_proto(&self) -> Option<ALPN> {
-                self.inner_ref().selected_alpn_proto()
+                match self.inner_ref().selected_alpn_proto() {
+                    Some(ALPN::Custom(c)) if c.protocol() == b"http/1.0" => Some(ALPN::H1),
+                    other => other,
+                }
             }
         }
 

@@ -107,6 +107,9 @@ impl std::fmt::Debug for Certificates {
 
 /// A rustls acceptor for `min_version` and up, offering ALPN h2 and http/1.1, asking
 /// `resolver` for the certificate.
+/// TLS sessions each listener keeps for resumption (a few hundred bytes each).
+const SESSIONS_KEPT: usize = 8192;
+
 fn acceptor(resolver: &Arc<Resolver>, min_version: TlsVersion) -> Acceptor {
     let versions: &[&'static rustls::SupportedProtocolVersion] = match min_version {
         TlsVersion::V1_2 => &[&rustls::version::TLS13, &rustls::version::TLS12],
@@ -118,7 +121,12 @@ fn acceptor(resolver: &Arc<Resolver>, min_version: TlsVersion) -> Acceptor {
         .expect("ring supports TLS 1.2 and 1.3")
         .with_no_client_auth()
         .with_cert_resolver(Arc::clone(resolver) as Arc<dyn ResolvesServerCert>);
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // `http/1.0` too, as nginx offers it: a client that offers only it (`curl --http1.0`)
+    // would otherwise be refused at the handshake (it is served as HTTP/1.x).
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
+    // Sessions a client may resume, kept in the process (no tickets: a session's secrets stay
+    // here): rustls keeps 256, under a second of new connections on a busy edge.
+    config.session_storage = rustls::server::ServerSessionMemoryCache::new(SESSIONS_KEPT);
     Acceptor::from_server_config(Arc::new(config))
 }
 

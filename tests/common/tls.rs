@@ -139,6 +139,11 @@ impl Conn {
         self.tls.conn.peer_certificates().expect("a certificate")[0].clone()
     }
 
+    /// Whether the handshake resumed a session the client kept.
+    pub fn resumed(&self) -> bool {
+        self.tls.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
+    }
+
     pub fn alpn(&self) -> Option<Vec<u8>> {
         self.tls.conn.alpn_protocol().map(<[u8]>::to_vec)
     }
