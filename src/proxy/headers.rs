@@ -41,6 +41,51 @@ impl RateLimitFields {
         }
         Ok(())
     }
+
+    /// Sets the fields on an upstream's answer, beside what the upstream wrote of its own
+    /// limits (a backend that limits too): `RateLimit-Policy` and `RateLimit` are lists of
+    /// items named by policy, so the gateway's items are added after the upstream's; the
+    /// `X-RateLimit-*` trio says one limit, the one nearest to refusing, so the upstream's
+    /// stays when it has fewer requests left (its own 429 says 0, not the gateway's 999).
+    pub fn merge_onto(&self, head: &mut pingora_http::ResponseHeader) -> pingora_core::Result<()> {
+        let theirs = |head: &pingora_http::ResponseHeader, name: &str| -> Option<String> {
+            let mut values = head.headers.get_all(name).iter();
+            let first = values.next()?.to_str().ok()?.trim().to_owned();
+            // Several fields of a list are one list, comma-joined (RFC 9110, 5.3).
+            values.try_fold(first, |all, v| {
+                Some(format!("{all}, {}", v.to_str().ok()?.trim()))
+            })
+        };
+        if let Some((policy, state)) = &self.ietf {
+            for (name, ours) in [("ratelimit-policy", policy), ("ratelimit", state)] {
+                match theirs(head, name).filter(|t| !t.is_empty()) {
+                    Some(t) => head.insert_header(name, format!("{t}, {ours}"))?,
+                    None => head.insert_header(name, ours.as_str())?,
+                }
+            }
+        }
+        if let Some((_, remaining, _)) = self.x {
+            let upstream_nearer = theirs(head, "x-ratelimit-remaining")
+                .and_then(|r| r.parse::<u64>().ok())
+                .is_some_and(|theirs| theirs < remaining);
+            if upstream_nearer {
+                return Ok(());
+            }
+            for name in [
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+            ] {
+                head.remove_header(name);
+            }
+            let ours = RateLimitFields {
+                ietf: None,
+                x: self.x,
+            };
+            ours.set_on(head)?;
+        }
+        Ok(())
+    }
 }
 
 /// One limit's numbers and items.
@@ -350,5 +395,64 @@ mod tests {
             vec![item("a", 3, Some(1))],
         );
         assert_eq!(only_ietf.x, None);
+    }
+
+    /// A backend that limits too: its items stay beside the gateway's, and its own 429's
+    /// `X-RateLimit-Remaining: 0` is not turned into the gateway's 999.
+    #[test]
+    fn an_upstreams_own_fields_are_kept_beside_the_gateways() {
+        let ours = RateLimitFields {
+            ietf: Some((
+                "\"resumint.tailor\";q=1000;w=10".to_owned(),
+                "\"resumint.tailor\";r=999;t=1".to_owned(),
+            )),
+            x: Some((1000, 999, Some(1))),
+        };
+        let field = |h: &pingora_http::ResponseHeader, name: &str| {
+            let all: Vec<&str> = h
+                .headers
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect();
+            all.join(" | ")
+        };
+        let mut theirs = pingora_http::ResponseHeader::build(429, None).unwrap();
+        theirs
+            .append_header("ratelimit-policy", "\"backend\";q=10;w=60")
+            .unwrap();
+        theirs
+            .append_header("ratelimit", "\"backend\";r=0;t=7")
+            .unwrap();
+        theirs.append_header("x-ratelimit-limit", "10").unwrap();
+        theirs.append_header("x-ratelimit-remaining", "0").unwrap();
+        ours.merge_onto(&mut theirs).unwrap();
+        assert_eq!(
+            field(&theirs, "ratelimit-policy"),
+            "\"backend\";q=10;w=60, \"resumint.tailor\";q=1000;w=10"
+        );
+        assert_eq!(
+            field(&theirs, "ratelimit"),
+            "\"backend\";r=0;t=7, \"resumint.tailor\";r=999;t=1"
+        );
+        assert_eq!(field(&theirs, "x-ratelimit-remaining"), "0");
+        assert_eq!(field(&theirs, "x-ratelimit-limit"), "10");
+        assert_eq!(field(&theirs, "x-ratelimit-reset"), "");
+        // The gateway's limit nearer to refusing: its trio, whole, in place of the upstream's.
+        let mut roomy = pingora_http::ResponseHeader::build(200, None).unwrap();
+        roomy.append_header("x-ratelimit-limit", "5000").unwrap();
+        roomy
+            .append_header("x-ratelimit-remaining", "4000")
+            .unwrap();
+        roomy.append_header("x-ratelimit-reset", "60").unwrap();
+        ours.merge_onto(&mut roomy).unwrap();
+        assert_eq!(field(&roomy, "x-ratelimit-limit"), "1000");
+        assert_eq!(field(&roomy, "x-ratelimit-remaining"), "999");
+        assert_eq!(field(&roomy, "x-ratelimit-reset"), "1");
+        // An upstream without fields of its own: the gateway's alone, as before.
+        let mut plain = pingora_http::ResponseHeader::build(200, None).unwrap();
+        ours.merge_onto(&mut plain).unwrap();
+        assert_eq!(field(&plain, "ratelimit"), "\"resumint.tailor\";r=999;t=1");
+        assert_eq!(field(&plain, "x-ratelimit-remaining"), "999");
     }
 }

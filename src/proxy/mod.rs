@@ -989,7 +989,7 @@ impl ProxyHttp for Gateway {
         self.close_when_draining(session);
         outgoing::frame_for_http_1_0(session, upstream_response);
         if let Some(f) = &ctx.ratelimit {
-            f.set_on(upstream_response)?;
+            f.merge_onto(upstream_response)?;
         }
         let cost = ctx
             .route
