@@ -1215,6 +1215,39 @@ async fn an_upstreams_early_answer_ends_the_http2_stream_with_no_error() {
     );
 }
 
+/// An upstream's answer goes on as the gateway's own: an HTTP/1.0 upstream's status line in
+/// the gateway's HTTP/1.1 (RFC 9110, 6.2), and a 204 that names a length it may not have
+/// without it (an HTTP/2 client refused the whole answer: a stream error, no status at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_answer_is_sent_in_the_gateways_own_version_and_framing() {
+    let redis = Redis::start();
+    let upstream = common::raw_server(|mut s| {
+        while let Some(head) = common::read_head(&mut s) {
+            let answer: &[u8] = if head.starts_with(b"GET /old") {
+                b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+            } else {
+                b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n"
+            };
+            if s.write_all(answer).is_err() {
+                return;
+            }
+        }
+    });
+    let gw = h2c_to(&redis, upstream).start();
+    let mut tcp = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    tcp.write_all(b"GET /old HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    tcp.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+    for http in [common::h2c_client(), client()] {
+        let r = http.get(gw.url("/empty")).send().await.unwrap();
+        assert_eq!(r.status(), 204);
+        assert!(r.headers().get("content-length").is_none(), "{r:?}");
+    }
+}
+
 /// A client still sending its body after an upstream's early answer over HTTP/2 is let finish
 /// (its body read and thrown away, as after the gateway's own answers), so its stream ends
 /// without a reset: some clients (curl 7.88) lose an answer whose stream is reset while they

@@ -987,6 +987,7 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.tag(upstream_response)?;
         self.close_when_draining(session);
+        outgoing::as_own(upstream_response);
         outgoing::frame_for_http_1_0(session, upstream_response);
         if let Some(f) = &ctx.ratelimit {
             f.merge_onto(upstream_response)?;

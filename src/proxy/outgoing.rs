@@ -97,6 +97,24 @@ pub fn frame_for_http_1_0(session: &mut Session, answer: &mut pingora_http::Resp
     }
 }
 
+/// An upstream's answer as the gateway's own: in the gateway's HTTP version (RFC 9110, 6.2:
+/// an intermediary sends its own; an HTTP/1.0 upstream's `HTTP/1.0 200` told HTTP/1.1 clients
+/// it could not take chunked uploads), and a 204 or an interim answer without the length
+/// fields it may not carry (RFC 9110, 8.6; 9112, 6.1): an HTTP/2 client refuses the whole
+/// answer for a `Content-Length` on a 204, where an HTTP/1.1 one ignored it.
+pub fn as_own(answer: &mut pingora_http::ResponseHeader) {
+    if matches!(
+        answer.version,
+        http::Version::HTTP_09 | http::Version::HTTP_10
+    ) {
+        answer.set_version(http::Version::HTTP_11);
+    }
+    if answer.status == http::StatusCode::NO_CONTENT || answer.status.is_informational() {
+        answer.remove_header(&http::header::CONTENT_LENGTH);
+        answer.remove_header(&http::header::TRANSFER_ENCODING);
+    }
+}
+
 /// An HTTP/2 client may split `Cookie` into one field per cookie (browsers do, for header
 /// compression); an HTTP/1.1 hop must get them as one field joined by "; " (RFC 9113,
 /// 8.2.3): a backend reading one field would lose the others.
