@@ -270,6 +270,16 @@ fn min_version_1_3_refuses_a_tls_1_2_client() {
     assert_eq!(conn.version(), Some(rustls::ProtocolVersion::TLSv1_2));
 }
 
+/// When a certificate's validity ends, in Unix seconds.
+fn not_after(der: &[u8]) -> f64 {
+    x509_parser::parse_x509_certificate(der)
+        .unwrap()
+        .1
+        .validity()
+        .not_after
+        .timestamp() as f64
+}
+
 #[test]
 fn a_reload_serves_new_certificates_to_new_handshakes_and_open_connections_keep_theirs() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
@@ -281,14 +291,6 @@ fn a_reload_serves_new_certificates_to_new_handshakes_and_open_connections_keep_
 
     // When each served certificate's validity ends, by file: from the start, and after the
     // reload the renewed one's.
-    let not_after = |der: &[u8]| {
-        x509_parser::parse_x509_certificate(der)
-            .unwrap()
-            .1
-            .validity()
-            .not_after
-            .timestamp() as f64
-    };
     let expiry = |stem: &str| {
         gw.metric(&format!(
             "sentinel_tls_cert_expiry_timestamp_seconds{{cert_path=\"{}\"}}",
@@ -494,14 +496,6 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
 #[test]
 fn an_intermediate_that_ends_first_ends_the_chain() {
     let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
-    let not_after = |der: &[u8]| {
-        x509_parser::parse_x509_certificate(der)
-            .unwrap()
-            .1
-            .validity()
-            .not_after
-            .timestamp() as f64
-    };
     // The chain's second certificate stands for an intermediate: only its dates are read.
     let chain = |second: &common::tls::Leaf| {
         let leaf = s.ca.leaf_until(&["localhost"], None);

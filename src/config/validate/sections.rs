@@ -1522,6 +1522,95 @@ pub(super) fn breaker(c: &mut Collector, raw: &RawConfig) -> Option<BreakerConfi
     })
 }
 
+/// Whether `value`, written for `auth.jwt.<field>`, is one a token's claim can hold: not
+/// empty, no control character nor one that turns the text's direction (said when not).
+/// `alone`: the field's whole value, not one of a list's.
+fn claim_value(
+    c: &mut Collector,
+    field: &str,
+    value: &str,
+    at: &Range<usize>,
+    alone: bool,
+) -> bool {
+    let problem = if value.is_empty() {
+        match alone {
+            true => "is empty: leave it out, or give a value".to_owned(),
+            false => "holds an empty value: leave it out, or give a value".to_owned(),
+        }
+    } else if super::unprintable(value) {
+        format!("= \"{}\" holds a control character or one that turns the text's direction: no token's claim is written so", value.escape_debug())
+    } else {
+        return true;
+    };
+    c.push(Some(at), None, format!("auth.jwt.{field} {problem}"));
+    false
+}
+
+/// `auth.jwt.<field>` written as a string or a list of them, each a claim's possible value
+/// (a claim's may be a boolean, `email_verified = true`, kept as its text; an issuer's not).
+fn claim_values(c: &mut Collector, field: &str, v: &Spanned<toml::Value>) -> Option<Vec<String>> {
+    let example = match field {
+        "issuer" => "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
+        _ => "\"access\" or [\"app-a\", \"app-b\"]",
+    };
+    let one = |v: &toml::Value| match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Boolean(b) if field != "issuer" => Some(b.to_string()),
+        _ => None,
+    };
+    let (values, alone) = match v.get_ref() {
+        toml::Value::Array(a) if !a.is_empty() => (a.iter().map(one).collect(), false),
+        toml::Value::Array(_) => (None, false),
+        single => (one(single).map(|s| vec![s]), true),
+    };
+    let Some(values) = values else {
+        c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string or a non-empty list of strings, such as {example}"));
+        return None;
+    };
+    let mut ok = true;
+    for value in &values {
+        ok &= claim_value(c, field, value, &v.span(), alone);
+    }
+    ok.then_some(values)
+}
+
+/// `auth.jwt.required_claims`, in the file's order (the table is read sorted by name): each
+/// claim with its values. The claims other fields check (`iss`, `aud`) or the clock does are
+/// refused here.
+fn required_claims(
+    c: &mut Collector,
+    j: &crate::config::raw::RawJwt,
+) -> Vec<(String, Vec<String>)> {
+    let mut written: Vec<_> = j.required_claims.iter().flat_map(|t| t.get_ref()).collect();
+    written.sort_by_key(|(_, v)| v.span().start);
+    let mut required = Vec::new();
+    for (name, value) in written {
+        let field = format!("required_claims.{}", super::shape::key_shown(name));
+        let own = match name.as_str() {
+            "iss" => Some("by auth.jwt.issuer"),
+            "aud" => Some("by auth.jwt.audiences"),
+            "exp" | "nbf" | "iat" => Some("against the clock, with auth.jwt.leeway_seconds"),
+            _ => None,
+        };
+        if let Some(own) = own {
+            c.push(
+                Some(&value.span()),
+                None,
+                format!("auth.jwt.{field} is checked {own}, not here"),
+            );
+        } else if name.is_empty() {
+            c.push(
+                Some(&value.span()),
+                None,
+                "auth.jwt.required_claims names an empty claim".into(),
+            );
+        } else if let Some(values) = claim_values(c, &field, value) {
+            required.push((name.clone(), values));
+        }
+    }
+    required
+}
+
 pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<JwtConfig> {
     let spanned = raw.auth.as_ref()?.get_ref().jwt.as_ref()?;
     let j = spanned.get_ref();
@@ -1683,99 +1772,13 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
         _ => None,
     };
     let text = |field: &str, v: &Spanned<String>, c: &mut Collector| {
-        if v.get_ref().is_empty() {
-            c.push(
-                Some(&v.span()),
-                None,
-                format!("auth.jwt.{field} is empty: leave it out, or give a value"),
-            );
-            None
-        } else if super::unprintable(v.get_ref()) {
-            c.push(
-                Some(&v.span()),
-                None,
-                format!("auth.jwt.{field} = \"{}\" holds a control character or one that turns the text's direction: no token's claim is written so", v.get_ref().escape_debug()),
-            );
-            None
-        } else {
-            Some(v.get_ref().clone())
-        }
-    };
-    // A string or a list of strings, each a claim's possible value.
-    let texts = |field: &str, v: &Spanned<toml::Value>, c: &mut Collector| {
-        let example = match field {
-            "issuer" => "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
-            _ => "\"access\" or [\"app-a\", \"app-b\"]",
-        };
-        // A claim's value may be a boolean (`email_verified = true`), kept as its text; an
-        // issuer may not.
-        let one = |v: &toml::Value| match v {
-            toml::Value::String(s) => Some(s.clone()),
-            toml::Value::Boolean(b) if field != "issuer" => Some(b.to_string()),
-            _ => None,
-        };
-        let values: Option<Vec<String>> = match v.get_ref() {
-            toml::Value::Array(a) if !a.is_empty() => a.iter().map(one).collect(),
-            toml::Value::Array(_) => None,
-            single => one(single).map(|s| vec![s]),
-        };
-        let Some(values) = values else {
-            c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string or a non-empty list of strings, such as {example}"));
-            return None;
-        };
-        let mut ok = true;
-        for value in &values {
-            if value.is_empty() {
-                c.push(
-                    Some(&v.span()),
-                    None,
-                    format!("auth.jwt.{field} holds an empty value: leave it out, or give a value"),
-                );
-                ok = false;
-            } else if super::unprintable(value) {
-                c.push(Some(&v.span()), None, format!("auth.jwt.{field} = \"{}\" holds a control character or one that turns the text's direction: no token's claim is written so", value.escape_debug()));
-                ok = false;
-            }
-        }
-        ok.then_some(values)
+        claim_value(c, field, v.get_ref(), &v.span(), true).then(|| v.get_ref().clone())
     };
     let issuer = match &j.issuer {
         None => Some(Vec::new()),
-        Some(i) => texts("issuer", i, c),
+        Some(i) => claim_values(c, "issuer", i),
     };
-    let mut required_claims = Vec::new();
-    // In the file's order (the table is read sorted by name).
-    let mut written: Vec<_> = j.required_claims.iter().flat_map(|t| t.get_ref()).collect();
-    written.sort_by_key(|(_, v)| v.span().start);
-    for (name, value) in written {
-        let field = format!("required_claims.{}", super::shape::key_shown(name));
-        // Those the fields of their own check, or the clock does.
-        let own = match name.as_str() {
-            "iss" => Some("by auth.jwt.issuer"),
-            "aud" => Some("by auth.jwt.audiences"),
-            "exp" | "nbf" | "iat" => Some("against the clock, with auth.jwt.leeway_seconds"),
-            _ => None,
-        };
-        if let Some(own) = own {
-            c.push(
-                Some(&value.span()),
-                None,
-                format!("auth.jwt.{field} is checked {own}, not here"),
-            );
-            continue;
-        }
-        if name.is_empty() {
-            c.push(
-                Some(&value.span()),
-                None,
-                "auth.jwt.required_claims names an empty claim".into(),
-            );
-            continue;
-        }
-        if let Some(values) = texts(&field, value, c) {
-            required_claims.push((name.clone(), values));
-        }
-    }
+    let required_claims = required_claims(c, j);
     let mut audiences = Vec::new();
     if let Some(a) = &j.audiences {
         if a.get_ref().is_empty()
