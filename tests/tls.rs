@@ -489,6 +489,31 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
     );
 }
 
+/// `strict_transport_security` is sent on every answer over TLS, the upstream's and the
+/// gateway's own (a 401), over HTTP/1.1 and HTTP/2, and never over plain HTTP, where
+/// browsers ignore it (RFC 6797, 7.2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_transport_security_is_sent_over_tls_only() {
+    let (redis, up, s) = (Redis::start(), Upstream::start("app"), Setup::new());
+    let hsts = "max-age=31536000; includeSubDomains";
+    let gw = s
+        .config(&redis, &up, "")
+        .server("strict_transport_security", &quoted(hsts))
+        .start();
+    let tls_url = |path: &str| format!("https://{PDFTALK}:{}{path}", s.tls_port);
+    for http1_only in [false, true] {
+        let client = s.ca.http_client(s.tls_port, &[PDFTALK], http1_only);
+        for (path, status) in [("/open/x", 200), ("/api/x", 401)] {
+            let r = client.get(tls_url(path)).send().await.unwrap();
+            assert_eq!(r.status(), status, "{path}");
+            assert_eq!(r.headers()["strict-transport-security"], hsts, "{path}");
+        }
+    }
+    let r = common::client().get(gw.url("/open/x")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("strict-transport-security").is_none());
+}
+
 /// The chain a listener sends is as valid as its certificate that ends first: an intermediate
 /// sent with the server's certificate that ends before it is when clients refuse the chain,
 /// so the expiry metric (what `SentinelTlsCertExpiresSoon` reads) says its end, and one out

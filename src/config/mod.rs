@@ -364,6 +364,9 @@ pub struct ServerConfig {
     pub request_id_header: http::HeaderName,
     /// The same name as the bytes Pingora's `insert_header` takes without copying them.
     pub request_id_wire: bytes::Bytes,
+    /// `Strict-Transport-Security` for every answer over a TLS listener (an upstream's own
+    /// kept): `None`, none added.
+    pub strict_transport_security: Option<http::HeaderValue>,
     /// `admin_token_env`'s (or `admin_token_file`'s) value: every admin request but `/healthz` and `/readyz` needs it
     /// as a bearer token.
     pub admin_token: Option<Secret>,

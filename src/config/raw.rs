@@ -74,6 +74,7 @@ pub struct RawServer {
     pub h2c: Option<bool>,
     pub max_body_bytes: Option<Spanned<i64>>,
     pub request_id_header: Option<Spanned<String>>,
+    pub strict_transport_security: Option<Spanned<String>>,
     pub admin_token_env: Option<Spanned<String>>,
     pub admin_token_file: Option<Spanned<String>>,
     pub header_read_timeout_ms: Option<Spanned<i64>>,

@@ -146,6 +146,14 @@ impl RequestCtx {
                 s.config.server.request_id_wire.clone(),
                 o.request_id.as_str(),
             )?;
+            // Over TLS only (RFC 6797, 7.2: a browser ignores it over plain HTTP); an
+            // upstream that says its own keeps it.
+            if let (true, Some(hsts)) = (o.tls, &s.config.server.strict_transport_security) {
+                let name = http::header::STRICT_TRANSPORT_SECURITY;
+                if !header.headers.contains_key(&name) {
+                    header.insert_header(name, hsts.clone())?;
+                }
+            }
         }
         Ok(())
     }

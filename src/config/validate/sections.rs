@@ -398,9 +398,37 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
             .as_ref()
             .map(|h| bytes::Bytes::copy_from_slice(h.as_str().as_bytes()))?,
         request_id_header: request_id_header?,
+        strict_transport_security: strict_transport_security(c, s, s.map_or(0, |s| s.tls.len()))?,
         admin_token: admin_token?,
     })
     .filter(|_| ok)
+}
+
+/// `server.strict_transport_security`: a value RFC 6797 gives (`max-age=<seconds>`, then
+/// `includeSubDomains` or `preload` if wanted), sent over TLS listeners only; without one,
+/// said to go nowhere.
+fn strict_transport_security(
+    c: &mut Collector,
+    s: Option<&crate::config::raw::RawServer>,
+    tls_listeners: usize,
+) -> Option<Option<http::HeaderValue>> {
+    let Some(v) = s.and_then(|s| s.strict_transport_security.as_ref()) else {
+        return Some(None);
+    };
+    let text = v.get_ref().trim();
+    let max_age = (text.split(';'))
+        .map(str::trim)
+        .find_map(|d| d.strip_prefix("max-age="))
+        .is_some_and(|age| !age.is_empty() && age.bytes().all(|b| b.is_ascii_digit()));
+    let value = http::HeaderValue::from_str(text).ok().filter(|_| max_age);
+    let Some(value) = value else {
+        c.push(Some(&v.span()), None, format!("server.strict_transport_security = \"{}\" is not a Strict-Transport-Security value: write \"max-age=<seconds>\", such as \"max-age=31536000; includeSubDomains\"", v.get_ref().escape_debug()));
+        return None;
+    };
+    if tls_listeners == 0 {
+        c.warn(Some(&v.span()), None, "server.strict_transport_security is sent over TLS listeners only, and there is no [[server.tls]]: it is sent nowhere".into());
+    }
+    Some(Some(value))
 }
 
 /// Headers that cannot carry the request id: every field HTTP gives a meaning of its own (the
