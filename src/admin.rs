@@ -563,17 +563,29 @@ impl Admin {
                     .redis_up
                     .set(i64::from(self.store.is_connected()));
                 let snapshot = self.reloader.live.load();
-                let keys = (snapshot.jwks_target())
-                    .map_or(0, |(url, _)| snapshot.jwks.keys(&url).keys.len());
-                self.metrics.jwks_keys.set(keys as i64);
+                match snapshot.jwks_target() {
+                    Some((url, _)) => {
+                        let keys = snapshot.jwks.keys(&url).keys.len();
+                        self.metrics
+                            .jwks_keys
+                            .with_label_values::<&str>(&[])
+                            .set(keys as i64);
+                    }
+                    None => self.metrics.jwks_keys.reset(),
+                }
                 // Rendered and gzipped off this runtime, whose one thread also reads Redis's
                 // answers (a config of thousands of routes renders megabytes: tens of
                 // milliseconds, against a decision's budget of 20).
+                // One at a time: scrapes that come together wait rather than each taking a
+                // thread and megabytes.
+                static RENDERING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+                let _turn = RENDERING.acquire().await;
                 let gzip = accepts_gzip(req.headers());
                 let metrics = Arc::clone(&self.metrics);
                 tokio::task::spawn_blocking(move || exposition(metrics.render(), gzip))
                     .await
-                    .unwrap_or_else(|_| {
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "cannot render the metrics");
                         reply(
                             StatusCode::INTERNAL_SERVER_ERROR,
                             "text/plain",

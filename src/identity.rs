@@ -291,7 +291,10 @@ impl JwtVerifier {
         for (name, values) in &self.required_claims {
             let holds = |v: &serde_json::Value| match v {
                 serde_json::Value::String(s) => values.iter().any(|w| w == s),
-                serde_json::Value::Bool(b) => values.iter().any(|w| *w == b.to_string()),
+                serde_json::Value::Bool(b) => {
+                    let b = if *b { "true" } else { "false" };
+                    values.iter().any(|w| w == b)
+                }
                 other => claim_text(other).is_some_and(|t| values.contains(&t)),
             };
             let held = match claims.claims.get(name) {

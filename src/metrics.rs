@@ -62,8 +62,9 @@ pub struct Metrics {
     response_charges: IntCounterVec,
     tier_decisions: IntCounterVec,
     pub jwks_refresh: crate::remote_jwks::RefreshCounters,
-    /// `sentinel_jwks_keys`: set when scraped.
-    pub jwks_keys: IntGauge,
+    /// `sentinel_jwks_keys`: set when scraped, and shown only while `jwks_url` is set (its
+    /// one series, without labels).
+    pub jwks_keys: IntGaugeVec,
     /// Requests between their start and the end of their `logging()`; set at scrape time.
     pub in_flight: IntGauge,
     /// Downstream connections open, and the bound on them; set at scrape time.
@@ -293,9 +294,12 @@ impl Metrics {
         };
         let jwks_keys = register(
             &r,
-            IntGauge::new(
-                "sentinel_jwks_keys",
-                "Keys of [auth.jwt] jwks_url's last good fetch that verify tokens now: 0 before the first fetch (every token 401) and without jwks_url.",
+            IntGaugeVec::new(
+                Opts::new(
+                    "sentinel_jwks_keys",
+                    "Keys of [auth.jwt] jwks_url's last good fetch that verify tokens now: 0 before the first fetch succeeds (every token 401); no series without jwks_url.",
+                ),
+                &[],
             )
             .expect("valid"),
         );

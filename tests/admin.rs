@@ -216,6 +216,8 @@ async fn metrics_are_gzipped_for_a_scraper_that_takes_it() {
         .read_to_string(&mut text)
         .expect("a gzip stream");
     assert!(text.contains("sentinel_config_generation 1"), "{text}");
+    // Without jwks_url, no keys gauge to read as "none held" (SentinelJwksEmpty).
+    assert!(!text.contains("sentinel_jwks_keys"), "{text}");
     assert!(
         body.len() * 3 < text.len(),
         "{} of {}",

@@ -527,7 +527,9 @@ fn an_open_admin_listener_is_warned_of_and_an_empty_redis_url_is_unset() {
     let (ok, out) = common::check_body(dir.path(), &open, &[]);
     assert!(ok, "{out}");
     assert!(
-        out.contains("is reachable from other hosts and no admin_token_env is set"),
+        out.contains(
+            "is reachable from other hosts and no admin_token_env (or admin_token_file) is set"
+        ),
         "{out}"
     );
     // An IPv4-mapped loopback address is loopback.

@@ -1225,6 +1225,9 @@ async fn an_upstreams_answer_is_sent_in_the_gateways_own_version_and_framing() {
         while let Some(head) = common::read_head(&mut s) {
             let answer: &[u8] = if head.starts_with(b"GET /old") {
                 b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+            } else if head.starts_with(b"GET /cached") {
+                // A 304 may name its representation's length (RFC 9110, 8.6): kept.
+                b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1234\r\n\r\n"
             } else {
                 b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n"
             };
@@ -1245,6 +1248,60 @@ async fn an_upstreams_answer_is_sent_in_the_gateways_own_version_and_framing() {
         let r = http.get(gw.url("/empty")).send().await.unwrap();
         assert_eq!(r.status(), 204);
         assert!(r.headers().get("content-length").is_none(), "{r:?}");
+        let r = http.get(gw.url("/cached")).send().await.unwrap();
+        assert_eq!(r.status(), 304);
+    }
+}
+
+/// A backend that limits too keeps its own fields beside the gateway's: its 429 says its own
+/// `X-RateLimit-Remaining: 0` (not the gateway's 999), and its `RateLimit` item comes first in
+/// the list the gateway adds its own to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backends_own_rate_limit_fields_are_kept_beside_the_gateways() {
+    let redis = Redis::start();
+    let upstream = common::raw_server(|mut s| {
+        while common::read_head(&mut s).is_some() {
+            let answer = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\n\
+                RateLimit-Policy: \"backend\";q=10;w=60\r\nRateLimit: \"backend\";r=0;t=7\r\n\
+                X-RateLimit-Limit: 10\r\nX-RateLimit-Remaining: 0\r\nContent-Length: 0\r\n\r\n";
+            if s.write_all(answer).is_err() {
+                return;
+            }
+        }
+    });
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .upstream("app", &[upstream])
+        .route(
+            Route::new("e.api")
+                .prefix("/")
+                .identity_header("X-User")
+                .token_bucket(1_000_000_000, 0)
+                .set("ratelimit_headers", "\"both\""),
+        )
+        .start();
+    for http in [client(), common::h2c_client()] {
+        let r = http
+            .get(gw.url("/x"))
+            .header("X-User", "u1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429);
+        let field = |name: &str| r.headers()[name].to_str().unwrap().to_owned();
+        assert_eq!(field("retry-after"), "7");
+        assert_eq!(field("x-ratelimit-remaining"), "0");
+        assert_eq!(field("x-ratelimit-limit"), "10");
+        assert!(
+            field("ratelimit").starts_with("\"backend\";r=0;t=7, \"e.api\";r="),
+            "{}",
+            field("ratelimit")
+        );
+        assert!(
+            field("ratelimit-policy").starts_with("\"backend\";q=10;w=60, \"e.api\";q=1000"),
+            "{}",
+            field("ratelimit-policy")
+        );
     }
 }
 

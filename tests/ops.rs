@@ -20,6 +20,7 @@ fn exported() -> Vec<String> {
         true,
     );
     metrics.tls_certs([("tls/default.pem", 0)]);
+    metrics.jwks_keys.with_label_values::<&str>(&[]).set(0);
     metrics
         .registry
         .gather()

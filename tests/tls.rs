@@ -498,7 +498,7 @@ async fn strict_transport_security_is_sent_over_tls_only() {
     let hsts = "max-age=31536000; includeSubDomains";
     let gw = s
         .config(&redis, &up, "")
-        .server("strict_transport_security", &quoted(hsts))
+        .server("strict_transport_security", quoted(hsts))
         .start();
     let tls_url = |path: &str| format!("https://{PDFTALK}:{}{path}", s.tls_port);
     for http1_only in [false, true] {
@@ -509,7 +509,11 @@ async fn strict_transport_security_is_sent_over_tls_only() {
             assert_eq!(r.headers()["strict-transport-security"], hsts, "{path}");
         }
     }
-    let r = common::client().get(gw.url("/open/x")).send().await.unwrap();
+    let r = common::client()
+        .get(gw.url("/open/x"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.headers().get("strict-transport-security").is_none());
 }

@@ -213,9 +213,6 @@ fn read_whole(path: &Path) -> std::io::Result<Vec<u8>> {
 /// [`read_whole`], of at most `most` bytes and one more.
 fn read_whole_up_to(path: &Path, most: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    if most == u64::MAX && LOAD.with_borrow(|load| load.at_start) {
-        return std::fs::read(path);
-    }
     let file = match LOAD.with_borrow(|load| load.at_start) {
         true => std::fs::File::open(path)?,
         false => open_without_waiting(std::fs::OpenOptions::new().read(true), path)?,

@@ -213,7 +213,7 @@ fn signing_key(key: PrivateKeyDer<'static>) -> Result<Arc<dyn rustls::sign::Sign
     rustls::crypto::ring::default_provider()
         .key_provider
         .load_private_key(key)
-        .map_err(|e| format!("is not a key TLS can sign with (RSA of 2048 bits or more, ECDSA on P-256 or P-384, or Ed25519: not RSA under 2048 bits nor P-521): {e}"))
+        .map_err(|e| format!("is not a key TLS can sign with (RSA of 2048 to 8192 bits, ECDSA on P-256 or P-384, or Ed25519: not P-521): {e}"))
 }
 
 /// Which file of a pair is wrong, and why.
@@ -263,10 +263,6 @@ fn not_v3(cert: &x509_parser::certificate::X509Certificate<'_>) -> Option<String
     })
 }
 
-/// The certificate's end of validity, and why it is outside its validity now, if it is.
-/// An expired or not yet valid certificate is not refused: a gateway that would not start (or
-/// reload) with it would turn an outage of the clients that check it into one of every
-/// client, the plain listeners' included, as nginx and Envoy do not.
 /// [`check_validity`] of a whole chain: the leaf first, then the intermediates the listener
 /// sends with it (clients check each, so an intermediate that expires before the leaf ends
 /// the chain's validity then): the earliest end of any, and the first out of date.
@@ -299,6 +295,10 @@ fn chain_validity(
     Ok(found)
 }
 
+/// The certificate's end of validity, and why it is outside its validity now, if it is.
+/// An expired or not yet valid certificate is not refused: a gateway that would not start (or
+/// reload) with it would turn an outage of the clients that check it into one of every
+/// client, the plain listeners' included, as nginx and Envoy do not.
 fn check_validity(cert: &CertificateDer<'_>) -> Result<(String, i64, Option<String>), PairError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PairError::Cert(format!("holds a certificate that cannot be parsed: {e}")))?;

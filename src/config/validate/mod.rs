@@ -88,7 +88,7 @@ pub fn validate(
     }
 
     if !c.errors.is_empty() {
-        return Err(ConfigErrors(in_file_order(c.errors)));
+        return Err(ConfigErrors(in_file_order(path, c.errors)));
     }
     Ok(Config {
         source: path.to_path_buf(),
@@ -408,12 +408,16 @@ pub(super) fn int_in(
     Some(n as u64)
 }
 
-/// Errors as a reader meets them: each file's (the config's, a key file's) by line and column,
-/// in the order the files were first named; one with no place first among its file's. The
+/// Errors as a reader meets them: each file's by line and column, the config's first, then
+/// the files it names (a key file, a JWKS) in the order their errors came; one with no place
+/// first among its file's. The
 /// checks run section by section, route by route, and then across routes, which would
 /// otherwise print a file's line 2 848 after its line 31 109.
-fn in_file_order(mut errors: Vec<super::error::ConfigError>) -> Vec<super::error::ConfigError> {
-    let mut files: Vec<PathBuf> = Vec::new();
+fn in_file_order(
+    config: &Path,
+    mut errors: Vec<super::error::ConfigError>,
+) -> Vec<super::error::ConfigError> {
+    let mut files: Vec<PathBuf> = vec![config.to_path_buf()];
     for e in &errors {
         if !files.contains(&e.file) {
             files.push(e.file.clone());

@@ -266,7 +266,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
     // `/metrics` for whoever reaches the address.
     if let (Some(admin), Some(None)) = (admin_listen, &admin_token) {
         if !crate::identity::canonical(admin.ip()).is_loopback() {
-            c.warn(admin_span.as_ref(), None, format!("server.admin_listen = \"{admin}\" is reachable from other hosts and no admin_token_env is set: anyone who reaches it can reload the config, reset limits and read the metrics; set admin_token_env, or listen on a loopback address"));
+            c.warn(admin_span.as_ref(), None, format!("server.admin_listen = \"{admin}\" is reachable from other hosts and no admin_token_env (or admin_token_file) is set: anyone who reaches it can reload the config, reset limits and read the metrics; set admin_token_env, or listen on a loopback address"));
         }
     }
     let header_read_timeout = int_in(
@@ -416,9 +416,11 @@ fn strict_transport_security(
         return Some(None);
     };
     let text = v.get_ref().trim();
+    // Directive names in any case, a value quoted or not (RFC 6797, 6.1).
     let max_age = (text.split(';'))
-        .map(str::trim)
-        .find_map(|d| d.strip_prefix("max-age="))
+        .filter_map(|d| d.split_once('='))
+        .find(|(name, _)| name.trim().eq_ignore_ascii_case("max-age"))
+        .map(|(_, age)| age.trim().trim_matches('"'))
         .is_some_and(|age| !age.is_empty() && age.bytes().all(|b| b.is_ascii_digit()));
     let value = http::HeaderValue::from_str(text).ok().filter(|_| max_age);
     let Some(value) = value else {
@@ -772,10 +774,12 @@ pub(super) fn access_log(
                     "cannot be written by this process: {}: {e}",
                     written.display()
                 );
-                // A read-only file system is the host's for everyone; a permission is this
-                // user's, and `check` may run as another (a CI job, an operator's shell)
-                // than the gateway's: said, not refused (the start says it again, and exits).
-                if e.raw_os_error() == Some(libc::EROFS) {
+                // A permission is this user's, and `check` may run as another (a CI job, an
+                // operator's shell) than the gateway's: said, not refused (the start says it
+                // again, and exits). Anything else (a read-only file system, a path too long
+                // or looping) is the host's for everyone: refused.
+                let permission = matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM));
+                if !permission {
                     Some(said)
                 } else {
                     // SAFETY: no arguments; reads the process's real user.
@@ -1059,26 +1063,29 @@ fn redis_password(
     let Some(read) = super::secret(c, field, env, file, None, config)? else {
         return Ok(None);
     };
-    let (field, from, unset) = (&read.field, &read.from, read.unset());
-    match read.value.clone().map(String::from_utf8) {
-        // A line break or another control character left in (a file ending in two line
-        // breaks) is no password anyone meant: every connection would be refused.
-        Some(Ok(v)) if v.chars().any(char::is_control) => {
-            c.push(Some(&read.span), None, format!("{field}: {from} holds a line break or another control character (one last line break is not part of it): write the password alone"));
+    let unset = read.unset();
+    let super::SecretRead {
+        field,
+        from,
+        span,
+        value,
+        ..
+    } = read;
+    match value.map(String::from_utf8) {
+        // A line break or a NUL left in (a file ending in two line breaks) is no password
+        // anyone meant: every connection would be refused. (Redis takes any other byte.)
+        Some(Ok(v)) if v.contains(['\r', '\n', '\0']) => {
+            c.push(Some(&span), None, format!("{field}: {from} holds a line break or a NUL (one last line break is not part of it): write the password alone"));
             Err(())
         }
         Some(Ok(v)) if !v.is_empty() => Ok(Some(Secret(Arc::from(v.as_bytes())))),
         Some(Err(_)) => {
-            c.push(
-                Some(&read.span),
-                None,
-                format!("{field}: {from} is not UTF-8"),
-            );
+            c.push(Some(&span), None, format!("{field}: {from} is not UTF-8"));
             Err(())
         }
         _ => {
             c.push(
-                Some(&read.span),
+                Some(&span),
                 None,
                 format!("{field}: {from} {unset}: set it to {what}"),
             );
@@ -1577,9 +1584,12 @@ fn claim_value(
 /// `auth.jwt.<field>` written as a string or a list of them, each a claim's possible value
 /// (a claim's may be a boolean, `email_verified = true`, kept as its text; an issuer's not).
 fn claim_values(c: &mut Collector, field: &str, v: &Spanned<toml::Value>) -> Option<Vec<String>> {
-    let example = match field {
-        "issuer" => "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
-        _ => "\"access\" or [\"app-a\", \"app-b\"]",
+    let (example, booleans) = match field {
+        "issuer" => (
+            "\"https://idp.example/\" or [\"https://idp.example/\", \"idp.example\"]",
+            "",
+        ),
+        _ => ("\"access\" or [\"app-a\", \"app-b\"]", ", a boolean"),
     };
     let one = |v: &toml::Value| match v {
         toml::Value::String(s) => Some(s.clone()),
@@ -1592,7 +1602,7 @@ fn claim_values(c: &mut Collector, field: &str, v: &Spanned<toml::Value>) -> Opt
         single => (one(single).map(|s| vec![s]), true),
     };
     let Some(values) = values else {
-        c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string or a non-empty list of strings, such as {example}"));
+        c.push(Some(&v.span()), None, format!("auth.jwt.{field} must be a string{booleans} or a non-empty list of them, such as {example}"));
         return None;
     };
     let mut ok = true;
