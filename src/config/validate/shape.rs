@@ -49,8 +49,50 @@ pub(crate) fn deepest_key(source: &str) -> Option<(Range<usize>, usize)> {
 }
 
 /// A file TOML cannot read into the config's shape: where its first error is, the route it
-/// is in, and the message.
+/// is in, and the message, without a password a value it quotes may hold.
 pub(super) fn error(
+    source: &str,
+    e: &toml::de::Error,
+) -> (Option<Range<usize>>, Option<String>, String) {
+    let (at, route, message) = first_error(source, e);
+    (at, route, without_credentials(&message))
+}
+
+/// `message` with each string it quotes (`invalid type: string "..."`) that holds a user and
+/// password (`u:pw@host`, a URL with one or with a query) shown as the config's messages show
+/// URLs: a URL list written as one string would be said with its password otherwise.
+fn without_credentials(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("string \"") {
+        let start = at + "string \"".len();
+        out.push_str(&rest[..start]);
+        // The quoted text as serde writes it (Rust's escapes): to the first unescaped quote.
+        let body = &rest[start..];
+        let mut end = body.len();
+        let mut escaped = false;
+        for (i, ch) in body.char_indices() {
+            match ch {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = i;
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let quoted = &body[..end];
+        match quoted.contains('@') || quoted.contains("://") {
+            true => out.push_str(&crate::config::redact_url_and_query(quoted)),
+            false => out.push_str(quoted),
+        }
+        rest = &body[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn first_error(
     source: &str,
     e: &toml::de::Error,
 ) -> (Option<Range<usize>>, Option<String>, String) {
