@@ -474,6 +474,15 @@ fn a_short_jwt_secret_is_named_and_refused() {
         stderr.contains("auth.jwt.secret_env: the environment variable SENTINEL_JWT_SECRET holds 9 bytes: the secret must be at least 32 bytes"),
         "{stderr}"
     );
+    // Long enough, and guessed all the same.
+    let spaces = " ".repeat(40);
+    let out = common::check_config(&path, &[("SENTINEL_JWT_SECRET", Some(spaces.as_str()))]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("holds 1 different bytes: a secret of so few is guessed"),
+        "{stderr}"
+    );
     let ok = common::check_config(
         &path,
         &[(

@@ -43,6 +43,7 @@ pub fn validate(
     let breaker = sections::breaker(&mut c, &raw);
     let jwt = sections::jwt(&mut c, &raw, path);
     let access_log = sections::access_log(&mut c, &raw, path);
+    sections::secrets_of_their_own(&mut c, &raw, path);
     let api_keys = sections::api_keys(&mut c, &raw, path);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
         .upstreams

@@ -810,6 +810,53 @@ pub(super) fn access_log(
     }
 }
 
+/// A secret's file that is one the gateway reads for another end (the config, a
+/// certificate, a JWKS, the key file) is refused: those are no secret (a certificate is sent
+/// in every handshake, a JWKS published), and anyone holding one could sign tokens with it
+/// as the HS* secret, or present it as the admin token.
+pub(super) fn secrets_of_their_own(c: &mut Collector, raw: &RawConfig, config: &Path) {
+    let files = read_files(raw, config);
+    // The secrets' fields, and those alone, end in `_file` (the key file's is `file`).
+    let secret = |what: &str| {
+        what.split(" = ")
+            .next()
+            .is_some_and(|f| f.ends_with("_file"))
+    };
+    for (what, path) in files.iter().filter(|(w, _)| secret(w)) {
+        let field = what.split(" = ").next().unwrap_or_default();
+        let shared = (files.iter())
+            .filter(|(other, _)| !secret(other))
+            .find(|(_, other)| same_file(path, other));
+        if let Some((other, _)) = shared {
+            let at = secret_span(raw, field);
+            c.push(at.as_ref(), None, format!("{what} is {other}, which the gateway reads for another end and others may read (a certificate is sent in every handshake): a secret needs a file of its own"));
+        }
+    }
+}
+
+/// Where the secret file `field` (`redis.password_file`) is written.
+fn secret_span(raw: &RawConfig, field: &str) -> Option<Range<usize>> {
+    let span = |v: Option<&Spanned<String>>| v.map(|v| v.span());
+    match field {
+        "server.admin_token_file" => span(raw.server.as_ref()?.get_ref().admin_token_file.as_ref()),
+        "redis.password_file" => span(raw.redis.as_ref()?.get_ref().password_file.as_ref()),
+        "redis.sentinel_password_file" => span(
+            raw.redis
+                .as_ref()?
+                .get_ref()
+                .sentinel_password_file
+                .as_ref(),
+        ),
+        "auth.jwt.secret_file" => span(
+            (raw.auth.as_ref()?.get_ref().jwt.as_ref()?)
+                .get_ref()
+                .secret_file
+                .as_ref(),
+        ),
+        _ => None,
+    }
+}
+
 /// Whether this process may write `path` (a file, or a directory to make one in), as the
 /// kernel says without writing: `EACCES` for another user's, `EROFS` on a read-only file
 /// system.
@@ -1612,6 +1659,16 @@ fn claim_values(c: &mut Collector, field: &str, v: &Spanned<toml::Value>) -> Opt
     ok.then_some(values)
 }
 
+/// A shared JWT secret holds at least this many different bytes.
+const MIN_JWT_SECRET_DISTINCT: usize = 8;
+
+/// How many different byte values `bytes` holds.
+fn distinct_bytes(bytes: &[u8]) -> usize {
+    let mut seen = [false; 256];
+    bytes.iter().for_each(|b| seen[*b as usize] = true);
+    seen.iter().filter(|s| **s).count()
+}
+
 /// `auth.jwt.required_claims`, in the file's order (the table is read sorted by name): each
 /// claim with its values. The claims other fields check (`iss`, `aud`) or the clock does are
 /// refused here.
@@ -1721,6 +1778,11 @@ pub(super) fn jwt(c: &mut Collector, raw: &RawConfig, config: &Path) -> Option<J
                     }
                     Some(v) if v.len() < MIN_JWT_SECRET_BYTES => {
                         c.push(span, None, format!("{field}: {from} holds {} bytes: the secret must be at least {MIN_JWT_SECRET_BYTES} bytes", v.len()));
+                        None
+                    }
+                    // 32 spaces or zeros are 32 bytes, and no secret: anyone guesses them.
+                    Some(v) if distinct_bytes(&v) < MIN_JWT_SECRET_DISTINCT => {
+                        c.push(span, None, format!("{field}: {from} holds {} different bytes: a secret of so few is guessed; write a random one (`openssl rand -base64 48`)", distinct_bytes(&v)));
                         None
                     }
                     Some(v) => Some(Secret(Arc::from(v.as_slice()))),
