@@ -754,3 +754,25 @@ fn listen_addresses_that_would_not_serve_as_meant_are_warned_of() {
         "{stderr}"
     );
 }
+
+/// A `Strict-Transport-Security` value is taken as browsers take it: directive names in any
+/// case, a quoted max-age; a directive written twice makes browsers ignore the field, so it
+/// is refused.
+#[test]
+fn a_strict_transport_security_value_is_read_as_browsers_read_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (value, taken) in [
+        ("MAX-AGE=10; INCLUDESUBDOMAINS", true),
+        ("max-age=\\\"31536000\\\"; preload", true),
+        ("max-age=1; max-age=2", false),
+        ("max-age=1; includeSubDomains; includesubdomains", false),
+        ("max-age=-1", false),
+    ] {
+        let (ok, out) = common::check_body(
+            dir.path(),
+            &format!("strict_transport_security = \"{value}\""),
+            &[],
+        );
+        assert_eq!(ok, taken, "{value}: {out}");
+    }
+}

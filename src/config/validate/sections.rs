@@ -416,15 +416,29 @@ fn strict_transport_security(
         return Some(None);
     };
     let text = v.get_ref().trim();
-    // Directive names in any case, a value quoted or not (RFC 6797, 6.1).
+    // Directive names in any case, a value quoted or not, each directive once: a browser
+    // ignores the whole field otherwise (RFC 6797, 6.1).
+    let names: Vec<String> = (text.split(';'))
+        .map(|d| {
+            d.split('=')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .filter(|n| !n.is_empty())
+        .collect();
+    let once = (names.iter()).all(|n| names.iter().filter(|m| *m == n).count() == 1);
     let max_age = (text.split(';'))
         .filter_map(|d| d.split_once('='))
         .find(|(name, _)| name.trim().eq_ignore_ascii_case("max-age"))
         .map(|(_, age)| age.trim().trim_matches('"'))
         .is_some_and(|age| !age.is_empty() && age.bytes().all(|b| b.is_ascii_digit()));
-    let value = http::HeaderValue::from_str(text).ok().filter(|_| max_age);
+    let value = http::HeaderValue::from_str(text)
+        .ok()
+        .filter(|_| max_age && once);
     let Some(value) = value else {
-        c.push(Some(&v.span()), None, format!("server.strict_transport_security = \"{}\" is not a Strict-Transport-Security value: write \"max-age=<seconds>\", such as \"max-age=31536000; includeSubDomains\"", v.get_ref().escape_debug()));
+        c.push(Some(&v.span()), None, format!("server.strict_transport_security = \"{}\" is not a Strict-Transport-Security value a browser takes: write \"max-age=<seconds>\" and each directive once, such as \"max-age=31536000; includeSubDomains\"", v.get_ref().escape_debug()));
         return None;
     };
     if tls_listeners == 0 {
