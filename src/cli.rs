@@ -347,7 +347,7 @@ pub fn describe_tls(t: &crate::config::TlsListener) -> String {
         crate::config::TlsVersion::V1_3 => "TLS 1.3 only",
     };
     let mut line = format!(
-        "tls {}: {versions}, ALPN h2 and http/1.1; default certificate {} (expires {})",
+        "tls {}: {versions}, ALPN h2, http/1.1 and http/1.0; default certificate {} (expires {})",
         t.listen,
         t.default.cert_path.display(),
         t.default.expires

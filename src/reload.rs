@@ -224,7 +224,9 @@ impl Reloader {
             ),
             (
                 "server.max_connections",
-                old.max_connections != new.max_connections,
+                old.max_connections != new.max_connections
+                    && crate::edge::limits::in_force(old.max_connections, old.threads)
+                        != crate::edge::limits::in_force(new.max_connections, old.threads),
             ),
             (
                 "redis.dedicated_io_thread",

@@ -866,8 +866,19 @@ async fn breaker_and_emergency_state_survive_a_reload_unless_the_rate_changes() 
         serde_json::json!(["server.threads"])
     );
     assert_eq!(gw.metric("sentinel_config_restart_required"), 1.0);
-    // The file put back to the running values: nothing waits.
-    gw.rewrite_config(&running);
+    // The file put back to the running values, the bound the default derived written out
+    // too: nothing waits.
+    let logs = gw.logs();
+    let bound: String = (logs.split("\"max_connections\":").nth(1).unwrap())
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let written = running.replacen(
+        "[server]\n",
+        &format!("[server]\nmax_connections = {bound}\n"),
+        1,
+    );
+    gw.rewrite_config(&written);
     let r = http.post(gw.admin("/reload")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let body = readyz(http.clone()).await;

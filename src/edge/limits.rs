@@ -55,6 +55,13 @@ pub fn budget(configured: Option<usize>, threads: usize) -> Budget {
     budget
 }
 
+/// The downstream bound `configured` puts in force with `threads` workers under this
+/// process's open-file limit: what a reload compares, so that a file writing out the bound
+/// the default derived (`max_connections = 9744`) changes nothing.
+pub fn in_force(configured: Option<usize>, threads: usize) -> usize {
+    bounded(configured, threads, raise_open_file_limit()).max_connections
+}
+
 /// The bound in force: `configured`, but never more than `limit` (the open-file limit, when
 /// known) carries; without one configured, what it carries (1024 when it is not known).
 fn bounded(configured: Option<usize>, threads: usize, limit: Option<usize>) -> Budget {

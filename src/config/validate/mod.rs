@@ -485,11 +485,8 @@ pub(super) fn secret(
             let path = config
                 .parent()
                 .map_or_else(|| PathBuf::from(written), |dir| dir.join(written));
-            match super::read_named_up_to(&path, SECRET_FILE_MOST) {
-                Ok(value) if value.len() as u64 > SECRET_FILE_MOST => {
-                    c.push(Some(&f.span()), None, format!("{field}_file = \"{written}\" is over {} KiB: a secret's file holds the secret alone", SECRET_FILE_MOST / 1024));
-                    Err(())
-                }
+            // Two bytes more: a secret of the whole 64 KiB and its line break (`\r\n`).
+            match super::read_named_up_to(&path, SECRET_FILE_MOST + 2) {
                 Ok(mut value) => {
                     c.secret_files.push(path.clone());
                     if value.ends_with(b"\n") {
@@ -497,6 +494,10 @@ pub(super) fn secret(
                         if value.ends_with(b"\r") {
                             value.pop();
                         }
+                    }
+                    if value.len() as u64 > SECRET_FILE_MOST {
+                        c.push(Some(&f.span()), None, format!("{field}_file = \"{written}\" is over {} KiB: a secret's file holds the secret alone", SECRET_FILE_MOST / 1024));
+                        return Err(());
                     }
                     Ok(Some(SecretRead {
                         field: format!("{field}_file"),
