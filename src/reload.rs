@@ -240,7 +240,7 @@ impl Reloader {
         let breaker = config.breaker;
         let tls = config.server.tls.clone();
         let header_read_timeout = config.server.header_read_timeout;
-        let request_id_header = config.server.request_id_header.clone();
+        let answer_fields = config.server.clone();
         // Opened before anything changes (a path that cannot be written fails the reload),
         // installed once nothing else can fail.
         let access_log = AccessLog::open(config.access_log.as_ref())
@@ -278,9 +278,7 @@ impl Reloader {
         self.edge
             .connections
             .set_header_timeout(header_read_timeout);
-        self.edge
-            .connections
-            .set_request_id_header(request_id_header.as_str());
+        self.edge.connections.set_answer_fields(&answer_fields);
         snapshot.config.log_warnings();
         for (name, pool) in &snapshot.upstreams {
             let kept = current

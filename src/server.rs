@@ -144,7 +144,7 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         server_cfg.header_read_timeout,
         server_cfg.keepalive_timeout,
     ));
-    connections.set_request_id_header(server_cfg.request_id_header.as_str());
+    connections.set_answer_fields(&server_cfg);
     let path = config.source.clone();
     let fleet = Arc::new(Fleet::default());
     let snapshot = Snapshot::build(config, 1, &metrics, &clock, &fleet, None)

@@ -516,6 +516,16 @@ async fn strict_transport_security_is_sent_over_tls_only() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.headers().get("strict-transport-security").is_none());
+    // The 400 written before any request is made of a head (two `Host` fields).
+    let mut config = s.ca.client_config(rustls::ALL_VERSIONS);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let mut conn = Conn::open(config, s.tls_port, PDFTALK).unwrap();
+    let answer = conn.raw(b"GET /open/x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(
+        answer.contains(&format!("\r\nstrict-transport-security: {hsts}\r\n")),
+        "{answer}"
+    );
 }
 
 /// The chain a listener sends is as valid as its certificate that ends first: an intermediate

@@ -233,8 +233,9 @@ pub struct Connections {
     closing: AtomicUsize,
     /// The clock of `Conn::since_ms`.
     epoch: Instant,
-    /// `request_id_header`, lower case, for the answers written here ([`Guarded`]).
-    request_id_header: ArcSwap<String>,
+    /// `request_id_header`, lower case, and `strict_transport_security`, for the answers
+    /// written here ([`Guarded`]).
+    answer_fields: ArcSwap<AnswerFields>,
     /// Told of the request heads answered 400 here (the access log, the metrics).
     bad_head: std::sync::OnceLock<BadHeadHook>,
     /// The HTTP/2 connections by their socket digest (its address), which every stream's
@@ -346,7 +347,10 @@ impl Connections {
             open: Mutex::new(BTreeMap::new()),
             closing: AtomicUsize::new(0),
             epoch: Instant::now(),
-            request_id_header: ArcSwap::from_pointee("x-request-id".to_owned()),
+            answer_fields: ArcSwap::from_pointee(AnswerFields {
+                request_id_header: "x-request-id".to_owned(),
+                hsts: None,
+            }),
             bad_head: std::sync::OnceLock::new(),
             h2: Mutex::new(std::collections::HashMap::new()),
             shed: Default::default(),
@@ -417,10 +421,16 @@ impl Connections {
         let _ = self.bad_head.set(hook);
     }
 
-    /// The config's `request_id_header`, at start and on every reload.
-    pub fn set_request_id_header(&self, name: &str) {
-        self.request_id_header
-            .store(Arc::new(name.to_ascii_lowercase()));
+    /// The config's `request_id_header` and `strict_transport_security`, at start and on
+    /// every reload.
+    pub fn set_answer_fields(&self, server: &crate::config::ServerConfig) {
+        let hsts = (server.strict_transport_security.as_ref())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        self.answer_fields.store(Arc::new(AnswerFields {
+            request_id_header: server.request_id_header.as_str().to_ascii_lowercase(),
+            hsts,
+        }));
     }
 
     /// `keepalive_timeout_seconds` as the process started with it (a reload's takes effect
@@ -1301,6 +1311,13 @@ impl Guarded {
     }
 }
 
+/// Fields the answers written here carry: the request id's name, and HSTS over TLS.
+#[derive(Debug)]
+struct AnswerFields {
+    request_id_header: String,
+    hsts: Option<String>,
+}
+
 /// The gateway's own answer, `(status, reason, body)`, to a request it refuses before
 /// Pingora has one: told to the access log and the metrics ([`Connections::on_bad_head`]).
 fn own_answer(
@@ -1312,10 +1329,16 @@ fn own_answer(
     let request_id = crate::proxy::forwarded::new_request_id();
     let head = BadHead::of(status, &request_id, "HTTP/1.1", took, body.len() as u64);
     tell_bad_head(connections, stream, head);
+    let fields = connections.answer_fields.load();
+    // Over TLS, as the proxy's answers say it.
+    let hsts = match (&fields.hsts, stream.get_ssl_digest().is_some()) {
+        (Some(v), true) => format!("strict-transport-security: {v}\r\n"),
+        _ => String::new(),
+    };
     format!(
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\nconnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}: {request_id}\r\n{hsts}connection: close\r\n\r\n{body}",
         body.len(),
-        connections.request_id_header.load(),
+        fields.request_id_header,
     )
     .into_bytes()
 }

@@ -139,6 +139,14 @@ impl Conn {
         self.tls.conn.peer_certificates().expect("a certificate")[0].clone()
     }
 
+    /// Sends `bytes` as they are and reads the answer to the connection's end.
+    pub fn raw(&mut self, bytes: &[u8]) -> String {
+        self.tls.write_all(bytes).expect("send");
+        let mut answer = Vec::new();
+        let _ = self.tls.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
     /// Whether the handshake resumed a session the client kept.
     pub fn resumed(&self) -> bool {
         self.tls.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
