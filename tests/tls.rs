@@ -270,6 +270,17 @@ fn min_version_1_3_refuses_a_tls_1_2_client() {
     assert_eq!(conn.version(), Some(rustls::ProtocolVersion::TLSv1_2));
 }
 
+/// What `check` says of `config` (written beside the setup's files), which it passes.
+fn passes_check(s: &Setup, config: &GatewayConfig) -> String {
+    let path = s.path("check.toml");
+    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
+    let out = check_config(&path, &[]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    text
+}
+
 /// When a certificate's validity ends, in Unix seconds.
 fn not_after(der: &[u8]) -> f64 {
     x509_parser::parse_x509_certificate(der)
@@ -460,12 +471,7 @@ fn an_expired_certificate_is_served_with_a_warning_not_refused() {
     let expired = s.ca.leaf_until(&["localhost"], Some(2020));
     expired.write(s.dir.path(), "default");
     let config = s.config(&redis, &up, "");
-    let path = s.path("check.toml");
-    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
-    let out = check_config(&path, &[]);
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    let text = passes_check(&s, &config);
     assert!(
         text.contains("server.tls[0].cert_path") && text.contains("expired on"),
         "{text}"
@@ -557,12 +563,7 @@ fn an_intermediate_that_ends_first_ends_the_chain() {
     drop(gw);
     let expired = s.ca.leaf_until(&["Intermediate CA"], Some(2020));
     chain(&expired);
-    let path = s.path("check.toml");
-    std::fs::write(&path, config.render(free_port(), free_port())).unwrap();
-    let out = check_config(&path, &[]);
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    let text = passes_check(&s, &config);
     assert!(
         text.contains("server.tls[0].cert_path")
             && text.contains(
