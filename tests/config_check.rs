@@ -774,5 +774,12 @@ fn a_strict_transport_security_value_is_read_as_browsers_read_it() {
             &[],
         );
         assert_eq!(ok, taken, "{value}: {out}");
+        // No TLS listener here: said to go nowhere.
+        if taken {
+            assert!(
+                out.contains("there is no [[server.tls]]: it is sent nowhere"),
+                "{out}"
+            );
+        }
     }
 }
