@@ -43,7 +43,7 @@ fn nearest<'a>(written: &str, known: impl Iterator<Item = &'a str>) -> String {
 }
 
 /// Levenshtein's distance between `a` and `b`, in characters.
-fn edit_distance(a: &str, b: &str) -> usize {
+pub(super) fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
     let mut row: Vec<usize> = (0..=b.len()).collect();
     for (i, ca) in a.chars().enumerate() {

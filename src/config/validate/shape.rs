@@ -55,7 +55,33 @@ pub(super) fn error(
     e: &toml::de::Error,
 ) -> (Option<Range<usize>>, Option<String>, String) {
     let (at, route, message) = first_error(source, e);
-    (at, route, without_credentials(&message))
+    (
+        at,
+        route,
+        with_the_field_meant(without_credentials(&message)),
+    )
+}
+
+/// An unknown field's message with the known field nearest to it, when one is near (a third
+/// of its characters, two at least): `refill_rate_micro_per_second` is most likely
+/// `refill_rate_micro_per_sec`, which a list of 29 fields leaves the reader to find.
+fn with_the_field_meant(message: String) -> String {
+    let Some(rest) = message.split("unknown field `").nth(1) else {
+        return message;
+    };
+    // Of a list: where one field alone is expected, the message names it already.
+    let Some((written, expected)) = rest.split_once("`, expected one of ") else {
+        return message;
+    };
+    let near = (written.chars().count() / 3).max(2);
+    let nearest = (expected.split('`').skip(1).step_by(2))
+        .map(|known| (super::route::edit_distance(written, known), known))
+        .filter(|(d, _)| (1..=near).contains(d))
+        .min();
+    match nearest {
+        Some((_, known)) => format!("{message}: did you mean `{known}`?"),
+        None => message,
+    }
 }
 
 /// `message` with each string it quotes (`invalid type: string "..."`) that holds a user and
