@@ -1454,3 +1454,32 @@ async fn a_route_that_decides_nothing_has_no_decision_series() {
     );
     assert!(series("sentinel_endpoint_mode", "m.open") > 0, "{body}");
 }
+
+/// An upstream's failures are one WARN a request under a target of their own, filtered apart
+/// as the denials' are: a backend down under load writes tens of thousands a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_failures_are_logged_under_a_target_that_filters_them_apart() {
+    let redis = Redis::start();
+    // A port nothing listens on: every connection refused.
+    let config = GatewayConfig::new(&redis.url())
+        .upstream("app", &[format!("127.0.0.1:{}", common::free_port())])
+        .route(Route::new("e.open").prefix("/").unlimited());
+    let said = config.start();
+    let quiet =
+        config.start_with_env(&[("RUST_LOG", "info,sentinel_gateway::upstream_failures=error")]);
+    for gw in [&said, &quiet] {
+        let r = client().get(gw.url("/x")).send().await.unwrap();
+        assert_eq!(r.status(), 502);
+    }
+    common::wait_until(Duration::from_secs(5), "the WARN", || {
+        said.logs().lines().any(|l| {
+            l.contains("\"message\":\"upstream failed\"")
+                && l.contains("\"target\":\"sentinel_gateway::upstream_failures\"")
+        })
+    });
+    assert!(
+        !quiet.logs().contains("upstream failed"),
+        "{}",
+        quiet.logs()
+    );
+}

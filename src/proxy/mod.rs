@@ -159,6 +159,12 @@ impl RequestCtx {
     }
 }
 
+/// The log target of the lines an upstream's failures write, one a request (a backend down
+/// under load writes tens of thousands a second): filtered apart as the denials' are
+/// (`RUST_LOG=info,sentinel_gateway::upstream_failures=error`), the metrics and the access
+/// log's `error` still saying each.
+const UPSTREAM_FAILURES: &str = "sentinel_gateway::upstream_failures";
+
 /// After an answer to a request whose body was not all read (the gateway's own, or an
 /// upstream's early answer to an HTTP/2 client): its duration is taken as answered, then the
 /// rest of the body is read and thrown away ([`respond::linger`]). The request stays in
@@ -1193,6 +1199,7 @@ impl ProxyHttp for Gateway {
                     _ => (answer.map_or(0, Answer::status), "upstream failed"),
                 };
                 tracing::warn!(
+                    target: UPSTREAM_FAILURES,
                     endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
                     upstream = route.upstream.config.name.as_str(),
                     status,
@@ -1270,6 +1277,7 @@ impl ProxyHttp for Gateway {
     ) -> bool {
         if let (ProxyWarnLogContext::UpstreamRetry, Some(route)) = (context, &ctx.route) {
             tracing::warn!(
+                target: UPSTREAM_FAILURES,
                 endpoint_id = route.endpoint.policy.endpoint_id.as_str(),
                 upstream = route.upstream.config.name.as_str(),
                 addr = ctx.upstream_addr.map(|a| a.to_string()),
