@@ -240,7 +240,6 @@ impl Reloader {
         let breaker = config.breaker;
         let tls = config.server.tls.clone();
         let header_read_timeout = config.server.header_read_timeout;
-        let answer_fields = config.server.clone();
         // Opened before anything changes (a path that cannot be written fails the reload),
         // installed once nothing else can fail.
         let access_log = AccessLog::open(config.access_log.as_ref())
@@ -278,7 +277,9 @@ impl Reloader {
         self.edge
             .connections
             .set_header_timeout(header_read_timeout);
-        self.edge.connections.set_answer_fields(&answer_fields);
+        self.edge
+            .connections
+            .set_answer_fields(&snapshot.config.server);
         snapshot.config.log_warnings();
         for (name, pool) in &snapshot.upstreams {
             let kept = current

@@ -829,45 +829,12 @@ pub(super) fn access_log(
 /// in every handshake, a JWKS published), and anyone holding one could sign tokens with it
 /// as the HS* secret, or present it as the admin token.
 pub(super) fn secrets_of_their_own(c: &mut Collector, raw: &RawConfig, config: &Path) {
-    let files = read_files(raw, config);
-    // The secrets' fields, and those alone, end in `_file` (the key file's is `file`).
-    let secret = |what: &str| {
-        what.split(" = ")
-            .next()
-            .is_some_and(|f| f.ends_with("_file"))
-    };
-    for (what, path) in files.iter().filter(|(w, _)| secret(w)) {
-        let field = what.split(" = ").next().unwrap_or_default();
-        let shared = (files.iter())
-            .filter(|(other, _)| !secret(other))
-            .find(|(_, other)| same_file(path, other));
-        if let Some((other, _)) = shared {
-            let at = secret_span(raw, field);
-            c.push(at.as_ref(), None, format!("{what} is {other}, which the gateway reads for another end and others may read (a certificate is sent in every handshake): a secret needs a file of its own"));
+    let others = read_for_other_ends(raw, config);
+    for (field, p) in secret_files(raw) {
+        let path = resolved(config, p.get_ref());
+        if let Some((other, _)) = others.iter().find(|(_, o)| same_file(&path, o)) {
+            c.push(Some(&p.span()), None, format!("{field} = \"{}\" is {other}, which the gateway reads for another end and others may read (a certificate is sent in every handshake): a secret needs a file of its own", p.get_ref()));
         }
-    }
-}
-
-/// Where the secret file `field` (`redis.password_file`) is written.
-fn secret_span(raw: &RawConfig, field: &str) -> Option<Range<usize>> {
-    let span = |v: Option<&Spanned<String>>| v.map(|v| v.span());
-    match field {
-        "server.admin_token_file" => span(raw.server.as_ref()?.get_ref().admin_token_file.as_ref()),
-        "redis.password_file" => span(raw.redis.as_ref()?.get_ref().password_file.as_ref()),
-        "redis.sentinel_password_file" => span(
-            raw.redis
-                .as_ref()?
-                .get_ref()
-                .sentinel_password_file
-                .as_ref(),
-        ),
-        "auth.jwt.secret_file" => span(
-            (raw.auth.as_ref()?.get_ref().jwt.as_ref()?)
-                .get_ref()
-                .secret_file
-                .as_ref(),
-        ),
-        _ => None,
     }
 }
 
@@ -893,20 +860,56 @@ fn may_write(path: &Path, is_file: bool) -> std::io::Result<()> {
 /// The files the config names for the gateway to read (and itself), each with what it is,
 /// resolved as they are read.
 fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
-    let at = |p: &str| {
-        config
-            .parent()
-            .map_or_else(|| PathBuf::from(p), |d| d.join(p))
-    };
+    let mut files = read_for_other_ends(raw, config);
+    files.extend((secret_files(raw)).map(|(field, p)| {
+        let path = resolved(config, p.get_ref());
+        (format!("{field} = \"{}\"", p.get_ref()), path)
+    }));
+    files
+}
+
+/// The secrets' files the config names, each with its field.
+fn secret_files(raw: &RawConfig) -> impl Iterator<Item = (&'static str, &Spanned<String>)> {
+    let server = raw.server.as_ref().map(|s| s.get_ref());
+    let redis = raw.redis.as_ref().map(|r| r.get_ref());
+    let jwt = (raw.auth.as_ref()).and_then(|a| a.get_ref().jwt.as_ref().map(|j| j.get_ref()));
+    [
+        (
+            "server.admin_token_file",
+            server.and_then(|s| s.admin_token_file.as_ref()),
+        ),
+        (
+            "redis.password_file",
+            redis.and_then(|r| r.password_file.as_ref()),
+        ),
+        (
+            "redis.sentinel_password_file",
+            redis.and_then(|r| r.sentinel_password_file.as_ref()),
+        ),
+        (
+            "auth.jwt.secret_file",
+            jwt.and_then(|j| j.secret_file.as_ref()),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(field, p)| p.map(|p| (field, p)))
+}
+
+/// `written`, relative to the config file's directory.
+fn resolved(config: &Path, written: &str) -> PathBuf {
+    config
+        .parent()
+        .map_or_else(|| PathBuf::from(written), |d| d.join(written))
+}
+
+/// The files the config names for the gateway to read but its secrets (and itself).
+fn read_for_other_ends(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
+    let at = |p: &str| resolved(config, p);
     let mut files = vec![("the config file itself".to_owned(), config.to_path_buf())];
     let mut add = |what: String, p: Option<&Spanned<String>>| {
         files.extend(p.map(|p| (format!("{what} = \"{}\"", p.get_ref()), at(p.get_ref()))));
     };
     if let Some(server) = &raw.server {
-        add(
-            "server.admin_token_file".into(),
-            server.get_ref().admin_token_file.as_ref(),
-        );
         for (i, t) in server.get_ref().tls.iter().enumerate() {
             let t = t.get_ref();
             add(format!("server.tls[{i}].cert_path"), Some(&t.cert_path));
@@ -934,22 +937,12 @@ fn read_files(raw: &RawConfig, config: &Path) -> Vec<(String, PathBuf)> {
             .as_ref()
             .and_then(|j| j.get_ref().jwks_path.as_ref());
         add("auth.jwt.jwks_path".into(), jwks);
-        let secret = auth
-            .jwt
-            .as_ref()
-            .and_then(|j| j.get_ref().secret_file.as_ref());
-        add("auth.jwt.secret_file".into(), secret);
     }
     if let Some(redis) = &raw.redis {
         let r = redis.get_ref();
         add("redis.tls_ca_path".into(), r.tls_ca_path.as_ref());
         add("redis.tls_cert_path".into(), r.tls_cert_path.as_ref());
         add("redis.tls_key_path".into(), r.tls_key_path.as_ref());
-        add("redis.password_file".into(), r.password_file.as_ref());
-        add(
-            "redis.sentinel_password_file".into(),
-            r.sentinel_password_file.as_ref(),
-        );
     }
     for (name, u) in &raw.upstreams {
         add(
