@@ -479,6 +479,45 @@ async fn a_password_from_a_file_rotates_with_the_file() {
     }
 }
 
+/// A wrong password mended by a reload ends the quarantine its failures opened: they were
+/// the old credentials', so the next request probes with the new ones, as after a
+/// Sentinel failover, rather than waiting out `open_seconds`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mended_password_ends_the_quarantine_the_wrong_one_opened() {
+    let redis = Redis::start_with(free_port(), &ACL_USER);
+    let up = Upstream::start("app");
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("redis-password");
+    std::fs::write(&file, "not-the-Pa55word\n").unwrap();
+    let gw = limited(
+        GatewayConfig::new(&redis.url())
+            .server("watch_config", "true")
+            .redis("username", quoted("gateway"))
+            .redis("password_file", quoted(file.to_str().unwrap()))
+            .breaker(2, 600),
+        &up,
+    )
+    .start();
+    // Refused at every attempt: the first requests fail, then the breaker opens.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gw.metric("sentinel_breaker_state") != 1.0 {
+        assert_eq!(statuses(&gw, "a", 1).await, [503]);
+        assert!(std::time::Instant::now() < deadline, "{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let next = secrets.path().join(".next");
+    std::fs::write(&next, "s3cret-Pa55word\n").unwrap();
+    std::fs::rename(&next, &file).unwrap();
+    wait_until(Duration::from_secs(10), "the watch to reload", || {
+        gw.metric("sentinel_config_generation") == 2.0
+    });
+    // Ten minutes of quarantine without the mend; seconds with it (the reconnection waits
+    // at most one step of its backoff; generous for a loaded machine).
+    warmed(&gw).await;
+    assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+}
+
 /// A secret's file is one of two places: not beside its variable, and one that cannot be
 /// read is a config error naming the field and the file, never what it holds.
 #[test]

@@ -248,7 +248,8 @@ impl Breaker {
     }
 
     /// Ends an open quarantine now: the next request probes. For a store that was replaced
-    /// (a Sentinel failover's new master, connected): what opened the breaker was the old one,
+    /// (a Sentinel failover's new master, or a reload's new URL or credentials, connected):
+    /// what opened the breaker was the old one,
     /// and the contract wants decisions from the new one within about 2 s of the promotion.
     /// The failure count stays; only a Redis answer resets it.
     pub fn end_quarantine(&self) {

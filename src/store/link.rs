@@ -185,8 +185,10 @@ pub(super) struct Link {
     /// A request found the node without a connection since it was last connected: from then
     /// on each failed connection attempt counts for the breaker ([`Link::attempt_failed`]).
     asked_while_down: AtomicBool,
-    /// The target is a new master (a Sentinel failover) not yet connected.
-    pub(super) new_master: AtomicBool,
+    /// The target is a new Redis not yet connected: a Sentinel failover's master, or a
+    /// reload's new URL, credentials or TLS settings. The failures that opened the breaker
+    /// were the old target's, so its quarantine ends once the new one is connected.
+    pub(super) new_target: AtomicBool,
     /// A reload pointed the link at another Redis: its connection to the old one serves on
     /// until one is made to the new one, or an attempt there fails ([`Link::move_to`]).
     pub(super) moving: AtomicBool,
@@ -267,7 +269,7 @@ impl Link {
             target: ArcSwap::from_pointee(target),
             outage_logged: std::sync::Mutex::new(Vec::new()),
             asked_while_down: AtomicBool::new(false),
-            new_master: AtomicBool::new(false),
+            new_target: AtomicBool::new(false),
             moving: AtomicBool::new(false),
             clock: super::deadline::RedisClock::default(),
             eviction_policy: ArcSwapOption::empty(),
@@ -353,6 +355,7 @@ impl Link {
         self.policy_said.store(false, Ordering::Relaxed);
         self.idle_timeout_s.store(0, Ordering::Relaxed);
         self.moving.store(self.is_connected(), Ordering::Relaxed);
+        self.new_target.store(true, Ordering::Release);
         self.wake.notify_one();
     }
 
@@ -699,14 +702,15 @@ impl Link {
         }
     }
 
-    /// A connection is up again: the next outage starts unasked. When it is a new master's,
-    /// the breaker's quarantine (opened by the old master's failures) ends: the next request
-    /// probes the new master.
+    /// A connection is up again: the next outage starts unasked. When it is a new target's
+    /// (a new master, or a reload's new URL or credentials: a wrong password mended), the
+    /// breaker's quarantine, opened by the old target's failures, ends: the next request
+    /// probes the new one.
     pub(super) fn connected_again(&self) {
         self.attempt_failed.store(false, Ordering::Release);
         self.forget_outage();
         self.asked_while_down.store(false, Ordering::Relaxed);
-        if self.new_master.swap(false, Ordering::AcqRel) {
+        if self.new_target.swap(false, Ordering::AcqRel) {
             self.breaker.end_quarantine();
         }
     }

@@ -196,7 +196,7 @@ impl Sentinel {
     fn switch(&self, link: &Link, target: Target) {
         let node = target.node.clone();
         let before = self.master.swap(Some(Arc::new(node.clone())));
-        link.new_master.store(before.is_some(), Ordering::Release);
+        link.new_target.store(before.is_some(), Ordering::Release);
         link.forget_outage();
         link.point_at(target);
         match before {
