@@ -55,11 +55,54 @@ pub(super) fn error(
     e: &toml::de::Error,
 ) -> (Option<Range<usize>>, Option<String>, String) {
     let (at, route, message) = first_error(source, e);
-    (
-        at,
-        route,
-        with_the_field_meant(without_credentials(&message)),
-    )
+    let message = with_the_field_meant(without_credentials(&message));
+    (at, route, not_repeating_a_pasted_value(message))
+}
+
+/// A word that reads as a value pasted where a key belongs (a password, a token, an access
+/// key on a line of its own), not as a field's name: 12 characters or more with an
+/// uppercase letter, two digits or a sign no field's name has. The config's fields are
+/// lowercase words and `_`; a route's or an upstream's own name is never an unknown key.
+fn looks_pasted(word: &str) -> bool {
+    let digits = word.chars().filter(char::is_ascii_digit).count();
+    word.chars().count() >= 12
+        && (digits >= 2
+            || (word.chars()).any(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')))
+}
+
+/// A shape error that would repeat such a word (a key with no value, an unknown field near
+/// no known one) with the word left out: the line and column find it, and a secret pasted
+/// into the file by mistake is not copied into a terminal's scrollback, a log or a reload's
+/// answer.
+fn not_repeating_a_pasted_value(message: String) -> String {
+    let hidden = |word: &str| {
+        format!(
+            "<{} characters, not repeated here: a value pasted in, perhaps a secret?>",
+            word.chars().count()
+        )
+    };
+    if let Some((before, rest)) = message.split_once("unknown field `") {
+        if let Some((word, after)) = rest.split_once('`') {
+            if looks_pasted(word) && !after.contains("did you mean") {
+                return format!("{before}unknown field {}{after}", hidden(word));
+            }
+        }
+    }
+    // The key as read, dotted: from its first part that looks pasted on (a token's parts).
+    for what in [": key with no value", ": no value after `=`"] {
+        if let Some((field, after)) = message.split_once(what) {
+            let parts: Vec<&str> = field.split('.').collect();
+            if let Some(first) = parts.iter().position(|p| looks_pasted(p)) {
+                let word = hidden(&parts[first..].join("."));
+                let table = parts[..first].join(".");
+                return match table.is_empty() {
+                    true => format!("{word}{what}{after}"),
+                    false => format!("{table}.{word}{what}{after}"),
+                };
+            }
+        }
+    }
+    message
 }
 
 /// An unknown field's message with the known field nearest to it, when one is near (a third
@@ -321,6 +364,9 @@ fn said_plainly(source: &str, span: Range<usize>, message: String) -> String {
                 "`{word}` is no TOML value: a switch is written in lower case, {}",
                 word.to_ascii_lowercase()
             );
+        }
+        if looks_pasted(word) {
+            return format!("a bare word of {} characters is no TOML value (not repeated here: a value pasted in, perhaps a secret?): a string is written in quotes, a number in digits, a switch as true or false", word.chars().count());
         }
         return format!("`{word}` is no TOML value: a string is written in quotes (\"{word}\"), a number in digits, a switch as true or false");
     }
