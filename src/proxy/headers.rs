@@ -14,6 +14,7 @@
 
 use crate::config::{Algorithm, Policy, RateLimitHeaders, ONE_TOKEN_MICRO};
 use crate::decision::ScriptReply;
+use sfv::SerializeValue;
 
 /// The header fields of one answer, as the route asks for them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +48,9 @@ impl RateLimitFields {
     /// items named by policy, so the gateway's items are added after the upstream's; the
     /// `X-RateLimit-*` trio says one limit, the one nearest to refusing, so the upstream's
     /// stays when it has fewer requests left (its own 429 says 0, not the gateway's 999).
+    /// A policy both name is said once, by the side with fewer requests left (as the trio
+    /// is); an upstream's field that is no Structured Field list (RFC 9651) is replaced by
+    /// the gateway's, which a client could not read joined to it.
     pub fn merge_onto(&self, head: &mut pingora_http::ResponseHeader) -> pingora_core::Result<()> {
         let theirs = |head: &pingora_http::ResponseHeader, name: &str| -> Option<String> {
             let mut values = head.headers.get_all(name).iter();
@@ -57,10 +61,21 @@ impl RateLimitFields {
             })
         };
         if let Some((policy, state)) = &self.ietf {
-            for (name, ours) in [("ratelimit-policy", policy), ("ratelimit", state)] {
-                match theirs(head, name).filter(|t| !t.is_empty()) {
-                    Some(t) => head.insert_header(name, format!("{t}, {ours}"))?,
-                    None => head.insert_header(name, ours.as_str())?,
+            let their_policy = theirs(head, "ratelimit-policy").filter(|t| !t.is_empty());
+            let their_state = theirs(head, "ratelimit").filter(|t| !t.is_empty());
+            match (their_policy, their_state) {
+                // An upstream that says nothing of its limits: the gateway's fields as made.
+                (None, None) => {
+                    head.insert_header("ratelimit-policy", policy.as_str())?;
+                    head.insert_header("ratelimit", state.as_str())?;
+                }
+                (their_policy, their_state) => {
+                    let (policy, state) = merged(
+                        (their_policy.as_deref(), their_state.as_deref()),
+                        (policy, state),
+                    );
+                    head.insert_header("ratelimit-policy", policy)?;
+                    head.insert_header("ratelimit", state)?;
                 }
             }
         }
@@ -85,6 +100,62 @@ impl RateLimitFields {
             ours.set_on(head)?;
         }
         Ok(())
+    }
+}
+
+/// The upstream's `RateLimit-Policy` and `RateLimit` lists with the gateway's after them: a
+/// policy both name keeps the items of the side with fewer requests left (its `r`; the
+/// gateway's when the upstream's says none), and a field of the upstream's that is no
+/// Structured Field list is left out.
+fn merged(theirs: (Option<&str>, Option<&str>), ours: (&str, &str)) -> (String, String) {
+    let read = |v: Option<&str>| {
+        v.and_then(|v| sfv::Parser::parse_list(v.as_bytes()).ok())
+            .unwrap_or_default()
+    };
+    let (mut their_policy, mut their_state) = (read(theirs.0), read(theirs.1));
+    let (mut our_policy, mut our_state) = (read(Some(ours.0)), read(Some(ours.1)));
+    let left = |list: &sfv::List, name: &str| {
+        (list.iter())
+            .find(|e| policy_name(e) == Some(name))
+            .and_then(|e| match e {
+                sfv::ListEntry::Item(i) => i.params.get("r").and_then(|r| r.as_int()),
+                sfv::ListEntry::InnerList(_) => None,
+            })
+    };
+    let mut shared: Vec<String> = (our_state.iter().chain(&our_policy))
+        .filter_map(policy_name)
+        .filter(|n| (their_policy.iter().chain(&their_state)).any(|e| policy_name(e) == Some(n)))
+        .map(str::to_owned)
+        .collect();
+    shared.sort_unstable();
+    shared.dedup();
+    for name in &shared {
+        let upstream_nearer = match (left(&their_state, name), left(&our_state, name)) {
+            (Some(theirs), Some(ours)) => theirs < ours,
+            _ => false,
+        };
+        let (policy, state) = match upstream_nearer {
+            true => (&mut our_policy, &mut our_state),
+            false => (&mut their_policy, &mut their_state),
+        };
+        policy.retain(|e| policy_name(e) != Some(name));
+        state.retain(|e| policy_name(e) != Some(name));
+    }
+    let joined = |mut theirs: sfv::List, ours: sfv::List, made: &str| {
+        theirs.extend(ours);
+        theirs.serialize_value().unwrap_or_else(|_| made.to_owned())
+    };
+    (
+        joined(their_policy, our_policy, ours.0),
+        joined(their_state, our_state, ours.1),
+    )
+}
+
+/// The policy an item of a `RateLimit` list is about: its value, a string or a token.
+fn policy_name(entry: &sfv::ListEntry) -> Option<&str> {
+    match entry {
+        sfv::ListEntry::Item(i) => i.bare_item.as_str().or_else(|| i.bare_item.as_token()),
+        sfv::ListEntry::InnerList(_) => None,
     }
 }
 
@@ -449,6 +520,46 @@ mod tests {
         assert_eq!(field(&roomy, "x-ratelimit-limit"), "1000");
         assert_eq!(field(&roomy, "x-ratelimit-remaining"), "999");
         assert_eq!(field(&roomy, "x-ratelimit-reset"), "1");
+        // A field of the upstream's that no client could read: the gateway's alone, readable.
+        let mut garbled = pingora_http::ResponseHeader::build(200, None).unwrap();
+        garbled
+            .append_header("ratelimit", "limit=10; remaining=(3")
+            .unwrap();
+        garbled
+            .append_header("ratelimit-policy", "\"backend\";q=10;w=60")
+            .unwrap();
+        ours.merge_onto(&mut garbled).unwrap();
+        assert_eq!(
+            field(&garbled, "ratelimit"),
+            "\"resumint.tailor\";r=999;t=1"
+        );
+        assert_eq!(
+            field(&garbled, "ratelimit-policy"),
+            "\"backend\";q=10;w=60, \"resumint.tailor\";q=1000;w=10"
+        );
+        // A policy both name, said once, by the side with fewer left: the upstream's when
+        // its own is nearer to refusing, the gateway's otherwise.
+        let same = |r: u64| {
+            let mut h = pingora_http::ResponseHeader::build(200, None).unwrap();
+            (h.append_header("ratelimit-policy", "\"resumint.tailor\";q=50;w=60")).unwrap();
+            (h.append_header("ratelimit", format!("\"resumint.tailor\";r={r};t=9"))).unwrap();
+            ours.merge_onto(&mut h).unwrap();
+            (field(&h, "ratelimit-policy"), field(&h, "ratelimit"))
+        };
+        assert_eq!(
+            same(3),
+            (
+                "\"resumint.tailor\";q=50;w=60".to_owned(),
+                "\"resumint.tailor\";r=3;t=9".to_owned()
+            )
+        );
+        assert_eq!(
+            same(1000),
+            (
+                "\"resumint.tailor\";q=1000;w=10".to_owned(),
+                "\"resumint.tailor\";r=999;t=1".to_owned()
+            )
+        );
         // An upstream without fields of its own: the gateway's alone, as before.
         let mut plain = pingora_http::ResponseHeader::build(200, None).unwrap();
         ours.merge_onto(&mut plain).unwrap();
