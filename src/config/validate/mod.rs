@@ -1,13 +1,19 @@
 //! Raw config -> domain config. Every problem is collected, never just the first.
 //!
-//! `sections.rs` checks `[server]`, `[redis]`, `[breaker]`, `[auth.jwt]` and `[upstreams]`;
-//! `route.rs` checks each `[[routes]]` entry and the rules between routes.
+//! `sections.rs` checks `[server]` and `[auth.api_keys]`, `redis.rs` `[redis]` and
+//! `[breaker]`, `jwt.rs` `[auth.jwt]`, `upstream.rs` `[upstreams]`, `files.rs` the files the
+//! gateway writes or reads secrets from, `tls.rs` the TLS listeners; `route.rs` checks each
+//! `[[routes]]` entry and the rules between routes; `shape.rs` says TOML's own errors.
 
+mod files;
+mod jwt;
+mod redis;
 mod route;
 mod sections;
 mod shape;
 pub(super) use shape::deepest_key;
 mod tls;
+mod upstream;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -39,17 +45,17 @@ pub fn validate(
     };
 
     let server = sections::server(&mut c, &raw, path);
-    let redis = sections::redis(&mut c, &raw, redis_url_override, path);
-    let breaker = sections::breaker(&mut c, &raw);
-    let jwt = sections::jwt(&mut c, &raw, path);
-    let access_log = sections::access_log(&mut c, &raw, path);
-    sections::secrets_of_their_own(&mut c, &raw, path);
+    let redis = redis::redis(&mut c, &raw, redis_url_override, path);
+    let breaker = redis::breaker(&mut c, &raw);
+    let jwt = jwt::jwt(&mut c, &raw, path);
+    let access_log = files::access_log(&mut c, &raw, path);
+    files::secrets_of_their_own(&mut c, &raw, path);
     let api_keys = sections::api_keys(&mut c, &raw, path);
     let upstreams: BTreeMap<String, Arc<UpstreamConfig>> = raw
         .upstreams
         .iter()
         .filter_map(|(name, up)| {
-            sections::upstream(&mut c, name, up, path).map(|u| (name.clone(), Arc::new(u)))
+            upstream::upstream(&mut c, name, up, path).map(|u| (name.clone(), Arc::new(u)))
         })
         .collect();
     let mut routes = Vec::new();
