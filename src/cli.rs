@@ -588,8 +588,20 @@ pub fn describe(route: &RouteConfig, claim: &str, ipv6_prefix: u8) -> String {
     };
     format!(
         "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}; policy v{}",
-        p.endpoint_id, route.upstream.name, p.policy_version
+        p.endpoint_id,
+        name_shown(&route.upstream.name),
+        p.policy_version
     )
+}
+
+/// An upstream's name on a route's line: as written when TOML writes it bare, else quoted on
+/// one line with its escapes (`"api v2"`, `"a\nb"`): one line a route, whatever the name.
+fn name_shown(name: &str) -> std::borrow::Cow<'_, str> {
+    let bare = (name.chars()).all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    match bare && !name.is_empty() {
+        true => name.into(),
+        false => format!("{name:?}").into(),
+    }
 }
 
 #[cfg(test)]

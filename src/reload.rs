@@ -94,7 +94,18 @@ impl Reloader {
         // (one more reload at worst), never missed.
         let before = file_stamp(&self.path);
         let _ = crate::config::take_refused_named();
-        let result = self.try_reload();
+        // A bug met while building the new config is a failed reload, counted and logged as
+        // one, never a task gone with the previous config's state half replaced unsaid.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.try_reload()))
+            .unwrap_or_else(|panic| {
+                let what = (panic.downcast_ref::<&str>().copied())
+                    .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("a panic");
+                Err(format!(
+                    "{}: the reload met a bug of the gateway ({what}); the previous config keeps serving",
+                    self.path.display()
+                ))
+            });
         let running = files(&self.path, &self.live.load().config);
         let mut watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
         let files = match &result {
@@ -130,10 +141,12 @@ impl Reloader {
         let config = self.path.display();
         match &result {
             Ok(r) if r.restart_required.is_empty() => {
-                tracing::info!(config_generation = r.generation, %config, trigger, "config reloaded")
+                tracing::info!(config_generation = r.generation, config_hash = %r.config_hash, routes = r.routes, %config, trigger, "config reloaded")
             }
             Ok(r) => tracing::info!(
                 config_generation = r.generation,
+                config_hash = %r.config_hash,
+                routes = r.routes,
                 %config,
                 trigger,
                 // The fields as one list: `server.listen,server.threads`.
@@ -307,6 +320,7 @@ impl Reloader {
             self.metrics.endpoint_removed(gone.as_str());
         }
         let hash = snapshot.config.source_hash.clone();
+        let routes = snapshot.config.routes.len();
         snapshot.restart_required = restart_required.clone();
         self.live.store(Arc::new(snapshot));
         if jwks_changed {
@@ -319,6 +333,8 @@ impl Reloader {
         }
         Ok(Reloaded {
             generation,
+            config_hash: hash,
+            routes,
             restart_required,
         })
     }
@@ -522,6 +538,10 @@ fn buckets_moved(old: &Config, new: &Config) -> Vec<(String, String)> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reloaded {
     pub generation: u64,
+    /// The new config's `config_hash` (as `/readyz` says it) and its routes: what a deploy
+    /// compares with the file it wrote, in the log line.
+    pub config_hash: String,
+    pub routes: usize,
     /// Changed fields that only take effect after a restart.
     pub restart_required: Vec<&'static str>,
 }

@@ -532,6 +532,53 @@ async fn forwards_the_normalized_request_and_round_robins() {
     );
 }
 
+/// An upstream whose name TOML quotes (`[upstreams."pdftalk.internal v2"]`, as the docs
+/// allow) is the one its routes name: served at start and after a reload that renames it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_whose_name_is_quoted_is_served() {
+    let redis = Redis::start();
+    let (a, b) = (Upstream::start("a"), Upstream::start("b"));
+    let name = "pdftalk.internal v2";
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream(&format!("\"{name}\""), &[a.addr()])
+        .route(
+            Route::new("t.quoted")
+                .prefix("/docs")
+                .upstream(name)
+                .unlimited(),
+        )
+        .start();
+    let http = client();
+    let served_by = |r: reqwest::Response| {
+        assert_eq!(r.status(), 200);
+        r.headers()["x-upstream"].to_str().unwrap().to_owned()
+    };
+    assert_eq!(
+        served_by(http.get(gw.url("/docs")).send().await.unwrap()),
+        "a"
+    );
+    let written = std::fs::read_to_string(&gw.config_path).unwrap();
+    let renamed = (written.replace("pdftalk.internal v2", "é\\\\b"))
+        .replace(&a.addr().to_string(), &b.addr().to_string());
+    gw.rewrite_config(&renamed);
+    let (status, body) = gw.reload_answer();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        served_by(http.get(gw.url("/docs")).send().await.unwrap()),
+        "b"
+    );
+    // The reload's line says which config now serves, as /readyz does, and its routes.
+    let ready = common::blocking_get(&gw.admin("/readyz")).unwrap().1;
+    let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
+    let logs = gw.logs();
+    let line = (logs.lines())
+        .find(|l| l.contains(r#""message":"config reloaded""#))
+        .unwrap();
+    let line: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(line["config_hash"], ready["config_hash"], "{line}");
+    assert_eq!(line["routes"], 1, "{line}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_down_is_502_and_slow_is_504() {
     let redis = Redis::start();

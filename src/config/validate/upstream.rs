@@ -32,6 +32,7 @@ pub(super) fn upstream(
         );
     }
     // A name TOML must quote is quoted, as the file writes it: `upstreams."api v2".addrs`.
+    let raw_name = name;
     let name = &super::shape::key_shown(name);
     let field = |f: &str| format!("upstreams.{name}.{f}");
     let mut addrs = Vec::new();
@@ -208,7 +209,8 @@ pub(super) fn upstream(
             .unwrap_or_else(|| up.span()),
     };
     Some(UpstreamConfig {
-        name: name.to_owned(),
+        // As written: the routes name it so, and the pools are keyed by it.
+        name: raw_name.to_owned(),
         addrs,
         hosts,
         connect_timeout: Duration::from_millis(connect?),
