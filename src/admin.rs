@@ -36,21 +36,26 @@ pub struct Admin {
 }
 
 /// Admin requests refused for their token, logged (INFO) at most once every
-/// [`Refusals::EVERY`] with how many were refused since the line before: someone guessing the
-/// token is seen without filling the log. The token presented is never logged.
+/// [`Refusals::EVERY`] with how many were refused since the line before, without a token and
+/// with a wrong one: someone guessing the token is seen without filling the log. The token
+/// presented is never logged.
 #[derive(Default)]
 pub struct Refusals {
-    /// When the last line was written, and the refusals since.
-    state: Mutex<(Option<Instant>, u64)>,
+    /// When the last line was written, and the refusals since: without a token, with a
+    /// wrong one.
+    state: Mutex<(Option<Instant>, u64, u64)>,
 }
 
 impl Refusals {
     const EVERY: Duration = Duration::from_secs(10);
 
     fn note(&self, peer: SocketAddr, method: &Method, path: &str, presented: bool) {
-        let refused = {
+        let (missing, wrong) = {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.1 += 1;
+            match presented {
+                true => state.2 += 1,
+                false => state.1 += 1,
+            }
             let now = Instant::now();
             if state
                 .0
@@ -59,8 +64,10 @@ impl Refusals {
                 return;
             }
             state.0 = Some(now);
-            std::mem::take(&mut state.1)
+            (std::mem::take(&mut state.1), std::mem::take(&mut state.2))
         };
+        let refused = missing + wrong;
+        // Of the request that wrote the line; the counts say the others.
         let token = if presented { "wrong" } else { "missing" };
         // The path only: a query may carry an identity. INFO, not WARN: what a client does
         // is never the gateway's fault, and at the default level it is still seen.
@@ -70,7 +77,9 @@ impl Refusals {
             path,
             token,
             refused,
-            "admin request refused: the admin token is {token} ({refused} refused since the last such line, at most one line every {} s)",
+            wrong,
+            missing,
+            "admin request refused: the admin token is {token} ({refused} refused since the last such line, {wrong} with a wrong token and {missing} without one; at most one line every {} s)",
             Self::EVERY.as_secs()
         );
     }

@@ -101,6 +101,8 @@ async fn the_admin_token_guards_everything_but_the_probes() {
         r#""path":"/metrics""#,
         r#""token":"missing""#,
         r#""refused":1"#,
+        r#""wrong":0"#,
+        r#""missing":1"#,
     ] {
         assert!(refused[0].contains(field), "{field}: {}", refused[0]);
     }
