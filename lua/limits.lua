@@ -226,6 +226,24 @@ local function sw_write(key, window, index, elapsed, c, p)
   redis.call('PEXPIRE', key, format('%d', ceil_div(2 * window - elapsed, 1000)))
 end
 
+-- Microseconds from `elapsed` until the estimate admits `cost` with this window's count `c`
+-- and the previous one's `p`, for a request it does not admit now.
+local function sw_wait(limit, window, elapsed, c, p, cost)
+  local room = limit - c - cost
+  if room >= 0 then
+    -- Later in this window, once the previous window's weight has decayed enough (p > 0:
+    -- without it the request would be admitted now).
+    return window - mul_div(room, window, p) - elapsed
+  end
+  -- In the next window, where this window's count becomes the previous one.
+  local at = 0
+  if c > 0 then
+    at = window - mul_div(limit - cost, window, c)
+    if at < 0 then at = 0 end
+  end
+  return window - elapsed + at
+end
+
 local function sliding_window(key, limit, window, cost, now)
   local index, elapsed, c, p = sw_read(key, window, now)
   local window_end = ceil_div(window - elapsed, MICRO)
@@ -238,26 +256,20 @@ local function sliding_window(key, limit, window, cost, now)
   if room >= weight then
     local count = c + cost
     local left = room - weight
-    return 1, left, 0, window_end, 0,
+    -- An admission that leaves no room for another such request says when there is again,
+    -- at the earliest at the window's end: the previous window's weight can refuse past it,
+    -- and a client waiting out `t` would come back to a 429.
+    local reset = window_end
+    if left < cost then
+      local next = ceil_div(sw_wait(limit, window, elapsed, count, p, cost), MICRO)
+      if next > reset then reset = next end
+    end
+    return 1, left, 0, reset, 0,
       function() sw_write(key, window, index, elapsed, count, p) end
   end
 
   -- Denied: the first moment the estimate admits `cost`.
-  local wait
-  if room >= 0 then
-    -- Later in this window, once the previous window's weight has decayed enough (p > 0:
-    -- without it the request was admitted).
-    local at = window - mul_div(room, window, p)
-    wait = at - elapsed
-  else
-    -- In the next window, where this window's count becomes the previous one.
-    local at = 0
-    if c > 0 then
-      at = window - mul_div(limit - cost, window, c)
-      if at < 0 then at = 0 end
-    end
-    wait = window - elapsed + at
-  end
+  local wait = sw_wait(limit, window, elapsed, c, p, cost)
   local retry = ceil_div(wait, MICRO)
   if retry < 1 then retry = 1 end
   return 0, 0, retry, window_end, wait, nil

@@ -180,9 +180,15 @@ fn sliding_window_script_equals_the_model() {
                 );
                 let now = reply[4] as u64;
                 match window.take(state, step.cost, now) {
-                    Outcome::Admitted { state: next, left } => {
+                    Outcome::Admitted {
+                        state: next,
+                        left,
+                        reset_secs,
+                    } => {
                         prop_assert_eq!(reply[0], 1, "model admits at {}", now);
                         prop_assert_eq!(reply[1] as u64, left);
+                        // `t`: never before another request of this cost is admitted.
+                        prop_assert_eq!(reply[3] as u64, reset_secs, "reset at {}", now);
                         state = Some(next);
                         let stored: (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
                             .arg(&key)
@@ -423,7 +429,7 @@ fn scripts_stay_exact_at_the_configured_bounds() {
         "bound:sw",
         [limit, window, limit],
     );
-    let Outcome::Admitted { left, state } = w.take(None, limit, r[4] as u64) else {
+    let Outcome::Admitted { left, state, .. } = w.take(None, limit, r[4] as u64) else {
         panic!("admits")
     };
     assert_eq!((r[0], r[1] as u64), (1, left));
@@ -797,9 +803,14 @@ fn batch_script_decides_in_order_as_the_models() {
                             }
                             Member::Window(cost) => match model_window.take(window_state, cost, at)
                             {
-                                Outcome::Admitted { state, left } => {
+                                Outcome::Admitted {
+                                    state,
+                                    left,
+                                    reset_secs,
+                                } => {
                                     prop_assert!(parsed[0].allowed, "the window admits");
                                     prop_assert_eq!(parsed[0].remaining, left as i64);
+                                    prop_assert_eq!(parsed[0].reset, Some(reset_secs));
                                     window_state = Some(state);
                                 }
                                 Outcome::Denied { .. } => {

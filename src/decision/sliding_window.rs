@@ -23,15 +23,16 @@ pub struct WindowState {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// `reset_secs`: seconds until the current window ends, or, when `left` has no room
+    /// for another request of this cost, until there is, if that is later (the `t` of the
+    /// RateLimit fields).
     Admitted {
         state: WindowState,
         left: u64,
+        reset_secs: u64,
     },
     /// `wait_us`: microseconds until the estimate admits the request.
-    Denied {
-        retry_after_secs: u64,
-        wait_us: u64,
-    },
+    Denied { retry_after_secs: u64, wait_us: u64 },
 }
 
 impl Window {
@@ -78,6 +79,11 @@ impl Window {
         let weight = weight(p, w, elapsed);
         if let Some(left) = room.and_then(|room| room.checked_sub(weight)) {
             let c = c + cost;
+            let window_end = (w - elapsed).div_ceil(1_000_000);
+            let reset_secs = match left < cost {
+                true => window_end.max(self.wait(elapsed, c, p, cost).div_ceil(1_000_000)),
+                false => window_end,
+            };
             return Outcome::Admitted {
                 state: WindowState {
                     index,
@@ -85,23 +91,33 @@ impl Window {
                     previous: p,
                 },
                 left,
+                reset_secs,
             };
         }
-        let wait = match room {
+        let wait = self.wait(elapsed, c, p, cost);
+        Outcome::Denied {
+            retry_after_secs: wait.div_ceil(1_000_000).max(1),
+            wait_us: wait,
+        }
+    }
+}
+
+impl Window {
+    /// Microseconds from `elapsed` until the estimate admits `cost` with this window's count
+    /// `c` and the previous one's `p`, for a request it does not admit now.
+    fn wait(&self, elapsed: u64, c: u64, p: u64, cost: u64) -> u64 {
+        let w = self.window_us;
+        match self.limit.checked_sub(c + cost) {
             // Later in this window, once the previous window's weight has decayed enough.
             Some(room) => w - mul_div(room, w, p) - elapsed,
             // In the next window, where this window's count becomes the previous one.
             None => {
                 let at = match c {
                     0 => 0,
-                    c => w.saturating_sub(mul_div(limit - cost, w, c)),
+                    c => w.saturating_sub(mul_div(self.limit - cost, w, c)),
                 };
                 w - elapsed + at
             }
-        };
-        Outcome::Denied {
-            retry_after_secs: wait.div_ceil(1_000_000).max(1),
-            wait_us: wait,
         }
     }
 }
@@ -124,6 +140,37 @@ mod tests {
     use super::*;
 
     const SEC: u64 = 1_000_000;
+
+    #[test]
+    fn the_last_admission_of_a_window_says_when_the_next_one_comes() {
+        // 5 a 10 s window, all 5 taken 1 s into it: the window ends in 9 s, but the next
+        // window weighs these 5 fully at first, and admits again only 2 s into it.
+        let w = Window {
+            limit: 5,
+            window_us: 10_000_000,
+        };
+        let mut state = None;
+        let mut resets = Vec::new();
+        for _ in 0..5 {
+            let Outcome::Admitted {
+                state: s,
+                reset_secs,
+                ..
+            } = w.take(state, 1, 1_000_000)
+            else {
+                panic!("admitted")
+            };
+            state = Some(s);
+            resets.push(reset_secs);
+        }
+        assert_eq!(resets, [9, 9, 9, 9, 11]);
+        let denied = |now: u64| matches!(w.take(state, 1, now), Outcome::Denied { .. });
+        assert!(
+            denied(1_000_000 + 9_000_000),
+            "at the window's end, still refused"
+        );
+        assert!(!denied(1_000_000 + 11_000_000), "at t, admitted");
+    }
 
     #[test]
     fn the_level_is_what_take_would_still_admit() {
@@ -161,7 +208,7 @@ mod tests {
         let mut state = None;
         for i in 0..10 {
             match win.take(state, 1, i) {
-                Outcome::Admitted { state: s, left } => {
+                Outcome::Admitted { state: s, left, .. } => {
                     assert_eq!(left, 9 - i);
                     state = Some(s);
                 }

@@ -7,7 +7,8 @@
 //! - token bucket: `q` = capacity / cost, `w` = seconds to refill the whole capacity,
 //!   `r` = tokens left / cost, `t` = seconds until the bucket is full again;
 //! - sliding window: `q` = limit / cost, `w` = the window in seconds, `r` = requests the
-//!   estimate still admits / cost, `t` = seconds until the current window ends;
+//!   estimate still admits / cost, `t` = seconds until the current window ends (with `r` 0,
+//!   at least until the estimate admits another request: the script's `reset`);
 //! - on a denial by the limit, `t` is at least its `Retry-After`.
 //!
 //! `w` and `t` are left out when the bucket never refills.
