@@ -832,8 +832,12 @@ impl Admin {
             body["restart_required"] = serde_json::json!(snapshot.restart_required);
         }
         // Not ready yet, as the early answer says (`Starting`): a JWKS fetch, the listeners.
-        if !ready && !self.lifecycle.is_draining() {
-            body["starting"] = serde_json::json!(true);
+        // Or no longer ready: draining after `SIGTERM`.
+        if !ready {
+            match self.lifecycle.is_draining() {
+                true => body["draining"] = serde_json::json!(true),
+                false => body["starting"] = serde_json::json!(true),
+            }
         }
         // The store as it runs: a reload that moves to or from Sentinel needs a restart.
         if let Some((name, addr)) = store.sentinel() {

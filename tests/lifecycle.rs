@@ -70,8 +70,9 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let sent = Instant::now();
     gw.proc.signal("TERM");
     wait_until(Duration::from_secs(2), "/readyz to turn 503", || {
-        blocking_get(&gw.admin("/readyz"))
-            .is_some_and(|(s, b)| s == 503 && b.contains(r#""ready":false"#))
+        blocking_get(&gw.admin("/readyz")).is_some_and(|(s, b)| {
+            s == 503 && b.contains(r#""ready":false"#) && b.contains(r#""draining":true"#)
+        })
     });
     // Answered during the drain, an HTTP/1 answer says `Connection: close`: the client
     // sends its next request elsewhere, not into a connection about to close (it said
