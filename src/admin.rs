@@ -571,6 +571,8 @@ impl Admin {
                 self.metrics
                     .redis_up
                     .set(i64::from(self.store.is_connected()));
+                let evicting = (self.store.eviction_policy()).is_some_and(|p| p != "noeviction");
+                self.metrics.redis_evicting.set(i64::from(evicting));
                 let snapshot = self.reloader.live.load();
                 match snapshot.jwks_target() {
                     Some((url, _)) => {

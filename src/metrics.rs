@@ -71,6 +71,9 @@ pub struct Metrics {
     pub connections_open: IntGauge,
     /// `/readyz`'s `redis`: 1 while the gateway holds its Redis connections.
     pub redis_up: IntGauge,
+    /// 1 while a Redis the gateway uses reads an evicting `maxmemory-policy`; set at scrape
+    /// time.
+    pub redis_evicting: IntGauge,
     pub connections_max: IntGauge,
     /// What the bound did, by `action` (`closed_idle`, `refused`, `request_refused`); set at scrape time.
     connections_shed: IntCounterVec,
@@ -396,6 +399,14 @@ impl Metrics {
             )
             .expect("valid"),
         );
+        let redis_evicting = register(
+            &r,
+            IntGauge::new(
+                "sentinel_redis_evicting",
+                "1 while a Redis the gateway uses (any primary of a cluster) reads a maxmemory-policy that may evict keys, whose buckets then start full again; 0 when every one reads noeviction or cannot be read (CONFIG not permitted); as /readyz's redis_maxmemory_policy, set when scraped.",
+            )
+            .expect("valid"),
+        );
         let connections_open = register(
             &r,
             IntGauge::new(
@@ -567,6 +578,7 @@ impl Metrics {
             in_flight,
             connections_open,
             redis_up,
+            redis_evicting,
             connections_max,
             connections_shed,
             tls_handshakes,

@@ -431,12 +431,15 @@ async fn an_eviction_policy_set_on_a_live_redis_is_seen_within_30_s() {
         1,
         "logged once, not at every re-check"
     );
+    // A series too, for an alert: the log line is said once.
+    assert_eq!(gw.metric("sentinel_redis_evicting"), 1.0);
     set("noeviction");
     wait_until(
         Duration::from_secs(30),
         "/readyz to show noeviction again",
         || policy().as_deref() == Some("noeviction"),
     );
+    assert_eq!(gw.metric("sentinel_redis_evicting"), 0.0);
     assert!(changed.elapsed() < Duration::from_secs(60));
 }
 
