@@ -217,7 +217,7 @@ pub fn main() -> i32 {
 }
 
 /// `check --redis`: one line per node; 0 when every node can serve the limiter, 1 when one
-/// cannot (not reached, or its user may not run the scripts' commands: the gateway would
+/// cannot (not reached, a replica, or its user may not run the scripts' commands: the gateway would
 /// start and decide by each route's fail mode), 2 when the gateway would not start (an
 /// evicting policy with `require_noeviction`).
 fn check_redis(config: &crate::config::RedisConfig) -> i32 {
@@ -250,6 +250,12 @@ fn check_redis(config: &crate::config::RedisConfig) -> i32 {
         let mut said = Vec::new();
         if let Some(v) = &n.version {
             said.push(format!("redis {v}"));
+        }
+        // A replica refuses every decision's write (`READONLY`): a URL left on a master
+        // demoted by a failover, or a replica's address given for the master's.
+        if let Some(master) = &n.replica_of {
+            node = 1;
+            said.push(format!("a replica of {master}: it refuses the limiter's writes (READONLY), so every decision would fail; point redis.url at the master, or follow failovers with redis.sentinel_urls"));
         }
         said.push(match &n.policy {
             None => "maxmemory-policy not read: Redis is busy (a script running) or loading; ask again".to_owned(),

@@ -1442,6 +1442,44 @@ fn check_redis_says_whether_each_node_can_serve_the_limiter() {
     );
 }
 
+/// `check --redis` on a replica (a URL left on a master that a failover demoted): it
+/// refuses every decision's write, so it cannot serve, whatever else reads well.
+#[test]
+fn check_redis_says_a_replica_cannot_serve() {
+    let master = Redis::start();
+    let port = free_port();
+    let replica = Redis::start_with(
+        port,
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    let up = Upstream::start("app");
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stdout, lines) = common::check_redis(
+        dir.path(),
+        &limited(GatewayConfig::new(&replica.url()), &up),
+        &[],
+    );
+    assert_eq!(code, Some(1), "{stdout}");
+    let line = lines.first().unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        line.starts_with(&format!("redis 127.0.0.1:{port}: cannot serve: redis ")),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!(
+            "a replica of 127.0.0.1:{}: it refuses",
+            master.port
+        )),
+        "{line}"
+    );
+    let (code, stdout, _) = common::check_redis(
+        dir.path(),
+        &limited(GatewayConfig::new(&master.url()), &up),
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stdout}");
+}
+
 /// `check --redis` over TLS reads the node as the gateway would reach it (the CA of
 /// `tls_ca_path`), says a certificate it cannot trust in the TLS layer's words, and a node
 /// busy with a long script (`BUSY`) is one that cannot serve now, in Redis's words.

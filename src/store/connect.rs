@@ -664,6 +664,10 @@ pub struct NodeReport {
     pub refused: Result<Vec<String>, String>,
     /// `INFO server`'s `redis_version`, when the user may read it.
     pub version: Option<String>,
+    /// `INFO replication`'s master (`host:port`) when the node is a replica, which refuses
+    /// the scripts' writes (`READONLY`); `None` for a master or when the user may not read
+    /// it.
+    pub replica_of: Option<String>,
 }
 
 /// `check --redis`: connects to every node the config names as the gateway would (URL,
@@ -699,24 +703,33 @@ pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeRepo
                     .arg(crate::limiter::inspect::reset_channel(prefix))
                     .invoke_async(&mut conn)
                     .await;
-                let info: redis::RedisResult<String> = redis::cmd("INFO")
-                    .arg("server")
-                    .query_async(&mut opened.conn)
-                    .await;
-                let version = info.ok().and_then(|i| {
-                    i.lines()
-                        .find_map(|l| l.strip_prefix("redis_version:"))
+                // The default sections: `server` and `replication` (one `INFO` of two
+                // sections needs Redis 7).
+                let info: redis::RedisResult<String> =
+                    redis::cmd("INFO").query_async(&mut opened.conn).await;
+                let info = info.unwrap_or_default();
+                let field = |name: &str| {
+                    (info.lines())
+                        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
                         .map(|v| v.trim().to_owned())
+                };
+                let version = field("redis_version");
+                let replica_of = (field("role").as_deref() == Some("slave")).then(|| {
+                    match (field("master_host"), field("master_port")) {
+                        (Some(host), Some(port)) if host.contains(':') => format!("[{host}]:{port}"),
+                        (Some(host), Some(port)) => format!("{host}:{port}"),
+                        _ => "a master it does not name".to_owned(),
+                    }
                 });
-                Ok::<_, String>((policy, refused.map_err(|e| reason(&e)), version))
+                Ok::<_, String>((policy, refused.map_err(|e| reason(&e)), version, replica_of))
             };
-            let (unreachable, (policy, refused, version)) =
+            let (unreachable, (policy, refused, version, replica_of)) =
                 match tokio::time::timeout(Duration::from_secs(3), read).await {
                     Ok(Ok(found)) => (None, found),
-                    Ok(Err(e)) => (Some(e), (None, Ok(Vec::new()), None)),
+                    Ok(Err(e)) => (Some(e), (None, Ok(Vec::new()), None, None)),
                     Err(_) => (
                         Some("no answer within 3 s".to_owned()),
-                        (None, Ok(Vec::new()), None),
+                        (None, Ok(Vec::new()), None, None),
                     ),
                 };
             NodeReport {
@@ -725,6 +738,7 @@ pub async fn inspect(config: &crate::config::RedisConfig) -> Result<Vec<NodeRepo
                 policy,
                 refused,
                 version,
+                replica_of,
             }
         }
     });
