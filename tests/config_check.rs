@@ -218,6 +218,11 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
         .prefix("/w")
         .identity_header("X-Forwarded-For")
         .token_bucket(5_000_000, 11);
+    // A quota that never refills, per value of a header the client writes: keys kept for good.
+    let quota = Route::new("v.quota")
+        .prefix("/v")
+        .identity_header("X-User")
+        .token_bucket(3_000_000, 0);
     std::fs::write(
         &path,
         format!(
@@ -225,23 +230,30 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
              h2_connection_window_bytes = 100_000\n\
              [auth.jwt]\nsecret_env = \"SENTINEL_TEST_UNSET_SECRET\"\nalgorithms = [\"HS256\", \"HS256\"]\n\
              [upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\ntls = true\nverify = false\n\
-             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}{}",
+             [upstreams.spare]\naddrs = [\"127.0.0.1:9002\"]\n{}{}{}{}{}",
             route.toml(),
             made_up.toml(),
             open.toml(),
-            spoofable.toml()
+            spoofable.toml(),
+            quota.toml()
         ),
     )
     .unwrap();
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "{stderr}");
-    assert!(stdout.contains("ok, 4 route(s)"), "{stdout}");
+    assert!(stdout.contains("ok, 5 route(s)"), "{stdout}");
     // A method listed twice is said once in the route's line.
     assert!(
         stdout.contains("x.api: GET,HEAD,X1,POTS,PROPFIND "),
         "{stdout}"
     );
     let file = path.display();
+    // The quota's `0`, past `refill_rate_micro_per_sec = `.
+    let zero = position_of(&path, "_per_sec = 0\n");
+    let zero = zero
+        .split_once(':')
+        .map(|(l, c)| format!("{l}:{}", c.parse::<usize>().unwrap() + 11))
+        .unwrap();
     let warnings: Vec<&str> = stderr.lines().collect();
     assert_eq!(
         warnings,
@@ -267,6 +279,7 @@ fn check_warns_of_what_works_but_perhaps_not_as_meant() {
             format!("warning: {file}:{}: routes[2] (z.open): fail_mode, policy_version on a route that is not limited (algorithm = \"none\") change nothing: its requests are forwarded without a decision", position_of(&path, "\"fail_closed\"")),
             format!("warning: {file}:{}: routes[3] (w.api): refill_rate_micro_per_sec = 11 adds one token (one request of cost 1_000_000) every 25.3 hours: the rate is in micro-tokens a second (11 requests a second is 11000000)", position_of(&path, "11\n")),
             format!("warning: {file}:{}: routes[3] (w.api): identity = {{ header = \"X-Forwarded-For\" }}: the client writes this header itself, so every value it makes up is a bucket of its own; for the client's address behind a load balancer use identity = \"client_ip\" with [server] trusted_proxies, which reads X-Forwarded-For from the right, past your proxies", position_of(&path, "{ header = \"X-Forwarded-For\"")),
+            format!("warning: {file}:{}: routes[4] (v.quota): refill_rate_micro_per_sec = 0: the bucket never refills, so its Redis key never expires (a fixed quota, renewed only by a new policy_version, whose old keys stay too), and with identity = {{ header = \"x-user\" }} every value a client makes up is a key kept for good: a noeviction Redis fills up; give it a refill, however slow, or key it by api_key or jwt", zero),
             format!("warning: {file}:{}: upstreams.spare is named by no route: no request goes to it", position_of(&path, "[upstreams.spare]")),
             // Pointed at the value that turns the check off.
             format!("warning: {file}:{}: upstreams.app.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", position_of(&path, "false\n")),

@@ -306,6 +306,28 @@ pub(super) fn route(
             c.warn(Some(&scope.span()), label, format!("emergency_scope = \"identity\" with identity = {{ header = \"{name}\" }}: a client chooses its own header value, and each value gets an emergency bucket of its own, so during an outage a client sending new values is limited only by the 10 000 buckets kept (use api_key or jwt, whose identities a client cannot make up)"));
         }
     }
+    // A bucket that never refills keeps its key for ever (it has no time to live): made up
+    // header values are keys that stay, which a `noeviction` Redis keeps until it is full.
+    if let (Some(IdentitySource::Header(name)), Some(p)) = (&identity, &policy) {
+        let quota = (p.limits.iter()).find(|l| {
+            !l.global
+                && matches!(
+                    l.algorithm,
+                    Algorithm::TokenBucket {
+                        refill_micro_per_sec: 0,
+                        ..
+                    }
+                )
+        });
+        if let Some(quota) = quota {
+            let at = (r.refill_rate_micro_per_sec.as_ref()).map_or(spanned.span(), |v| v.span());
+            let limit = match p.several {
+                true => format!("limit \"{}\" never refills", quota.name),
+                false => "refill_rate_micro_per_sec = 0: the bucket never refills".to_owned(),
+            };
+            c.warn(Some(&at), label, format!("{limit}, so its Redis key never expires (a fixed quota, renewed only by a new policy_version, whose old keys stay too), and with identity = {{ header = \"{name}\" }} every value a client makes up is a key kept for good: a noeviction Redis fills up; give it a refill, however slow, or key it by api_key or jwt"));
+        }
+    }
     let exempt = super::sections::cidrs(
         c,
         label,
