@@ -35,6 +35,8 @@ pub struct Route {
     pub exempt_client_cidrs: Vec<ipnet::IpNet>,
     /// The upstream is told the verified caller and its tier.
     pub forward_identity: bool,
+    /// `cors_origins`: preflights forwarded unlimited, the gateway's own answers readable.
+    pub cors: Option<crate::config::CorsOrigins>,
 }
 
 impl Route {
@@ -49,7 +51,8 @@ impl Route {
                 && self.max_body_bytes == other.max_body_bytes
                 && self.websocket == other.websocket
                 && self.exempt_client_cidrs == other.exempt_client_cidrs
-                && self.forward_identity == other.forward_identity)
+                && self.forward_identity == other.forward_identity
+                && self.cors == other.cors)
     }
 
     /// The request header the route's callers are told apart by, lower-case (`api_keys`:
@@ -228,6 +231,7 @@ impl Snapshot {
                 max_body_bytes: rc.max_body_bytes,
                 websocket: rc.websocket,
                 exempt_client_cidrs: rc.exempt_client_cidrs.clone(),
+                cors: rc.cors.clone(),
                 forward_identity: rc.forward_identity,
             };
             entries.push((rc.matcher(), Arc::new(route)));

@@ -1404,3 +1404,72 @@ fn an_ipv6_wildcard_beside_an_ipv4_listener_of_its_port_starts_and_serves_both()
     let v6: std::net::SocketAddr = format!("[::1]:{p}").parse().unwrap();
     assert_eq!(status(v6), Some(200), "{}", gw.logs());
 }
+
+/// A route that browsers on another origin call (`cors_origins`): their preflights, which
+/// carry no key, reach the upstream without a 401 and without a token spent; the gateway's
+/// own 429 lets the listed origin's script read it (`Retry-After` and the RateLimit fields
+/// exposed), and tells another origin nothing; a route without the field answers the
+/// preflight as any keyless request (401).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browsers_preflight_passes_and_its_origin_may_read_the_gateways_answers() {
+    let redis = Redis::start();
+    let up = Upstream::start("app");
+    let gw = GatewayConfig::new(&redis.url())
+        .upstream("app", &[up.addr()])
+        .route(
+            limited(2)
+                .set("cors_origins", r#"["https://app.example.com"]"#)
+                .set("ratelimit_headers", "true"),
+        )
+        .route(
+            Route::new("e.closed")
+                .prefix("/closed")
+                .identity_header("X-API-Key")
+                .token_bucket(2_000_000, 0),
+        )
+        .start();
+    let http = client();
+    let preflight = |path: &str| {
+        http.request(reqwest::Method::OPTIONS, gw.url(path))
+            .header("Origin", "https://app.example.com")
+            .header("Access-Control-Request-Method", "POST")
+            .header("Access-Control-Request-Headers", "x-api-key")
+            .send()
+    };
+    for _ in 0..5 {
+        let r = preflight("/api/x").await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-upstream"], "app");
+    }
+    assert_eq!(preflight("/closed/x").await.unwrap().status(), 401);
+    // No preflight spent a token: the bucket of 2 admits its 2, then 429.
+    let get = |origin: &'static str| {
+        http.get(gw.url("/api/x"))
+            .header("X-API-Key", "browser")
+            .header("Origin", origin)
+            .send()
+    };
+    let statuses = [
+        get("https://app.example.com").await.unwrap().status(),
+        get("https://app.example.com").await.unwrap().status(),
+    ];
+    assert_eq!(statuses, [200, 200]);
+    let denied = get("https://app.example.com").await.unwrap();
+    assert_eq!(denied.status(), 429);
+    let h = denied.headers();
+    assert_eq!(h["access-control-allow-origin"], "https://app.example.com");
+    assert_eq!(h["access-control-allow-credentials"], "true");
+    assert_eq!(h["vary"], "Origin");
+    let exposed = h["access-control-expose-headers"].to_str().unwrap();
+    for field in [
+        "Retry-After",
+        "RateLimit",
+        "RateLimit-Policy",
+        "x-request-id",
+    ] {
+        assert!(exposed.contains(field), "{exposed}");
+    }
+    let other = get("https://evil.example").await.unwrap();
+    assert_eq!(other.status(), 429);
+    assert!(!other.headers().contains_key("access-control-allow-origin"));
+}

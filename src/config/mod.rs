@@ -832,6 +832,28 @@ pub struct RouteConfig {
     /// `forward_identity = true`: the upstream is told the caller the gateway verified
     /// (`X-Sentinel-Identity`) and, on a tiered route, its tier (`X-Sentinel-Tier`).
     pub forward_identity: bool,
+    /// `cors_origins`: the browser origins whose scripts may read the gateway's own answers.
+    pub cors: Option<CorsOrigins>,
+}
+
+/// `cors_origins`: every origin (`["*"]`), or those listed, as a browser writes `Origin`
+/// (`https://app.example.com`, lower-case, without a default port).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CorsOrigins {
+    Any,
+    Listed(Vec<String>),
+}
+
+impl CorsOrigins {
+    /// Whether a request's `Origin` is one of them.
+    pub fn allows(&self, origin: &[u8]) -> bool {
+        match self {
+            CorsOrigins::Any => true,
+            CorsOrigins::Listed(list) => list
+                .iter()
+                .any(|o| o.as_bytes().eq_ignore_ascii_case(origin)),
+        }
+    }
 }
 
 impl RouteConfig {

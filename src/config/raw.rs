@@ -245,6 +245,7 @@ pub struct RawRoute {
     pub websocket: Option<bool>,
     pub exempt_client_cidrs: Option<Spanned<Vec<Spanned<String>>>>,
     pub forward_identity: Option<Spanned<bool>>,
+    pub cors_origins: Option<Spanned<Vec<Spanned<String>>>>,
     /// Absent, or written (`limits = []` is written, and names no limit).
     pub limits: Option<Spanned<Vec<Spanned<RawLimit>>>>,
     pub cost_from_response: Option<Spanned<RawCostFromResponse>>,
@@ -405,6 +406,7 @@ pub const ROUTE_FIELDS: &[&str] = &[
     "websocket",
     "exempt_client_cidrs",
     "forward_identity",
+    "cors_origins",
     "limits",
     "cost_from_response",
     "tier_from",

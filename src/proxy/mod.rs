@@ -2,6 +2,7 @@
 //! forward. Each hook below says when Pingora calls it and what its result means.
 
 pub mod access;
+mod cors;
 pub mod forwarded;
 mod head;
 mod headers;
@@ -294,6 +295,13 @@ impl Gateway {
         ctx.tag(&mut header)?;
         if let Some(f) = &ctx.ratelimit {
             f.set_on(&mut header)?;
+        }
+        if let (Some(cors), Some(s)) = (
+            ctx.route.as_ref().and_then(|r| r.cors.as_ref()),
+            &ctx.snapshot,
+        ) {
+            let id = &s.config.server.request_id_header;
+            cors::on_own_answer(cors, session.req_header(), &mut header, id)?;
         }
         // At capacity, nothing more is spent on the request; a broken request's body may be
         // framed otherwise than Pingora reads it, and is not read. Nor is the connection kept:
@@ -792,6 +800,11 @@ impl ProxyHttp for Gateway {
             });
         }
         ctx.route = Some(Arc::clone(&route));
+        // A browser's preflight carries no credentials: on a route that names origins, it
+        // goes to the upstream, which answers CORS, without identity, limit or Redis call.
+        if route.cors.is_some() && cors::is_preflight(req) {
+            return Ok(false);
+        }
         // A body announced too large is refused before identity, limiter and upstream.
         if let Some(limit) = route.max_body_bytes {
             if announced.is_some_and(|n| n > limit) {
@@ -1005,6 +1018,13 @@ impl ProxyHttp for Gateway {
         outgoing::frame_for_http_1_0(session, upstream_response);
         if let Some(f) = &ctx.ratelimit {
             f.merge_onto(upstream_response)?;
+        }
+        if let (Some(cors), Some(s)) = (
+            ctx.route.as_ref().and_then(|r| r.cors.as_ref()),
+            &ctx.snapshot,
+        ) {
+            let id = &s.config.server.request_id_header;
+            cors::on_upstream_answer(cors, session.req_header(), upstream_response, id)?;
         }
         let cost = ctx
             .route

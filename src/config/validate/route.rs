@@ -341,6 +341,7 @@ pub(super) fn route(
         inert_when_not_limited(c, label, r);
     }
     let forward_identity = forward_identity(c, label, r, limited, identity.as_ref());
+    let cors = cors_origins(c, label, r);
     let max_body_bytes = match &r.max_body_bytes {
         None => Some(server_max_body_bytes),
         own => super::sections::body_limit(c, label, "max_body_bytes", own.as_ref()),
@@ -358,9 +359,93 @@ pub(super) fn route(
             websocket: r.websocket.unwrap_or(false),
             exempt_client_cidrs: exempt?,
             forward_identity: forward_identity?,
+            cors: cors?,
         })
     })();
     (route, matcher)
+}
+
+/// `cors_origins`: `["*"]`, or origins as a browser writes them in `Origin`: `http` or
+/// `https`, `://`, a host and perhaps a port, nothing after (`https://app.example.com`).
+/// `None`: an error was said.
+fn cors_origins(
+    c: &mut Collector,
+    label: Option<&str>,
+    r: &RawRoute,
+) -> Option<Option<CorsOrigins>> {
+    let Some(list) = &r.cors_origins else {
+        return Some(None);
+    };
+    if list.get_ref().is_empty() {
+        c.push(Some(&list.span()), label, "cors_origins is empty: list the origins whose scripts may read the answers (\"https://app.example.com\"), or [\"*\"] for any, or leave it out".into());
+        return None;
+    }
+    let any = list.get_ref().iter().any(|o| o.get_ref() == "*");
+    if any {
+        if list.get_ref().len() > 1 {
+            c.push(Some(&list.span()), label, "cors_origins holds \"*\" beside other origins: \"*\" is every origin; write it alone, or list the origins".into());
+            return None;
+        }
+        return Some(Some(CorsOrigins::Any));
+    }
+    let before = c.errors.len();
+    let mut origins: Vec<String> = Vec::new();
+    for (i, o) in list.get_ref().iter().enumerate() {
+        let written = o.get_ref();
+        match origin(written) {
+            Ok(origin) if origins.contains(&origin) => c.warn(Some(&o.span()), label, format!("cors_origins[{i}] = \"{written}\" is listed already: keep one")),
+            Ok(origin) => origins.push(origin),
+            Err(why) => c.push(Some(&o.span()), label, format!("cors_origins[{i}] = \"{}\" is not an origin as a browser sends it: {why} (such as \"https://app.example.com\" or \"http://localhost:3000\")", crate::config::redact_url_and_query(written))),
+        }
+    }
+    (c.errors.len() == before).then_some(Some(CorsOrigins::Listed(origins)))
+}
+
+/// An origin as a browser serializes it: `scheme://host[:port]`, lower-case, without the
+/// scheme's default port.
+fn origin(written: &str) -> Result<String, &'static str> {
+    let (scheme, rest) = written
+        .split_once("://")
+        .ok_or("no scheme (http:// or https://)")?;
+    let scheme = scheme.to_ascii_lowercase();
+    let default_port = match scheme.as_str() {
+        "http" => "80",
+        "https" => "443",
+        _ => return Err("its scheme is not http or https"),
+    };
+    if rest.contains(['/', '?', '#']) {
+        return Err("an origin has no path, query or fragment (nor a trailing /)");
+    }
+    if rest.contains('@') {
+        return Err("an origin has no user or password");
+    }
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => (host, Some(port)),
+        _ => (rest, None),
+    };
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && (host.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        }
+    };
+    if !host_ok {
+        return Err("its host is not a host name or an address");
+    }
+    let port = match port {
+        None => None,
+        Some(p) if p == default_port => None,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n > 0 && !p.starts_with('0') => Some(p),
+            _ => return Err("its port is not a number from 1 to 65535"),
+        },
+    };
+    let host = host.to_ascii_lowercase();
+    Ok(match port {
+        Some(p) => format!("{scheme}://{host}:{p}"),
+        None => format!("{scheme}://{host}"),
+    })
 }
 
 /// `forward_identity = true` tells the upstream who the caller is, where only the gateway
