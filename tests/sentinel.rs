@@ -1032,3 +1032,49 @@ fn check_redis_reads_the_master_the_sentinel_names() {
     assert_eq!(code, Some(1), "{lines:?}");
     assert!(lines[0].starts_with("redis: cannot serve: "), "{lines:?}");
 }
+
+/// A wrong password mended by a reload behind Sentinel ends the quarantine its refusals
+/// opened, as on one Redis: the next request probes the master with the new password
+/// rather than waiting out `open_seconds` (ten minutes here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mended_password_behind_sentinel_ends_the_quarantine_the_wrong_one_opened() {
+    let master = Redis::start();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "gateway",
+            "on",
+            ">gateway-pass",
+            "~*",
+            "&*",
+            "+@all",
+        ])
+        .query(&mut master.conn())
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
+    let up = Upstream::start("app");
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, "not-the-password\n").unwrap();
+    let gw = sentinel_quarantine(&format!("redis://127.0.0.1:{sentinel_port}"), 600)
+        .server("watch_config", "true")
+        .redis("username", quoted("gateway"))
+        .redis("password_file", quoted(file.to_str().unwrap()))
+        .upstream("app", &[up.addr()])
+        .route(api_route())
+        .start();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gw.metric("sentinel_breaker_state") != 1.0 {
+        assert_eq!(statuses(&gw, "a", 1).await, [503]);
+        assert!(Instant::now() < deadline, "{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let next = dir.path().join(".next");
+    std::fs::write(&next, "gateway-pass\n").unwrap();
+    std::fs::rename(&next, &file).unwrap();
+    wait_until(Duration::from_secs(10), "the watch to reload", || {
+        gw.metric("sentinel_config_generation") == 2.0
+    });
+    assert!(admitted_within_5_s(&gw, "b").await, "{}", gw.logs());
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+}

@@ -45,6 +45,11 @@ pub(super) struct Sentinel {
     kept: tokio::sync::Mutex<HashMap<String, Opened>>,
     /// The master's user may not run `ROLE`, and it was said.
     role_refused: AtomicBool,
+    /// A reload gave the master's connection other credentials or TLS settings, or named
+    /// another master: the next master connected is a new target, whose connection ends a
+    /// quarantine the old settings' failures opened (new sentinels alone name the same
+    /// master, whose failures they were).
+    settings_changed: AtomicBool,
     /// Nodes a sentinel named that answered `ROLE` as replicas, and when: a stale sentinel
     /// listed first names its node at every question (every second), which is not dialled
     /// again for [`REPLICA_KEPT`].
@@ -67,6 +72,7 @@ impl Sentinel {
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
             role_refused: AtomicBool::new(false),
+            settings_changed: AtomicBool::new(false),
             replicas: std::sync::Mutex::new(Vec::new()),
             suspect: AtomicBool::new(false),
             kept: tokio::sync::Mutex::new(HashMap::new()),
@@ -94,6 +100,9 @@ impl Sentinel {
     /// A reload: new sentinels, master name or credentials; asked again at once.
     pub(super) fn retarget(&self, target: &SentinelTarget, access: &RedisAccess) -> bool {
         let changed = **self.target.load() != *target || **self.access.load() != *access;
+        if **self.access.load() != *access || self.target.load().master != target.master {
+            self.settings_changed.store(true, Ordering::Release);
+        }
         if changed {
             self.target.store(Arc::new(target.clone()));
             self.access.store(Arc::new(access.clone()));
@@ -196,7 +205,9 @@ impl Sentinel {
     fn switch(&self, link: &Link, target: Target) {
         let node = target.node.clone();
         let before = self.master.swap(Some(Arc::new(node.clone())));
-        link.new_target.store(before.is_some(), Ordering::Release);
+        let settings_changed = self.settings_changed.swap(false, Ordering::AcqRel);
+        link.new_target
+            .store(before.is_some() || settings_changed, Ordering::Release);
         link.forget_outage();
         link.point_at(target);
         match before {
