@@ -90,6 +90,9 @@ fn not_repeating_a_pasted_value(message: String) -> String {
     }
     // The key as read, dotted: from its first part that looks pasted on (a token's parts).
     for what in [": key with no value", ": no value after `=`"] {
+        if message.contains("not repeated here") {
+            break;
+        }
         if let Some((field, after)) = message.split_once(what) {
             let parts: Vec<&str> = field.split('.').collect();
             if let Some(first) = parts.iter().position(|p| looks_pasted(p)) {
@@ -151,9 +154,21 @@ fn without_credentials(message: &str) -> String {
             }
         }
         let quoted = &body[..end];
-        match quoted.contains('@') || quoted.contains("://") {
-            true => out.push_str(&crate::config::redact_url_and_query(quoted)),
-            false => out.push_str(quoted),
+        if quoted.contains('@') || quoted.contains("://") {
+            out.push_str(&crate::config::redact_url_and_query(quoted));
+        } else if looks_pasted(quoted)
+            && !quoted.contains([' ', '/'])
+            && !(quoted.chars()).all(|c| c.is_ascii_digit() || ".:[]".contains(c))
+        {
+            // A value of the wrong type that reads as a secret (a token where a number
+            // belongs): said by its length, as a pasted key is. Not an address, a path or
+            // words.
+            out.push_str(&format!(
+                "<{} characters, not repeated here: a secret?>",
+                quoted.chars().count()
+            ));
+        } else {
+            out.push_str(quoted);
         }
         rest = &body[end..];
     }
@@ -298,7 +313,15 @@ fn first_error(
     if message.starts_with("key with no value") {
         let written = source[line_of(source, span.start).start..span.start].trim();
         if let Some(keys) = keys_of(&format!("{written} = 0")).filter(|k| !k.is_empty()) {
-            let key = shown(&keys);
+            // A dotted line read as a whole: `my.Secret.Passw0rd99x` is one pasted value,
+            // though no part of it alone reads as one.
+            let key = match looks_pasted(&written.replace('.', "_")) && !written.contains(' ') {
+                true => format!(
+                    "<{} characters, not repeated here: a value pasted in, perhaps a secret?>",
+                    written.chars().count()
+                ),
+                false => shown(&keys),
+            };
             field = Some(field.map_or(key.clone(), |f| format!("{f}.{key}")));
         }
     }
