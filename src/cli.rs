@@ -255,7 +255,7 @@ fn check_redis(config: &crate::config::RedisConfig) -> i32 {
         // demoted by a failover, or a replica's address given for the master's.
         if let Some(master) = &n.replica_of {
             node = 1;
-            said.push(format!("a replica of {master}: it refuses the limiter's writes (READONLY), so every decision would fail; point redis.url at the master, or follow failovers with redis.sentinel_urls"));
+            said.push(format!("a replica of {master}: a read-only one (the default) refuses every decision's write (READONLY), a writable one keeps writes its master never sees (lost at its next sync); point redis.url at the master, or follow failovers with redis.sentinel_urls"));
         }
         said.push(match &n.policy {
             None => "maxmemory-policy not read: Redis is busy (a script running) or loading; ask again".to_owned(),

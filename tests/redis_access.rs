@@ -1467,7 +1467,7 @@ fn check_redis_says_a_replica_cannot_serve() {
     );
     assert!(
         line.contains(&format!(
-            "a replica of 127.0.0.1:{}: it refuses",
+            "a replica of 127.0.0.1:{}: a read-only one",
             master.port
         )),
         "{line}"

@@ -356,6 +356,8 @@ impl Link {
         self.idle_timeout_s.store(0, Ordering::Relaxed);
         self.moving.store(self.is_connected(), Ordering::Relaxed);
         self.new_target.store(true, Ordering::Release);
+        // The new target's failures are its own: said again (another wrong password too).
+        self.forget_outage();
         self.wake.notify_one();
     }
 
