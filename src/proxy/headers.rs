@@ -50,7 +50,7 @@ impl RateLimitFields {
     /// `X-RateLimit-*` trio says one limit, the one nearest to refusing, so the upstream's
     /// stays when it has fewer requests left (its own 429 says 0, not the gateway's 999).
     /// A policy both name is said once, by the side with fewer requests left (as the trio
-    /// is); an upstream's field that is no Structured Field list (RFC 9651) is replaced by
+    /// is: the upstream's only when it gives both items of it); an upstream's field that is no Structured Field list (RFC 9651) is replaced by
     /// the gateway's, which a client could not read joined to it.
     pub fn merge_onto(&self, head: &mut pingora_http::ResponseHeader) -> pingora_core::Result<()> {
         let theirs = |head: &pingora_http::ResponseHeader, name: &str| -> Option<String> {
@@ -115,11 +115,12 @@ fn merged(theirs: (Option<&str>, Option<&str>), ours: (&str, &str)) -> (String, 
     };
     let (mut their_policy, mut their_state) = (read(theirs.0), read(theirs.1));
     let (mut our_policy, mut our_state) = (read(Some(ours.0)), read(Some(ours.1)));
-    let left = |list: &sfv::List, name: &str| {
+    // An item's integer parameter (`r`, `t`).
+    let param = |list: &sfv::List, name: &str, key: &str| {
         (list.iter())
             .find(|e| policy_name(e) == Some(name))
             .and_then(|e| match e {
-                sfv::ListEntry::Item(i) => i.params.get("r").and_then(|r| r.as_int()),
+                sfv::ListEntry::Item(i) => i.params.get(key).and_then(|v| v.as_int()),
                 sfv::ListEntry::InnerList(_) => None,
             })
     };
@@ -131,10 +132,22 @@ fn merged(theirs: (Option<&str>, Option<&str>), ours: (&str, &str)) -> (String, 
     shared.sort_unstable();
     shared.dedup();
     for name in &shared {
-        let upstream_nearer = match (left(&their_state, name), left(&our_state, name)) {
-            (Some(theirs), Some(ours)) => theirs < ours,
-            _ => false,
-        };
+        // The upstream's pair, when it gives one (its `RateLimit` beside a `RateLimit-Policy`
+        // of the name: its `r` and `t` are not paired with the gateway's `q` and `w`), with
+        // fewer left; of two alike, the one that frees last (as the `X-RateLimit-*` trio's).
+        let paired = their_policy.iter().any(|e| policy_name(e) == Some(name));
+        let (r, t) = (
+            |l: &sfv::List| param(l, name, "r"),
+            |l: &sfv::List| param(l, name, "t"),
+        );
+        let upstream_nearer = paired
+            && match (r(&their_state), r(&our_state)) {
+                (Some(theirs), Some(ours)) if theirs == ours => {
+                    t(&their_state).unwrap_or(0) > t(&our_state).unwrap_or(0)
+                }
+                (Some(theirs), Some(ours)) => theirs < ours,
+                _ => false,
+            };
         let (policy, state) = match upstream_nearer {
             true => (&mut our_policy, &mut our_state),
             false => (&mut their_policy, &mut their_state),
@@ -552,6 +565,23 @@ mod tests {
             (
                 "\"resumint.tailor\";q=50;w=60".to_owned(),
                 "\"resumint.tailor\";r=3;t=9".to_owned()
+            )
+        );
+        // Its `RateLimit` alone for the name: not paired with the gateway's policy item.
+        let mut lonely = pingora_http::ResponseHeader::build(200, None).unwrap();
+        (lonely.append_header("ratelimit", "\"resumint.tailor\";r=0;t=9")).unwrap();
+        ours.merge_onto(&mut lonely).unwrap();
+        assert_eq!(field(&lonely, "ratelimit"), "\"resumint.tailor\";r=999;t=1");
+        assert_eq!(
+            field(&lonely, "ratelimit-policy"),
+            "\"resumint.tailor\";q=1000;w=10"
+        );
+        // As many left on both sides: the one that frees last.
+        assert_eq!(
+            same(999),
+            (
+                "\"resumint.tailor\";q=50;w=60".to_owned(),
+                "\"resumint.tailor\";r=999;t=9".to_owned()
             )
         );
         assert_eq!(
