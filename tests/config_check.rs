@@ -796,3 +796,26 @@ fn a_strict_transport_security_value_is_read_as_browsers_read_it() {
         }
     }
 }
+
+/// A never-refilled quota keyed by `client_ip` is warned of while IPv6 clients are keyed by
+/// more than a /64 (every address a client's /64 holds is a key kept for good), and not
+/// once they are keyed by their /64.
+#[test]
+fn a_quota_keyed_by_whole_ipv6_addresses_is_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let route = Route::new("q.quota")
+        .prefix("/q")
+        .identity("client_ip")
+        .token_bucket(3_000_000, 0)
+        .toml();
+    let body =
+        |prefix: &str| format!("{prefix}[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{route}");
+    let (ok, out) = common::check_body(dir.path(), &body(""), &[]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("with identity = \"client_ip\" keyed by IPv6 addresses of 128 bits (server.ipv6_identity_prefix) every address of a client's /64 is a key kept for good"),
+        "{out}"
+    );
+    let (ok, out) = common::check_body(dir.path(), &body("ipv6_identity_prefix = 64\n"), &[]);
+    assert!(ok && !out.contains("never refills"), "{out}");
+}

@@ -307,8 +307,17 @@ pub(super) fn route(
         }
     }
     // A bucket that never refills keeps its key for ever (it has no time to live): made up
-    // header values are keys that stay, which a `noeviction` Redis keeps until it is full.
-    if let (Some(IdentitySource::Header(name)), Some(p)) = (&identity, &policy) {
+    // header values are keys that stay, which a `noeviction` Redis keeps until it is full;
+    // so are the addresses of an IPv6 /64, each a caller of its own past a prefix of 64.
+    let ipv6_prefix = (raw.server.as_ref())
+        .and_then(|s| s.get_ref().ipv6_identity_prefix.as_ref())
+        .map_or(128, |p| *p.get_ref());
+    let made_up = match &identity {
+        Some(IdentitySource::Header(name)) => Some(format!("identity = {{ header = \"{name}\" }} every value a client makes up")),
+        Some(IdentitySource::ClientIp) if ipv6_prefix > 64 => Some(format!("identity = \"client_ip\" keyed by IPv6 addresses of {ipv6_prefix} bits (server.ipv6_identity_prefix) every address of a client's /64")),
+        _ => None,
+    };
+    if let (Some(made_up), Some(p)) = (made_up, &policy) {
         let quota = (p.limits.iter()).find(|l| {
             !l.global
                 && matches!(
@@ -325,7 +334,7 @@ pub(super) fn route(
                 true => format!("limit \"{}\" never refills", quota.name),
                 false => "refill_rate_micro_per_sec = 0: the bucket never refills".to_owned(),
             };
-            c.warn(Some(&at), label, format!("{limit}, so its Redis key never expires (a fixed quota, renewed only by a new policy_version, whose old keys stay too), and with identity = {{ header = \"{name}\" }} every value a client makes up is a key kept for good: a noeviction Redis fills up; give it a refill, however slow, or key it by api_key or jwt"));
+            c.warn(Some(&at), label, format!("{limit}, so its Redis key never expires (a fixed quota, renewed only by a new policy_version, whose old keys stay too), and with {made_up} is a key kept for good: a noeviction Redis fills up; give it a refill, however slow, or key it by api_key or jwt"));
         }
     }
     let exempt = super::sections::cidrs(
