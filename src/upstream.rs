@@ -263,7 +263,8 @@ impl UpstreamPool {
             }));
             // Pingora logs each address's change of health (WARN with the failed check's
             // error, INFO when it passes again) naming the address by this.
-            let name = up.name.clone();
+            // As the config's messages name it: quoted when TOML quotes it (`"api v2"`).
+            let name = crate::config::key_shown(&up.name);
             check.backend_summary_callback = Some(Box::new(move |backend| {
                 format!("upstreams.{name} address {}", backend.addr)
             }));

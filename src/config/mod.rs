@@ -9,6 +9,7 @@ mod jwks;
 pub mod raw;
 pub mod tls;
 mod validate;
+pub(crate) use validate::key_shown;
 
 pub use api_keys::{ApiKeyTable, KeyOwner};
 pub use error::{line_col, ConfigError, ConfigErrors};

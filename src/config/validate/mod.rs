@@ -12,6 +12,7 @@ mod route;
 mod sections;
 mod shape;
 pub(super) use shape::deepest_key;
+pub(crate) use shape::key_shown;
 mod tls;
 mod upstream;
 

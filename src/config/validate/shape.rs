@@ -1096,7 +1096,7 @@ fn key_written(source: &str, span: Range<usize>) -> String {
 }
 
 /// A key as TOML writes it: bare when it can be, else a TOML string (`upstreams."my app"`).
-pub(super) fn key_shown(key: &str) -> String {
+pub(crate) fn key_shown(key: &str) -> String {
     let bare =
         !key.is_empty() && (key.chars()).all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     match bare {
