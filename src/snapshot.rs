@@ -35,8 +35,8 @@ pub struct Route {
     pub exempt_client_cidrs: Vec<ipnet::IpNet>,
     /// The upstream is told the verified caller and its tier.
     pub forward_identity: bool,
-    /// `cors_origins`: preflights forwarded unlimited, the gateway's own answers readable.
-    pub cors: Option<crate::config::CorsOrigins>,
+    /// `cors_origins`: the gateway does CORS for the route's listed origins.
+    pub cors: Option<Arc<crate::proxy::cors::Cors>>,
 }
 
 impl Route {
@@ -231,7 +231,12 @@ impl Snapshot {
                 max_body_bytes: rc.max_body_bytes,
                 websocket: rc.websocket,
                 exempt_client_cidrs: rc.exempt_client_cidrs.clone(),
-                cors: rc.cors.clone(),
+                cors: (rc.cors.clone()).map(|origins| {
+                    Arc::new(crate::proxy::cors::Cors::new(
+                        origins,
+                        &config.server.request_id_header,
+                    ))
+                }),
                 forward_identity: rc.forward_identity,
             };
             entries.push((rc.matcher(), Arc::new(route)));

@@ -1405,43 +1405,63 @@ fn an_ipv6_wildcard_beside_an_ipv4_listener_of_its_port_starts_and_serves_both()
     assert_eq!(status(v6), Some(200), "{}", gw.logs());
 }
 
-/// A route that browsers on another origin call (`cors_origins`): their preflights, which
-/// carry no key, reach the upstream without a 401 and without a token spent; the gateway's
-/// own 429 lets the listed origin's script read it (`Retry-After` and the RateLimit fields
-/// exposed), and tells another origin nothing; a route without the field answers the
-/// preflight as any keyless request (401).
+/// A route that browsers on another origin call (`cors_origins`): the gateway answers a
+/// listed origin's preflights itself (no key, no token, nothing upstream), by the route of
+/// the method asked for (a `methods = ["POST"]` route too); every answer to that origin,
+/// the upstream's 200 and the gateway's own 429 and 502, lets its script read it; another
+/// origin's preflight goes on as any keyless request (401), and gets nothing readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_browsers_preflight_passes_and_its_origin_may_read_the_gateways_answers() {
+async fn a_browsers_preflight_is_answered_and_its_origin_may_read_every_answer() {
     let redis = Redis::start();
     let up = Upstream::start("app");
+    let dead = format!("127.0.0.1:{}", common::free_port());
+    let origins = r#"["https://app.example.com"]"#;
     let gw = GatewayConfig::new(&redis.url())
         .upstream("app", &[up.addr()])
+        .upstream("dead", &[dead])
         .route(
             limited(2)
-                .set("cors_origins", r#"["https://app.example.com"]"#)
+                .set("cors_origins", origins)
                 .set("ratelimit_headers", "true"),
         )
         .route(
-            Route::new("e.closed")
-                .prefix("/closed")
+            Route::new("e.post")
+                .prefix("/post")
+                .methods(&["POST"])
                 .identity_header("X-API-Key")
-                .token_bucket(2_000_000, 0),
+                .token_bucket(2_000_000, 0)
+                .set("cors_origins", origins),
+        )
+        .route(
+            Route::new("e.down")
+                .prefix("/down")
+                .upstream("dead")
+                .unlimited()
+                .set("cors_origins", origins),
         )
         .start();
     let http = client();
-    let preflight = |path: &str| {
+    let preflight = |path: &str, origin: &'static str| {
         http.request(reqwest::Method::OPTIONS, gw.url(path))
-            .header("Origin", "https://app.example.com")
+            .header("Origin", origin)
             .header("Access-Control-Request-Method", "POST")
             .header("Access-Control-Request-Headers", "x-api-key")
             .send()
     };
-    for _ in 0..5 {
-        let r = preflight("/api/x").await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(r.headers()["x-upstream"], "app");
+    for path in ["/api/x", "/api/x", "/api/x", "/post/x"] {
+        let r = preflight(path, "https://app.example.com").await.unwrap();
+        assert_eq!(r.status(), 204, "{path}");
+        let h = r.headers();
+        assert!(!h.contains_key("x-upstream"), "answered by the gateway");
+        assert_eq!(h["access-control-allow-origin"], "https://app.example.com");
+        assert_eq!(h["access-control-allow-methods"], "POST");
+        assert_eq!(h["access-control-allow-headers"], "x-api-key");
+        assert!(h.contains_key("x-request-id"));
     }
-    assert_eq!(preflight("/closed/x").await.unwrap().status(), 401);
+    // Another origin's preflight is a request without a key.
+    let r = preflight("/api/x", "https://evil.example").await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(!r.headers().contains_key("access-control-allow-origin"));
     // No preflight spent a token: the bucket of 2 admits its 2, then 429.
     let get = |origin: &'static str| {
         http.get(gw.url("/api/x"))
@@ -1449,11 +1469,14 @@ async fn a_browsers_preflight_passes_and_its_origin_may_read_the_gateways_answer
             .header("Origin", origin)
             .send()
     };
-    let statuses = [
-        get("https://app.example.com").await.unwrap().status(),
-        get("https://app.example.com").await.unwrap().status(),
-    ];
-    assert_eq!(statuses, [200, 200]);
+    let admitted = get("https://app.example.com").await.unwrap();
+    assert_eq!(admitted.status(), 200);
+    assert_eq!(admitted.headers()["x-upstream"], "app");
+    assert_eq!(
+        admitted.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+    assert_eq!(get("https://app.example.com").await.unwrap().status(), 200);
     let denied = get("https://app.example.com").await.unwrap();
     assert_eq!(denied.status(), 429);
     let h = denied.headers();
@@ -1472,4 +1495,16 @@ async fn a_browsers_preflight_passes_and_its_origin_may_read_the_gateways_answer
     let other = get("https://evil.example").await.unwrap();
     assert_eq!(other.status(), 429);
     assert!(!other.headers().contains_key("access-control-allow-origin"));
+    // The gateway's 502 too.
+    let down = http
+        .get(gw.url("/down/x"))
+        .header("Origin", "https://app.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(down.status(), 502);
+    assert_eq!(
+        down.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
 }

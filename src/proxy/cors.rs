@@ -1,93 +1,139 @@
-//! `cors_origins`: a route that browsers on other origins call. Their preflights carry no
-//! credentials, so they are forwarded to the upstream (which answers CORS as it does)
-//! without identity, limit or Redis call; the gateway's own answers (401, 429, 503, ...)
-//! let those origins' scripts read them, `Retry-After` and the RateLimit fields included;
-//! and an upstream's answer that allows the origin exposes the fields the gateway added.
+//! `cors_origins`: a route that scripts on other origins call. The gateway does CORS for it,
+//! as Envoy's and Kong's CORS filters do: it answers a listed origin's preflights itself
+//! (they carry no credentials, so they meet no identity, limit, Redis call or upstream:
+//! nothing unlimited reaches the upstream), and every answer to a listed origin, the
+//! upstream's and the gateway's own (429, 401, 503, 502, ...), lets its script read it,
+//! `Retry-After` and the RateLimit fields included.
 
+use http::HeaderValue;
 use pingora_core::Result;
 use pingora_http::{RequestHeader, ResponseHeader};
 
 use crate::config::CorsOrigins;
 
-/// The fields the gateway adds that a script may read, beside the request id's.
-const EXPOSED: &str = "Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset";
+/// How long a browser may keep a preflight's answer, in seconds.
+const MAX_AGE: &str = "600";
 
-/// A CORS preflight (Fetch standard, 3.2.2): `OPTIONS` with `Origin` and
-/// `Access-Control-Request-Method`.
-pub fn is_preflight(req: &RequestHeader) -> bool {
-    req.method == http::Method::OPTIONS
-        && req.headers.contains_key(http::header::ORIGIN)
-        && (req.headers).contains_key(http::header::ACCESS_CONTROL_REQUEST_METHOD)
+/// A route's CORS: its origins, and the fields a script may read, written once.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Cors {
+    origins: CorsOrigins,
+    /// `Access-Control-Expose-Headers`: the fields the gateway adds beside an answer's own.
+    exposed: String,
 }
 
-/// The request's `Origin`, when the route's origins take it.
-fn allowed<'r>(cors: &CorsOrigins, req: &'r RequestHeader) -> Option<&'r http::HeaderValue> {
-    let mut origins = req.headers.get_all(http::header::ORIGIN).iter();
-    // One `Origin` (a browser sends one); `null` (a sandboxed or file page) is no origin.
-    match (origins.next(), origins.next()) {
-        (Some(o), None) if o.as_bytes() != b"null" && cors.allows(o.as_bytes()) => Some(o),
-        _ => None,
+impl Cors {
+    pub fn new(origins: CorsOrigins, request_id: &http::HeaderName) -> Self {
+        Self {
+            origins,
+            exposed: format!("Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, {request_id}"),
+        }
     }
-}
 
-/// On the gateway's own answer to an allowed origin: the origin allowed (its own name, with
-/// credentials: the answer's body is the gateway's fixed words, never a user's data) and the
-/// gateway's fields exposed. `Vary: Origin` whenever the route names origins, so a cache
-/// does not give one origin's answer to another.
-pub fn on_own_answer(
-    cors: &CorsOrigins,
-    req: &RequestHeader,
-    header: &mut ResponseHeader,
-    request_id: &http::HeaderName,
-) -> Result<()> {
-    header.append_header(http::header::VARY, "Origin")?;
-    let Some(origin) = allowed(cors, req) else {
-        return Ok(());
-    };
-    header.insert_header(http::header::ACCESS_CONTROL_ALLOW_ORIGIN, origin.clone())?;
-    header.insert_header(http::header::ACCESS_CONTROL_ALLOW_CREDENTIALS, "true")?;
-    header.insert_header(
-        http::header::ACCESS_CONTROL_EXPOSE_HEADERS,
-        format!("{EXPOSED}, {request_id}"),
-    )?;
-    Ok(())
-}
+    /// The request's `Origin`, when the route takes it: one field (a browser sends one),
+    /// not `null` (a sandboxed or file page).
+    fn allowed<'r>(&self, req: &'r RequestHeader) -> Option<&'r HeaderValue> {
+        let mut origins = req.headers.get_all(http::header::ORIGIN).iter();
+        match (origins.next(), origins.next()) {
+            (Some(o), None) if o.as_bytes() != b"null" && self.origins.allows(o.as_bytes()) => {
+                Some(o)
+            }
+            _ => None,
+        }
+    }
 
-/// On an upstream's answer to an allowed origin that the upstream allowed too: the gateway's
-/// fields added to what it exposes (unless it exposes every field already: `*`). An upstream
-/// that does not allow the origin keeps its answer closed to the script.
-pub fn on_upstream_answer(
-    cors: &CorsOrigins,
-    req: &RequestHeader,
-    header: &mut ResponseHeader,
-    request_id: &http::HeaderName,
-) -> Result<()> {
-    let name = http::header::ACCESS_CONTROL_EXPOSE_HEADERS;
-    if allowed(cors, req).is_none()
-        || !(header.headers).contains_key(http::header::ACCESS_CONTROL_ALLOW_ORIGIN)
-    {
-        return Ok(());
+    /// Whether the request's `Origin` is the route's.
+    pub fn takes(&self, req: &RequestHeader) -> bool {
+        self.allowed(req).is_some()
     }
-    let theirs: Vec<&str> = (header.headers.get_all(&name).iter())
-        .filter_map(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .collect();
-    let credentialed = (header
-        .headers
-        .get(http::header::ACCESS_CONTROL_ALLOW_CREDENTIALS))
-    .is_some_and(|v| v.as_bytes() == b"true");
-    // `*` exposes every field, but not to a request made with credentials.
-    if !credentialed && theirs.iter().any(|v| v.split(',').any(|f| f.trim() == "*")) {
-        return Ok(());
+
+    /// `Access-Control-Allow-Origin` and `-Credentials` for an allowed origin: its own name
+    /// with credentials when the route lists origins; `*` without them when it takes any
+    /// (any site could otherwise read a signed-in user's answers).
+    fn allow(&self, origin: &HeaderValue, header: &mut ResponseHeader) -> Result<()> {
+        match self.origins {
+            CorsOrigins::Any => {
+                header.insert_header(http::header::ACCESS_CONTROL_ALLOW_ORIGIN, "*")?;
+                header.remove_header(&http::header::ACCESS_CONTROL_ALLOW_CREDENTIALS);
+            }
+            CorsOrigins::Listed(_) => {
+                header.insert_header(http::header::ACCESS_CONTROL_ALLOW_ORIGIN, origin.clone())?;
+                header.insert_header(http::header::ACCESS_CONTROL_ALLOW_CREDENTIALS, "true")?;
+            }
+        }
+        Ok(())
     }
-    let ours = format!("{EXPOSED}, {request_id}");
-    let all = match theirs.is_empty() {
-        true => ours,
-        false => format!("{}, {ours}", theirs.join(", ")),
-    };
-    header.insert_header(name, all)?;
-    Ok(())
+
+    /// A preflight (Fetch standard, 3.2.2: `OPTIONS` with `Origin` and
+    /// `Access-Control-Request-Method`) from an allowed origin: the method it asks for, by
+    /// which the route is found. Not one from another origin: that goes on as any request.
+    pub fn preflight_method(req: &RequestHeader) -> Option<http::Method> {
+        if req.method != http::Method::OPTIONS || !req.headers.contains_key(http::header::ORIGIN) {
+            return None;
+        }
+        let asked = req
+            .headers
+            .get(http::header::ACCESS_CONTROL_REQUEST_METHOD)?;
+        http::Method::from_bytes(asked.as_bytes()).ok()
+    }
+
+    /// The answer to an allowed origin's preflight: the method and the fields it asks for
+    /// allowed (the route's own match and limits decide the request itself), kept
+    /// [`MAX_AGE`] seconds. `None` when the origin is not the route's.
+    pub fn preflight_answer(
+        &self,
+        req: &RequestHeader,
+        header: &mut ResponseHeader,
+    ) -> Result<Option<()>> {
+        let Some(origin) = self.allowed(req) else {
+            return Ok(None);
+        };
+        self.allow(origin, header)?;
+        if let Some(method) = req.headers.get(http::header::ACCESS_CONTROL_REQUEST_METHOD) {
+            header.insert_header(http::header::ACCESS_CONTROL_ALLOW_METHODS, method.clone())?;
+        }
+        if let Some(fields) = req
+            .headers
+            .get(http::header::ACCESS_CONTROL_REQUEST_HEADERS)
+        {
+            header.insert_header(http::header::ACCESS_CONTROL_ALLOW_HEADERS, fields.clone())?;
+        }
+        header.insert_header(http::header::ACCESS_CONTROL_MAX_AGE, MAX_AGE)?;
+        header.insert_header(
+            http::header::VARY,
+            "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+        )?;
+        Ok(Some(()))
+    }
+
+    /// On any other answer (the upstream's or the gateway's own): `Vary: Origin`, and to an
+    /// allowed origin the origin allowed and the gateway's fields exposed beside those the
+    /// upstream exposes (unless it exposes every one, `*`, to a request without
+    /// credentials).
+    pub fn on_answer(&self, req: &RequestHeader, header: &mut ResponseHeader) -> Result<()> {
+        header.append_header(http::header::VARY, "Origin")?;
+        let Some(origin) = self.allowed(req) else {
+            return Ok(());
+        };
+        self.allow(origin, header)?;
+        let name = http::header::ACCESS_CONTROL_EXPOSE_HEADERS;
+        let theirs: Vec<&str> = (header.headers.get_all(&name).iter())
+            .filter_map(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .collect();
+        let every = matches!(self.origins, CorsOrigins::Any)
+            && theirs.iter().any(|v| v.split(',').any(|f| f.trim() == "*"));
+        if every {
+            return Ok(());
+        }
+        let all = match theirs.is_empty() {
+            true => self.exposed.clone(),
+            false => format!("{}, {}", theirs.join(", "), self.exposed),
+        };
+        header.insert_header(name, all)?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -102,42 +148,85 @@ mod tests {
         req
     }
 
+    fn listed() -> Cors {
+        let id = http::HeaderName::from_static("x-request-id");
+        Cors::new(
+            CorsOrigins::Listed(vec!["https://app.example.com".to_owned()]),
+            &id,
+        )
+    }
+
     #[test]
     fn a_preflight_is_options_with_origin_and_the_method_asked() {
         let origin = ("Origin", "https://app.example.com");
         let asked = ("Access-Control-Request-Method", "POST");
-        assert!(is_preflight(&request("OPTIONS", &[origin, asked])));
-        assert!(!is_preflight(&request("OPTIONS", &[origin])));
-        assert!(!is_preflight(&request("OPTIONS", &[asked])));
-        assert!(!is_preflight(&request("POST", &[origin, asked])));
+        let method = |m, f: &[(&str, &str)]| Cors::preflight_method(&request(m, f));
+        assert_eq!(
+            method("OPTIONS", &[origin, asked]),
+            Some(http::Method::POST)
+        );
+        assert_eq!(method("OPTIONS", &[origin]), None);
+        assert_eq!(method("OPTIONS", &[asked]), None);
+        assert_eq!(method("POST", &[origin, asked]), None);
+    }
+
+    #[test]
+    fn a_listed_origin_is_answered_and_another_is_not() {
+        let cors = listed();
+        let asked = [
+            ("Origin", "https://APP.example.com"),
+            ("Access-Control-Request-Method", "POST"),
+            ("Access-Control-Request-Headers", "x-api-key, content-type"),
+        ];
+        let mut h = ResponseHeader::build(204, None).unwrap();
+        let answered = cors.preflight_answer(&request("OPTIONS", &asked), &mut h);
+        assert_eq!(answered.unwrap(), Some(()));
+        assert_eq!(
+            h.headers["access-control-allow-origin"],
+            "https://APP.example.com"
+        );
+        assert_eq!(h.headers["access-control-allow-methods"], "POST");
+        assert_eq!(
+            h.headers["access-control-allow-headers"],
+            "x-api-key, content-type"
+        );
+        assert_eq!(h.headers["access-control-allow-credentials"], "true");
+        let other = request("OPTIONS", &[("Origin", "https://evil.example"), asked[1]]);
+        let mut h = ResponseHeader::build(204, None).unwrap();
+        assert_eq!(cors.preflight_answer(&other, &mut h).unwrap(), None);
     }
 
     #[test]
     fn the_gateways_fields_are_exposed_beside_the_upstreams() {
-        let cors = CorsOrigins::Listed(vec!["https://app.example.com".to_owned()]);
-        let id = http::HeaderName::from_static("x-request-id");
-        let req = request("GET", &[("Origin", "https://APP.example.com")]);
+        let cors = listed();
+        let req = request("GET", &[("Origin", "https://app.example.com")]);
         let mut theirs = ResponseHeader::build(200, None).unwrap();
-        theirs
-            .append_header("Access-Control-Allow-Origin", "https://app.example.com")
-            .unwrap();
         theirs
             .append_header("Access-Control-Expose-Headers", "ETag")
             .unwrap();
-        on_upstream_answer(&cors, &req, &mut theirs, &id).unwrap();
+        cors.on_answer(&req, &mut theirs).unwrap();
         assert_eq!(
             theirs.headers["access-control-expose-headers"],
             "ETag, Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, x-request-id"
         );
-        // An upstream that does not allow the origin: nothing added.
-        let mut closed = ResponseHeader::build(200, None).unwrap();
-        on_upstream_answer(&cors, &req, &mut closed, &id).unwrap();
-        assert!(!closed.headers.contains_key("access-control-expose-headers"));
-        // Another origin: the gateway's own answer says nothing to it but `Vary`.
+        assert_eq!(
+            theirs.headers["access-control-allow-origin"],
+            "https://app.example.com"
+        );
+        // Another origin: `Vary` alone.
         let other = request("GET", &[("Origin", "https://evil.example")]);
         let mut own = ResponseHeader::build(429, None).unwrap();
-        on_own_answer(&cors, &other, &mut own, &id).unwrap();
+        cors.on_answer(&other, &mut own).unwrap();
         assert!(!own.headers.contains_key("access-control-allow-origin"));
         assert_eq!(own.headers["vary"], "Origin");
+        // Any origin: `*`, never with credentials.
+        let id = http::HeaderName::from_static("x-request-id");
+        let any = Cors::new(CorsOrigins::Any, &id);
+        let mut h = ResponseHeader::build(200, None).unwrap();
+        h.append_header("Access-Control-Allow-Credentials", "true")
+            .unwrap();
+        any.on_answer(&other, &mut h).unwrap();
+        assert_eq!(h.headers["access-control-allow-origin"], "*");
+        assert!(!h.headers.contains_key("access-control-allow-credentials"));
     }
 }

@@ -2,7 +2,7 @@
 //! forward. Each hook below says when Pingora calls it and what its result means.
 
 pub mod access;
-mod cors;
+pub mod cors;
 pub mod forwarded;
 mod head;
 mod headers;
@@ -296,12 +296,13 @@ impl Gateway {
         if let Some(f) = &ctx.ratelimit {
             f.set_on(&mut header)?;
         }
-        if let (Some(cors), Some(s)) = (
-            ctx.route.as_ref().and_then(|r| r.cors.as_ref()),
-            &ctx.snapshot,
-        ) {
-            let id = &s.config.server.request_id_header;
-            cors::on_own_answer(cors, session.req_header(), &mut header, id)?;
+        if let Some(cors) = ctx.route.as_ref().and_then(|r| r.cors.as_deref()) {
+            match answer {
+                Answer::Preflight => {
+                    cors.preflight_answer(session.req_header(), &mut header)?;
+                }
+                _ => cors.on_answer(session.req_header(), &mut header)?,
+            }
         }
         // At capacity, nothing more is spent on the request; a broken request's body may be
         // framed otherwise than Pingora reads it, and is not read. Nor is the connection kept:
@@ -752,6 +753,16 @@ impl ProxyHttp for Gateway {
             .or_else(|| forwarded::absolute_form_authority(req));
         let host = request_host(target_host, host_header);
         let mut found = snapshot.routes.find(host.as_deref(), &req.method, &path);
+        // A listed origin's preflight is the gateway's to answer (it carries no credentials:
+        // nothing of it goes on, unlimited, to the upstream), by the route of the method it
+        // asks for (a `methods = ["POST"]` route matches no `OPTIONS` of its own).
+        if let Some(asked) = cors::Cors::preflight_method(req) {
+            let route = snapshot.routes.find(host.as_deref(), &asked, &path);
+            if let Some(route) = route.filter(|r| r.cors.as_ref().is_some_and(|c| c.takes(req))) {
+                ctx.route = Some(Arc::clone(route));
+                return self.answer(session, ctx, Answer::Preflight).await;
+            }
+        }
         // Path parameters (`;` to a segment's end): backends read them in several ways.
         // Most read the path as written; Tomcat, Jetty and Spring drop every parameter;
         // Spring with matrix variables drops some (a session id) and keeps others; older
@@ -800,11 +811,6 @@ impl ProxyHttp for Gateway {
             });
         }
         ctx.route = Some(Arc::clone(&route));
-        // A browser's preflight carries no credentials: on a route that names origins, it
-        // goes to the upstream, which answers CORS, without identity, limit or Redis call.
-        if route.cors.is_some() && cors::is_preflight(req) {
-            return Ok(false);
-        }
         // A body announced too large is refused before identity, limiter and upstream.
         if let Some(limit) = route.max_body_bytes {
             if announced.is_some_and(|n| n > limit) {
@@ -1019,12 +1025,8 @@ impl ProxyHttp for Gateway {
         if let Some(f) = &ctx.ratelimit {
             f.merge_onto(upstream_response)?;
         }
-        if let (Some(cors), Some(s)) = (
-            ctx.route.as_ref().and_then(|r| r.cors.as_ref()),
-            &ctx.snapshot,
-        ) {
-            let id = &s.config.server.request_id_header;
-            cors::on_upstream_answer(cors, session.req_header(), upstream_response, id)?;
+        if let Some(cors) = ctx.route.as_ref().and_then(|r| r.cors.as_deref()) {
+            cors.on_answer(session.req_header(), upstream_response)?;
         }
         let cost = ctx
             .route
@@ -1235,9 +1237,13 @@ impl ProxyHttp for Gateway {
                 // client does not send its next request into a closing socket.
                 session.set_keepalive(None);
                 ctx.answered = Some(answer.status());
-                let header = answer
-                    .header()
-                    .and_then(|mut h| ctx.tag(&mut h).map(|()| h));
+                let cors = ctx.route.as_ref().and_then(|r| r.cors.clone());
+                let header = (answer.header())
+                    .and_then(|mut h| ctx.tag(&mut h).map(|()| h))
+                    .and_then(|mut h| match &cors {
+                        Some(cors) => cors.on_answer(session.req_header(), &mut h).map(|()| h),
+                        None => Ok(h),
+                    });
                 let written = match header {
                     Ok(header) => respond::write_with(session, answer, header).await,
                     Err(e) => {

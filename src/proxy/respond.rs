@@ -48,6 +48,8 @@ pub enum Answer {
     BodyTimeout,
     /// 503: as many requests are in flight as `max_connections` allows (HTTP/2 streams).
     AtCapacity,
+    /// 204: a listed origin's CORS preflight, answered by the gateway (`cors_origins`).
+    Preflight,
 }
 
 impl Answer {
@@ -65,6 +67,7 @@ impl Answer {
             Answer::UpstreamTimeout => 504,
             Answer::BodyTimeout => 408,
             Answer::AtCapacity => 503,
+            Answer::Preflight => 204,
         }
     }
 
@@ -82,6 +85,7 @@ impl Answer {
             Answer::UpstreamTimeout => r#"{"detail":"upstream timeout"}"#,
             Answer::BodyTimeout => r#"{"detail":"request body timeout"}"#,
             Answer::AtCapacity => r#"{"detail":"gateway at capacity"}"#,
+            Answer::Preflight => "",
         }
     }
 
@@ -105,8 +109,11 @@ impl Answer {
     pub fn header(self) -> Result<ResponseHeader> {
         let body = self.body();
         let mut h = ResponseHeader::build(self.status(), Some(5))?;
-        h.insert_header("content-type", "application/json")?;
-        h.insert_header("content-length", body.len().to_string())?;
+        // A 204 has neither (RFC 9110, 8.6).
+        if self != Answer::Preflight {
+            h.insert_header("content-type", "application/json")?;
+            h.insert_header("content-length", body.len().to_string())?;
+        }
         if let Some(secs) = self.retry_after() {
             h.insert_header("retry-after", secs.to_string())?;
         }
