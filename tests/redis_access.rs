@@ -518,6 +518,47 @@ async fn a_mended_password_ends_the_quarantine_the_wrong_one_opened() {
     assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
 }
 
+/// A reload to a password Redis refuses opens a quarantine on the new target's own
+/// failures: a connection made later with it (the ACL given that password meanwhile, no
+/// reload) ends none of it early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_the_new_passwords_refusals_opened_runs_its_course() {
+    let redis = Redis::start_with(free_port(), &ACL_USER);
+    let up = Upstream::start("app");
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("redis-password");
+    std::fs::write(&file, "s3cret-Pa55word\n").unwrap();
+    let gw = limited(
+        GatewayConfig::new(&redis.url())
+            .server("watch_config", "true")
+            .redis("username", quoted("gateway"))
+            .redis("password_file", quoted(file.to_str().unwrap()))
+            .breaker(2, 600),
+        &up,
+    )
+    .start();
+    warmed(&gw).await;
+    let next = secrets.path().join(".next");
+    std::fs::write(&next, "typo-Pa55word\n").unwrap();
+    std::fs::rename(&next, &file).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gw.metric("sentinel_breaker_state") != 1.0 {
+        let _ = statuses(&gw, "a", 1).await;
+        assert!(std::time::Instant::now() < deadline, "{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "gateway", ">typo-Pa55word"])
+        .query(&mut redis.conn())
+        .unwrap();
+    wait_until(Duration::from_secs(10), "the new password taken", || {
+        redis_up(&gw)
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(statuses(&gw, "b", 1).await, [503]);
+    assert_eq!(gw.metric("sentinel_breaker_state"), 1.0);
+}
+
 /// A secret's file is one of two places: not beside its variable, and one that cannot be
 /// read is a config error naming the field and the file, never what it holds.
 #[test]

@@ -1202,6 +1202,11 @@ impl Connector {
                         link.moving.store(false, Ordering::Relaxed);
                         link.conn.store(None);
                     }
+                    // A new target that fails is failing on its own account: a quarantine
+                    // its failures open runs its course (a later connection ends none).
+                    if Arc::ptr_eq(&target, &link.target.load_full()) {
+                        link.new_target.store(false, Ordering::Release);
+                    }
                     // Requests meanwhile fail at once and count nothing: the attempts do, once
                     // a request has found the node down.
                     link.attempt_failed();
