@@ -340,7 +340,16 @@ impl Sentinel {
         let trusted =
             link.conn.load().is_some() && !link.found_replica.swap(false, Ordering::Relaxed);
         let (target, checked) = self.discover_checking(trusted).await?;
-        if self.master().as_deref() != Some(target.node.as_str()) {
+        // A reload that came while the sentinels were asked made this target with the old
+        // settings: the next question (the reload asked for one) makes it with the new.
+        let access = self.access.load();
+        if target.access != **access {
+            return Ok(false);
+        }
+        // The master in use, connected with settings a reload has since changed, is
+        // switched to as though new.
+        let stale = link.target.load().access != **access;
+        if stale || self.master().as_deref() != Some(target.node.as_str()) {
             self.switch(link, target);
             return Ok(true);
         }
