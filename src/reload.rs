@@ -94,15 +94,14 @@ impl Reloader {
         // (one more reload at worst), never missed.
         let before = file_stamp(&self.path);
         let _ = crate::config::take_refused_named();
-        // A bug met while building the new config is a failed reload, counted and logged as
-        // one, never a task gone with the previous config's state half replaced unsaid.
+        // A bug met while loading the new config is a failed reload, counted and logged as
+        // one, never a task gone unsaid. Its words (which may quote the file) go to the
+        // standard error only, as every panic's; the answer says a restart is the sure way
+        // back, as the bug may have come after some of the new config was put in place.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.try_reload()))
-            .unwrap_or_else(|panic| {
-                let what = (panic.downcast_ref::<&str>().copied())
-                    .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-                    .unwrap_or("a panic");
+            .unwrap_or_else(|_| {
                 Err(format!(
-                    "{}: the reload met a bug of the gateway ({what}); the previous config keeps serving",
+                    "{}: the reload met a bug of the gateway (said on the standard error); the previous config serves, perhaps with some of the new one's Redis, TLS or access-log settings already in place: restart the gateway to be sure",
                     self.path.display()
                 ))
             });
