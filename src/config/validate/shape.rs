@@ -61,13 +61,22 @@ pub(super) fn error(
 
 /// A word that reads as a value pasted where a key belongs (a password, a token, an access
 /// key on a line of its own), not as a field's name: 12 characters or more with an
-/// uppercase letter, two digits or a sign no field's name has. The config's fields are
+/// uppercase letter, two digits or a sign no field's name has (`-` is a name's). The config's fields are
 /// lowercase words and `_`; a route's or an upstream's own name is never an unknown key.
 fn looks_pasted(word: &str) -> bool {
     let digits = word.chars().filter(char::is_ascii_digit).count();
     word.chars().count() >= 12
         && (digits >= 2
-            || (word.chars()).any(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')))
+            || (word.chars())
+                .any(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')))
+}
+
+/// Such a word as an error says it: by its length.
+fn hidden(word: &str) -> String {
+    format!(
+        "<{} characters, not repeated here: a value pasted in, perhaps a secret?>",
+        word.chars().count()
+    )
 }
 
 /// A shape error that would repeat such a word (a key with no value, an unknown field near
@@ -75,33 +84,10 @@ fn looks_pasted(word: &str) -> bool {
 /// into the file by mistake is not copied into a terminal's scrollback, a log or a reload's
 /// answer.
 fn not_repeating_a_pasted_value(message: String) -> String {
-    let hidden = |word: &str| {
-        format!(
-            "<{} characters, not repeated here: a value pasted in, perhaps a secret?>",
-            word.chars().count()
-        )
-    };
     if let Some((before, rest)) = message.split_once("unknown field `") {
         if let Some((word, after)) = rest.split_once('`') {
             if looks_pasted(word) && !after.contains("did you mean") {
                 return format!("{before}unknown field {}{after}", hidden(word));
-            }
-        }
-    }
-    // The key as read, dotted: from its first part that looks pasted on (a token's parts).
-    for what in [": key with no value", ": no value after `=`"] {
-        if message.contains("not repeated here") {
-            break;
-        }
-        if let Some((field, after)) = message.split_once(what) {
-            let parts: Vec<&str> = field.split('.').collect();
-            if let Some(first) = parts.iter().position(|p| looks_pasted(p)) {
-                let word = hidden(&parts[first..].join("."));
-                let table = parts[..first].join(".");
-                return match table.is_empty() {
-                    true => format!("{word}{what}{after}"),
-                    false => format!("{table}.{word}{what}{after}"),
-                };
             }
         }
     }
@@ -157,7 +143,8 @@ fn without_credentials(message: &str) -> String {
         if quoted.contains('@') || quoted.contains("://") {
             out.push_str(&crate::config::redact_url_and_query(quoted));
         } else if looks_pasted(quoted)
-            && !quoted.contains([' ', '/'])
+            && !quoted.contains(' ')
+            && !quoted.starts_with(['/', '.', '~'])
             && !(quoted.chars()).all(|c| c.is_ascii_digit() || ".:[]".contains(c))
         {
             // A value of the wrong type that reads as a secret (a token where a number
@@ -305,7 +292,22 @@ fn first_error(
     let nothing = (source[line_of(source, span.start)].split_once('='))
         .is_some_and(|(_, v)| v.split('#').next().unwrap_or_default().trim().is_empty());
     let message = match message.starts_with("string values must be quoted") && nothing {
-        true => "no value after `=`: write one, or leave the key out for its default".to_owned(),
+        true => {
+            // The key as written, when it reads as a pasted value (`AKIA... =`): the field
+            // is said without it.
+            let written =
+                (source[line_of(source, span.start)].split_once('=')).map_or("", |(k, _)| k.trim());
+            if looks_pasted(&written.replace('.', "_")) && !written.contains(' ') {
+                let marker = hidden(written);
+                field = Some(
+                    match field.as_deref().and_then(|f| f.strip_suffix(written)) {
+                        Some(table) => format!("{table}{marker}"),
+                        None => marker,
+                    },
+                );
+            }
+            "no value after `=`: write one, or leave the key out for its default".to_owned()
+        }
         false => message,
     };
     // `threads 2`: the key TOML read before it found no `=` is in no table of its reading;
@@ -316,10 +318,7 @@ fn first_error(
             // A dotted line read as a whole: `my.Secret.Passw0rd99x` is one pasted value,
             // though no part of it alone reads as one.
             let key = match looks_pasted(&written.replace('.', "_")) && !written.contains(' ') {
-                true => format!(
-                    "<{} characters, not repeated here: a value pasted in, perhaps a secret?>",
-                    written.chars().count()
-                ),
+                true => hidden(written),
                 false => shown(&keys),
             };
             field = Some(field.map_or(key.clone(), |f| format!("{f}.{key}")));
