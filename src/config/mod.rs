@@ -602,9 +602,10 @@ impl UpstreamConfig {
     /// What leaves this upstream unprotected, in words: `verify = false`, or TLS fields
     /// without `tls = true` (they do nothing).
     pub fn unprotected(&self) -> Option<String> {
+        let name = key_shown(&self.name);
         match &self.tls {
-            Some(tls) if !tls.verify => Some(format!("upstreams.{}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it", self.name)),
-            None if !self.inert_tls.is_empty() => Some(format!("upstreams.{} has TLS fields without tls = true ({}): they do nothing, the upstream is spoken to in plain HTTP", self.name, self.inert_tls.join(", "))),
+            Some(tls) if !tls.verify => Some(format!("upstreams.{name}.verify = false: the upstream's certificate is not checked; anyone on the path can answer for it")),
+            None if !self.inert_tls.is_empty() => Some(format!("upstreams.{name} has TLS fields without tls = true ({}): they do nothing, the upstream is spoken to in plain HTTP", self.inert_tls.join(", "))),
             _ => None,
         }
     }

@@ -54,12 +54,13 @@ impl RateLimitFields {
     /// the gateway's, which a client could not read joined to it.
     pub fn merge_onto(&self, head: &mut pingora_http::ResponseHeader) -> pingora_core::Result<()> {
         let theirs = |head: &pingora_http::ResponseHeader, name: &str| -> Option<String> {
-            let mut values = head.headers.get_all(name).iter();
-            let first = values.next()?.to_str().ok()?.trim().to_owned();
-            // Several fields of a list are one list, comma-joined (RFC 9110, 5.3).
-            values.try_fold(first, |all, v| {
-                Some(format!("{all}, {}", v.to_str().ok()?.trim()))
-            })
+            let values: Option<Vec<&str>> = (head.headers.get_all(name).iter())
+                .map(|v| v.to_str().ok().map(str::trim))
+                .collect();
+            // Several fields of a list are one list, comma-joined (RFC 9110, 5.3); an empty
+            // one adds nothing to it.
+            let values: Vec<&str> = values?.into_iter().filter(|v| !v.is_empty()).collect();
+            (!values.is_empty()).then(|| values.join(", "))
         };
         if let Some((policy, state)) = &self.ietf {
             let their_policy = theirs(head, "ratelimit-policy").filter(|t| !t.is_empty());
@@ -550,6 +551,15 @@ mod tests {
         assert_eq!(
             field(&garbled, "ratelimit-policy"),
             "\"backend\";q=10;w=60, \"resumint.tailor\";q=1000;w=10"
+        );
+        // An empty field line beside a whole one adds nothing to the list.
+        let mut blank = pingora_http::ResponseHeader::build(200, None).unwrap();
+        blank.append_header("ratelimit", "").unwrap();
+        (blank.append_header("ratelimit", "\"backend\";r=0;t=7")).unwrap();
+        ours.merge_onto(&mut blank).unwrap();
+        assert_eq!(
+            field(&blank, "ratelimit"),
+            "\"backend\";r=0;t=7, \"resumint.tailor\";r=999;t=1"
         );
         // A policy both name, said once, by the side with fewer left: the upstream's when
         // its own is nearer to refusing, the gateway's otherwise.
