@@ -1495,6 +1495,20 @@ async fn a_browsers_preflight_is_answered_and_its_origin_may_read_every_answer()
     let other = get("https://evil.example").await.unwrap();
     assert_eq!(other.status(), 429);
     assert!(!other.headers().contains_key("access-control-allow-origin"));
+    // A 400 written before the route is the request's (a method override another route
+    // would take) too.
+    let refused = http
+        .post(gw.url("/post/x"))
+        .header("Origin", "https://app.example.com")
+        .header("X-HTTP-Method-Override", "GET")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
+    assert_eq!(
+        refused.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
     // The gateway's 502 too.
     let down = http
         .get(gw.url("/down/x"))

@@ -30,14 +30,16 @@ impl Cors {
         }
     }
 
-    /// The request's `Origin`, when the route takes it: one field (a browser sends one),
-    /// not `null` (a sandboxed or file page).
+    /// The request's `Origin`, when the route takes it: one field (a browser sends one);
+    /// `null` (a sandboxed or file page) only by a route that takes any origin, which it
+    /// answers `*`, without credentials.
     fn allowed<'r>(&self, req: &'r RequestHeader) -> Option<&'r HeaderValue> {
         let mut origins = req.headers.get_all(http::header::ORIGIN).iter();
         match (origins.next(), origins.next()) {
-            (Some(o), None) if o.as_bytes() != b"null" && self.origins.allows(o.as_bytes()) => {
-                Some(o)
+            (Some(o), None) if o.as_bytes() == b"null" => {
+                matches!(self.origins, CorsOrigins::Any).then_some(o)
             }
+            (Some(o), None) if self.origins.allows(o.as_bytes()) => Some(o),
             _ => None,
         }
     }
@@ -113,6 +115,10 @@ impl Cors {
     pub fn on_answer(&self, req: &RequestHeader, header: &mut ResponseHeader) -> Result<()> {
         header.append_header(http::header::VARY, "Origin")?;
         let Some(origin) = self.allowed(req) else {
+            // The route's list is the policy: an upstream's own allowing of another origin
+            // (one that reflects every `Origin`, say) does not reach it.
+            header.remove_header(&http::header::ACCESS_CONTROL_ALLOW_ORIGIN);
+            header.remove_header(&http::header::ACCESS_CONTROL_ALLOW_CREDENTIALS);
             return Ok(());
         };
         self.allow(origin, header)?;
@@ -213,9 +219,10 @@ mod tests {
             theirs.headers["access-control-allow-origin"],
             "https://app.example.com"
         );
-        // Another origin: `Vary` alone.
+        // Another origin: `Vary` alone, an upstream's own allowing of it taken away.
         let other = request("GET", &[("Origin", "https://evil.example")]);
         let mut own = ResponseHeader::build(429, None).unwrap();
+        (own.append_header("Access-Control-Allow-Origin", "https://evil.example")).unwrap();
         cors.on_answer(&other, &mut own).unwrap();
         assert!(!own.headers.contains_key("access-control-allow-origin"));
         assert_eq!(own.headers["vary"], "Origin");

@@ -60,6 +60,10 @@ pub struct RequestCtx {
     /// The normalized path, once it is known to be usable.
     path: Option<String>,
     route: Option<Arc<Route>>,
+    /// The CORS of the route the request's path and method found, from the moment it was
+    /// found: the answers written before the route is the request's (a refused override or
+    /// path reading) are readable by a listed origin too.
+    cors: Option<Arc<cors::Cors>>,
     identity_hash: Option<String>,
     /// Normalized path and query, when normalization changed the path.
     upstream_uri: Option<String>,
@@ -296,7 +300,7 @@ impl Gateway {
         if let Some(f) = &ctx.ratelimit {
             f.set_on(&mut header)?;
         }
-        if let Some(cors) = ctx.route.as_ref().and_then(|r| r.cors.as_deref()) {
+        if let Some(cors) = ctx.cors.as_deref() {
             match answer {
                 Answer::Preflight => {
                     cors.preflight_answer(session.req_header(), &mut header)?;
@@ -753,6 +757,7 @@ impl ProxyHttp for Gateway {
             .or_else(|| forwarded::absolute_form_authority(req));
         let host = request_host(target_host, host_header);
         let mut found = snapshot.routes.find(host.as_deref(), &req.method, &path);
+        ctx.cors = found.and_then(|r| r.cors.clone());
         // A listed origin's preflight is the gateway's to answer (it carries no credentials:
         // nothing of it goes on, unlimited, to the upstream), by the route of the method it
         // asks for (a `methods = ["POST"]` route matches no `OPTIONS` of its own).
@@ -760,6 +765,7 @@ impl ProxyHttp for Gateway {
             let route = snapshot.routes.find(host.as_deref(), &asked, &path);
             if let Some(route) = route.filter(|r| r.cors.as_ref().is_some_and(|c| c.takes(req))) {
                 ctx.route = Some(Arc::clone(route));
+                ctx.cors = route.cors.clone();
                 return self.answer(session, ctx, Answer::Preflight).await;
             }
         }
@@ -811,6 +817,7 @@ impl ProxyHttp for Gateway {
             });
         }
         ctx.route = Some(Arc::clone(&route));
+        ctx.cors = route.cors.clone();
         // A body announced too large is refused before identity, limiter and upstream.
         if let Some(limit) = route.max_body_bytes {
             if announced.is_some_and(|n| n > limit) {
@@ -1025,7 +1032,7 @@ impl ProxyHttp for Gateway {
         if let Some(f) = &ctx.ratelimit {
             f.merge_onto(upstream_response)?;
         }
-        if let Some(cors) = ctx.route.as_ref().and_then(|r| r.cors.as_deref()) {
+        if let Some(cors) = ctx.cors.as_deref() {
             cors.on_answer(session.req_header(), upstream_response)?;
         }
         let cost = ctx
@@ -1237,7 +1244,7 @@ impl ProxyHttp for Gateway {
                 // client does not send its next request into a closing socket.
                 session.set_keepalive(None);
                 ctx.answered = Some(answer.status());
-                let cors = ctx.route.as_ref().and_then(|r| r.cors.clone());
+                let cors = ctx.cors.clone();
                 let header = (answer.header())
                     .and_then(|mut h| ctx.tag(&mut h).map(|()| h))
                     .and_then(|mut h| match &cors {

@@ -432,25 +432,44 @@ fn origin(written: &str) -> Result<String, &'static str> {
         Some((host, port)) if !port.contains(']') => (host, Some(port)),
         _ => (rest, None),
     };
-    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+    // As a browser serializes the host (the URL standard): an IPv6 address compressed and
+    // in lower case, an IPv4 address in its four decimal parts, a name's labels whole.
+    let host = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => match v6.parse::<std::net::Ipv6Addr>() {
+            Ok(a) if a.to_ipv4_mapped().is_some() => {
+                return Err("an IPv4-mapped IPv6 host: write the IPv4 address itself");
+            }
+            Ok(a) => format!("[{a}]"),
+            Err(_) => return Err("its host is not a host name or an address"),
+        },
         None => {
-            !host.is_empty()
+            let labels_ok = !host.is_empty()
                 && (host.bytes()).all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+                && host
+                    .split('.')
+                    .all(|l| !l.is_empty() && !l.starts_with('-') && !l.ends_with('-'));
+            // A last label of digits is an IPv4 address's (`1.2.3` and `0x7f.0.0.1` are
+            // written otherwise by a browser).
+            let numeric = host
+                .rsplit('.')
+                .next()
+                .is_some_and(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()));
+            if !labels_ok || (numeric && host.parse::<std::net::Ipv4Addr>().is_err()) {
+                return Err("its host is not a host name or an address");
+            }
+            host.to_ascii_lowercase()
         }
     };
-    if !host_ok {
-        return Err("its host is not a host name or an address");
-    }
     let port = match port {
         None => None,
         Some(p) if p == default_port => None,
         Some(p) => match p.parse::<u16>() {
-            Ok(n) if n > 0 && !p.starts_with('0') => Some(p),
+            Ok(n) if n > 0 && !p.starts_with('0') && p.bytes().all(|b| b.is_ascii_digit()) => {
+                Some(p)
+            }
             _ => return Err("its port is not a number from 1 to 65535"),
         },
     };
-    let host = host.to_ascii_lowercase();
     Ok(match port {
         Some(p) => format!("{scheme}://{host}:{p}"),
         None => format!("{scheme}://{host}"),
@@ -1665,3 +1684,27 @@ const RESERVED_COST_HEADERS: &[&str] = &[
     "sec-websocket-protocol",
     "sec-websocket-extensions",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::origin;
+
+    #[test]
+    fn an_origin_is_kept_as_a_browser_writes_it() {
+        let o = |w: &str| origin(w).unwrap();
+        assert_eq!(o("HTTPS://App.Example.com:443"), "https://app.example.com");
+        assert_eq!(o("http://localhost:80"), "http://localhost");
+        assert_eq!(o("http://localhost:3000"), "http://localhost:3000");
+        assert_eq!(o("https://[0:0::1]:3000"), "https://[::1]:3000");
+        assert_eq!(o("https://[2001:DB8::A]"), "https://[2001:db8::a]");
+        assert_eq!(o("https://127.0.0.1:8443"), "https://127.0.0.1:8443");
+        for wrong in [
+            "https://0x7f.0.0.1",
+            "https://01.2.3.4",
+            "https://a-.example",
+            "https://x:0",
+        ] {
+            assert!(origin(wrong).is_err(), "{wrong}");
+        }
+    }
+}

@@ -140,20 +140,20 @@ fn without_credentials(message: &str) -> String {
             }
         }
         let quoted = &body[..end];
-        if quoted.contains('@') || quoted.contains("://") {
+        if quoted.contains("://") {
             out.push_str(&crate::config::redact_url_and_query(quoted));
         } else if looks_pasted(quoted)
-            && !quoted.contains(' ')
-            && !quoted.starts_with(['/', '.', '~'])
             && !(quoted.chars()).all(|c| c.is_ascii_digit() || ".:[]".contains(c))
         {
             // A value of the wrong type that reads as a secret (a token where a number
-            // belongs): said by its length, as a pasted key is. Not an address, a path or
-            // words.
+            // belongs, base64 starting with `/`): said by its length, as a pasted key is.
+            // Not an address.
             out.push_str(&format!(
                 "<{} characters, not repeated here: a secret?>",
                 quoted.chars().count()
             ));
+        } else if quoted.contains('@') {
+            out.push_str(&crate::config::redact_url_and_query(quoted));
         } else {
             out.push_str(quoted);
         }
