@@ -256,13 +256,12 @@ local function sliding_window(key, limit, window, cost, now)
   if room >= weight then
     local count = c + cost
     local left = room - weight
-    -- An admission that leaves no room for another such request says when there is again,
-    -- at the earliest at the window's end: the previous window's weight can refuse past it,
-    -- and a client waiting out `t` would come back to a 429.
+    -- An admission that leaves no room for another such request says when there is again
+    -- (the RateLimit fields' `t` beside `r=0`), not the window's end: the previous window's
+    -- weight can refuse past it, or stop refusing long before it.
     local reset = window_end
     if left < cost then
-      local next = ceil_div(sw_wait(limit, window, elapsed, count, p, cost), MICRO)
-      if next > reset then reset = next end
+      reset = ceil_div(sw_wait(limit, window, elapsed, count, p, cost), MICRO)
     end
     return 1, left, 0, reset, 0,
       function() sw_write(key, window, index, elapsed, count, p) end
@@ -272,7 +271,8 @@ local function sliding_window(key, limit, window, cost, now)
   local wait = sw_wait(limit, window, elapsed, c, p, cost)
   local retry = ceil_div(wait, MICRO)
   if retry < 1 then retry = 1 end
-  return 0, 0, retry, window_end, wait, nil
+  -- Denied: `t` is the wait too, as it is after the last room's admission.
+  return 0, 0, retry, retry, wait, nil
 end
 
 -- Takes back `amount` requests (a refund) from the window they were charged in, when

@@ -9,8 +9,8 @@
 --
 -- Returns "allowed left retry reset now wait" (reply() in lua/int.lua): allowed 0/1,
 -- requests left, retry-after seconds (0 when allowed), seconds until the current window
--- ends (after an admission that leaves no room for another such request, until there is,
--- when that is later), now in microseconds, microseconds until the request would be admitted (0 when
+-- ends (on a denial, or an admission that leaves no room for another such request, until
+-- the estimate admits one again), now in microseconds, microseconds until the request would be admitted (0 when
 -- allowed). A denied request writes nothing.
 
 -- MICRO, idiv, ceil_div, reply (lua/int.lua) and sliding_window (lua/limits.lua) are

@@ -24,8 +24,7 @@ pub struct WindowState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// `reset_secs`: seconds until the current window ends, or, when `left` has no room
-    /// for another request of this cost, until there is, if that is later (the `t` of the
-    /// RateLimit fields).
+    /// for another request of this cost, until there is (the `t` of the RateLimit fields).
     Admitted {
         state: WindowState,
         left: u64,
@@ -81,7 +80,7 @@ impl Window {
             let c = c + cost;
             let window_end = (w - elapsed).div_ceil(1_000_000);
             let reset_secs = match left < cost {
-                true => window_end.max(self.wait(elapsed, c, p, cost).div_ceil(1_000_000)),
+                true => self.wait(elapsed, c, p, cost).div_ceil(1_000_000),
                 false => window_end,
             };
             return Outcome::Admitted {
@@ -164,6 +163,27 @@ mod tests {
             resets.push(reset_secs);
         }
         assert_eq!(resets, [9, 9, 9, 9, 11]);
+        // Or long before the window ends: 10 in the last window, one request 1 s into this
+        // one takes the last room; the last window's weight lets the next in 1 s, not 9.
+        let w10 = Window {
+            limit: 10,
+            window_us: 10_000_000,
+        };
+        let last = Some(WindowState {
+            index: 0,
+            current: 10,
+            previous: 0,
+        });
+        let Outcome::Admitted {
+            state: after,
+            left: 0,
+            reset_secs: 1,
+        } = w10.take(last, 1, 11_000_000)
+        else {
+            panic!("admitted, no room left, the next in 1 s")
+        };
+        let admits = |now| matches!(w10.take(Some(after), 1, now), Outcome::Admitted { .. });
+        assert!(!admits(11_500_000) && admits(12_000_000));
         let denied = |now: u64| matches!(w.take(state, 1, now), Outcome::Denied { .. });
         assert!(
             denied(1_000_000 + 9_000_000),

@@ -8,7 +8,7 @@
 //!   `r` = tokens left / cost, `t` = seconds until the bucket is full again;
 //! - sliding window: `q` = limit / cost, `w` = the window in seconds, `r` = requests the
 //!   estimate still admits / cost, `t` = seconds until the current window ends (with `r` 0,
-//!   at least until the estimate admits another request: the script's `reset`);
+//!   until the estimate admits another request: the script's `reset`);
 //! - on a denial by the limit, `t` is at least its `Retry-After`.
 //!
 //! `w` and `t` are left out when the bucket never refills.
@@ -280,9 +280,9 @@ fn item(name: &str, algorithm: Algorithm, cost_micro: u64, reply: &ScriptReply) 
     }
     let mut state = format!("\"{name}\";r={remaining}");
     // A bucket that never refills has no time to full, whatever the reply says. On a denial
-    // by this limit, never before it admits again: a sliding window's current window can
-    // end while the last one's weight still refuses, and `t=0` beside `r=0` would send a
-    // client that reads only these fields straight back.
+    // by this limit, never before it admits again (a sliding window's script says that wait
+    // itself; a token bucket's time to full is never below it), so `t` beside `r=0` never
+    // sends a client that reads only these fields straight back.
     let reset = match (window, reply.reset) {
         (Some(_), Some(t)) => Some(match (reply.allowed, reply.retry_after) {
             (false, Some(wait)) => t.max(wait),
