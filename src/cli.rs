@@ -563,6 +563,13 @@ pub fn describe(route: &RouteConfig, claim: &str, ipv6_prefix: u8) -> String {
     } else {
         ""
     };
+    let cors = match &route.cors {
+        None => String::new(),
+        Some(crate::config::CorsOrigins::Any) => "; CORS for any origin".to_owned(),
+        Some(crate::config::CorsOrigins::Listed(origins)) => {
+            format!("; CORS for {}", origins.join(", "))
+        }
+    };
     let exempt = match &route.exempt_client_cidrs[..] {
         [] => String::new(),
         cidrs => {
@@ -593,7 +600,7 @@ pub fn describe(route: &RouteConfig, claim: &str, ipv6_prefix: u8) -> String {
         }
     };
     format!(
-        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}; policy v{}",
+        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}{cors}; policy v{}",
         p.endpoint_id,
         name_shown(&route.upstream.name),
         p.policy_version

@@ -819,3 +819,25 @@ fn a_quota_keyed_by_whole_ipv6_addresses_is_warned_of() {
     let (ok, out) = common::check_body(dir.path(), &body("ipv6_identity_prefix = 64\n"), &[]);
     assert!(ok && !out.contains("never refills"), "{out}");
 }
+
+/// `check`'s line for a route that does CORS names its origins, as a browser writes them.
+#[test]
+fn a_routes_line_names_its_cors_origins() {
+    let dir = tempfile::tempdir().unwrap();
+    let route = Route::new("c.api")
+        .prefix("/c")
+        .identity("client_ip")
+        .token_bucket(3_000_000, 1_000_000)
+        .set(
+            "cors_origins",
+            r#"["HTTPS://App.Example.com:443", "http://localhost:3000"]"#,
+        )
+        .toml();
+    let body = format!("[upstreams.app]\naddrs = [\"127.0.0.1:9001\"]\n{route}");
+    let (ok, out) = common::check_body(dir.path(), &body, &[]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("; CORS for https://app.example.com, http://localhost:3000; policy v1"),
+        "{out}"
+    );
+}
