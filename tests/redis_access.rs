@@ -422,6 +422,62 @@ async fn an_acl_user_with_the_password_from_the_environment() {
     );
 }
 
+/// A Redis password in a file, replaced whole as the kubelet swaps a Secret's files.
+struct PasswordFile {
+    dir: tempfile::TempDir,
+}
+
+impl PasswordFile {
+    fn holding(password: &str) -> Self {
+        let file = PasswordFile {
+            dir: tempfile::tempdir().unwrap(),
+        };
+        std::fs::write(file.path(), password).unwrap();
+        file
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("redis-password")
+    }
+
+    fn replace(&self, password: &str) {
+        let next = self.dir.path().join(".next");
+        std::fs::write(&next, password).unwrap();
+        std::fs::rename(&next, self.path()).unwrap();
+    }
+}
+
+/// The ACL user `gateway` with its password read from `file`, watched; `breaker` set.
+fn on_a_password_file(
+    redis: &Redis,
+    up: &Upstream,
+    file: &PasswordFile,
+    breaker: Option<(u32, u64)>,
+) -> common::Gateway {
+    let mut config = GatewayConfig::new(&redis.url())
+        .server("watch_config", "true")
+        .redis("username", quoted("gateway"))
+        .redis("password_file", quoted(file.path().to_str().unwrap()));
+    if let Some((failures, open_seconds)) = breaker {
+        config = config.breaker(failures, open_seconds);
+    }
+    limited(config, up).start()
+}
+
+/// Requests (each answered as `each` says, when it says) until the breaker opens, within
+/// 10 s.
+async fn until_the_breaker_opens(gw: &common::Gateway, each: Option<u16>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gw.metric("sentinel_breaker_state") != 1.0 {
+        let answered = statuses(gw, "a", 1).await;
+        if let Some(status) = each {
+            assert_eq!(answered, [status]);
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A password read from a file of its own (a Kubernetes Secret's), rotated as Redis's ACLs
 /// rotate one: the new password added to the user, the file replaced (watched: reloaded),
 /// the old password taken away. Connections made after that use the new one; neither is
@@ -430,18 +486,9 @@ async fn an_acl_user_with_the_password_from_the_environment() {
 async fn a_password_from_a_file_rotates_with_the_file() {
     let redis = Redis::start_with(free_port(), &ACL_USER);
     let up = Upstream::start("app");
-    let secrets = tempfile::tempdir().unwrap();
-    let file = secrets.path().join("redis-password");
     // As `echo` writes it: the line break is not part of the password.
-    std::fs::write(&file, "s3cret-Pa55word\n").unwrap();
-    let gw = limited(
-        GatewayConfig::new(&redis.url())
-            .server("watch_config", "true")
-            .redis("username", quoted("gateway"))
-            .redis("password_file", quoted(file.to_str().unwrap())),
-        &up,
-    )
-    .start();
+    let file = PasswordFile::holding("s3cret-Pa55word\n");
+    let gw = on_a_password_file(&redis, &up, &file, None);
     warmed(&gw).await;
     assert_eq!(statuses(&gw, "a", 4).await, [200, 200, 200, 429]);
 
@@ -454,10 +501,7 @@ async fn a_password_from_a_file_rotates_with_the_file() {
             .unwrap();
     };
     acl(&[">n3w-Pa55word-2"]);
-    // Replaced whole, as the kubelet swaps a Secret's files.
-    let next = secrets.path().join(".next");
-    std::fs::write(&next, "n3w-Pa55word-2\r\n").unwrap();
-    std::fs::rename(&next, &file).unwrap();
+    file.replace("n3w-Pa55word-2\r\n");
     wait_until(Duration::from_secs(10), "the watch to reload", || {
         gw.metric("sentinel_config_generation") == 2.0
     });
@@ -486,28 +530,11 @@ async fn a_password_from_a_file_rotates_with_the_file() {
 async fn a_mended_password_ends_the_quarantine_the_wrong_one_opened() {
     let redis = Redis::start_with(free_port(), &ACL_USER);
     let up = Upstream::start("app");
-    let secrets = tempfile::tempdir().unwrap();
-    let file = secrets.path().join("redis-password");
-    std::fs::write(&file, "not-the-Pa55word\n").unwrap();
-    let gw = limited(
-        GatewayConfig::new(&redis.url())
-            .server("watch_config", "true")
-            .redis("username", quoted("gateway"))
-            .redis("password_file", quoted(file.to_str().unwrap()))
-            .breaker(2, 600),
-        &up,
-    )
-    .start();
+    let file = PasswordFile::holding("not-the-Pa55word\n");
+    let gw = on_a_password_file(&redis, &up, &file, Some((2, 600)));
     // Refused at every attempt: the first requests fail, then the breaker opens.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while gw.metric("sentinel_breaker_state") != 1.0 {
-        assert_eq!(statuses(&gw, "a", 1).await, [503]);
-        assert!(std::time::Instant::now() < deadline, "{}", gw.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let next = secrets.path().join(".next");
-    std::fs::write(&next, "s3cret-Pa55word\n").unwrap();
-    std::fs::rename(&next, &file).unwrap();
+    until_the_breaker_opens(&gw, Some(503)).await;
+    file.replace("s3cret-Pa55word\n");
     wait_until(Duration::from_secs(10), "the watch to reload", || {
         gw.metric("sentinel_config_generation") == 2.0
     });
@@ -525,28 +552,11 @@ async fn a_mended_password_ends_the_quarantine_the_wrong_one_opened() {
 async fn a_quarantine_the_new_passwords_refusals_opened_runs_its_course() {
     let redis = Redis::start_with(free_port(), &ACL_USER);
     let up = Upstream::start("app");
-    let secrets = tempfile::tempdir().unwrap();
-    let file = secrets.path().join("redis-password");
-    std::fs::write(&file, "s3cret-Pa55word\n").unwrap();
-    let gw = limited(
-        GatewayConfig::new(&redis.url())
-            .server("watch_config", "true")
-            .redis("username", quoted("gateway"))
-            .redis("password_file", quoted(file.to_str().unwrap()))
-            .breaker(2, 600),
-        &up,
-    )
-    .start();
+    let file = PasswordFile::holding("s3cret-Pa55word\n");
+    let gw = on_a_password_file(&redis, &up, &file, Some((2, 600)));
     warmed(&gw).await;
-    let next = secrets.path().join(".next");
-    std::fs::write(&next, "typo-Pa55word\n").unwrap();
-    std::fs::rename(&next, &file).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while gw.metric("sentinel_breaker_state") != 1.0 {
-        let _ = statuses(&gw, "a", 1).await;
-        assert!(std::time::Instant::now() < deadline, "{}", gw.logs());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    file.replace("typo-Pa55word\n");
+    until_the_breaker_opens(&gw, None).await;
     let _: () = redis::cmd("ACL")
         .arg(&["SETUSER", "gateway", ">typo-Pa55word"])
         .query(&mut redis.conn())

@@ -18,15 +18,18 @@ const MAX_AGE: &str = "600";
 #[derive(Debug, PartialEq, Eq)]
 pub struct Cors {
     origins: CorsOrigins,
-    /// `Access-Control-Expose-Headers`: the fields the gateway adds beside an answer's own.
-    exposed: String,
+    /// `Access-Control-Expose-Headers`: the fields the gateway adds beside an answer's own
+    /// (a header value, so an answer takes it without a copy of its bytes).
+    exposed: HeaderValue,
 }
 
 impl Cors {
     pub fn new(origins: CorsOrigins, request_id: &http::HeaderName) -> Self {
+        let exposed = format!("Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, {request_id}");
         Self {
             origins,
-            exposed: format!("Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, {request_id}"),
+            exposed: HeaderValue::from_maybe_shared(bytes::Bytes::from(exposed))
+                .expect("field names and commas make a header value"),
         }
     }
 
@@ -133,11 +136,13 @@ impl Cors {
         if every {
             return Ok(());
         }
-        let all = match theirs.is_empty() {
-            true => self.exposed.clone(),
-            false => format!("{}, {}", theirs.join(", "), self.exposed),
-        };
-        header.insert_header(name, all)?;
+        match theirs.is_empty() {
+            true => header.insert_header(name, self.exposed.clone())?,
+            false => {
+                let ours = self.exposed.to_str().unwrap_or_default();
+                header.insert_header(name, format!("{}, {ours}", theirs.join(", ")))?
+            }
+        }
         Ok(())
     }
 }

@@ -45,11 +45,6 @@ pub(super) struct Sentinel {
     kept: tokio::sync::Mutex<HashMap<String, Opened>>,
     /// The master's user may not run `ROLE`, and it was said.
     role_refused: AtomicBool,
-    /// A reload gave the master's connection other credentials or TLS settings, or named
-    /// another master: the next master connected is a new target, whose connection ends a
-    /// quarantine the old settings' failures opened (new sentinels alone name the same
-    /// master, whose failures they were).
-    settings_changed: AtomicBool,
     /// Nodes a sentinel named that answered `ROLE` as replicas, and when: a stale sentinel
     /// listed first names its node at every question (every second), which is not dialled
     /// again for [`REPLICA_KEPT`].
@@ -72,7 +67,6 @@ impl Sentinel {
             master: ArcSwapOption::empty(),
             ask: Arc::new(Notify::new()),
             role_refused: AtomicBool::new(false),
-            settings_changed: AtomicBool::new(false),
             replicas: std::sync::Mutex::new(Vec::new()),
             suspect: AtomicBool::new(false),
             kept: tokio::sync::Mutex::new(HashMap::new()),
@@ -100,9 +94,6 @@ impl Sentinel {
     /// A reload: new sentinels, master name or credentials; asked again at once.
     pub(super) fn retarget(&self, target: &SentinelTarget, access: &RedisAccess) -> bool {
         let changed = **self.target.load() != *target || **self.access.load() != *access;
-        if **self.access.load() != *access || self.target.load().master != target.master {
-            self.settings_changed.store(true, Ordering::Release);
-        }
         if changed {
             self.target.store(Arc::new(target.clone()));
             self.access.store(Arc::new(access.clone()));
@@ -205,9 +196,15 @@ impl Sentinel {
     fn switch(&self, link: &Link, target: Target) {
         let node = target.node.clone();
         let before = self.master.swap(Some(Arc::new(node.clone())));
-        let settings_changed = self.settings_changed.swap(false, Ordering::AcqRel);
-        link.new_target
-            .store(before.is_some() || settings_changed, Ordering::Release);
+        // Another master, or the same with other credentials or TLS settings (a reload): a
+        // new target, whose connection ends a quarantine the old one's failures opened. The
+        // same master found again (new sentinels alone) is no new target: the failures were
+        // its own; nor is the first master found after none answered at the start.
+        let was = link.target.load();
+        let new_target =
+            (was.node != node && was.node != super::link::NO_MASTER) || was.access != target.access;
+        drop(was);
+        link.new_target.store(new_target, Ordering::Release);
         link.forget_outage();
         link.point_at(target);
         match before {
