@@ -163,6 +163,7 @@ fn access_log(c: &mut Criterion) {
                 protocol: "HTTP/1.1",
                 tls: true,
                 status: 200,
+                grpc_status: None,
                 endpoint_id: Some("pdftalk.ingest"),
                 decision_reason: Some("allowed"),
                 allowed: Some(true),

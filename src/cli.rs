@@ -600,9 +600,10 @@ pub fn describe(route: &RouteConfig, claim: &str, ipv6_prefix: u8) -> String {
         }
     };
     format!(
-        "{}: {methods} {path}{host} -> {}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}{cors}; policy v{}",
+        "{}: {methods} {path}{host} -> {}{}; {limit}{tiers}{exempt}{cost}{told}{fail}{shadow}{cors}; policy v{}",
         p.endpoint_id,
         name_shown(&route.upstream.name),
+        if route.upstream.http2 { " (HTTP/2)" } else { "" },
         p.policy_version
     )
 }

@@ -214,6 +214,11 @@ fn resolve_at(every: Duration, empty: bool) -> Instant {
         }
 }
 
+/// Most calls one HTTP/2 connection to an `http2` upstream carries at once (fewer when the
+/// upstream's SETTINGS say so); past them, another connection is opened. gRPC servers
+/// commonly allow 100.
+pub const H2_STREAMS: usize = 100;
+
 impl UpstreamPool {
     pub fn new(up: &Arc<UpstreamConfig>) -> std::io::Result<Self> {
         // At load: the addresses of every entry that resolves now; a name that does not is
@@ -241,6 +246,9 @@ impl UpstreamPool {
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
             );
             let options = &mut check.peer_template.options;
+            if up.http2 {
+                options.set_http_version(2, 2);
+            }
             options.connection_timeout = Some(hc.timeout);
             options.total_connection_timeout = Some(hc.timeout);
             options.read_timeout = Some(hc.timeout);
@@ -512,6 +520,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             read_timeout: Duration::from_secs(1),
             tls: None,
+            http2: false,
             health_check: None,
             inert_tls: Vec::new(),
             written_at: Default::default(),

@@ -841,3 +841,17 @@ fn a_routes_line_names_its_cors_origins() {
         "{out}"
     );
 }
+
+/// A route's line says its upstream is spoken to over HTTP/2 (`http2 = true`).
+#[test]
+fn a_routes_line_says_an_http2_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let route = Route::new("g.echo").prefix("/echo.Echo").unlimited().toml();
+    let body = format!("[upstreams.app]\naddrs = [\"127.0.0.1:50051\"]\nhttp2 = true\n{route}");
+    let (ok, out) = common::check_body(dir.path(), &body, &[]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("g.echo: any method /echo.Echo/** -> app (HTTP/2); not limited"),
+        "{out}"
+    );
+}

@@ -578,6 +578,9 @@ pub struct UpstreamConfig {
     pub read_timeout: Duration,
     /// `tls = true`: HTTPS to the upstream.
     pub tls: Option<UpstreamTls>,
+    /// `http2 = true`: HTTP/2 to the upstream (h2 by ALPN over TLS, h2c with prior
+    /// knowledge in plain), which a gRPC service needs; its trailers reach HTTP/2 clients.
+    pub http2: bool,
     /// Active health checks of every address.
     pub health_check: Option<HealthCheck>,
     /// TLS fields written without `tls = true` (`sni`, `ca_path`, `verify = false`): they do

@@ -39,6 +39,9 @@ pub struct Line<'a> {
     pub protocol: &'a str,
     pub tls: bool,
     pub status: u16,
+    /// A gRPC call's status: the gateway's own answer's, or the one the upstream's head or
+    /// trailers carried; `None` for other requests (and a call whose upstream said none).
+    pub grpc_status: Option<u8>,
     pub endpoint_id: Option<&'a str>,
     pub decision_reason: Option<&'a str>,
     pub allowed: Option<bool>,
@@ -126,6 +129,8 @@ impl Line<'_> {
             | (u8::from(self.allowed.is_some()) << 1)
             | (u8::from(self.allowed == Some(true)) << 2);
         out.push(flags);
+        // gRPC's codes end at 16: 255 says none.
+        out.push(self.grpc_status.unwrap_or(u8::MAX));
         out.extend_from_slice(&self.duration_ms.to_le_bytes());
         out.extend_from_slice(&self.bytes_received.to_le_bytes());
         out.extend_from_slice(&self.bytes_sent.to_le_bytes());
@@ -169,6 +174,7 @@ impl Line<'_> {
         let timestamp = Timestamp(u64::from_le_bytes(r.array()?));
         let status = u16::from_le_bytes(r.array()?);
         let [flags] = r.array()?;
+        let [grpc_status] = r.array()?;
         let duration_ms = f64::from_le_bytes(r.array()?);
         let bytes_received = u64::from_le_bytes(r.array()?);
         let bytes_sent = u64::from_le_bytes(r.array()?);
@@ -206,6 +212,7 @@ impl Line<'_> {
             protocol,
             tls: flags & 1 != 0,
             status,
+            grpc_status: (grpc_status != u8::MAX).then_some(grpc_status),
             endpoint_id,
             decision_reason,
             allowed: (flags & 2 != 0).then_some(flags & 4 != 0),
@@ -585,6 +592,7 @@ mod tests {
             protocol: "HTTP/2",
             tls: true,
             status: n,
+            grpc_status: Some(8),
             endpoint_id: Some("pdftalk.ingest"),
             decision_reason: Some("allowed"),
             allowed: Some(true),
@@ -613,6 +621,7 @@ mod tests {
             protocol: "HTTP/1.1",
             tls: false,
             status: n,
+            grpc_status: None,
             endpoint_id: None,
             decision_reason: None,
             allowed: None,
@@ -684,6 +693,7 @@ mod tests {
                 "protocol",
                 "tls",
                 "status",
+                "grpc_status",
                 "endpoint_id",
                 "decision_reason",
                 "allowed",

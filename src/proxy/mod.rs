@@ -4,6 +4,7 @@
 pub mod access;
 pub mod cors;
 pub mod forwarded;
+mod grpc;
 mod head;
 mod headers;
 mod hop;
@@ -75,6 +76,9 @@ pub struct RequestCtx {
     ratelimit: Option<headers::RateLimitFields>,
     /// Status of an answer the gateway wrote itself.
     answered: Option<u16>,
+    /// A gRPC call's status: the gateway's own answer's, or the upstream's (its head's or
+    /// its trailers').
+    grpc_status: Option<u8>,
     /// Its upstream had no address to try (a name that does not resolve yet).
     no_address: bool,
     /// What ended the request otherwise than with a whole answer (the access log's `error`):
@@ -316,9 +320,15 @@ impl Gateway {
             session.set_keepalive(None);
         }
         self.close_when_draining(session);
-        if let Err(e) = respond::write_with(session, answer, header).await {
-            client_left(session, ctx, &e);
-            return Ok(true);
+        match respond::write_with(session, answer, header).await {
+            Ok((status, grpc)) => {
+                ctx.answered = Some(status);
+                ctx.grpc_status = grpc;
+            }
+            Err(e) => {
+                client_left(session, ctx, &e);
+                return Ok(true);
+            }
         }
         if lingers {
             linger(session, ctx).await;
@@ -889,6 +899,12 @@ impl ProxyHttp for Gateway {
             _ => HttpPeer::new(backend.addr.clone(), false, String::new()),
         };
         let up = &pool.config;
+        if up.http2 {
+            // Over TLS, ALPN offers `h2` alone; in plain, h2c with prior knowledge. Calls
+            // share a connection as its SETTINGS allow, up to `H2_STREAMS` at once.
+            peer.options.set_http_version(2, 2);
+            peer.options.max_h2_streams = crate::upstream::H2_STREAMS;
+        }
         peer.options.connection_timeout = Some(up.connect_timeout);
         peer.options.total_connection_timeout = Some(up.connect_timeout);
         peer.options.read_timeout = Some(up.read_timeout);
@@ -934,6 +950,14 @@ impl ProxyHttp for Gateway {
             .then(|| outgoing::host_for_http_1_0(upstream_request, ctx.upstream_addr))
             .flatten();
         if let Some(uri) = ctx.upstream_uri.as_deref() {
+            // An HTTP/2 request's authority is in its target; going on to an HTTP/2 upstream
+            // (whose `:authority` Pingora takes from `Host`), it is kept as `Host`.
+            let authority = (!upstream_request.headers.contains_key(http::header::HOST))
+                .then(|| upstream_request.uri.authority().cloned())
+                .flatten();
+            if let Some(authority) = authority {
+                upstream_request.insert_header(http::header::HOST, authority.as_str())?;
+            }
             let uri = uri
                 .parse::<http::Uri>()
                 .map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
@@ -1035,6 +1059,10 @@ impl ProxyHttp for Gateway {
         if let Some(cors) = ctx.cors.as_deref() {
             cors.on_answer(session.req_header(), upstream_response)?;
         }
+        // A call's status, when the upstream answered it with a head alone (Trailers-Only).
+        if grpc::call_type(session.req_header()).is_some() {
+            ctx.grpc_status = grpc::status_in(&upstream_response.headers);
+        }
         let cost = ctx
             .route
             .as_ref()
@@ -1062,6 +1090,22 @@ impl ProxyHttp for Gateway {
             }
         }
         Ok(())
+    }
+
+    /// An `http2` upstream's trailers pass on to an HTTP/2 client as they come (an HTTP/1.1
+    /// client's answer has none); a gRPC call's status there is the access log's.
+    async fn response_trailer_filter(
+        &self,
+        session: &mut Session,
+        upstream_trailers: &mut http::HeaderMap,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<bytes::Bytes>> {
+        if grpc::call_type(session.req_header()).is_some() {
+            if let Some(code) = grpc::status_in(upstream_trailers) {
+                ctx.grpc_status = Some(code);
+            }
+        }
+        Ok(None)
     }
 
     /// A failed connect is retried on the next address while untried addresses remain.
@@ -1255,11 +1299,13 @@ impl ProxyHttp for Gateway {
                     Ok(header) => respond::write_with(session, answer, header).await,
                     Err(e) => {
                         tracing::error!(error = %e, "cannot make the error answer: this is a bug");
-                        Ok(answer.status())
+                        Ok((answer.status(), None))
                     }
                 };
                 match written {
-                    Ok(status) => {
+                    Ok((status, grpc)) => {
+                        ctx.answered = Some(status);
+                        ctx.grpc_status = grpc;
                         // A client holding its body back is not waited for again.
                         if answer != Answer::BodyTimeout {
                             linger(session, ctx).await;

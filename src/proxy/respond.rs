@@ -127,12 +127,22 @@ impl Answer {
     }
 }
 
-/// Writes `answer` with a header built, and perhaps extended, by the caller.
+/// Writes `answer` with a header built, and perhaps extended, by the caller; a gRPC call's
+/// as gRPC says it ([`super::grpc`]). The status written, and the gRPC status when so.
 pub async fn write_with(
     session: &mut Session,
     answer: Answer,
-    header: ResponseHeader,
-) -> Result<u16> {
+    mut header: ResponseHeader,
+) -> Result<(u16, Option<u8>)> {
+    let call = super::grpc::call_type(session.req_header()).filter(|_| answer != Answer::Preflight);
+    if let Some(call) = call.cloned() {
+        let code = super::grpc::trailers_only(answer, &mut header, call)?;
+        // A head that ends the stream (`write_response_header` would end it with an empty
+        // DATA frame, which a client reads as a body: the status then waits for trailers).
+        let head = pingora_core::protocols::http::HttpTask::Header(Box::new(header), true);
+        session.write_response_tasks(vec![head]).await?;
+        return Ok((200, Some(code)));
+    }
     // The answer to HEAD has the headers of the answer to GET and no body (RFC 9110, 9.3.2):
     // HTTP/1.1 leaves it out by itself; an HTTP/2 stream would carry it, which clients
     // reset as malformed.
@@ -144,7 +154,7 @@ pub async fn write_with(
         .write_response_header(Box::new(header), false)
         .await?;
     session.write_response_body(body, true).await?;
-    Ok(answer.status())
+    Ok((answer.status(), None))
 }
 
 /// Longest a request body is read and thrown away after the gateway answered it.

@@ -285,6 +285,12 @@ pub(super) fn route(
             found
         }
     };
+    // A WebSocket's upgrade is HTTP/1.1's: an HTTP/2 upstream cannot take one.
+    if let (Some(ws), Some(up)) = (r.websocket.as_ref(), upstream.as_ref()) {
+        if *ws.get_ref() && up.http2 {
+            c.push(Some(&ws.span()), label, format!("websocket = true needs an HTTP/1.1 upstream: upstreams.{} has http2 = true (a WebSocket's upgrade is HTTP/1.1's; give the WebSocket route an upstream of its own without http2)", super::shape::key_shown(&up.name)));
+        }
+    }
     let limits = limits(c, label, spanned);
     let algorithm = limits.as_ref().map(|(l, _)| match l.first() {
         Some(first) => first.algorithm,
@@ -365,7 +371,7 @@ pub(super) fn route(
             identity: identity?,
             policy: Arc::new(policy?),
             max_body_bytes: max_body_bytes?,
-            websocket: r.websocket.unwrap_or(false),
+            websocket: r.websocket.as_ref().is_some_and(|w| *w.get_ref()),
             exempt_client_cidrs: exempt?,
             forward_identity: forward_identity?,
             cors: cors?,

@@ -216,6 +216,7 @@ pub(super) fn upstream(
         connect_timeout: Duration::from_millis(connect?),
         read_timeout: Duration::from_millis(read?),
         tls: tls?,
+        http2: u.http2.unwrap_or(false),
         health_check: health_check?,
         inert_tls: inert.iter().map(|(field, _)| *field).collect(),
         written_at: crate::config::WrittenAt(Some(c.position(&warned_at))),

@@ -1,0 +1,478 @@
+//! gRPC through the gateway, against the real binary: an `http2` upstream spoken to over h2c
+//! and over TLS by ALPN, calls from an HTTP/2 client (h2c) with their trailers both ways, a
+//! bidirectional stream, and the gateway's own answers to a call said as gRPC statuses.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::config::{quoted, GatewayConfig, Route};
+use common::{access_lines, free_port, wait_until, Redis};
+use http::HeaderMap;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::PrivateKeyDer;
+
+/// A gRPC message: uncompressed, its length, its bytes.
+fn message(payload: &[u8]) -> Bytes {
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    framed.extend_from_slice(payload);
+    Bytes::from(framed)
+}
+
+/// The heads of the calls an upstream received.
+type Seen = Arc<Mutex<Vec<http::request::Parts>>>;
+
+/// A gRPC server as far as the gateway can tell, over HTTP/2 only (h2c, or TLS offering
+/// ALPN `h2` alone): `/echo.Echo/Fail` answers Trailers-Only with `NOT_FOUND`; any other
+/// path echoes each piece of the body as it comes, then ends with `grpc-status: 0` and an
+/// `x-checksum` trailer. Lives as long as the test's runtime.
+async fn grpc_upstream(tls: Option<tokio_rustls::TlsAcceptor>) -> (u16, Seen) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen: Seen = Arc::default();
+    let kept = Arc::clone(&seen);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (tls, seen) = (tls.clone(), Arc::clone(&kept));
+            tokio::spawn(async move {
+                match tls {
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(tcp).await {
+                            serve_connection(stream, seen).await;
+                        }
+                    }
+                    None => serve_connection(tcp, seen).await,
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+async fn serve_connection<T>(io: T, seen: Seen)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let Ok(mut connection) = h2::server::handshake(io).await else {
+        return;
+    };
+    while let Some(Ok((request, respond))) = connection.accept().await {
+        tokio::spawn(serve_call(request, respond, Arc::clone(&seen)));
+    }
+}
+
+async fn serve_call(
+    request: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    seen: Seen,
+) {
+    let (parts, mut body) = request.into_parts();
+    let path = parts.uri.path().to_owned();
+    seen.lock().unwrap().push(parts);
+    let head = |status: Option<&str>| {
+        let mut b = http::Response::builder()
+            .status(200)
+            .header("content-type", "application/grpc");
+        if let Some(code) = status {
+            b = b
+                .header("grpc-status", code)
+                .header("grpc-message", "no such thing");
+        }
+        b.body(()).unwrap()
+    };
+    if path == "/echo.Echo/Fail" {
+        let _ = respond.send_response(head(Some("5")), true);
+        return;
+    }
+    let Ok(mut send) = respond.send_response(head(None), false) else {
+        return;
+    };
+    while let Some(Ok(chunk)) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk.len());
+        if send.send_data(chunk, false).is_err() {
+            return;
+        }
+    }
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", "0".parse().unwrap());
+    trailers.insert("x-checksum", "c0ffee".parse().unwrap());
+    let _ = send.send_trailers(trailers);
+}
+
+/// What a client read of one call.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    /// The head ended the stream: no body, no trailers (Trailers-Only).
+    head_only: bool,
+    body: Vec<u8>,
+    trailers: Option<HeaderMap>,
+}
+
+/// A client's HTTP/2 connection (prior knowledge) to the gateway's plain listener.
+async fn connect(port: u16) -> h2::client::SendRequest<Bytes> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    h2.ready().await.unwrap()
+}
+
+fn call_head(path: &str, key: Option<&str>) -> http::Request<()> {
+    let mut b = http::Request::post(format!("http://grpc.example{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(key) = key {
+        b = b.header("x-api-key", key);
+    }
+    b.body(()).unwrap()
+}
+
+/// A unary call: one message, the stream ended with it.
+async fn unary(h2: &mut h2::client::SendRequest<Bytes>, path: &str, key: Option<&str>) -> Answer {
+    let (response, mut send) = h2.send_request(call_head(path, key), false).unwrap();
+    let _ = send.send_data(message(b"hello"), true);
+    read_answer(response).await
+}
+
+async fn read_answer(response: h2::client::ResponseFuture) -> Answer {
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    let (parts, mut body) = response.into_parts();
+    let head_only = body.is_end_stream();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        bytes.extend_from_slice(&chunk);
+    }
+    let trailers = body.trailers().await.unwrap();
+    Answer {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        head_only,
+        body: bytes,
+        trailers,
+    }
+}
+
+fn field<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or_else(|| panic!("no {name} in {headers:?}"))
+}
+
+/// `[upstreams.echo]` over HTTP/2, with `extra` fields.
+fn http2_upstream(port: u16, extra: &str) -> String {
+    format!(
+        "[upstreams.echo]\naddrs = [{}]\nhttp2 = true\n{extra}",
+        quoted(&format!("127.0.0.1:{port}"))
+    )
+}
+
+/// A unary call and an HTTP/1.1 request reach an `http2` upstream spoken to with prior
+/// knowledge (h2c): the call's answer, its message and its trailers come back as the upstream
+/// sent them, the upstream sees the call's `te: trailers` and the gateway's forwarded
+/// fields, an upstream's Trailers-Only status passes, the access log says each call's
+/// `grpc_status`, and the health check speaks HTTP/2 to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
+    let redis = Redis::start();
+    let (up, seen) = grpc_upstream(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let health = "health_check = { path = \"/healthz\", interval_ms = 100, timeout_ms = 1000 }\n";
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .access_log(&log)
+        .section(&http2_upstream(up, health))
+        .route(
+            Route::new("grpc.echo")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .unlimited(),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let answer = unary(&mut h2, "/echo.Echo/Say", None).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(field(&answer.headers, "content-type"), "application/grpc");
+    assert_eq!(answer.body, message(b"hello"));
+    let trailers = answer.trailers.expect("the upstream's trailers");
+    assert_eq!(field(&trailers, "grpc-status"), "0");
+    assert_eq!(field(&trailers, "x-checksum"), "c0ffee");
+    let request_id = field(&answer.headers, "x-request-id").to_owned();
+
+    let calls = |path: &str| -> Vec<http::request::Parts> {
+        let seen = seen.lock().unwrap();
+        seen.iter()
+            .filter(|c| c.uri.path() == path)
+            .cloned()
+            .collect()
+    };
+    let call = calls("/echo.Echo/Say")[0].clone();
+    assert_eq!(call.uri.path(), "/echo.Echo/Say");
+    assert_eq!(call.version, http::Version::HTTP_2);
+    assert_eq!(field(&call.headers, "te"), "trailers");
+    assert_eq!(field(&call.headers, "content-type"), "application/grpc");
+    assert_eq!(field(&call.headers, "x-forwarded-for"), "127.0.0.1");
+    assert_eq!(field(&call.headers, "x-request-id"), request_id);
+
+    let failed = unary(&mut h2, "/echo.Echo/Fail", None).await;
+    assert!(failed.head_only, "{failed:?}");
+    assert_eq!(field(&failed.headers, "grpc-status"), "5");
+
+    // An HTTP/1.1 client's request goes upstream over HTTP/2 too (its answer has no trailers).
+    let plain = common::client()
+        .post(gw.url("/echo.Echo/Say"))
+        .body("plain")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status(), 200);
+    assert_eq!(plain.text().await.unwrap(), "plain");
+    assert_eq!(calls("/echo.Echo/Say")[1].version, http::Version::HTTP_2);
+
+    wait_until(Duration::from_secs(10), "three access log lines", || {
+        access_lines(&log).len() >= 3
+    });
+    let lines = access_lines(&log);
+    let status_of = |path: &str| -> Vec<serde_json::Value> {
+        let with = lines.iter().filter(|l| l["path"] == path);
+        with.map(|l| l["grpc_status"].clone()).collect()
+    };
+    assert_eq!(
+        status_of("/echo.Echo/Say"),
+        [0.into(), serde_json::Value::Null]
+    );
+    assert_eq!(status_of("/echo.Echo/Fail"), [serde_json::Value::from(5)]);
+
+    let healthy = format!("sentinel_upstream_healthy{{addr=\"127.0.0.1:{up}\",upstream=\"echo\"}}");
+    wait_until(Duration::from_secs(10), "a passed health check", || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.uri.path() == "/healthz")
+    });
+    assert_eq!(gw.metric(&healthy), 1.0);
+}
+
+/// A bidirectional stream: each message the client sends comes back before it sends the
+/// next, through the gateway both ways, and the stream ends with the upstream's trailers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bidirectional_stream_flows_both_ways_while_it_is_open() {
+    let redis = Redis::start();
+    let (up, _) = grpc_upstream(None).await;
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .section(&http2_upstream(up, ""))
+        .route(
+            Route::new("grpc.chat")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .identity_header("x-api-key")
+                .token_bucket(10_000_000, 1_000_000),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let (response, mut send) = h2
+        .send_request(call_head("/echo.Echo/Chat", Some("k1")), false)
+        .unwrap();
+    send.send_data(message(b"one"), false).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("the head within 10 s")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    for (i, said) in [&b"one"[..], b"two", b"three"].into_iter().enumerate() {
+        if i > 0 {
+            send.send_data(message(said), false).unwrap();
+        }
+        let mut echoed = Vec::new();
+        while echoed.len() < message(said).len() {
+            let chunk = tokio::time::timeout(Duration::from_secs(10), body.data())
+                .await
+                .unwrap_or_else(|_| panic!("message {i} echoed while the stream is open"))
+                .expect("the stream goes on")
+                .unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            echoed.extend_from_slice(&chunk);
+        }
+        assert_eq!(echoed, message(said));
+    }
+    send.send_data(Bytes::new(), true).unwrap();
+    assert!(body.data().await.is_none());
+    let trailers = body.trailers().await.unwrap().expect("trailers");
+    assert_eq!(field(&trailers, "grpc-status"), "0");
+}
+
+/// The gateway's own answers to a call are gRPC's Trailers-Only answers, which every gRPC
+/// client reads: a rate limit is `RESOURCE_EXHAUSTED` with its wait as
+/// `grpc-retry-pushback-ms`, a missing key `UNAUTHENTICATED`, no route `UNIMPLEMENTED`, an
+/// upstream down `UNAVAILABLE`; `:status` 200, the request id and the RateLimit fields kept.
+/// The access log says status 200 and the gRPC status. A request that is no call still gets
+/// the JSON 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
+    let redis = Redis::start();
+    let (up, seen) = grpc_upstream(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let closed = free_port();
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .access_log(&log)
+        .section(&http2_upstream(up, ""))
+        .section(&format!(
+            "[upstreams.down]\naddrs = [{}]\nhttp2 = true\n",
+            quoted(&format!("127.0.0.1:{closed}"))
+        ))
+        .route(
+            Route::new("grpc.echo")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .identity_header("x-api-key")
+                .token_bucket(2_000_000, 1)
+                .set("ratelimit_headers", "true"),
+        )
+        .route(
+            Route::new("grpc.down")
+                .prefix("/down.Down")
+                .upstream("down")
+                .unlimited(),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    for _ in 0..2 {
+        let admitted = unary(&mut h2, "/echo.Echo/Say", Some("k1")).await;
+        assert_eq!(
+            field(admitted.trailers.as_ref().unwrap(), "grpc-status"),
+            "0"
+        );
+    }
+    let limited = unary(&mut h2, "/echo.Echo/Say", Some("k1")).await;
+    assert_eq!(limited.status, 200, "{limited:?}");
+    assert!(
+        limited.head_only,
+        "a head that ends the stream: {limited:?}"
+    );
+    assert_eq!(field(&limited.headers, "content-type"), "application/grpc");
+    assert_eq!(field(&limited.headers, "grpc-status"), "8");
+    assert_eq!(
+        field(&limited.headers, "grpc-message"),
+        "rate limit exceeded"
+    );
+    let wait: u64 = field(&limited.headers, "retry-after").parse().unwrap();
+    let pushback: u64 = field(&limited.headers, "grpc-retry-pushback-ms")
+        .parse()
+        .unwrap();
+    assert_eq!(pushback, wait * 1000);
+    assert_eq!(field(&limited.headers, "x-request-id").len(), 32);
+    assert!(field(&limited.headers, "ratelimit").contains("r=0"));
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        2,
+        "the denied call never went up"
+    );
+
+    let keyless = unary(&mut h2, "/echo.Echo/Say", None).await;
+    assert_eq!(field(&keyless.headers, "grpc-status"), "16");
+    assert!(keyless.head_only);
+    let unrouted = unary(&mut h2, "/other.Svc/Call", Some("k1")).await;
+    assert_eq!(field(&unrouted.headers, "grpc-status"), "12");
+    let down = unary(&mut h2, "/down.Down/Call", None).await;
+    assert_eq!(down.status, 200);
+    assert_eq!(field(&down.headers, "grpc-status"), "14");
+    assert!(down.head_only);
+
+    // Not a call: the JSON 429 of every other client.
+    let plain = common::client()
+        .post(gw.url("/echo.Echo/Say"))
+        .header("x-api-key", "k1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status(), 429);
+    assert_eq!(
+        plain.text().await.unwrap(),
+        r#"{"detail":"rate limit exceeded"}"#
+    );
+
+    wait_until(Duration::from_secs(10), "seven access log lines", || {
+        access_lines(&log).len() >= 7
+    });
+    let lines = access_lines(&log);
+    let denied: Vec<_> = lines
+        .iter()
+        .filter(|l| l["decision_reason"] == "rate_limited")
+        .map(|l| (l["status"].clone(), l["grpc_status"].clone()))
+        .collect();
+    assert_eq!(
+        denied,
+        [
+            (200.into(), 8.into()),
+            (429.into(), serde_json::Value::Null)
+        ]
+    );
+    let down_line = lines
+        .iter()
+        .find(|l| l["path"] == "/down.Down/Call")
+        .unwrap();
+    assert_eq!(down_line["grpc_status"], 14);
+    assert_eq!(down_line["error"], "upstream_failed");
+}
+
+/// An `http2` upstream over TLS is spoken to by ALPN `h2`: an upstream that offers nothing
+/// else answers the call, trailers and all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
+    let redis = Redis::start();
+    let ca = common::tls::Ca::new();
+    let leaf = ca.leaf(&["echo.internal"]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), &ca.pem).unwrap();
+    let key = PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der.clone()], key)
+        .unwrap();
+    server.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let (up, seen) = grpc_upstream(Some(acceptor)).await;
+    let tls = format!(
+        "tls = true\nsni = \"echo.internal\"\nca_path = {}\n",
+        quoted(&dir.path().join("ca.pem").display().to_string())
+    );
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .section(&http2_upstream(up, &tls))
+        .route(
+            Route::new("grpc.echo")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .unlimited(),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let answer = unary(&mut h2, "/echo.Echo/Say", None).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.body, message(b"hello"));
+    let trailers = answer.trailers.expect("the upstream's trailers over TLS");
+    assert_eq!(field(&trailers, "grpc-status"), "0");
+    assert_eq!(seen.lock().unwrap()[0].uri.scheme_str(), Some("https"));
+}
