@@ -1,4 +1,5 @@
-//! One `[[routes]]` entry; its parts (path, identity, limits, policy, tiers, CORS) and the rules between routes in the modules below.
+//! One `[[routes]]` entry; its parts (path, identity, limits, policy, tiers, CORS) and the
+//! rules between routes in the modules below.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
