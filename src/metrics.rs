@@ -51,6 +51,7 @@ pub struct Metrics {
     pub breaker_state: IntGauge,
     breaker_transitions: IntCounterVec,
     requests: IntCounterVec,
+    grpc_status: IntCounterVec,
     config_reloads: IntCounterVec,
     pub config_generation: IntGauge,
     config_info: IntGaugeVec,
@@ -123,6 +124,30 @@ pub struct EndpointMetrics {
     pub limit_denials: Vec<IntCounter>,
     pub charges: ResponseCharges,
     pub requests: RequestCounters,
+    pub grpc: GrpcCounters,
+}
+
+/// `sentinel_grpc_status_total` of one endpoint: its gRPC calls by their status (the
+/// gateway's own answer's, or the upstream's), which `sentinel_requests_total` counts under
+/// the HTTP status they were sent with (200). Series made at a status's first call.
+#[derive(Clone)]
+pub struct GrpcCounters {
+    label: String,
+    vec: IntCounterVec,
+}
+
+impl GrpcCounters {
+    pub fn inc(&self, code: u8) {
+        const CODES: [&str; 17] = [
+            "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15",
+            "16",
+        ];
+        if let Some(code) = CODES.get(usize::from(code)) {
+            self.vec
+                .with_label_values(&[self.label.as_str(), code])
+                .inc();
+        }
+    }
 }
 
 /// `sentinel_response_charges_total` of one endpoint.
@@ -250,6 +275,11 @@ impl Metrics {
             "sentinel_requests_total",
             "Requests answered, by endpoint and status.",
             &["endpoint_id", "status"],
+        );
+        let grpc_status = counter(
+            "sentinel_grpc_status_total",
+            "gRPC calls answered, by endpoint and gRPC status (the gateway's own or the upstream's; sentinel_requests_total counts them under the HTTP status 200 they are sent with).",
+            &["endpoint_id", "grpc_status"],
         );
         let config_reloads = counter(
             "sentinel_config_reloads_total",
@@ -563,6 +593,7 @@ impl Metrics {
             upstream_healthy,
             tls_cert_expiry,
             requests,
+            grpc_status,
             config_reloads,
             config_generation,
             config_info,
@@ -666,6 +697,10 @@ impl Metrics {
                 .map(|limit| self.limit_denials.with_label_values(&[endpoint_id, limit]))
                 .collect(),
             requests: self.requests(endpoint_id),
+            grpc: GrpcCounters {
+                label: endpoint_id.to_owned(),
+                vec: self.grpc_status.clone(),
+            },
         }
     }
 

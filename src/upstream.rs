@@ -22,6 +22,10 @@ use futures_util::FutureExt;
 use pingora_core::utils::tls::{parse_x509, WrappedX509};
 use pingora_load_balancing::discovery::ServiceDiscovery;
 use pingora_load_balancing::health_check::HttpHealthCheck;
+
+mod grpc_health;
+use grpc_health::GrpcHealthCheck;
+pub use grpc_health::GRPC_HEALTH_PATH;
 use pingora_load_balancing::selection::RoundRobin;
 use pingora_load_balancing::{Backend, Backends, LoadBalancer};
 use prometheus::IntGaugeVec;
@@ -247,7 +251,7 @@ impl UpstreamPool {
             );
             let options = &mut check.peer_template.options;
             if up.http2 {
-                options.set_http_version(2, 2);
+                options.set_http_version(2, if up.tls.is_some() { 1 } else { 2 });
             }
             options.connection_timeout = Some(hc.timeout);
             options.total_connection_timeout = Some(hc.timeout);
@@ -258,9 +262,16 @@ impl UpstreamPool {
                 options.verify_hostname = t.verify;
                 options.ca = t.ca.clone();
             }
-            // Any 2xx passes; connect errors, timeouts and other statuses fail.
+            // Any 2xx passes; connect errors, timeouts and other statuses fail, and so does a
+            // gRPC error status in the head (a gRPC server answering a path it has not).
             check.validator = Some(Box::new(|resp| {
-                if resp.status.is_success() {
+                let grpc = crate::proxy::grpc::status_in(&resp.headers).filter(|c| *c != 0);
+                if let (true, Some(code)) = (resp.status.is_success(), grpc) {
+                    pingora_core::Error::e_explain(
+                        pingora_core::ErrorType::CustomCode("unhealthy status", 0),
+                        format!("health check answered grpc-status {code}"),
+                    )
+                } else if resp.status.is_success() {
                     Ok(())
                 } else {
                     pingora_core::Error::e_explain(
@@ -273,10 +284,22 @@ impl UpstreamPool {
             // error, INFO when it passes again) naming the address by this.
             // As the config's messages name it: quoted when TOML quotes it (`"api v2"`).
             let name = crate::config::key_shown(&up.name);
-            check.backend_summary_callback = Some(Box::new(move |backend| {
-                format!("upstreams.{name} address {}", backend.addr)
-            }));
-            balancer.set_health_check(Box::new(check));
+            let summary =
+                move |backend: &Backend| format!("upstreams.{name} address {}", backend.addr);
+            match &hc.grpc_service {
+                None => {
+                    check.backend_summary_callback = Some(Box::new(summary));
+                    balancer.set_health_check(Box::new(check));
+                }
+                Some(service) => {
+                    let peer = check.peer_template.clone();
+                    let mut grpc = GrpcHealthCheck::new(peer, &host, service, hc.timeout);
+                    grpc.unhealthy_after = hc.unhealthy_after as usize;
+                    grpc.healthy_after = hc.healthy_after as usize;
+                    grpc.summary = Box::new(summary);
+                    balancer.set_health_check(Box::new(grpc));
+                }
+            }
         }
         balancer
             .update()

@@ -86,8 +86,46 @@ async fn serve_call(
         }
         b.body(()).unwrap()
     };
+    // The first such call is refused unprocessed (`REFUSED_STREAM`), as a server that is
+    // shutting down or at its stream limit does.
+    static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if path == "/echo.Echo/RefusedOnce" && !REFUSED.swap(true, std::sync::atomic::Ordering::SeqCst)
+    {
+        respond.send_reset(h2::Reason::REFUSED_STREAM);
+        return;
+    }
     if path == "/echo.Echo/Fail" {
         let _ = respond.send_response(head(Some("5")), true);
+        return;
+    }
+    if path == "/grpc.health.v1.Health/Check" {
+        let mut asked = Vec::new();
+        while let Some(Ok(chunk)) = body.data().await {
+            let _ = body.flow_control().release_capacity(chunk.len());
+            asked.extend_from_slice(&chunk);
+        }
+        // `HealthCheckRequest.service`, after the message's prefix and the field's tag and length.
+        let service = asked.get(7..).unwrap_or_default();
+        let status = match service {
+            b"" | b"echo.Echo" => 1,
+            b"sick.Svc" => 2,
+            _ => {
+                let _ = respond.send_response(head(Some("5")), true);
+                return;
+            }
+        };
+        let Ok(mut send) = respond.send_response(head(None), false) else {
+            return;
+        };
+        let _ = send.send_data(message(&[0x08, status]), false);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let _ = send.send_trailers(trailers);
+        return;
+    }
+    // As tonic answers a path it does not serve: 200, and `UNIMPLEMENTED`.
+    if !path.starts_with("/echo.Echo/") && path != "/healthz" {
+        let _ = respond.send_response(head(Some("12")), true);
         return;
     }
     let Ok(mut send) = respond.send_response(head(None), false) else {
@@ -233,6 +271,29 @@ async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
     assert!(failed.head_only, "{failed:?}");
     assert_eq!(field(&failed.headers, "grpc-status"), "5");
 
+    // A call the upstream refused unprocessed is sent again (a POST, as every call).
+    let refused = unary(&mut h2, "/echo.Echo/RefusedOnce", None).await;
+    assert_eq!(refused.body, message(b"hello"), "{refused:?}");
+    assert_eq!(
+        field(refused.trailers.as_ref().unwrap(), "grpc-status"),
+        "0"
+    );
+    assert_eq!(calls("/echo.Echo/RefusedOnce").len(), 2);
+
+    // An empty `Host` (HTTP/1.1 allows one; no `:authority` may be empty) goes up with the
+    // upstream's address as its authority.
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let request = b"POST /echo.Echo/Empty HTTP/1.1\r\nHost:\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi";
+    std::io::Write::write_all(&mut tcp, request).unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut tcp, &mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let empty = calls("/echo.Echo/Empty");
+    assert_eq!(
+        empty[0].uri.authority().unwrap().as_str(),
+        format!("127.0.0.1:{up}")
+    );
+
     // An HTTP/1.1 client's request goes upstream over HTTP/2 too (its answer has no trailers).
     let plain = common::client()
         .post(gw.url("/echo.Echo/Say"))
@@ -244,8 +305,8 @@ async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
     assert_eq!(plain.text().await.unwrap(), "plain");
     assert_eq!(calls("/echo.Echo/Say")[1].version, http::Version::HTTP_2);
 
-    wait_until(Duration::from_secs(10), "three access log lines", || {
-        access_lines(&log).len() >= 3
+    wait_until(Duration::from_secs(10), "five access log lines", || {
+        access_lines(&log).len() >= 5
     });
     let lines = access_lines(&log);
     let status_of = |path: &str| -> Vec<serde_json::Value> {
@@ -426,6 +487,15 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
             (429.into(), serde_json::Value::Null)
         ]
     );
+    let grpc = |endpoint: &str, code: u8| {
+        gw.metric(&format!(
+            "sentinel_grpc_status_total{{endpoint_id=\"{endpoint}\",grpc_status=\"{code}\"}}"
+        ))
+    };
+    assert_eq!(grpc("grpc.echo", 0), 2.0);
+    assert_eq!(grpc("grpc.echo", 8), 1.0);
+    assert_eq!(grpc("grpc.echo", 16), 1.0);
+    assert_eq!(grpc("grpc.down", 14), 1.0);
     let down_line = lines
         .iter()
         .find(|l| l["path"] == "/down.Down/Call")
@@ -475,4 +545,46 @@ async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
     let trailers = answer.trailers.expect("the upstream's trailers over TLS");
     assert_eq!(field(&trailers, "grpc-status"), "0");
     assert_eq!(seen.lock().unwrap()[0].uri.scheme_str(), Some("https"));
+}
+
+/// gRPC's health check of an `http2` upstream (`grpc_service`) passes on `SERVING` and fails
+/// on `NOT_SERVING`, saying so; a GET health check (`path`) fails on a gRPC error status in a
+/// 200 (a gRPC server answering a path it does not serve), where any 2xx passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcs_health_check_says_an_address_serving_or_not() {
+    let redis = Redis::start();
+    let (up, _) = grpc_upstream(None).await;
+    let addr = quoted(&format!("127.0.0.1:{up}"));
+    let upstream = |name: &str, check: &str| {
+        format!("[upstreams.{name}]\naddrs = [{addr}]\nhttp2 = true\nhealth_check = {{ {check}, interval_ms = 100 }}\n")
+    };
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .section(&upstream("serving", r#"grpc_service = "echo.Echo""#))
+        .section(&upstream("whole", r#"grpc_service = """#))
+        .section(&upstream("sick", r#"grpc_service = "sick.Svc""#))
+        .section(&upstream("unserved", r#"path = "/status""#))
+        .route(
+            Route::new("grpc.echo")
+                .prefix("/echo.Echo")
+                .upstream("serving")
+                .unlimited(),
+        )
+        .start();
+    let healthy = |name: &str| {
+        gw.metric(&format!(
+            "sentinel_upstream_healthy{{addr=\"127.0.0.1:{up}\",upstream=\"{name}\"}}"
+        ))
+    };
+    wait_until(Duration::from_secs(10), "both failing checks said", || {
+        let logs = gw.logs();
+        logs.contains("health check answered NOT_SERVING")
+            && logs.contains("health check answered grpc-status 12")
+    });
+    // Three checks in a row to pass (the default healthy_after is 2), a check each 100 ms.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(healthy("serving"), 1.0);
+    assert_eq!(healthy("whole"), 1.0);
+    assert_eq!(healthy("sick"), 0.0);
+    assert_eq!(healthy("unserved"), 0.0);
 }

@@ -614,10 +614,15 @@ impl UpstreamConfig {
     }
 }
 
-/// `health_check`: a GET of `path` on each address, on a timer of its own.
+/// `health_check`: a GET of `path` (or gRPC's health check) on each address, on a timer of
+/// its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthCheck {
+    /// The path asked: a GET's, or gRPC's health check (`/grpc.health.v1.Health/Check`).
     pub path: String,
+    /// `grpc_service`: the check is gRPC's health check of this service (`""`: the server
+    /// as a whole), passed when it answers `SERVING`.
+    pub grpc_service: Option<String>,
     pub interval: Duration,
     pub timeout: Duration,
     pub unhealthy_after: u32,

@@ -189,7 +189,8 @@ pub struct RawUpstream {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawHealthCheck {
-    pub path: Spanned<String>,
+    pub path: Option<Spanned<String>>,
+    pub grpc_service: Option<Spanned<String>>,
     pub interval_ms: Option<Spanned<i64>>,
     pub timeout_ms: Option<Spanned<i64>>,
     pub unhealthy_after: Option<Spanned<i64>>,

@@ -25,7 +25,7 @@ pub struct Cors {
 
 impl Cors {
     pub fn new(origins: CorsOrigins, request_id: &http::HeaderName) -> Self {
-        let exposed = format!("Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, {request_id}");
+        let exposed = format!("Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, grpc-status, grpc-message, grpc-retry-pushback-ms, {request_id}");
         Self {
             origins,
             exposed: HeaderValue::from_maybe_shared(bytes::Bytes::from(exposed))
@@ -218,7 +218,7 @@ mod tests {
         cors.on_answer(&req, &mut theirs).unwrap();
         assert_eq!(
             theirs.headers["access-control-expose-headers"],
-            "ETag, Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, x-request-id"
+            "ETag, Retry-After, RateLimit, RateLimit-Policy, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset, grpc-status, grpc-message, grpc-retry-pushback-ms, x-request-id"
         );
         assert_eq!(
             theirs.headers["access-control-allow-origin"],

@@ -16,8 +16,6 @@ use http::HeaderValue;
 use pingora::prelude::*;
 use pingora_http::{RequestHeader, ResponseHeader};
 
-use super::respond::Answer;
-
 /// The gRPC status codes the gateway's own answers use (gRPC's `statuscodes.md`).
 pub mod code {
     pub const DEADLINE_EXCEEDED: u8 = 4;
@@ -39,34 +37,15 @@ pub fn call_type(req: &RequestHeader) -> Option<&HeaderValue> {
     is_call.then_some(value)
 }
 
-/// The gRPC status of one of the gateway's own answers, and its message. HTTP statuses as
-/// gRPC's `http-grpc-status-mapping.md` maps them, but for the limits: a rate limit and a
-/// body or head too large are `RESOURCE_EXHAUSTED`, as gRPC's own servers say them.
-pub fn status_of(answer: Answer) -> (u8, &'static str) {
-    match answer {
-        Answer::RateLimited { .. } => (code::RESOURCE_EXHAUSTED, "rate limit exceeded"),
-        Answer::BodyTooLarge => (code::RESOURCE_EXHAUSTED, "request body too large"),
-        Answer::HeadersTooLarge => (code::RESOURCE_EXHAUSTED, "request header fields too large"),
-        Answer::LimiterUnavailable { .. } => (code::UNAVAILABLE, "rate limiter unavailable"),
-        Answer::AtCapacity => (code::UNAVAILABLE, "gateway at capacity"),
-        Answer::UpstreamUnavailable => (code::UNAVAILABLE, "upstream unavailable"),
-        Answer::UpstreamTimeout => (code::UNAVAILABLE, "upstream timeout"),
-        Answer::BodyTimeout => (code::DEADLINE_EXCEEDED, "request body timeout"),
-        Answer::Unauthenticated { .. } => (code::UNAUTHENTICATED, "authentication required"),
-        Answer::NoRoute => (code::UNIMPLEMENTED, "no route"),
-        Answer::MethodNotAllowed => (code::UNIMPLEMENTED, "method not allowed"),
-        Answer::BadRequest | Answer::Preflight => (code::INTERNAL, "bad request"),
-    }
-}
-
 /// Makes `header`, an answer built for HTTP clients, the Trailers-Only answer of a gRPC call
-/// of type `call_type`: written as a head that ends the stream. Its gRPC status.
+/// of type `call_type` with the status `code` and `message`: written as a head that ends the
+/// stream.
 pub fn trailers_only(
-    answer: Answer,
     header: &mut ResponseHeader,
     call_type: HeaderValue,
-) -> Result<u8> {
-    let (code, message) = status_of(answer);
+    code: u8,
+    message: &'static str,
+) -> Result<()> {
     header.set_status(200)?;
     header.insert_header(http::header::CONTENT_TYPE, call_type)?;
     // No body: HTTP/1.1 (gRPC-Web) needs the length said; HTTP/2 ends the stream with the head.
@@ -80,19 +59,20 @@ pub fn trailers_only(
     if let Some(secs) = pushback {
         header.insert_header("grpc-retry-pushback-ms", (secs * 1000).to_string())?;
     }
-    Ok(code)
+    Ok(())
 }
 
 /// The `grpc-status` an upstream's answer carries in its head (a Trailers-Only answer) or
-/// its trailers; `None` when absent or not a number.
+/// its trailers; `None` when absent or not one of gRPC's codes (0 to 16).
 pub fn status_in(fields: &http::HeaderMap) -> Option<u8> {
-    fields
+    let code: u8 = fields
         .get("grpc-status")?
         .to_str()
         .ok()?
         .trim()
         .parse()
-        .ok()
+        .ok()?;
+    (code <= code::UNAUTHENTICATED).then_some(code)
 }
 
 #[cfg(test)]
@@ -125,18 +105,20 @@ mod tests {
     }
 
     #[test]
-    fn a_rate_limit_is_resource_exhausted_with_the_wait_as_pushback() {
-        let answer = Answer::RateLimited {
-            retry_after_secs: 3,
-        };
-        let mut header = answer.header().unwrap();
-        let code = trailers_only(
-            answer,
+    fn a_trailers_only_answer_says_the_status_and_the_wait_as_pushback() {
+        let mut header = ResponseHeader::build(429, None).unwrap();
+        header.insert_header("retry-after", "3").unwrap();
+        header
+            .insert_header("content-type", "application/json")
+            .unwrap();
+        let call = HeaderValue::from_static("application/grpc+proto");
+        trailers_only(
             &mut header,
-            HeaderValue::from_static("application/grpc+proto"),
+            call,
+            code::RESOURCE_EXHAUSTED,
+            "rate limit exceeded",
         )
         .unwrap();
-        assert_eq!(code, code::RESOURCE_EXHAUSTED);
         assert_eq!(header.status.as_u16(), 200);
         let field = |name: &str| header.headers.get(name).unwrap().to_str().unwrap();
         assert_eq!(field("content-type"), "application/grpc+proto");
@@ -148,21 +130,16 @@ mod tests {
     }
 
     #[test]
-    fn the_gateways_failures_are_unavailable_and_a_missing_key_unauthenticated() {
-        let unavailable = [
-            Answer::LimiterUnavailable {
-                retry_after_base_secs: 1,
-            },
-            Answer::AtCapacity,
-            Answer::UpstreamUnavailable,
-            Answer::UpstreamTimeout,
-        ];
-        for answer in unavailable {
-            assert_eq!(status_of(answer).0, code::UNAVAILABLE, "{answer:?}");
+    fn only_grpcs_codes_are_read_as_a_status() {
+        let status = |v: &str| {
+            let mut fields = http::HeaderMap::new();
+            fields.insert("grpc-status", v.parse().unwrap());
+            status_in(&fields)
+        };
+        assert_eq!(status("0"), Some(0));
+        assert_eq!(status(" 16 "), Some(16));
+        for not in ["17", "255", "-1", "x", ""] {
+            assert_eq!(status(not), None, "{not}");
         }
-        let missing = Answer::Unauthenticated { bearer: true };
-        assert_eq!(status_of(missing).0, code::UNAUTHENTICATED);
-        assert_eq!(status_of(Answer::NoRoute).0, code::UNIMPLEMENTED);
-        assert_eq!(status_of(Answer::BodyTooLarge).0, code::RESOURCE_EXHAUSTED);
     }
 }

@@ -2,8 +2,9 @@
 //! (RFC 9110, 7.6.1), as nginx and Envoy do: those its `Connection` names, and `Keep-Alive`,
 //! `Proxy-Connection`, `TE` and `Upgrade` (kept on a `101`, whose tunnel they describe).
 //! The client's connection gets the gateway's own `Connection`. `Trailer` goes too: the
-//! trailer fields an upstream sends after a chunked body are not passed on (as nginx's
-//! proxy does not), so the answer does not announce fields that never come.
+//! trailer fields an HTTP/1.1 upstream sends after a chunked body are not passed on (as
+//! nginx's proxy does not), so the answer does not announce fields that never come; an
+//! HTTP/2 upstream's trailers reach HTTP/2 clients without it.
 
 use http::header::{CONNECTION, TE, TRAILER, UPGRADE};
 use http::{HeaderName, StatusCode};

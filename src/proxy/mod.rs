@@ -4,7 +4,7 @@
 pub mod access;
 pub mod cors;
 pub mod forwarded;
-mod grpc;
+pub(crate) mod grpc;
 mod head;
 mod headers;
 mod hop;
@@ -900,9 +900,11 @@ impl ProxyHttp for Gateway {
         };
         let up = &pool.config;
         if up.http2 {
-            // Over TLS, ALPN offers `h2` alone; in plain, h2c with prior knowledge. Calls
-            // share a connection as its SETTINGS allow, up to `H2_STREAMS` at once.
-            peer.options.set_http_version(2, 2);
+            // Over TLS, ALPN offers `h2` first and `http/1.1` (an upstream that picks it is
+            // spoken to so, its connections kept); in plain, h2c with prior knowledge.
+            // Requests share a connection as its SETTINGS allow, up to `H2_STREAMS` at once.
+            let min = if pool.tls.is_some() { 1 } else { 2 };
+            peer.options.set_http_version(2, min);
             peer.options.max_h2_streams = crate::upstream::H2_STREAMS;
         }
         peer.options.connection_timeout = Some(up.connect_timeout);
@@ -949,15 +951,10 @@ impl ProxyHttp for Gateway {
         let host = (version == http::Version::HTTP_10)
             .then(|| outgoing::host_for_http_1_0(upstream_request, ctx.upstream_addr))
             .flatten();
+        if ctx.route.as_ref().is_some_and(|r| r.upstream.config.http2) {
+            outgoing::authority_for_http2(upstream_request, ctx.upstream_addr)?;
+        }
         if let Some(uri) = ctx.upstream_uri.as_deref() {
-            // An HTTP/2 request's authority is in its target; going on to an HTTP/2 upstream
-            // (whose `:authority` Pingora takes from `Host`), it is kept as `Host`.
-            let authority = (!upstream_request.headers.contains_key(http::header::HOST))
-                .then(|| upstream_request.uri.authority().cloned())
-                .flatten();
-            if let Some(authority) = authority {
-                upstream_request.insert_header(http::header::HOST, authority.as_str())?;
-            }
             let uri = uri
                 .parse::<http::Uri>()
                 .map_err(|e| Error::because(ErrorType::InvalidHTTPHeader, "normalized path", e))?;
@@ -1059,8 +1056,10 @@ impl ProxyHttp for Gateway {
         if let Some(cors) = ctx.cors.as_deref() {
             cors.on_answer(session.req_header(), upstream_response)?;
         }
-        // A call's status, when the upstream answered it with a head alone (Trailers-Only).
-        if grpc::call_type(session.req_header()).is_some() {
+        // A call's status, when an HTTP/2 upstream answered it with a head alone
+        // (Trailers-Only).
+        let http2 = ctx.route.as_ref().is_some_and(|r| r.upstream.config.http2);
+        if http2 && grpc::call_type(session.req_header()).is_some() {
             ctx.grpc_status = grpc::status_in(&upstream_response.headers);
         }
         let cost = ctx
@@ -1137,7 +1136,11 @@ impl ProxyHttp for Gateway {
         reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        let resendable = session.req_header().method.is_idempotent()
+        // An HTTP/2 upstream that refused the stream (`REFUSED_STREAM`) or left it out of its
+        // `GOAWAY` did not process the request: sent again whatever its method (RFC 9113,
+        // 8.7), as a gRPC call (a POST) to a backend restarting must be.
+        let unprocessed = matches!(e.retry, pingora_core::RetryType::Decided(true));
+        let resendable = (session.req_header().method.is_idempotent() || unprocessed)
             && !session.as_ref().retry_buffer_truncated();
         if resendable && !ctx.resent {
             e.retry.decide_reuse(reused);
@@ -1437,6 +1440,9 @@ impl ProxyHttp for Gateway {
         };
         let m = &route.endpoint.metrics;
         m.requests.inc(status);
+        if let Some(code) = ctx.grpc_status {
+            m.grpc.inc(code);
+        }
         if ctx.exempt {
             m.exempt.inc();
         }

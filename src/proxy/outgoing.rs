@@ -1,5 +1,6 @@
-//! The request sent upstream over HTTP/1.1, beside the forwarded headers: what the hop from
-//! the client's protocol (HTTP/1.0, HTTP/2) to HTTP/1.1 and the route's settings require.
+//! The request sent upstream, beside the forwarded headers: what the hop from the client's
+//! protocol (HTTP/1.0, HTTP/2) to the upstream's (HTTP/1.1, or HTTP/2 with `http2`) and the
+//! route's settings require.
 
 use http::HeaderValue;
 use pingora::prelude::*;
@@ -133,6 +134,29 @@ pub fn join_cookies(req: &mut RequestHeader) -> Result<()> {
         "the joined cookie fields are not a header value",
     )?;
     req.insert_header(http::header::COOKIE, joined)
+}
+
+/// The `Host` of a request going on to an HTTP/2 upstream, whose `:authority` Pingora makes
+/// of it: an HTTP/2 client's authority (in its request's target, which the gateway rewrites
+/// to origin form) is kept as `Host`; an empty `Host` (which HTTP/1.1 allows, and which no
+/// `:authority` may be) is the upstream's address, as for an HTTP/1.0 request without one.
+pub fn authority_for_http2(
+    req: &mut RequestHeader,
+    upstream: Option<std::net::SocketAddr>,
+) -> Result<()> {
+    let host = req.headers.get(http::header::HOST);
+    if host.is_some_and(|h| !h.as_bytes().trim_ascii().is_empty()) {
+        return Ok(());
+    }
+    let authority = match (host, req.uri.authority()) {
+        (None, Some(authority)) => authority.as_str().to_owned(),
+        _ => match upstream {
+            Some(addr) => addr.to_string(),
+            None => return Ok(()),
+        },
+    };
+    req.insert_header(http::header::HOST, authority)?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! The answers the gateway writes itself: JSON bodies, their statuses and headers.
+//! The answers the gateway writes itself: JSON bodies, their statuses and headers; to a gRPC
+//! call, its Trailers-Only answer ([`grpc`]).
 //!
 //! Written from `request_filter` (or `fail_to_proxy`), header with Content-Length first,
 //! then the body; these answers skip `response_filter`.
@@ -7,6 +8,8 @@ use bytes::Bytes;
 use pingora::prelude::*;
 use pingora_http::ResponseHeader;
 use rand::Rng;
+
+use super::grpc;
 
 /// Largest total size of a request's header names and values accepted, in bytes.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -105,6 +108,36 @@ impl Answer {
         }
     }
 
+    /// The answer's gRPC status and message, for a gRPC call ([`grpc`]): HTTP statuses as
+    /// gRPC's `http-grpc-status-mapping.md` maps them, but for the limits: a rate limit and a
+    /// body or head too large are `RESOURCE_EXHAUSTED`, as gRPC's own servers say them.
+    pub fn grpc_status(self) -> (u8, &'static str) {
+        use grpc::code;
+        let code = match self {
+            Answer::RateLimited { .. } | Answer::BodyTooLarge | Answer::HeadersTooLarge => {
+                code::RESOURCE_EXHAUSTED
+            }
+            Answer::LimiterUnavailable { .. }
+            | Answer::AtCapacity
+            | Answer::UpstreamUnavailable
+            | Answer::UpstreamTimeout => code::UNAVAILABLE,
+            Answer::BodyTimeout => code::DEADLINE_EXCEEDED,
+            Answer::Unauthenticated { .. } => code::UNAUTHENTICATED,
+            Answer::NoRoute | Answer::MethodNotAllowed => code::UNIMPLEMENTED,
+            // A preflight is no call (`OPTIONS`): never said so.
+            Answer::BadRequest | Answer::Preflight => code::INTERNAL,
+        };
+        (code, self.detail())
+    }
+
+    /// The `detail` of the answer's body, as words (`rate limit exceeded`).
+    fn detail(self) -> &'static str {
+        let body = self.body();
+        body.strip_prefix(r#"{"detail":""#)
+            .and_then(|rest| rest.strip_suffix(r#""}"#))
+            .unwrap_or("")
+    }
+
     /// The complete response header.
     pub fn header(self) -> Result<ResponseHeader> {
         let body = self.body();
@@ -134,9 +167,10 @@ pub async fn write_with(
     answer: Answer,
     mut header: ResponseHeader,
 ) -> Result<(u16, Option<u8>)> {
-    let call = super::grpc::call_type(session.req_header()).filter(|_| answer != Answer::Preflight);
+    let call = grpc::call_type(session.req_header()).filter(|_| answer != Answer::Preflight);
     if let Some(call) = call.cloned() {
-        let code = super::grpc::trailers_only(answer, &mut header, call)?;
+        let (code, message) = answer.grpc_status();
+        grpc::trailers_only(&mut header, call, code, message)?;
         // A head that ends the stream (`write_response_header` would end it with an empty
         // DATA frame, which a client reads as a body: the status then waits for trailers).
         let head = pingora_core::protocols::http::HttpTask::Header(Box::new(header), true);
@@ -204,6 +238,42 @@ mod tests {
             .collect();
         assert!(seen.iter().all(|s| (10..=15).contains(s)), "{seen:?}");
         assert!(seen.len() > 1, "no jitter: {seen:?}");
+    }
+
+    #[test]
+    fn a_calls_answers_are_grpc_statuses_with_the_bodys_words() {
+        use crate::proxy::grpc::code;
+        let limited = Answer::RateLimited {
+            retry_after_secs: 3,
+        };
+        assert_eq!(
+            limited.grpc_status(),
+            (code::RESOURCE_EXHAUSTED, "rate limit exceeded")
+        );
+        let unavailable = [
+            Answer::LimiterUnavailable {
+                retry_after_base_secs: 1,
+            },
+            Answer::AtCapacity,
+            Answer::UpstreamUnavailable,
+            Answer::UpstreamTimeout,
+        ];
+        for answer in unavailable {
+            assert_eq!(answer.grpc_status().0, code::UNAVAILABLE, "{answer:?}");
+        }
+        let missing = Answer::Unauthenticated { bearer: true };
+        assert_eq!(
+            missing.grpc_status(),
+            (code::UNAUTHENTICATED, "authentication required")
+        );
+        assert_eq!(
+            Answer::NoRoute.grpc_status(),
+            (code::UNIMPLEMENTED, "no route")
+        );
+        assert_eq!(
+            Answer::BodyTooLarge.grpc_status().0,
+            code::RESOURCE_EXHAUSTED
+        );
     }
 
     #[test]

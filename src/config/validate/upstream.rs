@@ -124,18 +124,39 @@ pub(super) fn upstream(
         None => Some(None),
         Some(hc) => {
             let h = hc.get_ref();
-            let path = h.path.get_ref();
-            let path_ok = path.starts_with('/') && path.parse::<http::Uri>().is_ok();
-            if !path_ok {
-                c.push(
-                    Some(&h.path.span()),
-                    None,
-                    format!(
-                        "{}.path = \"{path}\" is not a path: write one such as \"/healthz\"",
-                        field("health_check")
-                    ),
-                );
-            }
+            let (path, path_ok) = match (&h.path, &h.grpc_service) {
+                (Some(path), None) => {
+                    let ok = path.get_ref().starts_with('/')
+                        && path.get_ref().parse::<http::Uri>().is_ok();
+                    if !ok {
+                        c.push(
+                            Some(&path.span()),
+                            None,
+                            format!(
+                                "{}.path = \"{}\" is not a path: write one such as \"/healthz\"",
+                                field("health_check"),
+                                path.get_ref()
+                            ),
+                        );
+                    }
+                    (path.get_ref().clone(), ok)
+                }
+                (None, Some(service)) => {
+                    let ok = u.http2 == Some(true);
+                    if !ok {
+                        c.push(Some(&service.span()), None, format!("{}.grpc_service asks gRPC's health check, which needs http2 = true on the upstream", field("health_check")));
+                    }
+                    (crate::upstream::GRPC_HEALTH_PATH.to_owned(), ok)
+                }
+                (Some(path), Some(_)) => {
+                    c.push(Some(&path.span()), None, format!("{}: path and grpc_service are both set: a check is an HTTP GET of path or gRPC's health check of grpc_service, not both", field("health_check")));
+                    (String::new(), false)
+                }
+                (None, None) => {
+                    c.push(Some(&hc.span()), None, format!("{} needs path = \"/healthz\" (an HTTP GET) or grpc_service = \"\" (gRPC's health check, of the server or of the service named)", field("health_check")));
+                    (String::new(), false)
+                }
+            };
             let n = |c: &mut Collector,
                      f: &str,
                      v: &Option<Spanned<i64>>,
@@ -176,12 +197,13 @@ pub(super) fn upstream(
                 }
             }
             match (path_ok, interval, timeout, unhealthy, healthy) {
-                (true, Some(i), Some(t), Some(u), Some(h)) => Some(Some(HealthCheck {
-                    path: path.clone(),
+                (true, Some(i), Some(t), Some(u), Some(hy)) => Some(Some(HealthCheck {
+                    path,
+                    grpc_service: h.grpc_service.as_ref().map(|s| s.get_ref().clone()),
                     interval: Duration::from_millis(i),
                     timeout: Duration::from_millis(t),
                     unhealthy_after: u as u32,
-                    healthy_after: h as u32,
+                    healthy_after: hy as u32,
                 })),
                 _ => None,
             }
