@@ -458,6 +458,24 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
     assert_eq!(field(&down.headers, "grpc-status"), "14");
     assert!(down.head_only);
 
+    // A gRPC-Web call over HTTP/1.1: the same head, its length said (0), nothing after it.
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let web = "POST /echo.Echo/Say HTTP/1.1\r\nHost: grpc.example\r\nx-api-key: k1\r\ncontent-type: application/grpc-web+proto\r\ncontent-length: 5\r\n\r\n\0\0\0\0\0";
+    std::io::Write::write_all(&mut tcp, web.as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut tcp, &mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{answer}");
+    let lower = head.to_ascii_lowercase();
+    for field in [
+        "content-type: application/grpc-web+proto",
+        "content-length: 0",
+        "grpc-status: 8",
+    ] {
+        assert!(lower.contains(field), "{field}: {answer}");
+    }
+    assert_eq!(body, "");
+
     // Not a call: the JSON 429 of every other client.
     let plain = common::client()
         .post(gw.url("/echo.Echo/Say"))
@@ -471,8 +489,8 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
         r#"{"detail":"rate limit exceeded"}"#
     );
 
-    wait_until(Duration::from_secs(10), "seven access log lines", || {
-        access_lines(&log).len() >= 7
+    wait_until(Duration::from_secs(10), "eight access log lines", || {
+        access_lines(&log).len() >= 8
     });
     let lines = access_lines(&log);
     let denied: Vec<_> = lines
@@ -484,6 +502,7 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
         denied,
         [
             (200.into(), 8.into()),
+            (200.into(), 8.into()),
             (429.into(), serde_json::Value::Null)
         ]
     );
@@ -493,7 +512,7 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
         ))
     };
     assert_eq!(grpc("grpc.echo", 0), 2.0);
-    assert_eq!(grpc("grpc.echo", 8), 1.0);
+    assert_eq!(grpc("grpc.echo", 8), 2.0);
     assert_eq!(grpc("grpc.echo", 16), 1.0);
     assert_eq!(grpc("grpc.down", 14), 1.0);
     let down_line = lines
