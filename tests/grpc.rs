@@ -94,6 +94,22 @@ async fn serve_call(
         respond.send_reset(h2::Reason::REFUSED_STREAM);
         return;
     }
+    // Reads the whole call before it answers, as a unary server does.
+    if path == "/echo.Echo/Collect" {
+        let mut asked = 0;
+        while let Some(Ok(chunk)) = body.data().await {
+            let _ = body.flow_control().release_capacity(chunk.len());
+            asked += chunk.len();
+        }
+        let Ok(mut send) = respond.send_response(head(None), false) else {
+            return;
+        };
+        let _ = send.send_data(message(asked.to_string().as_bytes()), false);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let _ = send.send_trailers(trailers);
+        return;
+    }
     if path == "/echo.Echo/Fail" {
         let _ = respond.send_response(head(Some("5")), true);
         return;
@@ -606,4 +622,49 @@ async fn grpcs_health_check_says_an_address_serving_or_not() {
     assert_eq!(healthy("whole"), 1.0);
     assert_eq!(healthy("sick"), 0.0);
     assert_eq!(healthy("unserved"), 0.0);
+}
+
+/// A call whose messages outgrow the route's `max_body_bytes` on their way to an HTTP/2
+/// upstream ends at once: `RESOURCE_EXHAUSTED` before the upstream answered, a reset stream
+/// after; it waited for the upstream's answer to a body that never ended, until the read
+/// timeout (60 s by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_max_body_bytes_is_resource_exhausted_at_once() {
+    let redis = Redis::start();
+    let (up, _) = grpc_upstream(None).await;
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .section(&http2_upstream(up, "read_timeout_ms = 30000\n"))
+        .route(
+            Route::new("grpc.small")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .unlimited()
+                .set("max_body_bytes", "1000"),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let within = Duration::from_secs(5);
+    let (response, mut send) = h2
+        .send_request(call_head("/echo.Echo/Collect", None), false)
+        .unwrap();
+    send.send_data(message(&[b'a'; 900]), false).unwrap();
+    send.send_data(message(&[b'b'; 900]), true).unwrap();
+    let started = std::time::Instant::now();
+    let refused = tokio::time::timeout(within, read_answer(response))
+        .await
+        .expect("answered at once, not after the read timeout");
+    assert_eq!(field(&refused.headers, "grpc-status"), "8", "{refused:?}");
+    assert_eq!(
+        field(&refused.headers, "grpc-message"),
+        "request body too large"
+    );
+    assert!(started.elapsed() < within);
+    // Under the limit: the upstream's answer, as ever.
+    let (response, mut send) = h2
+        .send_request(call_head("/echo.Echo/Collect", None), false)
+        .unwrap();
+    send.send_data(message(&[b'a'; 900]), true).unwrap();
+    let answer = read_answer(response).await;
+    assert_eq!(answer.body, message(b"905"));
 }

@@ -545,18 +545,57 @@ async fn a_mended_password_ends_the_quarantine_the_wrong_one_opened() {
     assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
 }
 
-/// A reload to a password Redis refuses opens a quarantine on the new target's own
-/// failures: a connection made later with it (the ACL given that password meanwhile, no
-/// reload) ends none of it early.
+/// A reload to a password Redis refuses, while the working one is connected, keeps that
+/// connection deciding (no request fails, no breaker opens), says so at ERROR without either
+/// password, and moves to the new password once Redis's ACL takes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quarantine_the_new_passwords_refusals_opened_runs_its_course() {
+async fn a_reload_to_a_refused_password_keeps_the_working_connection_deciding() {
     let redis = Redis::start_with(free_port(), &ACL_USER);
     let up = Upstream::start("app");
     let file = PasswordFile::holding("s3cret-Pa55word\n");
     let gw = on_a_password_file(&redis, &up, &file, Some((2, 600)));
     warmed(&gw).await;
     file.replace("typo-Pa55word\n");
+    wait_until(Duration::from_secs(10), "the refusal said", || {
+        gw.logs()
+            .contains("the reloaded redis settings are refused")
+    });
+    assert_eq!(gw.metric("sentinel_config_generation"), 2.0);
+    // Decided by Redis, on the connection made with the working password.
+    assert_eq!(statuses(&gw, "b", 4).await, [200, 200, 200, 429]);
+    assert_eq!(gw.metric("sentinel_breaker_state"), 0.0);
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "gateway", ">typo-Pa55word"])
+        .query(&mut redis.conn())
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the move to the new password",
+        || gw.logs().contains("redis connected at the reloaded url"),
+    );
+    assert_eq!(statuses(&gw, "b", 1).await, [429]);
+    let logs = gw.logs();
+    for secret in ["s3cret-Pa55word", "typo-Pa55word"] {
+        assert!(!logs.contains(secret), "{logs}");
+    }
+}
+
+/// A reload to a password Redis refuses, while no connection is up (the old password was
+/// refused too), opens a quarantine on the new target's own failures: a connection made
+/// later with it (the ACL given that password meanwhile, no reload) ends none of it early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_the_new_passwords_refusals_opened_runs_its_course() {
+    let redis = Redis::start_with(free_port(), &ACL_USER);
+    let up = Upstream::start("app");
+    let file = PasswordFile::holding("not-the-Pa55word\n");
+    let gw = on_a_password_file(&redis, &up, &file, Some((2, 600)));
     until_the_breaker_opens(&gw, None).await;
+    file.replace("typo-Pa55word\n");
+    wait_until(Duration::from_secs(10), "the watch to reload", || {
+        gw.metric("sentinel_config_generation") == 2.0
+    });
+    // The new password's own refusals: the breaker stays open (reopened) on them.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let _: () = redis::cmd("ACL")
         .arg(&["SETUSER", "gateway", ">typo-Pa55word"])
         .query(&mut redis.conn())

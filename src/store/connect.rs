@@ -542,6 +542,17 @@ fn unable_now(e: &RedisError) -> bool {
 /// so every cause is named.
 /// A TLS alert Redis sends once the handshake is over (TLS 1.3 checks the client's
 /// certificate then) reaches the first command: said to be TLS's too, and what it means.
+/// Whether Redis refused the connection's access, as no outage does: its credentials
+/// (`AuthenticationFailed`, `NOAUTH`), its user's permissions (`NOPERM`), or its TLS
+/// settings (a certificate that does not verify, a client certificate refused).
+fn access_refused(e: &RedisError) -> bool {
+    let text = e.to_string();
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "NOPERM" | "WRONGPASS"))
+        || text.contains("invalid peer certificate")
+        || text.contains("received fatal alert")
+}
+
 pub(super) fn reason(e: &RedisError) -> String {
     let text = e.to_string();
     if e.kind() == redis::ErrorKind::AuthenticationFailed {
@@ -1193,6 +1204,24 @@ impl Connector {
                 Err(e) if connected && !moving => {
                     tracing::debug!(node = %target.node, error = %e, "cannot open a connection on the proxy runtime yet");
                     tokio::time::sleep(backoff(attempt)).await;
+                    attempt = attempt.saturating_add(1);
+                }
+                // The reload's new credentials or TLS files are refused (a mistyped password,
+                // a user without the limiter's commands, a CA that does not sign the
+                // server's certificate): what a reload got wrong, not an outage. The old
+                // connection, which they do not change, keeps deciding; the new ones are
+                // tried again (the ACL may be given them next), and the old connection's
+                // loss makes the new target everyone's, as any failed move.
+                Err(e) if moving && access_refused(&e) => {
+                    if attempt == 0 {
+                        tracing::error!(node = %target.node, error = %reason(&e), "the reloaded redis settings are refused; the connection made with the previous ones keeps deciding, and the new ones are tried again in the background (mend the file and reload, or give Redis's ACL what the file says)");
+                    } else {
+                        tracing::debug!(node = %target.node, error = %reason(&e), "the reloaded redis settings are still refused");
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = link.wake.notified() => {}
+                    }
                     attempt = attempt.saturating_add(1);
                 }
                 Err(e) => {

@@ -640,6 +640,12 @@ where
                             // downstream session anyway.
                             session.downstream_session.on_proxy_failure(e);
                         },
+                        // sentinel-gateway: the request body filter's own refusal (a body
+                        // past its limit) ends the request, as on the HTTP/1 upstream path:
+                        // the upstream's stream is reset, and the request answered; waiting
+                        // for the upstream's answer waited for a body that never ends, until
+                        // the read timeout.
+                        Err(e) if e.esource != ErrorSource::Upstream => return Err(e),
                         Err(e) => {
                             // mark request done, attempt to drain receive
                             warn!("Upstream h2 body send error: {e}");
