@@ -223,6 +223,10 @@ impl Reloader {
             ),
             ("server.h2c", old.h2c != new.h2c),
             (
+                "server.h2_max_concurrent_streams",
+                old.h2_max_streams != new.h2_max_streams,
+            ),
+            (
                 "server.h2_stream_window_bytes",
                 old.h2_stream_window != new.h2_stream_window,
             ),

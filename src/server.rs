@@ -294,13 +294,15 @@ pub fn run(config: Config, read: Vec<crate::reload::FileStamp>) -> Result<(), St
         server_cfg.keepalive_timeout + Duration::from_secs(1)
     });
     proxy.server_options = Some(options);
-    // Pingora's HTTP/2 defaults (100 streams a connection), with room for a header list
-    // past the gateway's own 64 KiB bound, so that one just over it gets the gateway's JSON
-    // 431 as over HTTP/1.1, rather than the h2 library's bodiless one; and the configured
+    // Pingora's HTTP/2 defaults, with `h2_max_concurrent_streams` (100 by default), room for
+    // a header list past the gateway's own 64 KiB bound, so that one just over it gets the
+    // gateway's JSON 431 as over HTTP/1.1, rather than the h2 library's bodiless one; and the
+    // configured
     // flow-control windows (the protocol's 64 KiB held an upload to 64 KiB a round trip, and
     // one stream whose upstream stopped reading held every other stream of its connection).
     let mut h2 = pingora_core::protocols::http::v2::server::default_h2_options();
     h2.max_header_list_size(2 * crate::proxy::respond::MAX_HEADER_BYTES as u32);
+    h2.max_concurrent_streams(server_cfg.h2_max_streams);
     h2.initial_window_size(server_cfg.h2_stream_window);
     h2.initial_connection_window_size(server_cfg.h2_connection_window);
     proxy.h2_options = Some(h2);

@@ -346,20 +346,22 @@ async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
 }
 
 /// A bidirectional stream: each message the client sends comes back before it sends the
-/// next, through the gateway both ways, and the stream ends with the upstream's trailers.
+/// next, through the gateway both ways, and the stream ends with the upstream's trailers; the
+/// connection may hold `h2_max_concurrent_streams` of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bidirectional_stream_flows_both_ways_while_it_is_open() {
     let redis = Redis::start();
     let (up, _) = grpc_upstream(None).await;
     let gw = GatewayConfig::new(&redis.url())
         .server("h2c", "true")
+        .server("h2_max_concurrent_streams", "500")
         .section(&http2_upstream(up, ""))
         .route(
             Route::new("grpc.chat")
                 .prefix("/echo.Echo")
                 .upstream("echo")
                 .identity_header("x-api-key")
-                .token_bucket(10_000_000, 1_000_000),
+                .token_bucket(1_000_000_000, 1_000_000),
         )
         .start();
     let mut h2 = connect(gw.port).await;
@@ -388,6 +390,22 @@ async fn a_bidirectional_stream_flows_both_ways_while_it_is_open() {
             echoed.extend_from_slice(&chunk);
         }
         assert_eq!(echoed, message(said));
+    }
+    // More long streams open on the connection than HTTP/2's usual 100: each answered while
+    // all are open (`h2_max_concurrent_streams`, for clients of many watches).
+    let mut open = Vec::new();
+    for _ in 0..120 {
+        let (response, mut more) = h2
+            .send_request(call_head("/echo.Echo/Chat", Some("k2")), false)
+            .unwrap();
+        more.send_data(message(b"hi"), false).unwrap();
+        open.push((response, more));
+    }
+    for (response, _) in &mut open {
+        let head = tokio::time::timeout(Duration::from_secs(10), response).await;
+        let head = head.expect("every stream answered").unwrap();
+        // The upstream's head, its stream open: not the gateway's own answer.
+        assert!(!head.headers().contains_key("grpc-status"), "{head:?}");
     }
     send.send_data(Bytes::new(), true).unwrap();
     assert!(body.data().await.is_none());

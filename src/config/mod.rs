@@ -355,6 +355,8 @@ pub struct ServerConfig {
     /// HTTP/2 flow control: what a client may send on a stream, and on a connection, before
     /// the gateway has passed it on (the windows it announces and keeps open).
     pub h2_stream_window: u32,
+    /// HTTP/2: the streams a client connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub h2_max_streams: u32,
     pub h2_connection_window: u32,
     /// The body size of routes without their own `max_body_bytes`; `None`: no limit.
     pub max_body_bytes: Option<u64>,

@@ -69,6 +69,7 @@ pub struct RawServer {
     pub grace_period_seconds: Option<Spanned<i64>>,
     pub drain_delay_seconds: Option<Spanned<i64>>,
     pub h2_stream_window_bytes: Option<Spanned<i64>>,
+    pub h2_max_concurrent_streams: Option<Spanned<i64>>,
     pub h2_connection_window_bytes: Option<Spanned<i64>>,
     pub watch_config: Option<bool>,
     pub h2c: Option<bool>,

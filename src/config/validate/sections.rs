@@ -175,6 +175,15 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         (0, 300),
         " seconds",
     );
+    let h2_max_streams = int_in(
+        c,
+        None,
+        "server.h2_max_concurrent_streams",
+        s.and_then(|s| s.h2_max_concurrent_streams.as_ref()),
+        100,
+        (1, 10_000),
+        " streams",
+    );
     // HTTP/2's windows: the protocol's own bounds (RFC 9113, 6.9.2).
     let h2_stream_window = int_in(
         c,
@@ -391,6 +400,7 @@ pub(super) fn server(c: &mut Collector, raw: &RawConfig, config: &Path) -> Optio
         watch_config: s.and_then(|s| s.watch_config).unwrap_or(false),
         h2c: s.and_then(|s| s.h2c).unwrap_or(false),
         h2_stream_window: h2_stream_window? as u32,
+        h2_max_streams: h2_max_streams? as u32,
         h2_connection_window: h2_connection_window? as u32,
         max_body_bytes: max_body_bytes?,
         request_id_wire: request_id_header
