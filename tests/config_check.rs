@@ -842,7 +842,8 @@ fn a_routes_line_names_its_cors_origins() {
     );
 }
 
-/// A route's line says its upstream is spoken to over HTTP/2 (`http2 = true`).
+/// A route's line says its upstream is spoken to over HTTP/2 (`http2 = true`), and `check`
+/// warns when no listener takes HTTP/2 from the gRPC clients such an upstream is for.
 #[test]
 fn a_routes_line_says_an_http2_upstream() {
     let dir = tempfile::tempdir().unwrap();
@@ -854,4 +855,8 @@ fn a_routes_line_says_an_http2_upstream() {
         out.contains("g.echo: any method /echo.Echo/** -> app (HTTP/2); not limited"),
         "{out}"
     );
+    let warned = "upstreams.app has http2 = true, but no listener takes HTTP/2 from clients";
+    assert!(out.contains(warned), "{out}");
+    let (ok, out) = common::check_body(dir.path(), &format!("h2c = true\n{body}"), &[]);
+    assert!(ok && !out.contains(warned), "{out}");
 }

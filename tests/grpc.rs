@@ -94,6 +94,15 @@ async fn serve_call(
         respond.send_reset(h2::Reason::REFUSED_STREAM);
         return;
     }
+    // Answers one message, then falls silent.
+    if path == "/echo.Echo/Stall" {
+        let Ok(mut send) = respond.send_response(head(None), false) else {
+            return;
+        };
+        let _ = send.send_data(message(b"first"), false);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        return;
+    }
     // Reads the whole call before it answers, as a unary server does.
     if path == "/echo.Echo/Collect" {
         let mut asked = 0;
@@ -685,4 +694,40 @@ async fn a_call_past_max_body_bytes_is_resource_exhausted_at_once() {
     send.send_data(message(&[b'a'; 900]), true).unwrap();
     let answer = read_answer(response).await;
     assert_eq!(answer.body, message(b"905"));
+}
+
+/// An upstream that falls silent past its `read_timeout_ms` after the call's answer began:
+/// the call ends with trailers that say `UNAVAILABLE` (`upstream timeout`), which a client's
+/// retry policy can retry, where a reset stream read as the client's own `CANCELLED`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_by_its_upstream_after_its_answer_began_ends_unavailable() {
+    let redis = Redis::start();
+    let (up, _) = grpc_upstream(None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.log");
+    let gw = GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .access_log(&log)
+        .section(&http2_upstream(up, "read_timeout_ms = 300\n"))
+        .route(
+            Route::new("grpc.echo")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .unlimited(),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let answer = unary(&mut h2, "/echo.Echo/Stall", None).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, message(b"first"));
+    let trailers = answer.trailers.expect("trailers, not a reset stream");
+    assert_eq!(field(&trailers, "grpc-status"), "14");
+    assert_eq!(field(&trailers, "grpc-message"), "upstream timeout");
+    wait_until(Duration::from_secs(10), "its access log line", || {
+        !access_lines(&log).is_empty()
+    });
+    let line = &access_lines(&log)[0];
+    assert_eq!(line["status"], 200);
+    assert_eq!(line["grpc_status"], 14);
+    assert_eq!(line["error"], "upstream_timeout");
 }

@@ -1321,6 +1321,24 @@ impl ProxyHttp for Gateway {
                     }
                 }
             }
+            // A gRPC call whose answer began, cut by its upstream: its end said as gRPC says
+            // it, in trailers (`UNAVAILABLE`), where a reset stream reads to the client as
+            // its own cancel (`CANCELLED`), which no retry policy retries.
+            Some(answer)
+                if session.downstream_session.is_http2()
+                    && grpc::call_type(session.req_header()).is_some() =>
+            {
+                let (code, message) = answer.grpc_status();
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from(u16::from(code)));
+                trailers.insert("grpc-message", http::HeaderValue::from_static(message));
+                let end =
+                    pingora_core::protocols::http::HttpTask::Trailer(Some(Box::new(trailers)));
+                if session.write_response_tasks(vec![end]).await.is_ok() {
+                    ctx.grpc_status = Some(code);
+                }
+                answer.status()
+            }
             Some(answer) => answer.status(),
             None if answering && !matches!(e.esource(), ErrorSource::Downstream) => {
                 respond_bare(session, ctx, 500).await;

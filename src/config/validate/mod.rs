@@ -143,6 +143,13 @@ fn upstreams_unused_or_looping(
     let Some(server) = server else {
         return;
     };
+    // gRPC clients speak HTTP/2 only: in plain, with prior knowledge (`h2c`).
+    if !server.h2c && server.tls.is_empty() {
+        for (name, u) in upstreams.iter().filter(|(_, u)| u.http2) {
+            let at = raw.upstreams.get(name).map(|r| r.span());
+            c.warn(at.as_ref(), None, format!("upstreams.{} has http2 = true, but no listener takes HTTP/2 from clients (server.h2c = false, no [[server.tls]]): a gRPC client cannot reach it (HTTP/1.1 clients can); set h2c = true", shape::key_shown(&u.name)));
+        }
+    }
     let own = (server.listen.iter()).chain(server.tls.iter().map(|t| &t.listen));
     let own: Vec<&SocketAddr> = own.collect();
     // Whether `[::]` takes IPv4 too: the host's setting, read where the listeners are bound.
