@@ -236,6 +236,21 @@ fn field<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {name} in {headers:?}"))
 }
 
+/// A gateway taking h2c, with `[upstreams.echo]` over HTTP/2 (`fields` added); routes follow.
+fn echo_gateway(redis: &Redis, up: u16, fields: &str) -> GatewayConfig {
+    GatewayConfig::new(&redis.url())
+        .server("h2c", "true")
+        .section(&http2_upstream(up, fields))
+}
+
+/// The unlimited route of every method of the echo service.
+fn open_echo() -> Route {
+    Route::new("grpc.echo")
+        .prefix("/echo.Echo")
+        .upstream("echo")
+        .unlimited()
+}
+
 /// `[upstreams.echo]` over HTTP/2, with `extra` fields.
 fn http2_upstream(port: u16, extra: &str) -> String {
     format!(
@@ -256,16 +271,9 @@ async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("access.log");
     let health = "health_check = { path = \"/healthz\", interval_ms = 100, timeout_ms = 1000 }\n";
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
+    let gw = echo_gateway(&redis, up, health)
         .access_log(&log)
-        .section(&http2_upstream(up, health))
-        .route(
-            Route::new("grpc.echo")
-                .prefix("/echo.Echo")
-                .upstream("echo")
-                .unlimited(),
-        )
+        .route(open_echo())
         .start();
     let mut h2 = connect(gw.port).await;
     let answer = unary(&mut h2, "/echo.Echo/Say", None).await;
@@ -435,10 +443,8 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("access.log");
     let closed = free_port();
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
+    let gw = echo_gateway(&redis, up, "")
         .access_log(&log)
-        .section(&http2_upstream(up, ""))
         .section(&format!(
             "[upstreams.down]\naddrs = [{}]\nhttp2 = true\n",
             quoted(&format!("127.0.0.1:{closed}"))
@@ -590,16 +596,7 @@ async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
         "tls = true\nsni = \"echo.internal\"\nca_path = {}\n",
         quoted(&dir.path().join("ca.pem").display().to_string())
     );
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
-        .section(&http2_upstream(up, &tls))
-        .route(
-            Route::new("grpc.echo")
-                .prefix("/echo.Echo")
-                .upstream("echo")
-                .unlimited(),
-        )
-        .start();
+    let gw = echo_gateway(&redis, up, &tls).route(open_echo()).start();
     let mut h2 = connect(gw.port).await;
     let answer = unary(&mut h2, "/echo.Echo/Say", None).await;
     assert_eq!(answer.status, 200, "{answer:?}");
@@ -659,9 +656,7 @@ async fn grpcs_health_check_says_an_address_serving_or_not() {
 async fn a_call_past_max_body_bytes_is_resource_exhausted_at_once() {
     let redis = Redis::start();
     let (up, _) = grpc_upstream(None).await;
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
-        .section(&http2_upstream(up, "read_timeout_ms = 30000\n"))
+    let gw = echo_gateway(&redis, up, "read_timeout_ms = 30000\n")
         .route(
             Route::new("grpc.small")
                 .prefix("/echo.Echo")
@@ -705,16 +700,9 @@ async fn a_call_cut_by_its_upstream_after_its_answer_began_ends_unavailable() {
     let (up, _) = grpc_upstream(None).await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("access.log");
-    let gw = GatewayConfig::new(&redis.url())
-        .server("h2c", "true")
+    let gw = echo_gateway(&redis, up, "read_timeout_ms = 300\n")
         .access_log(&log)
-        .section(&http2_upstream(up, "read_timeout_ms = 300\n"))
-        .route(
-            Route::new("grpc.echo")
-                .prefix("/echo.Echo")
-                .upstream("echo")
-                .unlimited(),
-        )
+        .route(open_echo())
         .start();
     let mut h2 = connect(gw.port).await;
     let answer = unary(&mut h2, "/echo.Echo/Stall", None).await;
