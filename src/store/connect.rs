@@ -174,6 +174,10 @@ pub(super) fn is_transport(e: &RedisError) -> bool {
 /// of half the step so a fleet does not reconnect in lockstep. The cap bounds how long a
 /// Redis that is back goes unused (a refused dial costs it next to nothing; with a 2 s cap,
 /// `fail_closed` requests were refused up to 2 s after it was back).
+/// How often settings Redis refused (a reload's mistyped password) are tried again while the
+/// connection made with the previous ones keeps deciding.
+const REFUSED_AGAIN_AFTER: Duration = Duration::from_secs(2);
+
 pub(super) fn backoff(attempt: u32) -> Duration {
     let step_ms = (50u64 << attempt.min(6)).min(500);
     let jitter = rand::rng().random_range(0..=step_ms / 2);
@@ -1218,8 +1222,10 @@ impl Connector {
                     } else {
                         tracing::debug!(node = %target.node, error = %reason(&e), "the reloaded redis settings are still refused");
                     }
+                    // Each refusal is a failed AUTH in Redis's ACL log: tried again every
+                    // 2 s, not at the outage's pace; a reload wakes it at once.
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = tokio::time::sleep(REFUSED_AGAIN_AFTER) => {}
                         _ = link.wake.notified() => {}
                     }
                     attempt = attempt.saturating_add(1);
