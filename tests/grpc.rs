@@ -693,7 +693,8 @@ async fn a_call_past_max_body_bytes_is_resource_exhausted_at_once() {
 
 /// An upstream that falls silent past its `read_timeout_ms` after the call's answer began:
 /// the call ends with trailers that say `UNAVAILABLE` (`upstream timeout`), which a client's
-/// retry policy can retry, where a reset stream read as the client's own `CANCELLED`.
+/// retry policy can retry, where a reset stream read as the client's own `CANCELLED`; a call
+/// the client cancels is logged `CANCELLED`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_cut_by_its_upstream_after_its_answer_began_ends_unavailable() {
     let redis = Redis::start();
@@ -718,4 +719,20 @@ async fn a_call_cut_by_its_upstream_after_its_answer_began_ends_unavailable() {
     assert_eq!(line["status"], 200);
     assert_eq!(line["grpc_status"], 14);
     assert_eq!(line["error"], "upstream_timeout");
+
+    // A call its client cancels mid-answer is logged `CANCELLED`, as gRPC says it.
+    let (response, mut send) = h2
+        .send_request(call_head("/echo.Echo/Stall", None), false)
+        .unwrap();
+    send.send_data(message(b"bye"), true).unwrap();
+    let head = response.await.unwrap();
+    let mut body = head.into_body();
+    let _ = body.data().await;
+    send.send_reset(h2::Reason::CANCEL);
+    wait_until(Duration::from_secs(10), "the cancelled call's line", || {
+        access_lines(&log).len() >= 2
+    });
+    let line = &access_lines(&log)[1];
+    assert_eq!(line["grpc_status"], 1, "{line}");
+    assert_eq!(line["error"], "client_closed");
 }

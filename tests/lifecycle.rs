@@ -717,7 +717,9 @@ async fn a_reload_to_another_redis_url_fails_no_request_meanwhile() {
         all.len()
     );
     assert!(!b.keys("sentinel:*").is_empty(), "decided on b in between");
-    assert!(gw.logs().contains("redis connected at the reloaded url"));
+    assert!(gw
+        .logs()
+        .contains("redis connected with the reloaded settings"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

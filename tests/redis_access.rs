@@ -571,7 +571,10 @@ async fn a_reload_to_a_refused_password_keeps_the_working_connection_deciding() 
     wait_until(
         Duration::from_secs(10),
         "the move to the new password",
-        || gw.logs().contains("redis connected at the reloaded url"),
+        || {
+            gw.logs()
+                .contains("redis connected with the reloaded settings")
+        },
     );
     assert_eq!(statuses(&gw, "b", 1).await, [429]);
     let logs = gw.logs();

@@ -18,6 +18,7 @@ use pingora_http::{RequestHeader, ResponseHeader};
 
 /// The gRPC status codes the gateway's own answers use (gRPC's `statuscodes.md`).
 pub mod code {
+    pub const CANCELLED: u8 = 1;
     pub const DEADLINE_EXCEEDED: u8 = 4;
     pub const RESOURCE_EXHAUSTED: u8 = 8;
     pub const UNIMPLEMENTED: u8 = 12;

@@ -1445,6 +1445,14 @@ impl ProxyHttp for Gateway {
         if status == CLIENT_CLOSED && ctx.failure.is_none() {
             ctx.failure = Some(Failure::CLIENT_CLOSED);
         }
+        // A call its client cancelled (or let pass its deadline) before its end: `CANCELLED`,
+        // as gRPC says it, unless a status came first (the upstream's own deadline's, say).
+        if ctx.failure == Some(Failure::CLIENT_CLOSED)
+            && ctx.grpc_status.is_none()
+            && grpc::call_type(session.req_header()).is_some()
+        {
+            ctx.grpc_status = Some(grpc::code::CANCELLED);
+        }
         if let Some(snapshot) = &ctx.snapshot {
             if snapshot.config.access_log.is_some() {
                 access::log(&self.access_log, session, ctx, status);

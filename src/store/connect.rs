@@ -1193,7 +1193,7 @@ impl Connector {
                     if moving {
                         link.moving.store(false, Ordering::Relaxed);
                         link.connected_again();
-                        tracing::info!(node = %target.node, "redis connected at the reloaded url; the old connection finishes what it has");
+                        tracing::info!(node = %target.node, "redis connected with the reloaded settings; the old connection finishes what it has");
                         attempt = 0;
                         continue;
                     }
