@@ -572,15 +572,9 @@ async fn the_gateways_own_answers_to_a_call_are_grpc_statuses() {
     assert_eq!(down_line["error"], "upstream_failed");
 }
 
-/// An `http2` upstream over TLS is spoken to by ALPN `h2`: an upstream that offers nothing
-/// else answers the call, trailers and all.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
-    let redis = Redis::start();
-    let ca = common::tls::Ca::new();
+/// A TLS acceptor for `echo.internal`, signed by `ca`, offering these ALPN protocols.
+fn acceptor(ca: &common::tls::Ca, alpn: &[&[u8]]) -> tokio_rustls::TlsAcceptor {
     let leaf = ca.leaf(&["echo.internal"]);
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("ca.pem"), &ca.pem).unwrap();
     let key = PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).unwrap();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut server = rustls::ServerConfig::builder_with_provider(provider)
@@ -589,14 +583,65 @@ async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
         .with_no_client_auth()
         .with_single_cert(vec![leaf.der.clone()], key)
         .unwrap();
-    server.alpn_protocols = vec![b"h2".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
-    let (up, seen) = grpc_upstream(Some(acceptor)).await;
+    server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsAcceptor::from(Arc::new(server))
+}
+
+/// An `http2` upstream over TLS is spoken to by ALPN `h2`: an upstream that offers nothing
+/// else answers the call, trailers and all. One that offers only `http/1.1` is spoken to in
+/// HTTP/1.1, its connection kept for the next request (ALPN offers both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
+    let redis = Redis::start();
+    let ca = common::tls::Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca.pem"), &ca.pem).unwrap();
+    let (up, seen) = grpc_upstream(Some(acceptor(&ca, &[b"h2"]))).await;
     let tls = format!(
         "tls = true\nsni = \"echo.internal\"\nca_path = {}\n",
         quoted(&dir.path().join("ca.pem").display().to_string())
     );
-    let gw = echo_gateway(&redis, up, &tls).route(open_echo()).start();
+    // An HTTP/1.1 server over TLS: counts its connections, answers every request `ok`.
+    let h1 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let h1_port = h1.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (count, only_h1) = (Arc::clone(&accepted), acceptor(&ca, &[b"http/1.1"]));
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = h1.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let only_h1 = only_h1.clone();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let Ok(mut tls) = only_h1.accept(tcp).await else {
+                    return;
+                };
+                let (mut read, mut buf) = (Vec::new(), [0u8; 4096]);
+                while let Ok(n @ 1..) = tls.read(&mut buf).await {
+                    read.extend_from_slice(&buf[..n]);
+                    while let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                        read.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if tls.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let gw = echo_gateway(&redis, up, &tls)
+        .section(&format!(
+            "[upstreams.plain]\naddrs = [{}]\nhttp2 = true\n{tls}",
+            quoted(&format!("127.0.0.1:{h1_port}"))
+        ))
+        .route(open_echo())
+        .route(
+            Route::new("plain.get")
+                .prefix("/plain")
+                .upstream("plain")
+                .unlimited(),
+        )
+        .start();
     let mut h2 = connect(gw.port).await;
     let answer = unary(&mut h2, "/echo.Echo/Say", None).await;
     assert_eq!(answer.status, 200, "{answer:?}");
@@ -604,6 +649,14 @@ async fn an_http2_upstream_over_tls_is_reached_by_alpn() {
     let trailers = answer.trailers.expect("the upstream's trailers over TLS");
     assert_eq!(field(&trailers, "grpc-status"), "0");
     assert_eq!(seen.lock().unwrap()[0].uri.scheme_str(), Some("https"));
+
+    let http = common::client();
+    for _ in 0..3 {
+        let answer = http.get(gw.url("/plain/x")).send().await.unwrap();
+        assert_eq!(answer.status(), 200);
+        assert_eq!(answer.text().await.unwrap(), "ok");
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 /// gRPC's health check of an `http2` upstream (`grpc_service`) passes on `SERVING` and fails
