@@ -94,6 +94,25 @@ async fn serve_call(
         respond.send_reset(h2::Reason::REFUSED_STREAM);
         return;
     }
+    // Reports its cost in its initial metadata (`x-pages: 4`), and another in its trailers,
+    // which no one reads.
+    if path == "/echo.Echo/Pages" {
+        let head = http::Response::builder()
+            .status(200)
+            .header("content-type", "application/grpc")
+            .header("x-pages", "4")
+            .body(())
+            .unwrap();
+        let Ok(mut send) = respond.send_response(head, false) else {
+            return;
+        };
+        let _ = send.send_data(message(b"done"), false);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        trailers.insert("x-pages", "100".parse().unwrap());
+        let _ = send.send_trailers(trailers);
+        return;
+    }
     // Answers one message, then falls silent.
     if path == "/echo.Echo/Stall" {
         let Ok(mut send) = respond.send_response(head(None), false) else {
@@ -788,4 +807,32 @@ async fn a_call_cut_by_its_upstream_after_its_answer_began_ends_unavailable() {
     let line = &access_lines(&log)[1];
     assert_eq!(line["grpc_status"], 1, "{line}");
     assert_eq!(line["error"], "client_closed");
+}
+
+/// A call's reported cost (`cost_from_response`) is read from the upstream's initial
+/// metadata, as an HTTP answer's head, and charged; a cost in its trailers is not read. The
+/// header is not shown to the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_reported_cost_is_read_from_its_initial_metadata() {
+    let redis = Redis::start();
+    let (up, _) = grpc_upstream(None).await;
+    let gw = echo_gateway(&redis, up, "")
+        .route(
+            Route::new("grpc.ocr")
+                .prefix("/echo.Echo")
+                .upstream("echo")
+                .identity_header("x-api-key")
+                .token_bucket(10_000_000, 0)
+                .set("cost_from_response", r#"{ header = "x-pages" }"#),
+        )
+        .start();
+    let mut h2 = connect(gw.port).await;
+    let answer = unary(&mut h2, "/echo.Echo/Pages", Some("k1")).await;
+    assert_eq!(answer.body, message(b"done"), "{answer:?}");
+    assert!(!answer.headers.contains_key("x-pages"), "{answer:?}");
+    // One token to be admitted, four reported: five of ten left (never 100 more).
+    wait_until(Duration::from_secs(5), "the charge made", || {
+        gw.remaining_of_key("grpc.ocr", "k1") == 5
+    });
+    assert_eq!(gw.remaining_of_key("grpc.ocr", "k1"), 5);
 }
