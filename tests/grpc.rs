@@ -317,6 +317,11 @@ async fn a_call_reaches_an_http2_upstream_and_its_trailers_come_back() {
     assert_eq!(field(&call.headers, "te"), "trailers");
     assert_eq!(field(&call.headers, "content-type"), "application/grpc");
     assert_eq!(field(&call.headers, "x-forwarded-for"), "127.0.0.1");
+    // The rest of the contract's forwarded fields, and the client's authority, over HTTP/2.
+    assert_eq!(field(&call.headers, "x-forwarded-proto"), "http");
+    assert_eq!(field(&call.headers, "x-forwarded-host"), "grpc.example");
+    assert_eq!(field(&call.headers, "x-real-ip"), "127.0.0.1");
+    assert_eq!(call.uri.authority().unwrap().as_str(), "grpc.example");
     assert_eq!(field(&call.headers, "x-request-id"), request_id);
 
     let failed = unary(&mut h2, "/echo.Echo/Fail", None).await;
@@ -721,9 +726,9 @@ async fn grpcs_health_check_says_an_address_serving_or_not() {
 }
 
 /// A call whose messages outgrow the route's `max_body_bytes` on their way to an HTTP/2
-/// upstream ends at once: `RESOURCE_EXHAUSTED` before the upstream answered, a reset stream
-/// after; it waited for the upstream's answer to a body that never ended, until the read
-/// timeout (60 s by default).
+/// upstream ends at once, `RESOURCE_EXHAUSTED` (the gateway's answer before the upstream
+/// answered, its trailers after); it waited for the upstream's answer to a body that never
+/// ended, until the read timeout (60 s by default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_past_max_body_bytes_is_resource_exhausted_at_once() {
     let redis = Redis::start();

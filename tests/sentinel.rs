@@ -608,18 +608,24 @@ async fn the_named_master_is_checked_for_eviction_and_carries_the_fleet_heartbea
     }
 }
 
+/// The ACL user `gateway`, password `gateway-pass`, on `master`, with these rules.
+fn gateway_user(master: &Redis, rules: &[&str]) {
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "gateway", "on", ">gateway-pass"])
+        .arg(rules)
+        .query(&mut master.conn())
+        .unwrap();
+}
+
 /// A master's user without `+role` (the check that the named node is the master): the
 /// sentinel's word is taken and said once at WARN, naming the grant. It made every request
 /// of the route a 503 for good, logged as a master that "does not answer as a master".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_who_may_not_run_role_is_decided_for_on_the_sentinels_word() {
     let master = Redis::start();
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "gateway",
-            "on",
-            ">gateway-pass",
+    gateway_user(
+        &master,
+        &[
             "~sentinel:*",
             "resetchannels",
             "-@all",
@@ -635,9 +641,8 @@ async fn a_user_who_may_not_run_role_is_decided_for_on_the_sentinels_word() {
             "+config|get",
             "+ping",
             "+select",
-        ])
-        .query(&mut master.conn())
-        .unwrap();
+        ],
+    );
     let dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
@@ -1039,18 +1044,7 @@ fn check_redis_reads_the_master_the_sentinel_names() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mended_password_behind_sentinel_ends_the_quarantine_the_wrong_one_opened() {
     let master = Redis::start();
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "gateway",
-            "on",
-            ">gateway-pass",
-            "~*",
-            "&*",
-            "+@all",
-        ])
-        .query(&mut master.conn())
-        .unwrap();
+    gateway_user(&master, &["~*", "&*", "+@all"]);
     let dir = tempfile::tempdir().unwrap();
     let (_sentinel, sentinel_port) = sentinel(master.port, dir.path());
     let up = Upstream::start("app");
